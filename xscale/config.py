@@ -1,0 +1,456 @@
+"""Typed run configuration: model, parallel layout, training, data, checkpoint, launch.
+
+A run is described by one YAML file plus dotted command-line overrides
+(``train.steps=50 model.norm=rmsnorm``). Everything is validated before any
+process group, model or dataset exists: an unknown key names the closest valid
+key, a wrong type or an impossible value says what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message says what to change."""
+
+
+@dataclass
+class AttentionConfig:
+    """Which attention core each layer uses (``xscale.models.attention`` registry)."""
+
+    kind: str = "dense"
+    # Optional per-layer kinds, cycled over the layers (Sparse Transformer alternates, e.g. [local, strided]).
+    per_layer: list[str] | None = None
+    # Variant options (window, block_size, num_features, ...); each variant validates its own keys.
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def kind_for_layer(self, layer_index: int) -> str:
+        if self.per_layer:
+            return self.per_layer[layer_index % len(self.per_layer)]
+        return self.kind
+
+
+@dataclass
+class MoEConfig:
+    """Mixture-of-Experts FFN (GShard / Switch / expert choice / hash); ``num_experts=0`` disables it."""
+
+    num_experts: int = 0
+    top_k: int = 1
+    router: str = "switch"
+    capacity_factor: float = 1.25
+    eval_capacity_factor: float = 2.0
+    min_capacity: int = 4
+    drop_policy: str = "probs"
+    dropless: bool = False
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.001
+    jitter: float = 0.0
+    router_dtype: str = "float32"
+    shared_expert: bool = False
+    every: int = 1
+    # GShard: dispatch the second expert with probability proportional to its gate (False: always).
+    second_expert_policy: str = "sampling"
+
+    def is_moe_layer(self, layer_index: int) -> bool:
+        return self.num_experts > 0 and (layer_index + 1) % self.every == 0
+
+
+@dataclass
+class ModelConfig:
+    """The Transformer: family, width, depth and the named component of each kind."""
+
+    family: str = "decoder"  # decoder | encoder | encoder_decoder
+    vocab_size: int = 8000
+    d_model: int = 256
+    n_layers: int = 4
+    n_decoder_layers: int | None = None  # encoder_decoder only; defaults to n_layers
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None: = n_heads (MHA); 1: MQA; G: GQA
+    d_ff: int | None = None  # None: 4*d_model, or 8/3*d_model rounded for GLU FFNs
+    max_seq_len: int = 256
+    position: str = "rope"  # sinusoidal | learned | rope | alibi | t5_bias | none
+    rope_theta: float = 10000.0
+    norm: str = "rmsnorm"  # layernorm | rmsnorm
+    norm_placement: str = "pre"  # pre | post | sandwich
+    norm_eps: float = 1e-5
+    embedding_norm: bool = False  # norm after the embeddings (BERT)
+    ffn: str = "swiglu"  # relu | gelu | gelu_tanh | swiglu | geglu | reglu
+    bias: bool = False
+    dropout: float = 0.0
+    attention_dropout: float = 0.0
+    tie_embeddings: bool = True
+    share_layers: bool = False  # ALBERT / Universal Transformer: one block reused across depth
+    lm_head_transform: bool = False  # BERT MLM head: dense + act + norm before the vocab projection
+    lm_head_bias: bool = False
+    init_std: float = 0.02
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ffn_hidden(self) -> int:
+        if self.d_ff is not None:
+            return self.d_ff
+        if self.ffn in ("swiglu", "geglu", "reglu"):
+            # 2/3 of 4d keeps parameters equal to the 4d MLP (Shazeer 2020); round up to a multiple of 64.
+            hidden = int(8 * self.d_model / 3)
+            return 64 * ((hidden + 63) // 64)
+        return 4 * self.d_model
+
+    @property
+    def decoder_layers(self) -> int:
+        return self.n_decoder_layers if self.n_decoder_layers is not None else self.n_layers
+
+
+@dataclass
+class ParallelConfig:
+    """The layout: one DeviceMesh with dimensions (pp, dp_replicate, dp_shard, tp); ep folds into data parallel."""
+
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: whatever the world size leaves
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    cp: int = 1
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble
+    pp_stages_per_rank: int = 1
+    pp_split: list[int] | None = None  # blocks per stage; None: as even as possible
+    microbatches: int = 1
+    zero_stage: int = 0  # 0 DDP | 1 optimizer state | 2 + gradients | 3 + parameters (FSDP2)
+    sequence_parallel: bool = False
+    activation_checkpointing: str = "none"  # none | full | selective
+    backend: str = "auto"  # auto | gloo | nccl
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    global_batch_size: int = 16  # sequences per optimizer step, over all data-parallel ranks
+    micro_batch_size: int | None = None  # per rank per forward; None: global / dp (no accumulation)
+    seq_len: int = 128
+    objective: str = "auto"  # auto | clm | mlm | span
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    schedule: str = "cosine"  # cosine | linear | constant
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables
+    precision: str = "fp32"  # fp32 | bf16
+    seed: int = 1234
+    eval_every: int = 0  # 0 disables periodic evaluation
+    eval_batches: int = 4
+    log_every: int = 10
+    output_dir: str = "runs/default"
+    kernels: str = "auto"  # auto | triton | apex | torch
+    compile: bool = False
+    peak_flops: float | None = None  # FLOP/s per device for MFU; None: measured matmul peak
+    tensorboard: bool = True
+    plot: bool = True
+    progress: bool = True
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "stdlib_text"  # stdlib_text | text | indexed | copy | assoc_recall | listops
+    path: str | None = None  # text file/folder (text) or .bin/.idx prefix (indexed)
+    tokenizer: str | None = None  # sentencepiece .model; None: train one on the corpus (cached)
+    tokenizer_vocab_size: int = 4000
+    num_samples: int = 0  # synthetic tasks: samples per epoch (0: the task's default)
+    eval_fraction: float = 0.02
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None  # None: <output_dir>/checkpoints
+    every: int = 0  # 0: only at the end
+    keep: int = 3
+    async_save: bool = False
+    resume: str = "auto"  # auto (latest if any) | none | a checkpoint directory
+
+
+@dataclass
+class LaunchConfig:
+    nodes: int = 1
+    gpus_per_node: int = 0  # 0: CPU processes (nproc_per_node)
+    nproc_per_node: int = 1
+    partition: str | None = None
+    account: str | None = None
+    time: str = "01:00:00"
+    job_name: str = "xscale"
+    requeue_signal_seconds: int = 120
+    extra_sbatch: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------- building from dicts
+
+
+def _closest(name: str, choices: typing.Iterable[str]) -> str:
+    match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def _coerce(value: Any, annotation: Any, where: str) -> Any:
+    """Check ``value`` against a field annotation, converting int->float and nested dicts->dataclasses."""
+    origin = typing.get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, where)
+            except ConfigError as error:
+                errors.append(str(error))
+        raise ConfigError(errors[0] if errors else f"{where}: invalid value {value!r}")
+    if dataclasses.is_dataclass(annotation):
+        if isinstance(value, annotation):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping of {annotation.__name__} fields, got {value!r}")
+        return _from_dict(annotation, value, where)
+    if origin is list:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        (item_type,) = typing.get_args(annotation) or (Any,)
+        return [_coerce(item, item_type, f"{where}[{i}]") for i, item in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if annotation is Any:
+        return value
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if annotation is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    return value
+
+
+def _from_dict(cls: type, values: dict[str, Any], where: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        path = f"{where}.{key}" if where else key
+        if key not in names:
+            raise ConfigError(f"unknown key '{path}'{_closest(key, names)}; valid keys: {', '.join(names)}")
+        kwargs[key] = _coerce(value, hints[key], path)
+    return cls(**kwargs)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b.c=value`` -> (['a','b','c'], value); the value is read as YAML (numbers, lists, true/false)."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' must look like section.key=value (e.g. train.steps=50)")
+    key, raw = text.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override '{text}': empty key part in '{key}'")
+    value = yaml.safe_load(raw) if raw != "" else ""
+    return key.split("."), value
+
+
+def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    node = tree
+    for part in path[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[path[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Read a YAML config (or the built-in default when ``path`` is None), apply overrides, validate."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file '{path}' does not exist")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as error:
+            raise ConfigError(f"config file '{path}' is not valid YAML: {error}") from error
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file '{path}' must hold a mapping of sections, got {type(loaded).__name__}")
+        tree = loaded
+    for text in overrides:
+        keys, value = parse_override(text)
+        _set_path(tree, keys, value)
+    config = _from_dict(Config, tree)
+    validate(config)
+    return config
+
+
+def config_from_dict(tree: dict[str, Any]) -> Config:
+    config = _from_dict(Config, tree)
+    validate(config)
+    return config
+
+
+# --------------------------------------------------------------------------- validation
+
+CHOICES = {
+    "model.family": ("decoder", "encoder", "encoder_decoder"),
+    "model.norm_placement": ("pre", "post", "sandwich"),
+    "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"),
+    "parallel.activation_checkpointing": ("none", "full", "selective"),
+    "parallel.backend": ("auto", "gloo", "nccl"),
+    "train.objective": ("auto", "clm", "mlm", "span"),
+    "train.schedule": ("cosine", "linear", "constant"),
+    "train.precision": ("fp32", "bf16"),
+    "train.kernels": ("auto", "triton", "apex", "torch"),
+}
+
+
+def _check_choice(config: Config, dotted: str) -> None:
+    section, key = dotted.split(".")
+    value = getattr(getattr(config, section), key)
+    allowed = CHOICES[dotted]
+    if value not in allowed:
+        raise ConfigError(f"{dotted}='{value}' is not one of {', '.join(allowed)}{_closest(str(value), allowed)}")
+
+
+def _check_registry(kind: str, name: str, where: str) -> None:
+    from xscale.models.registry import REGISTRIES
+
+    registry = REGISTRIES[kind]
+    if name not in registry:
+        raise ConfigError(
+            f"{where}='{name}' is not a known {kind}{_closest(name, registry.names())}; "
+            f"available: {', '.join(registry.names())}"
+        )
+
+
+def resolve_objective(config: Config) -> str:
+    if config.train.objective != "auto":
+        return config.train.objective
+    return {"decoder": "clm", "encoder": "mlm", "encoder_decoder": "span"}[config.model.family]
+
+
+def validate(config: Config) -> None:
+    """Refuse configurations that cannot run, before anything is built."""
+    for dotted in CHOICES:
+        _check_choice(config, dotted)
+    model, train = config.model, config.train
+    for name, value in (("vocab_size", model.vocab_size), ("d_model", model.d_model), ("n_layers", model.n_layers),
+                        ("n_heads", model.n_heads), ("max_seq_len", model.max_seq_len)):
+        if value <= 0:
+            raise ConfigError(f"model.{name} must be positive, got {value}")
+    if model.d_model % model.n_heads:
+        raise ConfigError(
+            f"model.n_heads={model.n_heads} does not divide model.d_model={model.d_model}; "
+            f"pick heads from {[h for h in range(1, 65) if model.d_model % h == 0][:12]}"
+        )
+    if model.n_kv_heads is not None and (model.n_kv_heads <= 0 or model.n_heads % model.n_kv_heads):
+        raise ConfigError(
+            f"model.n_kv_heads={model.n_kv_heads} must divide model.n_heads={model.n_heads} (1 = MQA, n_heads = MHA)"
+        )
+    if model.position == "rope" and model.head_dim % 2:
+        raise ConfigError(f"rope needs an even head dimension; d_model/n_heads = {model.head_dim}")
+    for name, value in (("dropout", model.dropout), ("attention_dropout", model.attention_dropout)):
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"model.{name} must be in [0, 1), got {value}")
+    _check_registry("position", model.position, "model.position")
+    _check_registry("norm", model.norm, "model.norm")
+    _check_registry("ffn", model.ffn, "model.ffn")
+    for index in range(max(model.n_layers, model.decoder_layers)):
+        _check_registry("attention", model.attention.kind_for_layer(index), "model.attention.kind")
+    if model.family == "decoder" and model.position == "none":
+        pass  # decoders may run without positions (causal masking leaks order)
+    elif model.position == "none":
+        raise ConfigError("model.position=none only works for decoders; encoders need a position encoding")
+    if model.position in ("learned", "sinusoidal") and train.seq_len > model.max_seq_len:
+        raise ConfigError(
+            f"train.seq_len={train.seq_len} exceeds model.max_seq_len={model.max_seq_len} for "
+            f"{model.position} positions; raise model.max_seq_len or lower train.seq_len"
+        )
+    if train.steps <= 0:
+        raise ConfigError(f"train.steps must be positive, got {train.steps}")
+    if train.seq_len <= 1:
+        raise ConfigError(f"train.seq_len must be at least 2, got {train.seq_len}")
+    if train.lr <= 0:
+        raise ConfigError(f"train.lr must be positive, got {train.lr}")
+    if train.warmup_steps < 0 or train.warmup_steps > train.steps:
+        raise ConfigError(f"train.warmup_steps={train.warmup_steps} must lie in [0, train.steps={train.steps}]")
+    if train.global_batch_size <= 0:
+        raise ConfigError(f"train.global_batch_size must be positive, got {train.global_batch_size}")
+    if train.grad_clip < 0:
+        raise ConfigError(f"train.grad_clip must be >= 0 (0 disables), got {train.grad_clip}")
+    objective = resolve_objective(config)
+    expected = {"clm": "decoder", "mlm": "encoder", "span": "encoder_decoder"}[objective]
+    if model.family != expected:
+        raise ConfigError(
+            f"train.objective={objective} needs model.family={expected}, got {model.family}; "
+            f"set train.objective=auto to pick the family's objective"
+        )
+    _validate_moe(config)
+    if config.checkpoint.keep < 1:
+        raise ConfigError(f"checkpoint.keep must be at least 1, got {config.checkpoint.keep}")
+
+
+def _validate_moe(config: Config) -> None:
+    moe = config.model.moe
+    if moe.num_experts == 0:
+        return
+    if moe.num_experts < 0:
+        raise ConfigError(f"model.moe.num_experts must be >= 0, got {moe.num_experts}")
+    if not 1 <= moe.top_k <= moe.num_experts:
+        raise ConfigError(f"model.moe.top_k={moe.top_k} must be in [1, num_experts={moe.num_experts}]")
+    if moe.capacity_factor <= 0 or moe.eval_capacity_factor <= 0:
+        raise ConfigError("model.moe.capacity_factor and eval_capacity_factor must be positive")
+    if moe.every < 1:
+        raise ConfigError(f"model.moe.every must be >= 1, got {moe.every}")
+    _check_registry("router", moe.router, "model.moe.router")

@@ -1,0 +1,25 @@
+"""The model zoo: plain single-device PyTorch, built from a ModelConfig."""
+
+from __future__ import annotations
+
+import torch
+
+from xscale.config import ModelConfig
+from xscale.models.transformer import Transformer
+
+
+def build_model(config: ModelConfig, device: torch.device | str = "cpu", seed: int = 0,
+                materialize: bool = True) -> Transformer:
+    """Build on the meta device, then (unless ``materialize=False``) allocate on ``device`` and init."""
+    from xscale.models.init import init_weights
+
+    with torch.device("meta"):
+        model = Transformer(config)
+    if materialize:
+        model.to_empty(device=device)
+        model.tie_weights()
+        init_weights(model, config, seed)
+    return model
+
+
+__all__ = ["Transformer", "build_model"]

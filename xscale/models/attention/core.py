@@ -1,0 +1,69 @@
+"""The contract every attention variant implements.
+
+Projections, positions and head bookkeeping live in :class:`xscale.models.attention.multihead.Attention`;
+a *core* only mixes values: ``core(q, k, v, causal=..., bias=...)`` with q (B, H, Tq, hd) and
+k, v (B, Hkv, Tk, hd), H a multiple of Hkv (GQA/MQA), returning (B, H, Tq, hd).
+Tensor parallelism splits heads, so a core must treat heads independently (or own per-head state
+that the TP plan slices).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from xscale.config import ConfigError, ModelConfig, _from_dict
+
+
+@dataclasses.dataclass
+class NoOptions:
+    """A variant without options."""
+
+
+class AttentionCore(nn.Module):
+    """Base class: subclasses set the capability flags and implement ``forward``."""
+
+    Options: ClassVar[type] = NoOptions
+    causal_capable: ClassVar[bool] = True  # can run with a causal mask (decoders)
+    bidirectional_capable: ClassVar[bool] = True  # can run without one (encoders)
+    supports_bias: ClassVar[bool] = False  # accepts an additive logit bias (ALiBi, T5)
+    shares_qk: ClassVar[bool] = False  # keys are the queries (Reformer)
+
+    def __init__(self, model: ModelConfig, layer_index: int, options: Any) -> None:
+        super().__init__()
+        self.model_config = model
+        self.layer_index = layer_index
+        self.options = options
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def expand_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """(B, Hkv, T, hd) -> (B, H, T, hd) by repeating each kv head for its H/Hkv query heads."""
+    groups = n_heads // x.shape[1]
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def build_core(kind: str, model: ModelConfig, layer_index: int, options: dict[str, Any], causal: bool,
+               uses_bias: bool) -> AttentionCore:
+    """Build the registered core ``kind``, refusing uses the method cannot serve."""
+    from xscale.models.registry import ATTENTION
+
+    cls = ATTENTION.get(kind)
+    known = {f.name for f in dataclasses.fields(cls.Options)}
+    parsed = _from_dict(cls.Options, {k: v for k, v in options.items() if k in known}, f"model.attention.options[{kind}]")
+    if causal and not cls.causal_capable:
+        raise ConfigError(f"attention '{kind}' cannot be causally masked; use it in an encoder (model.family=encoder)")
+    if not causal and not cls.bidirectional_capable:
+        raise ConfigError(f"attention '{kind}' is decoder-only; use model.family=decoder")
+    if uses_bias and not cls.supports_bias:
+        raise ConfigError(
+            f"attention '{kind}' cannot add a logit bias, so model.position=alibi/t5_bias does not combine with it; "
+            f"use model.position=rope, learned or sinusoidal"
+        )
+    return cls(model, layer_index, parsed)

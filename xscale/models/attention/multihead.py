@@ -1,0 +1,57 @@
+"""Multi-head attention: projections, positions and heads around a pluggable core.
+
+MHA, GQA and MQA differ only in ``n_kv_heads`` (Ainslie et al. 2023; Shazeer 2019).
+Heads are inferred from the projection widths, so a tensor-parallel plan that shards
+``wq/wk/wv`` column-wise and ``wo`` row-wise needs no change here; it sets ``head_offset``
+so that per-head position biases (ALiBi, T5) pick this rank's heads.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from xscale.config import ModelConfig
+from xscale.models.attention.core import build_core
+from xscale.models.position import PositionEncoding
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, *, causal: bool, cross: bool = False,
+                 uses_bias: bool = False) -> None:
+        super().__init__()
+        d, hd = config.d_model, config.head_dim
+        self.head_dim = hd
+        self.causal = causal and not cross
+        self.cross = cross
+        kind = "dense" if cross else config.attention.kind_for_layer(layer_index)
+        self.core = build_core(kind, config, layer_index, config.attention.options, self.causal,
+                               uses_bias and not cross)
+        self.wq = nn.Linear(d, config.n_heads * hd, bias=config.bias)
+        if not self.core.shares_qk:
+            self.wk = nn.Linear(d, config.kv_heads * hd, bias=config.bias)
+        self.wv = nn.Linear(d, config.kv_heads * hd, bias=config.bias)
+        self.wo = nn.Linear(config.n_heads * hd, d, bias=config.bias)
+        self.head_offset = 0  # first global head held here (set by tensor parallelism)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        return x.view(batch, length, -1, self.head_dim).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, position: PositionEncoding | None = None,
+                memory: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (B, T, D); memory: (B, S, D) encoder output for cross-attention."""
+        source = memory if self.cross else x
+        q = self._heads(self.wq(x))
+        k = q if self.core.shares_qk else self._heads(self.wk(source))
+        v = self._heads(self.wv(source))
+        bias = None
+        if position is not None and not self.cross:
+            if position.rotates_qk:
+                q, k = position.rotate(q, k)
+            if position.biases_logits:
+                heads = slice(self.head_offset, self.head_offset + q.shape[1])
+                bias = position.bias(q.shape[2], k.shape[2], heads).to(q.device)
+        out = self.core(q, k, v, causal=self.causal, bias=bias)
+        batch, _, length, _ = out.shape
+        return self.wo(out.transpose(1, 2).reshape(batch, length, -1))

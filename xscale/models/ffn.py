@@ -1,0 +1,85 @@
+"""Position-wise feed-forward networks: the 2-layer MLP and its GLU variants (Shazeer 2020)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from xscale.models.registry import FFN
+
+ACTIVATIONS = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+}
+
+
+class MLP(nn.Module):
+    """FFN(x) = act(x W_in + b_in) W_out + b_out."""
+
+    activation = "relu"
+
+    def __init__(self, d_model: int, hidden: int, bias: bool = False, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.w_in = nn.Linear(d_model, hidden, bias=bias)
+        self.w_out = nn.Linear(hidden, d_model, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.w_out(ACTIVATIONS[self.activation](self.w_in(x))))
+
+
+@FFN.register("relu")
+class ReluMLP(MLP):
+    activation = "relu"
+
+
+@FFN.register("gelu")
+class GeluMLP(MLP):
+    activation = "gelu"
+
+
+@FFN.register("gelu_tanh")
+class GeluTanhMLP(MLP):
+    """GELU with the tanh approximation (GPT-2's ``gelu_new``)."""
+
+    activation = "gelu_tanh"
+
+
+class GatedMLP(nn.Module):
+    """FFN_GLU(x) = (act(x W_gate) * (x W_up)) W_down (Shazeer 2020, eq. 5-6)."""
+
+    activation = "silu"
+
+    def __init__(self, d_model: int, hidden: int, bias: bool = False, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.w_gate = nn.Linear(d_model, hidden, bias=bias)
+        self.w_up = nn.Linear(d_model, hidden, bias=bias)
+        self.w_down = nn.Linear(hidden, d_model, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from xscale.ops import gated_activation
+
+        return self.dropout(self.w_down(gated_activation(self.w_gate(x), self.w_up(x), self.activation)))
+
+
+@FFN.register("swiglu")
+class SwiGLU(GatedMLP):
+    activation = "silu"
+
+
+@FFN.register("geglu")
+class GeGLU(GatedMLP):
+    activation = "gelu"
+
+
+@FFN.register("reglu")
+class ReGLU(GatedMLP):
+    activation = "relu"
+
+
+def build_ffn(name: str, d_model: int, hidden: int, bias: bool, dropout: float) -> nn.Module:
+    return FFN.get(name)(d_model, hidden, bias=bias, dropout=dropout)

@@ -1,0 +1,75 @@
+"""Deterministic weight initialisation from the seed and each parameter's name.
+
+Every parameter is drawn from its own generator seeded by (seed, name), as a full tensor, and
+then sliced to whatever shard this rank holds. The weights are therefore identical for every
+parallel layout, which is what makes loss parity against one device a meaningful test.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+from torch import nn
+
+from xscale.config import ModelConfig
+
+# Output projections of residual branches: std scaled by 1/sqrt(2 * layers) (GPT-2, Radford et al. 2019).
+RESIDUAL_OUTPUTS = ("wo.weight", "w_out.weight", "w_down.weight")
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    return zlib.crc32(f"{seed}:{name}".encode()) & 0x7FFFFFFF
+
+
+def initial_value(name: str, shape: torch.Size, config: ModelConfig, seed: int) -> torch.Tensor:
+    """The full-size initial value of parameter ``name`` (fp32, CPU)."""
+    leaf = name.rsplit(".", 1)[-1]
+    owner = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+    if "norm" in owner or leaf == "scale":
+        if leaf == "scale":
+            return torch.full(shape, math.sqrt(config.d_model))
+        return torch.ones(shape) if leaf == "weight" else torch.zeros(shape)
+    if leaf == "bias":
+        return torch.zeros(shape)
+    generator = torch.Generator().manual_seed(parameter_seed(seed, name))
+    std = config.init_std
+    if name.endswith(RESIDUAL_OUTPUTS):
+        std = std / math.sqrt(2 * (config.n_layers + (config.decoder_layers if config.family == "encoder_decoder" else 0)))
+    if "router" in name:
+        std = std * 0.1  # small router init (Switch, Fedus et al. 2021, sec. 2.4)
+    return torch.randn(shape, generator=generator) * std
+
+
+def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        local = distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(local.to_local())
+    else:
+        param.copy_(full.to(device=param.device, dtype=param.dtype))
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, config: ModelConfig, seed: int, names: dict[int, str] | None = None) -> None:
+    """Fill every parameter deterministically; ``names`` maps id(param) to its canonical name
+    (so a wrapped or pipeline-split model gets the weights of the unwrapped one)."""
+    seen: set[int] = set()
+    for name, param in model.named_parameters(remove_duplicate=True):
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        canonical = names.get(id(param), name) if names else name
+        _copy_into(param, initial_value(canonical, param.shape, config, seed))
+    for module in model.modules():
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
+
+
+def canonical_name(name: str) -> str:
+    """Strip wrapper prefixes (torch.compile, checkpoint wrappers, FSDP) from a parameter name."""
+    for prefix in ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module."):
+        name = name.replace(prefix, "")
+    return name

@@ -1,0 +1,1 @@
+"""Mixture-of-Experts FFNs; routers register themselves in ``xscale.models.registry.ROUTER``."""
