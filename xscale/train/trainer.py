@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from xscale.config import Config
-from xscale.data.sampler import GlobalSampler
+from xscale.data import GlobalSampler, collate
 from xscale.models import build_model
 from xscale.models.init import canonical_name
 from xscale.ops import set_kernel_backend
@@ -25,10 +25,6 @@ from xscale.train.checkpoint import Checkpointer, CheckpointError
 from xscale.train.metrics import MetricsLogger, flops_per_token, measure_matmul_peak, peak_memory_bytes
 from xscale.train.optim import build_optimizer
 from xscale.train.schedule import lr_factor
-
-
-def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    return {key: torch.stack([sample[key] for sample in samples]) for key in samples[0]}
 
 
 class Trainer:

@@ -1,0 +1,133 @@
+"""The trainer end to end on one process: bit-identical resume, atomic checkpoints, clear errors, export."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from xscale.config import load_config
+from xscale.train.checkpoint import Checkpointer, CheckpointError
+from xscale.train.trainer import Trainer
+
+TINY = [
+    "model.vocab_size=48", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+    "model.dropout=0.1",  # dropout makes RNG state part of what a resume must restore
+    "train.global_batch_size=4", "train.seq_len=16", "train.warmup_steps=3", "train.log_every=100",
+    "train.tensorboard=false", "train.plot=false", "train.progress=false", "train.peak_flops=1e12",
+    "data.dataset=copy", "data.num_samples=64", "data.eval_fraction=0.0",
+]
+
+
+def _config(tmp_path, *extra):
+    return load_config(None, [*TINY, f"train.output_dir={tmp_path}", *extra])
+
+
+def _parameters(trainer):
+    return {name: p.detach().clone() for name, p in trainer.engine.model.named_parameters()}
+
+
+def test_resume_is_bit_identical(tmp_path):
+    full = Trainer(_config(tmp_path / "full", "train.steps=20")).fit()
+    reference_trainer = Trainer(_config(tmp_path / "full", "train.steps=20"))
+    assert reference_trainer.resume() and reference_trainer.step == 20
+    reference = _parameters(reference_trainer)
+
+    Trainer(_config(tmp_path / "split", "train.steps=20", "checkpoint.every=10")).fit()
+    shutil.rmtree(tmp_path / "split" / "checkpoints" / "step_00000020")  # pretend the run stopped at step 10
+    (tmp_path / "split" / "checkpoints" / "latest").write_text("step_00000010\n")
+    resumed = Trainer(_config(tmp_path / "split", "train.steps=20"))
+    second_half = resumed.fit()
+    assert resumed.step == 20
+    assert second_half["losses"] == full["losses"][10:]  # exact equality, not a tolerance
+    for name, value in _parameters(resumed).items():
+        assert torch.equal(value, reference[name]), name
+
+
+def test_latest_points_at_newest_and_retention_keeps_k(tmp_path):
+    Trainer(_config(tmp_path, "train.steps=8", "checkpoint.every=2", "checkpoint.keep=2")).fit()
+    root = tmp_path / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step_00000008"
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000006", "step_00000008"]
+
+
+def test_crash_during_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    trainer = Trainer(_config(tmp_path, "train.steps=2"))
+    trainer.fit()
+    root = tmp_path / "checkpoints"
+    before = {p.name: p.stat().st_size for p in (root / "step_00000002").rglob("*")}
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("torch.distributed.checkpoint.save", crash)
+    trainer.step = 4
+    with pytest.raises(OSError, match="disk full"):
+        trainer.save()
+    assert (root / "latest").read_text().strip() == "step_00000002"
+    assert {p.name: p.stat().st_size for p in (root / "step_00000002").rglob("*")} == before
+    assert not (root / "step_00000004").exists()
+    monkeypatch.undo()
+    resumed = Trainer(_config(tmp_path, "train.steps=3"))
+    resumed.fit()
+    assert resumed.step == 3
+
+
+def test_truncated_checkpoint_names_the_file(tmp_path):
+    Trainer(_config(tmp_path, "train.steps=2")).fit()
+    step_dir = tmp_path / "checkpoints" / "step_00000002"
+    shard = max((p for p in step_dir.glob("*.distcp")), key=lambda p: p.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=f"{shard.name}.*truncated"):
+        Trainer(_config(tmp_path, "train.steps=4")).fit()
+
+
+def test_corrupt_meta_and_missing_directory_are_reported(tmp_path):
+    Trainer(_config(tmp_path, "train.steps=2")).fit()
+    root = tmp_path / "checkpoints"
+    (root / "step_00000002" / "meta.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="meta.json is corrupt"):
+        Trainer(_config(tmp_path, "train.steps=4")).fit()
+    shutil.rmtree(root / "step_00000002")
+    with pytest.raises(CheckpointError, match="names 'step_00000002'"):
+        Trainer(_config(tmp_path, "train.steps=4")).fit()
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path):
+    Trainer(_config(tmp_path, "train.steps=2")).fit()
+    with pytest.raises(CheckpointError, match=r"another model:\n.*shape \[.*64\]"):
+        Trainer(_config(tmp_path, "train.steps=4", "model.d_model=64")).fit()
+
+
+def test_meta_records_config_sampler_and_file_sizes(tmp_path):
+    Trainer(_config(tmp_path, "train.steps=2")).fit()
+    meta = json.loads((tmp_path / "checkpoints" / "step_00000002" / "meta.json").read_text())
+    assert meta["step"] == 2 and meta["config"]["model"]["d_model"] == 32
+    assert meta["sampler"]["consumed_samples"] == 8
+    assert all(size > 0 for size in meta["files"].values())
+    assert Checkpointer.read_meta(tmp_path / "checkpoints" / "step_00000002")["step"] == 2
+
+
+def test_export_writes_one_safetensors_file(tmp_path):
+    from safetensors.torch import load_file
+
+    from xscale.export import export_safetensors
+
+    trainer = Trainer(_config(tmp_path, "train.steps=2"))
+    trainer.fit()
+    path = export_safetensors(tmp_path / "checkpoints", tmp_path / "model.safetensors")
+    tensors = load_file(str(path))
+    for name, value in trainer.engine.model.state_dict().items():
+        if name == "output.weight":  # tied to the embedding: stored once
+            continue
+        assert torch.equal(tensors[name], value), name
+
+
+def test_async_save_completes_and_resumes(tmp_path):
+    Trainer(_config(tmp_path, "train.steps=4", "checkpoint.every=2", "checkpoint.async_save=true")).fit()
+    root = tmp_path / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step_00000004"
+    assert (root / "step_00000002" / "meta.json").is_file()
+    resumed = Trainer(_config(tmp_path, "train.steps=5"))
+    resumed.fit()
+    assert resumed.step == 5
