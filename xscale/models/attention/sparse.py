@@ -47,20 +47,21 @@ class PatternAttention(AttentionCore):
     def make_pattern(self) -> P.Pattern:
         raise NotImplementedError
 
-    def plan(self, length: int, causal: bool, n_heads: int, n_kv_heads: int, device: torch.device) -> BlockPlan:
-        key = (length, causal, n_heads, n_kv_heads, str(device))
+    def plan(self, length: int, causal: bool, n_heads: int, n_kv_heads: int, device: torch.device,
+             dtype: torch.dtype) -> BlockPlan:
+        key = (length, causal, n_heads, n_kv_heads, str(device), dtype)
         if key not in self._plans:
             if len(self._plans) >= 8:
                 self._plans.clear()
             self._plans[key] = build_plan(self.pattern, length, self.options.block_size, causal, n_heads,
-                                          n_kv_heads, device)
+                                          n_kv_heads, device, dtype)
         return self._plans[key]
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None) -> Tensor:
         if q.shape[2] != k.shape[2]:
             raise ValueError(f"position-sparse attention is self-attention: query length {q.shape[2]} "
                              f"!= key length {k.shape[2]}")
-        plan = self.plan(q.shape[2], causal, q.shape[1], k.shape[1], q.device)
+        plan = self.plan(q.shape[2], causal, q.shape[1], k.shape[1], q.device, q.dtype)
         dropout = self.model_config.attention_dropout
         return block_sparse_attention(q, k, v, plan, self.options.block_size, dropout=dropout,
                                       training=self.training)
