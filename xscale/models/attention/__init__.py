@@ -1,6 +1,13 @@
 """Attention: the multi-head module and the registry of cores (dense and the efficient zoo)."""
 
-from xscale.models.attention import dense  # noqa: F401  (registers "dense")
+from xscale.models.attention import (  # noqa: F401  (each module registers its cores)
+    dense,
+    linear,
+    lowrank,
+    lsh,
+    random_features,
+    sparse,
+)
 from xscale.models.attention.core import AttentionCore, build_core, expand_kv
 from xscale.models.attention.multihead import Attention
 

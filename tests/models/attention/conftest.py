@@ -1,0 +1,49 @@
+"""Shared helpers for the attention-core tests: tiny configs, random q/k/v, the dense reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from xscale.config import ModelConfig
+from xscale.models.attention.core import AttentionCore, build_core
+
+
+def make_core(kind: str, causal: bool, options: dict | None = None, n_heads: int = 4, d_model: int = 64,
+              max_seq_len: int = 64, n_kv_heads: int | None = None) -> AttentionCore:
+    config = ModelConfig(n_heads=n_heads, d_model=d_model, max_seq_len=max_seq_len, n_kv_heads=n_kv_heads)
+    return build_core(kind, config, 0, options or {}, causal, False).double()
+
+
+def random_qkv(batch: int, heads: int, length: int, head_dim: int, scale: float = 1.0, kv_heads: int | None = None,
+               seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [(batch, heads, length, head_dim)] + [(batch, kv_heads or heads, length, head_dim)] * 2
+    return tuple(
+        (torch.randn(s, generator=generator, dtype=torch.float64) * (scale if i < 2 else 1.0)).requires_grad_()
+        for i, s in enumerate(shapes)
+    )
+
+
+def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                    causal: bool = False, scale: float | None = None) -> torch.Tensor:
+    """SDPA with a boolean mask; rows with no allowed key give zeros (the cores' convention)."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    if causal:
+        tril = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+        mask = tril if mask is None else mask & tril
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return torch.where(mask.any(-1, keepdim=True), out, 0.0)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out - ref).detach().norm() / ref.detach().norm())
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)

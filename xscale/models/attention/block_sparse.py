@@ -1,0 +1,122 @@
+"""Block-sparse softmax attention for any :mod:`patterns` layout, in memory and time proportional to its non-zero blocks.
+
+Each (head, query block) row gathers the key/value blocks its layout row selects into a padded
+(rows, width, block, hd) tensor; rows are grouped by their count of blocks (powers of two) so that padding
+never more than doubles the work, and a dense row (a global token) does not pad every other row.
+Inside the gathered blocks the exact token rule, causality and the sequence end are applied as a mask.
+Autograd differentiates through the gathers (index_select backward is a scatter-add).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from xscale.models.attention.patterns import Pattern
+
+
+@dataclasses.dataclass
+class RowGroup:
+    """Rows (flat head * n_blocks + query block) that share one padded width of key blocks."""
+
+    rows: Tensor  # (R,)
+    first_row: int | None  # rows == first_row + arange(R) (then a slice replaces the gather), else None
+    key_blocks: Tensor  # (R, W) flat kv-head * n_blocks + key block
+    bias: Tensor  # (R, block, W * block): 0 where the token rule allows, -inf elsewhere
+    every_query_has_key: bool  # else rows with no allowed key need their softmax zeroed
+    has_key: Tensor  # (R, block, 1)
+
+
+@dataclasses.dataclass
+class BlockPlan:
+    groups: list[RowGroup]
+    n_blocks: int
+    nonzero_blocks: int
+    inverse: Tensor | None  # output row order after concatenating the groups; None: already in order
+
+
+def build_plan(pattern: Pattern, length: int, block: int, causal: bool, n_heads: int, n_kv_heads: int,
+               device: torch.device, dtype: torch.dtype = torch.float32) -> BlockPlan:
+    """Turn a pattern into gather indices and token masks for a sequence of ``length`` tokens."""
+    n_blocks = math.ceil(length / block)
+    layout = pattern.layout(n_blocks, n_blocks, block, causal)
+    if causal:
+        layout = layout & torch.ones(n_blocks, n_blocks, dtype=torch.bool).tril()
+    layout = layout.expand(n_heads, n_blocks, n_blocks).reshape(n_heads * n_blocks, n_blocks)
+    counts = layout.sum(1)
+    # Selected key blocks first, in increasing block order.
+    order = torch.argsort((~layout).long() * n_blocks + torch.arange(n_blocks), dim=1)
+    width_class = torch.ceil(torch.log2(counts.clamp_min(1).double())).long()
+    groups = []
+    offsets = torch.arange(block)
+    for cls in torch.unique(width_class[counts > 0]).tolist():
+        rows = torch.nonzero((width_class == cls) & (counts > 0)).flatten()
+        width = int(counts[rows].max())
+        blocks = order[rows, :width]
+        head = rows // n_blocks
+        query = (rows % n_blocks)[:, None] * block + offsets  # (R, block)
+        key = (blocks[:, :, None] * block + offsets).reshape(len(rows), width * block)  # (R, W*block)
+        slot_used = (torch.arange(width)[None, :] < counts[rows][:, None]).repeat_interleave(block, dim=1)
+        mask = slot_used[:, None, :] & (key < length)[:, None, :]
+        allowed = pattern.allows(head[:, None, None], query[:, :, None], key[:, None, :], block, causal, n_blocks)
+        mask = mask & allowed
+        if causal:
+            mask = mask & (key[:, None, :] <= query[:, :, None])
+        kv_head = head // (n_heads // n_kv_heads)
+        has_key = mask.any(-1, keepdim=True)
+        contiguous = bool((rows == rows[0] + torch.arange(len(rows))).all())
+        # A query with no key gets a finite row (its probabilities are zeroed later) so no NaN reaches backward.
+        bias = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask & has_key, float("-inf"))
+        groups.append(RowGroup(rows.to(device), int(rows[0]) if contiguous else None,
+                               (kv_head[:, None] * n_blocks + blocks).to(device), bias.to(device),
+                               bool(has_key.all()), has_key.to(device)))
+    covered = torch.cat([g.rows.cpu() for g in groups]) if groups else torch.empty(0, dtype=torch.long)
+    inverse = None
+    if len(covered) == n_heads * n_blocks and not torch.equal(covered, torch.arange(len(covered))):
+        inverse = torch.argsort(covered).to(device)
+    elif len(covered) < n_heads * n_blocks:
+        inverse = covered.to(device)  # partial cover: index_copy into zeros
+    return BlockPlan(groups, n_blocks, int(counts.sum()), inverse)
+
+
+def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, block: int, *,
+                           dropout: float = 0.0, training: bool = False) -> Tensor:
+    """q (B, H, T, hd), k/v (B, Hkv, T, hd) -> (B, H, T, hd); a query with no allowed key outputs zeros."""
+    batch, n_heads, length, head_dim = q.shape
+    n_kv_heads, padded = k.shape[1], plan.n_blocks * block
+    if padded != length:
+        pad = (0, 0, 0, padded - length)
+        q, k, v = F.pad(q, pad), F.pad(k, pad), F.pad(v, pad)
+    q_blocks = (q * head_dim**-0.5).reshape(batch, n_heads * plan.n_blocks, block, head_dim)
+    k_blocks = k.reshape(batch, n_kv_heads * plan.n_blocks, block, head_dim)
+    v_blocks = v.reshape(batch, n_kv_heads * plan.n_blocks, block, head_dim)
+    outputs = []
+    for group in plan.groups:
+        n_rows, width = group.key_blocks.shape
+        flat = group.key_blocks.flatten()
+        keys = k_blocks.index_select(1, flat).reshape(batch, n_rows, width * block, head_dim)
+        values = v_blocks.index_select(1, flat).reshape(batch, n_rows, width * block, head_dim)
+        if group.first_row is not None:
+            queries = q_blocks.narrow(1, group.first_row, n_rows)
+        else:
+            queries = q_blocks.index_select(1, group.rows)
+        scores = torch.matmul(queries, keys.transpose(-1, -2))
+        scores += group.bias.to(scores.dtype)
+        probs = torch.softmax(scores, dim=-1)
+        if not group.every_query_has_key:
+            probs = torch.where(group.has_key, probs, 0.0)
+        if dropout > 0.0 and training:
+            probs = F.dropout(probs, dropout)
+        outputs.append(torch.matmul(probs, values))
+    if not outputs:
+        return q.new_zeros(batch, n_heads, length, head_dim)
+    out = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+    if plan.inverse is not None and out.shape[1] == n_heads * plan.n_blocks:
+        out = out.index_select(1, plan.inverse)
+    elif plan.inverse is not None:
+        out = q_blocks.new_zeros(q_blocks.shape).index_copy(1, plan.inverse, out)
+    return out.reshape(batch, n_heads, padded, head_dim)[:, :, :length]

@@ -1,0 +1,141 @@
+"""Random-feature attention: Performer FAVOR+ (Choromanski et al. 2021, eq. 7 and Lemma 1, positive orthogonal
+features for exp(q.k)) and RFA (Peng et al. 2021, eq. 3-4, random Fourier features on unit-norm q, k).
+
+Features live in a buffer drawn from a generator seeded by (seed, layer, draw count), so every rank holds the
+same draw; in training they are redrawn every ``redraw_every`` forward calls (0: never).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from xscale.config import ModelConfig
+from xscale.models.attention.core import AttentionCore, expand_kv
+from xscale.models.attention.linear import kernelized_attention
+from xscale.models.attention.sparse import layer_seed, require, require_non_negative, require_positive
+from xscale.models.registry import ATTENTION
+
+
+def gaussian_projection(n_features: int, dim: int, generator: torch.Generator, orthogonal: bool) -> Tensor:
+    """(n_features, dim) rows ~ N(0, I); ``orthogonal``: rows orthogonal within each block of ``dim``, with
+    chi-distributed lengths so that each row is still marginally Gaussian (Performer, sec. 2.4)."""
+    if not orthogonal:
+        return torch.randn(n_features, dim, generator=generator, dtype=torch.float64)
+    blocks = []
+    for _ in range(math.ceil(n_features / dim)):
+        basis, _ = torch.linalg.qr(torch.randn(dim, dim, generator=generator, dtype=torch.float64))
+        blocks.append(basis.T)
+    lengths = torch.randn(n_features, dim, generator=generator, dtype=torch.float64).norm(dim=1)
+    return torch.cat(blocks)[:n_features] * lengths[:, None]
+
+
+class RandomFeatureAttention(AttentionCore):
+    """Holds the projection buffer and its redraw schedule; subclasses define ``features``."""
+
+    def __init__(self, model: ModelConfig, layer_index: int, options) -> None:
+        super().__init__(model, layer_index, options)
+        self.register_buffer("projection", torch.empty(self.n_projections(), model.head_dim))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        if self.projection.device.type != "meta":
+            self.reset_buffers()
+
+    def n_projections(self) -> int:
+        return self.options.features
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """The first draw and a zeroed call counter (called after the meta-device build is materialised)."""
+        self.calls.zero_()
+        self.draw(0)
+
+    @torch.no_grad()
+    def draw(self, draw: int) -> None:
+        generator = torch.Generator().manual_seed(layer_seed(self.options.seed, self.layer_index) + 7919 * draw)
+        projection = gaussian_projection(self.n_projections(), self.projection.shape[1], generator,
+                                         self.options.orthogonal)
+        self.projection.copy_(projection.to(self.projection.dtype))
+
+    def maybe_redraw(self) -> None:
+        every = self.options.redraw_every
+        if self.training and every > 0:
+            calls = int(self.calls)
+            if calls > 0 and calls % every == 0:
+                self.draw(calls // every)
+            self.calls += 1
+
+    def features(self, x: Tensor, is_query: bool, causal: bool) -> Tensor:
+        raise NotImplementedError
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None) -> Tensor:
+        require(q.shape[2] == k.shape[2] or not causal, "causal random-feature attention needs equal lengths")
+        self.maybe_redraw()
+        k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        phi_q = self.features(q.to(dtype), True, causal)
+        phi_k = self.features(k.to(dtype), False, causal)
+        out = kernelized_attention(phi_q, phi_k, v.to(dtype), causal=causal, chunk=self.options.chunk)
+        return out.to(q.dtype)
+
+
+@dataclasses.dataclass
+class PerformerOptions:
+    features: int = 64
+    orthogonal: bool = True
+    redraw_every: int = 0
+    seed: int = 0
+    chunk: int = 64
+
+    def __post_init__(self) -> None:
+        require_positive("performer", features=self.features, chunk=self.chunk)
+        require_non_negative("performer", redraw_every=self.redraw_every)
+
+
+@ATTENTION.register("performer", "favor")
+class PerformerAttention(RandomFeatureAttention):
+    """phi(x) = exp(w_i . x - |x|^2 / 2) / sqrt(m), x = q or k scaled by d^-1/4: E[phi(q).phi(k)] = exp(q.k/sqrt(d))."""
+
+    Options = PerformerOptions
+
+    def features(self, x: Tensor, is_query: bool, causal: bool) -> Tensor:
+        x = x * x.shape[-1] ** -0.25
+        logits = x @ self.projection.to(x.dtype).T - 0.5 * (x * x).sum(-1, keepdim=True)
+        # A per-query shift cancels in that query's ratio; a key shift must be shared by every key, and in a
+        # decoder a shift taken over all keys would read the future, so causal keys go unshifted.
+        if is_query:
+            logits = logits - logits.amax(-1, keepdim=True).detach()
+        elif not causal:
+            logits = logits - logits.amax(dim=(-1, -2), keepdim=True).detach()
+        return torch.exp(logits) / math.sqrt(logits.shape[-1])
+
+
+@dataclasses.dataclass
+class RFAOptions:
+    features: int = 64
+    sigma: float = 1.0
+    orthogonal: bool = False
+    redraw_every: int = 0
+    seed: int = 0
+    chunk: int = 64
+
+    def __post_init__(self) -> None:
+        require_positive("rfa", features=self.features, chunk=self.chunk)
+        require_non_negative("rfa", redraw_every=self.redraw_every)
+        require(self.sigma > 0, f"model.attention.options.sigma must be > 0 for 'rfa' (got {self.sigma})")
+
+
+@ATTENTION.register("rfa")
+class RFAAttention(RandomFeatureAttention):
+    """phi(x) = [sin(W x^), cos(W x^)] / sqrt(m), W ~ N(0, I/sigma^2), x^ = x/|x|: approximates
+    softmax(q^.k^ / sigma^2). (RFA's optional recency gate is not implemented.)"""
+
+    Options = RFAOptions
+
+    def features(self, x: Tensor, is_query: bool, causal: bool) -> Tensor:
+        x = F.normalize(x, dim=-1)
+        angles = x @ (self.projection.to(x.dtype).T / self.options.sigma)
+        return torch.cat([torch.sin(angles), torch.cos(angles)], dim=-1) / math.sqrt(angles.shape[-1])

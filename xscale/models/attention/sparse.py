@@ -1,0 +1,312 @@
+"""Position-sparse attention cores: each names a :mod:`patterns` layout and runs it through :mod:`block_sparse`.
+
+local / block_local / dilated (Beltagy et al. 2020), strided / fixed (Child et al. 2019, sec. 4.2),
+global, random, longformer (band + global), bigbird (band + global + random, Zaheer et al. 2020),
+star (band of 3 + relay, Guo et al. 2019), axial (row + column, Ho et al. 2019).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from xscale.config import ConfigError, ModelConfig
+from xscale.models.attention import patterns as P
+from xscale.models.attention.block_sparse import BlockPlan, block_sparse_attention, build_plan
+from xscale.models.attention.core import AttentionCore
+from xscale.models.registry import ATTENTION
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise a ConfigError naming the option to change when ``condition`` fails."""
+    if not condition:
+        raise ConfigError(message)
+
+
+def require_positive(kind: str, **values: int) -> None:
+    for name, value in values.items():
+        require(value >= 1, f"model.attention.options.{name} must be >= 1 for '{kind}' (got {value})")
+
+
+def require_non_negative(kind: str, **values: int) -> None:
+    for name, value in values.items():
+        require(value >= 0, f"model.attention.options.{name} must be >= 0 for '{kind}' (got {value})")
+
+
+class PatternAttention(AttentionCore):
+    """Base for the position-sparse cores: subclasses return their pattern from ``make_pattern``."""
+
+    def __init__(self, model: ModelConfig, layer_index: int, options: Any) -> None:
+        super().__init__(model, layer_index, options)
+        self.pattern = self.make_pattern()
+        self._plans: dict[tuple, BlockPlan] = {}
+
+    def make_pattern(self) -> P.Pattern:
+        raise NotImplementedError
+
+    def plan(self, length: int, causal: bool, n_heads: int, n_kv_heads: int, device: torch.device,
+             dtype: torch.dtype) -> BlockPlan:
+        key = (length, causal, n_heads, n_kv_heads, str(device), dtype)
+        if key not in self._plans:
+            if len(self._plans) >= 8:
+                self._plans.clear()
+            self._plans[key] = build_plan(self.pattern, length, self.options.block_size, causal, n_heads,
+                                          n_kv_heads, device, dtype)
+        return self._plans[key]
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None) -> Tensor:
+        if q.shape[2] != k.shape[2]:
+            raise ValueError(f"position-sparse attention is self-attention: query length {q.shape[2]} "
+                             f"!= key length {k.shape[2]}")
+        plan = self.plan(q.shape[2], causal, q.shape[1], k.shape[1], q.device, q.dtype)
+        dropout = self.model_config.attention_dropout
+        return block_sparse_attention(q, k, v, plan, self.options.block_size, dropout=dropout,
+                                      training=self.training)
+
+
+@dataclasses.dataclass
+class LocalOptions:
+    window: int = 16
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        require_positive("local", window=self.window, block_size=self.block_size)
+
+
+@ATTENTION.register("local", "band", "sliding_window")
+class LocalAttention(PatternAttention):
+    """Keys within ``window`` positions of the query (causal: the ``window`` before it)."""
+
+    Options = LocalOptions
+
+    def make_pattern(self) -> P.Pattern:
+        return P.Band(self.options.window)
+
+
+@dataclasses.dataclass
+class BlockLocalOptions:
+    chunk: int = 16
+    neighbours: int = 1
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        require_positive("block_local", chunk=self.chunk, block_size=self.block_size)
+        require_non_negative("block_local", neighbours=self.neighbours)
+
+
+@ATTENTION.register("block_local")
+class BlockLocalAttention(PatternAttention):
+    """Chunks of ``chunk`` tokens attend within themselves and ``neighbours`` chunks around (causal: before)."""
+
+    Options = BlockLocalOptions
+
+    def make_pattern(self) -> P.Pattern:
+        return P.BlockLocal(self.options.chunk, self.options.neighbours)
+
+
+@dataclasses.dataclass
+class DilatedOptions:
+    window: int = 8
+    dilation: int = 2
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        require_positive("dilated", window=self.window, dilation=self.dilation, block_size=self.block_size)
+
+
+@ATTENTION.register("dilated")
+class DilatedAttention(PatternAttention):
+    """``window`` keys each side spaced ``dilation`` apart (Longformer's dilated window)."""
+
+    Options = DilatedOptions
+
+    def make_pattern(self) -> P.Pattern:
+        return P.Dilated(self.options.window, self.options.dilation)
+
+
+@dataclasses.dataclass
+class StridedOptions:
+    stride: int = 8
+    split_heads: bool = False
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        require_positive("strided", stride=self.stride, block_size=self.block_size)
+
+
+@ATTENTION.register("strided")
+class StridedAttention(PatternAttention):
+    """Sparse Transformer strided: the last ``stride`` positions and every ``stride``-th one before
+    (``split_heads``: half the heads each, else their union in every head)."""
+
+    Options = StridedOptions
+
+    def make_pattern(self) -> P.Pattern:
+        local, strided = P.Band(self.options.stride), P.Strided(self.options.stride)
+        if self.options.split_heads:
+            return P.SplitHeads(local, strided, self.model_config.n_heads)
+        return local | strided
+
+
+@dataclasses.dataclass
+class FixedOptions:
+    stride: int = 8
+    summary: int = 1
+    split_heads: bool = False
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        require_positive("fixed", stride=self.stride, summary=self.summary, block_size=self.block_size)
+        require(self.summary <= self.stride, "model.attention.options.summary must be <= stride for 'fixed'")
+
+
+@ATTENTION.register("fixed")
+class FixedAttention(PatternAttention):
+    """Sparse Transformer fixed: own chunk of ``stride`` plus the last ``summary`` positions of every chunk."""
+
+    Options = FixedOptions
+
+    def make_pattern(self) -> P.Pattern:
+        own, summary = P.BlockLocal(self.options.stride, 0), P.SummaryColumns(self.options.stride, self.options.summary)
+        if self.options.split_heads:
+            return P.SplitHeads(own, summary, self.model_config.n_heads)
+        return own | summary
+
+
+@dataclasses.dataclass
+class GlobalOptions:
+    global_tokens: int = 4
+    window: int = 0
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        require_positive("global", global_tokens=self.global_tokens, block_size=self.block_size)
+        require_non_negative("global", window=self.window)
+
+
+@ATTENTION.register("global")
+class GlobalAttention(PatternAttention):
+    """The first ``global_tokens`` positions see and are seen by all (causal: hubs see the past); others also
+    see ``window`` neighbours (0: themselves)."""
+
+    Options = GlobalOptions
+
+    def make_pattern(self) -> P.Pattern:
+        return P.Global(self.options.global_tokens) | P.Band(self.options.window)
+
+
+@dataclasses.dataclass
+class RandomOptions:
+    random_blocks: int = 2
+    window: int = 0
+    seed: int = 0
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        require_positive("random", random_blocks=self.random_blocks, block_size=self.block_size)
+        require_non_negative("random", window=self.window)
+
+
+def layer_seed(seed: int, layer_index: int) -> int:
+    """A per-layer seed that every rank derives identically."""
+    return seed * 1_000_003 + layer_index
+
+
+@ATTENTION.register("random")
+class RandomAttention(PatternAttention):
+    """``random_blocks`` seeded random key blocks per query block (causal: from its past) plus a ``window``."""
+
+    Options = RandomOptions
+
+    def make_pattern(self) -> P.Pattern:
+        o = self.options
+        return P.RandomBlocks(o.random_blocks, layer_seed(o.seed, self.layer_index)) | P.Band(o.window)
+
+
+@dataclasses.dataclass
+class LongformerOptions:
+    window: int = 16
+    global_tokens: int = 2
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        require_positive("longformer", window=self.window, block_size=self.block_size)
+        require_non_negative("longformer", global_tokens=self.global_tokens)
+
+
+@ATTENTION.register("longformer")
+class LongformerAttention(PatternAttention):
+    """Band of ``window`` + ``global_tokens`` hubs (Beltagy et al. 2020)."""
+
+    Options = LongformerOptions
+
+    def make_pattern(self) -> P.Pattern:
+        return P.Band(self.options.window) | P.Global(self.options.global_tokens)
+
+
+@dataclasses.dataclass
+class BigBirdOptions:
+    window: int = 16
+    global_tokens: int = 2
+    random_blocks: int = 2
+    seed: int = 0
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        require_positive("bigbird", window=self.window, block_size=self.block_size)
+        require_non_negative("bigbird", global_tokens=self.global_tokens, random_blocks=self.random_blocks)
+
+
+@ATTENTION.register("bigbird")
+class BigBirdAttention(PatternAttention):
+    """Band + global + random blocks (Zaheer et al. 2020); the causal form (random keys from the past) is ours."""
+
+    Options = BigBirdOptions
+
+    def make_pattern(self) -> P.Pattern:
+        o = self.options
+        parts = [P.Band(o.window), P.Global(o.global_tokens)]
+        if o.random_blocks:
+            parts.append(P.RandomBlocks(o.random_blocks, layer_seed(o.seed, self.layer_index)))
+        return P.Union(parts)
+
+
+@dataclasses.dataclass
+class StarOptions:
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        require_positive("star", block_size=self.block_size)
+
+
+@ATTENTION.register("star")
+class StarAttention(PatternAttention):
+    """Star-Transformer: each token sees its two neighbours and the relay token 0, which sees all (encoder only)."""
+
+    Options = StarOptions
+    causal_capable = False
+
+    def make_pattern(self) -> P.Pattern:
+        return P.Band(1) | P.Global(1)
+
+
+@dataclasses.dataclass
+class AxialOptions:
+    row: int = 8
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        require_positive("axial", row=self.row, block_size=self.block_size)
+
+
+@ATTENTION.register("axial")
+class AxialAttention(PatternAttention):
+    """The sequence read as rows of ``row`` tokens: attend along the own row and the own column (Ho et al. 2019)."""
+
+    Options = AxialOptions
+
+    def make_pattern(self) -> P.Pattern:
+        return P.BlockLocal(self.options.row, 0) | P.Strided(self.options.row)
