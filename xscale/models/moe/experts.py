@@ -1,0 +1,76 @@
+"""The experts: E copies of the project's FFN with weights stacked on a leading expert dimension.
+
+Stacking ([E, out, in] per projection, like ``nn.Linear`` with an expert index in front) is what lets
+expert parallelism shard the experts by slicing dimension 0, and a dense FFN checkpoint turn into
+experts by stacking.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from xscale.models.ffn import ACTIVATIONS, GatedMLP
+from xscale.models.registry import FFN
+
+
+class StackedLinear(nn.Module):
+    """E independent ``nn.Linear(in_features, out_features)``: weight [E, out, in], bias [E, out]."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(num_experts, out_features)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight.is_meta:
+            return
+        bound = 1.0 / math.sqrt(self.weight.shape[-1])
+        nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def expert(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight[index], None if self.bias is None else self.bias[index])
+
+
+class StackedExperts(nn.Module):
+    """Expert i is ``config.ffn`` with its own weights; tokens arrive sorted by expert (Lepikhin et al. 2020)."""
+
+    def __init__(self, num_experts: int, ffn_kind: str, d_model: int, hidden: int, bias: bool) -> None:
+        super().__init__()
+        ffn_class = FFN.get(ffn_kind)
+        self.num_experts = num_experts
+        self.activation = ffn_class.activation
+        self.gated = issubclass(ffn_class, GatedMLP)
+        if self.gated:
+            self.w_gate = StackedLinear(num_experts, d_model, hidden, bias)
+            self.w_up = StackedLinear(num_experts, d_model, hidden, bias)
+            self.w_down = StackedLinear(num_experts, hidden, d_model, bias)
+        else:
+            self.w_in = StackedLinear(num_experts, d_model, hidden, bias)
+            self.w_out = StackedLinear(num_experts, hidden, d_model, bias)
+
+    def expert(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """FFN number ``index`` (local to this module) applied to tokens x [n, d_model]."""
+        if self.gated:
+            from xscale.ops import gated_activation
+
+            hidden = gated_activation(self.w_gate.expert(index, x), self.w_up.expert(index, x), self.activation)
+            return self.w_down.expert(index, hidden)
+        return self.w_out.expert(index, ACTIVATIONS[self.activation](self.w_in.expert(index, x)))
+
+    def forward(self, tokens_by_expert: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Tokens [sum(counts), d] sorted by expert, ``counts[i]`` of them for expert i -> outputs, same order.
+
+        Variable-size expert batches (dropless-capable): one GEMM per expert on its own rows.
+        """
+        if len(counts) != self.num_experts:
+            raise ValueError(f"got token counts for {len(counts)} experts, this module holds {self.num_experts}")
+        chunks = tokens_by_expert.split(counts)
+        outputs = [self.expert(index, chunk) for index, chunk in enumerate(chunks)]
+        return torch.cat(outputs) if outputs else tokens_by_expert
