@@ -6,8 +6,9 @@ from xscale.models.moe.layer import (
     MoELayer,
     attach_token_ids,
     build_moe,
+    check_moe_config,
     collect_moe_metrics,
     moe_layers,
 )
 
-__all__ = ["AttachAuxiliaryLoss", "MoELayer", "attach_token_ids", "build_moe", "collect_moe_metrics", "moe_layers"]
+__all__ = ["AttachAuxiliaryLoss", "MoELayer", "attach_token_ids", "build_moe", "check_moe_config", "collect_moe_metrics", "moe_layers"]

@@ -97,8 +97,8 @@ class MoELayer(nn.Module):
         }
 
 
-def build_moe(config: ModelConfig, layer_index: int) -> nn.Module:
-    """The MoE FFN of layer ``layer_index``; refuses settings it cannot honour with a ConfigError."""
+def check_moe_config(config: ModelConfig, ep: int = 1) -> None:
+    """Refuse MoE settings that cannot run, with a ConfigError saying what to change (before any build)."""
     moe = config.moe
     if moe.num_experts <= 0:
         raise ConfigError(f"model.moe.num_experts must be positive for an MoE layer, got {moe.num_experts}")
@@ -115,6 +115,21 @@ def build_moe(config: ModelConfig, layer_index: int) -> nn.Module:
         raise ConfigError(f"model.moe.drop_policy='{moe.drop_policy}' is not one of probs, position")
     if moe.router not in ROUTER:
         raise ConfigError(f"model.moe.router='{moe.router}' is not one of {', '.join(ROUTER.names())}")
+    if ep < 1 or moe.num_experts % ep:
+        raise ConfigError(
+            f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.ep={ep}; pick ep from "
+            f"{[p for p in range(1, moe.num_experts + 1) if moe.num_experts % p == 0]}"
+        )
+    layers = config.n_layers + (config.decoder_layers if config.family == "encoder_decoder" else 0)
+    with torch.device("meta"):  # the routers check their own options (top_k, causality) when built
+        for layer_index in range(layers):
+            if moe.is_moe_layer(layer_index):
+                ROUTER.get(moe.router)(config, layer_index)
+
+
+def build_moe(config: ModelConfig, layer_index: int) -> nn.Module:
+    """The MoE FFN of layer ``layer_index``; refuses settings it cannot honour with a ConfigError."""
+    check_moe_config(config)
     return MoELayer(config, layer_index)
 
 
