@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 from xscale.config import ConfigError, ModelConfig, MoEConfig
 from xscale.models import build_model
-from xscale.models.moe import build_moe, collect_moe_metrics, moe_layers
+from xscale.models.moe import build_moe, collect_moe_metrics
 from xscale.parallel.engine import model_loss_sum
 from xscale.parallel.expert import apply_expert_parallel, shard_expert_state_dict
 
