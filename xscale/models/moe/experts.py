@@ -34,8 +34,11 @@ class StackedLinear(nn.Module):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
-    def expert(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight[index], None if self.bias is None else self.bias[index])
+    def per_expert(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(weight, bias) of each expert; one ``unbind`` so backward stacks the gradients once."""
+        weights = self.weight.unbind(0)
+        biases = self.bias.unbind(0) if self.bias is not None else [None] * len(weights)
+        return list(zip(weights, biases))
 
 
 class StackedExperts(nn.Module):
@@ -55,14 +58,15 @@ class StackedExperts(nn.Module):
             self.w_in = StackedLinear(num_experts, d_model, hidden, bias)
             self.w_out = StackedLinear(num_experts, hidden, d_model, bias)
 
-    def expert(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        """FFN number ``index`` (local to this module) applied to tokens x [n, d_model]."""
+    def _ffn(self, x: torch.Tensor, *projections: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+        """One expert's FFN on tokens x [n, d_model], given its (weight, bias) per projection."""
         if self.gated:
             from xscale.ops import gated_activation
 
-            hidden = gated_activation(self.w_gate.expert(index, x), self.w_up.expert(index, x), self.activation)
-            return self.w_down.expert(index, hidden)
-        return self.w_out.expert(index, ACTIVATIONS[self.activation](self.w_in.expert(index, x)))
+            gate, up, down = projections
+            return F.linear(gated_activation(F.linear(x, *gate), F.linear(x, *up), self.activation), *down)
+        w_in, w_out = projections
+        return F.linear(ACTIVATIONS[self.activation](F.linear(x, *w_in)), *w_out)
 
     def forward(self, tokens_by_expert: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Tokens [sum(counts), d] sorted by expert, ``counts[i]`` of them for expert i -> outputs, same order.
@@ -71,6 +75,8 @@ class StackedExperts(nn.Module):
         """
         if len(counts) != self.num_experts:
             raise ValueError(f"got token counts for {len(counts)} experts, this module holds {self.num_experts}")
+        projections = (self.w_gate, self.w_up, self.w_down) if self.gated else (self.w_in, self.w_out)
+        per_expert = zip(*(projection.per_expert() for projection in projections))
         chunks = tokens_by_expert.split(counts)
-        outputs = [self.expert(index, chunk) for index, chunk in enumerate(chunks)]
+        outputs = [self._ffn(chunk, *weights) for chunk, weights in zip(chunks, per_expert)]
         return torch.cat(outputs) if outputs else tokens_by_expert
