@@ -468,3 +468,6 @@ def _validate_moe(config: Config) -> None:
     if moe.every < 1:
         raise ConfigError(f"model.moe.every must be >= 1, got {moe.every}")
     _check_registry("router", moe.router, "model.moe.router")
+    from xscale.models.moe import check_moe_config
+
+    check_moe_config(config.model, config.parallel.ep)

@@ -1,0 +1,170 @@
+"""The MoE feed-forward layer: route, dispatch to experts, combine by gates (GShard / Switch).
+
+y(x) = sum over x's kept assignments (e, g) of g * FFN_e(x); a token whose every assignment overflowed
+its expert's capacity gets 0 (the residual connection passes it through). The auxiliary losses reach
+the gradients through :class:`AttachAuxiliaryLoss`, so no trainer, engine or pipeline schedule needs to
+know they exist.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from xscale.config import ConfigError, ModelConfig
+from xscale.models.ffn import build_ffn
+from xscale.models.moe.experts import StackedExperts
+from xscale.models.moe.routing import LocalTokens
+from xscale.models.registry import ROUTER
+
+
+class AttachAuxiliaryLoss(torch.autograd.Function):
+    """Identity on ``output``; in backward also sends d(aux)/d(aux) = 1 into ``aux``'s graph.
+
+    Adding the layer's weighted auxiliary loss to the training loss is equivalent: the loss is a sum,
+    so its gradient is the output's gradient path plus the auxiliary term's own.
+    """
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad_output, torch.ones((), dtype=torch.float32, device=grad_output.device)
+
+
+class LocalDispatch:
+    """All experts on this device: apply them to the expert-sorted tokens directly."""
+
+    def __call__(self, tokens_by_expert: torch.Tensor, tokens_per_expert: torch.Tensor,
+                 experts: StackedExperts) -> torch.Tensor:
+        return experts(tokens_by_expert, tokens_per_expert.tolist())
+
+
+class MoELayer(nn.Module):
+    """Mixture-of-Experts FFN (Shazeer et al. 2017; GShard; Switch): router + E stacked FFN experts.
+
+    Attributes set from outside, explicitly:
+      ``token_ids``: the token ids [B, T] of the sequence this layer sees (hash routing only);
+        :func:`attach_token_ids` sets them from the model's inputs before every forward.
+      ``token_group`` / ``dispatch``: replaced by :func:`xscale.parallel.expert.apply_expert_parallel`.
+      ``aux_loss_scale``: a data-parallel engine that sums gradients over G routing groups sets 1/G so
+        the auxiliary losses count once.
+    After each forward, ``metrics`` holds detached tensors: tokens_per_expert, dropped_fraction, aux_loss, z_loss.
+    """
+
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        moe = config.moe
+        self.layer_index = layer_index
+        self.num_experts = moe.num_experts
+        self.aux_loss_coef = moe.aux_loss_coef
+        self.z_loss_coef = moe.z_loss_coef
+        self.router = ROUTER.get(moe.router)(config, layer_index)
+        self.experts = StackedExperts(moe.num_experts, config.ffn, config.d_model, config.ffn_hidden, config.bias)
+        self.shared_expert = (
+            build_ffn(config.ffn, config.d_model, config.ffn_hidden, config.bias, 0.0) if moe.shared_expert else None
+        )
+        self.token_ids: torch.Tensor | None = None
+        self.token_group = LocalTokens()
+        self.dispatch = LocalDispatch()
+        self.aux_loss_scale = 1.0
+        self.metrics: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        routing = self.router(tokens, self.token_group, self.token_ids)
+        outputs_by_expert = self.dispatch(tokens[routing.token_index], routing.local_tokens_per_expert, self.experts)
+        weighted = outputs_by_expert * routing.gate.unsqueeze(-1).to(outputs_by_expert.dtype)
+        output = torch.zeros_like(tokens).index_add(0, routing.token_index, weighted.to(tokens.dtype))
+        if self.shared_expert is not None:
+            output = output + self.shared_expert(tokens)
+        self._record(routing)
+        aux = self.aux_loss_scale * (self.aux_loss_coef * routing.aux_loss + self.z_loss_coef * routing.z_loss)
+        if torch.is_grad_enabled() and aux.requires_grad:
+            output = AttachAuxiliaryLoss.apply(output, aux)
+        return output.view_as(x)
+
+    def _record(self, routing) -> None:
+        losses = torch.stack([routing.aux_loss.detach().float(), routing.z_loss.detach().float()])
+        aux_loss, z_loss = self.token_group.all_reduce(losses)
+        self.metrics = {
+            "tokens_per_expert": routing.tokens_per_expert.detach(),
+            "dropped_fraction": routing.dropped_fraction.detach(),
+            "aux_loss": aux_loss,
+            "z_loss": z_loss,
+        }
+
+
+def check_moe_config(config: ModelConfig, ep: int = 1) -> None:
+    """Refuse MoE settings that cannot run, with a ConfigError saying what to change (before any build)."""
+    moe = config.moe
+    if moe.num_experts <= 0:
+        raise ConfigError(f"model.moe.num_experts must be positive for an MoE layer, got {moe.num_experts}")
+    if not 1 <= moe.top_k <= moe.num_experts:
+        raise ConfigError(f"model.moe.top_k={moe.top_k} must lie in [1, num_experts={moe.num_experts}]")
+    if not moe.dropless and (moe.capacity_factor <= 0 or moe.eval_capacity_factor <= 0):
+        raise ConfigError(
+            f"model.moe.capacity_factor={moe.capacity_factor} and eval_capacity_factor={moe.eval_capacity_factor} "
+            "must be positive (1.0-2.0 is usual); set model.moe.dropless=true for no capacity"
+        )
+    if moe.min_capacity < 0:
+        raise ConfigError(f"model.moe.min_capacity must be >= 0, got {moe.min_capacity}")
+    if moe.drop_policy not in ("probs", "position"):
+        raise ConfigError(f"model.moe.drop_policy='{moe.drop_policy}' is not one of probs, position")
+    if moe.router not in ROUTER:
+        raise ConfigError(f"model.moe.router='{moe.router}' is not one of {', '.join(ROUTER.names())}")
+    if ep < 1 or moe.num_experts % ep:
+        raise ConfigError(
+            f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.ep={ep}; pick ep from "
+            f"{[p for p in range(1, moe.num_experts + 1) if moe.num_experts % p == 0]}"
+        )
+    layers = config.n_layers + (config.decoder_layers if config.family == "encoder_decoder" else 0)
+    with torch.device("meta"):  # the routers check their own options (top_k, causality) when built
+        for layer_index in range(layers):
+            if moe.is_moe_layer(layer_index):
+                ROUTER.get(moe.router)(config, layer_index)
+
+
+def build_moe(config: ModelConfig, layer_index: int) -> nn.Module:
+    """The MoE FFN of layer ``layer_index``; refuses settings it cannot honour with a ConfigError."""
+    check_moe_config(config)
+    return MoELayer(config, layer_index)
+
+
+def moe_layers(model: nn.Module) -> list[MoELayer]:
+    return [module for module in model.modules() if isinstance(module, MoELayer)]
+
+
+def collect_moe_metrics(model: nn.Module) -> dict[str, float]:
+    """Per-layer load of the last forward: ``moe/layer{i}/dropped_fraction``, ``.../aux_loss``, ``.../z_loss``,
+    ``.../max_load`` (busiest expert / mean) and ``.../expert{e}_tokens``."""
+    metrics: dict[str, float] = {}
+    for layer in moe_layers(model):
+        if not layer.metrics:
+            continue
+        prefix = f"moe/layer{layer.layer_index}"
+        load = layer.metrics["tokens_per_expert"].float()
+        metrics[f"{prefix}/dropped_fraction"] = float(layer.metrics["dropped_fraction"])
+        metrics[f"{prefix}/aux_loss"] = float(layer.metrics["aux_loss"])
+        metrics[f"{prefix}/z_loss"] = float(layer.metrics["z_loss"])
+        metrics[f"{prefix}/max_load"] = float(load.max() / load.mean().clamp_min(1e-9))
+        for expert, count in enumerate(load.tolist()):
+            metrics[f"{prefix}/expert{expert}_tokens"] = count
+    return metrics
+
+
+def attach_token_ids(model: nn.Module) -> torch.utils.hooks.RemovableHandle:
+    """Hash routing: before each ``model(input_ids, decoder_input_ids)`` set every MoE layer's ``token_ids``
+    (encoder layers get ``input_ids``, decoder layers of an encoder-decoder ``decoder_input_ids``)."""
+    encoder_layers = getattr(getattr(model, "config", None), "n_layers", None)
+
+    def set_ids(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        decoder_input_ids = kwargs.get("decoder_input_ids", args[1] if len(args) > 1 else None)
+        for layer in moe_layers(model):
+            in_decoder = encoder_layers is not None and layer.layer_index >= encoder_layers
+            layer.token_ids = decoder_input_ids if in_decoder and decoder_input_ids is not None else input_ids
+
+    return model.register_forward_pre_hook(set_ids, with_kwargs=True)

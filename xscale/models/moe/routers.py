@@ -1,0 +1,102 @@
+"""Token-choice routers: Switch top-1 (Fedus et al. 2021) and GShard top-2 (Lepikhin et al. 2020)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from xscale.config import ConfigError, ModelConfig
+from xscale.models.moe.routing import LocalTokens, Routing, token_choice_routing
+from xscale.models.registry import ROUTER
+
+ROUTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                 "float64": torch.float64}
+
+
+class LearnedRouter(nn.Module):
+    """A linear router W_r [E, d] computed in ``router_dtype`` (fp32: Switch's selective precision)."""
+
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        moe = config.moe
+        if moe.router_dtype not in ROUTER_DTYPES:
+            raise ConfigError(f"model.moe.router_dtype='{moe.router_dtype}' is not one of {', '.join(ROUTER_DTYPES)}")
+        self.num_experts = moe.num_experts
+        self.top_k = moe.top_k
+        self.capacity_factor = moe.capacity_factor
+        self.eval_capacity_factor = moe.eval_capacity_factor
+        self.min_capacity = moe.min_capacity
+        self.dropless = moe.dropless
+        self.drop_policy = moe.drop_policy
+        self.jitter = moe.jitter
+        self.router_dtype = ROUTER_DTYPES[moe.router_dtype]
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, config.d_model))
+        if not self.weight.is_meta:
+            nn.init.normal_(self.weight, std=0.1 * config.init_std)  # small router init (Switch sec. 2.4)
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits [n, E] in the router dtype; multiplicative jitter on the input while training (Switch)."""
+        with torch.autocast(x.device.type, enabled=False):
+            x = x.to(self.router_dtype)
+            if self.training and self.jitter > 0:
+                x = x * torch.empty_like(x).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
+            return F.linear(x, self.weight.to(self.router_dtype))
+
+    def active_capacity_factor(self) -> float | None:
+        if self.dropless:
+            return None
+        return self.capacity_factor if self.training else self.eval_capacity_factor
+
+    def route(self, expert_index: torch.Tensor, gate: torch.Tensor, dispatched: torch.Tensor,
+              probs: torch.Tensor, logits: torch.Tensor, group: LocalTokens) -> Routing:
+        return token_choice_routing(
+            expert_index=expert_index, gate=gate, dispatched=dispatched, num_experts=self.num_experts,
+            capacity_factor=self.active_capacity_factor(), min_capacity=self.min_capacity,
+            drop_policy=self.drop_policy, group=group, probs=probs, logits=logits,
+        )
+
+
+@ROUTER.register("switch")
+class SwitchRouter(LearnedRouter):
+    """Switch routing (Fedus et al. 2021, eq. 1-2): each token goes to argmax_i p_i(x), scaled by p_i(x)."""
+
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__(config, layer_index)
+        if self.top_k != 1:
+            raise ConfigError(f"the switch router sends each token to 1 expert; set model.moe.top_k=1 "
+                              f"(got {self.top_k}) or use router=gshard for top-2")
+
+    def forward(self, x: torch.Tensor, group: LocalTokens, token_ids: torch.Tensor | None = None) -> Routing:
+        logits = self.router_logits(x)
+        probs = torch.softmax(logits.float(), dim=-1)
+        gate, expert_index = probs.max(dim=-1, keepdim=True)
+        return self.route(expert_index, gate, torch.ones_like(expert_index, dtype=torch.bool), probs, logits, group)
+
+
+@ROUTER.register("gshard")
+class GShardRouter(LearnedRouter):
+    """GShard top-2 gating (Lepikhin et al. 2020, Algorithm 1): gates renormalised over the top 2;
+    the second expert is dispatched with probability 2 * g2 while training (``second_expert_policy=sampling``)
+    or always (``all``)."""
+
+    POLICIES = ("sampling", "all")
+
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__(config, layer_index)
+        if self.top_k != 2:
+            raise ConfigError(f"the gshard router sends each token to 2 experts; set model.moe.top_k=2 (got {self.top_k})")
+        if config.moe.second_expert_policy not in self.POLICIES:
+            raise ConfigError(f"model.moe.second_expert_policy='{config.moe.second_expert_policy}' is not one of "
+                              f"{', '.join(self.POLICIES)}")
+        self.second_expert_policy = config.moe.second_expert_policy
+
+    def forward(self, x: torch.Tensor, group: LocalTokens, token_ids: torch.Tensor | None = None) -> Routing:
+        logits = self.router_logits(x)
+        probs = torch.softmax(logits.float(), dim=-1)
+        top_probs, expert_index = probs.topk(2, dim=-1)
+        gate = top_probs / top_probs.sum(dim=-1, keepdim=True)
+        dispatched = torch.ones_like(expert_index, dtype=torch.bool)
+        if self.second_expert_policy == "sampling" and self.training:
+            dispatched[:, 1] = torch.rand_like(gate[:, 1]) < 2.0 * gate[:, 1].detach()
+        return self.route(expert_index, gate, dispatched, probs, logits, group)

@@ -1,0 +1,135 @@
+"""What every router shares: the routing group, expert capacity, the capacity cut and the auxiliary losses.
+
+Capacity and token dropping follow GShard (Lepikhin et al. 2020, Algorithm 1) and Switch (Fedus et al.
+2021, eq. 3-4); the router z-loss is ST-MoE's (Zoph et al. 2022, eq. 5).
+
+Routing decisions (which assignment fits in an expert's capacity, the load-balancing fractions) are
+made over a *routing group* of tokens: on one device, the tokens of the forward call; under expert
+parallelism, the tokens of every rank of the ep group (:mod:`xscale.parallel.expert` supplies a group
+whose ``gather`` concatenates the ranks' rows). Either way the decisions, and so the outputs, are the
+single-device ones on the group's tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+class LocalTokens:
+    """The routing group of one device: the forward call's own tokens."""
+
+    def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Rows of every member in member order, and the index of this member's first row."""
+        return rows, 0
+
+    def all_reduce(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum over the members (detached)."""
+        return value
+
+
+@dataclass
+class Routing:
+    """The kept (token, expert, gate) assignments of this device's tokens, sorted by expert."""
+
+    token_index: torch.Tensor  # [A] row of the token in this device's flat tokens
+    expert_index: torch.Tensor  # [A] global expert id, non-decreasing
+    gate: torch.Tensor  # [A] combine weight; differentiable w.r.t. the router
+    local_tokens_per_expert: torch.Tensor  # [E] kept assignments of this device per expert
+    tokens_per_expert: torch.Tensor  # [E] kept assignments over the routing group
+    dropped_fraction: torch.Tensor  # dropped / routed assignments over the routing group
+    aux_loss: torch.Tensor  # this device's share of the group's load-balancing loss (shares sum to it)
+    z_loss: torch.Tensor  # this device's share of the group's router z-loss
+
+
+def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float,
+                    min_capacity: int) -> int:
+    """Assignments an expert accepts: ceil(tokens * k / experts * capacity_factor), at least min_capacity."""
+    return max(math.ceil(num_tokens * top_k / num_experts * capacity_factor), min_capacity)
+
+
+def load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor, num_experts: int,
+                        group_tokens: int) -> torch.Tensor:
+    """Switch eq. 4: E * sum_e f_e * P_e; f_e from the group's first choices, P_e from this device's probs.
+
+    P_e = (sum of this device's probs) / group tokens, so the devices' shares add up to the group's loss and
+    the gradient of each share is the single-device gradient w.r.t. that device's tokens.
+    """
+    fraction = torch.bincount(first_choice, minlength=num_experts).to(probs.dtype) / group_tokens
+    mean_prob_share = probs.sum(0) / group_tokens
+    return num_experts * (fraction * mean_prob_share).sum()
+
+
+def router_z_loss(logits: torch.Tensor, group_tokens: int) -> torch.Tensor:
+    """ST-MoE eq. 5: mean over the group's tokens of logsumexp(logits)^2 (this device's share)."""
+    return torch.logsumexp(logits, dim=-1).square().sum() / group_tokens
+
+
+def rank_within_expert(expert: torch.Tensor, priority: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Order assignments by (expert, priority) and number them within their expert from 0.
+
+    Returns (order, rank): ``order`` sorts the assignments, ``rank[i]`` is the place of assignment
+    ``order[i]`` in its expert's queue. Experts >= num_experts (not dispatched) sort last.
+    """
+    by_priority = torch.argsort(priority, stable=True)
+    order = by_priority[torch.argsort(expert[by_priority], stable=True)]
+    counts = torch.bincount(expert, minlength=num_experts + 1)
+    starts = torch.cumsum(counts, 0) - counts
+    sorted_expert = expert[order]
+    rank = torch.arange(expert.numel(), device=expert.device) - starts[sorted_expert]
+    return order, rank
+
+
+def token_choice_routing(*, expert_index: torch.Tensor, gate: torch.Tensor, dispatched: torch.Tensor,
+                         num_experts: int, capacity_factor: float | None, min_capacity: int,
+                         drop_policy: str, group: LocalTokens,
+                         probs: torch.Tensor | None, logits: torch.Tensor | None) -> Routing:
+    """Each token picked k experts (``expert_index`` [n, k], ``gate`` [n, k]); cut every expert at capacity.
+
+    ``dispatched`` [n, k] marks the picks that are sent at all (GShard's sampled second expert).
+    Priority in an expert's queue (GShard): all first choices before any second choice; then
+    ``drop_policy="position"`` keeps tokens in order (earlier first), ``"probs"`` keeps higher gates first.
+    Capacity comes from the group's token count (:func:`expert_capacity`); ``capacity_factor=None``: dropless. ``probs``/``logits`` [n, E] feed the auxiliary losses (None: no router).
+    """
+    n, top_k = expert_index.shape
+    packed = torch.cat([expert_index.to(gate.dtype), gate.detach(), dispatched.to(gate.dtype)], dim=1)
+    everyone, offset = group.gather(packed)
+    group_tokens = everyone.shape[0]
+    capacity = (None if capacity_factor is None
+                else expert_capacity(group_tokens, num_experts, top_k, capacity_factor, min_capacity))
+    all_expert = everyone[:, :top_k].long()
+    all_gate = everyone[:, top_k:2 * top_k]
+    all_dispatched = everyone[:, 2 * top_k:] > 0.5
+
+    # Assignments in choice-major order: a = choice * N + token.
+    expert_flat = torch.where(all_dispatched, all_expert, num_experts).t().reshape(-1)
+    if drop_policy == "position":
+        priority = torch.arange(expert_flat.numel(), device=expert_flat.device)
+    elif drop_policy == "probs":
+        choice = torch.arange(top_k, device=all_gate.device).repeat_interleave(group_tokens)
+        priority = choice * 4.0 - all_gate.t().reshape(-1)  # gates in [0, 1]: choice dominates, then gate
+    else:
+        raise ValueError(f"model.moe.drop_policy='{drop_policy}' is not one of position, probs")
+    order, rank = rank_within_expert(expert_flat, priority, num_experts)
+    sorted_expert = expert_flat[order]
+    routed = sorted_expert < num_experts
+    kept = routed if capacity is None else routed & (rank < capacity)
+
+    token_global = order % group_tokens
+    choice = order // group_tokens
+    mine = kept & (token_global >= offset) & (token_global < offset + n)
+    token_index = token_global[mine] - offset
+    local_expert = sorted_expert[mine]
+    local_gate = gate[token_index, choice[mine]]
+
+    tokens_per_expert = torch.bincount(sorted_expert[kept], minlength=num_experts)
+    dropped = 1.0 - kept.sum() / routed.sum().clamp_min(1)
+    zero = gate.new_zeros(())
+    aux = zero if probs is None else load_balancing_loss(probs, all_expert[:, 0], num_experts, group_tokens)
+    z_loss = zero if logits is None else router_z_loss(logits, group_tokens)
+    return Routing(token_index=token_index, expert_index=local_expert, gate=local_gate,
+                   local_tokens_per_expert=torch.bincount(local_expert, minlength=num_experts),
+                   tokens_per_expert=tokens_per_expert, dropped_fraction=dropped.float(),
+                   aux_loss=aux, z_loss=z_loss)

@@ -1,0 +1,162 @@
+"""Expert parallelism (GShard, Lepikhin et al. 2020): experts sharded over an ``ep`` group folded into data parallel.
+
+The ranks of one ep group hold different experts and see different tokens. Each MoE layer sorts its kept
+assignments by expert, exchanges per-expert counts, sends the tokens to the rank owning their expert with
+``all_to_all_single`` (uneven splits), applies its local experts, sends the outputs back with the inverse
+exchange and combines them by gate weight. Routing decisions (capacity, load-balancing fractions) are made
+over the tokens of the whole ep group, so outputs and gradients equal one device's on those tokens.
+
+Checkpoints: parameter names do not change. Expert weights keep their leading expert dimension, now local:
+rank r of an ep group of size P holds rows ``[r * E/P, (r + 1) * E/P)`` of every full ``...experts.<proj>.weight``
+/ ``.bias`` [E, ...] (:func:`shard_expert_state_dict` cuts a full state dict). Gradients of expert weights
+must be reduced only over the data-parallel ranks that hold the same experts, those of other weights over
+every data-parallel rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from xscale.config import ConfigError
+from xscale.models.moe import MoELayer, moe_layers
+from xscale.models.moe.experts import StackedExperts
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with uneven splits; its backward is the exchange with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        output = x.new_empty((sum(output_splits), *x.shape[1:]))
+        dist.all_to_all_single(output, x.contiguous(), output_splits, input_splits, group=group)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        output_splits, input_splits = ctx.splits
+        grad_input = grad_output.new_empty((sum(input_splits), *grad_output.shape[1:]))
+        dist.all_to_all_single(grad_input, grad_output.contiguous(), input_splits, output_splits, group=ctx.group)
+        return grad_input, None, None, None
+
+
+def all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
+               group: dist.ProcessGroup) -> torch.Tensor:
+    """Differentiable uneven all-to-all over dimension 0 (works on gloo and nccl)."""
+    return _AllToAll.apply(x, output_splits, input_splits, group)
+
+
+class ExpertParallelTokens:
+    """The routing group of an ep group: every rank's tokens, in rank order."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
+        count = torch.tensor([rows.shape[0]], dtype=torch.long, device=rows.device)
+        counts = count.new_empty(self.size)
+        dist.all_gather_into_tensor(counts, count, group=self.group)
+        counts = counts.tolist()
+        longest = max(counts)
+        padded = rows.new_zeros((longest, *rows.shape[1:]))
+        padded[: rows.shape[0]] = rows
+        everyone = rows.new_empty((self.size * longest, *rows.shape[1:]))
+        dist.all_gather_into_tensor(everyone, padded.contiguous(), group=self.group)
+        pieces = [everyone[r * longest: r * longest + counts[r]] for r in range(self.size)]
+        return torch.cat(pieces), sum(counts[: self.rank])
+
+    def all_reduce(self, value: torch.Tensor) -> torch.Tensor:
+        total = value.detach().clone()
+        dist.all_reduce(total, group=self.group)
+        return total
+
+
+class AllToAllDispatch:
+    """Send expert-sorted tokens to the ranks that own their experts, apply the local experts, send back."""
+
+    def __init__(self, group: dist.ProcessGroup, num_experts: int) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.local_experts = num_experts // self.size
+
+    def __call__(self, tokens_by_expert: torch.Tensor, tokens_per_expert: torch.Tensor,
+                 experts: StackedExperts) -> torch.Tensor:
+        # received[s, l]: tokens rank s sends to my local expert l.
+        received = torch.empty_like(tokens_per_expert)
+        dist.all_to_all_single(received, tokens_per_expert, group=self.group)
+        received = received.view(self.size, self.local_experts)
+        send_splits = tokens_per_expert.view(self.size, self.local_experts).sum(1).tolist()
+        receive_splits = received.sum(1).tolist()
+        arrived = all_to_all(tokens_by_expert, receive_splits, send_splits, self.group)
+
+        # Arrivals are grouped by source rank, then expert; the experts want them grouped by expert.
+        chunk_rows = torch.arange(arrived.shape[0], device=arrived.device).split(received.reshape(-1).tolist())
+        expert_major = torch.cat([chunk_rows[s * self.local_experts + e]
+                                  for e in range(self.local_experts) for s in range(self.size)])
+        outputs = experts(arrived[expert_major], received.sum(0).tolist())
+        source_major = torch.empty_like(expert_major)
+        source_major[expert_major] = torch.arange(expert_major.numel(), device=expert_major.device)
+        return all_to_all(outputs[source_major], send_splits, receive_splits, self.group)
+
+
+def _resolve_group(ep_group_or_mesh: dist.ProcessGroup | DeviceMesh) -> dist.ProcessGroup:
+    if isinstance(ep_group_or_mesh, DeviceMesh):
+        mesh = ep_group_or_mesh
+        if mesh.ndim == 1:
+            return mesh.get_group()
+        if "ep" not in (mesh.mesh_dim_names or ()):
+            raise ConfigError(f"expert parallelism needs a mesh dimension named 'ep'; this mesh has {mesh.mesh_dim_names}")
+        return mesh["ep"].get_group()
+    return ep_group_or_mesh
+
+
+def shard_range(num_experts: int, ep_rank: int, ep_size: int) -> tuple[int, int]:
+    """The experts [first, last) that rank ``ep_rank`` of an ep group of ``ep_size`` holds."""
+    if num_experts % ep_size:
+        raise ConfigError(f"model.moe.num_experts={num_experts} is not divisible by parallel.ep={ep_size}; "
+                          f"pick ep from {[p for p in range(1, num_experts + 1) if num_experts % p == 0]}")
+    local = num_experts // ep_size
+    return ep_rank * local, (ep_rank + 1) * local
+
+
+def shard_expert_state_dict(state_dict: dict[str, torch.Tensor], num_experts: int, ep_rank: int,
+                            ep_size: int) -> dict[str, torch.Tensor]:
+    """A full (single-device) state dict -> the one rank ``ep_rank`` loads: expert tensors cut on dim 0."""
+    first, last = shard_range(num_experts, ep_rank, ep_size)
+    return {name: tensor[first:last] if ".experts." in f".{name}" else tensor
+            for name, tensor in state_dict.items()}
+
+
+@torch.no_grad()
+def _shard_experts(layer: MoELayer, first: int, last: int) -> None:
+    experts = layer.experts
+    for module in experts.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            setattr(module, name, nn.Parameter(param[first:last].clone(), requires_grad=param.requires_grad))
+    experts.num_experts = last - first
+
+
+def apply_expert_parallel(model: nn.Module, ep_group_or_mesh: dist.ProcessGroup | DeviceMesh) -> None:
+    """Keep this rank's experts in every MoE layer of a materialised model and route tokens by all-to-all.
+
+    ``ep_group_or_mesh``: the ep process group, a 1-D mesh, or a mesh with an ``ep`` dimension.
+    """
+    group = _resolve_group(ep_group_or_mesh)
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    layers = moe_layers(model)
+    if not layers:
+        raise ValueError("apply_expert_parallel: the model has no MoE layer (model.moe.num_experts=0)")
+    tokens = ExpertParallelTokens(group)
+    for layer in layers:
+        if layer.experts.num_experts != layer.num_experts:
+            raise ValueError(f"MoE layer {layer.layer_index} is already expert-parallel")
+        first, last = shard_range(layer.num_experts, rank, size)
+        _shard_experts(layer, first, last)
+        layer.token_group = tokens
+        layer.dispatch = AllToAllDispatch(group, layer.num_experts)
