@@ -1,24 +1,42 @@
 """The Python face of every fused op.
 
 Each op here dispatches to a Triton kernel (``kernels/xscale_kernels``), to apex when importable,
-or to the PyTorch reference, according to :func:`set_kernel_backend` (``train.kernels``).
+or to the PyTorch reference, according to :func:`set_kernel_backend` (``train.kernels``); see
+``xscale/ops/dispatch.py`` for the rules and ``kernels/README.md`` for where each op lives.
 """
 
+from xscale.ops.block_sparse_attention import BlockLayout, build_layout
 from xscale.ops.dispatch import get_kernel_backend, set_kernel_backend
-from xscale.ops.reference import (
+from xscale.ops.functional import (
     apply_rope,
+    block_sparse_attention,
     cross_entropy_sum,
     gated_activation,
+    layer_norm,
+    layer_norm_residual,
     linear_cross_entropy_sum,
+    moe_permute,
+    moe_unpermute,
     rms_norm,
+    rms_norm_residual,
 )
+from xscale.ops.moe_permute import Permutation
 
 __all__ = [
+    "BlockLayout",
+    "Permutation",
     "apply_rope",
+    "block_sparse_attention",
+    "build_layout",
     "cross_entropy_sum",
     "gated_activation",
     "get_kernel_backend",
+    "layer_norm",
+    "layer_norm_residual",
     "linear_cross_entropy_sum",
+    "moe_permute",
+    "moe_unpermute",
     "rms_norm",
+    "rms_norm_residual",
     "set_kernel_backend",
 ]

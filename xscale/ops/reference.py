@@ -36,3 +36,22 @@ def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str) -> t
     from xscale.models.ffn import ACTIVATIONS
 
     return ACTIVATIONS[activation](gate) * up
+
+
+def rms_norm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the pre-norm block's add and norm."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) * weight + bias, reduced in float32."""
+    y = F.layer_norm(x.float(), x.shape[-1:], weight.float(), bias.float() if bias is not None else None, eps)
+    return y.type_as(x)
+
+
+def layer_norm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    summed = x + residual
+    return layer_norm(summed, weight, bias, eps), summed

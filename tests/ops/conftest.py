@@ -1,0 +1,22 @@
+"""Op-level tests: the Triton backend runs in triton's CPU interpreter.
+
+triton 3.9 reads TRITON_INTERPRET when ``@triton.jit`` decorates a kernel (when ``xscale_kernels.<module>``
+is first imported), so it is set before anything imports a kernel module.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from xscale.ops import get_kernel_backend, set_kernel_backend  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _restore_backend_and_seed():
+    before = get_kernel_backend()
+    torch.manual_seed(0)
+    yield
+    set_kernel_backend(before)
