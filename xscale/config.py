@@ -262,6 +262,11 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     if annotation is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads '3e-4' (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise ConfigError(f"{where}: expected a number, got {value!r}")
     if annotation is int:
         if isinstance(value, int) and not isinstance(value, bool):
@@ -332,6 +337,15 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     config = _from_dict(Config, tree)
     validate(config)
     return config
+
+
+def load_config_from_cli(config: str | None, overrides: typing.Sequence[str]) -> Config:
+    """CLI form: ``[CONFIG] [overrides...]`` where a first argument containing '=' is an override."""
+    overrides = list(overrides)
+    if config is not None and "=" in config and not Path(config).is_file():
+        overrides.insert(0, config)
+        config = None
+    return load_config(config, overrides)
 
 
 def config_from_dict(tree: dict[str, Any]) -> Config:
@@ -423,8 +437,8 @@ def validate(config: Config) -> None:
         raise ConfigError(f"train.seq_len must be at least 2, got {train.seq_len}")
     if train.lr <= 0:
         raise ConfigError(f"train.lr must be positive, got {train.lr}")
-    if train.warmup_steps < 0 or train.warmup_steps > train.steps:
-        raise ConfigError(f"train.warmup_steps={train.warmup_steps} must lie in [0, train.steps={train.steps}]")
+    if train.warmup_steps < 0:
+        raise ConfigError(f"train.warmup_steps must be >= 0, got {train.warmup_steps}")
     if train.global_batch_size <= 0:
         raise ConfigError(f"train.global_batch_size must be positive, got {train.global_batch_size}")
     if train.grad_clip < 0:

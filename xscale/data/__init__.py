@@ -1,0 +1,138 @@
+"""Training data: tokenizer, token files, datasets over global sample indices, the resumable sampler."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from torch.utils.data import Dataset
+
+from xscale.config import Config, ConfigError, resolve_objective
+from xscale.data.corpus import stdlib_documents, text_documents
+from xscale.data.datasets import (
+    ArrayTokens,
+    PackedTextDataset,
+    TaskDataset,
+    collate,
+    text_objective,
+    tokenize_documents,
+)
+from xscale.data.sampler import GlobalSampler
+from xscale.data.tasks import AssociativeRecallTask, CopyTask, ListOpsTask
+from xscale.data.tokenizer import FixedVocab, Tokenizer
+
+__all__ = ["build_datasets", "build_tokenizer", "collate", "GlobalSampler", "Tokenizer", "FixedVocab", "DATASETS"]
+
+logger = logging.getLogger(__name__)
+
+TASKS = {"copy": CopyTask, "assoc_recall": AssociativeRecallTask, "listops": ListOpsTask}
+TEXT_DATASETS = ("stdlib_text", "text", "indexed")
+DATASETS = TEXT_DATASETS + tuple(TASKS)
+DEFAULT_TASK_SAMPLES = 100_000
+_TASK_OPTIONS = {
+    "copy": ("num_symbols", "length"),
+    "assoc_recall": ("num_keys", "num_values", "pairs"),
+    "listops": ("max_depth", "max_args", "min_length", "max_length"),
+}
+_TEXT_OPTIONS = {"clm": (), "mlm": ("mask_probability",), "span": ("noise_density", "mean_span_length")}
+
+
+def build_datasets(config: Config) -> tuple[Dataset, Dataset | None, int]:
+    """(train dataset, eval dataset or None when data.eval_fraction is 0, vocabulary size the model needs)."""
+    data, seq_len, seed = config.data, config.train.seq_len, config.train.seed
+    objective = resolve_objective(config)
+    if data.dataset not in DATASETS:
+        raise ConfigError(f"data.dataset='{data.dataset}' is not one of {', '.join(DATASETS)}")
+    if not 0.0 <= data.eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction must be in [0, 1), got {data.eval_fraction}")
+    if data.dataset in TASKS:
+        train, evaluation, vocab_size = _task_datasets(config, objective)
+    else:
+        train, evaluation, vocab_size = _text_datasets(config, objective, seq_len, seed)
+    if config.model.vocab_size < vocab_size:
+        raise ConfigError(f"model.vocab_size={config.model.vocab_size} is smaller than the vocabulary of the data "
+                          f"({vocab_size} tokens); set model.vocab_size={vocab_size} (or more)")
+    return train, evaluation, vocab_size
+
+
+def _options(config: Config, allowed: tuple[str, ...]) -> dict:
+    unknown = sorted(set(config.data.options) - set(allowed))
+    if unknown:
+        raise ConfigError(f"data.options {unknown} are not options of data.dataset='{config.data.dataset}' with this "
+                          f"objective; allowed: {', '.join(allowed) or 'none'}")
+    return dict(config.data.options)
+
+
+def _task_datasets(config: Config, objective: str) -> tuple[Dataset, Dataset | None, int]:
+    data, seq_len, seed = config.data, config.train.seq_len, config.train.seed
+    options = _options(config, _TASK_OPTIONS[data.dataset])
+    try:
+        task = TASKS[data.dataset](seq_len, **options)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"data.dataset='{data.dataset}': {error}") from error
+    num_samples = data.num_samples or DEFAULT_TASK_SAMPLES
+    train = TaskDataset(task, objective, seq_len, seed, num_samples)
+    eval_samples = round(num_samples * data.eval_fraction)
+    # Eval examples continue the global index past the training ones: disjoint random streams.
+    evaluation = (TaskDataset(task, objective, seq_len, seed, eval_samples, first_sample=num_samples)
+                  if eval_samples else None)
+    return train, evaluation, task.vocab.vocab_size
+
+
+def build_tokenizer(config: Config, documents: list[str] | None = None) -> Tokenizer:
+    """``data.tokenizer`` if set; otherwise one trained on the run's corpus (``documents`` if given, else read
+    again), cached under <output_dir>/tokenizer/ and reused."""
+    data = config.data
+    if data.tokenizer:
+        return Tokenizer.load(data.tokenizer)
+    if data.dataset == "indexed":
+        raise ConfigError("data.dataset='indexed' holds tokens already: set data.tokenizer to the .model "
+                          "they were made with")
+    cache = Path(config.train.output_dir) / "tokenizer" / f"{data.dataset}-{data.tokenizer_vocab_size}.model"
+    if cache.is_file():
+        return Tokenizer.load(cache)
+    logger.info("training a %d-token SentencePiece model on %s -> %s", data.tokenizer_vocab_size, data.dataset, cache)
+    try:
+        tokenizer = Tokenizer.train(documents if documents is not None else _documents(config),
+                                    data.tokenizer_vocab_size)
+    except ValueError as error:
+        raise ConfigError(f"data.tokenizer_vocab_size: {error}") from error
+    tokenizer.save(cache)
+    return tokenizer
+
+
+def _documents(config: Config):
+    if config.data.dataset == "stdlib_text":
+        return stdlib_documents()
+    if not config.data.path:
+        raise ConfigError("data.dataset='text' needs data.path: a .txt/.jsonl file or a folder of them")
+    return text_documents(config.data.path)
+
+
+def _text_datasets(config: Config, objective: str, seq_len: int, seed: int) -> tuple[Dataset, Dataset | None, int]:
+    data = config.data
+    options = _options(config, _TEXT_OPTIONS[objective])
+    if data.dataset == "indexed":
+        from xscale.data.indexed import IndexedTokens
+
+        if not data.path:
+            raise ConfigError("data.dataset='indexed' needs data.path: the .bin/.idx prefix")
+        stream = IndexedTokens(data.path)
+        tokenizer = build_tokenizer(config) if data.tokenizer or objective != "clm" else None
+        vocab_size = max(stream.max_token() + 1, tokenizer.vocab_size if tokenizer else 0)
+    else:
+        documents = list(_documents(config))
+        tokenizer = build_tokenizer(config, documents)
+        stream = ArrayTokens(tokenize_documents(documents, tokenizer))
+        vocab_size = tokenizer.vocab_size
+    window, transform = text_objective(objective, tokenizer, seq_len, options)
+    windows = PackedTextDataset.count_windows(len(stream), window, seq_len)
+    eval_windows = round(windows * data.eval_fraction)
+    if windows - eval_windows < 1:
+        raise ConfigError(f"the corpus holds {len(stream)} tokens, {windows} windows of {window}: too few to train; "
+                          "use more text or a shorter train.seq_len")
+    train = PackedTextDataset(stream, window, transform, seed, stride=seq_len, num_windows=windows - eval_windows)
+    evaluation = (PackedTextDataset(stream, window, transform, seed, stride=seq_len,
+                                    first_window=windows - eval_windows, num_windows=eval_windows)
+                  if eval_windows else None)
+    return train, evaluation, vocab_size

@@ -92,3 +92,15 @@ class Engine:
         if max_norm > 0:
             return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         return torch.nn.utils.get_total_norm([p.grad for p in params])
+
+    def state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        """Model and optimizer state keyed by canonical parameter names (DCP-friendly, any layout)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(self.model, optimizer)
+        return {"model": model_state, "optimizer": optimizer_state}
+
+    def load_state_dict(self, state: dict, optimizer: torch.optim.Optimizer) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

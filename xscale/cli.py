@@ -1,0 +1,50 @@
+"""The ``xscale`` command: train | inspect | export | bench | data | submit | parity."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command -> (module, function, one-line help); modules load lazily so `xscale --help` is instant.
+COMMANDS = {
+    "train": ("xscale.train.cli", "main", "train a model: xscale train [CONFIG] [section.key=value ...]"),
+    "inspect": ("xscale.inspect", "main", "parameters, FLOPs per token and per-rank memory of a config"),
+    "export": ("xscale.export", "main", "write a checkpoint's weights to one safetensors file"),
+    "bench": ("xscale.bench", "main", "benchmarks: train | attention | kernels | moe | parallel"),
+    "data": ("xscale.data.cli", "main", "data tools: tokenizer | preprocess"),
+    "submit": ("xscale.launcher.submit", "main", "render and submit a Slurm job"),
+    "parity": ("xscale.parity", "main", "compare loss curves across parallel layouts"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        parser = argparse.ArgumentParser(prog="xscale", description="Distributed training of Transformer variants.")
+        sub = parser.add_subparsers(title="commands", metavar="COMMAND")
+        for name, (_, _, help_text) in COMMANDS.items():
+            sub.add_parser(name, help=help_text)
+        parser.print_help()
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(command, COMMANDS, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        print(f"xscale: unknown command '{command}'{hint}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    module_name, function, _ = COMMANDS[command]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name and error.name.startswith(module_name.rsplit(".", 1)[0]):
+            print(f"xscale {command}: not available in this build ({error.name} missing)", file=sys.stderr)
+            return 2
+        raise
+    return int(getattr(module, function)(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

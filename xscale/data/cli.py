@@ -1,0 +1,67 @@
+"""``xscale data tokenizer`` (train a SentencePiece model) and ``xscale data preprocess`` (text -> .bin/.idx)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from xscale.data.corpus import stdlib_documents, text_documents
+from xscale.data.tokenizer import DEFAULT_SENTINELS, Tokenizer
+
+STDLIB = "stdlib"
+
+
+def _documents(source: str):
+    return stdlib_documents() if source == STDLIB else text_documents(source)
+
+
+def main_tokenizer(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="xscale data tokenizer",
+                                     description="Train a SentencePiece tokenizer with xscale's special tokens.")
+    parser.add_argument("--input", required=True,
+                        help=f"a .txt/.jsonl file, a folder of them, or '{STDLIB}' for the standard-library corpus")
+    parser.add_argument("--vocab-size", type=int, required=True)
+    parser.add_argument("--output", required=True, help="output prefix; writes PREFIX.model")
+    parser.add_argument("--sentinels", type=int, default=DEFAULT_SENTINELS, help="T5 <extra_id_i> tokens")
+    parser.add_argument("--model-type", choices=("unigram", "bpe"), default="unigram")
+    args = parser.parse_args(argv)
+    try:
+        tokenizer = Tokenizer.train(_documents(args.input), args.vocab_size, num_sentinels=args.sentinels,
+                                    model_type=args.model_type)
+    except (OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    path = tokenizer.save(args.output)
+    print(f"wrote {path} ({tokenizer.vocab_size} tokens)")
+    return 0
+
+
+def main_preprocess(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="xscale data preprocess",
+                                     description="Tokenize text into Megatron's indexed .bin/.idx token files.")
+    parser.add_argument("--input", required=True,
+                        help=f"a .txt/.jsonl file, a folder of them, or '{STDLIB}' for the standard-library corpus")
+    parser.add_argument("--tokenizer", required=True, help="a SentencePiece .model (see xscale data tokenizer)")
+    parser.add_argument("--output", required=True, help="output prefix; writes PREFIX.bin and PREFIX.idx")
+    parser.add_argument("--no-eos", action="store_true", help="do not end each document with eos")
+    args = parser.parse_args(argv)
+    from xscale.data.indexed import write_indexed
+
+    try:
+        tokenizer = Tokenizer.load(args.tokenizer)
+        eos = [] if args.no_eos else [tokenizer.eos_id]
+        documents = (tokenizer.encode(text) + eos for text in _documents(args.input))
+        counts = {"documents": 0, "tokens": 0}
+
+        def counted():
+            for document in documents:
+                counts["documents"] += 1
+                counts["tokens"] += len(document)
+                yield document
+
+        prefix = write_indexed(args.output, counted(), tokenizer.vocab_size)
+    except (OSError, ValueError, ImportError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {prefix}.bin/.idx: {counts['documents']} documents, {counts['tokens']} tokens")
+    return 0

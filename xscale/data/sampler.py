@@ -1,0 +1,94 @@
+"""A data sampler defined over global sample indices, so its state survives a change of data-parallel degree.
+
+Position p in the training stream (p = 0, 1, 2, ... over all epochs) reads sample
+``permutation_e[p mod N]`` with epoch e = p // N and a permutation seeded by (seed, e). Step s reads
+positions ``origin + s*B .. origin + (s+1)*B - 1`` (B the global batch), and data-parallel rank r of D
+takes the r-th contiguous slice. The state holds only global quantities (seed, samples consumed, step),
+so resuming with any number of ranks continues with exactly the samples not yet seen.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class GlobalSampler:
+    """Epoch-wise shuffled global sample indices, batched globally and sharded by data-parallel rank."""
+
+    def __init__(self, num_samples: int, global_batch_size: int, seed: int, shuffle: bool = True) -> None:
+        if num_samples <= 0:
+            raise ValueError(f"num_samples must be positive, got {num_samples}")
+        if global_batch_size <= 0:
+            raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
+        self.num_samples, self.global_batch_size = num_samples, global_batch_size
+        self.seed, self.shuffle = seed, shuffle
+        self.origin = 0  # stream position of step 0 (non-zero after resuming with another global batch)
+        self.next_step = 0
+        self._epoch_cache: tuple[int, np.ndarray] | None = None
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        """The order of the sample indices in ``epoch``."""
+        if self._epoch_cache is not None and self._epoch_cache[0] == epoch:
+            return self._epoch_cache[1]
+        if self.shuffle:
+            state = np.random.SeedSequence([self.seed, epoch]).generate_state(2, np.uint32)
+            generator = torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
+            order = torch.randperm(self.num_samples, generator=generator).numpy()
+        else:
+            order = np.arange(self.num_samples)
+        self._epoch_cache = (epoch, order)
+        return order
+
+    def indices_at(self, start: int, count: int) -> list[int]:
+        """Sample indices at stream positions ``start .. start + count - 1`` (crossing epochs as needed)."""
+        indices: list[int] = []
+        position = start
+        while len(indices) < count:
+            epoch, offset = divmod(position, self.num_samples)
+            take = min(count - len(indices), self.num_samples - offset)
+            indices.extend(int(i) for i in self.permutation(epoch)[offset:offset + take])
+            position += take
+        return indices
+
+    def batch_indices(self, step: int) -> list[int]:
+        """The whole global batch of ``step``; records that the samples up to this batch are consumed."""
+        if step < 0:
+            raise ValueError(f"step must be non-negative, got {step}")
+        self.next_step = max(self.next_step, step + 1)
+        return self.indices_at(self.origin + step * self.global_batch_size, self.global_batch_size)
+
+    @staticmethod
+    def shard(indices: list[int], dp_rank: int, dp_size: int) -> list[int]:
+        """The contiguous slice of a global batch that data-parallel rank ``dp_rank`` of ``dp_size`` reads."""
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank} must be in [0, {dp_size})")
+        if len(indices) % dp_size:
+            raise ValueError(f"a global batch of {len(indices)} samples does not split over {dp_size} "
+                             "data-parallel ranks; make train.global_batch_size a multiple of the data-parallel size")
+        per_rank = len(indices) // dp_size
+        return indices[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+
+    @property
+    def consumed_samples(self) -> int:
+        return self.origin + self.next_step * self.global_batch_size
+
+    @property
+    def epoch(self) -> int:
+        return self.consumed_samples // self.num_samples
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self.seed, "num_samples": self.num_samples, "shuffle": self.shuffle,
+                "consumed_samples": self.consumed_samples, "epoch": self.epoch, "step": self.next_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue after the saved step; a changed global batch size keeps the stream position exact."""
+        if int(state["num_samples"]) != self.num_samples:
+            raise ValueError(f"the checkpoint's sampler covered {state['num_samples']} samples but this dataset has "
+                             f"{self.num_samples}; resume with the same data")
+        self.seed, self.shuffle = int(state["seed"]), bool(state["shuffle"])
+        self._epoch_cache = None
+        self.next_step = int(state["step"])
+        self.origin = int(state["consumed_samples"]) - self.next_step * self.global_batch_size

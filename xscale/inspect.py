@@ -1,0 +1,107 @@
+"""``xscale inspect CONFIG``: what a configuration costs before it is launched.
+
+Parameters (built on the meta device: no memory), FLOPs per token, and the memory that
+parameters, gradients, optimizer state and activations take on one device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+from xscale.config import Config, ConfigError, load_config_from_cli
+from xscale.train.metrics import flops_per_token
+
+
+@dataclass
+class ModelCount:
+    total: int
+    embedding: int
+    per_component: dict[str, int]
+
+    @property
+    def non_embedding(self) -> int:
+        return self.total - self.embedding
+
+
+def count_parameters(config: Config) -> ModelCount:
+    from xscale.models import build_model
+
+    model = build_model(config.model, materialize=False)
+    per_component: dict[str, int] = {}
+    total = 0
+    for name, param in model.named_parameters():  # tied weights are counted once
+        total += param.numel()
+        parts = name.split(".")
+        key = parts[0] if parts[0] not in ("stack", "decoder") else ".".join(p for p in parts[:5] if not p.isdigit())
+        per_component[key] = per_component.get(key, 0) + param.numel()
+    embedding = config.model.vocab_size * config.model.d_model
+    return ModelCount(total, embedding, per_component)
+
+
+def activation_bytes(config: Config, micro_batch: int) -> float:
+    """Stored activations per micro-batch for backward (Korthikanti et al. 2022, eq. 1:
+    s*b*h*(34 + 5*a*s/h) bytes per layer at 16-bit; doubled for fp32)."""
+    model, seq = config.model, config.train.seq_len
+    layers = model.n_layers + (model.decoder_layers if model.family == "encoder_decoder" else 0)
+    per_layer = seq * micro_batch * model.d_model * (34 + 5 * model.n_heads * seq / model.d_model)
+    scale = 1.0 if config.train.precision == "bf16" else 2.0
+    if config.parallel.activation_checkpointing == "full":
+        per_layer = seq * micro_batch * model.d_model * 2  # only each block's input is kept
+    logits = seq * micro_batch * model.vocab_size * 4
+    return layers * per_layer * scale + logits
+
+
+def memory_report(config: Config, count: ModelCount) -> dict[str, float]:
+    """Bytes on one device: fp32 weights + grads + AdamW (two fp32 moments), plus activations."""
+    params = count.total * 4.0
+    micro = config.train.micro_batch_size or config.train.global_batch_size
+    return {
+        "parameters": params,
+        "gradients": count.total * 4.0,
+        "optimizer": count.total * 8.0,
+        "activations": activation_bytes(config, micro),
+    }
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024:
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"
+
+
+def report(config: Config) -> str:
+    count = count_parameters(config)
+    flops = flops_per_token(config.model, config.train.seq_len, count.non_embedding)
+    lines = [
+        f"model: {config.model.family}, {config.model.n_layers} layers, d_model {config.model.d_model}, "
+        f"{config.model.n_heads} heads ({config.model.kv_heads} kv), ffn {config.model.ffn} {config.model.ffn_hidden}, "
+        f"attention {config.model.attention.kind}, position {config.model.position}",
+        f"parameters: {count.total:,} ({count.total / 1e6:.2f}M; non-embedding {count.non_embedding:,})",
+    ]
+    for name, value in sorted(count.per_component.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {name:<48} {value:>14,}")
+    lines.append(f"training FLOPs per token: {flops:.3e} (6N + 12*L*T*d at T={config.train.seq_len})")
+    lines.append("memory on one device:")
+    memory = memory_report(config, count)
+    for name, value in memory.items():
+        lines.append(f"  {name:<12} {_human(value)}")
+    lines.append(f"  {'total':<12} {_human(sum(memory.values()))}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="xscale inspect", description=__doc__.splitlines()[0])
+    parser.add_argument("config", nargs="?", help="YAML config; omit for the built-in default")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config_from_cli(args.config, args.overrides)
+    except ConfigError as error:
+        print(f"xscale inspect: invalid configuration: {error}", file=sys.stderr)
+        return 2
+    print(report(config))
+    return 0

@@ -1,0 +1,135 @@
+"""Pre-training objectives as maps from a token window to a model batch: causal LM (GPT), masked LM with
+BERT's 80/10/10 rule (Devlin et al. 2019, sec. 3.1) and T5 span corruption (Raffel et al. 2020, sec. 3.1.4).
+
+Labels use -100 for positions that carry no loss. Every random choice comes from the ``generator`` the
+caller passes, so a dataset seeded by (seed, global sample index) gives the same sample on any rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+def causal_lm(window: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A window of T+1 tokens: predict token t+1 from tokens <= t."""
+    return {"input_ids": window[:-1].clone(), "labels": window[1:].clone()}
+
+
+def masked_lm(
+    tokens: torch.Tensor,
+    generator: torch.Generator,
+    *,
+    vocab_size: int,
+    mask_id: int | None,
+    special_ids: Sequence[int],
+    mask_probability: float = 0.15,
+) -> dict[str, torch.Tensor]:
+    """Choose round(15%) of the maskable positions; of those 80% become <mask>, 10% a random token, 10% stay.
+
+    Labels hold the original token at chosen positions only.
+    """
+    if mask_id is None:
+        raise ValueError("masked LM needs a <mask> token; use a tokenizer trained by xscale (xscale data tokenizer)")
+    special = torch.tensor(sorted(set(special_ids)), dtype=tokens.dtype)
+    candidates = torch.nonzero(~torch.isin(tokens, special)).flatten()
+    count = min(len(candidates), max(1, round(mask_probability * len(candidates))))
+    chosen = candidates[torch.randperm(len(candidates), generator=generator)[:count]]
+
+    labels = torch.full_like(tokens, IGNORE_INDEX)
+    labels[chosen] = tokens[chosen]
+    inputs = tokens.clone()
+    action = torch.rand(count, generator=generator)
+    replace_with_mask = chosen[action < 0.8]
+    replace_with_random = chosen[(action >= 0.8) & (action < 0.9)]
+    inputs[replace_with_mask] = mask_id
+    inputs[replace_with_random] = _random_ordinary_tokens(len(replace_with_random), vocab_size, special, generator)
+    return {"input_ids": inputs, "labels": labels}
+
+
+def _random_ordinary_tokens(count: int, vocab_size: int, special: torch.Tensor, generator: torch.Generator
+                            ) -> torch.Tensor:
+    ordinary = torch.ones(vocab_size, dtype=torch.bool)
+    ordinary[special[special < vocab_size]] = False
+    pool = torch.nonzero(ordinary).flatten()
+    return pool[torch.randint(len(pool), (count,), generator=generator)]
+
+
+def span_lengths(length: int, noise_density: float = 0.15, mean_span_length: float = 3.0) -> tuple[int, int]:
+    """(noise tokens, spans) for a window of ``length``: fixed by the length, so every sample has one shape."""
+    noise = min(max(1, round(length * noise_density)), length - 1)
+    spans = min(max(1, round(noise / mean_span_length)), length - noise)
+    return noise, spans
+
+
+def span_corruption_lengths(length: int, noise_density: float = 0.15, mean_span_length: float = 3.0
+                            ) -> tuple[int, int]:
+    """(encoder input length, target length) that span corruption gives a window of ``length`` tokens."""
+    noise, spans = span_lengths(length, noise_density, mean_span_length)
+    return length - noise + spans + 1, noise + spans + 1
+
+
+def _random_partition(total: int, parts: int, generator: torch.Generator) -> torch.Tensor:
+    """``parts`` positive integers summing to ``total``, uniformly over such compositions."""
+    cuts = torch.randperm(total - 1, generator=generator)[:parts - 1] + 1
+    bounds = torch.cat([torch.zeros(1, dtype=torch.long), cuts.sort().values, torch.tensor([total])])
+    return bounds.diff()
+
+
+def random_spans_noise_mask(length: int, generator: torch.Generator, noise_density: float = 0.15,
+                            mean_span_length: float = 3.0) -> torch.Tensor:
+    """Boolean mask of noise positions: ``spans`` noise runs interleaved with as many kept runs, kept first."""
+    noise, spans = span_lengths(length, noise_density, mean_span_length)
+    noise_runs = _random_partition(noise, spans, generator)
+    kept_runs = _random_partition(length - noise, spans, generator)
+    runs = torch.stack([kept_runs, noise_runs], dim=1).flatten()
+    is_noise = torch.arange(2 * spans) % 2 == 1
+    return torch.repeat_interleave(is_noise, runs)
+
+
+def span_corruption(
+    tokens: torch.Tensor,
+    generator: torch.Generator,
+    *,
+    sentinel_ids: Sequence[int],
+    eos_id: int,
+    decoder_start_id: int,
+    noise_density: float = 0.15,
+    mean_span_length: float = 3.0,
+) -> dict[str, torch.Tensor]:
+    """T5: each noise span becomes one sentinel in the input; the target lists sentinel + span for each span.
+
+    input_ids = kept tokens with <extra_id_i> in place of span i, then eos; labels = <extra_id_0> span_0
+    <extra_id_1> span_1 ... eos; decoder_input_ids = labels shifted right behind ``decoder_start_id``.
+    """
+    length = len(tokens)
+    if length < 2:
+        raise ValueError(f"span corruption needs a window of at least 2 tokens, got {length}")
+    noise_mask = random_spans_noise_mask(length, generator, noise_density, mean_span_length)
+    _, spans = span_lengths(length, noise_density, mean_span_length)
+    if spans > len(sentinel_ids):
+        raise ValueError(f"span corruption of {length} tokens needs {spans} sentinels but the tokenizer has "
+                         f"{len(sentinel_ids)}; train it with more (xscale data tokenizer) or shorten train.seq_len")
+    sentinels = torch.tensor(list(sentinel_ids[:spans]), dtype=tokens.dtype)
+    span_starts = noise_mask & ~torch.cat([torch.zeros(1, dtype=torch.bool), noise_mask[:-1]])
+    span_index = torch.cumsum(span_starts.long(), 0) - 1
+    eos = torch.tensor([eos_id], dtype=tokens.dtype)
+
+    inputs = tokens.clone()
+    inputs[span_starts] = sentinels
+    keep_in_input = ~noise_mask | span_starts
+    input_ids = torch.cat([inputs[keep_in_input], eos])
+
+    # Target: every noise token, each span preceded by its sentinel.
+    target_positions = torch.nonzero(noise_mask).flatten()
+    target = []
+    for position in target_positions.tolist():
+        if span_starts[position]:
+            target.append(sentinels[span_index[position]])
+        target.append(tokens[position])
+    labels = torch.cat([torch.stack(target), eos]) if target else eos
+    decoder_input_ids = torch.cat([torch.tensor([decoder_start_id], dtype=tokens.dtype), labels[:-1]])
+    return {"input_ids": input_ids, "labels": labels, "decoder_input_ids": decoder_input_ids}

@@ -1,0 +1,211 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP): complete or invisible.
+
+Layout of ``<dir>``::
+
+    step_00000020/          DCP shards (model, optimizer) + meta.json + rng/rank_*.pt
+    latest                  text file naming the newest complete step directory
+
+A save writes into ``.tmp-step_N`` and is renamed into place only after every rank finished and
+meta.json (with the size of every file) is written; ``latest`` is replaced atomically afterwards.
+A crash mid-save therefore leaves the previous checkpoint and ``latest`` untouched. On load, the
+recorded file sizes and the model's parameter shapes are checked, so a truncated file or a
+checkpoint of another model fails with a message that names the file and the mismatch.
+DCP reshards on load: a checkpoint saved at one parallel layout loads at another.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+STEP_PREFIX = "step_"
+META = "meta.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded; the message names the file and what is wrong."""
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def step_dir_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step:08d}"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(temporary, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+
+
+def _file_sizes(directory: Path) -> dict[str, int]:
+    return {str(p.relative_to(directory)): p.stat().st_size for p in sorted(directory.rglob("*"))
+            if p.is_file() and p.name != META}
+
+
+def shape_fingerprint(model_state: dict[str, Any]) -> dict[str, list[int]]:
+    """Parameter name -> global shape, the identity of a model for resume checks."""
+    fingerprint = {}
+    for name, value in model_state.items():
+        if isinstance(value, torch.Tensor):
+            fingerprint[name] = list(value.shape)
+    return fingerprint
+
+
+class Checkpointer:
+    def __init__(self, directory: str | Path, keep: int = 3, async_save: bool = False) -> None:
+        self.directory = Path(directory)
+        self.keep = keep
+        self.async_save = async_save
+        self._pending: tuple[Any, Path, Path, dict[str, Any]] | None = None
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
+        """Save DCP ``state`` (model/optimizer) and ``meta`` (JSON; written by rank 0) for ``step``."""
+        self.wait()
+        final = self.directory / step_dir_name(step)
+        staging = self.directory / f".tmp-{step_dir_name(step)}"
+        if _rank() == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            if staging.exists():
+                shutil.rmtree(staging)
+            (staging / "rng").mkdir(parents=True)
+        _barrier()
+        torch.save(_rng_state(), staging / "rng" / f"rank_{_rank():05d}.pt")
+        meta = {**meta, "step": step, "fingerprint": shape_fingerprint(state.get("model", {}))}
+        if self.async_save:
+            future = dcp.async_save(state, checkpoint_id=str(staging))
+            self._pending = (future, staging, final, meta)
+        else:
+            dcp.save(state, checkpoint_id=str(staging))
+            self._finalize(staging, final, meta)
+
+    def wait(self) -> None:
+        """Finish an asynchronous save (collective: every rank calls it)."""
+        if self._pending is None:
+            return
+        future, staging, final, meta = self._pending
+        self._pending = None
+        future.result()
+        self._finalize(staging, final, meta)
+
+    def _finalize(self, staging: Path, final: Path, meta: dict[str, Any]) -> None:
+        _barrier()
+        if _rank() == 0:
+            meta = {**meta, "files": _file_sizes(staging)}
+            _write_atomic(staging / META, json.dumps(meta, indent=1, default=str))
+            previous = final.with_name(f".old-{final.name}")
+            if final.exists():
+                final.rename(previous)
+            staging.rename(final)
+            _write_atomic(self.directory / "latest", final.name + "\n")
+            if previous.exists():
+                shutil.rmtree(previous)
+            self._retain()
+        _barrier()
+
+    def _retain(self) -> None:
+        steps = sorted(p for p in self.directory.glob(f"{STEP_PREFIX}*") if p.is_dir())
+        for old in steps[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    # ------------------------------------------------------------------ load
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint, or None when there is none yet."""
+        marker = self.directory / "latest"
+        if not marker.exists():
+            return None
+        name = marker.read_text().strip()
+        path = self.directory / name
+        if not (path / META).is_file():
+            raise CheckpointError(
+                f"{marker} names '{name}', but {path / META} does not exist: the checkpoint directory was "
+                f"removed or damaged; point checkpoint.resume at another step directory or delete {marker}"
+            )
+        return path
+
+    @staticmethod
+    def read_meta(path: str | Path) -> dict[str, Any]:
+        path = Path(path)
+        meta_file = path / META
+        if not meta_file.is_file():
+            raise CheckpointError(f"{path} is not a complete xscale checkpoint: {meta_file} is missing")
+        try:
+            meta = json.loads(meta_file.read_text())
+        except json.JSONDecodeError as error:
+            raise CheckpointError(f"{meta_file} is corrupt (not JSON: {error})") from error
+        for name, size in meta.get("files", {}).items():
+            file = path / name
+            if not file.is_file():
+                raise CheckpointError(f"checkpoint file {file} is missing")
+            actual = file.stat().st_size
+            if actual != size:
+                raise CheckpointError(f"checkpoint file {file} has {actual} bytes but {size} were written: "
+                                      f"it is truncated or corrupt")
+        return meta
+
+    def load(self, path: str | Path, state: dict[str, Any]) -> dict[str, Any]:
+        """Load into ``state`` in place (resharding to its layout); returns the checkpoint's meta."""
+        path = Path(path)
+        meta = self.read_meta(path)
+        check_fingerprint(meta.get("fingerprint", {}), shape_fingerprint(state.get("model", {})), path)
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except Exception as error:  # DCP raises a variety of errors on damaged shards
+            raise CheckpointError(f"could not read checkpoint {path}: {type(error).__name__}: {error}") from error
+        rng_file = path / "rng" / f"rank_{_rank():05d}.pt"
+        if rng_file.is_file():
+            _set_rng_state(torch.load(rng_file, weights_only=True))
+        return meta
+
+
+def check_fingerprint(saved: dict[str, list[int]], current: dict[str, list[int]], path: Path) -> None:
+    """Refuse a checkpoint of another model: name the first parameters that differ."""
+    missing = sorted(set(current) - set(saved))
+    unexpected = sorted(set(saved) - set(current))
+    different = [(n, saved[n], current[n]) for n in sorted(set(saved) & set(current)) if saved[n] != current[n]]
+    if not (missing or unexpected or different):
+        return
+    lines = [f"checkpoint {path} was saved from another model:"]
+    if different:
+        lines += [f"  {name}: checkpoint has shape {s}, this model {c}" for name, s, c in different[:5]]
+    if missing:
+        lines.append(f"  parameters missing from the checkpoint: {', '.join(missing[:5])}")
+    if unexpected:
+        lines.append(f"  parameters only in the checkpoint: {', '.join(unexpected[:5])}")
+    lines.append("  check model.* in the config against the run that wrote it (its config is in meta.json)")
+    raise CheckpointError("\n".join(lines))
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

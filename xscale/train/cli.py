@@ -1,0 +1,35 @@
+"""``xscale train [CONFIG] [section.key=value ...]``: with no config, the built-in default run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from xscale.config import ConfigError, load_config_from_cli
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="xscale train",
+        description="Train a model. With no CONFIG, a small decoder on the built-in corpus (no download, CPU ok).",
+    )
+    parser.add_argument("config", nargs="?", help="YAML config (configs/*.yaml); omit for the built-in default")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=50 model.norm=layernorm")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config_from_cli(args.config, args.overrides)
+    except ConfigError as error:
+        print(f"xscale train: invalid configuration: {error}", file=sys.stderr)
+        return 2
+    from xscale.train.checkpoint import CheckpointError
+    from xscale.train.trainer import Trainer
+
+    try:
+        summary = Trainer(config).fit()
+    except (ConfigError, CheckpointError) as error:
+        print(f"xscale train: {error}", file=sys.stderr)
+        return 2
+    if summary["losses"]:
+        print(f"done: step {summary['step']}, last loss {summary['losses'][-1]:.4f}, "
+              f"checkpoints in {summary['checkpoint']}" + (f", plot {summary['plot']}" if summary["plot"] else ""))
+    return 0

@@ -1,0 +1,28 @@
+"""AdamW with decoupled weight decay on matrices only (Loshchilov & Hutter 2019).
+
+Norm gains, biases and other 1-D parameters are not decayed, as in GPT-2/3 and Megatron.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from xscale.config import TrainConfig
+
+
+def parameter_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for param in params:
+        if not param.requires_grad:
+            continue
+        (decay if param.ndim >= 2 else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(params: Iterable[nn.Parameter], train: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; apex's FusedAdam replaces it on CUDA when apex is importable and kernels allow."""
+    groups = parameter_groups(params, train.weight_decay)
+    return torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps, foreach=True)

@@ -1,0 +1,202 @@
+"""The training loop. It knows neither the model variant nor the parallel layout.
+
+Each step: the sampler names the global batch, this data-parallel rank loads its slice, the
+engine runs forward and backward (microbatches, pipeline schedule, ZeRO, ... are the engine's
+business), the trainer clips, steps the optimizer and the schedule, logs, evaluates and saves.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from xscale.config import Config
+from xscale.data.sampler import GlobalSampler
+from xscale.models import build_model
+from xscale.models.init import canonical_name
+from xscale.ops import set_kernel_backend
+from xscale.parallel.engine import Engine
+from xscale.train.checkpoint import Checkpointer, CheckpointError
+from xscale.train.metrics import MetricsLogger, flops_per_token, measure_matmul_peak, peak_memory_bytes
+from xscale.train.optim import build_optimizer
+from xscale.train.schedule import lr_factor
+
+
+def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {key: torch.stack([sample[key] for sample in samples]) for key in samples[0]}
+
+
+class Trainer:
+    def __init__(self, config: Config, train_dataset: Any = None, eval_dataset: Any = None) -> None:
+        self.config = config
+        train = config.train
+        self.rank, self.world_size = _init_process_group(config)
+        self.device = _device()
+        torch.manual_seed(train.seed)
+        set_kernel_backend(train.kernels)
+        if train_dataset is None:
+            from xscale.data import build_datasets
+
+            train_dataset, eval_dataset = build_datasets(config)[:2]
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+
+        self.dp_rank, self.dp_size = 0, 1
+        if self.world_size > 1:
+            raise NotImplementedError("multi-process layouts arrive with xscale.parallel")
+        micro = train.micro_batch_size or train.global_batch_size // self.dp_size
+        self.local_batch_size = train.global_batch_size // self.dp_size
+        model = build_model(config.model, self.device, seed=train.seed)
+        self.num_params = sum(p.numel() for p in model.parameters())
+        autocast = torch.bfloat16 if train.precision == "bf16" else None
+        self.engine = Engine(model, micro, autocast)
+        self.optimizer = build_optimizer(self.engine.parameters(), train)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, train))
+        self.sampler = GlobalSampler(len(train_dataset), train.global_batch_size, seed=train.seed)
+        self.step = 0
+        output_dir = Path(train.output_dir)
+        self.checkpointer = Checkpointer(config.checkpoint.dir or output_dir / "checkpoints",
+                                         keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
+        self.metrics = MetricsLogger(output_dir, enabled=self.rank == 0, total_steps=train.steps,
+                                     log_every=train.log_every, tensorboard=train.tensorboard,
+                                     progress=train.progress)
+        embedding_params = config.model.vocab_size * config.model.d_model
+        self.flops_per_token = flops_per_token(config.model, train.seq_len, self.num_params - embedding_params)
+        self.peak_flops = train.peak_flops
+        self.stop_requested = False
+
+    # ------------------------------------------------------------------ state
+    def state(self) -> dict[str, Any]:
+        return self.engine.state_dict(self.optimizer)
+
+    def save(self) -> None:
+        meta = {"config": self.config.to_dict(), "sampler": self.sampler.state_dict(),
+                "world_size": self.world_size, "num_params": self.num_params}
+        self.checkpointer.save(self.step, self.state(), meta)
+
+    def resume(self) -> bool:
+        """Load the checkpoint named by checkpoint.resume (auto: the latest, if any)."""
+        choice = self.config.checkpoint.resume
+        if choice == "none":
+            return False
+        path = self.checkpointer.latest() if choice == "auto" else Path(choice)
+        if path is None:
+            return False
+        if not path.exists():
+            raise CheckpointError(f"checkpoint.resume={choice}: {path} does not exist")
+        state = self.state()
+        meta = self.checkpointer.load(path, state)
+        self.engine.load_state_dict(state, self.optimizer)
+        self.step = int(meta["step"])
+        self.sampler.load_state_dict(meta["sampler"])
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_factor(step, self.config.train), last_epoch=self.step - 1)
+        if self.rank == 0:
+            print(f"resumed from {path} at step {self.step}", flush=True)
+        return True
+
+    # ------------------------------------------------------------------ data
+    def _load(self, dataset: Any, indices: list[int]) -> dict[str, torch.Tensor]:
+        local = GlobalSampler.shard(indices, self.dp_rank, self.dp_size)
+        batch = collate([dataset[i] for i in local])
+        return {key: value.to(self.device) for key, value in batch.items()}
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        return self._load(self.train_dataset, self.sampler.batch_indices(self.step))
+
+    def evaluate(self) -> float:
+        if self.eval_dataset is None or len(self.eval_dataset) == 0:
+            return float("nan")
+        size = self.config.train.global_batch_size
+        losses = []
+        for start in range(0, min(len(self.eval_dataset), size * self.config.train.eval_batches), size):
+            indices = list(range(start, min(start + size, len(self.eval_dataset))))
+            if len(indices) < size:
+                break
+            losses.append(float(self.engine.eval_loss(self._load(self.eval_dataset, indices))))
+        return sum(losses) / len(losses) if losses else float("nan")
+
+    # ------------------------------------------------------------------ loop
+    def train_step(self) -> dict[str, float]:
+        batch = self.next_batch()
+        tokens = batch["input_ids"].numel() * self.dp_size
+        start = time.perf_counter()
+        loss = self.engine.train_step(batch)
+        grad_norm = self.engine.clip_grad_norm(self.config.train.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        self.step += 1
+        elapsed = time.perf_counter() - start
+        tokens_per_second = tokens / elapsed
+        scalars = {"train/loss": float(loss), "train/lr": lr, "train/grad_norm": float(grad_norm),
+                   "perf/tokens_per_second": tokens_per_second, "perf/step_seconds": elapsed,
+                   "perf/memory_gb": peak_memory_bytes(self.device) / 2**30}
+        if self.peak_flops:
+            scalars["perf/mfu"] = tokens_per_second * self.flops_per_token / (self.peak_flops * self.world_size)
+        return scalars
+
+    def fit(self) -> dict[str, Any]:
+        train = self.config.train
+        self.resume()
+        if self.peak_flops is None and self.rank == 0:
+            dtype = torch.bfloat16 if train.precision == "bf16" else torch.float32
+            self.peak_flops = measure_matmul_peak(dtype, device=self.device.type)
+        if self.rank == 0:
+            print(f"xscale: {self.num_params / 1e6:.2f}M parameters, {self.world_size} process(es), "
+                  f"device {self.device}, {train.steps} steps of {train.global_batch_size}x{train.seq_len} tokens",
+                  flush=True)
+        losses = []
+        every = self.config.checkpoint.every
+        while self.step < train.steps and not self.stop_requested:
+            scalars = self.train_step()
+            losses.append(scalars["train/loss"])
+            if train.eval_every and self.step % train.eval_every == 0:
+                scalars["eval/loss"] = self.evaluate()
+            for module in self.engine.model_parts:
+                scalars.update(_collect_layer_metrics(module))
+            self.metrics.log(self.step, scalars)
+            if every and self.step % every == 0 and self.step < train.steps:
+                self.save()
+        self.save()
+        self.checkpointer.wait()
+        plot = self.metrics.close(plot=train.plot)
+        return {"step": self.step, "losses": losses, "plot": str(plot) if plot else None,
+                "checkpoint": str(self.checkpointer.directory)}
+
+
+def _collect_layer_metrics(module: torch.nn.Module) -> dict[str, float]:
+    """Per-layer statistics that layers record on themselves (MoE load, ...)."""
+    metrics: dict[str, float] = {}
+    for name, child in module.named_modules():
+        record = getattr(child, "layer_metrics", None)
+        if callable(record):
+            for key, value in record().items():
+                metrics[f"{canonical_name(name)}/{key}"] = value
+    return metrics
+
+
+def _device() -> torch.device:
+    """cuda:<local rank> when CUDA is present, else CPU: from the environment, never hard-coded."""
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _init_process_group(config: Config) -> tuple[int, int]:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return 0, 1
+    if not dist.is_initialized():
+        backend = config.parallel.backend
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)
+    return dist.get_rank(), dist.get_world_size()
