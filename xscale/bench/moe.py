@@ -57,7 +57,7 @@ def _step(module: nn.Module, x: torch.Tensor, upstream: torch.Tensor) -> Callabl
 def _time(runs: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
     """Median seconds per call of each workload, alternating workloads every round (after one warm-up)."""
     times: dict[str, list[float]] = {name: [] for name in runs}
-    for name, run in runs.items():
+    for run in runs.values():
         run()
     for _ in range(rounds):
         for name, run in runs.items():

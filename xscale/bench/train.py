@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = {"huggingface": lambda: _hf_step(hf, hf_optimizer, tokens),
             "xscale": lambda: _xscale_step(engine, our_optimizer, tokens)}
     times: dict[str, list[float]] = {name: [] for name in runs}
-    for name, step in runs.items():  # warm-up
+    for step in runs.values():  # warm-up
         step()
     for _ in range(args.steps):
         for name, step in runs.items():
