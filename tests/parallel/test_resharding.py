@@ -41,16 +41,17 @@ def _train(config):
     return {"losses": summary["losses"], "seen": train.seen}
 
 
-def _run(layout: str, output_dir: Path, *extra: str) -> list[dict]:
-    config = load_config(None, [*MODEL, *PARITY_SETTINGS, *layout_overrides(layout), f"train.output_dir={output_dir}",
+def _run(layout: str, output_dir: Path, *extra: str, model: list[str] = MODEL) -> list[dict]:
+    config = load_config(None, [*model, *PARITY_SETTINGS, *layout_overrides(layout), f"train.output_dir={output_dir}",
                                 *extra])
     config.checkpoint.resume = "auto"
     return run_local(_train, world_size_of(config), config)
 
 
-def check_resharding(save_layout: str, resume_layout: str, tmp_path: Path) -> None:
-    reference = _run("single", tmp_path / "reference")[0]["losses"]
-    first = _run(save_layout, tmp_path / "run", "checkpoint.every=4")
+def check_resharding(save_layout: str, resume_layout: str, tmp_path: Path, model: list[str] = MODEL) -> None:
+    """``model``: overrides of the model and data (8 steps of a 64-sample epoch, global batch 8)."""
+    reference = _run("single", tmp_path / "reference", model=model)[0]["losses"]
+    first = _run(save_layout, tmp_path / "run", "checkpoint.every=4", model=model)
     checkpoints = tmp_path / "run" / "checkpoints"
     for step_dir in checkpoints.glob("step_*"):
         if step_dir.name != "step_00000004":
@@ -58,7 +59,7 @@ def check_resharding(save_layout: str, resume_layout: str, tmp_path: Path) -> No
                 file.unlink() if file.is_file() else file.rmdir()
             step_dir.rmdir()
     (checkpoints / "latest").write_text("step_00000004\n")  # as if the first run died after step 4
-    second = _run(resume_layout, tmp_path / "run")
+    second = _run(resume_layout, tmp_path / "run", model=model)
     losses = second[0]["losses"]
     assert len(losses) == STEPS - 4
     for step, (expected, got) in enumerate(zip(reference[4:], losses), start=5):

@@ -75,6 +75,12 @@ class DataParallel:
     def dp_group(self) -> dist.ProcessGroup | None:
         return self.mesh["dp"].get_group() if self.mesh is not None and self.mesh["dp"].size() > 1 else None
 
+    @property
+    def routing_groups(self) -> int:
+        """MoE routing groups one microbatch forms: data-parallel ranks / ep (an ep group routes together)."""
+        dp = self.mesh["dp"].size() if self.mesh is not None else 1
+        return dp // self.expert_parallel
+
     def global_token_count(self, local: torch.Tensor) -> torch.Tensor:
         total = local.detach().clone()
         if self.dp_group is not None:

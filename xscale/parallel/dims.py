@@ -108,6 +108,11 @@ class ParallelDims:
                     f"parallel.ep={self.ep} must divide the sharded data-parallel degree dp_shard={self.dp_shard} "
                     f"(experts are spread over data-parallel ranks); pick ep from "
                     f"{[d for d in range(1, self.dp_shard + 1) if self.dp_shard % d == 0]}")
+            if model.moe.num_experts % self.ep:
+                raise ConfigError(
+                    f"parallel.ep={self.ep} does not divide model.moe.num_experts={model.moe.num_experts} (each ep "
+                    f"rank holds num_experts / ep experts); pick ep from "
+                    f"{[d for d in range(1, model.moe.num_experts + 1) if model.moe.num_experts % d == 0]}")
         if parallel.sequence_parallel and self.tp == 1:
             raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1 (it shards norms and dropout "
                               "over the tensor-parallel ranks)")

@@ -4,7 +4,14 @@ The trainer knows neither the model variant nor the layout: it hands each step's
 data-parallel rank's share of the global batch) to an :class:`Engine`. The contract every engine
 keeps, and the parity tests check: the loss it returns and the gradients it leaves are those of
 the single-process model on the whole global batch, where the loss is the mean token
-cross-entropy over every labelled token of the global batch (plus MoE auxiliary terms).
+cross-entropy over every labelled token of the global batch, plus the MoE auxiliary losses averaged
+over the step's routing groups.
+
+A routing group is the tokens one forward routes together: one microbatch on one rank, gathered over
+the ep group under expert parallelism. A step has G = microbatches x (dp / ep) of them, and each MoE
+layer's auxiliary losses are weighted 1/G (``MoELayer.aux_loss_scale``). The single process routes one
+microbatch at a time, so its routing matches a layout's when its micro_batch_size equals the sequences
+of one routing group (ep x the per-rank micro_batch_size, contiguous in the global batch).
 """
 
 from __future__ import annotations
@@ -13,10 +20,13 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from xscale.config import TrainConfig
+from xscale.models.moe import moe_layers
 from xscale.ops import cross_entropy_sum, linear_cross_entropy_sum
 from xscale.parallel.data import DataParallel
+from xscale.parallel.expert_state import globalize_expert_state, localize_expert_state
 from xscale.parallel.grad_norm import clip_gradients
 from xscale.train.optim import build_optimizer
 
@@ -86,6 +96,18 @@ class Engine:
         """Combine per-rank partial losses into the global one (identity on one device)."""
         return self.data_parallel.reduce_loss(local).cpu() if self.distributed else local.cpu()
 
+    @property
+    def routing_groups_per_microbatch(self) -> int:
+        """Routing groups one microbatch forms over the layout: dp / ep (1 on one device)."""
+        return self.data_parallel.routing_groups if self.distributed else 1
+
+    def set_aux_loss_scale(self, microbatches: int) -> None:
+        """Weight every MoE layer's auxiliary losses by 1/G, G the step's routing groups (their mean)."""
+        scale = 1.0 / (microbatches * self.routing_groups_per_microbatch)
+        for part in self.model_parts:
+            for layer in moe_layers(part):
+                layer.aux_loss_scale = scale
+
     def train_step(self, batch: Batch) -> torch.Tensor:
         """Forward + backward over the microbatches; returns the global-batch mean loss (detached)."""
         for part in self.model_parts:
@@ -93,6 +115,7 @@ class Engine:
         tokens = self.global_token_count(batch).clamp_min(1)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         micros = split_microbatches(batch, self.micro_batch_size)
+        self.set_aux_loss_scale(len(micros))
         for index, micro in enumerate(micros):
             if self.distributed:
                 self.data_parallel.requires_gradient_sync(index == len(micros) - 1)
@@ -140,19 +163,34 @@ class Engine:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
+    @property
+    def expert_mesh(self) -> DeviceMesh | None:
+        """The ep mesh when experts are sharded over ranks (their checkpoint tensors are then global views)."""
+        if self.distributed and self.data_parallel.expert_parallel > 1:
+            return self.data_parallel.mesh["ep"]
+        return None
+
     def state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        """Model and optimizer state keyed by canonical parameter names (DCP-friendly, any layout)."""
+        """Model and optimizer state keyed by canonical parameter names, in single-process shapes (expert
+        tensors included: :mod:`xscale.parallel.expert_state`), so DCP reshards them to any layout."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
         custom = self.data_parallel.optimizer_state_dict(optimizer) if self.distributed else None
         if custom is not None:
-            return {"model": get_model_state_dict(self._state_module()), "optimizer": custom}
-        model_state, optimizer_state = get_state_dict(self._state_module(), optimizer)
-        return {"model": model_state, "optimizer": optimizer_state}
+            state = {"model": get_model_state_dict(self._state_module()), "optimizer": custom}
+        else:
+            model_state, optimizer_state = get_state_dict(self._state_module(), optimizer)
+            state = {"model": model_state, "optimizer": optimizer_state}
+        if self.expert_mesh is not None:
+            state = globalize_expert_state(state, self.expert_mesh)
+        return state
 
     def load_state_dict(self, state: dict, optimizer: torch.optim.Optimizer) -> None:
+        """Load a state of :meth:`state_dict`'s form (after DCP filled it from a checkpoint of any layout)."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
+        if self.expert_mesh is not None:
+            state = localize_expert_state(state, self._state_module())
         if self.distributed and self.data_parallel.optimizer_state_dict(optimizer) is not None:
             set_model_state_dict(self._state_module(), state["model"])
             self.data_parallel.load_optimizer_state_dict(optimizer, state["optimizer"])

@@ -3,6 +3,8 @@
 Order (as torchtitan settled on): build on the meta device -> pipeline split -> tensor/sequence parallel ->
 expert parallel -> activation checkpointing -> ZeRO-3 (FSDP2) -> materialise on the device -> deterministic init
 from (seed, canonical parameter name), so every layout starts from the single-device weights.
+Expert parallelism (ep > 1) acts on the MoE layers only and slices materialised experts, so under ep the model is
+materialised and initialised just before it (after tensor parallelism, which leaves MoE layers replicated over tp).
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from xscale.config import Config, ConfigError
 from xscale.models import build_model
 from xscale.models.init import canonical_name, init_weights
+from xscale.models.moe import moe_layers
 from xscale.parallel.activation import apply_activation_checkpointing
 from xscale.parallel.data import DataParallel, NamedParameter, ReplicatedDataParallel, ZeroDataParallel
 from xscale.parallel.dims import ParallelDims
 from xscale.parallel.engine import Engine, model_loss_sum
+from xscale.parallel.expert import apply_expert_parallel
 
 
 def _stacks(model: nn.Module) -> list[nn.Module]:
@@ -46,6 +50,9 @@ def build_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh | None, de
         model = build_model(config.model, device, seed=seed)
         apply_activation_checkpointing(_stacks(model), config.parallel.activation_checkpointing)
         return Engine(model, micro_batch_size(config, dims), autocast)
+    if dims.ep > 1 and (dims.tp > 1 or dims.pp > 1):
+        raise ConfigError(f"parallel.ep={dims.ep} with tp={dims.tp}, pp={dims.pp} is not supported yet (expert "
+                          f"parallelism runs inside data parallelism only); set parallel.tp=1 and parallel.pp=1")
     if dims.pp > 1:
         from xscale.parallel.pipeline_layout import build_pipeline_engine
 
@@ -59,23 +66,32 @@ def build_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh | None, de
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=config.parallel.sequence_parallel)
         loss_fn = tensor_parallel_loss_sum
     if dims.ep > 1:
-        raise ConfigError("expert parallelism in the trainer arrives with the MoE layout work; use parallel.ep=1")
+        # Expert parallelism slices materialised experts, so the slices are rows of the single-process init.
+        _materialize(model, config, device)
+        apply_expert_parallel(model, mesh["ep"])
     apply_activation_checkpointing(_stacks(model), config.parallel.activation_checkpointing)
     data_parallel = _data_parallel(model, dims, mesh, autocast)
-    model.to_empty(device=device)
-    model.tie_weights()
-    init_weights(model, config.model, seed)
+    if dims.ep == 1:
+        _materialize(model, config, device)
     data_parallel = data_parallel(model)
     return Engine(model, micro_batch_size(config, dims), autocast, loss_fn=loss_fn, data_parallel=data_parallel)
 
 
+def _materialize(model: nn.Module, config: Config, device: torch.device) -> None:
+    """Allocate a meta-device (possibly already parallelised) model on ``device`` with the single-process init."""
+    model.to_empty(device=device)
+    model.tie_weights()
+    init_weights(model, config.model, config.train.seed)
+
+
 def _data_parallel(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, autocast: torch.dtype | None):
-    """Shard for ZeRO-3 now (on the meta model); return a factory that builds the strategy once materialised."""
+    """Shard for ZeRO-3 now (on the meta model; materialised under ep); return a factory that builds the strategy once materialised."""
     stage_replicas = dims.world_size // dims.pp
     if dims.zero_stage == 3 and dims.dp > 1:
         from xscale.parallel.fsdp import FullyShardedDataParallel, apply_fsdp
 
-        apply_fsdp(model, mesh, dims, autocast, _blocks(model))
+        experts = [layer.experts for layer in moe_layers(model)] if dims.ep > 1 else []
+        apply_fsdp(model, mesh, dims, autocast, _blocks(model), expert_modules=experts)
         return lambda m: FullyShardedDataParallel(named_parameters(m), mesh, stage_replicas, [m], dims.ep)
     if dims.zero_stage in (1, 2) and dims.dp > 1:
         return lambda m: ZeroDataParallel(named_parameters(m), mesh, dims.zero_stage, stage_replicas, dims.ep)

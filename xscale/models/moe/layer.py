@@ -49,9 +49,12 @@ class MoELayer(nn.Module):
       ``token_ids``: the token ids [B, T] of the sequence this layer sees (hash routing only);
         :func:`attach_token_ids` sets them from the model's inputs before every forward.
       ``token_group`` / ``dispatch``: replaced by :func:`xscale.parallel.expert.apply_expert_parallel`.
-      ``aux_loss_scale``: a data-parallel engine that sums gradients over G routing groups sets 1/G so
-        the auxiliary losses count once.
-    After each forward, ``metrics`` holds detached tensors: tokens_per_expert, dropped_fraction, aux_loss, z_loss.
+      ``aux_loss_scale``: the weight of this forward's auxiliary losses. A routing group is the tokens one
+        forward routes together (one microbatch on one device; under expert parallelism, that microbatch on
+        every rank of the ep group). An engine that sums gradients over the G routing groups of a step sets
+        1/G, so the auxiliary losses are the mean over the step's routing groups (1.0: one group).
+    After each forward, ``metrics`` holds detached tensors over the forward's routing group: tokens_per_expert,
+    dropped_fraction, aux_loss, z_loss (unscaled); :meth:`layer_metrics` gives them as floats.
     """
 
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
@@ -96,6 +99,22 @@ class MoELayer(nn.Module):
             "z_loss": z_loss,
         }
 
+    def layer_metrics(self) -> dict[str, float]:
+        """The last forward's routing statistics (what the trainer logs per layer): ``dropped_fraction``,
+        ``aux_loss``, ``z_loss``, ``max_load`` (busiest expert / mean) and ``expert{e}_tokens``."""
+        if not self.metrics:
+            return {}
+        load = self.metrics["tokens_per_expert"].float()
+        metrics = {
+            "dropped_fraction": float(self.metrics["dropped_fraction"]),
+            "aux_loss": float(self.metrics["aux_loss"]),
+            "z_loss": float(self.metrics["z_loss"]),
+            "max_load": float(load.max() / load.mean().clamp_min(1e-9)),
+        }
+        for expert, count in enumerate(load.tolist()):
+            metrics[f"expert{expert}_tokens"] = count
+        return metrics
+
 
 def check_moe_config(config: ModelConfig, ep: int = 1) -> None:
     """Refuse MoE settings that cannot run, with a ConfigError saying what to change (before any build)."""
@@ -138,21 +157,9 @@ def moe_layers(model: nn.Module) -> list[MoELayer]:
 
 
 def collect_moe_metrics(model: nn.Module) -> dict[str, float]:
-    """Per-layer load of the last forward: ``moe/layer{i}/dropped_fraction``, ``.../aux_loss``, ``.../z_loss``,
-    ``.../max_load`` (busiest expert / mean) and ``.../expert{e}_tokens``."""
-    metrics: dict[str, float] = {}
-    for layer in moe_layers(model):
-        if not layer.metrics:
-            continue
-        prefix = f"moe/layer{layer.layer_index}"
-        load = layer.metrics["tokens_per_expert"].float()
-        metrics[f"{prefix}/dropped_fraction"] = float(layer.metrics["dropped_fraction"])
-        metrics[f"{prefix}/aux_loss"] = float(layer.metrics["aux_loss"])
-        metrics[f"{prefix}/z_loss"] = float(layer.metrics["z_loss"])
-        metrics[f"{prefix}/max_load"] = float(load.max() / load.mean().clamp_min(1e-9))
-        for expert, count in enumerate(load.tolist()):
-            metrics[f"{prefix}/expert{expert}_tokens"] = count
-    return metrics
+    """Per-layer load of the last forward, keyed ``moe/layer{i}/<name>`` (see :meth:`MoELayer.layer_metrics`)."""
+    return {f"moe/layer{layer.layer_index}/{name}": value
+            for layer in moe_layers(model) for name, value in layer.layer_metrics().items()}
 
 
 def attach_token_ids(model: nn.Module) -> torch.utils.hooks.RemovableHandle:

@@ -1,0 +1,148 @@
+"""Expert parallelism inside the trainer's layouts: loss parity with one process, the auxiliary losses as the mean
+over routing groups, per-layer MoE metrics, and checkpoints that reshard over ep.
+
+The single process routes one microbatch at a time, so its micro_batch_size is set to the sequences of one routing
+group of the layout (ep x the per-rank microbatch): then capacity and load-balancing decisions match exactly.
+GShard runs with second_expert_policy=all: the sampled policy draws its random numbers on each rank's own tokens,
+so it cannot reproduce the single process's draws (it matches it in distribution only).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.parallel.test_resharding import GLOBAL_BATCH, SAMPLES, check_resharding
+from tests.parallel.test_resharding import STEPS as RESHARD_STEPS
+from xscale.config import load_config
+from xscale.models import build_model
+from xscale.models.moe import moe_layers
+from xscale.parallel.engine import Engine, model_loss_sum
+from xscale.parity import (
+    PARITY_SETTINGS,
+    layout_overrides,
+    max_relative_difference,
+    train_losses,
+    world_size_of,
+)
+
+# tiny-switch at test size: d_model 32, 2 layers (both MoE), 4 experts, capacity 1.0 so tokens get dropped.
+ARCHITECTURE = ["model.vocab_size=48", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.position=rope",
+                "model.norm=rmsnorm", "model.ffn=gelu", "model.d_ff=64", "model.moe.num_experts=4",
+                "model.moe.every=1", "model.moe.capacity_factor=1.0", "model.moe.min_capacity=0",
+                "model.moe.aux_loss_coef=0.01", "model.moe.z_loss_coef=0.001", "model.moe.router_dtype=float32",
+                "train.seq_len=16", "train.warmup_steps=2", "train.lr=3e-3", "data.dataset=copy",
+                "data.eval_fraction=0.0"]
+SWITCH = ["model.moe.router=switch", "model.moe.top_k=1"]
+GSHARD = ["model.moe.router=gshard", "model.moe.top_k=2", "model.moe.second_expert_policy=all"]
+TRAINING = [*ARCHITECTURE, "train.global_batch_size=8", "data.num_samples=256"]
+RTOL = 1e-5
+STEPS = 10
+METRICS_RTOL = 1e-4  # aux/z losses and dropped fractions of weights that agree to ~1e-6
+
+
+def _losses(overrides: list[str], layout: str, output_dir: Path) -> list[float]:
+    config = load_config(None, [*overrides, *PARITY_SETTINGS, f"train.steps={STEPS}", *layout_overrides(layout),
+                                f"train.output_dir={output_dir}"])
+    return train_losses(config, 1 if layout == "single" else world_size_of(config))
+
+
+def _moe_metrics(output_dir: Path) -> list[dict[str, float]]:
+    """Per step, the MoE layer metrics rank 0 logged (keys ``<layer>/<metric>``)."""
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{key: value for key, value in record.items() if ".feed_forward." in key} for record in records]
+
+
+def assert_layouts_match(overrides: list[str], routing_group: int, layouts: list[str], tmp_path: Path) -> None:
+    """Each layout's 10 losses and MoE metrics equal the single process routing ``routing_group`` sequences at once."""
+    reference_dir = tmp_path / "single"
+    reference = _losses([*overrides, f"train.micro_batch_size={routing_group}"], "single", reference_dir)
+    assert len(reference) == STEPS and reference[-1] < reference[0], "the reference run must train"
+    reference_metrics = _moe_metrics(reference_dir)
+    assert {key.rsplit("/", 1)[1] for key in reference_metrics[0]} >= {
+        "dropped_fraction", "aux_loss", "z_loss", "max_load", "expert0_tokens", "expert3_tokens"}
+    assert len({key.rsplit("/", 1)[0] for key in reference_metrics[0]}) == 2, "two MoE layers report"
+    assert max(step[key] for step in reference_metrics for key in step if key.endswith("dropped_fraction")) > 0, \
+        "the case must drop tokens, so capacity over the routing group is exercised"
+    for index, layout in enumerate(layouts):
+        layout_dir = tmp_path / f"layout{index}"
+        losses = _losses(overrides, layout, layout_dir)
+        difference = max_relative_difference(reference, losses)
+        assert difference <= RTOL, f"{layout}: max relative loss difference {difference}"
+        for step, (expected, got) in enumerate(zip(reference_metrics, _moe_metrics(layout_dir)), start=1):
+            assert got == pytest.approx(expected, rel=METRICS_RTOL, abs=1e-7), f"{layout}: MoE metrics of step {step}"
+
+
+def test_switch_ep2_with_zero_stages_matches_one_process(tmp_path):
+    """ep=2 over dp_shard=2: one routing group per step (all 8 sequences), with DDP, ZeRO-1 and ZeRO-3."""
+    assert_layouts_match([*TRAINING, *SWITCH], 8, ["dp_shard=2,ep=2", "dp_shard=2,ep=2,zero_stage=1",
+                                                   "dp_shard=2,ep=2,zero_stage=3"], tmp_path)
+
+
+def test_gshard_ep2_matches_one_process(tmp_path):
+    assert_layouts_match([*TRAINING, *GSHARD], 8, ["dp_shard=2,ep=2,zero_stage=2,activation_checkpointing=full",
+                                                   "dp_shard=2,ep=2,zero_stage=3"], tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("router", [SWITCH, GSHARD], ids=["switch", "gshard"])
+def test_ep2_by_dp2_matches_one_process(router, tmp_path):
+    """Two routing groups of 4 sequences per step: the single process runs 2 microbatches, ep2 x dp2 two ep groups,
+    plain data parallelism (ep=1) two ranks; the auxiliary losses are their mean in all three."""
+    assert_layouts_match([*TRAINING, *router], 4, ["dp_shard=4,ep=2", "dp_replicate=2,dp_shard=2,ep=2,zero_stage=3",
+                                                   "dp_shard=2"], tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------- aux losses
+
+def test_auxiliary_losses_are_the_mean_over_microbatches():
+    """One process, 2 microbatches: the gradients are those of CE / tokens + mean over microbatches of each layer's
+    (aux_coef * aux + z_coef * z), with the auxiliary terms taken from the routers' own outputs."""
+    config = load_config(None, [*ARCHITECTURE, *SWITCH, "model.moe.aux_loss_coef=0.5", "model.moe.z_loss_coef=0.1"])
+    torch.manual_seed(0)
+    engine_model = build_model(config.model, seed=3)
+    manual_model = copy.deepcopy(engine_model)
+    ids = torch.randint(0, 48, (8, 16))
+    batch = {"input_ids": ids, "labels": ids.roll(-1, dims=1)}
+    Engine(engine_model, micro_batch_size=4).train_step(batch)
+
+    captured = []
+    for layer in moe_layers(manual_model):
+        layer.aux_loss_scale = 0.0  # the explicit sum below replaces the layer's own auxiliary gradient
+        layer.router.register_forward_hook(
+            lambda module, args, routing: captured.append(0.5 * routing.aux_loss + 0.1 * routing.z_loss))
+    loss = sum(model_loss_sum(manual_model, {k: v[rows] for k, v in batch.items()}) / batch["labels"].numel()
+               for rows in (slice(0, 4), slice(4, 8)))
+    assert len(captured) == 4  # 2 layers x 2 microbatches
+    (loss + sum(captured) / 2).backward()
+    for (name, got), (_, expected) in zip(engine_model.named_parameters(), manual_model.named_parameters()):
+        torch.testing.assert_close(got.grad, expected.grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert [layer.aux_loss_scale for layer in moe_layers(engine_model)] == [0.5, 0.5]
+
+
+# ---------------------------------------------------------------------------------------------------- resharding
+
+RESHARD_MODEL = [*ARCHITECTURE, *SWITCH, f"train.global_batch_size={GLOBAL_BATCH}", f"data.num_samples={SAMPLES}",
+                 f"train.steps={RESHARD_STEPS}"]
+
+
+@pytest.mark.parametrize("save_layout,resume_layout", [
+    ("dp_shard=2,ep=2", "single"),
+    ("dp_shard=2,ep=2,zero_stage=3", "dp_shard=2,ep=2,zero_stage=1"),
+])
+def test_expert_checkpoint_resumes_at_another_layout(save_layout, resume_layout, tmp_path):
+    check_resharding(save_layout, resume_layout, tmp_path, model=RESHARD_MODEL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("save_layout,resume_layout", [
+    ("dp_shard=2,ep=2,zero_stage=1", "dp_shard=4,ep=4"),
+    ("single", "dp_shard=4,ep=4,zero_stage=3"),
+    ("dp_shard=4,ep=4,zero_stage=2", "dp_shard=2,ep=2,zero_stage=3"),
+])
+def test_expert_checkpoint_resumes_at_another_ep(save_layout, resume_layout, tmp_path):
+    check_resharding(save_layout, resume_layout, tmp_path, model=RESHARD_MODEL)
