@@ -1,7 +1,8 @@
 """``xscale parity CONFIG [overrides] --layouts L1 L2 ...``: loss curves of parallel layouts vs one process.
 
 A layout is a comma-separated list of ``parallel.*`` settings, e.g. ``dp_shard=2,zero_stage=3`` or
-``tp=2,sequence_parallel=true``; its process count is the product of its degrees. Each layout trains the same
+``tp=2,sequence_parallel=true``; its process count is the product of its degrees (dp_shard counts as 1
+unless given). Each layout trains the same
 config for ``--steps`` steps in fresh local processes (gloo on CPU, nccl on GPUs) and its per-step losses are
 compared with the single-process run's: the largest relative difference must stay within ``--rtol``.
 Dropout must be 0 (its masks depend on the layout), which the tool enforces.
@@ -54,10 +55,9 @@ def layout_overrides(layout: str) -> list[str]:
 
 
 def world_size_of(config: Config) -> int:
+    """Processes a layout runs on: the product of its degrees (dp_shard=-1, "fill the world", counts as 1)."""
     parallel = config.parallel
-    if parallel.dp_shard == -1:
-        raise ConfigError("a parity layout must give dp_shard explicitly (e.g. dp_shard=2), not -1")
-    return math.prod(getattr(parallel, name) for name in DEGREES)
+    return math.prod(max(getattr(parallel, name), 1) for name in DEGREES)
 
 
 def _run_rank(local_rank: int, world_size: int, port: int, function: Callable[..., Any], args: tuple,
