@@ -81,6 +81,11 @@ class DataParallel:
         dp = self.mesh["dp"].size() if self.mesh is not None else 1
         return dp // self.expert_parallel
 
+    def sum_over_routing_groups(self, value: torch.Tensor) -> None:
+        """Sum ``value`` in place over the ranks that route different MoE groups (``edp``: one per ep group)."""
+        if self.mesh is not None and self.mesh["edp"].size() > 1:
+            dist.all_reduce(value, group=self.mesh["edp"].get_group())
+
     def global_token_count(self, local: torch.Tensor) -> torch.Tensor:
         total = local.detach().clone()
         if self.dp_group is not None:

@@ -8,14 +8,16 @@ cross-entropy over every labelled token of the global batch, plus the MoE auxili
 over the step's routing groups.
 
 A routing group is the tokens one forward routes together: one microbatch on one rank, gathered over
-the ep group under expert parallelism. A step has G = microbatches x (dp / ep) of them, and each MoE
-layer's auxiliary losses are weighted 1/G (``MoELayer.aux_loss_scale``). The single process routes one
-microbatch at a time, so its routing matches a layout's when its micro_batch_size equals the sequences
-of one routing group (ep x the per-rank micro_batch_size, contiguous in the global batch).
+the ep group under expert parallelism. A step has G = microbatches x (dp / ep) of them; each MoE
+layer's auxiliary losses are weighted 1/G and its reported statistics are the step's
+(:mod:`xscale.parallel.routing_groups`). The single process routes one microbatch at a time, so its
+routing matches a layout's when its micro_batch_size equals the sequences of one routing group
+(ep x the per-rank micro_batch_size, contiguous in the global batch).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -23,11 +25,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from xscale.config import TrainConfig
-from xscale.models.moe import moe_layers
 from xscale.ops import cross_entropy_sum, linear_cross_entropy_sum
 from xscale.parallel.data import DataParallel
 from xscale.parallel.expert_state import globalize_expert_state, localize_expert_state
 from xscale.parallel.grad_norm import clip_gradients
+from xscale.parallel.routing_groups import RoutingGroups
 from xscale.train.optim import build_optimizer
 
 Batch = dict[str, torch.Tensor]
@@ -96,17 +98,13 @@ class Engine:
         """Combine per-rank partial losses into the global one (identity on one device)."""
         return self.data_parallel.reduce_loss(local).cpu() if self.distributed else local.cpu()
 
-    @property
-    def routing_groups_per_microbatch(self) -> int:
-        """Routing groups one microbatch forms over the layout: dp / ep (1 on one device)."""
-        return self.data_parallel.routing_groups if self.distributed else 1
-
-    def set_aux_loss_scale(self, microbatches: int) -> None:
-        """Weight every MoE layer's auxiliary losses by 1/G, G the step's routing groups (their mean)."""
-        scale = 1.0 / (microbatches * self.routing_groups_per_microbatch)
-        for part in self.model_parts:
-            for layer in moe_layers(part):
-                layer.aux_loss_scale = scale
+    @functools.cached_property
+    def routing_groups(self) -> RoutingGroups:
+        """This rank's MoE layers and how the step's routing groups spread over the layout."""
+        if not self.distributed:
+            return RoutingGroups(self.model_parts)
+        return RoutingGroups(self.model_parts, self.data_parallel.routing_groups,
+                             self.data_parallel.sum_over_routing_groups)
 
     def train_step(self, batch: Batch) -> torch.Tensor:
         """Forward + backward over the microbatches; returns the global-batch mean loss (detached)."""
@@ -115,7 +113,7 @@ class Engine:
         tokens = self.global_token_count(batch).clamp_min(1)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         micros = split_microbatches(batch, self.micro_batch_size)
-        self.set_aux_loss_scale(len(micros))
+        self.routing_groups.begin_step(len(micros))
         for index, micro in enumerate(micros):
             if self.distributed:
                 self.data_parallel.requires_gradient_sync(index == len(micros) - 1)
@@ -123,8 +121,10 @@ class Engine:
                 loss = self.loss_fn(self.model, micro) / tokens
             loss.backward()
             total += loss.detach().float()
+            self.routing_groups.after_microbatch()
         if self.distributed:
             self.data_parallel.after_backward()
+        self.routing_groups.end_step()
         return self.reduce_loss(total)
 
     @torch.no_grad()

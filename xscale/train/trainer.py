@@ -158,10 +158,10 @@ class Trainer:
             while self.step < train.steps:
                 scalars = self.train_step()
                 losses.append(scalars["train/loss"])
+                for module in self.engine.model_parts:  # before evaluation, whose forwards overwrite them
+                    scalars.update(_collect_layer_metrics(module))
                 if train.eval_every and self.step % train.eval_every == 0:
                     scalars["eval/loss"] = self.evaluate()
-                for module in self.engine.model_parts:
-                    scalars.update(_collect_layer_metrics(module))
                 self.metrics.log(self.step, scalars)
                 if self.stop_requested or self.preemption.should_stop():
                     self.stop_requested = True

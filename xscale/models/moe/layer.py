@@ -54,7 +54,8 @@ class MoELayer(nn.Module):
         every rank of the ep group). An engine that sums gradients over the G routing groups of a step sets
         1/G, so the auxiliary losses are the mean over the step's routing groups (1.0: one group).
     After each forward, ``metrics`` holds detached tensors over the forward's routing group: tokens_per_expert,
-    dropped_fraction, aux_loss, z_loss (unscaled); :meth:`layer_metrics` gives them as floats.
+    dropped_fraction, aux_loss, z_loss (unscaled); an engine replaces them with the whole step's after its
+    backward (:mod:`xscale.parallel.routing_groups`). :meth:`layer_metrics` gives them as floats.
     """
 
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
@@ -157,7 +158,7 @@ def moe_layers(model: nn.Module) -> list[MoELayer]:
 
 
 def collect_moe_metrics(model: nn.Module) -> dict[str, float]:
-    """Per-layer load of the last forward, keyed ``moe/layer{i}/<name>`` (see :meth:`MoELayer.layer_metrics`)."""
+    """Per-layer load of the last forward (or training step), keyed ``moe/layer{i}/<name>`` (see :meth:`MoELayer.layer_metrics`)."""
     return {f"moe/layer{layer.layer_index}/{name}": value
             for layer in moe_layers(model) for name, value in layer.layer_metrics().items()}
 
