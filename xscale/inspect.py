@@ -19,6 +19,7 @@ class ModelCount:
     total: int
     embedding: int
     per_component: dict[str, int]
+    expert: int = 0  # MoE expert weights (sharded by expert parallelism)
 
     @property
     def non_embedding(self) -> int:
@@ -30,14 +31,15 @@ def count_parameters(config: Config) -> ModelCount:
 
     model = build_model(config.model, materialize=False)
     per_component: dict[str, int] = {}
-    total = 0
+    total = expert = 0
     for name, param in model.named_parameters():  # tied weights are counted once
         total += param.numel()
+        expert += param.numel() if ".experts." in name else 0
         parts = name.split(".")
         key = parts[0] if parts[0] not in ("stack", "decoder") else ".".join(p for p in parts[:5] if not p.isdigit())
         per_component[key] = per_component.get(key, 0) + param.numel()
     embedding = config.model.vocab_size * config.model.d_model
-    return ModelCount(total, embedding, per_component)
+    return ModelCount(total, embedding, per_component, expert)
 
 
 def activation_bytes(config: Config, micro_batch: int) -> float:
@@ -86,7 +88,8 @@ def layout_report(config: Config, world_size: int) -> list[str]:
         lines.append(f"  {rank:>4} {at['pp']:>3} {at['dp']:>3} {at['tp']:>3} {at['ep']:>3}")
     if world_size > len(shown):
         lines.append(f"  ... {world_size - len(shown)} more ranks")
-    state = predicted_state_bytes(count_parameters(config).total, dims)
+    count = count_parameters(config)
+    state = predicted_state_bytes(count.total, dims, count.expert)
     lines.append("per-rank model state (ZeRO formulas, fp32 AdamW):")
     lines += [f"  {name:<12} {_human(value)}" for name, value in state.items()]
     return lines

@@ -19,13 +19,17 @@ import torch
 from tests.parallel.test_resharding import GLOBAL_BATCH, SAMPLES, check_resharding
 from tests.parallel.test_resharding import STEPS as RESHARD_STEPS
 from xscale.config import load_config
+from xscale.inspect import count_parameters
 from xscale.models import build_model
 from xscale.models.moe import moe_layers
+from xscale.parallel.dims import ParallelDims
 from xscale.parallel.engine import Engine, model_loss_sum
+from xscale.parallel.memory import predicted_state_bytes
 from xscale.parity import (
     PARITY_SETTINGS,
     layout_overrides,
     max_relative_difference,
+    run_local,
     train_losses,
     world_size_of,
 )
@@ -138,6 +142,43 @@ def test_auxiliary_losses_are_the_mean_over_microbatches():
         for name in ("dropped_fraction", "aux_loss", "z_loss"):
             expected = (getattr(first, name) + getattr(second, name)).detach().float() / 2
             torch.testing.assert_close(layer.metrics[name], expected, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------------- memory
+
+def _measure_state_bytes(config) -> dict:
+    from xscale.parallel.memory import measured_state_bytes
+    from xscale.train.trainer import Trainer
+
+    trainer = Trainer(config)
+    trainer.train_step()  # creates the optimizer state
+    trainer.engine.train_step(trainer.next_batch())  # gradients of the next step, before its optimizer step
+    return {"measured": measured_state_bytes(trainer.engine, trainer.optimizer)}
+
+
+def _check_expert_memory(dp_shard: int, ep: int, stage: int, tmp_path: Path) -> None:
+    """Measured per-rank bytes vs the ZeRO formulas with experts divided by ep and sharded over edp."""
+    config = load_config(None, [*TRAINING, *SWITCH, f"parallel.dp_shard={dp_shard}", f"parallel.ep={ep}",
+                                f"parallel.zero_stage={stage}", f"train.output_dir={tmp_path}", *PARITY_SETTINGS])
+    count = count_parameters(config)
+    assert count.expert > count.total / 2, "experts must dominate for the check to tell ep apart"
+    predicted = predicted_state_bytes(count.total, ParallelDims.from_config(config, dp_shard), count.expert)
+    for rank, result in enumerate(run_local(_measure_state_bytes, dp_shard, config)):
+        for kind, expected in predicted.items():
+            measured = result["measured"][kind]
+            assert abs(measured - expected) <= 0.03 * expected, \
+                f"ep={ep} ZeRO-{stage}, rank {rank}: {kind} {measured} bytes vs formula {expected:.0f}"
+
+
+def test_per_rank_state_bytes_under_ep2_zero1(tmp_path):
+    """Each rank holds half the experts (their weights, gradients and moments) and half the dense moments."""
+    _check_expert_memory(2, 2, 1, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_per_rank_state_bytes_under_ep2_by_dp2(stage, tmp_path):
+    _check_expert_memory(4, 2, stage, tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------------- resharding

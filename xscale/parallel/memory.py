@@ -9,7 +9,9 @@ ZeRO (Rajbhandari et al. 2020, sec. 5) with Psi parameters over N data-parallel 
     stage 3 (P_os+g+p):   params 4 Psi / N grads 4 Psi / N optimizer 8 Psi / N
 
 Tensor and pipeline parallelism divide Psi first (Psi / (tp x pp), exact for the sharded matrices; norms are
-replicated over tp, so the prediction is slightly low under tp).
+replicated over tp, so the prediction is slightly low under tp). Under expert parallelism the Psi_E expert
+parameters are divided by ep x pp instead (experts are replicated over tp) and ZeRO shards them over the edp
+ranks that hold the same experts, N_E = dp / ep, instead of N.
 """
 
 from __future__ import annotations
@@ -23,17 +25,21 @@ BYTES_PER_VALUE = 4
 OPTIMIZER_VALUES = 2  # AdamW: exp_avg, exp_avg_sq
 
 
-def predicted_state_bytes(num_params: int, dims: ParallelDims) -> dict[str, float]:
-    """Bytes of parameters, gradients and optimizer state on one rank under ``dims`` (formulas above)."""
-    per_model_parallel_rank = num_params / (dims.tp * dims.pp)
-    n = dims.dp
-    stage = dims.zero_stage if n > 1 else 0
-    value = BYTES_PER_VALUE * per_model_parallel_rank
-    return {
-        "parameters": value / n if stage >= 3 else value,
-        "gradients": value / n if stage >= 2 else value,
-        "optimizer": OPTIMIZER_VALUES * value / n if stage >= 1 else OPTIMIZER_VALUES * value,
-    }
+def predicted_state_bytes(num_params: int, dims: ParallelDims, expert_params: int = 0) -> dict[str, float]:
+    """Bytes of parameters, gradients and optimizer state on one rank under ``dims`` (formulas above);
+    ``expert_params`` of the ``num_params`` are MoE expert weights (they matter only when ep > 1)."""
+    stage = dims.zero_stage if dims.dp > 1 else 0
+    if dims.ep > 1:
+        kinds = [(num_params - expert_params, dims.tp * dims.pp, dims.dp), (expert_params, dims.ep * dims.pp, dims.edp)]
+    else:
+        kinds = [(num_params, dims.tp * dims.pp, dims.dp)]
+    state = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0}
+    for count, model_parallel, n in kinds:
+        value = BYTES_PER_VALUE * count / model_parallel
+        state["parameters"] += value / n if stage >= 3 else value
+        state["gradients"] += value / n if stage >= 2 else value
+        state["optimizer"] += OPTIMIZER_VALUES * value / n if stage >= 1 else OPTIMIZER_VALUES * value
+    return state
 
 
 def _unique_bytes(tensors: list[torch.Tensor]) -> int:
