@@ -13,10 +13,12 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from xscale.ops import cross_entropy_sum, linear_cross_entropy_sum
 
 Batch = dict[str, torch.Tensor]
+STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def model_loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -94,13 +96,19 @@ class Engine:
         return torch.nn.utils.get_total_norm([p.grad for p in params])
 
     def state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        """Model and optimizer state keyed by canonical parameter names (DCP-friendly, any layout)."""
+        """Model and optimizer state keyed by canonical parameter names (DCP-friendly, any layout).
+
+        The optimizer state is flattened to ``state.<name>.<key>`` / ``param_groups.<name>.<key>``:
+        nested param groups are saved by group index, which collides when ranks hold different
+        parameters (pipeline stages) and DCP keeps one rank's list.
+        """
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optimizer_state = get_state_dict(self.model, optimizer)
+        model_state, optimizer_state = get_state_dict(self.model, optimizer, options=STATE_DICT_OPTIONS)
         return {"model": model_state, "optimizer": optimizer_state}
 
     def load_state_dict(self, state: dict, optimizer: torch.optim.Optimizer) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        set_state_dict(self.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(self.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=STATE_DICT_OPTIONS)
