@@ -171,8 +171,10 @@ def check_training_and_checkpoint(rank: int, schedule: str, stages_per_rank: int
     single, _, expected_losses, expected_norms = single_process_run(config, steps, max_norm)
     assert expected_norms[0] > max_norm, "the case must exercise clipping"
 
-    engine = PipelineEngine(config, build_model(config, materialize=False), dist.group.WORLD, 2, schedule,
-                            stages_per_rank, seed=SEED)
+    layout = Config(model=config, train=TrainConfig(seed=SEED),
+                    parallel=ParallelConfig(pp=WORLD, pp_schedule=schedule, pp_stages_per_rank=stages_per_rank,
+                                            microbatches=2))
+    engine = PipelineEngine.from_config(layout, build_model(config, materialize=False), dist.group.WORLD)
     optimizer = build_optimizer(engine.parameters(), train_config())
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)

@@ -16,7 +16,7 @@ schedule is told not to rescale (``scale_grads=False``), so gradients add up to 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -66,27 +66,37 @@ class ForwardOnlyZBV(ScheduleZBVZeroBubble):
         }
 
 
+@dataclass(frozen=True)
 class ScheduleSpec:
     """A schedule name's class, how its stages sit on the ranks, and what it demands."""
 
-    def __init__(self, cls: type, placement: str, stages_per_rank: Callable[[int], bool], stages_rule: str,
-                 needs_microbatches_per_stage: bool, eval_cls: type | None = None) -> None:
-        self.cls, self.placement = cls, placement
-        self.eval_cls = eval_cls or cls
-        self.accepts_stages_per_rank, self.stages_rule = stages_per_rank, stages_rule
-        # 1F1B-style schedules start a backward before all forwards are in: each stage needs a microbatch.
-        self.needs_microbatches_per_stage = needs_microbatches_per_stage
+    cls: type
+    placement: str  # loop: stage s on rank s % pp; v: down the ranks and back up
+    min_stages_per_rank: int
+    max_stages_per_rank: int | None
+    # 1F1B-style schedules start a backward before all forwards are in: every stage needs a microbatch.
+    needs_microbatch_per_stage: bool
+    eval_cls: type | None = None
 
     @property
     def single_stage(self) -> bool:
-        return self.cls in (ScheduleGPipe, Schedule1F1B)
+        return self.max_stages_per_rank == 1
+
+    def accepts(self, stages_per_rank: int) -> bool:
+        return self.min_stages_per_rank <= stages_per_rank <= (self.max_stages_per_rank or stages_per_rank)
+
+    def stages_rule(self) -> str:
+        if self.max_stages_per_rank == self.min_stages_per_rank:
+            return f"exactly {self.min_stages_per_rank}"
+        return f"{self.min_stages_per_rank} or more"
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {
-    "gpipe": ScheduleSpec(ScheduleGPipe, "loop", lambda v: v == 1, "exactly 1", False),
-    "1f1b": ScheduleSpec(Schedule1F1B, "loop", lambda v: v == 1, "exactly 1", True),
-    "interleaved_1f1b": ScheduleSpec(ScheduleInterleaved1F1B, "loop", lambda v: v >= 2, "2 or more", True),
-    "zero_bubble": ScheduleSpec(ScheduleZBVZeroBubble, "v", lambda v: v == 2, "exactly 2", True, ForwardOnlyZBV),
+    "gpipe": ScheduleSpec(ScheduleGPipe, "loop", 1, 1, needs_microbatch_per_stage=False),
+    "1f1b": ScheduleSpec(Schedule1F1B, "loop", 1, 1, needs_microbatch_per_stage=True),
+    "interleaved_1f1b": ScheduleSpec(ScheduleInterleaved1F1B, "loop", 2, None, needs_microbatch_per_stage=True),
+    "zero_bubble": ScheduleSpec(ScheduleZBVZeroBubble, "v", 2, 2, needs_microbatch_per_stage=True,
+                                eval_cls=ForwardOnlyZBV),
 }
 
 
@@ -117,10 +127,10 @@ def check_pipeline(config: Config, data_parallel: int | None = None) -> None:
     if spec is None:
         raise ConfigError(f"parallel.pp_schedule='{parallel.pp_schedule}' is not one of {', '.join(SCHEDULES)}")
     stages_per_rank = parallel.pp_stages_per_rank
-    if not spec.accepts_stages_per_rank(stages_per_rank):
+    if not spec.accepts(stages_per_rank):
         hint = ("use parallel.pp_schedule=interleaved_1f1b or zero_bubble for several stages per rank"
                 if stages_per_rank > 1 else "set parallel.pp_stages_per_rank=2, or use gpipe or 1f1b")
-        raise ConfigError(f"parallel.pp_schedule={parallel.pp_schedule} needs {spec.stages_rule} stages per rank, "
+        raise ConfigError(f"parallel.pp_schedule={parallel.pp_schedule} needs {spec.stages_rule()} stages per rank, "
                           f"got parallel.pp_stages_per_rank={stages_per_rank}; {hint}")
     num_stages = parallel.pp * stages_per_rank
     split_layers(model.n_layers, num_stages, parallel.pp_split)
@@ -152,7 +162,7 @@ def check_microbatches(schedule: str, pp: int, stages_per_rank: int, microbatche
     if microbatches < 1:
         raise ConfigError(f"parallel.microbatches must be >= 1, got {microbatches}")
     spec = SCHEDULES[schedule]
-    if spec.needs_microbatches_per_stage and microbatches < pp:
+    if spec.needs_microbatch_per_stage and microbatches < pp:
         raise ConfigError(f"parallel.pp_schedule={schedule} needs at least parallel.pp={pp} microbatches, got "
                           f"parallel.microbatches={microbatches}; raise it (more also shrinks the bubble)")
     if spec.placement == "loop" and stages_per_rank > 1:
@@ -217,6 +227,7 @@ class PipelineEngine(Engine):
         self._schedules: dict[tuple, object] = {}
         self._token_count = torch.ones((), device=self.device)
         self.last_step_seconds = 0.0
+        # micro_batch_size is unused: the schedule cuts each batch into ``microbatches`` equal parts.
         super().__init__(self.stages[0], micro_batch_size=0, autocast_dtype=autocast_dtype)
 
     @classmethod
@@ -259,7 +270,7 @@ class PipelineEngine(Engine):
             stages = [PipelineStage(module, index, self.num_stages, self.device, group=self.group)
                       for module, index in zip(self.stages, self.stage_indices)]
             kwargs = {"n_microbatches": self.microbatches, "loss_fn": self._loss, "scale_grads": False}
-            cls = self.spec.cls if training else self.spec.eval_cls
+            cls = self.spec.cls if training else (self.spec.eval_cls or self.spec.cls)
             self._schedules[key] = cls(stages[0], **kwargs) if self.spec.single_stage else cls(stages, **kwargs)
         return self._schedules[key]
 
@@ -303,7 +314,7 @@ class PipelineEngine(Engine):
         params = [p for p in self.parameters() if p.grad is not None]
         counted = [p.grad for p in params if p is not self.tied.copy]
         local = torch.nn.utils.get_total_norm(counted) if counted else torch.zeros((), device=self.device)
-        if hasattr(local, "full_tensor"):
+        if hasattr(local, "full_tensor"):  # a DTensor norm (sharded gradients) reduces over its mesh first
             local = local.full_tensor()
         squared = local.float() ** 2
         dist.all_reduce(squared, group=self.group)

@@ -75,7 +75,8 @@ class PipelineStageModule(nn.Module):
 
     The last stage returns the hidden states the LM head projects (after the final norm and the
     head transform); the engine's loss function applies ``output``. The forward mirrors
-    :meth:`Transformer.hidden_states` for the layers this stage holds.
+    :meth:`Transformer.hidden_states` for the layers this stage holds. The stage takes over (and
+    prunes) ``model``'s modules: pass a copy.
     """
 
     def __init__(self, model: Transformer, layer_indices: list[int], *, is_first: bool, is_last: bool) -> None:
