@@ -134,10 +134,11 @@ def check_schedules(rank: int) -> None:
                 check_case(config, schedule, stages_per_rank, microbatches, pp_split)
             except AssertionError as error:
                 raise AssertionError(f"{schedule} on the {config.family}: {error}") from error
-    # MoE: routing (capacity, auxiliary losses) is per microbatch, as in the 1-process engine's accumulation.
-    moe = decoder_config(3)
+    # MoE: routing (capacity, auxiliary losses) is per microbatch, as in the 1-process engine's accumulation;
+    # zero bubble splits each backward into input and weight halves around the auxiliary-loss Function.
+    moe = decoder_config(4)
     moe.moe = MoEConfig(num_experts=4, router="switch", capacity_factor=1.0, aux_loss_coef=0.1, z_loss_coef=0.01)
-    check_case(moe, "1f1b", 1, 2, None, reference_micro_batch=2)
+    check_case(moe, "zero_bubble", 2, 2, None, reference_micro_batch=2)
     check_case(decoder_config(3), "1f1b", 1, 2, None, autocast_dtype=torch.bfloat16)
 
 
