@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from xscale.config import TrainConfig
 from xscale.ops import cross_entropy_sum, linear_cross_entropy_sum
@@ -22,6 +23,9 @@ from xscale.train.optim import build_optimizer
 
 Batch = dict[str, torch.Tensor]
 LossFunction = Callable[[nn.Module, Batch], torch.Tensor]
+# Optimizer state flattened to ``state.<name>.<key>`` / ``param_groups.<name>.<key>``: nested param groups are
+# saved by group index, which collides when ranks hold different parameters (pipeline stages).
+STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def model_loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -147,7 +151,7 @@ class Engine:
         custom = self.data_parallel.optimizer_state_dict(optimizer) if self.distributed else None
         if custom is not None:
             return {"model": get_model_state_dict(self._state_module()), "optimizer": custom}
-        model_state, optimizer_state = get_state_dict(self._state_module(), optimizer)
+        model_state, optimizer_state = get_state_dict(self._state_module(), optimizer, options=STATE_DICT_OPTIONS)
         return {"model": model_state, "optimizer": optimizer_state}
 
     def load_state_dict(self, state: dict, optimizer: torch.optim.Optimizer) -> None:
@@ -158,7 +162,7 @@ class Engine:
             self.data_parallel.load_optimizer_state_dict(optimizer, state["optimizer"])
             return
         set_state_dict(self._state_module(), optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+                       optim_state_dict=state["optimizer"], options=STATE_DICT_OPTIONS)
 
     def _state_module(self) -> nn.Module | list[nn.Module]:
         parts = self.model_parts

@@ -25,6 +25,7 @@ def _stacks(model: nn.Module) -> list[nn.Module]:
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The Transformer blocks of a model or of a pipeline stage (its ``stack``)."""
     return [block for stack in _stacks(model) for block in stack.layers.values()]
 
 
@@ -47,9 +48,7 @@ def build_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh | None, de
         apply_activation_checkpointing(_stacks(model), config.parallel.activation_checkpointing)
         return Engine(model, micro_batch_size(config, dims), autocast)
     if dims.pp > 1:
-        from xscale.parallel.pipeline_layout import build_pipeline_engine
-
-        return build_pipeline_engine(config, dims, mesh, device)
+        return _build_pipeline_engine(config, dims, mesh, device, autocast)
 
     model = build_model(config.model, materialize=False)
     loss_fn = model_loss_sum
@@ -61,24 +60,47 @@ def build_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh | None, de
     if dims.ep > 1:
         raise ConfigError("expert parallelism in the trainer arrives with the MoE layout work; use parallel.ep=1")
     apply_activation_checkpointing(_stacks(model), config.parallel.activation_checkpointing)
-    data_parallel = _data_parallel(model, dims, mesh, autocast)
+    make_data_parallel = _data_parallel([model], dims, mesh, autocast)
     model.to_empty(device=device)
     model.tie_weights()
     init_weights(model, config.model, seed)
-    data_parallel = data_parallel(model)
+    data_parallel = make_data_parallel([model])
     return Engine(model, micro_batch_size(config, dims), autocast, loss_fn=loss_fn, data_parallel=data_parallel)
 
 
-def _data_parallel(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, autocast: torch.dtype | None):
-    """Shard for ZeRO-3 now (on the meta model); return a factory that builds the strategy once materialised."""
+def _data_parallel(parts: list[nn.Module], dims: ParallelDims, mesh: DeviceMesh, autocast: torch.dtype | None):
+    """Shard ``parts`` for ZeRO-3 now (meta or materialised); return a factory that builds the strategy over
+    the materialised parts."""
     stage_replicas = dims.world_size // dims.pp
+
+    def parameters(modules: list[nn.Module]) -> list[NamedParameter]:
+        return [entry for module in modules for entry in named_parameters(module)]
+
     if dims.zero_stage == 3 and dims.dp > 1:
         from xscale.parallel.fsdp import FullyShardedDataParallel, apply_fsdp
 
-        apply_fsdp(model, mesh, dims, autocast, _blocks(model))
-        return lambda m: FullyShardedDataParallel(named_parameters(m), mesh, stage_replicas, [m], dims.ep)
+        for part in parts:
+            apply_fsdp(part, mesh, dims, autocast, _blocks(part))
+        return lambda ms: FullyShardedDataParallel(parameters(ms), mesh, stage_replicas, ms, dims.ep)
     if dims.zero_stage in (1, 2) and dims.dp > 1:
-        return lambda m: ZeroDataParallel(named_parameters(m), mesh, dims.zero_stage, stage_replicas, dims.ep)
+        return lambda ms: ZeroDataParallel(parameters(ms), mesh, dims.zero_stage, stage_replicas, dims.ep)
     if dims.dp > 1:
-        return lambda m: ReplicatedDataParallel(named_parameters(m), mesh, stage_replicas, dims.ep)
-    return lambda m: DataParallel(named_parameters(m), mesh, stage_replicas, dims.ep)
+        return lambda ms: ReplicatedDataParallel(parameters(ms), mesh, stage_replicas, dims.ep)
+    return lambda ms: DataParallel(parameters(ms), mesh, stage_replicas, dims.ep)
+
+
+def _build_pipeline_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh, device: torch.device,
+                           autocast: torch.dtype | None) -> Engine:
+    """Stages cut from the meta model (materialised and initialised by the engine), data parallel around them."""
+    from xscale.parallel.pipeline import PipelineEngine
+
+    if dims.tp > 1:
+        raise ConfigError("pipeline x tensor parallelism (parallel.pp > 1 with parallel.tp > 1) is not supported "
+                          "yet; use pp with data parallel / ZeRO, or tp with data parallel")
+    if dims.ep > 1:
+        raise ConfigError("pipeline x expert parallelism is not supported yet; use parallel.ep=1 with parallel.pp")
+    model = build_model(config.model, materialize=False)
+    apply_activation_checkpointing(_stacks(model), config.parallel.activation_checkpointing)
+    engine = PipelineEngine.from_config(config, model, mesh["pp"], device)
+    engine.data_parallel = _data_parallel(engine.model_parts, dims, mesh, autocast)(engine.model_parts)
+    return engine
