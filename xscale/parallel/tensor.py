@@ -7,15 +7,19 @@ is split by vocabulary and the output projection by vocabulary too, so the loss 
 (:mod:`xscale.parallel.vocab_parallel`); tied weights stay tied (both are sharded on the vocabulary dim).
 
 Sequence parallelism replaces each all-reduce by a reduce-scatter (after a row-wise projection) and an
-all-gather (before a column-wise one): between sub-layers the residual stream, norms and dropout hold
-T/tp tokens per rank. With an absolute position encoding (learned, sinusoidal) the embedding output is
-all-reduced and sliced after the positions are added, since they need the full sequence.
+all-gather (before a column-wise one): between sub-layers the residual stream, norms, dropout and BERT's
+head transform hold T/tp tokens per rank. With an absolute position encoding (learned, sinusoidal) the
+embedding output is all-reduced and sliced after the positions are added, since they need the full sequence.
+Norms on sequence shards run their own code on local tensors and all-reduce their weight gradients in
+backward (torch's ``SequenceParallel`` style would run them through DTensor dispatch and leave Partial
+gradients to be reduced later).
 
-What is not split: MoE layers are replicated over tp (every tp rank routes the full sequence, under
-sequence parallelism gathered first), as are norms, position tables and BERT's head transform; their
-parameters are Replicate DTensors read as local tensors (:mod:`xscale.parallel.replicated`). With
-n_kv_heads=1 (MQA) the k/v projections are replicated likewise. Every parameter is a DTensor on the tp mesh
-and every gradient comes back with its parameter's placements.
+Between modules activations are plain local tensors (the whole sequence, or this rank's shard); DTensors
+appear only at the boundaries of the split projections. What is not split: MoE layers are replicated over
+tp (every tp rank routes the full sequence, under sequence parallelism gathered first), as are norms,
+position tables and BERT's head transform; their parameters are Replicate DTensors read as local tensors
+(:mod:`xscale.parallel.replicated`). With n_kv_heads=1 (MQA) the k/v projections are replicated likewise.
+Every parameter is a DTensor on the tp mesh and every gradient comes back with its parameter's placements.
 
 Dropout: tp ranks must seed torch's RNG identically (the trainer does); then replicated regions draw the
 same masks on every rank. Masks differ from a single device's.
@@ -46,6 +50,8 @@ from xscale.models.transformer import Stack, Transformer
 from xscale.parallel.replicated import replicate_parameters
 from xscale.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy_sum
 
+# The hooks through which a position encoding computes (it has no forward).
+POSITION_METHODS = ("embed", "rotate", "bias")
 # Cores whose heads follow different patterns when this option is set: splitting heads would change them.
 HEAD_DEPENDENT_OPTIONS = {StridedAttention: "split_heads", FixedAttention: "split_heads"}
 
@@ -204,7 +210,8 @@ def _parallelize_embedding(model: Transformer, stacks: list[Stack], mesh: Device
     _parallelize_norm(model.embedding_norm, mesh, sequence_parallel)
     for stack in stacks:
         # The full sequence reaches position tables on every rank; T5's table is read per head.
-        replicate_parameters(stack.position, mesh, sum_gradients=stack.position.biases_logits)
+        replicate_parameters(stack.position, mesh, sum_gradients=stack.position.biases_logits,
+                             methods=POSITION_METHODS)
 
 
 def _require_divisible_sequences(embedding: nn.Module, tp: int) -> None:
