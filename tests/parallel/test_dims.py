@@ -16,9 +16,9 @@ MOE = ["model.moe.num_experts=4", "model.moe.router=switch"]
 REFUSED = [
     (["parallel.tp=2", "parallel.dp_shard=2"], 2, "4 processes but 2 were launched"),
     (["parallel.tp=3"], 4, "not divisible by pp x dp_replicate x tp"),
-    (["parallel.tp=3", "parallel.dp_shard=1"], 3, "does not divide model.n_heads=4"),
-    (["parallel.tp=2", "parallel.dp_shard=1", "model.vocab_size=65"], 2, "does not divide model.vocab_size=65"),
-    (["parallel.tp=2", "parallel.dp_shard=1", "model.d_ff=33"], 2, "does not divide model.d_ff"),
+    (["parallel.tp=3", "parallel.dp_shard=1"], 3, "model.n_heads=4 is not divisible by parallel.tp=3"),
+    (["parallel.tp=2", "parallel.dp_shard=1", "model.vocab_size=65"], 2, "model.vocab_size=65 is not divisible"),
+    (["parallel.tp=2", "parallel.dp_shard=1", "model.d_ff=33"], 2, "FFN hidden width 33"),
     (["parallel.ep=2"], 2, "needs an MoE model"),
     ([*MOE, "parallel.ep=4", "parallel.dp_shard=2", "parallel.tp=2"], 4, "must divide the sharded data-parallel"),
     (["parallel.sequence_parallel=true"], 2, "needs parallel.tp > 1"),

@@ -152,16 +152,10 @@ class ParallelDims:
 
 
 def check_tensor_parallel(config: Config, tp: int) -> None:
-    """Divisibility checks for tensor parallelism (the tensor-parallel plan adds its own, per block type)."""
-    model = config.model
-    for name, value in (("n_heads", model.n_heads), ("d_ff (FFN hidden width)", model.ffn_hidden),
-                        ("vocab_size", model.vocab_size)):
-        if value % tp:
-            raise ConfigError(f"parallel.tp={tp} does not divide model.{name}={value}; pick tp from "
-                              f"{[d for d in range(1, value + 1) if value % d == 0 and d <= 64]}")
+    """Tensor-parallel checks: heads, kv heads, FFN width and vocabulary divisible by tp, splittable attention."""
     from xscale.parallel.tensor import check_tensor_parallel as check_plan
 
-    check_plan(model, tp)
+    check_plan(config.model, tp)
 
 
 def check_pipeline_layout(config: Config, dims: ParallelDims) -> None:
