@@ -4,10 +4,12 @@ attention, causality, and the learned state (centroids, sort matrix)."""
 from __future__ import annotations
 
 import bisect
+import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from tests.models.attention.conftest import dense_reference, make_core, random_qkv, relative_error
 from xscale.config import ConfigError
@@ -101,6 +103,23 @@ def test_routing_centroids_follow_the_data_in_training_only(causal: bool) -> Non
     assert start_fit < 0.75 and fit() > 0.9  # measured 0.70 -> 0.92 (one head merges two clusters)
     error = relative_error(core.eval()(q, k, v, causal=causal), ref)
     assert error < 0.6 * start_error  # measured 0.91 -> 0.34 (bidirectional), 0.57 -> 0.26 (causal)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_routing_under_activation_checkpointing_routes_as_without(reentrant: bool) -> None:
+    """Two training steps with and without checkpointing: same gradients, same centroids, which do move."""
+    core = make_core("routing", True, {"clusters": 3, "window": 5, "decay": 0.5}).train()
+    twin = copy.deepcopy(core)
+    start = core.centroids.clone()
+    for seed in range(2):
+        inputs = random_qkv(2, 4, LENGTH, 16, seed=seed)
+        copies = [x.detach().clone().requires_grad_() for x in inputs]
+        core(*inputs, causal=True).sum().backward()
+        checkpoint(lambda *x: twin(*x, causal=True), *copies, use_reentrant=reentrant).sum().backward()
+        for a, b in zip(inputs, copies):
+            torch.testing.assert_close(a.grad, b.grad, atol=0, rtol=0)
+        torch.testing.assert_close(twin.centroids, core.centroids, atol=0, rtol=0)
+    assert not torch.equal(core.centroids, start)
 
 
 def test_routing_centroids_are_seeded_per_layer() -> None:

@@ -1,4 +1,4 @@
-"""Memory-compressed attention (Liu et al. 2018, sec. 4.2.2): a strided convolution (kernel = stride = c) turns
+"""Memory-compressed attention (Liu et al. 2018): a strided convolution (kernel = stride = c) turns
 every c keys and values into one, and queries attend to the T/c compressed pairs: cost T * T/c.
 
 The convolution acts on each head's d_head channels with weights shared by the heads (the paper's convolves

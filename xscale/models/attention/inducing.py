@@ -2,7 +2,7 @@
 
   A = softmax(P K^T / sqrt(d))  (m x T);   K~ = A K,  V~ = A V;   out = softmax(Q K~^T / sqrt(d)) V~.
 
-This is the attention of the Set Transformer's ISAB (Lee et al. 2019, eq. 9-10: H = MAB(I, X), out = MAB(X, H))
+This is the attention of the Set Transformer's ISAB (Lee et al. 2019: H = MAB(I, X), out = MAB(X, H))
 with the pooled keys and values taken with the same weights A, and without the MAB's inner LayerNorm and
 feed-forward (the block around the core supplies those). Cost T * m. The pool reads every position, so the
 core is encoder-only; Luna's causal packing is in :mod:`xscale.models.attention.luna`.

@@ -2,7 +2,7 @@
 
 gaussian: logits + -(j - i)^2 / (2 sigma_h^2), sigma_h = sigma * exp(s_h) with s_h learned (a localness prior,
   Guo et al. 2019; Yang et al. 2018 predict the centre and width per query instead, which is not done here).
-adaptive_span (Sukhbaatar et al. 2019, eq. 4-5): a_ij = m_z(i - j) exp(s_ij) / sum_r m_z(i - r) exp(s_ir), with
+adaptive_span (Sukhbaatar et al. 2019): a_ij = m_z(i - j) exp(s_ij) / sum_r m_z(i - r) exp(s_ir), with
   the soft mask m_z(x) = clamp((R + z - x) / R, 0, 1), z_h = max_span * f_h learned per head, ramp R; the L1
   penalty span_loss * sum_h z_h reaches the gradients as an auxiliary loss (:meth:`span_penalty`).
 Both cost T^2 (dense logits); adaptive_span does not yet crop the keys beyond the largest span.
@@ -113,7 +113,7 @@ class AdaptiveSpanAttention(AttentionCore):
         return (o.max_span * self.span_fraction).clamp(-o.ramp / 2, o.max_span)
 
     def span_penalty(self) -> Tensor:
-        """The auxiliary loss span_loss * sum_h max(z_h, 0) (Sukhbaatar et al. 2019, sec. 3)."""
+        """The auxiliary loss span_loss * sum_h max(z_h, 0) (Sukhbaatar et al. 2019)."""
         return self.options.span_loss * self.span().clamp_min(0).sum()
 
     def soft_mask(self, q_len: int, k_len: int, causal: bool) -> Tensor:

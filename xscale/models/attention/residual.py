@@ -1,4 +1,4 @@
-"""RealFormer residual attention (He et al. 2020, eq. 3): each layer adds the previous layer's pre-softmax
+"""RealFormer residual attention (He et al. 2020): each layer adds the previous layer's pre-softmax
 scores to its own, S_l = Q_l K_l^T / sqrt(d) + S_{l-1}, and attends with softmax(S_l + bias + mask) V_l.
 
 The carried S_l holds neither the position bias (added again by every layer, so ALiBi does not accumulate)

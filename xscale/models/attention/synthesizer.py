@@ -1,8 +1,8 @@
-"""Synthesizer attention (Tay et al. 2021, sec. 3): attention weights synthesised without query-key products.
+"""Synthesizer attention (Tay et al. 2021): attention weights synthesised without query-key products.
 
-  dense:      B_i = W_2 relu(W_1 q_i + b_1) + b_2 (eq. 1), one row of n logits per token from that token alone;
-  random:     B = R, a learned n x n matrix per head (eq. 3);
-  factorized: B = R_1 R_2^T with R_1, R_2 of n x rank (factorised random, sec. 3.1.3);
+  dense:      B_i = W_2 relu(W_1 q_i + b_1) + b_2, one row of n logits per token from that token alone;
+  random:     B = R, a learned n x n matrix per head;
+  factorized: B = R_1 R_2^T with R_1, R_2 of n x rank (the paper's factorised random synthesizer);
   out = softmax(B (+ bias, mask)) V, n = model.max_seq_len (rows and columns cut to the actual lengths).
 The dense variant reads the per-head query q_i = x_i W_q^h in place of the paper's x_i (so W_1 acts through
 W_q^h); random and factorized read no queries and no keys (no W_q, W_k are built). Every logit of token i

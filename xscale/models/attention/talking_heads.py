@@ -1,4 +1,4 @@
-"""Talking-heads attention (Shazeer et al. 2020, sec. 4): learned H x H maps mix the heads' logits before the
+"""Talking-heads attention (Shazeer et al. 2020): learned H x H maps mix the heads' logits before the
 softmax and their weights after it.
 
   J = Q K^T / sqrt(d);  J'_g = sum_h J_h P_l[h, g] (+ bias, mask);  W = softmax(J');  W'_g = sum_h W_h P_w[h, g];
