@@ -121,6 +121,13 @@ def check_pipeline(config: Config, data_parallel: int | None = None) -> None:
     if model.position == "t5_bias":
         raise ConfigError("model.position=t5_bias shares one learned bias table across all layers, which "
                           "pipeline stages cannot share; use rope or alibi, or parallel.pp=1")
+    from xscale.models.registry import ATTENTION
+
+    carrying = sorted({kind for index in range(model.n_layers)
+                       if ATTENTION.get(kind := model.attention.kind_for_layer(index)).carries_scores})
+    if carrying:
+        raise ConfigError(f"attention {', '.join(carrying)} passes each layer's attention scores to the next, which "
+                          "pipeline stages do not send; use another model.attention.kind or parallel.pp=1")
     if model.moe.num_experts and model.moe.router == "hash":
         raise ConfigError("hash routing needs the token ids at every MoE layer, which later pipeline stages do "
                           "not receive; use another model.moe.router or parallel.pp=1")
