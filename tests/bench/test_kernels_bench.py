@@ -35,7 +35,7 @@ def _run(tmp_path, capsys, backend):
 
 
 @pytest.mark.parametrize(("backend", "paths"), [
-    ("auto", {"linear_cross_entropy": "torch chunked"}),
+    ("auto", {"linear_cross_entropy": "torch chunked", "block_sparse_attention": "torch gathered"}),
     ("triton", dict.fromkeys(OPS, "triton (interpreter)")),
 ], ids=["auto-cpu", "triton-interpreter"])
 def test_prints_a_checked_row_per_op_and_writes_the_csv(tmp_path, capsys, backend, paths):

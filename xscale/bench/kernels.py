@@ -7,8 +7,8 @@ For each op the reference (``xscale.ops.reference`` and the ``*_reference`` func
 ``train.kernels=torch`` runs) and the fused path (what ``xscale.ops`` dispatches to under ``--backend``,
 default auto) run on the same inputs and the same upstream gradients. The "path" column names what
 actually ran: on CUDA the Triton kernels; on CPU the PyTorch path, which is the reference itself except
-for the linear cross-entropy (chunked over tokens, logits never whole), so CPU ratios near 1.0 show the
-timing noise. ``--backend triton`` with ``TRITON_INTERPRET=1`` runs the kernels in Triton's CPU
+for the linear cross-entropy (chunked over tokens, logits never whole) and block-sparse attention
+(listed key blocks gathered, no Tq x Tk scores), so the other CPU ratios only show the timing noise. ``--backend triton`` with ``TRITON_INTERPRET=1`` runs the kernels in Triton's CPU
 interpreter: a correctness run, its timings mean nothing.
 
 Measured per op and implementation, each outside the others' runs:
@@ -149,8 +149,9 @@ def path_of(case: Case) -> str:
         return "triton" if case.leaves[0].is_cuda else "triton (interpreter)"
     if backend == "apex":
         return "apex"
-    if case.name == "linear_cross_entropy" and dispatch.get_kernel_backend() != "torch":
-        return "torch chunked"
+    own_torch_path = {"linear_cross_entropy": "torch chunked", "block_sparse_attention": "torch gathered"}
+    if case.name in own_torch_path and dispatch.get_kernel_backend() != "torch":
+        return own_torch_path[case.name]
     return "torch (= reference)"
 
 
