@@ -11,6 +11,7 @@ experts). Every other module asks a :class:`ParallelDims` for sizes, ranks and g
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -19,6 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from xscale.config import Config, ConfigError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_expert", "ep", "tp")
+# Plans slice the flattened views (dp, dp_shard, edp) from the root mesh by name, which torch 2.11+ warns about.
+warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
 
 
 @dataclass(frozen=True)

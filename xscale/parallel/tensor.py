@@ -97,6 +97,12 @@ def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
         )
     for kind in sorted(_attention_kinds(config)):
         core = ATTENTION.get(kind)
+        if core.mixes_heads or core.per_head_state or core.carries_scores:
+            why = ("mixes information across heads" if core.mixes_heads else
+                   f"keeps per-head state ({', '.join(core.per_head_state)})" if core.per_head_state else
+                   "passes attention scores between layers")
+            raise ConfigError(f"attention '{kind}' {why}, which the tensor-parallel plan does not split by heads; "
+                              f"use parallel.tp=1 (data/pipeline parallel) or another model.attention.kind")
         for cls, option in HEAD_DEPENDENT_OPTIONS.items():
             if issubclass(core, cls) and config.attention.options.get(option, False):
                 raise ConfigError(
