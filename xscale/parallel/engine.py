@@ -77,8 +77,7 @@ class Engine:
         device_type = next(self.parameters()).device.type
         return torch.autocast(device_type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
 
-    @property
-    def device(self) -> torch.device:
+    def _device(self) -> torch.device:
         return next(self.parameters()).device
 
     def global_token_count(self, batch: Batch) -> torch.Tensor:
@@ -95,7 +94,7 @@ class Engine:
         for part in self.model_parts:
             part.train()
         tokens = self.global_token_count(batch).clamp_min(1)
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        total = torch.zeros((), dtype=torch.float32, device=self._device())
         micros = split_microbatches(batch, self.micro_batch_size)
         for index, micro in enumerate(micros):
             if self.distributed:
@@ -113,7 +112,7 @@ class Engine:
         for part in self.model_parts:
             part.eval()
         tokens = self.global_token_count(batch).clamp_min(1)
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        total = torch.zeros((), dtype=torch.float32, device=self._device())
         for micro in split_microbatches(batch, self.micro_batch_size):
             with self._autocast():
                 total += (self.loss_fn(self.model, micro) / tokens).float()
