@@ -345,3 +345,54 @@ def test_accepts_splittable_models() -> None:
     check_tensor_parallel(ModelConfig(**dict(SMALL, n_kv_heads=1)), 4)  # MQA: kv replicated
     check_tensor_parallel(ModelConfig(**dict(SWITCH, d_ff=33, moe=dataclasses.replace(SWITCH["moe"], every=1))), 2)
     check_tensor_parallel(ModelConfig(**dict(SMALL, n_heads=3, d_model=33, vocab_size=7)), 1)
+
+
+# --------------------------------------------------------------------------- composed with FSDP2 (4 ranks)
+
+
+def fsdp_over_tensor_parallel(rank: int, port: int, case: str) -> None:
+    """dp=2 x tp=2: FSDP2 over the tp-split blocks (the lead's order) gives one process's loss and gradients."""
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        options, sequence_parallel = PARITY_CASES[case]
+        config = ModelConfig(**options)
+        single = build_model(config, seed=SEED)
+        model = build_model(config, materialize=False)
+        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel)
+        for stack in (model.stack, model.decoder):
+            for block in (stack.layers.values() if stack is not None else ()):
+                fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        for method in ("hidden_states", "logits"):  # the loss calls these, not forward
+            register_fsdp_forward_method(model, method)
+        model.to_empty(device="cpu")
+        model.tie_weights()
+        init_weights(model, config, SEED)
+
+        batch = {key: torch.cat([value, value.flip(0)]) for key, value in make_batch(config).items()}
+        tokens = (batch["labels"] != -100).sum()
+        rows = slice(BATCH * mesh["dp"].get_local_rank(), BATCH * (mesh["dp"].get_local_rank() + 1))
+        expected = model_loss_sum(single, batch) / tokens
+        expected.backward()
+        loss = tensor_parallel_loss_sum(model, {key: value[rows] for key, value in batch.items()}) / tokens
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=mesh["dp"].get_group())
+        torch.testing.assert_close(total, expected.detach(), rtol=LOSS_RTOL, atol=0)
+        reference = dict(single.named_parameters())
+        for name, param in model.named_parameters():
+            grad = param.grad.full_tensor() * 2  # FSDP averages over the two dp ranks
+            torch.testing.assert_close(grad, reference[name].grad, rtol=0, atol=GRAD_ATOL,
+                                       msg=lambda message, name=name: f"{name}: {message}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["decoder-gqa-rope-swiglu-sp", "t5-encoder-decoder-sp"])
+def test_fsdp2_over_tensor_parallel(case: str) -> None:
+    mp.spawn(fsdp_over_tensor_parallel, args=(free_port(), case), nprocs=4, join=True)

@@ -92,6 +92,17 @@ def test_luna_causal_prefix_packing_equals_the_quadratic_form(chunk: int) -> Non
                     atol=1e-9)
 
 
+def test_luna_causal_gradients_stay_finite_when_later_logits_are_huge() -> None:
+    """A later key far above the running maximum must not overflow into the earlier positions' gradients."""
+    core = make_core("luna", True, {"packed_length": 4, "chunk": 16})
+    _randomise(core, 1.0)
+    q, k, v = random_qkv(1, 4, LENGTH, 16)
+    with torch.no_grad():
+        k[:, :, 5] *= 500.0  # inside the first chunk, after positions 0-4
+    core(q, k, v, causal=True).sum().backward()
+    assert all(torch.isfinite(x.grad).all() for x in (q, k, v, core.points))
+
+
 def test_luna_bidirectional_is_the_pooled_form_and_the_last_causal_position_agrees() -> None:
     core = make_core("luna", False, {"packed_length": 5})
     _randomise(core, 1.0)

@@ -11,6 +11,7 @@ import torch
 from tests.models.attention.conftest import dense_reference, make_core, random_qkv
 from xscale.config import AttentionConfig, ConfigError, ModelConfig
 from xscale.models import build_model
+from xscale.models.attention.priors import adaptive_span_metrics
 from xscale.models.transformer import run_blocks
 
 LENGTH = 45
@@ -150,6 +151,8 @@ def test_adaptive_span_penalty_reaches_the_model_gradients() -> None:
     (model(torch.randint(0, 64, (2, 11))) * 0).sum().backward()  # only the penalty has a gradient
     for core in cores:
         torch.testing.assert_close(core.span_fraction.grad, torch.full((2,), 32.0))
+    assert adaptive_span_metrics(model) == {"attention/layer0/span_mean": 8.0, "attention/layer0/span_max": 8.0,
+                                            "attention/layer1/span_mean": 8.0, "attention/layer1/span_max": 8.0}
 
 
 @pytest.mark.parametrize("causal", [False, True])

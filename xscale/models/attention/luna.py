@@ -36,19 +36,20 @@ def _pack_and_unpack_chunk(q: Tensor, k: Tensor, v: Tensor, points: Tensor, runn
     running maximum (B, H, l)); returns (out (B, H, C, d), the state after the chunk)."""
     scale = k.shape[-1] ** -0.5
     size = k.shape[2]
-    logits = points @ k.transpose(-1, -2) * scale  # (B, H, l, C)
+    logits = torch.einsum("hpd,bhsd->bhps", points, k) * scale  # (B, H, l, C)
     # Stabiliser per (point, position): the max over the prefix; it cancels in every ratio.
     shift = torch.maximum(logits.detach().cummax(-1).values, running_max[..., None])
-    past = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()  # [t, j]: j <= t
-    weights = torch.exp(logits[..., None, :] - shift[..., :, None]).masked_fill(~past, 0.0)  # (B, H, l, C, C)
+    future = ~torch.ones(size, size, dtype=torch.bool, device=q.device).tril()  # [t, s]: s > t
+    # Masked before exp: a future logit may exceed the shift and overflow, and 0 * inf in backward is NaN.
+    weights = (logits[..., None, :] - shift[..., :, None]).masked_fill(future, float("-inf")).exp()  # (B,H,l,C,C)
     carry = torch.exp(running_max[..., None] - shift)  # (B, H, l, C): rescales the state before the chunk
-    sum_k = weights @ k[:, :, None] + carry[..., None] * numerator_k[..., None, :]  # (B, H, l, C, d)
-    sum_v = weights @ v[:, :, None] + carry[..., None] * numerator_v[..., None, :]
+    sum_k = torch.einsum("bhpts,bhsd->bhptd", weights, k) + carry[..., None] * numerator_k[..., None, :]
+    sum_v = torch.einsum("bhpts,bhsd->bhptd", weights, v) + carry[..., None] * numerator_v[..., None, :]
     total = weights.sum(-1) + carry * normaliser[..., None]  # (B, H, l, C)
-    packed_k = (sum_k / total[..., None]).transpose(2, 3)  # (B, H, C, l, d)
-    packed_v = (sum_v / total[..., None]).transpose(2, 3)
-    scores = (q[..., None, :] @ packed_k.transpose(-1, -2)).squeeze(-2) * scale  # (B, H, C, l)
-    out = (torch.softmax(scores, dim=-1)[..., None, :] @ packed_v).squeeze(-2)
+    packed_k = sum_k / total[..., None]  # (B, H, l, C, d)
+    packed_v = sum_v / total[..., None]
+    scores = torch.einsum("bhtd,bhptd->bhtp", q, packed_k) * scale  # (B, H, C, l)
+    out = torch.einsum("bhtp,bhptd->bhtd", torch.softmax(scores, dim=-1), packed_v)
     # Copies, not views: a view would keep the whole l x C x d chunk tensors alive until backward.
     state = (shift[..., -1], sum_k[..., -1, :], sum_v[..., -1, :], total[..., -1])
     return (out,) + tuple(x.clone() for x in state)

@@ -135,3 +135,16 @@ class AdaptiveSpanAttention(AttentionCore):
         if self.options.span_loss > 0 and torch.is_grad_enabled() and self.span_fraction.requires_grad:
             out = AttachAuxiliaryLoss.apply(out, self.aux_loss_scale * self.span_penalty())
         return out
+
+
+def adaptive_span_metrics(model: nn.Module) -> dict[str, float]:
+    """``attention/layer{i}/span_mean`` and ``.../span_max`` (tokens) of every adaptive-span core, for the logs."""
+    metrics: dict[str, float] = {}
+    for module in model.modules():
+        if isinstance(module, AdaptiveSpanAttention):
+            with torch.no_grad():
+                span = module.span().clamp_min(0)
+            metrics[f"attention/layer{module.layer_index}/span_mean"] = float(span.mean())
+            metrics[f"attention/layer{module.layer_index}/span_max"] = float(span.max())
+    return metrics
+

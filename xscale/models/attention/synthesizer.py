@@ -7,6 +7,8 @@
 The dense variant reads the per-head query q_i = x_i W_q^h in place of the paper's x_i (so W_1 acts through
 W_q^h); random and factorized read no queries and no keys (no W_q, W_k are built). Every logit of token i
 depends only on token i or on positions, so the causal mask alone makes each variant causal. Cost T^2.
+RoPE rotates nothing here (it needs queries and keys); the logit columns are positions already, and learned,
+sinusoidal, ALiBi or T5 encodings add to them as usual.
 """
 
 from __future__ import annotations
