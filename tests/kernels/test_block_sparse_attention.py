@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import assert_close
+from kernel_checks import assert_close
 
 from xscale.ops.block_sparse_attention import block_sparse_attention_reference, build_layout
 from xscale_kernels.block_sparse_attention import BlockSparseAttention
@@ -31,9 +31,10 @@ def _run(fn, q, k, v, grad_out):
     return (out, *torch.autograd.grad(out, [q, k, v], grad_out))
 
 
-@pytest.mark.parametrize(("causal", "layout_heads", "seq_k"), [(True, 1, 40), (False, 2, 40), (False, 1, 53)],
-                         ids=["causal-shared", "per-head", "longer-keys"])
-def test_matches_dense_reference(dtype, causal, layout_heads, seq_k):
+@pytest.mark.parametrize(("causal", "layout_heads", "seq_k", "scale"),
+                         [(True, 1, 40, None), (False, 2, 40, None), (False, 1, 53, None), (True, 2, 24, 0.3)],
+                         ids=["causal-shared", "per-head", "longer-keys", "fewer-keys-causal-scaled"])
+def test_matches_dense_reference(dtype, causal, layout_heads, seq_k, scale):
     batch, heads, seq_q, head_dim = 2, 2, 40, 24  # partial last block, head dim padded to 32 inside
     q = torch.randn(batch, heads, seq_q, head_dim, dtype=dtype, requires_grad=True)
     k = torch.randn(batch, heads, seq_k, head_dim, dtype=dtype, requires_grad=True)
@@ -42,8 +43,9 @@ def test_matches_dense_reference(dtype, causal, layout_heads, seq_k):
     layout = _layout(seq_q, seq_k, layout_heads, causal)
     fused = _run(lambda q, k, v: BlockSparseAttention.apply(q, k, v, layout.index, layout.count,
                                                             layout.transposed_index, layout.transposed_count,
-                                                            BLOCK, causal, None), q, k, v, grad_out)
-    want = _run(lambda q, k, v: block_sparse_attention_reference(q, k, v, layout, causal), q, k, v, grad_out)
+                                                            BLOCK, causal, scale), q, k, v, grad_out)
+    want = _run(lambda q, k, v: block_sparse_attention_reference(q, k, v, layout, causal, scale), q, k, v,
+                grad_out)
     for got, expected, name in zip(fused, want, ["output", "grad q", "grad k", "grad v"]):
         assert_close(got, expected, dtype, name)
 

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import assert_close
+from kernel_checks import assert_close
 
 from xscale.ops import reference
 from xscale_kernels.cross_entropy import TritonRowLoss, linear_cross_entropy_sum
@@ -17,9 +17,11 @@ def _problem(dtype, vocab=1301, tokens=(2, 19), width=16):
     return hidden, weight, labels
 
 
-@pytest.mark.parametrize("chunk_tokens", [7, None], ids=["chunks-of-7", "one-chunk"])
-def test_matches_reference(dtype, chunk_tokens):
-    hidden, weight, labels = _problem(dtype)
+@pytest.mark.parametrize(("vocab", "chunk_tokens"), [(1301, 7), (1301, None), (37, 5)],
+                         ids=["chunks-of-7", "one-chunk", "vocab-below-one-block"])
+def test_matches_reference(dtype, vocab, chunk_tokens):
+    """vocab 1301: two vocab blocks of 1024, the second partial; 38 tokens: the last chunk partial."""
+    hidden, weight, labels = _problem(dtype, vocab)
     fused = linear_cross_entropy_sum(hidden, weight, labels, chunk_tokens)
     want = reference.linear_cross_entropy_sum(hidden, weight, labels)
     assert fused.dtype == torch.float32
@@ -39,7 +41,14 @@ def test_all_tokens_ignored_gives_zero_loss_and_gradients():
 
 
 def test_rows_with_extreme_logits():
-    logits = torch.tensor([[1e4, -1e4, 0.0], [-float("inf"), 3.0, 2.0]])
-    loss, lse = TritonRowLoss().forward(logits, torch.tensor([1, 2]))
-    want = torch.nn.functional.cross_entropy(logits, torch.tensor([1, 2]), reduction="none")
+    """Forward and backward of the row kernels where a naive exp would overflow or produce nan."""
+    logits = torch.tensor([[1e4, -1e4, 0.0], [-float("inf"), 3.0, 2.0], [0.5, 0.5, 0.5]])
+    labels = torch.tensor([1, 2, -100])
+    rows = TritonRowLoss()
+    loss, lse = rows.forward(logits, labels)
+    leaf = logits.clone().requires_grad_()
+    want = torch.nn.functional.cross_entropy(leaf, labels, reduction="none")
     assert torch.allclose(loss, want) and torch.allclose(lse, torch.logsumexp(logits, -1))
+    want_grad, = torch.autograd.grad(want.sum() * 0.5, leaf)
+    got_grad = rows.backward(logits.clone(), labels, lse, torch.tensor(0.5))
+    assert torch.isfinite(got_grad).all() and torch.allclose(got_grad, want_grad)

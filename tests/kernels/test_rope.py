@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import assert_close
+from kernel_checks import assert_close
 
 from xscale.ops import reference
 from xscale_kernels.rope import apply_rope
@@ -25,10 +25,16 @@ def test_matches_reference(dtype, head_dim):
     assert_close(torch.autograd.grad(fused, x, grad_out)[0], torch.autograd.grad(want, x, grad_out)[0], dtype, "grad")
 
 
-def test_non_contiguous_input_and_broadcast_tables():
-    x = torch.randn(2, 11, 3, 12).transpose(1, 2)  # (B, H, T, hd) view, as after a head split
+def test_non_contiguous_input_and_broadcast_tables(dtype):
+    source = torch.randn(2, 11, 3, 12, dtype=dtype, requires_grad=True)
+    x = source.transpose(1, 2)  # (B, H, T, hd) view, as after a head split
     cos, sin = _tables(11, 12)
-    assert_close(apply_rope(x, cos[None, None], sin[None, None]), reference.apply_rope(x, cos, sin), torch.float32)
+    grad_out = torch.randn(2, 3, 11, 12, dtype=dtype)
+    fused = apply_rope(x, cos[None, None], sin[None, None])
+    want = reference.apply_rope(x, cos, sin)
+    assert_close(fused, want, dtype, "output")
+    assert_close(torch.autograd.grad(fused, source, grad_out)[0], torch.autograd.grad(want, source, grad_out)[0],
+                 dtype, "grad")
 
 
 def test_bad_tables_are_refused():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from xscale.ops import reference
-from xscale.ops.chunked_cross_entropy import chunked_linear_cross_entropy_sum
+from xscale.ops.chunked_cross_entropy import TorchRowLoss, chunked_linear_cross_entropy_sum
 
 # fp32: same math, sums in another order. bf16: chunked dW partial sums are rounded per chunk.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -47,6 +47,20 @@ def test_autocast_matches_unfused_under_autocast():
                           ["hidden", "weight"]):
         assert g.dtype == torch.float32
         _check(g, w, torch.bfloat16, f"grad {name}")
+
+
+def test_rows_with_extreme_logits():
+    """The in-place row log-sum-exp and softmax where a naive exp would overflow or give nan."""
+    logits = torch.tensor([[1e4, -1e4, 0.0], [-float("inf"), 3.0, 2.0], [0.5, 0.5, 0.5]])
+    labels = torch.tensor([1, 2, -100])
+    rows = TorchRowLoss()
+    loss, lse = rows.forward(logits.clone(), labels)
+    leaf = logits.clone().requires_grad_()
+    want = torch.nn.functional.cross_entropy(leaf, labels, reduction="none")
+    assert torch.allclose(loss, want) and torch.allclose(lse, torch.logsumexp(logits, -1))
+    want_grad, = torch.autograd.grad(want.sum() * 0.5, leaf)
+    got_grad = rows.backward(logits.clone(), labels, lse, torch.tensor(0.5))
+    assert torch.isfinite(got_grad).all() and torch.allclose(got_grad, want_grad)
 
 
 def test_mismatched_shapes_are_refused():

@@ -31,7 +31,7 @@ def _assert_same(reference, fused):
         assert (got - want).abs().max().item() <= TOLERANCE * scale
 
 
-@pytest.mark.parametrize("op", ["rms_norm", "rms_norm_residual", "layer_norm_residual", "apply_rope",
+@pytest.mark.parametrize("op", ["rms_norm", "rms_norm_residual", "layer_norm", "layer_norm_residual", "apply_rope",
                                 "gated_activation", "linear_cross_entropy_sum"])
 def test_op_parity(op):
     x = torch.randn(2, 3, 9, 20, requires_grad=True)
@@ -42,6 +42,7 @@ def test_op_parity(op):
     cases = {
         "rms_norm": (lambda x, w: ops.rms_norm(x, w, 1e-5), x, weight),
         "rms_norm_residual": (lambda x, r, w: ops.rms_norm_residual(x, r, w, 1e-5), x, other, weight),
+        "layer_norm": (lambda x, w: ops.layer_norm(x, w, None, 1e-5), x, weight),
         "layer_norm_residual": (lambda x, r, w, b: ops.layer_norm_residual(x, r, w, b, 1e-5), x, other, weight,
                                 torch.randn(20, requires_grad=True)),
         "apply_rope": (lambda x: ops.apply_rope(x, cos, sin), x),
@@ -52,6 +53,32 @@ def test_op_parity(op):
     }
     fn, *inputs = cases[op]
     _assert_same(*_both_backends(fn, *inputs))
+
+
+def test_moe_permute_parity():
+    expert_ids = torch.randn(11, 6).topk(2, dim=-1).indices
+
+    def permute_then_unpermute(tokens, gates):
+        permuted, plan = ops.moe_permute(tokens, expert_ids, 6)
+        return permuted, ops.moe_unpermute(permuted * torch.linspace(0.5, 2, permuted.shape[0])[:, None], plan, gates)
+
+    _assert_same(*_both_backends(permute_then_unpermute, torch.randn(11, 19, requires_grad=True),
+                                 torch.rand(11, 2, requires_grad=True)))
+
+
+def test_block_sparse_attention_parity_with_grouped_kv_heads():
+    """4 query heads on 2 key/value heads (the wrapper repeats k/v), a causal local layout, a given scale."""
+    n_blocks = 3
+    index = torch.tensor([[0, 0], [0, 1], [1, 2]], dtype=torch.int32)
+    layout = ops.build_layout(index, torch.tensor([1, 2, 2], dtype=torch.int32), 16, 40, 40)
+    assert layout.mask.shape == (1, n_blocks, n_blocks)
+
+    def attend(q, k, v):
+        return ops.block_sparse_attention(q, k, v, layout, causal=True, scale=0.2)
+
+    _assert_same(*_both_backends(attend, torch.randn(1, 4, 40, 16, requires_grad=True),
+                                 torch.randn(1, 2, 40, 16, requires_grad=True),
+                                 torch.randn(1, 2, 40, 16, requires_grad=True)))
 
 
 def test_llama_style_train_step_parity():

@@ -4,6 +4,10 @@ Placement (Xiong et al. 2020; Ding et al. 2021 for sandwich):
   post:     x = norm(x + f(x))
   pre:      x = x + f(norm(x))
   sandwich: x = x + norm_out(f(norm_in(x)))
+
+A block whose attention core ``carries_scores`` (RealFormer, He et al. 2020) takes the previous layer's
+pre-softmax scores and returns ``(x, scores)``: the scores ride beside the residual stream, so a pipeline
+stage sends the pair to the next stage (see :func:`xscale.models.transformer.run_blocks`).
 """
 
 from __future__ import annotations
@@ -30,13 +34,17 @@ class Residual(nn.Module):
             self.norm_out = build_norm(config.norm, config.d_model, config.norm_eps)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The sub-layer may return ``(out, carry)``: the carry passes through untouched beside the result."""
+        out = self.sublayer(x if self.placement == "post" else self.norm(x), *args, **kwargs)
+        out, carry = out if isinstance(out, tuple) else (out, None)
         if self.placement == "post":
-            return self.norm(x + self.dropout(self.sublayer(x, *args, **kwargs)))
-        out = self.sublayer(self.norm(x), *args, **kwargs)
-        if self.placement == "sandwich":
-            out = self.norm_out(out)
-        return x + self.dropout(out)
+            x = self.norm(x + self.dropout(out))
+        else:
+            if self.placement == "sandwich":
+                out = self.norm_out(out)
+            x = x + self.dropout(out)
+        return x if carry is None else (x, carry)
 
 
 def build_feed_forward(config: ModelConfig, layer_index: int) -> nn.Module:
@@ -57,10 +65,16 @@ class TransformerBlock(nn.Module):
             Residual(config, Attention(config, layer_index, causal=False, cross=True)) if cross else None
         )
         self.feed_forward = Residual(config, build_feed_forward(config, layer_index))
+        self.carries_scores = self.attention.sublayer.core.carries_scores
 
-    def forward(self, x: torch.Tensor, position: PositionEncoding | None = None,
-                memory: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.attention(x, position)
+    def forward(self, x: torch.Tensor, position: PositionEncoding | None = None, memory: torch.Tensor | None = None,
+                scores: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Returns x, or ``(x, scores)`` when ``carries_scores`` (``scores``: None before the first such block)."""
+        if self.carries_scores:
+            x, scores = self.attention(x, position, scores=scores)
+        else:
+            x = self.attention(x, position)
         if self.cross_attention is not None:
             x = self.cross_attention(x, None, memory)
-        return self.feed_forward(x)
+        x = self.feed_forward(x)
+        return (x, scores) if self.carries_scores else x

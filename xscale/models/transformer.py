@@ -55,6 +55,20 @@ class Stack(nn.Module):
         return list(self.layers.values())
 
 
+def run_blocks(blocks: list[nn.Module], x: torch.Tensor, position: nn.Module | None,
+               memory: torch.Tensor | None = None,
+               scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Apply ``blocks`` in order; returns (x, scores). ``scores`` are the pre-softmax scores that RealFormer
+    blocks (``carries_scores``) pass on; other blocks leave them as they are. A pipeline stage calls this on
+    its blocks and sends ``scores`` along with ``x`` when it is not None."""
+    for block in blocks:
+        if block.carries_scores:
+            x, scores = block(x, position, memory, scores=scores)
+        else:
+            x = block(x, position, memory)
+    return x, scores
+
+
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -94,8 +108,7 @@ class Transformer(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states (B, T, D) of the stack that feeds the LM head."""
         x = self._embed_for_stack(input_ids, self.stack)
-        for block in self.stack.blocks():
-            x = block(x, self.stack.position)
+        x, _ = run_blocks(self.stack.blocks(), x, self.stack.position)
         if self.stack.final_norm is not None:
             x = self.stack.final_norm(x)
         if self.decoder is None:
@@ -104,8 +117,7 @@ class Transformer(nn.Module):
             raise ValueError("an encoder-decoder model needs decoder_input_ids")
         memory = x
         y = self._embed_for_stack(decoder_input_ids, self.decoder)
-        for block in self.decoder.blocks():
-            y = block(y, self.decoder.position, memory)
+        y, _ = run_blocks(self.decoder.blocks(), y, self.decoder.position, memory)
         return self.decoder.final_norm(y) if self.decoder.final_norm is not None else y
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -81,3 +82,47 @@ def block_sparse_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.
     scores = scores.masked_fill(~visible, float("-inf"))
     weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     return (weights @ v.float()).to(q.dtype)
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x (..., T, d) zero-padded to ``rows`` rows (contiguous; no copy when it already has them)."""
+    return x.contiguous() if x.shape[-2] == rows else F.pad(x, (0, 0, 0, rows - x.shape[-2]))
+
+
+def block_sparse_attention_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout,
+                                    causal: bool, scale: float | None = None) -> torch.Tensor:
+    """The PyTorch path: each query block attends to its listed key blocks, gathered side by side.
+
+    Scores are (query block, its max_nnz listed key blocks), so time and memory grow with the layout's
+    widest row times the number of query blocks, not with Tq * Tk; autograd differentiates through the
+    gather (its backward is a scatter-add). q (B, H, Tq, hd), k/v (B, H, Tk, hd); rows that see no key give 0.
+    """
+    batch, heads, seq_q, head_dim = q.shape
+    seq_k, size = k.shape[-2], layout.block_size
+    n_q, n_k = layout.mask.shape[1:]
+    scale = scale if scale is not None else head_dim**-0.5
+    q_blocks = _pad_rows(q, n_q * size).view(batch, heads, n_q, size, head_dim)
+    k_blocks = _pad_rows(k, n_k * size).view(batch, heads, n_k, size, head_dim)
+    v_blocks = _pad_rows(v, n_k * size).view(batch, heads, n_k, size, head_dim)
+    index = layout.index.long().expand(heads, -1, -1)  # (H, n_q, width): a shared layout serves every head
+    width = index.shape[-1]
+    head_of = torch.arange(heads, device=q.device).view(heads, 1, 1)
+    keys = k_blocks[:, head_of, index].reshape(batch, heads, n_q, width * size, head_dim)
+    values = v_blocks[:, head_of, index].reshape(batch, heads, n_q, width * size, head_dim)
+
+    offsets = torch.arange(size, device=q.device)
+    key_position = (index.unsqueeze(-1) * size + offsets).reshape(heads, n_q, 1, width * size)
+    listed = (torch.arange(width, device=q.device) < layout.count.expand(heads, -1).unsqueeze(-1))
+    visible = listed.repeat_interleave(size, dim=-1).unsqueeze(2) & (key_position < seq_k)
+    if causal:
+        query_position = (torch.arange(n_q, device=q.device).view(n_q, 1) * size + offsets).view(1, n_q, size, 1)
+        visible = visible & (key_position <= query_position)
+    has_key = visible.any(-1, keepdim=True)
+    # rows that see nothing get finite scores (then zero weights), so no nan reaches the backward
+    hidden = ~visible & has_key
+    scores = (q_blocks.float() @ keys.float().transpose(-1, -2)) * scale
+    weights = torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1)
+    if not bool(has_key.all()):
+        weights = weights * has_key
+    out = (weights @ values.float()).reshape(batch, heads, n_q * size, head_dim)[:, :, :seq_q]
+    return out.to(q.dtype)

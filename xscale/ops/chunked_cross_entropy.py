@@ -22,7 +22,7 @@ CHUNK_LOGIT_ELEMENTS = 1 << 25  # ~128 MiB of float32 logits per chunk
 
 class RowLoss(Protocol):
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loss per row, log-sum-exp per row), both float32; loss is 0 where labels == -100."""
+        """(loss per row, log-sum-exp per row), both float32; loss is 0 where labels == -100; may overwrite logits."""
 
     def backward(self, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
                  grad: torch.Tensor) -> torch.Tensor:
@@ -34,14 +34,19 @@ class TorchRowLoss:
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits32 = logits.float()
-        lse = torch.logsumexp(logits32, dim=-1)
         valid = labels != IGNORE_INDEX
         target = logits32.gather(1, labels.clamp_min(0).unsqueeze(1)).squeeze(1)
+        # log-sum-exp in place (torch.logsumexp would allocate a second (chunk, vocab) buffer); a row
+        # maximum of +-inf is shifted by 0 instead, as logsumexp does, so such rows give +-inf, not nan
+        row_max = logits32.amax(dim=-1, keepdim=True)
+        row_max = torch.where(row_max.isfinite(), row_max, torch.zeros_like(row_max))
+        lse = logits32.sub_(row_max).exp_().sum(-1).log_().add_(row_max.squeeze(1))
         return torch.where(valid, lse - target, torch.zeros_like(lse)), lse
 
     def backward(self, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
                  grad: torch.Tensor) -> torch.Tensor:
-        probs = torch.exp(logits.float() - lse.unsqueeze(1))
+        # in place: a float32 chunk of logits becomes its own softmax, one (chunk, vocab) buffer in all
+        probs = logits.float().sub_(lse.unsqueeze(1)).exp_()
         valid = labels != IGNORE_INDEX
         rows = torch.arange(labels.shape[0], device=labels.device)
         probs[rows[valid], labels[valid]] -= 1.0
@@ -64,8 +69,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, num_tokens, chunk_tokens):
             end = min(start + chunk_tokens, num_tokens)
-            logits = hidden[start:end] @ weight.t()
-            loss_rows, lse[start:end] = row_loss.forward(logits, labels[start:end])
+            # no name holds the chunk's logits, so they are freed before the next chunk's are allocated
+            loss_rows, lse[start:end] = row_loss.forward(hidden[start:end] @ weight.t(), labels[start:end])
             total += loss_rows.sum()
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.chunk_tokens, ctx.row_loss = chunk_tokens, row_loss
@@ -91,6 +96,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                     grad_weight += dlogits.t() @ chunk
                 else:
                     grad_weight.addmm_(dlogits.t(), chunk)
+            del dlogits  # before the next chunk's logits exist: one (chunk, vocab) buffer at a time
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None

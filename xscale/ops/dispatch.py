@@ -1,13 +1,15 @@
 """Choice of kernel backend for the fused ops (``train.kernels``): auto | triton | apex | torch.
 
-- ``torch``: the PyTorch references (``xscale.ops.reference``), unfused.
+- ``torch``: the PyTorch references (``xscale.ops.reference`` and the ``*_reference`` functions), unfused.
 - ``triton``: the Triton kernels (``kernels/xscale_kernels``). CUDA tensors, or CPU tensors with
   ``TRITON_INTERPRET=1`` set before the kernel modules are imported (the interpreter); anything else is an error.
 - ``apex``: NVIDIA apex's fused RMSNorm/LayerNorm (and FusedAdam); apex must be importable and the tensors on
-  CUDA. Ops apex has no kernel for use the PyTorch path (the chunked one for the linear cross-entropy).
+  CUDA. Ops apex has no kernel for take the PyTorch path as under ``auto`` (chunked cross-entropy, gathered
+  block-sparse attention).
 - ``auto``: triton for CUDA tensors when triton imports; else apex for the norms when apex imports and the
-  tensors are on CUDA; else PyTorch, where the linear cross-entropy takes the chunked PyTorch path so CPU runs
-  save its memory too. Distributed tensors (DTensor) always take the PyTorch path.
+  tensors are on CUDA; else PyTorch, where the linear cross-entropy takes the chunked PyTorch path and
+  block-sparse attention the gathered one (key blocks side by side, no Tq x Tk scores), so CPU runs save
+  their memory too. Distributed tensors (DTensor) always take the PyTorch reference.
 """
 
 from __future__ import annotations

@@ -6,7 +6,12 @@ import torch
 
 from xscale.ops import apex as apex_ops
 from xscale.ops import reference
-from xscale.ops.block_sparse_attention import BlockLayout, block_sparse_attention_reference, build_layout
+from xscale.ops.block_sparse_attention import (
+    BlockLayout,
+    block_sparse_attention_gathered,
+    block_sparse_attention_reference,
+    build_layout,
+)
 from xscale.ops.chunked_cross_entropy import chunked_linear_cross_entropy_sum
 from xscale.ops.dispatch import choose_backend, get_kernel_backend, is_distributed, kernel_module
 from xscale.ops.moe_permute import Permutation, permute_reference, plan_permutation, unpermute_reference
@@ -133,4 +138,6 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, la
         return kernel_module("block_sparse_attention").BlockSparseAttention.apply(
             q, k, v, layout.index, layout.count, layout.transposed_index, layout.transposed_count,
             layout.block_size, causal, scale)
-    return block_sparse_attention_reference(q, k, v, layout, causal, scale)
+    if get_kernel_backend() == "torch" or is_distributed(q):
+        return block_sparse_attention_reference(q, k, v, layout, causal, scale)
+    return block_sparse_attention_gathered(q, k, v, layout, causal, scale)

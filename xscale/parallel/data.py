@@ -115,12 +115,15 @@ class DataParallel:
             distinct *= self.expert_parallel  # the ep mesh dimension is never part of a parameter's DTensor mesh
         return max(1, self.stage_replicas // distinct)
 
-    def gradient_pieces(self) -> list[GradientPiece]:
+    def gradient_pieces(self, uncounted: str | None = None) -> list[GradientPiece]:
+        """This rank's gradient pieces with their replica counts (``uncounted``: a parameter clipped but not
+        counted in the norm, e.g. the pipeline's copy of a tied embedding, whose twin is counted)."""
         pieces = []
         for entry in self.parameters:
             grad = entry.param.grad
             if grad is not None:
-                pieces.append(GradientPiece(local_tensor(grad), self._replicas(entry.name, grad)))
+                pieces.append(GradientPiece(local_tensor(grad), self._replicas(entry.name, grad),
+                                            counted=entry.name != uncounted))
         return pieces
 
     # checkpoint: None means "use torch.distributed.checkpoint.state_dict as is"
@@ -246,12 +249,12 @@ class ZeroDataParallel(ReplicatedDataParallel):
             part.shard.grad = reduced[: part.stop - part.start]
             part.entry.param.grad = None  # ZeRO-2 keeps only this rank's gradient chunk
 
-    def gradient_pieces(self) -> list[GradientPiece]:
+    def gradient_pieces(self, uncounted: str | None = None) -> list[GradientPiece]:
         pieces = []
         for part in self.partitions:
             if part.shard.grad is not None:
                 replicas = self._replicas(part.entry.name, part.entry.param, part.shard_size)
-                pieces.append(GradientPiece(part.shard.grad, replicas))
+                pieces.append(GradientPiece(part.shard.grad, replicas, counted=part.entry.name != uncounted))
         return pieces
 
     @torch.no_grad()
@@ -274,13 +277,14 @@ class ZeroDataParallel(ReplicatedDataParallel):
 
     # ------------------------------------------------------------------ checkpoint
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The single-process AdamW layout (state keyed by parameter name), each moment gathered to the
-        parameter's local shape and given the parameter's DTensor placements, so DCP reshards it to any layout."""
-        state: dict[str, Any] = {}
+        """The single-process AdamW state in DCP's flattened layout (``state.<name>.<key>``,
+        ``param_groups.<name>.<key>``), each moment gathered to the parameter's local shape and given the
+        parameter's DTensor placements, so DCP reshards it to any layout."""
+        flat: dict[str, Any] = {}
         for part in self.partitions:
             shard_state = optimizer.state.get(part.shard, {})
-            param = part.entry.param
-            entry: dict[str, Any] = {"step": shard_state.get("step", torch.zeros((), dtype=torch.float32)).clone()}
+            param, name = part.entry.param, part.entry.name
+            flat[f"state.{name}.step"] = shard_state.get("step", torch.zeros((), dtype=torch.float32)).clone()
             for key in ("exp_avg", "exp_avg_sq"):
                 chunk = shard_state.get(key, torch.zeros_like(part.shard))
                 full = torch.empty_like(local_tensor(param)).view(-1)
@@ -292,25 +296,29 @@ class ZeroDataParallel(ReplicatedDataParallel):
                 if isinstance(param, DTensor):
                     full = DTensor.from_local(full, param.device_mesh, param.placements, shape=param.shape,
                                               stride=param.stride())
-                entry[key] = full
-            state[part.entry.name] = entry
+                flat[f"state.{name}.{key}"] = full
         names = {id(part.shard): part.entry.name for part in self.partitions}
-        groups = []
         for group in optimizer.param_groups:
-            groups.append({**{k: v for k, v in group.items() if k != "params"},
-                           "params": [names[id(p)] for p in group["params"]]})
-        return {"state": state, "param_groups": groups}
+            for shard in group["params"]:
+                for key, value in group.items():
+                    if key != "params":
+                        flat[f"param_groups.{names[id(shard)]}.{key}"] = value
+        return flat
 
     @torch.no_grad()
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        names = {id(part.shard): part.entry.name for part in self.partitions}
         for part in self.partitions:
-            saved = state["state"][part.entry.name]
-            restored = {"step": saved["step"].detach().clone().float()}
+            name = part.entry.name
+            restored = {"step": state[f"state.{name}.step"].detach().clone().float()}
             for key in ("exp_avg", "exp_avg_sq"):
-                full = local_tensor(saved[key]).reshape(-1)
+                full = local_tensor(state[f"state.{name}.{key}"]).reshape(-1)
                 restored[key] = full[part.start:part.stop].clone()
             optimizer.state[part.shard] = restored
-        for group, saved_group in zip(optimizer.param_groups, state["param_groups"]):
-            for key, value in saved_group.items():
-                if key != "params":
-                    group[key] = value
+        for group in optimizer.param_groups:
+            if not group["params"]:
+                continue
+            prefix = f"param_groups.{names[id(group['params'][0])]}."
+            for key, value in state.items():
+                if key.startswith(prefix):
+                    group[key[len(prefix):]] = value

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.device_mesh import DeviceMesh
 
 from xscale.config import TrainConfig
@@ -34,6 +35,9 @@ from xscale.train.optim import build_optimizer
 
 Batch = dict[str, torch.Tensor]
 LossFunction = Callable[[nn.Module, Batch], torch.Tensor]
+# Optimizer state flattened to ``state.<name>.<key>`` / ``param_groups.<name>.<key>``: nested param groups are
+# saved by group index, which collides when ranks hold different parameters (pipeline stages).
+STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def model_loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -85,8 +89,7 @@ class Engine:
         device_type = next(self.parameters()).device.type
         return torch.autocast(device_type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
 
-    @property
-    def device(self) -> torch.device:
+    def _device(self) -> torch.device:
         return next(self.parameters()).device
 
     def global_token_count(self, batch: Batch) -> torch.Tensor:
@@ -111,7 +114,7 @@ class Engine:
         for part in self.model_parts:
             part.train()
         tokens = self.global_token_count(batch).clamp_min(1)
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        total = torch.zeros((), dtype=torch.float32, device=self._device())
         micros = split_microbatches(batch, self.micro_batch_size)
         self.routing_groups.begin_step(len(micros))
         for index, micro in enumerate(micros):
@@ -121,7 +124,6 @@ class Engine:
                 loss = self.loss_fn(self.model, micro) / tokens
             loss.backward()
             total += loss.detach().float()
-            self.routing_groups.after_microbatch()
         if self.distributed:
             self.data_parallel.after_backward()
         self.routing_groups.end_step()
@@ -132,7 +134,7 @@ class Engine:
         for part in self.model_parts:
             part.eval()
         tokens = self.global_token_count(batch).clamp_min(1)
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        total = torch.zeros((), dtype=torch.float32, device=self._device())
         for micro in split_microbatches(batch, self.micro_batch_size):
             with self._autocast():
                 total += (self.loss_fn(self.model, micro) / tokens).float()
@@ -179,7 +181,8 @@ class Engine:
         if custom is not None:
             state = {"model": get_model_state_dict(self._state_module()), "optimizer": custom}
         else:
-            model_state, optimizer_state = get_state_dict(self._state_module(), optimizer)
+            model_state, optimizer_state = get_state_dict(self._state_module(), optimizer,
+                                                          options=STATE_DICT_OPTIONS)
             state = {"model": model_state, "optimizer": optimizer_state}
         if self.expert_mesh is not None:
             state = globalize_expert_state(state, self.expert_mesh)
@@ -196,7 +199,7 @@ class Engine:
             self.data_parallel.load_optimizer_state_dict(optimizer, state["optimizer"])
             return
         set_state_dict(self._state_module(), optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+                       optim_state_dict=state["optimizer"], options=STATE_DICT_OPTIONS)
 
     def _state_module(self) -> nn.Module | list[nn.Module]:
         parts = self.model_parts

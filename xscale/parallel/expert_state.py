@@ -42,14 +42,17 @@ def _local(value: torch.Tensor, like: nn.Parameter) -> torch.Tensor:
 
 
 def _map_expert_tensors(state: StateDict, convert) -> StateDict:
-    """Apply ``convert(name, tensor)`` to the expert tensors of a {"model", "optimizer"} state (new dicts)."""
+    """Apply ``convert(name, tensor)`` to the expert tensors of a {"model", "optimizer"} state (new dicts);
+    the optimizer state is DCP's flattened form, moments under ``state.<name>.<key>``."""
     model = {name: convert(name, value) if is_expert_parameter(name) and isinstance(value, torch.Tensor) else value
              for name, value in state["model"].items()}
-    optimizer = dict(state["optimizer"])
-    optimizer["state"] = {
-        name: {key: convert(name, value) if isinstance(value, torch.Tensor) and value.ndim > 0 else value
-               for key, value in entry.items()} if is_expert_parameter(name) else entry
-        for name, entry in state["optimizer"]["state"].items()}
+    optimizer = {}
+    for key, value in state["optimizer"].items():
+        if key.startswith("state.") and isinstance(value, torch.Tensor) and value.ndim > 0:  # not the step count
+            name = key[len("state."):].rsplit(".", 1)[0]
+            if is_expert_parameter(name):
+                value = convert(name, value)
+        optimizer[key] = value
     return {**state, "model": model, "optimizer": optimizer}
 
 

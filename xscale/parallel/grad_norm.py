@@ -18,10 +18,12 @@ import torch.distributed as dist
 
 @dataclass
 class GradientPiece:
-    """A local gradient tensor and how many ranks of its pipeline stage hold the same values."""
+    """A local gradient tensor and how many ranks of its pipeline stage hold the same values; an uncounted
+    piece (a copy whose twin is counted elsewhere) is clipped but adds nothing to the norm."""
 
     grad: torch.Tensor
     replicas: int
+    counted: bool = True
 
 
 def global_grad_norm(pieces: Sequence[GradientPiece], group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -29,7 +31,7 @@ def global_grad_norm(pieces: Sequence[GradientPiece], group: dist.ProcessGroup |
     device = pieces[0].grad.device if pieces else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float64, device=device)
     for piece in pieces:
-        if piece.grad.numel():
+        if piece.counted and piece.grad.numel():
             total += piece.grad.detach().double().pow(2).sum() / piece.replicas
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)

@@ -4,7 +4,7 @@ Order (as torchtitan settled on): build on the meta device -> pipeline split -> 
 expert parallel -> activation checkpointing -> ZeRO-3 (FSDP2) -> materialise on the device -> deterministic init
 from (seed, canonical parameter name), so every layout starts from the single-device weights.
 Expert parallelism (ep > 1) acts on the MoE layers only and slices materialised experts, so under ep the model is
-materialised and initialised just before it (after tensor parallelism, which leaves MoE layers replicated over tp).
+materialised and initialised just before it.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def _stacks(model: nn.Module) -> list[nn.Module]:
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The Transformer blocks of a model or of a pipeline stage (its ``stack``)."""
     return [block for stack in _stacks(model) for block in stack.layers.values()]
 
 
@@ -50,13 +51,11 @@ def build_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh | None, de
         model = build_model(config.model, device, seed=seed)
         apply_activation_checkpointing(_stacks(model), config.parallel.activation_checkpointing)
         return Engine(model, micro_batch_size(config, dims), autocast)
-    if dims.ep > 1 and (dims.tp > 1 or dims.pp > 1):
-        raise ConfigError(f"parallel.ep={dims.ep} with tp={dims.tp}, pp={dims.pp} is not supported yet (expert "
-                          f"parallelism runs inside data parallelism only); set parallel.tp=1 and parallel.pp=1")
     if dims.pp > 1:
-        from xscale.parallel.pipeline_layout import build_pipeline_engine
-
-        return build_pipeline_engine(config, dims, mesh, device)
+        return _build_pipeline_engine(config, dims, mesh, device, autocast)
+    if dims.ep > 1 and dims.tp > 1:
+        raise ConfigError(f"expert x tensor parallelism (parallel.ep={dims.ep} with parallel.tp={dims.tp}) is not "
+                          f"supported yet; use ep with data parallel / ZeRO, or tp with ep=1")
 
     model = build_model(config.model, materialize=False)
     loss_fn = model_loss_sum
@@ -70,10 +69,10 @@ def build_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh | None, de
         _materialize(model, config, device)
         apply_expert_parallel(model, mesh["ep"])
     apply_activation_checkpointing(_stacks(model), config.parallel.activation_checkpointing)
-    data_parallel = _data_parallel(model, dims, mesh, autocast)
+    make_data_parallel = _data_parallel([model], dims, mesh, autocast)
     if dims.ep == 1:
         _materialize(model, config, device)
-    data_parallel = data_parallel(model)
+    data_parallel = make_data_parallel([model])
     return Engine(model, micro_batch_size(config, dims), autocast, loss_fn=loss_fn, data_parallel=data_parallel)
 
 
@@ -84,17 +83,40 @@ def _materialize(model: nn.Module, config: Config, device: torch.device) -> None
     init_weights(model, config.model, config.train.seed)
 
 
-def _data_parallel(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, autocast: torch.dtype | None):
-    """Shard for ZeRO-3 now (on the meta model; materialised under ep); return a factory that builds the strategy once materialised."""
+def _data_parallel(parts: list[nn.Module], dims: ParallelDims, mesh: DeviceMesh, autocast: torch.dtype | None):
+    """Shard ``parts`` for ZeRO-3 now (meta or materialised); return a factory that builds the strategy over
+    the materialised parts."""
     stage_replicas = dims.world_size // dims.pp
+
+    def parameters(modules: list[nn.Module]) -> list[NamedParameter]:
+        return [entry for module in modules for entry in named_parameters(module)]
+
     if dims.zero_stage == 3 and dims.dp > 1:
         from xscale.parallel.fsdp import FullyShardedDataParallel, apply_fsdp
 
-        experts = [layer.experts for layer in moe_layers(model)] if dims.ep > 1 else []
-        apply_fsdp(model, mesh, dims, autocast, _blocks(model), expert_modules=experts)
-        return lambda m: FullyShardedDataParallel(named_parameters(m), mesh, stage_replicas, [m], dims.ep)
+        for part in parts:
+            experts = [layer.experts for layer in moe_layers(part)] if dims.ep > 1 else []
+            apply_fsdp(part, mesh, dims, autocast, _blocks(part), expert_modules=experts)
+        return lambda ms: FullyShardedDataParallel(parameters(ms), mesh, stage_replicas, ms, dims.ep)
     if dims.zero_stage in (1, 2) and dims.dp > 1:
-        return lambda m: ZeroDataParallel(named_parameters(m), mesh, dims.zero_stage, stage_replicas, dims.ep)
+        return lambda ms: ZeroDataParallel(parameters(ms), mesh, dims.zero_stage, stage_replicas, dims.ep)
     if dims.dp > 1:
-        return lambda m: ReplicatedDataParallel(named_parameters(m), mesh, stage_replicas, dims.ep)
-    return lambda m: DataParallel(named_parameters(m), mesh, stage_replicas, dims.ep)
+        return lambda ms: ReplicatedDataParallel(parameters(ms), mesh, stage_replicas, dims.ep)
+    return lambda ms: DataParallel(parameters(ms), mesh, stage_replicas, dims.ep)
+
+
+def _build_pipeline_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh, device: torch.device,
+                           autocast: torch.dtype | None) -> Engine:
+    """Stages cut from the meta model (materialised and initialised by the engine), data parallel around them."""
+    from xscale.parallel.pipeline import PipelineEngine
+
+    if dims.tp > 1:
+        raise ConfigError("pipeline x tensor parallelism (parallel.pp > 1 with parallel.tp > 1) is not supported "
+                          "yet; use pp with data parallel / ZeRO, or tp with data parallel")
+    if dims.ep > 1:
+        raise ConfigError("pipeline x expert parallelism is not supported yet; use parallel.ep=1 with parallel.pp")
+    model = build_model(config.model, materialize=False)
+    apply_activation_checkpointing(_stacks(model), config.parallel.activation_checkpointing)
+    engine = PipelineEngine.from_config(config, model, mesh["pp"], device)
+    engine.data_parallel = _data_parallel(engine.model_parts, dims, mesh, autocast)(engine.model_parts)
+    return engine

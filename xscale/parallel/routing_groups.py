@@ -8,9 +8,10 @@ micro_batch_size = one group's sequences routes exactly the same groups.
 - Auxiliary losses (Switch eq. 4, ST-MoE eq. 5) count as their mean over the G groups: each forward's are weighted
   1/G (``MoELayer.aux_loss_scale``), and gradients sum over microbatches and ranks. Under ep the ranks of a group
   each back-propagate their share of the group's losses (:mod:`xscale.models.moe.routing`), so a group counts once.
-- Statistics reported for the step: tokens per expert summed over the groups; dropped fraction, aux and z losses
-  averaged over them. Each forward records its group's values (identical on the group's ep ranks); the step's
-  are summed over microbatches, then over the ranks that route different groups (``edp``: one per ep group).
+- Statistics reported for the step: tokens per expert summed over the G groups; dropped fraction, aux and z losses
+  averaged over them. A forward hook adds each forward's group values (identical on the group's ep ranks); the
+  sums and forward counts are then summed over the ranks that route different groups (``edp``). Averaging over
+  recorded forwards makes activation checkpointing's recomputed forwards (same values, every group alike) harmless.
 """
 
 from __future__ import annotations
@@ -25,11 +26,19 @@ from xscale.models.moe import MoELayer, moe_layers
 AVERAGED = ("dropped_fraction", "aux_loss", "z_loss")
 
 
+def _statistics(layer: MoELayer) -> torch.Tensor:
+    """[tokens per expert..., dropped fraction, aux, z] of the layer's last forward."""
+    metrics = layer.metrics
+    return torch.cat([metrics["tokens_per_expert"].detach().float().reshape(-1),
+                      torch.stack([metrics[name].detach().float().reshape(()) for name in AVERAGED])])
+
+
 class RoutingGroups:
-    """The MoE layers of this rank's model parts, driven once per step by the engine.
+    """The MoE layers of this rank's model parts; an engine calls :meth:`begin_step` and :meth:`end_step`
+    around each training step (every microbatch's forward and backward in between).
 
     ``groups_per_microbatch``: dp / ep (1 on one device). ``sum_over_groups``: in-place sum of a tensor over the
-    ranks that hold different routing groups (None on one device).
+    ranks that route different groups (None on one device).
     """
 
     def __init__(self, parts: list[nn.Module], groups_per_microbatch: int = 1,
@@ -38,29 +47,41 @@ class RoutingGroups:
         self.groups_per_microbatch = groups_per_microbatch
         self.sum_over_groups = sum_over_groups
         self.groups = 1
-        self._sums: list[torch.Tensor] = []
+        self._recording = False
+        self._sums: list[torch.Tensor | None] = [None] * len(self.layers)
+        self._forwards = [0] * len(self.layers)
+        for index, layer in enumerate(self.layers):
+            layer.register_forward_hook(lambda module, args, output, index=index: self._record(index))
+
+    def _record(self, index: int) -> None:
+        if not self._recording:
+            return
+        value = _statistics(self.layers[index])
+        total = self._sums[index]
+        self._sums[index] = value if total is None else total + value
+        self._forwards[index] += 1
 
     def begin_step(self, microbatches: int) -> None:
-        """Weight the auxiliary losses of each of the step's forwards by 1/G."""
+        """Weight the auxiliary losses of each of the step's forwards by 1/G and start recording statistics."""
         self.groups = microbatches * self.groups_per_microbatch
         for layer in self.layers:
             layer.aux_loss_scale = 1.0 / self.groups
-        self._sums = []
-
-    def after_microbatch(self) -> None:
-        """Add the statistics of the microbatch that just ran (forward and backward)."""
-        values = [torch.cat([layer.metrics["tokens_per_expert"].float().reshape(-1),
-                             torch.stack([layer.metrics[name].float().reshape(()) for name in AVERAGED])])
-                  for layer in self.layers]
-        self._sums = values if not self._sums else [total + value for total, value in zip(self._sums, values)]
+        self._sums = [None] * len(self.layers)
+        self._forwards = [0] * len(self.layers)
+        self._recording = True
 
     def end_step(self) -> None:
         """Replace each layer's ``metrics`` by the step's (collective over the routing groups when distributed)."""
-        if not self.layers or not self._sums:
+        self._recording = False
+        if not self.layers or any(total is None for total in self._sums):
             return
-        flat = torch.cat(self._sums)
+        sizes = [total.numel() for total in self._sums]
+        device = self._sums[0].device
+        flat = torch.cat([*self._sums, torch.tensor(self._forwards, dtype=torch.float32, device=device)])
         if self.sum_over_groups is not None:
             self.sum_over_groups(flat)
-        for layer, total in zip(self.layers, flat.split([s.numel() for s in self._sums])):
-            tokens, averaged = total[:-len(AVERAGED)], total[-len(AVERAGED):] / self.groups
+        totals, forwards = flat[:sum(sizes)].split(sizes), flat[sum(sizes):]
+        for layer, total, count in zip(self.layers, totals, forwards):
+            mean = total / count  # per routing group
+            tokens, averaged = mean[:-len(AVERAGED)] * self.groups, mean[-len(AVERAGED):]
             layer.metrics = {"tokens_per_expert": tokens, **dict(zip(AVERAGED, averaged))}

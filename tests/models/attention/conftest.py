@@ -47,3 +47,12 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: a second intra-op thread only adds synchronisation on a shared 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

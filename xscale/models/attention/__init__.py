@@ -1,12 +1,21 @@
 """Attention: the multi-head module and the registry of cores (dense and the efficient zoo)."""
 
 from xscale.models.attention import (  # noqa: F401  (each module registers its cores)
+    compressed,
     dense,
+    inducing,
     linear,
     lowrank,
     lsh,
+    luna,
+    priors,
     random_features,
+    residual,
+    routing,
+    sinkhorn,
     sparse,
+    synthesizer,
+    talking_heads,
 )
 from xscale.models.attention.core import AttentionCore, build_core, expand_kv
 from xscale.models.attention.multihead import Attention

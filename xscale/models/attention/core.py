@@ -4,7 +4,11 @@ Projections, positions and head bookkeeping live in :class:`xscale.models.attent
 a *core* only mixes values: ``core(q, k, v, causal=..., bias=...)`` with q (B, H, Tq, hd) and
 k, v (B, Hkv, Tk, hd), H a multiple of Hkv (GQA/MQA), returning (B, H, Tq, hd).
 Tensor parallelism splits heads, so a core must treat heads independently (or own per-head state
-that the TP plan slices).
+that the TP plan slices: ``per_head_state`` names it, dim 0 = heads); ``mixes_heads`` cores cannot be split.
+A core that reads no queries (or keys) says so in ``uses_queries`` / ``uses_keys``: the module then builds no
+projection for them and passes a (B, H, T, 0) placeholder that only carries the shape.
+A core with ``carries_scores`` (RealFormer) also takes ``previous_scores`` and returns ``(out, scores)``:
+the scores travel from block to block beside the hidden state (:func:`xscale.models.transformer.run_blocks`).
 """
 
 from __future__ import annotations
@@ -31,12 +35,17 @@ class AttentionCore(nn.Module):
     bidirectional_capable: ClassVar[bool] = True  # can run without one (encoders)
     supports_bias: ClassVar[bool] = False  # accepts an additive logit bias (ALiBi, T5)
     shares_qk: ClassVar[bool] = False  # keys are the queries (Reformer)
+    mixes_heads: ClassVar[bool] = False  # heads exchange information: tensor parallelism must refuse it
+    carries_scores: ClassVar[bool] = False  # takes and returns pre-softmax scores across layers (RealFormer)
+    per_head_state: ClassVar[tuple[str, ...]] = ()  # parameters/buffers whose dim 0 is the head (TP slices them)
 
     def __init__(self, model: ModelConfig, layer_index: int, options: Any) -> None:
         super().__init__()
         self.model_config = model
         self.layer_index = layer_index
         self.options = options
+        self.uses_queries = True
+        self.uses_keys = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -47,6 +56,14 @@ def expand_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
     """(B, Hkv, T, hd) -> (B, H, T, hd) by repeating each kv head for its H/Hkv query heads."""
     groups = n_heads // x.shape[1]
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def check_heads(core: AttentionCore, state: torch.Tensor, n_heads: int) -> None:
+    """Per-head state must match the heads this core sees (all of them, or a tensor-parallel slice)."""
+    if state.shape[0] != n_heads:
+        raise ValueError(f"{type(core).__name__} holds state for {state.shape[0]} heads but got {n_heads}; a "
+                         f"tensor-parallel plan must slice its per-head state {core.per_head_state or '(none)'} "
+                         "by head, or refuse the core when it mixes heads")
 
 
 def build_core(kind: str, model: ModelConfig, layer_index: int, options: dict[str, Any], causal: bool,

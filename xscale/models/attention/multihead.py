@@ -27,8 +27,10 @@ class Attention(nn.Module):
         kind = "dense" if cross else config.attention.kind_for_layer(layer_index)
         self.core = build_core(kind, config, layer_index, config.attention.options, self.causal,
                                uses_bias and not cross)
-        self.wq = nn.Linear(d, config.n_heads * hd, bias=config.bias)
-        if not self.core.shares_qk:
+        self.query_groups = config.n_heads // config.kv_heads
+        if self.core.uses_queries:
+            self.wq = nn.Linear(d, config.n_heads * hd, bias=config.bias)
+        if self.core.uses_keys and not self.core.shares_qk:
             self.wk = nn.Linear(d, config.kv_heads * hd, bias=config.bias)
         self.wv = nn.Linear(d, config.kv_heads * hd, bias=config.bias)
         self.wo = nn.Linear(config.n_heads * hd, d, bias=config.bias)
@@ -38,20 +40,35 @@ class Attention(nn.Module):
         batch, length, _ = x.shape
         return x.view(batch, length, -1, self.head_dim).transpose(1, 2)
 
+    def _placeholder(self, x: torch.Tensor, n_heads: int) -> torch.Tensor:
+        """(B, H, T, 0): the shape of heads a core does not read."""
+        return x.new_empty(x.shape[0], n_heads, x.shape[1], 0)
+
     def forward(self, x: torch.Tensor, position: PositionEncoding | None = None,
-                memory: torch.Tensor | None = None) -> torch.Tensor:
-        """x: (B, T, D); memory: (B, S, D) encoder output for cross-attention."""
+                memory: torch.Tensor | None = None,
+                scores: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x: (B, T, D); memory: (B, S, D) encoder output for cross-attention; ``scores``: the previous
+        layer's pre-softmax scores for a ``carries_scores`` core, which then returns ``(out, scores)``."""
         source = memory if self.cross else x
-        q = self._heads(self.wq(x))
-        k = q if self.core.shares_qk else self._heads(self.wk(source))
         v = self._heads(self.wv(source))
+        core = self.core
+        q = self._heads(self.wq(x)) if core.uses_queries else self._placeholder(x, v.shape[1] * self.query_groups)
+        if core.shares_qk:
+            k = q
+        else:
+            k = self._heads(self.wk(source)) if core.uses_keys else self._placeholder(source, v.shape[1])
         bias = None
         if position is not None and not self.cross:
-            if position.rotates_qk:
+            if position.rotates_qk and core.uses_queries and core.uses_keys:
                 q, k = position.rotate(q, k)
             if position.biases_logits:
                 heads = slice(self.head_offset, self.head_offset + q.shape[1])
-                bias = position.bias(q.shape[2], k.shape[2], heads).to(q.device)
-        out = self.core(q, k, v, causal=self.causal, bias=bias)
+                bias = position.bias(q.shape[2], k.shape[2], heads).to(v.device)
+        if core.carries_scores:
+            out, scores = core(q, k, v, causal=self.causal, bias=bias, previous_scores=scores)
+            return self._merge(out), scores
+        return self._merge(core(q, k, v, causal=self.causal, bias=bias))
+
+    def _merge(self, out: torch.Tensor) -> torch.Tensor:
         batch, _, length, _ = out.shape
         return self.wo(out.transpose(1, 2).reshape(batch, length, -1))

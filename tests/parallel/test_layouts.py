@@ -1,0 +1,31 @@
+"""Tensor, sequence and pipeline parallel layouts through the trainer: 10-step loss parity with one process,
+alone and composed with data parallel / ZeRO (the engines' own gradient checks live beside them)."""
+
+from __future__ import annotations
+
+import pytest
+from parity_models import DECODER, ENCODER, assert_parity
+
+
+def test_decoder_tensor_sequence_and_pipeline_parallel(tmp_path):
+    assert_parity(DECODER, ["tp=2", "tp=2,sequence_parallel=true", "pp=2,microbatches=2",
+                            "pp=2,microbatches=4,pp_schedule=gpipe"], tmp_path)
+
+
+def test_encoder_tensor_and_pipeline_parallel(tmp_path):
+    assert_parity(ENCODER, ["tp=2", "pp=2,microbatches=2"], tmp_path)
+
+
+@pytest.mark.slow
+def test_composed_layouts_at_four_ranks(tmp_path):
+    assert_parity(DECODER, ["dp_shard=2,tp=2", "dp_shard=2,tp=2,zero_stage=3", "dp_replicate=2,dp_shard=1,tp=2",
+                            "pp=2,dp_shard=2,microbatches=2,zero_stage=1", "pp=2,dp_shard=2,microbatches=2,zero_stage=3",
+                            "pp=2,dp_shard=2,microbatches=2"], tmp_path)
+
+
+@pytest.mark.slow
+def test_every_pipeline_schedule(tmp_path):
+    assert_parity(DECODER + ["model.n_layers=4"], ["pp=2,microbatches=2,pp_schedule=1f1b",
+                                                   "pp=2,microbatches=4,pp_schedule=interleaved_1f1b,pp_stages_per_rank=2",
+                                                   "pp=2,microbatches=2,pp_schedule=zero_bubble,pp_stages_per_rank=2"],
+                  tmp_path)

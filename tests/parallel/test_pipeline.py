@@ -1,0 +1,316 @@
+"""Pipeline parallelism (pp=2, gloo): every schedule gives the single-process loss and gradients.
+
+Each spawned case compares the pipeline with :class:`Engine` on one process running the same model
+on the same batch: the loss (relative 1e-5), every parameter (exactly: same init) and every gradient
+(1e-5 absolute), for a decoder (RoPE, SwiGLU, RMSNorm, GQA, tied embeddings, fused linear CE) and a
+BERT-style encoder (learned positions, post-LN, embedding norm, MLM head with bias, tied, labels
+mostly -100). Splits are uneven.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+
+from xscale.config import Config, ConfigError, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
+from xscale.models import build_model
+from xscale.parallel.engine import Engine
+from xscale.parallel.pipeline import PipelineEngine, check_pipeline, split_layers
+from xscale.train.optim import build_optimizer
+
+WORLD = 2
+SEED = 7
+LOSS_TOLERANCE = {"rtol": 1e-5, "atol": 0.0}
+GRAD_TOLERANCE = {"rtol": 0.0, "atol": 1e-5}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run(rank: int, port: int, check, args) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        check(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(check, *args) -> None:
+    mp.spawn(run, args=(free_port(), check, args), nprocs=WORLD, join=True)
+
+
+def decoder_config(n_layers: int) -> ModelConfig:
+    return ModelConfig(family="decoder", vocab_size=64, d_model=32, n_layers=n_layers, n_heads=4, n_kv_heads=2,
+                       max_seq_len=16, position="rope", norm="rmsnorm", ffn="swiglu", tie_embeddings=True)
+
+
+def encoder_config(n_layers: int) -> ModelConfig:
+    return ModelConfig(family="encoder", vocab_size=64, d_model=32, n_layers=n_layers, n_heads=4, max_seq_len=16,
+                       position="learned", norm="layernorm", norm_placement="post", embedding_norm=True,
+                       ffn="gelu", bias=True, tie_embeddings=True, lm_head_transform=True, lm_head_bias=True)
+
+
+def make_batch(config: ModelConfig, rows: int = 4, seq: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, config.vocab_size, (rows, seq), generator=generator)
+    labels = torch.randint(0, config.vocab_size, (rows, seq), generator=generator)
+    if config.family == "encoder":  # MLM: ~20% of positions carry a label; the first sequence none at all
+        labels[torch.rand(rows, seq, generator=generator) > 0.2] = -100
+        labels[0] = -100
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def single_process_names(config: ModelConfig) -> set[str]:
+    """Parameter names of the 1-process model, the tied output projection included."""
+    return set(build_model(config, materialize=False).state_dict())
+
+
+def gathered_names(engine: PipelineEngine) -> set[str]:
+    names = [name for stage in engine.stages for name, _ in stage.named_parameters()]
+    everyone: list[list[str]] = [[] for _ in range(WORLD)]
+    dist.all_gather_object(everyone, names, group=engine.group)
+    flat = [name for names in everyone for name in names]
+    assert len(flat) == len(set(flat)), "a parameter is held by two stages"
+    return set(flat)
+
+
+def assert_matches_single(engine: PipelineEngine, single: torch.nn.Module) -> None:
+    """Every parameter this rank holds equals the single-process one, and so does its gradient."""
+    reference = dict(single.named_parameters())
+    if single.config.tie_embeddings:
+        reference["output.weight"] = single.embedding.weight
+    for stage in engine.stages:
+        for name, param in stage.named_parameters():
+            assert torch.equal(param.detach(), reference[name].detach()), f"{name}: initial weights differ"
+            assert param.grad is not None, f"{name}: no gradient"
+            torch.testing.assert_close(param.grad, reference[name].grad, **GRAD_TOLERANCE, msg=name)
+
+
+SCHEDULE_CASES = [  # schedule, stages per rank, microbatches, layers, pp_split
+    ("gpipe", 1, 2, 3, [1, 2]),
+    ("1f1b", 1, 2, 3, None),  # 3 layers over 2 stages: [2, 1]
+    ("interleaved_1f1b", 2, 4, 5, None),  # 5 layers over 4 stages: [2, 1, 1, 1]
+    ("zero_bubble", 2, 4, 5, [1, 1, 2, 1]),  # V placement: both ends of the tied embedding on rank 0
+]
+
+
+def check_case(config: ModelConfig, schedule: str, stages_per_rank: int, microbatches: int,
+               pp_split: list[int] | None, reference_micro_batch: int = 4,
+               autocast_dtype: torch.dtype | None = None) -> None:
+    batch = make_batch(config)
+    single = build_model(config, seed=SEED)
+    reference = Engine(single, micro_batch_size=reference_micro_batch, autocast_dtype=autocast_dtype)
+    expected_loss = reference.train_step(batch)
+    expected_eval = reference.eval_loss(batch)
+
+    engine = PipelineEngine(config, build_model(config, materialize=False), dist.group.WORLD, microbatches,
+                            schedule, stages_per_rank, seed=SEED, pp_split=pp_split, autocast_dtype=autocast_dtype)
+    tolerance = LOSS_TOLERANCE if autocast_dtype is None else {"rtol": 1e-2, "atol": 0.0}
+    torch.testing.assert_close(engine.train_step(batch), expected_loss, **tolerance)
+    # A second step without zero_grad accumulates, as on one process.
+    reference.train_step(batch)
+    engine.train_step(batch)
+    if autocast_dtype is None:
+        assert_matches_single(engine, single)
+    assert gathered_names(engine) == single_process_names(config)
+    torch.testing.assert_close(engine.eval_loss(batch), expected_eval, **tolerance)
+    assert engine.last_step_seconds > 0
+
+
+def check_schedules(rank: int) -> None:
+    for schedule, stages_per_rank, microbatches, n_layers, pp_split in SCHEDULE_CASES:
+        for config in (decoder_config(n_layers), encoder_config(n_layers)):
+            try:
+                check_case(config, schedule, stages_per_rank, microbatches, pp_split)
+            except AssertionError as error:
+                raise AssertionError(f"{schedule} on the {config.family}: {error}") from error
+    # MoE: routing (capacity, auxiliary losses) is per microbatch, as in the 1-process engine's accumulation;
+    # zero bubble splits each backward into input and weight halves around the auxiliary-loss Function.
+    moe = decoder_config(4)
+    moe.moe = MoEConfig(num_experts=4, router="switch", capacity_factor=1.0, aux_loss_coef=0.1, z_loss_coef=0.01)
+    check_case(moe, "zero_bubble", 2, 2, None, reference_micro_batch=2)
+    check_case(decoder_config(3), "1f1b", 1, 2, None, autocast_dtype=torch.bfloat16)
+
+
+def test_every_schedule_matches_single_process() -> None:
+    """One spawn for the whole matrix: starting processes costs more than the cases."""
+    spawn(check_schedules)
+
+
+def train_config() -> TrainConfig:
+    return TrainConfig(lr=1e-2, weight_decay=0.1)
+
+
+def single_process_run(config: ModelConfig, steps: int, max_norm: float):
+    """The reference: ``steps`` AdamW steps with clipping on one process; (model, optimizer, losses, norms)."""
+    model = build_model(config, seed=SEED)
+    engine = Engine(model, micro_batch_size=4)
+    optimizer = build_optimizer(engine.parameters(), train_config())
+    losses, norms = [], []
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(engine.train_step(make_batch(config, seed=step)))
+        norms.append(engine.clip_grad_norm(max_norm))
+        optimizer.step()
+    return model, optimizer, losses, norms
+
+
+def check_training_and_checkpoint(rank: int, schedule: str, stages_per_rank: int, n_layers: int,
+                                  folder: str) -> None:
+    config = decoder_config(n_layers)
+    steps, max_norm = 3, 0.5
+    single, _, expected_losses, expected_norms = single_process_run(config, steps, max_norm)
+    assert expected_norms[0] > max_norm, "the case must exercise clipping"
+
+    layout = Config(model=config, train=TrainConfig(seed=SEED),
+                    parallel=ParallelConfig(pp=WORLD, pp_schedule=schedule, pp_stages_per_rank=stages_per_rank,
+                                            microbatches=2))
+    engine = PipelineEngine.from_config(layout, build_model(config, materialize=False), dist.group.WORLD)
+    optimizer = build_optimizer(engine.parameters(), train_config())
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = engine.train_step(make_batch(config, seed=step))
+        torch.testing.assert_close(loss, expected_losses[step], **LOSS_TOLERANCE)
+        torch.testing.assert_close(engine.clip_grad_norm(max_norm), expected_norms[step], **LOSS_TOLERANCE)
+        optimizer.step()
+    reference = dict(single.named_parameters())
+    reference["output.weight"] = single.embedding.weight
+    for stage in engine.stages:
+        for name, param in stage.named_parameters():
+            torch.testing.assert_close(param.detach(), reference[name].detach(), **GRAD_TOLERANCE, msg=name)
+    if engine.tied.copy is not None and engine.tied.source is not None:
+        assert torch.equal(engine.tied.copy, engine.tied.source), "the tied copies drifted apart"
+
+    dcp.save(engine.state_dict(optimizer), checkpoint_id=f"{folder}/pipeline")
+    values = {name: param.detach().clone() for stage in engine.stages for name, param in stage.named_parameters()}
+    moments = {name: optimizer.state[param]["exp_avg_sq"].clone()
+               for stage in engine.stages for name, param in stage.named_parameters()}
+    torch.save({"values": values, "moments": moments}, f"{folder}/rank{rank}.pt")
+
+    # Resume from the single-process checkpoint into a fresh pipeline: exactly its weights and moments.
+    fresh = PipelineEngine(config, build_model(config, materialize=False), dist.group.WORLD, 2, schedule,
+                           stages_per_rank, seed=SEED + 1)
+    fresh_optimizer = build_optimizer(fresh.parameters(), train_config())
+    state = fresh.state_dict(fresh_optimizer)
+    dcp.load(state, checkpoint_id=f"{folder}/single")
+    fresh.load_state_dict(state, fresh_optimizer)
+    saved = torch.load(f"{folder}/single.pt")
+    for stage in fresh.stages:
+        for name, param in stage.named_parameters():
+            source = "embedding.weight" if name == "output.weight" else name
+            assert torch.equal(param.detach(), saved["values"][source]), name
+            assert torch.equal(fresh_optimizer.state[param]["exp_avg_sq"], saved["moments"][source]), name
+    if fresh.tied.copy is not None and fresh.tied.source is not None:
+        moments_of = [fresh_optimizer.state[p]["exp_avg"] for p in (fresh.tied.copy, fresh.tied.source)]
+        assert moments_of[0].data_ptr() != moments_of[1].data_ptr(), "tied copies must not share optimizer state"
+
+
+def save_single_process_checkpoint(config: ModelConfig, steps: int, folder: Path) -> None:
+    model, optimizer, _, _ = single_process_run(config, steps, 0.5)
+    dcp.save(Engine(model, 4).state_dict(optimizer), checkpoint_id=folder / "single")
+    values = {name: param.detach().clone() for name, param in model.named_parameters()}
+    moments = {name: optimizer.state[param]["exp_avg_sq"].clone() for name, param in model.named_parameters()}
+    torch.save({"values": values, "moments": moments}, folder / "single.pt")
+
+
+def checkpoint_keys(path: Path) -> set[str]:
+    return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+
+
+@pytest.mark.parametrize("schedule, stages_per_rank, n_layers", [
+    ("1f1b", 1, 3),
+    pytest.param("zero_bubble", 2, 4, marks=pytest.mark.slow),
+])
+def test_training_steps_and_checkpoint_match_single_process(tmp_path, schedule, stages_per_rank,
+                                                             n_layers) -> None:
+    config = decoder_config(n_layers)
+    save_single_process_checkpoint(config, 3, tmp_path)
+    spawn(check_training_and_checkpoint, schedule, stages_per_rank, n_layers, str(tmp_path))
+
+    assert checkpoint_keys(tmp_path / "pipeline") == checkpoint_keys(tmp_path / "single")
+    model = build_model(config, seed=SEED + 1)
+    optimizer = build_optimizer(model.parameters(), train_config())
+    engine = Engine(model, 4)
+    state = engine.state_dict(optimizer)
+    dcp.load(state, checkpoint_id=tmp_path / "pipeline")
+    engine.load_state_dict(state, optimizer)
+    saved = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD)]
+    for name, param in model.named_parameters():
+        holders = [ranked for ranked in saved if name in ranked["values"]]
+        assert holders, f"{name} is in no stage"
+        assert torch.equal(param.detach(), holders[0]["values"][name]), name
+        assert torch.equal(optimizer.state[param]["exp_avg_sq"], holders[0]["moments"][name]), name
+
+
+def pipeline_config(**overrides) -> Config:
+    model = {key[6:]: value for key, value in overrides.items() if key.startswith("model_")}
+    moe = model.pop("moe", None)
+    parallel = {key: value for key, value in overrides.items() if not key.startswith(("model_", "train_"))}
+    train = {key[6:]: value for key, value in overrides.items() if key.startswith("train_")}
+    model_config = decoder_config(model.pop("n_layers", 4))
+    for key, value in model.items():
+        setattr(model_config, key, value)
+    if moe is not None:
+        model_config.moe = moe
+    return Config(model=model_config, parallel=ParallelConfig(**{"pp": 2, "microbatches": 4, **parallel}),
+                  train=TrainConfig(**{"global_batch_size": 8, **train}))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"model_family": "encoder_decoder"}, "encoder-decoder"),
+    ({"model_share_layers": True}, "share_layers"),
+    ({"model_position": "t5_bias"}, "t5_bias"),
+    ({"model_moe": MoEConfig(num_experts=4, router="hash")}, "hash routing"),
+    ({"model_n_layers": 1}, "cannot fill 2 pipeline stages"),
+    ({"pp_schedule": "interleaved_1f1b", "pp_stages_per_rank": 2, "model_n_layers": 3}, "cannot fill 4"),
+    ({"pp_split": [3, 2]}, "sums to 5"),
+    ({"pp_split": [4]}, "has 1 entries"),
+    ({"pp_split": [4, 0]}, "at least one block"),
+    ({"pp_schedule": "1f1b", "microbatches": 1}, "at least parallel.pp=2 microbatches"),
+    ({"pp_schedule": "zero_bubble", "pp_stages_per_rank": 2, "microbatches": 1}, "at least parallel.pp=2"),
+    ({"pp_schedule": "interleaved_1f1b", "pp_stages_per_rank": 1}, "needs 2 or more stages per rank"),
+    ({"pp_schedule": "zero_bubble", "pp_stages_per_rank": 1}, "needs exactly 2 stages per rank"),
+    ({"pp_schedule": "1f1b", "pp_stages_per_rank": 2}, "interleaved_1f1b or zero_bubble"),
+    ({"pp_schedule": "interleaved_1f1b", "pp_stages_per_rank": 2, "microbatches": 5, "train_global_batch_size": 10},
+     "not a whole number of rounds"),
+    ({"microbatches": 0}, "must be >= 1"),
+    ({"microbatches": 3, "dp_shard": 1}, "does not split into parallel.microbatches=3"),
+    ({"dp_shard": 3}, "does not split over 3 data-parallel ranks"),
+    ({"dp_shard": 1, "train_micro_batch_size": 1}, "leave train.micro_batch_size unset"),
+    ({"pp": 0}, "parallel.pp must be >= 1"),
+])
+def test_check_pipeline_refuses(overrides, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        check_pipeline(pipeline_config(**overrides))
+
+
+def test_check_pipeline_accepts_runnable_layouts() -> None:
+    check_pipeline(pipeline_config())
+    check_pipeline(pipeline_config(pp_schedule="gpipe", microbatches=1, dp_shard=2))
+    check_pipeline(pipeline_config(pp_schedule="interleaved_1f1b", pp_stages_per_rank=2, pp_split=[1, 1, 1, 1]))
+    check_pipeline(pipeline_config(pp_schedule="zero_bubble", pp_stages_per_rank=2, dp_shard=2))
+    check_pipeline(pipeline_config(pp=1, model_share_layers=True))  # no pipeline: nothing to refuse
+
+
+def test_check_pipeline_uses_the_known_data_parallel_degree() -> None:
+    with pytest.raises(ConfigError, match="does not split into parallel.microbatches=4"):
+        check_pipeline(pipeline_config(), data_parallel=4)
+
+
+def test_split_layers() -> None:
+    assert split_layers(3, 2, None) == [[0, 1], [2]]
+    assert split_layers(5, 4, None) == [[0, 1], [2], [3], [4]]
+    assert split_layers(4, 2, None) == [[0, 1], [2, 3]]
+    assert split_layers(4, 2, [1, 3]) == [[0], [1, 2, 3]]
+    with pytest.raises(ConfigError, match="cannot fill 3 pipeline stages"):
+        split_layers(2, 3, None)

@@ -1,0 +1,65 @@
+"""Attention through m learned points: the points pool the sequence, the queries read the pool.
+
+  A = softmax(P K^T / sqrt(d))  (m x T);   K~ = A K,  V~ = A V;   out = softmax(Q K~^T / sqrt(d)) V~.
+
+This is the attention of the Set Transformer's ISAB (Lee et al. 2019: H = MAB(I, X), out = MAB(X, H))
+with the pooled keys and values taken with the same weights A, and without the MAB's inner LayerNorm and
+feed-forward (the block around the core supplies those). Cost T * m. The pool reads every position, so the
+core is encoder-only; Luna's causal packing is in :mod:`xscale.models.attention.luna`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from xscale.config import ModelConfig
+from xscale.models.attention.core import AttentionCore, check_heads, expand_kv
+from xscale.models.attention.sparse import require, require_positive
+from xscale.models.registry import ATTENTION
+
+
+def pooled_attention(q: Tensor, k: Tensor, v: Tensor, points: Tensor, dropout: float = 0.0) -> Tensor:
+    """q (B, H, Tq, d), k/v (B, H, Tk, d), points (H, m, d) -> (B, H, Tq, d)."""
+    pool = torch.softmax(points.to(k.dtype) @ k.transpose(-1, -2) * k.shape[-1] ** -0.5, dim=-1)  # (B, H, m, Tk)
+    return F.scaled_dot_product_attention(q, pool @ k, pool @ v, dropout_p=dropout)
+
+
+class PooledAttention(AttentionCore):
+    """Holds the per-head points (H, m, d_head); subclasses name the option that sets m."""
+
+    per_head_state = ("points",)
+
+    def __init__(self, model: ModelConfig, layer_index: int, options, n_points: int) -> None:
+        super().__init__(model, layer_index, options)
+        self.points = nn.Parameter(torch.empty(model.n_heads, n_points, model.head_dim))
+
+    def pooled(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        check_heads(self, self.points, q.shape[1])
+        dropout = self.model_config.attention_dropout if self.training else 0.0
+        return pooled_attention(q, expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1]), self.points, dropout)
+
+
+@dataclasses.dataclass
+class InducingOptions:
+    inducing_points: int = 16
+
+    def __post_init__(self) -> None:
+        require_positive("inducing", inducing_points=self.inducing_points)
+
+
+@ATTENTION.register("inducing", "isab")
+class InducingPointAttention(PooledAttention):
+    Options = InducingOptions
+    causal_capable = False
+
+    def __init__(self, model: ModelConfig, layer_index: int, options: InducingOptions) -> None:
+        super().__init__(model, layer_index, options, options.inducing_points)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None) -> Tensor:
+        require(not causal, "inducing-point attention cannot be causally masked (the points pool every "
+                            "position); use an encoder, or 'luna' for a causal packed attention")
+        return self.pooled(q, k, v)

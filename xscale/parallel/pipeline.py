@@ -1,0 +1,400 @@
+"""Pipeline parallelism: the Transformer's layers cut into stages over a ``pp`` group, run by a schedule.
+
+Schedules (``parallel.pp_schedule``) come from ``torch.distributed.pipelining``:
+  gpipe             all forwards, then all backwards (Huang et al. 2019)
+  1f1b              one forward, one backward in steady state (PipeDream-Flush, Narayanan et al. 2021)
+  interleaved_1f1b  several stages per rank, looped placement (Narayanan et al. 2021, sec. 2.2)
+  zero_bubble       ZB-V: two stages per rank in a V, backward split into input and weight halves
+                    that fill the bubble (Qi et al. 2024, sec. 6)
+
+The engine keeps the :class:`~xscale.parallel.engine.Engine` contract: the loss it returns on every
+pp rank and the gradients it leaves are the single-process model's on the whole batch. Each
+microbatch's loss is its token cross-entropy SUM over the global count of labelled tokens, and the
+schedule is told not to rescale (``scale_grads=False``), so gradients add up to the global mean.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
+
+from xscale.config import Config, ConfigError, ModelConfig
+from xscale.models.transformer import Transformer
+from xscale.ops import cross_entropy_sum, linear_cross_entropy_sum
+from xscale.parallel.engine import STATE_DICT_OPTIONS, Batch, Engine
+from xscale.parallel.grad_norm import clip_gradients
+from xscale.parallel.pipeline_stages import (
+    TIED_COPY,
+    TIED_SOURCE,
+    PipelineStageModule,
+    TiedEmbeddingGrads,
+    build_stage_module,
+    merged_view,
+    split_layers,
+    stage_to_rank,
+)
+
+__all__ = ["SCHEDULES", "PipelineEngine", "PipelineStageModule", "check_pipeline", "split_layers"]
+
+
+class ForwardOnlyZBV(ScheduleZBVZeroBubble):
+    """ZB-V's action list without its backward half, for evaluation.
+
+    torch 2.13's runtime passes gradients between the two same-rank stages of the V even when the
+    schedule runs forward only (``eval``), and fails with "can't steal_bwd_input if this stage doesn't
+    have backward"; keeping only the forward actions and their sends/receives avoids it.
+    """
+
+    FORWARD_ACTIONS = ("F", "SEND_F", "RECV_F", "UNSHARD", "RESHARD")
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.pipeline_order_with_comms = {
+            rank: [action for action in actions if action.computation_type.value in self.FORWARD_ACTIONS]
+            for rank, actions in self.pipeline_order_with_comms.items()
+        }
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """A schedule name's class, how its stages sit on the ranks, and what it demands."""
+
+    cls: type
+    placement: str  # loop: stage s on rank s % pp; v: down the ranks and back up
+    min_stages_per_rank: int
+    max_stages_per_rank: int | None
+    # 1F1B-style schedules start a backward before all forwards are in: every stage needs a microbatch.
+    needs_microbatch_per_stage: bool
+    eval_cls: type | None = None
+
+    @property
+    def single_stage(self) -> bool:
+        return self.max_stages_per_rank == 1
+
+    def accepts(self, stages_per_rank: int) -> bool:
+        return self.min_stages_per_rank <= stages_per_rank <= (self.max_stages_per_rank or stages_per_rank)
+
+    def stages_rule(self) -> str:
+        if self.max_stages_per_rank == self.min_stages_per_rank:
+            return f"exactly {self.min_stages_per_rank}"
+        return f"{self.min_stages_per_rank} or more"
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {
+    "gpipe": ScheduleSpec(ScheduleGPipe, "loop", 1, 1, needs_microbatch_per_stage=False),
+    "1f1b": ScheduleSpec(Schedule1F1B, "loop", 1, 1, needs_microbatch_per_stage=True),
+    "interleaved_1f1b": ScheduleSpec(ScheduleInterleaved1F1B, "loop", 2, None, needs_microbatch_per_stage=True),
+    "zero_bubble": ScheduleSpec(ScheduleZBVZeroBubble, "v", 2, 2, needs_microbatch_per_stage=True,
+                                eval_cls=ForwardOnlyZBV),
+}
+
+
+def check_pipeline(config: Config, data_parallel: int | None = None) -> None:
+    """Refuse what cannot pipeline, before anything is built; each message says what to change.
+
+    ``data_parallel``: the data-parallel degree when the caller knows it (else it is read from
+    ``parallel.dp_replicate * parallel.dp_shard`` when dp_shard is fixed).
+    """
+    model, parallel, train = config.model, config.parallel, config.train
+    if parallel.pp < 1:
+        raise ConfigError(f"parallel.pp must be >= 1, got {parallel.pp}")
+    if parallel.pp == 1:
+        return
+    if model.family == "encoder_decoder":
+        raise ConfigError("pipeline parallelism does not support encoder-decoder models (the decoder needs the "
+                          "encoder's output at every layer); set parallel.pp=1 or use a decoder/encoder model")
+    if model.share_layers:
+        raise ConfigError("model.share_layers reuses one block at every depth, so no stage could own it; "
+                          "set model.share_layers=false or parallel.pp=1")
+    if model.position == "t5_bias":
+        raise ConfigError("model.position=t5_bias shares one learned bias table across all layers, which "
+                          "pipeline stages cannot share; use rope or alibi, or parallel.pp=1")
+    from xscale.models.registry import ATTENTION
+
+    carrying = sorted({kind for index in range(model.n_layers)
+                       if ATTENTION.get(kind := model.attention.kind_for_layer(index)).carries_scores})
+    if carrying:
+        raise ConfigError(f"attention {', '.join(carrying)} passes each layer's attention scores to the next, which "
+                          "pipeline stages do not send; use another model.attention.kind or parallel.pp=1")
+    if model.moe.num_experts and model.moe.router == "hash":
+        raise ConfigError("hash routing needs the token ids at every MoE layer, which later pipeline stages do "
+                          "not receive; use another model.moe.router or parallel.pp=1")
+    spec = SCHEDULES.get(parallel.pp_schedule)
+    if spec is None:
+        raise ConfigError(f"parallel.pp_schedule='{parallel.pp_schedule}' is not one of {', '.join(SCHEDULES)}")
+    stages_per_rank = parallel.pp_stages_per_rank
+    if not spec.accepts(stages_per_rank):
+        hint = ("use parallel.pp_schedule=interleaved_1f1b or zero_bubble for several stages per rank"
+                if stages_per_rank > 1 else "set parallel.pp_stages_per_rank=2, or use gpipe or 1f1b")
+        raise ConfigError(f"parallel.pp_schedule={parallel.pp_schedule} needs {spec.stages_rule()} stages per rank, "
+                          f"got parallel.pp_stages_per_rank={stages_per_rank}; {hint}")
+    num_stages = parallel.pp * stages_per_rank
+    split_layers(model.n_layers, num_stages, parallel.pp_split)
+    check_microbatches(parallel.pp_schedule, parallel.pp, stages_per_rank, parallel.microbatches)
+    if data_parallel is None and parallel.dp_shard != -1:
+        data_parallel = parallel.dp_replicate * parallel.dp_shard
+    if data_parallel is not None:
+        if train.global_batch_size % data_parallel:
+            raise ConfigError(f"train.global_batch_size={train.global_batch_size} does not split over "
+                              f"{data_parallel} data-parallel ranks; make it a multiple of {data_parallel}")
+        local = train.global_batch_size // data_parallel
+        if local % parallel.microbatches:
+            raise ConfigError(
+                f"each data-parallel rank's batch of {local} sequences (train.global_batch_size / data "
+                f"parallel) does not split into parallel.microbatches={parallel.microbatches}; pick "
+                f"microbatches from {[m for m in range(1, local + 1) if local % m == 0]}"
+            )
+        micro = train.micro_batch_size
+        if micro is not None and micro != local // parallel.microbatches:
+            raise ConfigError(
+                f"train.micro_batch_size={micro} disagrees with the pipeline's microbatches of "
+                f"{local // parallel.microbatches} sequences ({local} / parallel.microbatches); leave "
+                f"train.micro_batch_size unset under pipeline parallelism"
+            )
+
+
+def check_microbatches(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> None:
+    """The microbatch counts a schedule can run."""
+    if microbatches < 1:
+        raise ConfigError(f"parallel.microbatches must be >= 1, got {microbatches}")
+    spec = SCHEDULES[schedule]
+    if spec.needs_microbatch_per_stage and microbatches < pp:
+        raise ConfigError(f"parallel.pp_schedule={schedule} needs at least parallel.pp={pp} microbatches, got "
+                          f"parallel.microbatches={microbatches}; raise it (more also shrinks the bubble)")
+    if spec.placement == "loop" and stages_per_rank > 1:
+        rounds = max(1, microbatches // pp)
+        if microbatches % rounds:
+            raise ConfigError(
+                f"parallel.pp_schedule={schedule} runs microbatches in rounds of parallel.pp={pp}; "
+                f"parallel.microbatches={microbatches} is not a whole number of rounds, use a multiple of {pp}"
+            )
+
+
+def _pp_group(pp: DeviceMesh | dist.ProcessGroup) -> dist.ProcessGroup:
+    if isinstance(pp, DeviceMesh):
+        if pp.ndim == 1:
+            return pp.get_group()
+        if "pp" not in (pp.mesh_dim_names or ()):
+            raise ConfigError(f"pipeline parallelism needs a mesh dimension named 'pp'; this mesh has "
+                              f"{pp.mesh_dim_names}")
+        return pp["pp"].get_group()
+    return pp
+
+
+class PipelineEngine(Engine):
+    """Forward and backward of one optimizer step through a pipeline schedule over the ``pp`` group.
+
+    Every pp rank calls :meth:`train_step` with the same batch (this data-parallel rank's share):
+    the first stage reads ``input_ids``, the last ``labels``. Data parallelism wraps
+    :attr:`model_parts` from outside (gradient sync or FSDP); this engine does none.
+    """
+
+    def __init__(self, model_config: ModelConfig, meta_model: Transformer, pp: DeviceMesh | dist.ProcessGroup,
+                 microbatches: int, schedule: str = "1f1b", stages_per_rank: int = 1,
+                 device: torch.device | str = "cpu", seed: int = 0, pp_split: list[int] | None = None,
+                 autocast_dtype: torch.dtype | None = None) -> None:
+        self.group = _pp_group(pp)
+        self.pp_size, self.pp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        if self.pp_size < 2:
+            raise ConfigError(f"a pipeline needs a pp group of 2 or more ranks, got {self.pp_size}")
+        if schedule not in SCHEDULES:
+            raise ConfigError(f"parallel.pp_schedule='{schedule}' is not one of {', '.join(SCHEDULES)}")
+        config = Config(model=model_config)
+        parallel = config.parallel
+        parallel.pp, parallel.pp_schedule, parallel.pp_stages_per_rank = self.pp_size, schedule, stages_per_rank
+        parallel.pp_split, parallel.microbatches = pp_split, microbatches
+        check_pipeline(config)
+
+        self.spec = SCHEDULES[schedule]
+        self.schedule_name = schedule
+        self.microbatches = microbatches
+        self.device = torch.device(device)
+        self.num_stages = self.pp_size * stages_per_rank
+        self.stage_ranks = stage_to_rank(self.num_stages, self.pp_size, self.spec.placement)
+        self.stage_indices = [s for s in range(self.num_stages) if self.stage_ranks[s] == self.pp_rank]
+        layers = split_layers(model_config.n_layers, self.num_stages, pp_split)
+        self.stages = [
+            build_stage_module(meta_model, layers[index], is_first=index == 0, is_last=index == self.num_stages - 1,
+                               device=self.device, seed=seed)
+            for index in self.stage_indices
+        ]
+        self.last_rank = self.stage_ranks[-1]
+        self.tied = TiedEmbeddingGrads(self.stages, self.stage_ranks[0], self.last_rank, self.group)
+        self._schedules: dict[tuple, object] = {}
+        self._token_count = torch.ones((), device=self.device)
+        self.last_step_seconds = 0.0
+        # micro_batch_size is unused: the schedule cuts each batch into ``microbatches`` equal parts.
+        super().__init__(self.stages[0], micro_batch_size=0, autocast_dtype=autocast_dtype)
+
+    @classmethod
+    def from_config(cls, config: Config, meta_model: Transformer, pp: DeviceMesh | dist.ProcessGroup,
+                    device: torch.device | str = "cpu") -> PipelineEngine:
+        parallel = config.parallel
+        autocast = torch.bfloat16 if config.train.precision == "bf16" else None
+        return cls(config.model, meta_model, pp, parallel.microbatches, parallel.pp_schedule,
+                   parallel.pp_stages_per_rank, device, config.train.seed, parallel.pp_split, autocast)
+
+    @property
+    def model_parts(self) -> list[nn.Module]:
+        return list(self.stages)
+
+    @property
+    def holds_first(self) -> bool:
+        return self.stages[0].is_first
+
+    @property
+    def holds_last(self) -> bool:
+        return self.stages[-1].is_last
+
+    # ------------------------------------------------------------------ schedule
+    def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        output = self.stages[-1].output
+        if output.bias is None:
+            total = linear_cross_entropy_sum(hidden, output.weight, labels)
+        else:
+            total = cross_entropy_sum(output(hidden), labels)
+        return total.float() / self._token_count
+
+    def _schedule(self, batch: Batch, training: bool):
+        rows = batch["input_ids"].shape[0]
+        if rows % self.microbatches:
+            raise ConfigError(f"a batch of {rows} sequences does not split into parallel.microbatches="
+                              f"{self.microbatches}; use a batch that is a multiple of {self.microbatches}")
+        # Stages learn their activation shapes on first use, so each input shape gets its own.
+        key = (training, rows, *batch["input_ids"].shape[1:])
+        if key not in self._schedules:
+            stages = [PipelineStage(module, index, self.num_stages, self.device, group=self.group)
+                      for module, index in zip(self.stages, self.stage_indices)]
+            kwargs = {"n_microbatches": self.microbatches, "loss_fn": self._loss, "scale_grads": False}
+            cls = self.spec.cls if training else (self.spec.eval_cls or self.spec.cls)
+            self._schedules[key] = cls(stages[0], **kwargs) if self.spec.single_stage else cls(stages, **kwargs)
+        return self._schedules[key]
+
+    def _run(self, batch: Batch, training: bool) -> torch.Tensor:
+        self._token_count = self.global_token_count(batch).clamp_min(1).to(self.device, torch.float32)
+        schedule = self._schedule(batch, training)
+        args = (batch["input_ids"],) if self.holds_first else ()
+        target = batch["labels"] if self.holds_last else None
+        losses: list[torch.Tensor] = []
+        start = time.perf_counter()
+        with self._autocast():
+            if training:
+                schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            else:
+                schedule.eval(*args, target=target, losses=losses, return_outputs=False)
+        self.last_step_seconds = time.perf_counter() - start
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for loss in losses:
+            total += loss.detach().float()
+        dist.broadcast(total, group=self.group, group_src=self.last_rank)
+        return total.cpu()
+
+    # ------------------------------------------------------------------ Engine
+    def train_step(self, batch: Batch) -> torch.Tensor:
+        """Forward + backward of every microbatch through the schedule; the global-batch mean token loss."""
+        for stage in self.stages:
+            stage.train()
+        self.tied.begin()
+        self.routing_groups.begin_step(self.microbatches)
+        total = self._run(batch, training=True)
+        self.tied.finish()
+        if self.distributed:
+            self.data_parallel.after_backward()
+        self.routing_groups.end_step()
+        return self.reduce_loss(total)
+
+    @torch.no_grad()
+    def eval_loss(self, batch: Batch) -> torch.Tensor:
+        for stage in self.stages:
+            stage.eval()
+        return self.reduce_loss(self._run(batch, training=False))
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Global gradient norm over every stage (the tied copy counted once); clip when ``max_norm`` > 0."""
+        if self.distributed:
+            uncounted = TIED_COPY if self.tied.copy is not None else None
+            return clip_gradients(self.data_parallel.gradient_pieces(uncounted=uncounted), max_norm)
+        params = [p for p in self.parameters() if p.grad is not None]
+        counted = [p.grad for p in params if p is not self.tied.copy]
+        local = torch.nn.utils.get_total_norm(counted) if counted else torch.zeros((), device=self.device)
+        if hasattr(local, "full_tensor"):  # a DTensor norm (sharded gradients) reduces over its mesh first
+            local = local.full_tensor()
+        squared = local.float() ** 2
+        dist.all_reduce(squared, group=self.group)
+        total = squared.sqrt()
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        return total
+
+    def state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        """Single-process keys: the model state of this rank's stages; optimizer state of the tied copy
+        under ``embedding.weight`` (dropped when this rank also holds the embedding itself)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        custom = self.data_parallel.optimizer_state_dict(optimizer) if self.distributed else None
+        if custom is not None:
+            model_state, optimizer_state = get_model_state_dict(merged_view(self.stages)), custom
+        else:
+            model_state, optimizer_state = get_state_dict(merged_view(self.stages), optimizer,
+                                                          options=STATE_DICT_OPTIONS)
+        if self.tied.copy is not None:
+            _tied_copy_to_source(optimizer_state)
+        return {"model": model_state, "optimizer": optimizer_state}
+
+    def load_state_dict(self, state: dict, optimizer: torch.optim.Optimizer) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        optimizer_state = state["optimizer"]
+        if self.tied.copy is not None:
+            optimizer_state = _source_to_tied_copy(optimizer_state, holds_source=self.holds_first)
+        if self.distributed and self.data_parallel.optimizer_state_dict(optimizer) is not None:
+            set_model_state_dict(merged_view(self.stages), state["model"])
+            self.data_parallel.load_optimizer_state_dict(optimizer, optimizer_state)
+            return
+        set_state_dict(merged_view(self.stages), optimizer, model_state_dict=state["model"],
+                       optim_state_dict=optimizer_state, options=STATE_DICT_OPTIONS)
+
+
+def _tied_copy_to_source(optimizer_state: dict) -> None:
+    """Save the tied copy's (flattened) optimizer state under the single-process name, in place; a rank
+    that also holds the embedding drops the copy's entries (the two are bitwise equal)."""
+    copy_keys = [key for key in optimizer_state if _names_param(key, TIED_COPY)]
+    holds_source = any(_names_param(key, TIED_SOURCE) for key in optimizer_state)
+    for key in copy_keys:
+        value = optimizer_state.pop(key)
+        if not holds_source:
+            optimizer_state[_rename(key, TIED_COPY, TIED_SOURCE)] = value
+
+
+def _source_to_tied_copy(optimizer_state: dict, holds_source: bool) -> dict:
+    """The inverse of :func:`_tied_copy_to_source`: the tied copy gets its own clone of the state."""
+    result = {}
+    for key, value in optimizer_state.items():
+        if not _names_param(key, TIED_SOURCE):
+            result[key] = value
+            continue
+        result[_rename(key, TIED_SOURCE, TIED_COPY)] = value.clone() if isinstance(value, torch.Tensor) else value
+        if holds_source:
+            result[key] = value
+    return result
+
+
+def _names_param(key: str, name: str) -> bool:
+    return key.startswith((f"state.{name}.", f"param_groups.{name}."))
+
+
+def _rename(key: str, old: str, new: str) -> str:
+    section, rest = key.split(".", 1)
+    return f"{section}.{new}{rest[len(old):]}"

@@ -1,0 +1,279 @@
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) and sequence parallelism (Korthikanti et al. 2022).
+
+Each block is split the Megatron way: q/k/v projections column-wise (every rank holds n_heads/tp heads and
+n_kv_heads/tp kv heads), the attention output projection row-wise; FFN input projections column-wise, the
+output projection row-wise; so each sub-layer costs one all-reduce forward and one backward. The embedding
+is split by vocabulary and the output projection by vocabulary too, so the loss is vocab-parallel
+(:mod:`xscale.parallel.vocab_parallel`); tied weights stay tied (both are sharded on the vocabulary dim).
+
+Sequence parallelism replaces each all-reduce by a reduce-scatter (after a row-wise projection) and an
+all-gather (before a column-wise one): between sub-layers the residual stream, norms, dropout and BERT's
+head transform hold T/tp tokens per rank. With an absolute position encoding (learned, sinusoidal) the
+embedding output is all-reduced and sliced after the positions are added, since they need the full sequence.
+Norms on sequence shards run their own code on local tensors and all-reduce their weight gradients in
+backward (torch's ``SequenceParallel`` style would run them through DTensor dispatch and leave Partial
+gradients to be reduced later).
+
+Between modules activations are plain local tensors (the whole sequence, or this rank's shard); DTensors
+appear only at the boundaries of the split projections. What is not split: MoE layers are replicated over
+tp (every tp rank routes the full sequence, under sequence parallelism gathered first), as are norms,
+position tables and BERT's head transform; their parameters are Replicate DTensors read as local tensors
+(:mod:`xscale.parallel.replicated`). With n_kv_heads=1 (MQA) the k/v projections are replicated likewise.
+Every parameter is a DTensor on the tp mesh and every gradient comes back with its parameter's placements.
+
+Dropout: tp ranks must seed torch's RNG identically (the trainer does); then replicated regions draw the
+same masks on every rank. Masks differ from a single device's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from xscale.config import ConfigError, ModelConfig
+from xscale.models.attention import Attention
+from xscale.models.attention.sparse import FixedAttention, StridedAttention
+from xscale.models.block import Residual, TransformerBlock
+from xscale.models.ffn import MLP, GatedMLP
+from xscale.models.moe import MoELayer
+from xscale.models.registry import ATTENTION
+from xscale.models.transformer import Stack, Transformer
+from xscale.parallel.replicated import replicate_parameters
+from xscale.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy_sum
+
+# The hooks through which a position encoding computes (it has no forward).
+POSITION_METHODS = ("embed", "rotate", "bias")
+# Cores whose heads follow different patterns when this option is set: splitting heads would change them.
+HEAD_DEPENDENT_OPTIONS = {StridedAttention: "split_heads", FixedAttention: "split_heads"}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _attention_kinds(config: ModelConfig) -> set[str]:
+    layers = config.n_layers + (config.decoder_layers if config.family == "encoder_decoder" else 0)
+    return {config.attention.kind_for_layer(index) for index in range(layers)}
+
+
+def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
+    """Refuse a model that ``tp`` ranks cannot split by heads, FFN width and vocabulary (before any build)."""
+    if tp < 1:
+        raise ConfigError(f"parallel.tp must be >= 1, got {tp}")
+    if tp == 1:
+        return
+    if config.n_heads % tp:
+        raise ConfigError(
+            f"model.n_heads={config.n_heads} is not divisible by parallel.tp={tp}: tensor parallelism gives each "
+            f"rank n_heads/tp heads; pick parallel.tp from {_divisors(config.n_heads)}"
+        )
+    if config.kv_heads != 1 and config.kv_heads % tp:
+        raise ConfigError(
+            f"model.n_kv_heads={config.kv_heads} is not divisible by parallel.tp={tp}: each rank needs whole kv "
+            f"heads; pick parallel.tp from {_divisors(config.kv_heads)}, or set model.n_kv_heads to a multiple of "
+            "tp, or to 1 (MQA: the single kv head is replicated on every rank)"
+        )
+    layers = config.n_layers + (config.decoder_layers if config.family == "encoder_decoder" else 0)
+    has_dense_ffn = any(not config.moe.is_moe_layer(index) for index in range(layers))
+    if has_dense_ffn and config.ffn_hidden % tp:
+        raise ConfigError(
+            f"the FFN hidden width {config.ffn_hidden} (model.d_ff) is not divisible by parallel.tp={tp}: "
+            f"the FFN is split column-wise; set model.d_ff to a multiple of {tp}"
+        )
+    if config.vocab_size % tp:
+        padded = -(-config.vocab_size // tp) * tp
+        raise ConfigError(
+            f"model.vocab_size={config.vocab_size} is not divisible by parallel.tp={tp}: the embedding and the "
+            f"output projection are split by vocabulary; pad the vocabulary to {padded} (model.vocab_size)"
+        )
+    for kind in sorted(_attention_kinds(config)):
+        core = ATTENTION.get(kind)
+        if core.mixes_heads or core.per_head_state or core.carries_scores:
+            why = ("mixes information across heads" if core.mixes_heads else
+                   f"keeps per-head state ({', '.join(core.per_head_state)})" if core.per_head_state else
+                   "passes attention scores between layers")
+            raise ConfigError(f"attention '{kind}' {why}, which the tensor-parallel plan does not split by heads; "
+                              f"use parallel.tp=1 (data/pipeline parallel) or another model.attention.kind")
+        for cls, option in HEAD_DEPENDENT_OPTIONS.items():
+            if issubclass(core, cls) and config.attention.options.get(option, False):
+                raise ConfigError(
+                    f"attention '{kind}' with model.attention.options.{option}=true gives heads [0, H/2) and "
+                    f"[H/2, H) different patterns, which tensor parallelism cannot split across ranks; set "
+                    f"{option}=false (every head sees the union) or parallel.tp=1"
+                )
+
+
+def _stream(sequence_parallel: bool) -> Shard | Replicate:
+    """Layout of the residual stream between sub-layers (local tensors: a sequence shard, or all of it)."""
+    return Shard(1) if sequence_parallel else Replicate()
+
+
+def _replicated_projection(linear: nn.Linear, mesh: DeviceMesh) -> None:
+    """A projection every rank applies in full (MQA's single kv head) inside a column-parallel region.
+
+    Its input arrives as a Replicate DTensor; each rank's gradient w.r.t. the input and the weights covers
+    only its own query heads, so the input gradient is marked Partial (summed with the column-parallel
+    projections' in one collective) and the weight gradients are all-reduced.
+    """
+    replicate_parameters(linear, mesh, sum_gradients=True)
+
+    def local_input(module: nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        if isinstance(x, DTensor):
+            x = x.to_local(grad_placements=[Partial()])
+        return (x, *args[1:])
+
+    linear.register_forward_pre_hook(local_input)
+
+
+def _parallelize_attention(attention: Attention, mesh: DeviceMesh, config: ModelConfig,
+                           sequence_parallel: bool) -> None:
+    stream = _stream(sequence_parallel)
+    tp = mesh.size()
+    attention.head_offset = mesh.get_local_rank() * (config.n_heads // tp)
+    plan: dict[str, ColwiseParallel | RowwiseParallel] = {
+        "wq": ColwiseParallel(),
+        "wo": RowwiseParallel(output_layouts=stream),
+    }
+    kv_projections = ["wv"] if attention.core.shares_qk else ["wk", "wv"]
+    if config.kv_heads % tp == 0:
+        plan.update({name: ColwiseParallel() for name in kv_projections})
+    else:
+        for name in kv_projections:
+            _replicated_projection(getattr(attention, name), mesh)
+    parallelize_module(attention, mesh, plan)
+    # One DTensor input for q, k, v: their input gradients are summed before the one collective.
+    inputs = (stream, None, stream) if attention.cross else (stream, None)
+    desired = (Replicate(), None, Replicate()) if attention.cross else (Replicate(), None)
+    parallelize_module(attention, mesh, PrepareModuleInput(input_layouts=inputs, desired_input_layouts=desired))
+    replicate_parameters(attention.core, mesh, sum_gradients=True)  # per-head use, e.g. Linformer's E, F
+
+
+def _parallelize_feed_forward(ffn: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    stream = _stream(sequence_parallel)
+    if isinstance(ffn, MoELayer):
+        replicate_parameters(ffn, mesh, sum_gradients=False)
+        if sequence_parallel:
+            parallelize_module(ffn, mesh, PrepareModuleInputOutput(
+                input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_input=True,
+                output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True))
+        return
+    if isinstance(ffn, GatedMLP):
+        plan = {"w_gate": ColwiseParallel(), "w_up": ColwiseParallel(), "w_down": RowwiseParallel(output_layouts=stream)}
+    elif isinstance(ffn, MLP):
+        plan = {"w_in": ColwiseParallel(), "w_out": RowwiseParallel(output_layouts=stream)}
+    else:
+        raise ConfigError(f"no tensor-parallel plan for the feed-forward module {type(ffn).__name__}; "
+                          "use parallel.tp=1 or add its plan to xscale/parallel/tensor.py")
+    parallelize_module(ffn, mesh, plan)
+    parallelize_module(ffn, mesh, PrepareModuleInput(input_layouts=stream, desired_input_layouts=Replicate()))
+
+
+def _parallelize_norm(norm: nn.Module | None, mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Norms run on whatever the stream holds; on sequence shards each rank's gradient is a partial sum."""
+    if norm is not None:
+        replicate_parameters(norm, mesh, sum_gradients=sequence_parallel)
+
+
+def _parallelize_residual(residual: Residual, mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    _parallelize_norm(residual.norm, mesh, sequence_parallel)
+    _parallelize_norm(getattr(residual, "norm_out", None), mesh, sequence_parallel)
+
+
+def _parallelize_block(block: TransformerBlock, mesh: DeviceMesh, config: ModelConfig,
+                       sequence_parallel: bool) -> None:
+    for residual in (block.attention, block.cross_attention):
+        if residual is not None:
+            _parallelize_attention(residual.sublayer, mesh, config, sequence_parallel)
+            _parallelize_residual(residual, mesh, sequence_parallel)
+    _parallelize_feed_forward(block.feed_forward.sublayer, mesh, sequence_parallel)
+    _parallelize_residual(block.feed_forward, mesh, sequence_parallel)
+
+
+def _parallelize_embedding(model: Transformer, stacks: list[Stack], mesh: DeviceMesh,
+                           sequence_parallel: bool) -> None:
+    """Vocab-parallel embedding; under sequence parallelism its output reaches the blocks as sequence shards."""
+    adds_positions = any(stack.position.adds_to_input for stack in stacks)
+    scatter_in_embedding = sequence_parallel and not adds_positions
+    output = Shard(1) if scatter_in_embedding else Replicate()
+    model.embedding = VocabParallelEmbedding(model.embedding, mesh, output)
+    if sequence_parallel:
+        _require_divisible_sequences(model.embedding, mesh.size())
+        if not scatter_in_embedding:
+            # Positions are added to the full sequence; the first module after them takes this rank's shard.
+            first = model.embedding_norm if model.embedding_norm is not None else model.embedding_dropout
+            parallelize_module(first, mesh, PrepareModuleInput(
+                input_layouts=Replicate(), desired_input_layouts=Shard(1), use_local_output=True))
+    _parallelize_norm(model.embedding_norm, mesh, sequence_parallel)
+    for stack in stacks:
+        # The full sequence reaches position tables on every rank; T5's table is read per head.
+        replicate_parameters(stack.position, mesh, sum_gradients=stack.position.biases_logits,
+                             methods=POSITION_METHODS)
+
+
+def _require_divisible_sequences(embedding: nn.Module, tp: int) -> None:
+    def check(module: nn.Module, args: tuple) -> None:
+        length = args[0].shape[1]
+        if length % tp:
+            raise ValueError(f"sequence parallelism splits every sequence into tp={tp} equal shards; got length "
+                             f"{length}: make train.seq_len (and decoder lengths) a multiple of {tp}")
+
+    embedding.register_forward_pre_hook(check)
+
+
+def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False) -> None:
+    """Split ``model`` (built on the meta device) in place over the 1-D mesh ``tp_mesh``.
+
+    Then materialise as usual: ``model.to_empty(device=...); model.tie_weights(); init_weights(...)``.
+    Under tensor parallelism ``model(...)`` returns logits as a DTensor sharded on the vocabulary dim;
+    train with :func:`tensor_parallel_loss_sum`. With ``sequence_parallel`` sequence lengths must be
+    multiples of tp.
+    """
+    if tp_mesh.ndim != 1:
+        raise ConfigError(f"apply_tensor_parallel needs the 1-D tp mesh (e.g. mesh['tp']), got a {tp_mesh.ndim}-D "
+                          f"mesh with dimensions {tp_mesh.mesh_dim_names}")
+    if isinstance(model.embedding, VocabParallelEmbedding):
+        raise ValueError("apply_tensor_parallel: this model is already tensor-parallel")
+    config = model.config
+    check_tensor_parallel(config, tp_mesh.size())
+    stacks = [stack for stack in (model.stack, model.decoder) if stack is not None]
+    _parallelize_embedding(model, stacks, tp_mesh, sequence_parallel)
+    for stack in stacks:
+        for block in stack.layers.values():
+            _parallelize_block(block, tp_mesh, config, sequence_parallel)
+        _parallelize_norm(stack.final_norm, tp_mesh, sequence_parallel)
+    if model.head_transform is not None:
+        replicate_parameters(model.head_transform, tp_mesh, sum_gradients=sequence_parallel)
+    parallelize_module(model.output, tp_mesh, ColwiseParallel(
+        input_layouts=_stream(sequence_parallel), output_layouts=Shard(-1), use_local_output=False))
+    model.tie_weights()  # the output projection had its own copy of the shared weight sharded
+
+
+def tensor_parallel_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Sum of token cross-entropies over labels != -100, like ``model_loss_sum``, on a tensor-parallel model.
+
+    Each rank computes logits for its vocabulary shard only (through the model's head transform and output
+    bias) and :func:`vocab_parallel_cross_entropy_sum` (our autograd Function; not DTensor's loss_parallel)
+    combines max, sum-exp and target logit by all-reduce; the full (B, T, vocab) logits are never gathered.
+    Every tp rank returns the same value.
+    """
+    hidden = model.hidden_states(batch["input_ids"], batch.get("decoder_input_ids"))
+    logits = model.logits(hidden)
+    vocab_sharded = isinstance(logits, DTensor) and logits.placements[0].is_shard() and (
+        logits.placements[0].dim % logits.ndim == logits.ndim - 1)
+    if not vocab_sharded:
+        raise ValueError("tensor_parallel_loss_sum needs a model split by apply_tensor_parallel "
+                         "(logits sharded on the vocabulary); use model_loss_sum on one device")
+    local = logits.to_local()
+    mesh = logits.device_mesh
+    vocab_start = mesh.get_local_rank() * local.shape[-1]
+    return vocab_parallel_cross_entropy_sum(local, batch["labels"], vocab_start, mesh.get_group())
