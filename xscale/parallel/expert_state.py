@@ -25,7 +25,7 @@ StateDict = dict[str, Any]
 
 
 def _global_view(local_slice: torch.Tensor, ep_mesh: DeviceMesh) -> DTensor:
-    """The [E/P, ...] slice of this ep rank as a view of the [E, ...] tensor (no copy)."""
+    """The [E/P, ...] slice of this ep rank as a view of the [E, ...] tensor (a copy only under ZeRO-3)."""
     if isinstance(local_slice, DTensor):  # ZeRO-3: this rank's FSDP shard of the slice
         local_slice = local_slice.full_tensor()
     shape = (local_slice.shape[0] * ep_mesh.size(), *local_slice.shape[1:])
