@@ -51,8 +51,8 @@ def printed(name: str, *argv: str, tmp_path: Path, **extra: str) -> list[str]:
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda path: path.name)
 def test_scripts_parse_and_have_a_usage_header(script):
     subprocess.run(["bash", "-n", str(script)], check=True)
-    header = script.read_text().splitlines()[1:4]
-    assert any("Usage" in line or "usage" in line.lower() for line in script.read_text().splitlines()[:12]), header
+    header = script.read_text().splitlines()[:12]
+    assert all(line.startswith("#") for line in header) and any("Usage" in line for line in header), header
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda path: path.name)

@@ -62,8 +62,8 @@ class World:
 BOOTSTRAP_VARIABLE = "XSCALE_BOOTSTRAP"
 BOOTSTRAPS = ("auto", "torchrun", "slurm", "mpi")
 MPI_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
-LIBRARY_HINT = ("with several MPI libraries installed, MPI4PY_LIBMPI names the one mpi4py loads "
-                "(e.g. libmpi.so.40 for Open MPI, libmpi.so.12 for MPICH)")
+LIBRARY_HINT = ("With several MPI libraries installed, MPI4PY_LIBMPI names the one mpi4py loads "
+                "(libmpi.so.40: Open MPI, libmpi.so.12: MPICH).")
 MPI_MARKERS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK", "PMI_FD", "PMIX_RANK")
 
 
@@ -200,9 +200,9 @@ def _from_mpi(environ: Mapping[str, str], comm: Any) -> World:
     launched = _launched_size(environ)
     if launched is not None and launched != world_size:
         raise LaunchError(
-            f"the launcher started {launched} ranks but MPI_COMM_WORLD has {world_size}: mpi4py loaded an MPI "
-            "library that does not belong to the launcher; use the matching mpiexec, or under srun "
-            f"--mpi=pmix for Open MPI and --mpi=pmi2 for MPICH ({LIBRARY_HINT})"
+            f"the launcher started {launched} ranks but MPI_COMM_WORLD has {world_size}: the MPI library that "
+            "mpi4py loaded does not talk to the launcher. Under srun pass --mpi=pmix (Open MPI) or --mpi=pmi2 "
+            f"(MPICH); otherwise start the ranks with that library's own mpiexec. {LIBRARY_HINT}"
         )
     hostnames = comm.allgather(socket.gethostname())
     nodes = list(dict.fromkeys(hostnames))
@@ -244,7 +244,7 @@ def _check_slurm_mpi(world: World, environ: Mapping[str, str], comm: Any | None)
     if comm.Get_size() != world.world_size:
         raise LaunchError(
             f"srun started {world.world_size} tasks but MPI sees a world of {comm.Get_size()}: srun's --mpi "
-            f"plugin does not match the MPI library (OpenMPI: srun --mpi=pmix, MPICH: srun --mpi=pmi2; {LIBRARY_HINT})"
+            f"plugin does not match the MPI library (Open MPI: srun --mpi=pmix, MPICH: srun --mpi=pmi2). {LIBRARY_HINT}"
         )
 
 
