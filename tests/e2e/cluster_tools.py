@@ -13,6 +13,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_CONFIG = Path(__file__).with_name("tiny.yaml")
+# .ci/cluster.sh's configuration, unless the environment names another cluster.
+CLUSTER_DIR = Path(os.environ.get("XSCALE_CLUSTER_DIR", "/tmp/xscale-cluster"))
+SLURM_CONF = os.environ.get("SLURM_CONF") or str(CLUSTER_DIR / "etc" / "slurm.conf")
 FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL")
 
 
@@ -21,7 +24,7 @@ def job_environ(**extra: str) -> dict[str, str]:
     environ = {key: value for key, value in os.environ.items()
                if not key.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "TORCHELASTIC",
                                       "OMPI_", "PMI", "XSCALE_STOP", "XSCALE_REQUEUE", "XSCALE_BOOTSTRAP"))}
-    environ["SLURM_CONF"] = os.environ.get("SLURM_CONF", "")
+    environ["SLURM_CONF"] = SLURM_CONF
     environ["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "kernels")])
     environ["OMP_NUM_THREADS"] = "1"
     environ.update(extra)

@@ -11,12 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from cluster_tools import REPO, TINY_CONFIG, Cluster, run
+from cluster_tools import REPO, SLURM_CONF, TINY_CONFIG, Cluster, run
 
 CLUSTER_VARIABLE = "XSCALE_TEST_CLUSTER"
-SKIP_REASON = (f"cluster tier: needs a real Slurm cluster and MPI; run `bash .ci/cluster.sh up`, "
-               f"`source $XSCALE_CLUSTER_DIR/env.sh` (sets {CLUSTER_VARIABLE}=1 and SLURM_CONF), then "
-               "`pytest -m cluster tests/e2e`")
+SKIP_REASON = (f"cluster tier: needs a real Slurm cluster and MPI; run `bash .ci/cluster.sh up`, then "
+               f"`{CLUSTER_VARIABLE}=1 pytest -m cluster tests/e2e`")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -31,8 +30,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def cluster() -> Cluster:
     """The running cluster; a cluster that the environment promises but that does not answer is a failure."""
-    if not os.environ.get("SLURM_CONF"):
-        pytest.fail(f"{CLUSTER_VARIABLE}=1 but SLURM_CONF is not set: source $XSCALE_CLUSTER_DIR/env.sh")
+    if not Path(SLURM_CONF).is_file():
+        pytest.fail(f"{CLUSTER_VARIABLE}=1 but there is no Slurm configuration at {SLURM_CONF}: run "
+                    "`bash .ci/cluster.sh up`, or set SLURM_CONF / XSCALE_CLUSTER_DIR")
     nodes = run(["sinfo", "-h", "-N", "-o", "%N %T"], timeout=60, cwd=REPO)
     idle = [line for line in nodes.splitlines() if line.split()[-1] in ("idle", "mixed", "allocated")]
     assert len(idle) >= 2, f"the cluster tier needs two usable nodes, sinfo says:\n{nodes}"
