@@ -66,6 +66,17 @@ class Cluster:
         assert job_id and log, output
         return Job(job_id.group(1), Path(log.group(1)))
 
+    def sbatch_template(self, argv: list[str], cwd: Path, nproc_per_node: int) -> Job:
+        """``sbatch launch/slurm.sbatch ARGV`` with the template's GPU and CPU requests replaced for CPU nodes."""
+        output = cwd / "slurm-%j.out"
+        submitted = run(["sbatch", f"--partition={self.partition}", "--gpus-per-node=0", "--cpus-per-task=2",
+                         "--time=10", f"--output={output}", str(REPO / "launch" / "slurm.sbatch"), *argv],
+                        timeout=120, cwd=cwd, NPROC_PER_NODE=str(nproc_per_node),
+                        XSCALE_LAUNCH_DIR=str(REPO / "launch"), PYTHON=sys.executable)
+        job_id = re.search(r"Submitted batch job (\d+)", submitted)
+        assert job_id, submitted
+        return Job(job_id.group(1), cwd / f"slurm-{job_id.group(1)}.out")
+
     def state(self, job: Job) -> tuple[str, int]:
         """(JobState, Restarts) from scontrol; ('GONE', 0) once slurmctld forgot the job."""
         result = subprocess.run(["scontrol", "show", "job", job.job_id], env=job_environ(), capture_output=True,

@@ -1,8 +1,9 @@
-"""`xscale submit` on a real two-node Slurm cluster: a dp=4 job trains to the end; a preempted job resumes exactly.
+"""A real two-node Slurm cluster: a dp=4 job from `xscale submit` trains to the end; a preempted job (from
+`xscale submit` and from launch/slurm.sbatch) resumes exactly.
 
-Both jobs run 2 nodes x 2 CPU processes (torchrun per node, c10d rendezvous on node 1, gloo). The uninterrupted
-job is also the reference of the preempted one: after USR1, checkpoint, `scontrol requeue` and a resume from
-`latest`, the preempted job's final parameters must equal the uninterrupted job's bit for bit.
+Every job runs 2 nodes x 2 CPU processes (torchrun per node, c10d rendezvous on node 1, gloo). The uninterrupted
+job is also the reference of the preempted ones: after USR1, checkpoint, `scontrol requeue` and a resume from
+`latest`, a preempted job's final parameters must equal the uninterrupted job's bit for bit.
 """
 
 from __future__ import annotations
@@ -66,9 +67,14 @@ def test_two_node_job_trains_to_the_end(uninterrupted: FinishedJob, single_proce
     assert losses[STEPS] < losses[1], "the model did not train"
 
 
+@pytest.mark.parametrize("submission", ["xscale-submit", "sbatch-template"])
 def test_preempted_job_checkpoints_requeues_and_resumes_exactly(cluster: Cluster, uninterrupted: FinishedJob,
-                                                                tmp_path: Path):
-    job = submit_tiny(cluster, tmp_path)
+                                                                tmp_path: Path, submission: str):
+    if submission == "xscale-submit":
+        job = submit_tiny(cluster, tmp_path)
+    else:  # launch/slurm.sbatch, what users copy and edit
+        job = cluster.sbatch_template([str(TINY_CONFIG), f"train.output_dir={tmp_path / 'run'}"], tmp_path,
+                                      nproc_per_node=2)
     # USR1 to the batch shell as soon as training runs, the way Slurm warns before the time limit.
     cluster.wait_for(job, r"^step 2/20 ", timeout=JOB_TIMEOUT)
     run(["scancel", "--signal=USR1", "--batch", job.job_id], timeout=60, cwd=tmp_path)
