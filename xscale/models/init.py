@@ -61,7 +61,7 @@ def init_weights(model: nn.Module, config: ModelConfig, seed: int, names: dict[i
         if id(param) in seen:
             continue
         seen.add(id(param))
-        canonical = names.get(id(param), name) if names else name
+        canonical = names.get(id(param), canonical_name(name)) if names else canonical_name(name)
         _copy_into(param, initial_value(canonical, param.shape, config, seed))
     for module in model.modules():
         if hasattr(module, "reset_buffers"):

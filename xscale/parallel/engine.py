@@ -9,14 +9,19 @@ cross-entropy over every labelled token of the global batch (plus MoE auxiliary 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
+from xscale.config import TrainConfig
 from xscale.ops import cross_entropy_sum, linear_cross_entropy_sum
+from xscale.parallel.data import DataParallel
+from xscale.parallel.grad_norm import clip_gradients
+from xscale.train.optim import build_optimizer
 
 Batch = dict[str, torch.Tensor]
+LossFunction = Callable[[nn.Module, Batch], torch.Tensor]
 
 
 def model_loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -36,12 +41,24 @@ def split_microbatches(batch: Batch, micro_batch_size: int) -> list[Batch]:
 
 
 class Engine:
-    """Single device (and the base of the parallel engines): gradient accumulation over microbatches."""
+    """Runs a step's microbatches on this rank's model; data parallelism is delegated to a strategy object.
 
-    def __init__(self, model: nn.Module, micro_batch_size: int, autocast_dtype: torch.dtype | None = None) -> None:
+    ``loss_fn(model, microbatch)`` returns the summed token loss (vocabulary-parallel under tensor parallelism);
+    ``data_parallel`` (:mod:`xscale.parallel.data`) reduces token counts, losses and gradients over the
+    data-parallel ranks and owns the optimizer step (ZeRO). Without one the engine is the single-device trainer.
+    """
+
+    def __init__(self, model: nn.Module, micro_batch_size: int, autocast_dtype: torch.dtype | None = None, *,
+                 loss_fn: LossFunction = model_loss_sum, data_parallel: DataParallel | None = None) -> None:
         self.model = model
         self.micro_batch_size = micro_batch_size
         self.autocast_dtype = autocast_dtype
+        self.loss_fn = loss_fn
+        self.data_parallel = data_parallel
+
+    @property
+    def distributed(self) -> bool:
+        return self.data_parallel is not None
 
     @property
     def model_parts(self) -> list[nn.Module]:
@@ -53,54 +70,96 @@ class Engine:
             yield from part.parameters()
 
     def _autocast(self):
-        device_type = next(self.model.parameters()).device.type
+        device_type = next(self.parameters()).device.type
         return torch.autocast(device_type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
     def global_token_count(self, batch: Batch) -> torch.Tensor:
-        """Labelled tokens in the global batch (a data-parallel engine sums over ranks)."""
-        return (batch["labels"] != -100).sum()
+        """Labelled tokens in the global batch (summed over the data-parallel ranks)."""
+        local = (batch["labels"] != -100).sum()
+        return self.data_parallel.global_token_count(local) if self.distributed else local
+
+    def reduce_loss(self, local: torch.Tensor) -> torch.Tensor:
+        """Combine per-rank partial losses into the global one (identity on one device)."""
+        return self.data_parallel.reduce_loss(local).cpu() if self.distributed else local.cpu()
 
     def train_step(self, batch: Batch) -> torch.Tensor:
         """Forward + backward over the microbatches; returns the global-batch mean loss (detached)."""
-        self.model.train()
+        for part in self.model_parts:
+            part.train()
         tokens = self.global_token_count(batch).clamp_min(1)
-        total = torch.zeros((), dtype=torch.float32)
-        for micro in split_microbatches(batch, self.micro_batch_size):
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        micros = split_microbatches(batch, self.micro_batch_size)
+        for index, micro in enumerate(micros):
+            if self.distributed:
+                self.data_parallel.requires_gradient_sync(index == len(micros) - 1)
             with self._autocast():
-                loss = model_loss_sum(self.model, micro) / tokens
+                loss = self.loss_fn(self.model, micro) / tokens
             loss.backward()
-            total += loss.detach().float().cpu()
+            total += loss.detach().float()
+        if self.distributed:
+            self.data_parallel.after_backward()
         return self.reduce_loss(total)
 
     @torch.no_grad()
     def eval_loss(self, batch: Batch) -> torch.Tensor:
-        self.model.eval()
+        for part in self.model_parts:
+            part.eval()
         tokens = self.global_token_count(batch).clamp_min(1)
-        total = torch.zeros((), dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
         for micro in split_microbatches(batch, self.micro_batch_size):
             with self._autocast():
-                total += (model_loss_sum(self.model, micro) / tokens).float().cpu()
+                total += (self.loss_fn(self.model, micro) / tokens).float()
         return self.reduce_loss(total)
-
-    def reduce_loss(self, local: torch.Tensor) -> torch.Tensor:
-        """Combine per-rank partial losses into the global one (identity on one device)."""
-        return local
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip to ``max_norm`` (0: only measure) and return the global gradient norm."""
+        if self.distributed:
+            return clip_gradients(self.data_parallel.gradient_pieces(), max_norm)
         params = [p for p in self.parameters() if p.grad is not None]
         if max_norm > 0:
             return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         return torch.nn.utils.get_total_norm([p.grad for p in params])
 
+    def build_optimizer(self, train: TrainConfig) -> torch.optim.Optimizer:
+        """AdamW over what this rank updates: whole parameters, DTensor shards or ZeRO chunks."""
+        if not self.distributed:
+            return build_optimizer(self.parameters(), train)
+        params = self.data_parallel.optimizer_parameters()
+        source_ndim = {id(shard): entry.param.ndim
+                       for shard, entry in zip(params, self.data_parallel.parameters)}
+        return build_optimizer(params, train, source_ndim)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.distributed:
+            self.data_parallel.optimizer_step(optimizer)
+        else:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
     def state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         """Model and optimizer state keyed by canonical parameter names (DCP-friendly, any layout)."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-        model_state, optimizer_state = get_state_dict(self.model, optimizer)
+        custom = self.data_parallel.optimizer_state_dict(optimizer) if self.distributed else None
+        if custom is not None:
+            return {"model": get_model_state_dict(self._state_module()), "optimizer": custom}
+        model_state, optimizer_state = get_state_dict(self._state_module(), optimizer)
         return {"model": model_state, "optimizer": optimizer_state}
 
     def load_state_dict(self, state: dict, optimizer: torch.optim.Optimizer) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-        set_state_dict(self.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        if self.distributed and self.data_parallel.optimizer_state_dict(optimizer) is not None:
+            set_model_state_dict(self._state_module(), state["model"])
+            self.data_parallel.load_optimizer_state_dict(optimizer, state["optimizer"])
+            return
+        set_state_dict(self._state_module(), optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+
+    def _state_module(self) -> nn.Module | list[nn.Module]:
+        parts = self.model_parts
+        return parts[0] if len(parts) == 1 else parts

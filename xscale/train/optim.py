@@ -13,16 +13,21 @@ from torch import nn
 from xscale.config import TrainConfig
 
 
-def parameter_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[dict]:
+def parameter_groups(params: Iterable[nn.Parameter], weight_decay: float,
+                     source_ndim: dict[int, int] | None = None) -> list[dict]:
+    """Split into decayed (matrices) and not decayed; ``source_ndim`` maps id(param) to the rank of the model
+    parameter it stands for (a flat ZeRO shard decays like the matrix it is cut from)."""
     decay, no_decay = [], []
     for param in params:
         if not param.requires_grad:
             continue
-        (decay if param.ndim >= 2 else no_decay).append(param)
+        ndim = source_ndim.get(id(param), param.ndim) if source_ndim else param.ndim
+        (decay if ndim >= 2 else no_decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(params: Iterable[nn.Parameter], train: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(params: Iterable[nn.Parameter], train: TrainConfig,
+                    source_ndim: dict[int, int] | None = None) -> torch.optim.Optimizer:
     """AdamW; apex's FusedAdam replaces it on CUDA when apex is importable and kernels allow."""
-    groups = parameter_groups(params, train.weight_decay)
+    groups = parameter_groups(params, train.weight_decay, source_ndim)
     return torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps, foreach=True)

@@ -7,23 +7,23 @@ business), the trainer clips, steps the optimizer and the schedule, logs, evalua
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from xscale.config import Config
 from xscale.data import GlobalSampler, collate
-from xscale.models import build_model
+from xscale.inspect import count_parameters
+from xscale.launcher.env import detect_world, init_distributed, local_device
+from xscale.launcher.preemption import PreemptionHandler
 from xscale.models.init import canonical_name
 from xscale.ops import set_kernel_backend
-from xscale.parallel.engine import Engine
+from xscale.parallel.dims import ParallelDims
+from xscale.parallel.parallelize import build_engine
 from xscale.train.checkpoint import Checkpointer, CheckpointError
 from xscale.train.metrics import MetricsLogger, flops_per_token, measure_matmul_peak, peak_memory_bytes
-from xscale.train.optim import build_optimizer
 from xscale.train.schedule import lr_factor
 
 
@@ -31,8 +31,15 @@ class Trainer:
     def __init__(self, config: Config, train_dataset: Any = None, eval_dataset: Any = None) -> None:
         self.config = config
         train = config.train
-        self.rank, self.world_size = _init_process_group(config)
-        self.device = _device()
+        world = detect_world()
+        # The layout is validated against the launched world before any process group exists.
+        self.dims = ParallelDims.from_config(config, world.world_size)
+        if world.world_size > 1:
+            init_distributed(config.parallel.backend)
+        self.rank, self.world_size = world.rank, world.world_size
+        self.device = local_device(world)
+        if self.device.type != "cpu":
+            torch.accelerator.set_device_index(self.device.index)
         torch.manual_seed(train.seed)
         set_kernel_backend(train.kernels)
         if train_dataset is None:
@@ -41,16 +48,13 @@ class Trainer:
             train_dataset, eval_dataset = build_datasets(config)[:2]
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
 
-        self.dp_rank, self.dp_size = 0, 1
-        if self.world_size > 1:
-            raise NotImplementedError("multi-process layouts arrive with xscale.parallel")
-        micro = train.micro_batch_size or train.global_batch_size // self.dp_size
+        self.mesh = self.dims.build_mesh(self.device.type) if self.world_size > 1 else None
+        self.dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
+        self.dp_size = self.dims.dp
         self.local_batch_size = train.global_batch_size // self.dp_size
-        model = build_model(config.model, self.device, seed=train.seed)
-        self.num_params = sum(p.numel() for p in model.parameters())
-        autocast = torch.bfloat16 if train.precision == "bf16" else None
-        self.engine = Engine(model, micro, autocast)
-        self.optimizer = build_optimizer(self.engine.parameters(), train)
+        self.engine = build_engine(config, self.dims, self.mesh, self.device)
+        self.num_params = count_parameters(config).total
+        self.optimizer = self.engine.build_optimizer(train)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, train))
         self.sampler = GlobalSampler(len(train_dataset), train.global_batch_size, seed=train.seed)
         self.step = 0
@@ -63,6 +67,7 @@ class Trainer:
         embedding_params = config.model.vocab_size * config.model.d_model
         self.flops_per_token = flops_per_token(config.model, train.seq_len, self.num_params - embedding_params)
         self.peak_flops = train.peak_flops
+        self.preemption = PreemptionHandler()
         self.stop_requested = False
 
     # ------------------------------------------------------------------ state
@@ -71,7 +76,7 @@ class Trainer:
 
     def save(self) -> None:
         meta = {"config": self.config.to_dict(), "sampler": self.sampler.state_dict(),
-                "world_size": self.world_size, "num_params": self.num_params}
+                "world_size": self.world_size, "layout": self.dims.describe(), "num_params": self.num_params}
         self.checkpointer.save(self.step, self.state(), meta)
 
     def resume(self) -> bool:
@@ -123,8 +128,7 @@ class Trainer:
         start = time.perf_counter()
         loss = self.engine.train_step(batch)
         grad_norm = self.engine.clip_grad_norm(self.config.train.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.engine.optimizer_step(self.optimizer)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.step += 1
@@ -138,32 +142,41 @@ class Trainer:
         return scalars
 
     def fit(self) -> dict[str, Any]:
+        """Train to ``train.steps`` (resuming first); on preemption save, requeue and return early."""
         train = self.config.train
         self.resume()
         if self.peak_flops is None and self.rank == 0:
             dtype = torch.bfloat16 if train.precision == "bf16" else torch.float32
             self.peak_flops = measure_matmul_peak(dtype, device=self.device.type)
         if self.rank == 0:
-            print(f"xscale: {self.num_params / 1e6:.2f}M parameters, {self.world_size} process(es), "
-                  f"device {self.device}, {train.steps} steps of {train.global_batch_size}x{train.seq_len} tokens",
+            print(f"xscale: {self.num_params / 1e6:.2f}M parameters, {self.dims.describe()}, "
+                  f"device {self.device.type}, {train.steps} steps of {train.global_batch_size}x{train.seq_len} tokens",
                   flush=True)
         losses = []
         every = self.config.checkpoint.every
-        while self.step < train.steps and not self.stop_requested:
-            scalars = self.train_step()
-            losses.append(scalars["train/loss"])
-            if train.eval_every and self.step % train.eval_every == 0:
-                scalars["eval/loss"] = self.evaluate()
-            for module in self.engine.model_parts:
-                scalars.update(_collect_layer_metrics(module))
-            self.metrics.log(self.step, scalars)
-            if every and self.step % every == 0 and self.step < train.steps:
-                self.save()
+        with self.preemption:
+            while self.step < train.steps:
+                scalars = self.train_step()
+                losses.append(scalars["train/loss"])
+                if train.eval_every and self.step % train.eval_every == 0:
+                    scalars["eval/loss"] = self.evaluate()
+                for module in self.engine.model_parts:
+                    scalars.update(_collect_layer_metrics(module))
+                self.metrics.log(self.step, scalars)
+                if self.stop_requested or self.preemption.should_stop():
+                    self.stop_requested = True
+                    break
+                if every and self.step % every == 0 and self.step < train.steps:
+                    self.save()
         self.save()
         self.checkpointer.wait()
-        plot = self.metrics.close(plot=train.plot)
+        if self.stop_requested:
+            if self.rank == 0:
+                print(f"xscale: stop requested; checkpoint of step {self.step} written", flush=True)
+            self.preemption.requeue()
+        plot = self.metrics.close(plot=train.plot and not self.stop_requested)
         return {"step": self.step, "losses": losses, "plot": str(plot) if plot else None,
-                "checkpoint": str(self.checkpointer.directory)}
+                "checkpoint": str(self.checkpointer.directory), "preempted": self.stop_requested}
 
 
 def _collect_layer_metrics(module: torch.nn.Module) -> dict[str, float]:
@@ -175,24 +188,3 @@ def _collect_layer_metrics(module: torch.nn.Module) -> dict[str, float]:
             for key, value in record().items():
                 metrics[f"{canonical_name(name)}/{key}"] = value
     return metrics
-
-
-def _device() -> torch.device:
-    """cuda:<local rank> when CUDA is present, else CPU: from the environment, never hard-coded."""
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
-def _init_process_group(config: Config) -> tuple[int, int]:
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size == 1:
-        return 0, 1
-    if not dist.is_initialized():
-        backend = config.parallel.backend
-        if backend == "auto":
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
-    return dist.get_rank(), dist.get_world_size()

@@ -1,0 +1,305 @@
+"""Data parallelism: DDP-style gradient all-reduce, ZeRO-1 and ZeRO-2 (Rajbhandari et al. 2020).
+
+The loss every rank back-propagates is its share of the global-batch mean (token sum / global token count), so
+the global gradient is the SUM of the ranks' gradients. Expert parameters (under expert parallelism) are summed
+only over the ranks that hold the same experts (``edp``), every other parameter over all data-parallel ranks.
+
+ZeRO-1/2 partition each parameter's flattened local tensor into equal chunks over the sharding group (``dp_shard``;
+``dp_expert`` for experts) and replicate over ``dp_replicate`` (HSDP). The optimizer owns only this rank's chunk:
+its "parameter" is a view into the model parameter's storage, so fp32 training keeps no extra master copy and the
+per-rank bytes are the paper's: params 4Psi, grads 4Psi (ZeRO-1) or 4Psi/N (ZeRO-2), Adam moments 8Psi/N.
+Stage 1 all-reduces whole gradients and reads its chunk; stage 2 reduce-scatters them and frees the whole gradient.
+After the step every rank all-gathers the updated chunks. ZeRO-3 is FSDP2 (:mod:`xscale.parallel.fsdp`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from xscale.parallel.grad_norm import GradientPiece
+
+BUCKET_BYTES = 32 * 2**20
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores (the local shard of a DTensor)."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def is_expert_parameter(name: str) -> bool:
+    return ".experts." in f".{name}"
+
+
+def sharded_mesh_size(tensor: torch.Tensor) -> int:
+    """How many different pieces of ``tensor`` its DTensor mesh holds (1 for a plain tensor)."""
+    if not isinstance(tensor, DTensor):
+        return 1
+    size = 1
+    for dim, placement in enumerate(tensor.placements):
+        if isinstance(placement, Shard):
+            size *= tensor.device_mesh.size(dim)
+    return size
+
+
+@dataclass
+class NamedParameter:
+    name: str  # canonical (single-process) name
+    param: nn.Parameter
+
+
+class DataParallel:
+    """Strategy for one layout's data-parallel dimension; this base class is the single-replica case.
+
+    The engine calls :meth:`global_token_count` and :meth:`reduce_loss` each step, :meth:`after_backward` once
+    after the last microbatch, :meth:`optimizer_step` instead of ``optimizer.step()``, and
+    :meth:`gradient_pieces` for the global norm.
+    """
+
+    def __init__(self, parameters: list[NamedParameter], mesh: DeviceMesh | None = None, stage_replicas: int = 1,
+                 expert_parallel: int = 1) -> None:
+        self.parameters = parameters
+        self.mesh = mesh
+        self.stage_replicas = stage_replicas  # ranks of one pipeline stage: world / pp
+        self.expert_parallel = expert_parallel
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh["dp"].get_group() if self.mesh is not None and self.mesh["dp"].size() > 1 else None
+
+    def global_token_count(self, local: torch.Tensor) -> torch.Tensor:
+        total = local.detach().clone()
+        if self.dp_group is not None:
+            dist.all_reduce(total, group=self.dp_group)
+        return total
+
+    def reduce_loss(self, local: torch.Tensor) -> torch.Tensor:
+        return self.global_token_count(local)
+
+    def after_backward(self) -> None:
+        """Make every gradient the global one (nothing to do for one replica)."""
+
+    def requires_gradient_sync(self, enabled: bool) -> None:
+        """Set before each microbatch's backward (FSDP reduces only on the last)."""
+
+    def optimizer_parameters(self) -> list[nn.Parameter]:
+        return [entry.param for entry in self.parameters]
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def _replicas(self, name: str, grad: torch.Tensor, shard_size: int = 1) -> int:
+        """Ranks of this pipeline stage holding the same values as this rank's piece of ``grad``."""
+        distinct = sharded_mesh_size(grad) * shard_size
+        if is_expert_parameter(name):
+            distinct *= self.expert_parallel  # the ep mesh dimension is never part of a parameter's DTensor mesh
+        return max(1, self.stage_replicas // distinct)
+
+    def gradient_pieces(self) -> list[GradientPiece]:
+        pieces = []
+        for entry in self.parameters:
+            grad = entry.param.grad
+            if grad is not None:
+                pieces.append(GradientPiece(local_tensor(grad), self._replicas(entry.name, grad)))
+        return pieces
+
+    # checkpoint: None means "use torch.distributed.checkpoint.state_dict as is"
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        return None
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+def _buckets(tensors: list[torch.Tensor], bucket_bytes: int) -> Iterator[list[torch.Tensor]]:
+    """Consecutive runs of same-dtype tensors of at most ``bucket_bytes`` (one tensor may exceed it alone)."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and (size + nbytes > bucket_bytes or tensor.dtype != bucket[0].dtype):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(tensor)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+@torch.no_grad()
+def all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup,
+                    bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Sum ``tensors`` in place over ``group`` with one all-reduce per flat bucket."""
+    for bucket in _buckets(tensors, bucket_bytes):
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for tensor in bucket:
+            tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()
+
+
+class ReplicatedDataParallel(DataParallel):
+    """DDP semantics (ZeRO-0): whole parameters and optimizer state on every rank, gradients all-reduced."""
+
+    def after_backward(self) -> None:
+        by_group: dict[str, list[torch.Tensor]] = {}
+        for entry in self.parameters:
+            if entry.param.grad is not None:
+                dimension = "edp" if is_expert_parameter(entry.name) and self.expert_parallel > 1 else "dp"
+                if self.mesh[dimension].size() > 1:
+                    by_group.setdefault(dimension, []).append(local_tensor(entry.param.grad))
+        for dimension, grads in by_group.items():
+            all_reduce_flat(grads, self.mesh[dimension].get_group())
+
+
+@dataclass
+class _Partition:
+    """One parameter's chunk on this rank: elements [start, stop) of its flattened local tensor."""
+
+    entry: NamedParameter
+    shard_group: dist.ProcessGroup | None
+    replicate_group: dist.ProcessGroup | None
+    shard_size: int
+    chunk: int
+    start: int
+    stop: int
+    shard: nn.Parameter  # view of the model parameter's storage
+
+    @property
+    def numel(self) -> int:
+        return local_tensor(self.entry.param).numel()
+
+
+class ZeroDataParallel(ReplicatedDataParallel):
+    """ZeRO-1 (optimizer state partitioned) or ZeRO-2 (+ gradients partitioned) over ``dp_shard``."""
+
+    def __init__(self, parameters: list[NamedParameter], mesh: DeviceMesh, stage: int, stage_replicas: int,
+                 expert_parallel: int = 1) -> None:
+        super().__init__(parameters, mesh, stage_replicas, expert_parallel)
+        if stage not in (1, 2):
+            raise ValueError(f"ZeroDataParallel handles stages 1 and 2, got {stage}")
+        self.stage = stage
+        self.partitions = [self._partition(entry) for entry in parameters]
+
+    def _groups(self, name: str) -> tuple[DeviceMesh, DeviceMesh]:
+        expert = is_expert_parameter(name) and self.expert_parallel > 1
+        return self.mesh["dp_expert" if expert else "dp_shard"], self.mesh["dp_replicate"]
+
+    def _partition(self, entry: NamedParameter) -> _Partition:
+        shard_mesh, replicate_mesh = self._groups(entry.name)
+        size, rank = shard_mesh.size(), shard_mesh.get_local_rank()
+        flat = local_tensor(entry.param).detach().view(-1)
+        chunk = math.ceil(flat.numel() / size)
+        start, stop = min(rank * chunk, flat.numel()), min((rank + 1) * chunk, flat.numel())
+        shard = nn.Parameter(flat[start:stop], requires_grad=entry.param.requires_grad)
+        return _Partition(entry, shard_mesh.get_group() if size > 1 else None,
+                          replicate_mesh.get_group() if replicate_mesh.size() > 1 else None,
+                          size, chunk, start, stop, shard)
+
+    def optimizer_parameters(self) -> list[nn.Parameter]:
+        return [part.shard for part in self.partitions]
+
+    @torch.no_grad()
+    def after_backward(self) -> None:
+        if self.stage == 1:
+            super().after_backward()
+            for part in self.partitions:
+                grad = part.entry.param.grad
+                part.shard.grad = None if grad is None else local_tensor(grad).reshape(-1)[part.start:part.stop]
+            return
+        for part in self.partitions:
+            grad = part.entry.param.grad
+            if grad is None:
+                part.shard.grad = None
+                continue
+            flat = local_tensor(grad).reshape(-1)
+            if part.shard_group is None:
+                reduced = flat.clone()
+            else:
+                padded = flat.new_zeros(part.chunk * part.shard_size)
+                padded[: flat.numel()] = flat
+                reduced = flat.new_empty(part.chunk)
+                dist.reduce_scatter_tensor(reduced, padded, group=part.shard_group)
+            if part.replicate_group is not None:
+                dist.all_reduce(reduced, group=part.replicate_group)
+            part.shard.grad = reduced[: part.stop - part.start]
+            part.entry.param.grad = None  # ZeRO-2 keeps only this rank's gradient chunk
+
+    def gradient_pieces(self) -> list[GradientPiece]:
+        pieces = []
+        for part in self.partitions:
+            if part.shard.grad is not None:
+                replicas = self._replicas(part.entry.name, part.entry.param, part.shard_size)
+                pieces.append(GradientPiece(part.shard.grad, replicas))
+        return pieces
+
+    @torch.no_grad()
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        for part in self.partitions:
+            part.entry.param.grad = None
+            if part.shard_group is not None:
+                self._all_gather(part, local_tensor(part.entry.param).view(-1), part.shard.detach())
+
+    @staticmethod
+    def _all_gather(part: _Partition, full: torch.Tensor, chunk: torch.Tensor) -> None:
+        """Fill ``full`` (flat, numel elements) with every rank's ``chunk`` (padded to equal sizes on the wire)."""
+        padded = chunk.new_zeros(part.chunk)
+        padded[: chunk.numel()] = chunk
+        gathered = chunk.new_empty(part.chunk * part.shard_size)
+        dist.all_gather_into_tensor(gathered, padded, group=part.shard_group)
+        full.copy_(gathered[: part.numel])
+
+    # ------------------------------------------------------------------ checkpoint
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The single-process AdamW layout (state keyed by parameter name), each moment gathered to the
+        parameter's local shape and given the parameter's DTensor placements, so DCP reshards it to any layout."""
+        state: dict[str, Any] = {}
+        for part in self.partitions:
+            shard_state = optimizer.state.get(part.shard, {})
+            param = part.entry.param
+            entry: dict[str, Any] = {"step": shard_state.get("step", torch.zeros((), dtype=torch.float32)).clone()}
+            for key in ("exp_avg", "exp_avg_sq"):
+                chunk = shard_state.get(key, torch.zeros_like(part.shard))
+                full = torch.empty_like(local_tensor(param)).view(-1)
+                if part.shard_group is None:
+                    full.copy_(chunk)
+                else:
+                    self._all_gather(part, full, chunk.detach())
+                full = full.view_as(local_tensor(param))
+                if isinstance(param, DTensor):
+                    full = DTensor.from_local(full, param.device_mesh, param.placements, shape=param.shape,
+                                              stride=param.stride())
+                entry[key] = full
+            state[part.entry.name] = entry
+        names = {id(part.shard): part.entry.name for part in self.partitions}
+        groups = []
+        for group in optimizer.param_groups:
+            groups.append({**{k: v for k, v in group.items() if k != "params"},
+                           "params": [names[id(p)] for p in group["params"]]})
+        return {"state": state, "param_groups": groups}
+
+    @torch.no_grad()
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        for part in self.partitions:
+            saved = state["state"][part.entry.name]
+            restored = {"step": saved["step"].detach().clone().float()}
+            for key in ("exp_avg", "exp_avg_sq"):
+                full = local_tensor(saved[key]).reshape(-1)
+                restored[key] = full[part.start:part.stop].clone()
+            optimizer.state[part.shard] = restored
+        for group, saved_group in zip(optimizer.param_groups, state["param_groups"]):
+            for key, value in saved_group.items():
+                if key != "params":
+                    group[key] = value

@@ -1,0 +1,54 @@
+"""ZeRO-3: parameters, gradients and optimizer state sharded with FSDP2 ``fully_shard`` (HSDP over two dims).
+
+Each Transformer block is one FSDP unit (all-gathered just before it runs, freed after); the root unit holds the
+embedding, final norms and LM head and stays unsharded between forward and backward because the loss reads the
+output projection right after the forward. Gradients are reduce-scattered as sums (the loss is already the
+global-batch mean), in fp32 when the parameters run in bf16 (fp32 master weights).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+from xscale.parallel.data import DataParallel, NamedParameter
+from xscale.parallel.dims import ParallelDims
+
+
+def data_parallel_mesh(mesh: DeviceMesh, dims: ParallelDims, expert: bool = False) -> DeviceMesh:
+    """The mesh FSDP shards over: (dp_replicate, dp_shard) for HSDP, else dp_shard (dp_expert for experts)."""
+    shard = "dp_expert" if expert else "dp_shard"
+    return mesh["dp_replicate", shard] if dims.dp_replicate > 1 else mesh[shard]
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, param_dtype: torch.dtype | None,
+               blocks: list[nn.Module], expert_modules: list[nn.Module] = ()) -> None:
+    """Shard ``model`` in place: each of ``blocks`` one unit (experts their own unit over ``edp``), then the root."""
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else \
+        MixedPrecisionPolicy()
+    dense_mesh = data_parallel_mesh(mesh, dims)
+    for experts in expert_modules:
+        fully_shard(experts, mesh=data_parallel_mesh(mesh, dims, expert=True), mp_policy=policy)
+    for block in blocks:
+        fully_shard(block, mesh=dense_mesh, mp_policy=policy)
+    fully_shard(model, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=False)
+    for unit in [*expert_modules, *blocks, model]:
+        unit.set_gradient_divide_factor(1.0)  # sums: the loss is already the global-batch mean
+        unit.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no PREMUL_SUM)
+    if hasattr(model, "hidden_states"):
+        register_fsdp_forward_method(model, "hidden_states")
+
+
+class FullyShardedDataParallel(DataParallel):
+    """The strategy object for ZeRO-3: FSDP2 reduces gradients itself during backward."""
+
+    def __init__(self, parameters: list[NamedParameter], mesh: DeviceMesh, stage_replicas: int,
+                 fsdp_modules: list[nn.Module], expert_parallel: int = 1) -> None:
+        super().__init__(parameters, mesh, stage_replicas, expert_parallel)
+        self.fsdp_modules = fsdp_modules
+
+    def requires_gradient_sync(self, enabled: bool) -> None:
+        for module in self.fsdp_modules:  # the roots; the setting recurses into every unit
+            module.set_requires_gradient_sync(enabled)

@@ -1,0 +1,48 @@
+"""The global gradient norm of a model spread over a mesh, and clipping by it.
+
+Each rank holds pieces of gradients: whole tensors replicated over data parallel, tensor-parallel shards (DTensor),
+ZeRO shards, expert shards, pipeline stages. A piece held identically by ``r`` ranks of its pipeline stage
+contributes ``|piece|^2 / r`` on each of them, so one all-reduce over the world sums every distinct element once:
+``|g|^2 = sum over ranks of sum over pieces |piece|^2 / replicas(piece)``.
+Clipping then scales by ``min(1, max_norm / (|g| + 1e-6))``, the formula of ``torch.nn.utils.clip_grad_norm_``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class GradientPiece:
+    """A local gradient tensor and how many ranks of its pipeline stage hold the same values."""
+
+    grad: torch.Tensor
+    replicas: int
+
+
+def global_grad_norm(pieces: Sequence[GradientPiece], group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """L2 norm over every distinct gradient element of the model (float32 scalar on the gradients' device)."""
+    device = pieces[0].grad.device if pieces else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for piece in pieces:
+        if piece.grad.numel():
+            total += piece.grad.detach().double().pow(2).sum() / piece.replicas
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(total, group=group)
+    return total.sqrt().float()
+
+
+@torch.no_grad()
+def clip_gradients(pieces: Sequence[GradientPiece], max_norm: float,
+                   group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Scale the gradients in place so their global norm is at most ``max_norm`` (0: only measure)."""
+    norm = global_grad_norm(pieces, group)
+    if max_norm > 0:
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for piece in pieces:
+            piece.grad.mul_(coefficient.to(piece.grad.dtype))
+    return norm

@@ -1,0 +1,140 @@
+"""``xscale parity CONFIG [overrides] --layouts L1 L2 ...``: loss curves of parallel layouts vs one process.
+
+A layout is a comma-separated list of ``parallel.*`` settings, e.g. ``dp_shard=2,zero_stage=3`` or
+``tp=2,sequence_parallel=true``; its process count is the product of its degrees. Each layout trains the same
+config for ``--steps`` steps in fresh local processes (gloo on CPU, nccl on GPUs) and its per-step losses are
+compared with the single-process run's: the largest relative difference must stay within ``--rtol``.
+Dropout must be 0 (its masks depend on the layout), which the tool enforces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+from xscale.config import Config, ConfigError, load_config_from_cli
+from xscale.launcher.env import free_port
+
+PARITY_SETTINGS = ("train.eval_every=0", "train.plot=false", "train.tensorboard=false", "train.progress=false",
+                   "train.log_every=1000000", "train.precision=fp32", "checkpoint.resume=none")
+DEGREES = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass
+class LayoutResult:
+    layout: str
+    world_size: int
+    losses: list[float]
+    max_relative_difference: float
+
+    def passed(self, rtol: float) -> bool:
+        return self.max_relative_difference <= rtol
+
+
+def layout_overrides(layout: str) -> list[str]:
+    """``"tp=2,dp_shard=2"`` -> ``["parallel.tp=2", "parallel.dp_shard=2"]`` (``single`` -> [])."""
+    if layout in ("", "single"):
+        return []
+    overrides = []
+    for item in layout.split(","):
+        if "=" not in item:
+            raise ConfigError(f"layout item '{item}' must look like name=value (e.g. tp=2)")
+        overrides.append(f"parallel.{item.strip()}")
+    return overrides
+
+
+def world_size_of(config: Config) -> int:
+    parallel = config.parallel
+    if parallel.dp_shard == -1:
+        raise ConfigError("a parity layout must give dp_shard explicitly (e.g. dp_shard=2), not -1")
+    return math.prod(getattr(parallel, name) for name in DEGREES)
+
+
+def _worker(local_rank: int, world_size: int, port: int, config: Config, result_file: str) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(local_rank),
+                       "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
+                       "LOCAL_WORLD_SIZE": str(world_size)})
+    import torch
+    import torch.distributed as dist
+
+    from xscale.train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    try:
+        summary = Trainer(config).fit()
+        if local_rank == 0:
+            Path(result_file).write_text(json.dumps(summary["losses"]))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def train_losses(config: Config, world_size: int) -> list[float]:
+    """Per-step training losses of ``config`` run by ``world_size`` fresh local processes."""
+    with tempfile.TemporaryDirectory(prefix="xscale-parity-") as scratch:
+        result = Path(scratch) / "losses.json"
+        mp.start_processes(_worker, args=(world_size, free_port(), config, str(result)), nprocs=world_size,
+                           join=True, start_method="spawn")
+        return json.loads(result.read_text())
+
+
+def max_relative_difference(reference: Sequence[float], losses: Sequence[float]) -> float:
+    if len(reference) != len(losses):
+        return math.inf
+    return max((abs(a - b) / max(abs(a), 1e-12) for a, b in zip(reference, losses)), default=0.0)
+
+
+def compare_layouts(config_path: str | None, overrides: Sequence[str], layouts: Sequence[str], steps: int,
+                    output_dir: str | Path) -> tuple[list[float], list[LayoutResult]]:
+    """Run the single-process reference and every layout; returns (reference losses, results)."""
+    base = [*overrides, *PARITY_SETTINGS, f"train.steps={steps}"]
+    reference_config = load_config_from_cli(config_path, [*base, f"train.output_dir={Path(output_dir) / 'single'}"])
+    if reference_config.model.dropout or reference_config.model.attention_dropout:
+        raise ConfigError("parity needs model.dropout=0 and model.attention_dropout=0: dropout masks depend on the "
+                          "layout, so losses could not match")
+    reference = train_losses(reference_config, 1)
+    results = []
+    for index, layout in enumerate(layouts):
+        config = load_config_from_cli(config_path, [*base, *layout_overrides(layout),
+                                                    f"train.output_dir={Path(output_dir) / f'layout{index}'}"])
+        losses = train_losses(config, world_size_of(config))
+        results.append(LayoutResult(layout, world_size_of(config), losses,
+                                    max_relative_difference(reference, losses)))
+    return reference, results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="xscale parity", description=__doc__.split("\n\n")[0])
+    parser.add_argument("config", nargs="?", help="YAML config; omit for the built-in default")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides applied to every run")
+    parser.add_argument("--layouts", nargs="+", required=True, help="e.g. dp_shard=2 tp=2 'pp=2,microbatches=2'")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rtol", type=float, default=1e-5)
+    parser.add_argument("--output-dir", default=None, help="where the runs write (default: a temporary folder)")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="xscale-parity-runs-") as scratch:
+        try:
+            reference, results = compare_layouts(args.config, args.overrides, args.layouts, args.steps,
+                                                 args.output_dir or scratch)
+        except ConfigError as error:
+            print(f"xscale parity: {error}", file=sys.stderr)
+            return 2
+    print(f"{'layout':<40} {'procs':>5} {'max rel diff':>13}  result")
+    print(f"{'single':<40} {1:>5} {0.0:>13.2e}  reference (last loss {reference[-1]:.6f})")
+    for result in results:
+        verdict = "ok" if result.passed(args.rtol) else f"FAIL (> {args.rtol:g})"
+        print(f"{result.layout:<40} {result.world_size:>5} {result.max_relative_difference:>13.2e}  {verdict}")
+    return 0 if all(result.passed(args.rtol) for result in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
