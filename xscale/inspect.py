@@ -73,6 +73,25 @@ def _human(n: float) -> str:
     return f"{n:.1f} PiB"
 
 
+def layout_report(config: Config, world_size: int) -> list[str]:
+    """The per-rank plan of ``config.parallel`` at ``world_size`` and each rank's predicted state bytes."""
+    from xscale.parallel.dims import ParallelDims, rank_coordinates
+    from xscale.parallel.memory import predicted_state_bytes
+
+    dims = ParallelDims.from_config(config, world_size)
+    lines = [f"layout: {dims.describe()}", f"  {'rank':>4} {'pp':>3} {'dp':>3} {'tp':>3} {'ep':>3}"]
+    shown = list(range(min(world_size, 16)))
+    for rank in shown:
+        at = rank_coordinates(dims, rank)
+        lines.append(f"  {rank:>4} {at['pp']:>3} {at['dp']:>3} {at['tp']:>3} {at['ep']:>3}")
+    if world_size > len(shown):
+        lines.append(f"  ... {world_size - len(shown)} more ranks")
+    state = predicted_state_bytes(count_parameters(config).total, dims)
+    lines.append("per-rank model state (ZeRO formulas, fp32 AdamW):")
+    lines += [f"  {name:<12} {_human(value)}" for name, value in state.items()]
+    return lines
+
+
 def report(config: Config) -> str:
     count = count_parameters(config)
     flops = flops_per_token(config.model, config.train.seq_len, count.non_embedding)
@@ -97,11 +116,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="xscale inspect", description=__doc__.splitlines()[0])
     parser.add_argument("config", nargs="?", help="YAML config; omit for the built-in default")
     parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="processes to plan for (default: the product of the config's degrees)")
     args = parser.parse_args(argv)
     try:
         config = load_config_from_cli(args.config, args.overrides)
+        text = report(config)
+        parallel = config.parallel
+        world_size = args.world_size or (parallel.pp * parallel.dp_replicate * max(parallel.dp_shard, 1) * parallel.tp)
+        if world_size > 1:
+            text += "\n" + "\n".join(layout_report(config, world_size))
     except ConfigError as error:
         print(f"xscale inspect: invalid configuration: {error}", file=sys.stderr)
         return 2
-    print(report(config))
+    print(text)
     return 0

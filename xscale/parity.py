@@ -1,7 +1,8 @@
 """``xscale parity CONFIG [overrides] --layouts L1 L2 ...``: loss curves of parallel layouts vs one process.
 
 A layout is a comma-separated list of ``parallel.*`` settings, e.g. ``dp_shard=2,zero_stage=3`` or
-``tp=2,sequence_parallel=true``; its process count is the product of its degrees. Each layout trains the same
+``tp=2,sequence_parallel=true``; its process count is the product of its degrees (dp_shard counts as 1
+unless given). Each layout trains the same
 config for ``--steps`` steps in fresh local processes (gloo on CPU, nccl on GPUs) and its per-step losses are
 compared with the single-process run's: the largest relative difference must stay within ``--rtol``.
 Dropout must be 0 (its masks depend on the layout), which the tool enforces.
@@ -15,9 +16,10 @@ import math
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -53,38 +55,46 @@ def layout_overrides(layout: str) -> list[str]:
 
 
 def world_size_of(config: Config) -> int:
+    """Processes a layout runs on: the product of its degrees (dp_shard=-1, "fill the world", counts as 1)."""
     parallel = config.parallel
-    if parallel.dp_shard == -1:
-        raise ConfigError("a parity layout must give dp_shard explicitly (e.g. dp_shard=2), not -1")
-    return math.prod(getattr(parallel, name) for name in DEGREES)
+    return math.prod(max(getattr(parallel, name), 1) for name in DEGREES)
 
 
-def _worker(local_rank: int, world_size: int, port: int, config: Config, result_file: str) -> None:
+def _run_rank(local_rank: int, world_size: int, port: int, function: Callable[..., Any], args: tuple,
+              result_dir: str) -> None:
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(local_rank),
                        "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
                        "LOCAL_WORLD_SIZE": str(world_size)})
     import torch
     import torch.distributed as dist
 
-    from xscale.train.trainer import Trainer
-
-    torch.set_num_threads(1)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # the cores shared out, none oversubscribed
     try:
-        summary = Trainer(config).fit()
-        if local_rank == 0:
-            Path(result_file).write_text(json.dumps(summary["losses"]))
+        result = function(*args)
+        Path(result_dir, f"rank{local_rank}.json").write_text(json.dumps(result))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
+def run_local(function: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """Run ``function(*args)`` in ``world_size`` fresh local processes with a torchrun-style environment
+    (the function initialises the process group, e.g. through the Trainer); returns each rank's JSON result."""
+    with tempfile.TemporaryDirectory(prefix="xscale-local-") as scratch:
+        mp.start_processes(_run_rank, args=(world_size, free_port(), function, args, scratch), nprocs=world_size,
+                           join=True, start_method="spawn")
+        return [json.loads(Path(scratch, f"rank{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def _train(config: Config) -> list[float]:
+    from xscale.train.trainer import Trainer
+
+    return Trainer(config).fit()["losses"]
+
+
 def train_losses(config: Config, world_size: int) -> list[float]:
     """Per-step training losses of ``config`` run by ``world_size`` fresh local processes."""
-    with tempfile.TemporaryDirectory(prefix="xscale-parity-") as scratch:
-        result = Path(scratch) / "losses.json"
-        mp.start_processes(_worker, args=(world_size, free_port(), config, str(result)), nprocs=world_size,
-                           join=True, start_method="spawn")
-        return json.loads(result.read_text())
+    return run_local(_train, world_size, config)[0]
 
 
 def max_relative_difference(reference: Sequence[float], losses: Sequence[float]) -> float:

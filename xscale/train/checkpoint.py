@@ -69,12 +69,15 @@ def _file_sizes(directory: Path) -> dict[str, int]:
 
 
 def shape_fingerprint(model_state: dict[str, Any]) -> dict[str, list[int]]:
-    """Parameter name -> global shape, the identity of a model for resume checks."""
-    fingerprint = {}
-    for name, value in model_state.items():
-        if isinstance(value, torch.Tensor):
-            fingerprint[name] = list(value.shape)
-    return fingerprint
+    """Parameter name -> global shape over every rank (pipeline stages hold different names), the identity of
+    a model for resume checks. Collective when a process group is up."""
+    fingerprint = {name: list(value.shape) for name, value in model_state.items() if isinstance(value, torch.Tensor)}
+    if _distributed() and dist.get_world_size() > 1:
+        everyone: list[dict[str, list[int]]] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(everyone, fingerprint)
+        for other in everyone:
+            fingerprint.update(other)
+    return dict(sorted(fingerprint.items()))
 
 
 class Checkpointer:

@@ -1,0 +1,82 @@
+"""Layout validation: every impossible layout is refused before a process group exists, saying what to change."""
+
+from __future__ import annotations
+
+import pytest
+
+from xscale.config import ConfigError, load_config
+from xscale.inspect import main as inspect_main
+from xscale.parallel.dims import ParallelDims, rank_coordinates
+from xscale.parallel.memory import predicted_state_bytes
+
+BASE = ["model.vocab_size=64", "model.d_model=32", "model.n_layers=4", "model.n_heads=4", "train.global_batch_size=8",
+        "train.seq_len=16", "data.dataset=copy"]
+MOE = ["model.moe.num_experts=4", "model.moe.router=switch"]
+
+REFUSED = [
+    (["parallel.tp=2", "parallel.dp_shard=2"], 2, "4 processes but 2 were launched"),
+    (["parallel.tp=3"], 4, "not divisible by pp x dp_replicate x tp"),
+    (["parallel.tp=3", "parallel.dp_shard=1"], 3, "does not divide model.n_heads=4"),
+    (["parallel.tp=2", "parallel.dp_shard=1", "model.vocab_size=65"], 2, "does not divide model.vocab_size=65"),
+    (["parallel.tp=2", "parallel.dp_shard=1", "model.d_ff=33"], 2, "does not divide model.d_ff"),
+    (["parallel.ep=2"], 2, "needs an MoE model"),
+    ([*MOE, "parallel.ep=4", "parallel.dp_shard=2", "parallel.tp=2"], 4, "must divide the sharded data-parallel"),
+    (["parallel.sequence_parallel=true"], 2, "needs parallel.tp > 1"),
+    (["train.global_batch_size=6"], 4, "does not split over 4 data-parallel ranks"),
+    (["train.micro_batch_size=3"], 2, "must divide the per-rank batch 4"),
+    (["parallel.pp=8", "parallel.dp_shard=1"], 8, "only 4 layers"),
+    (["parallel.pp=2", "parallel.dp_shard=1", "parallel.microbatches=3"], 2, "does not divide"),
+    (["parallel.zero_stage=4"], 2, "must be 0 (DDP)"),
+    (["parallel.cp=2"], 2, "context parallelism"),
+    (["parallel.dp_shard=0"], 2, "dp_shard must be >= 1"),
+    (["parallel.tp=0"], 2, "parallel.tp must be >= 1"),
+    (["parallel.backend=nccl"], 2, "needs CUDA"),
+]
+
+
+@pytest.mark.parametrize("overrides,world_size,message", REFUSED, ids=[r[2] for r in REFUSED])
+def test_impossible_layouts_are_refused(overrides, world_size, message):
+    config = load_config(None, [*BASE, *overrides])
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ParallelDims.from_config(config, world_size)
+
+
+def test_trainer_refuses_before_any_process_group(monkeypatch, tmp_path):
+    import torch.distributed as dist
+
+    from xscale.train.trainer import Trainer
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    config = load_config(None, [*BASE, "parallel.tp=2", "parallel.dp_shard=2", f"train.output_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="launched"):
+        Trainer(config)  # a process group would wait for rank 1 forever; validation must come first
+    assert not dist.is_initialized()
+
+
+def test_dp_shard_fills_the_world_and_mesh_coordinates_are_row_major():
+    config = load_config(None, [*BASE, *MOE, "parallel.tp=2", "parallel.pp=2", "parallel.ep=2",
+                                "train.global_batch_size=8", "parallel.microbatches=2"])
+    dims = ParallelDims.from_config(config, 16)
+    assert (dims.pp, dims.dp_shard, dims.tp, dims.ep, dims.dp, dims.edp) == (2, 4, 2, 2, 4, 2)
+    assert rank_coordinates(dims, 0) == {"pp": 0, "dp_replicate": 0, "dp_expert": 0, "ep": 0, "tp": 0,
+                                         "dp_shard": 0, "dp": 0}
+    last = rank_coordinates(dims, 15)
+    assert (last["pp"], last["dp"], last["tp"], last["ep"]) == (1, 3, 1, 1)
+    assert rank_coordinates(dims, 2)["ep"] == 1 and rank_coordinates(dims, 4)["dp_expert"] == 1
+
+
+@pytest.mark.parametrize("stage,expected", [(0, (4, 4, 8)), (1, (4, 4, 2)), (2, (4, 1, 2)), (3, (1, 1, 2))])
+def test_zero_formulas(stage, expected):
+    config = load_config(None, [*BASE, f"parallel.zero_stage={stage}"])
+    dims = ParallelDims.from_config(config, 4)
+    state = predicted_state_bytes(1000, dims)
+    assert tuple(state[k] / 1000 for k in ("parameters", "gradients", "optimizer")) == expected
+
+
+def test_inspect_prints_the_per_rank_plan(capsys):
+    assert inspect_main([*BASE, "parallel.dp_shard=2", "parallel.tp=2", "parallel.zero_stage=3"]) == 0
+    out = capsys.readouterr().out
+    assert "layout: world 4: dp_shard=2 x tp=2, ZeRO-3" in out
+    assert "per-rank model state" in out
+    assert inspect_main([*BASE, "parallel.tp=3", "parallel.dp_shard=1"]) == 2

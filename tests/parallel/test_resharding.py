@@ -1,0 +1,88 @@
+"""Checkpoints that reshard: save at one layout, resume at another; the resumed steps equal the uninterrupted run
+and every sample of the epoch is read exactly once over the two halves (the sampler state reshards with dp)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from xscale.config import load_config
+from xscale.parity import PARITY_SETTINGS, layout_overrides, run_local, world_size_of
+
+SAMPLES, GLOBAL_BATCH, STEPS = 64, 8, 8  # 8 steps of 8 = one epoch
+MODEL = ["model.vocab_size=48", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+         f"train.global_batch_size={GLOBAL_BATCH}", "train.seq_len=16", "train.warmup_steps=2", "train.lr=3e-3",
+         "data.dataset=copy", f"data.num_samples={SAMPLES}", "data.eval_fraction=0.0", f"train.steps={STEPS}"]
+RTOL = 1e-5
+
+
+class RecordingDataset:
+    """Remembers every sample index this rank reads."""
+
+    def __init__(self, dataset) -> None:
+        self.dataset, self.seen = dataset, []
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        self.seen.append(int(index))
+        return self.dataset[index]
+
+
+def _train(config):
+    from xscale.data import build_datasets
+    from xscale.train.trainer import Trainer
+
+    train = RecordingDataset(build_datasets(config)[0])
+    summary = Trainer(config, train, None).fit()
+    return {"losses": summary["losses"], "seen": train.seen}
+
+
+def _run(layout: str, output_dir: Path, *extra: str) -> list[dict]:
+    config = load_config(None, [*MODEL, *PARITY_SETTINGS, *layout_overrides(layout), f"train.output_dir={output_dir}",
+                                *extra])
+    config.checkpoint.resume = "auto"
+    return run_local(_train, world_size_of(config), config)
+
+
+def check_resharding(save_layout: str, resume_layout: str, tmp_path: Path) -> None:
+    reference = _run("single", tmp_path / "reference")[0]["losses"]
+    first = _run(save_layout, tmp_path / "run", "checkpoint.every=4")
+    checkpoints = tmp_path / "run" / "checkpoints"
+    for step_dir in checkpoints.glob("step_*"):
+        if step_dir.name != "step_00000004":
+            for file in sorted(step_dir.rglob("*"), reverse=True):
+                file.unlink() if file.is_file() else file.rmdir()
+            step_dir.rmdir()
+    (checkpoints / "latest").write_text("step_00000004\n")  # as if the first run died after step 4
+    second = _run(resume_layout, tmp_path / "run")
+    losses = second[0]["losses"]
+    assert len(losses) == STEPS - 4
+    for step, (expected, got) in enumerate(zip(reference[4:], losses), start=5):
+        assert abs(got - expected) <= RTOL * abs(expected), f"step {step}: {got} after resume vs {expected}"
+    first_half = Counter(i for rank in first for i in rank["seen"][: len(rank["seen"]) // 2])
+    second_half = Counter(i for rank in second for i in rank["seen"])
+    seen = first_half + second_half
+    assert sorted(seen) == list(range(SAMPLES)) and set(seen.values()) == {1}, \
+        f"samples read twice: {[i for i, n in seen.items() if n > 1]}, never: {set(range(SAMPLES)) - set(seen)}"
+
+
+@pytest.mark.parametrize("save_layout,resume_layout", [
+    ("dp_shard=2,zero_stage=3", "single"),
+    ("dp_shard=2,zero_stage=1", "dp_shard=2,zero_stage=3"),
+])
+def test_resume_at_another_layout(save_layout, resume_layout, tmp_path):
+    check_resharding(save_layout, resume_layout, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("save_layout,resume_layout", [
+    ("dp_shard=4,zero_stage=3", "dp_shard=2,zero_stage=3"),
+    ("dp_replicate=2,dp_shard=2,zero_stage=2", "single"),
+    ("single", "dp_shard=4,zero_stage=2"),
+])
+def test_resume_at_another_world_size(save_layout, resume_layout, tmp_path):
+    check_resharding(save_layout, resume_layout, tmp_path)
