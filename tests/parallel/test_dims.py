@@ -22,6 +22,7 @@ REFUSED = [
     (["parallel.ep=2"], 2, "needs an MoE model"),
     ([*MOE, "parallel.ep=4", "parallel.dp_shard=2", "parallel.tp=2"], 4, "must divide the sharded data-parallel"),
     (["parallel.sequence_parallel=true"], 2, "needs parallel.tp > 1"),
+    (["parallel.sequence_parallel=true", "parallel.tp=2", "train.seq_len=15"], 2, "a multiple of 2"),
     (["train.global_batch_size=6"], 4, "does not split over 4 data-parallel ranks"),
     (["train.micro_batch_size=3"], 2, "must divide the per-rank batch 4"),
     (["parallel.pp=8", "parallel.dp_shard=1"], 8, "model.n_layers=4 cannot fill 8 pipeline stages"),

@@ -114,6 +114,9 @@ class ParallelDims:
         if parallel.sequence_parallel and self.tp == 1:
             raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1 (it shards norms and dropout "
                               "over the tensor-parallel ranks)")
+        if parallel.sequence_parallel and config.train.seq_len % self.tp:
+            raise ConfigError(f"sequence parallelism splits each sequence over tp={self.tp} ranks; make "
+                              f"train.seq_len={config.train.seq_len} a multiple of {self.tp}")
         if self.tp > 1:
             check_tensor_parallel(config, self.tp)
         if self.pp > 1:
