@@ -29,6 +29,14 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     return [block for stack in _stacks(model) for block in stack.layers.values()]
 
 
+def _compile_blocks(model: nn.Module, config: Config) -> None:
+    """``train.compile``: compile each block's forward in place (after activation checkpointing, before FSDP, as
+    torchtitan orders them); parameter names do not change."""
+    if config.train.compile:
+        for block in _blocks(model):
+            block.compile()
+
+
 def named_parameters(model: nn.Module) -> list[NamedParameter]:
     """Each parameter once, under the name it has in the single-process model."""
     return [NamedParameter(canonical_name(name), param) for name, param in model.named_parameters()]
@@ -46,6 +54,7 @@ def build_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh | None, de
     if mesh is None or dims.world_size == 1:
         model = build_model(config.model, device, seed=seed)
         apply_activation_checkpointing(_stacks(model), config.parallel.activation_checkpointing)
+        _compile_blocks(model, config)
         return Engine(model, micro_batch_size(config, dims), autocast)
     if dims.pp > 1:
         return _build_pipeline_engine(config, dims, mesh, device, autocast)
@@ -60,6 +69,7 @@ def build_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh | None, de
     if dims.ep > 1:
         raise ConfigError("expert parallelism in the trainer arrives with the MoE layout work; use parallel.ep=1")
     apply_activation_checkpointing(_stacks(model), config.parallel.activation_checkpointing)
+    _compile_blocks(model, config)
     make_data_parallel = _data_parallel([model], dims, mesh, autocast)
     model.to_empty(device=device)
     model.tie_weights()
@@ -101,6 +111,7 @@ def _build_pipeline_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh,
         raise ConfigError("pipeline x expert parallelism is not supported yet; use parallel.ep=1 with parallel.pp")
     model = build_model(config.model, materialize=False)
     apply_activation_checkpointing(_stacks(model), config.parallel.activation_checkpointing)
+    _compile_blocks(model, config)
     engine = PipelineEngine.from_config(config, model, mesh["pp"], device)
     engine.data_parallel = _data_parallel(engine.model_parts, dims, mesh, autocast)(engine.model_parts)
     return engine
