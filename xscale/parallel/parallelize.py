@@ -29,6 +29,24 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     return [block for stack in _stacks(model) for block in stack.layers.values()]
 
 
+def _share_routing_statistics(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims) -> None:
+    """Routing attention's k-means statistics are sums over the tokens seen: sum them over the data-parallel
+    ranks, so every rank moves its centroids alike (as one device would on the whole batch)."""
+    from xscale.models.attention.routing import RoutingAttention
+
+    if dims.dp == 1:
+        return
+    group = mesh["dp"].get_group()
+
+    def all_reduce(statistics: torch.Tensor) -> torch.Tensor:
+        torch.distributed.all_reduce(statistics, group=group)
+        return statistics
+
+    for module in model.modules():
+        if isinstance(module, RoutingAttention):
+            module.reduce_statistics = all_reduce
+
+
 def _compile_blocks(model: nn.Module, config: Config) -> None:
     """``train.compile``: compile each block's forward in place (after activation checkpointing, before FSDP, as
     torchtitan orders them); parameter names do not change."""
@@ -75,6 +93,7 @@ def build_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh | None, de
     model.tie_weights()
     init_weights(model, config.model, seed)
     data_parallel = make_data_parallel([model])
+    _share_routing_statistics(model, mesh, dims)
     return Engine(model, micro_batch_size(config, dims), autocast, loss_fn=loss_fn, data_parallel=data_parallel)
 
 
