@@ -29,3 +29,9 @@ def test_every_pipeline_schedule(tmp_path):
                                                    "pp=2,microbatches=4,pp_schedule=interleaved_1f1b,pp_stages_per_rank=2",
                                                    "pp=2,microbatches=2,pp_schedule=zero_bubble,pp_stages_per_rank=2"],
                   tmp_path)
+
+
+@pytest.mark.slow
+def test_routing_attention_centroids_move_alike_under_data_parallel(tmp_path):
+    routing = ["model.attention.kind=routing", "model.attention.options={clusters: 2, window: 8}"]
+    assert_parity(DECODER + routing, ["dp_shard=2"], tmp_path)
