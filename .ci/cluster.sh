@@ -29,19 +29,23 @@ need_root() {
     fi
 }
 
+# Debian's Open MPI: its libpmix is what srun --mpi=pmix loads, and it must be installed before slurmd starts.
+OPENMPI_LIBRARY=/usr/lib/x86_64-linux-gnu/libmpi.so.40
+
 install_missing() {
     local packages=()
     command -v munged >/dev/null || packages+=(munge)
     command -v slurmctld >/dev/null || packages+=(slurmctld)
     command -v slurmd >/dev/null || packages+=(slurmd)
     command -v sbatch >/dev/null || packages+=(slurm-client)
+    [ -e "$OPENMPI_LIBRARY" ] || packages+=(openmpi-bin libopenmpi-dev)
     if [ ${#packages[@]} -gt 0 ]; then
         log "installing ${packages[*]}"
         apt-get update -qq
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${packages[@]}" >/dev/null
     fi
-    # MPI before slurmd starts (its pmi2/pmix plugins load at step launch): the mpich wheel brings mpiexec
-    # and libmpi without touching the system; mpi4py binds to it.
+    # MPICH from the package index (the dev extras): mpiexec next to the interpreter, and mpi4py, which loads
+    # that MPICH first (MPI4PY_LIBMPI=libmpi.so.40 selects Open MPI instead).
     if ! python3 -c "import mpi4py" 2>/dev/null || ! command -v mpiexec >/dev/null; then
         log "installing mpich and mpi4py from the package index"
         python3 -m pip install -q mpich mpi4py
@@ -132,7 +136,13 @@ up() {
             for node in "${NODES[@]}"; do
                 SLURM_CONF=$CONF scontrol update nodename="$node" state=resume 2>/dev/null || true
             done
-            log "up: partition ci, nodes ${NODES[*]} idle; source $DIR/env.sh"
+            # Idle is not enough: a job step must start on both nodes (credentials, ports, spool dirs).
+            if ! SLURM_CONF=$CONF timeout 60 srun --nodes=2 --ntasks-per-node=1 --time=1 true; then
+                log "nodes are idle but a two-node srun failed:"
+                tail -n 20 "$DIR"/log/*.log >&2 || true
+                return 1
+            fi
+            log "up: partition ci, nodes ${NODES[*]} idle and running steps; source $DIR/env.sh"
             cat "$DIR/env.sh"
             return 0
         fi
@@ -184,7 +194,7 @@ status() {
     for name in munged slurmctld slurmd-node1 slurmd-node2; do
         if alive "$DIR/run/$name.pid"; then echo "$name: running ($(cat "$DIR/run/$name.pid"))"; else echo "$name: stopped"; fi
     done
-    [ -f "$CONF" ] && SLURM_CONF=$CONF sinfo -N 2>/dev/null || true
+    if [ -f "$CONF" ]; then SLURM_CONF=$CONF sinfo -N 2>/dev/null || true; fi
 }
 
 case "${1:-}" in

@@ -8,7 +8,14 @@ import sys
 
 import pytest
 
-from xscale.launcher.env import LaunchError, World, detect_world, expand_tasks_per_node, slurm_port
+from xscale.launcher.env import (
+    LaunchError,
+    World,
+    detect_world,
+    expand_tasks_per_node,
+    slurm_node_address,
+    slurm_port,
+)
 
 
 class FakeComm:
@@ -60,17 +67,27 @@ def slurm_step(**extra: str) -> dict[str, str]:
     return environ
 
 
-def test_slurm_step_uses_first_node_of_the_nodelist():
+def test_slurm_step_uses_first_node_of_the_nodelist_at_its_node_address():
     calls = []
 
     def hostnames(nodelist: str) -> list[str]:
         calls.append(nodelist)
         return ["gpu07", "gpu08"]
 
-    world = detect_world(slurm_step(), hostnames_of=hostnames)
+    world = detect_world(slurm_step(), hostnames_of=hostnames, address_of={"gpu07": "10.3.0.7"}.__getitem__)
     assert calls == ["gpu[07-08]"]
     assert world == World(rank=3, local_rank=1, world_size=4, local_world_size=2, node_rank=1,
-                          master_addr="gpu07", master_port=slurm_port(1234), launcher="slurm")
+                          master_addr="10.3.0.7", master_port=slurm_port(1234), launcher="slurm")
+
+
+def test_slurm_node_address_reads_scontrol_and_falls_back_to_the_name(tmp_path, monkeypatch):
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text('#!/bin/bash\n[ "$3" = node1 ] || exit 1\n'
+                        'echo "NodeName=node1 Arch=x86_64 NodeAddr=127.0.0.1 NodeHostName=vm Version=22.05"\n')
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert slurm_node_address("node1") == "127.0.0.1"
+    assert slurm_node_address("unknown7") == "unknown7"
 
 
 def test_slurm_step_prefers_exported_master_and_reads_uneven_task_counts():
@@ -96,6 +113,29 @@ def test_srun_with_matching_mpi_plugin():
     environ = slurm_step(PMI_FD="11", PMI_RANK="3", PMI_SIZE="4")
     world = detect_world(environ, comm=FakeComm(3, 4, ["a"] * 4), hostnames_of=lambda _: ["gpu07"])
     assert (world.launcher, world.rank, world.world_size) == ("slurm", 3, 4)
+
+
+def test_mpi_bootstrap_inside_a_slurm_step_reads_mpi_comm_world():
+    environ = slurm_step(XSCALE_BOOTSTRAP="mpi", PMIX_RANK="3")
+    comm = FakeComm(3, 4, ["vm"] * 4, root_endpoint=("10.9.9.9", 5555))
+    world = detect_world(environ, comm=comm, hostnames_of=no_scontrol)
+    assert world == World(rank=3, local_rank=3, world_size=4, local_world_size=4, node_rank=0,
+                          master_addr="10.9.9.9", master_port=5555, launcher="mpi")
+
+
+def test_mpi_bootstrap_refuses_singletons_under_srun():
+    """srun --mpi=pmix with an MPICH library: every task is an MPI world of one."""
+    environ = slurm_step(XSCALE_BOOTSTRAP="mpi", SLURM_PROCID="0")
+    with pytest.raises(LaunchError, match="started 4 ranks but MPI_COMM_WORLD has 1.*MPI4PY_LIBMPI"):
+        detect_world(environ, comm=FakeComm(0, 1, ["vm"]), hostnames_of=no_scontrol)
+
+
+def test_forced_bootstrap_wins_and_unknown_bootstrap_is_refused():
+    environ = {"RANK": "1", "WORLD_SIZE": "2", "XSCALE_BOOTSTRAP": "mpi"}
+    world = detect_world(environ, comm=FakeComm(0, 3, ["a", "a", "b"]), hostnames_of=no_scontrol)
+    assert (world.launcher, world.rank, world.world_size) == ("mpi", 0, 3)
+    with pytest.raises(LaunchError, match="XSCALE_BOOTSTRAP='pmi' is not one of auto, torchrun, slurm, mpi"):
+        detect_world({"XSCALE_BOOTSTRAP": "pmi"}, hostnames_of=no_scontrol)
 
 
 def test_openmpi_rank_takes_the_broadcast_endpoint():

@@ -131,3 +131,13 @@ def test_async_save_completes_and_resumes(tmp_path):
     resumed = Trainer(_config(tmp_path, "train.steps=5"))
     resumed.fit()
     assert resumed.step == 5
+
+
+@pytest.mark.slow
+def test_compiled_blocks_train_like_eager_ones(tmp_path):
+    eager = Trainer(_config(tmp_path / "eager", "train.steps=3", "model.dropout=0.0")).fit()["losses"]
+    compiled_trainer = Trainer(_config(tmp_path / "compiled", "train.steps=3", "model.dropout=0.0", "train.compile=true"))
+    assert all(hasattr(block, "_compiled_call_impl") and block._compiled_call_impl is not None
+               for block in compiled_trainer.engine.model.stack.layers.values())
+    compiled = compiled_trainer.fit()["losses"]
+    assert compiled == pytest.approx(eager, rel=1e-4)

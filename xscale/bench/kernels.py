@@ -175,7 +175,11 @@ def _step(fn: Callable, leaves: list[torch.Tensor], upstream: list[torch.Tensor]
 
 
 def peak_cpu_allocation(run: Callable[[], object]) -> int:
-    """Most bytes the c10 CPU allocator held above its level when ``run`` started (profiler allocation events)."""
+    """Most bytes the c10 CPU allocator held above its level when ``run`` started.
+
+    Reads the allocation events (size > 0) and frees (size < 0) of torch's profiler event tree in time
+    order; the tree is an experimental torch API, which tests/bench pins down on a known allocation pattern.
+    """
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
@@ -206,7 +210,7 @@ def peak_memory(run: Callable[[], object], device: torch.device) -> int:
 
 
 class ResidentSetPeak:
-    """Growth of the process's peak resident set (VmHWM) over a region, on Linux; None elsewhere."""
+    """Growth of the process's peak resident set (VmHWM) over a region; ``start`` is False without Linux's /proc."""
 
     def __init__(self) -> None:
         self.baseline = 0

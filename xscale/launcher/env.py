@@ -2,9 +2,11 @@
 
 Precedence: torchrun/elastic variables (also plain env:// RANK + WORLD_SIZE) > a Slurm job step
 (SLURM_PROCID inside ``srun``) > an MPI launcher (OpenMPI / MPICH-Hydra / PMIx variables, or mpi4py) >
-a single process. A launcher that promises several ranks while the process sees a world of one (srun's
-``--mpi`` plugin not matching the MPI library, a batch script that forgot ``srun``) is refused: those
-ranks would otherwise train alone and silently.
+a single process. ``XSCALE_BOOTSTRAP=torchrun|slurm|mpi`` picks one reader instead (``launch/mpirun.sh``
+sets ``mpi``: ranks from MPI_COMM_WORLD, rank 0's address broadcast with mpi4py, also inside ``srun``).
+A launcher that promises several ranks while the process sees a world of one (srun's ``--mpi`` plugin not
+matching the MPI library, a batch script that forgot ``srun``) is refused: those ranks would otherwise
+train alone and silently.
 """
 
 from __future__ import annotations
@@ -57,7 +59,11 @@ class World:
         )
 
 
+BOOTSTRAP_VARIABLE = "XSCALE_BOOTSTRAP"
+BOOTSTRAPS = ("auto", "torchrun", "slurm", "mpi")
 MPI_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+LIBRARY_HINT = ("With several MPI libraries installed, MPI4PY_LIBMPI names the one mpi4py loads "
+                "(libmpi.so.40: Open MPI, libmpi.so.12: MPICH).")
 MPI_MARKERS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK", "PMI_FD", "PMIX_RANK")
 
 
@@ -105,6 +111,16 @@ def slurm_hostnames(nodelist: str) -> list[str]:
     return result.stdout.split()
 
 
+def slurm_node_address(node: str) -> str:
+    """The address slurmd of ``node`` is reached at (its NodeAddr), which need not be the node's name."""
+    try:
+        result = subprocess.run(["scontrol", "show", "node", node], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return node
+    match = re.search(r"\bNodeAddr=(\S+)", result.stdout) if result.returncode == 0 else None
+    return match.group(1) if match else node
+
+
 def slurm_port(job_id: int) -> int:
     """A per-job port in [20000, 40000) so that jobs sharing a head node do not collide."""
     return 20000 + job_id % 20000
@@ -129,7 +145,9 @@ def _from_torchrun(environ: Mapping[str, str]) -> World:
     )
 
 
-def _from_slurm(environ: Mapping[str, str], hostnames_of: Callable[[str], list[str]]) -> World:
+def _from_slurm(
+    environ: Mapping[str, str], hostnames_of: Callable[[str], list[str]], address_of: Callable[[str], str]
+) -> World:
     world_size = _int(environ, "SLURM_NTASKS", _int(environ, "SLURM_NPROCS", 1))
     node_rank = _int(environ, "SLURM_NODEID", 0)
     tasks_spec = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
@@ -142,7 +160,7 @@ def _from_slurm(environ: Mapping[str, str], hostnames_of: Callable[[str], list[s
         nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
         if not nodelist:
             raise LaunchError("Slurm step without SLURM_JOB_NODELIST; set MASTER_ADDR to the head node's address")
-        master_addr = hostnames_of(nodelist)[0]
+        master_addr = address_of(hostnames_of(nodelist)[0])
     master_port = _int(environ, "MASTER_PORT", slurm_port(_int(environ, "SLURM_JOB_ID", 0)))
     return World(
         rank=_int(environ, "SLURM_PROCID"),
@@ -167,20 +185,24 @@ def _mpi_comm() -> Any:
     return MPI.COMM_WORLD
 
 
-def _env_mpi_size(environ: Mapping[str, str]) -> int | None:
+def _launched_size(environ: Mapping[str, str]) -> int | None:
+    """How many ranks the launcher says it started: its MPI variables, or srun's task count."""
     for name in MPI_SIZE_VARIABLES:
         if environ.get(name):
             return _int(environ, name)
+    if "SLURM_PROCID" in environ and "SLURM_STEP_ID" in environ:
+        return _int(environ, "SLURM_NTASKS", 1)
     return None
 
 
 def _from_mpi(environ: Mapping[str, str], comm: Any) -> World:
     rank, world_size = comm.Get_rank(), comm.Get_size()
-    launched = _env_mpi_size(environ)
+    launched = _launched_size(environ)
     if launched is not None and launched != world_size:
         raise LaunchError(
-            f"the MPI launcher started {launched} ranks but MPI_COMM_WORLD has {world_size}: mpi4py loaded a "
-            "different MPI library than the one mpiexec belongs to; use the matching mpiexec"
+            f"the launcher started {launched} ranks but MPI_COMM_WORLD has {world_size}: the MPI library that "
+            "mpi4py loaded does not talk to the launcher. Under srun pass --mpi=pmix (Open MPI) or --mpi=pmi2 "
+            f"(MPICH); otherwise start the ranks with that library's own mpiexec. {LIBRARY_HINT}"
         )
     hostnames = comm.allgather(socket.gethostname())
     nodes = list(dict.fromkeys(hostnames))
@@ -222,7 +244,7 @@ def _check_slurm_mpi(world: World, environ: Mapping[str, str], comm: Any | None)
     if comm.Get_size() != world.world_size:
         raise LaunchError(
             f"srun started {world.world_size} tasks but MPI sees a world of {comm.Get_size()}: srun's --mpi "
-            "plugin does not match the MPI library (OpenMPI: srun --mpi=pmix, MPICH: srun --mpi=pmi2)"
+            f"plugin does not match the MPI library (Open MPI: srun --mpi=pmix, MPICH: srun --mpi=pmi2). {LIBRARY_HINT}"
         )
 
 
@@ -231,25 +253,28 @@ def detect_world(
     *,
     comm: Any | None = None,
     hostnames_of: Callable[[str], list[str]] = slurm_hostnames,
+    address_of: Callable[[str], str] = slurm_node_address,
 ) -> World:
     """Read this process's rank, world and rendezvous address from the launcher's environment.
 
-    ``comm`` (an mpi4py-style communicator) and ``hostnames_of`` exist so tests can fake MPI and scontrol.
+    ``comm`` (an mpi4py-style communicator), ``hostnames_of`` and ``address_of`` exist so tests can fake MPI
+    and scontrol.
     """
     environ = os.environ if environ is None else environ
-    if "TORCHELASTIC_RUN_ID" in environ or ("RANK" in environ and "WORLD_SIZE" in environ):
-        return _from_torchrun(environ)
+    bootstrap = environ.get(BOOTSTRAP_VARIABLE) or "auto"
+    if bootstrap not in BOOTSTRAPS:
+        raise LaunchError(f"{BOOTSTRAP_VARIABLE}={bootstrap!r} is not one of {', '.join(BOOTSTRAPS)}")
     in_slurm_step = "SLURM_PROCID" in environ and "SLURM_STEP_ID" in environ
-    if in_slurm_step:
-        world = _from_slurm(environ, hostnames_of)
+    if bootstrap == "torchrun" or (
+        bootstrap == "auto" and ("TORCHELASTIC_RUN_ID" in environ or ("RANK" in environ and "WORLD_SIZE" in environ))
+    ):
+        return _from_torchrun(environ)
+    if bootstrap == "slurm" or (bootstrap == "auto" and in_slurm_step):
+        world = _from_slurm(environ, hostnames_of, address_of)
         _check_slurm_mpi(world, environ, comm)
         return world
-    if comm is not None or any(name in environ for name in MPI_MARKERS):
-        world = _from_mpi(environ, comm if comm is not None else _mpi_comm())
-        launched = _env_mpi_size(environ)
-        if world.world_size == 1 and launched is not None and launched > 1:
-            raise LaunchError(f"the MPI launcher started {launched} ranks but this process sees a world of 1")
-        return world
+    if bootstrap == "mpi" or comm is not None or any(name in environ for name in MPI_MARKERS):
+        return _from_mpi(environ, comm if comm is not None else _mpi_comm())
     slurm_tasks = _int(environ, "SLURM_NTASKS", 1) if "SLURM_JOB_ID" in environ else 1
     if slurm_tasks > 1:
         raise LaunchError(
@@ -307,14 +332,16 @@ def init_distributed(
 ) -> World:
     """Detect the world, export RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT/LOCAL_RANK and init the process group.
 
-    Idempotent: with a process group already initialised it only returns the detected world.
+    Idempotent: with a process group already initialised it only returns the world.
     """
     import torch
     import torch.distributed as dist
 
-    world = detect_world()
     if dist.is_initialized():
-        return world
+        # Read back what was exported at the start: no launcher collective (MPI) runs a second time.
+        exported = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        return _from_torchrun(os.environ) if exported else detect_world()
+    world = detect_world()
     export_world(world)
     device = local_device(world)
     backend = resolve_backend(backend, device)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from xscale.parallel.grad_norm import GradientPiece
 
@@ -45,7 +46,7 @@ def sharded_mesh_size(tensor: torch.Tensor) -> int:
         return 1
     size = 1
     for dim, placement in enumerate(tensor.placements):
-        if isinstance(placement, Shard):
+        if isinstance(placement, Shard | _StridedShard):  # FSDP2 over a tensor-parallel Shard(0) uses _StridedShard
             size *= tensor.device_mesh.size(dim)
     return size
 

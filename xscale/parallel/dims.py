@@ -114,10 +114,16 @@ class ParallelDims:
         if parallel.sequence_parallel and self.tp == 1:
             raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1 (it shards norms and dropout "
                               "over the tensor-parallel ranks)")
+        if parallel.sequence_parallel and config.train.seq_len % self.tp:
+            raise ConfigError(f"sequence parallelism splits each sequence over tp={self.tp} ranks; make "
+                              f"train.seq_len={config.train.seq_len} a multiple of {self.tp}")
         if self.tp > 1:
             check_tensor_parallel(config, self.tp)
         if self.pp > 1:
             check_pipeline_layout(config, self)
+            if self.zero_stage == 3 and self.dp > 1:
+                raise ConfigError("pipeline parallelism with ZeRO-3 (FSDP2 stages) does not match one device yet; "
+                                  "use parallel.zero_stage=1 or 2 with parallel.pp > 1")
         self._validate_batch(config)
         if parallel.backend == "nccl":
             import torch

@@ -33,6 +33,32 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     return [block for stack in _stacks(model) for block in stack.layers.values()]
 
 
+def _share_routing_statistics(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims) -> None:
+    """Routing attention's k-means statistics are sums over the tokens seen: sum them over the data-parallel
+    ranks, so every rank moves its centroids alike (as one device would on the whole batch)."""
+    from xscale.models.attention.routing import RoutingAttention
+
+    if dims.dp == 1:
+        return
+    group = mesh["dp"].get_group()
+
+    def all_reduce(statistics: torch.Tensor) -> torch.Tensor:
+        torch.distributed.all_reduce(statistics, group=group)
+        return statistics
+
+    for module in model.modules():
+        if isinstance(module, RoutingAttention):
+            module.reduce_statistics = all_reduce
+
+
+def _compile_blocks(model: nn.Module, config: Config) -> None:
+    """``train.compile``: compile each block's forward in place (after activation checkpointing, before FSDP, as
+    torchtitan orders them); parameter names do not change."""
+    if config.train.compile:
+        for block in _blocks(model):
+            block.compile()
+
+
 def named_parameters(model: nn.Module) -> list[NamedParameter]:
     """Each parameter once, under the name it has in the single-process model."""
     return [NamedParameter(canonical_name(name), param) for name, param in model.named_parameters()]
@@ -50,6 +76,7 @@ def build_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh | None, de
     if mesh is None or dims.world_size == 1:
         model = build_model(config.model, device, seed=seed)
         apply_activation_checkpointing(_stacks(model), config.parallel.activation_checkpointing)
+        _compile_blocks(model, config)
         return Engine(model, micro_batch_size(config, dims), autocast)
     if dims.pp > 1:
         return _build_pipeline_engine(config, dims, mesh, device, autocast)
@@ -69,10 +96,12 @@ def build_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh | None, de
         _materialize(model, config, device)
         apply_expert_parallel(model, mesh["ep"])
     apply_activation_checkpointing(_stacks(model), config.parallel.activation_checkpointing)
+    _compile_blocks(model, config)
     make_data_parallel = _data_parallel([model], dims, mesh, autocast)
     if dims.ep == 1:
         _materialize(model, config, device)
     data_parallel = make_data_parallel([model])
+    _share_routing_statistics(model, mesh, dims)
     return Engine(model, micro_batch_size(config, dims), autocast, loss_fn=loss_fn, data_parallel=data_parallel)
 
 
@@ -117,6 +146,7 @@ def _build_pipeline_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh,
         raise ConfigError("pipeline x expert parallelism is not supported yet; use parallel.ep=1 with parallel.pp")
     model = build_model(config.model, materialize=False)
     apply_activation_checkpointing(_stacks(model), config.parallel.activation_checkpointing)
+    _compile_blocks(model, config)
     engine = PipelineEngine.from_config(config, model, mesh["pp"], device)
     engine.data_parallel = _data_parallel(engine.model_parts, dims, mesh, autocast)(engine.model_parts)
     return engine

@@ -128,6 +128,10 @@ def check_pipeline(config: Config, data_parallel: int | None = None) -> None:
     if carrying:
         raise ConfigError(f"attention {', '.join(carrying)} passes each layer's attention scores to the next, which "
                           "pipeline stages do not send; use another model.attention.kind or parallel.pp=1")
+    if any(model.attention.kind_for_layer(index) == "routing" for index in range(model.n_layers)):
+        raise ConfigError("routing attention moves its k-means centroids after each forward, and a pipeline schedule "
+                          "runs several forwards before their backwards (the replayed routes would differ); use "
+                          "parallel.pp=1 with routing attention")
     if model.moe.num_experts and model.moe.router == "hash":
         raise ConfigError("hash routing needs the token ids at every MoE layer, which later pipeline stages do "
                           "not receive; use another model.moe.router or parallel.pp=1")

@@ -29,7 +29,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError) as error:
         print(f"xscale train: {error}", file=sys.stderr)
         return 2
-    if summary["losses"]:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return 0
+    if summary["preempted"]:
+        print(f"preempted at step {summary['step']}: checkpoint written to {summary['checkpoint']}; the job resumes "
+              f"from it when started again")
+    elif summary["losses"]:
         print(f"done: step {summary['step']}, last loss {summary['losses'][-1]:.4f}, "
               f"checkpoints in {summary['checkpoint']}" + (f", plot {summary['plot']}" if summary["plot"] else ""))
     return 0
