@@ -3,39 +3,17 @@
 from __future__ import annotations
 
 import copy
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawned import WORLD, spawn
 
 from xscale.config import ConfigError, ModelConfig, MoEConfig
 from xscale.models import build_model
 from xscale.models.moe import build_moe, collect_moe_metrics
 from xscale.parallel.engine import model_loss_sum
 from xscale.parallel.expert import apply_expert_parallel, shard_expert_state_dict
-
-WORLD = 2
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def run(rank: int, port: int, check, args) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
-        check(rank, *args)
-    finally:
-        dist.destroy_process_group()
-
-
-def spawn(check, *args) -> None:
-    mp.spawn(run, args=(free_port(), check, args), nprocs=WORLD, join=True)
 
 
 def layer_config(router: str, top_k: int, ffn: str) -> ModelConfig:

@@ -9,14 +9,13 @@ mostly -100). Splits are uneven.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
+from spawned import WORLD, spawn
 
 from xscale.config import Config, ConfigError, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
 from xscale.models import build_model
@@ -24,29 +23,9 @@ from xscale.parallel.engine import Engine
 from xscale.parallel.pipeline import PipelineEngine, check_pipeline, split_layers
 from xscale.train.optim import build_optimizer
 
-WORLD = 2
 SEED = 7
 LOSS_TOLERANCE = {"rtol": 1e-5, "atol": 0.0}
 GRAD_TOLERANCE = {"rtol": 0.0, "atol": 1e-5}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def run(rank: int, port: int, check, args) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
-        check(rank, *args)
-    finally:
-        dist.destroy_process_group()
-
-
-def spawn(check, *args) -> None:
-    mp.spawn(run, args=(free_port(), check, args), nprocs=WORLD, join=True)
 
 
 def decoder_config(n_layers: int) -> ModelConfig:
