@@ -5,7 +5,9 @@ A layout is a comma-separated list of ``parallel.*`` settings, e.g. ``dp_shard=2
 unless given). Each layout trains the same
 config for ``--steps`` steps in fresh local processes (gloo on CPU, nccl on GPUs) and its per-step losses are
 compared with the single-process run's: the largest relative difference must stay within ``--rtol``.
-Dropout must be 0 (its masks depend on the layout), which the tool enforces.
+Dropout masks are functions of each element's global coordinates (:mod:`xscale.models.dropout`), so runs
+with ``model.dropout`` compare too, except where masks still depend on the layout (refused, see
+:func:`check_dropout_comparable`).
 """
 
 from __future__ import annotations
@@ -103,19 +105,29 @@ def max_relative_difference(reference: Sequence[float], losses: Sequence[float])
     return max((abs(a - b) / max(abs(a), 1e-12) for a, b in zip(reference, losses)), default=0.0)
 
 
+def check_dropout_comparable(layout: str, config: Config) -> None:
+    """Refuse a comparison whose dropout masks depend on the layout, so losses could not match."""
+    if config.model.attention_dropout:
+        raise ConfigError(f"layout {layout}: parity needs model.attention_dropout=0: attention-probability "
+                          "dropout masks depend on the layout")
+    if config.model.dropout and config.parallel.pp > 1:
+        raise ConfigError(f"layout {layout}: pipeline stages draw dropout from torch's RNG, so their masks differ "
+                          "from one device's; compare with model.dropout=0")
+
+
 def compare_layouts(config_path: str | None, overrides: Sequence[str], layouts: Sequence[str], steps: int,
                     output_dir: str | Path) -> tuple[list[float], list[LayoutResult]]:
     """Run the single-process reference and every layout; returns (reference losses, results)."""
     base = [*overrides, *PARITY_SETTINGS, f"train.steps={steps}"]
     reference_config = load_config_from_cli(config_path, [*base, f"train.output_dir={Path(output_dir) / 'single'}"])
-    if reference_config.model.dropout or reference_config.model.attention_dropout:
-        raise ConfigError("parity needs model.dropout=0 and model.attention_dropout=0: dropout masks depend on the "
-                          "layout, so losses could not match")
+    configs = [load_config_from_cli(config_path, [*base, *layout_overrides(layout),
+                                                  f"train.output_dir={Path(output_dir) / f'layout{index}'}"])
+               for index, layout in enumerate(layouts)]
+    for layout, config in zip(layouts, configs):
+        check_dropout_comparable(layout, config)
     reference = train_losses(reference_config, 1)
     results = []
-    for index, layout in enumerate(layouts):
-        config = load_config_from_cli(config_path, [*base, *layout_overrides(layout),
-                                                    f"train.output_dir={Path(output_dir) / f'layout{index}'}"])
+    for layout, config in zip(layouts, configs):
         losses = train_losses(config, world_size_of(config))
         results.append(LayoutResult(layout, world_size_of(config), losses,
                                     max_relative_difference(reference, losses)))

@@ -17,6 +17,7 @@ from torch import nn
 
 from xscale.config import ModelConfig
 from xscale.models.attention import Attention
+from xscale.models.dropout import Dropout
 from xscale.models.ffn import build_ffn
 from xscale.models.norm import build_norm
 from xscale.models.position import PositionEncoding
@@ -32,7 +33,7 @@ class Residual(nn.Module):
         self.norm = build_norm(config.norm, config.d_model, config.norm_eps)
         if self.placement == "sandwich":
             self.norm_out = build_norm(config.norm, config.d_model, config.norm_eps)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The sub-layer may return ``(out, carry)``: the carry passes through untouched beside the result."""

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from xscale.models.dropout import Dropout
 from xscale.models.registry import FFN
 
 ACTIVATIONS = {
@@ -25,7 +26,7 @@ class MLP(nn.Module):
         super().__init__()
         self.w_in = nn.Linear(d_model, hidden, bias=bias)
         self.w_out = nn.Linear(hidden, d_model, bias=bias)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.w_out(ACTIVATIONS[self.activation](self.w_in(x))))
@@ -58,7 +59,7 @@ class GatedMLP(nn.Module):
         self.w_gate = nn.Linear(d_model, hidden, bias=bias)
         self.w_up = nn.Linear(d_model, hidden, bias=bias)
         self.w_down = nn.Linear(hidden, d_model, bias=bias)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from xscale.ops import gated_activation

@@ -11,6 +11,7 @@ from torch import nn
 
 from xscale.config import ModelConfig
 from xscale.models.block import TransformerBlock
+from xscale.models.dropout import Dropout, name_dropout_sites
 from xscale.models.ffn import ACTIVATIONS
 from xscale.models.norm import build_norm
 from xscale.models.position import build_position
@@ -77,7 +78,7 @@ class Transformer(nn.Module):
         self.embedding_norm = (
             build_norm(config.norm, config.d_model, config.norm_eps) if config.embedding_norm else None
         )
-        self.embedding_dropout = nn.Dropout(config.dropout)
+        self.embedding_dropout = Dropout(config.dropout)
         decoder_only = config.family == "decoder"
         self.stack = Stack(config, config.n_layers, causal=decoder_only, cross=False, first_index=0)
         self.decoder = (
@@ -87,6 +88,7 @@ class Transformer(nn.Module):
         self.head_transform = LMHeadTransform(config) if config.lm_head_transform else None
         self.output = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
         self.tie_weights()
+        name_dropout_sites(self)
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the output projection (Press & Wolf 2017); re-run after to_empty."""

@@ -17,6 +17,7 @@ routing matches a layout's when its micro_batch_size equals the sequences of one
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.device_mesh import DeviceMesh
 
 from xscale.config import TrainConfig
+from xscale.models.dropout import DropoutPosition, dropout_position
 from xscale.ops import cross_entropy_sum, linear_cross_entropy_sum
 from xscale.parallel.data import DataParallel
 from xscale.parallel.expert_state import globalize_expert_state, localize_expert_state
@@ -109,8 +111,12 @@ class Engine:
         return RoutingGroups(self.model_parts, self.data_parallel.routing_groups,
                              self.data_parallel.sum_over_routing_groups)
 
-    def train_step(self, batch: Batch) -> torch.Tensor:
-        """Forward + backward over the microbatches; returns the global-batch mean loss (detached)."""
+    def train_step(self, batch: Batch, position: DropoutPosition | None = None) -> torch.Tensor:
+        """Forward + backward over the microbatches; returns the global-batch mean loss (detached).
+
+        ``position``: where ``batch`` sits in the run (step, first global sample); each microbatch's dropout
+        masks are then those of its rows in the global batch, as on one device (:mod:`xscale.models.dropout`).
+        """
         for part in self.model_parts:
             part.train()
         tokens = self.global_token_count(batch).clamp_min(1)
@@ -120,9 +126,11 @@ class Engine:
         for index, micro in enumerate(micros):
             if self.distributed:
                 self.data_parallel.requires_gradient_sync(index == len(micros) - 1)
-            with self._autocast():
-                loss = self.loss_fn(self.model, micro) / tokens
-            loss.backward()
+            with dropout_position(position and dataclasses.replace(
+                    position, first_sample=position.first_sample + index * self.micro_batch_size)):
+                with self._autocast():
+                    loss = self.loss_fn(self.model, micro) / tokens
+                loss.backward()
             total += loss.detach().float()
         if self.distributed:
             self.data_parallel.after_backward()

@@ -31,6 +31,7 @@ from torch.distributed.pipelining import (
 )
 
 from xscale.config import Config, ConfigError, ModelConfig
+from xscale.models.dropout import DropoutPosition
 from xscale.models.transformer import Transformer
 from xscale.ops import cross_entropy_sum, linear_cross_entropy_sum
 from xscale.parallel.engine import STATE_DICT_OPTIONS, Batch, Engine
@@ -306,8 +307,9 @@ class PipelineEngine(Engine):
         return total.cpu()
 
     # ------------------------------------------------------------------ Engine
-    def train_step(self, batch: Batch) -> torch.Tensor:
-        """Forward + backward of every microbatch through the schedule; the global-batch mean token loss."""
+    def train_step(self, batch: Batch, position: DropoutPosition | None = None) -> torch.Tensor:
+        """Forward + backward of every microbatch through the schedule; the global-batch mean token loss.
+        Dropout draws from torch's RNG here (``position`` unused): masks are not those of one device."""
         for stage in self.stages:
             stage.train()
         self.tied.begin()

@@ -21,8 +21,9 @@ position tables and BERT's head transform; their parameters are Replicate DTenso
 (:mod:`xscale.parallel.replicated`). With n_kv_heads=1 (MQA) the k/v projections are replicated likewise.
 Every parameter is a DTensor on the tp mesh and every gradient comes back with its parameter's placements.
 
-Dropout: tp ranks must seed torch's RNG identically (the trainer does); then replicated regions draw the
-same masks on every rank. Masks differ from a single device's.
+Dropout masks are functions of each element's global coordinates (:mod:`xscale.models.dropout`), so
+replicated activations get the same mask on every rank; under sequence parallelism each dropout is told which
+slice of the tokens this rank holds, and draws that slice of the single device's mask.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from xscale.models.attention.lsh import LSHAttention
 from xscale.models.attention.random_features import RandomFeatureAttention
 from xscale.models.attention.sparse import FixedAttention, PatternAttention, StridedAttention
 from xscale.models.block import Residual, TransformerBlock
+from xscale.models.dropout import Dropout
 from xscale.models.ffn import MLP, GatedMLP
 from xscale.models.moe import MoELayer
 from xscale.models.registry import ATTENTION
@@ -240,6 +242,16 @@ def _require_divisible_sequences(embedding: nn.Module, tp: int) -> None:
     embedding.register_forward_pre_hook(check)
 
 
+def _place_sequence_shard_dropout(model: Transformer, mesh: DeviceMesh) -> None:
+    """Under sequence parallelism the residual stream's dropouts (embedding, sub-layer outputs) hold tokens
+    [rank * T/tp, (rank + 1) * T/tp): dim 1's shard ``rank`` of the single device's tensor."""
+    in_attention = {id(inner) for module in model.modules() if isinstance(module, Attention)
+                    for inner in module.modules()}  # attention cores see the whole sequence
+    for module in model.modules():
+        if isinstance(module, Dropout) and id(module) not in in_attention:
+            module.shard_index = mesh.get_local_rank()
+
+
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False) -> None:
     """Split ``model`` (built on the meta device) in place over the 1-D mesh ``tp_mesh``.
 
@@ -261,6 +273,8 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, sequence_p
         for block in stack.layers.values():
             _parallelize_block(block, tp_mesh, config, sequence_parallel)
         _parallelize_norm(stack.final_norm, tp_mesh, sequence_parallel)
+    if sequence_parallel:
+        _place_sequence_shard_dropout(model, tp_mesh)
     if model.head_transform is not None:
         replicate_parameters(model.head_transform, tp_mesh, sum_gradients=sequence_parallel)
     parallelize_module(model.output, tp_mesh, ColwiseParallel(

@@ -18,6 +18,7 @@ from xscale.data import GlobalSampler, collate
 from xscale.inspect import count_parameters
 from xscale.launcher.env import detect_world, init_distributed, local_device
 from xscale.launcher.preemption import PreemptionHandler
+from xscale.models.dropout import DropoutPosition
 from xscale.models.init import canonical_name
 from xscale.ops import set_kernel_backend
 from xscale.parallel.dims import ParallelDims
@@ -126,7 +127,9 @@ class Trainer:
         batch = self.next_batch()
         tokens = batch["input_ids"].numel() * self.dp_size
         start = time.perf_counter()
-        loss = self.engine.train_step(batch)
+        # Dropout masks follow the step and each sample's place in the global batch, not the layout.
+        position = DropoutPosition(self.config.train.seed, self.step, self.dp_rank * self.local_batch_size)
+        loss = self.engine.train_step(batch, position)
         grad_norm = self.engine.clip_grad_norm(self.config.train.grad_clip)
         self.engine.optimizer_step(self.optimizer)
         lr = self.scheduler.get_last_lr()[0]

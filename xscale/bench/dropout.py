@@ -1,0 +1,50 @@
+"""``python -m xscale.bench.dropout``: the layout-independent :class:`~xscale.models.dropout.Dropout` against
+``nn.Dropout`` in the same run (forward + backward of a (B, T, D) activation), as a time ratio."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch import nn
+
+from xscale.models.dropout import Dropout, DropoutPosition, dropout_position
+
+
+def seconds_per_call(module: nn.Module, x: torch.Tensor, repeats: int) -> float:
+    def run() -> None:
+        module(x).sum().backward()
+
+    run()
+    if x.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        run()
+    if x.device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", type=int, nargs=3, default=[8, 512, 1024], metavar=("B", "T", "D"))
+    parser.add_argument("--p", type=float, default=0.1)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = parser.parse_args(argv)
+    x = torch.randn(*args.shape, device=args.device, dtype=getattr(torch, args.dtype), requires_grad=True)
+    reference = nn.Dropout(args.p).train()
+    ours = Dropout(args.p).train()
+    with dropout_position(DropoutPosition(seed=0, step=0)):
+        for _ in range(2):  # interleaved rounds: load on a shared machine hits both alike
+            base = seconds_per_call(reference, x, args.repeats)
+            mine = seconds_per_call(ours, x, args.repeats)
+            print(f"shape {tuple(args.shape)} {args.dtype} on {args.device}: nn.Dropout {base * 1e3:.2f} ms, "
+                  f"layout-independent Dropout {mine * 1e3:.2f} ms, ratio {mine / base:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Dropout (Srivastava et al. 2014) whose mask depends on where an element sits, not on which rank computes it.
+
+keep(element) = splitmix64(key(seed, site, step, sample) + index * golden) >= p * 2^64 (Steele et al. 2014,
+a counter-based draw like Philox: Salmon et al. 2011), in vectorised int64 tensor ops. ``sample`` is the
+element's row in the step's global batch and ``index`` its position inside the sample, both in global
+coordinates; ``site`` hashes the module's name. So one device, tensor-parallel ranks holding replicas,
+sequence-parallel ranks holding a slice of the tokens and data-parallel ranks holding a slice of the batch all
+drop the same elements, and a resumed run drops what the uninterrupted one would.
+
+The model stays plain PyTorch: without a :class:`DropoutPosition` (set by the training engine with
+:func:`dropout_position`) the per-sample keys come from torch's RNG and the module behaves like ``nn.Dropout``.
+Parallel plans say where a rank's slice of dim 1 (tokens under sequence parallelism, heads under tensor
+parallelism) sits by setting ``shard_index``; everything else is global already.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+MASK64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: splitmix64's stream increment
+MIX1, MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def _signed(value: int) -> int:
+    """The int64 with the same 64 bits as ``value`` (torch integers are signed)."""
+    value &= MASK64
+    return value - (1 << 64) if value >> 63 else value
+
+
+def mix64(value: int) -> int:
+    """splitmix64's finaliser on a Python int (unsigned 64-bit arithmetic)."""
+    value = ((value ^ (value >> 30)) * MIX1) & MASK64
+    value = ((value ^ (value >> 27)) * MIX2) & MASK64
+    return value ^ (value >> 31)
+
+
+def _mix_(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser in place on int64, leaner: torch shifts int64 arithmetically, which maps the
+    stream 2-to-1 (a 63-bit hash, collisions 2^-63 apart), and the last xor-shift is left out because only the
+    high bits are read, and those of a product depend on every input bit."""
+    z ^= z >> 30
+    z *= _signed(MIX1)
+    z ^= z >> 27
+    z *= _signed(MIX2)
+    return z
+
+
+class _ScaleKept(torch.autograd.Function):
+    """x * keep / (1 - p) forward and backward in one pass each, saving only the bool mask."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(keep)
+        ctx.scale = scale
+        return torch.ops.aten.native_dropout_backward(x, keep, scale)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (keep,) = ctx.saved_tensors
+        return torch.ops.aten.native_dropout_backward(grad, keep, ctx.scale), None, None
+
+
+def site_id(name: str) -> int:
+    """A stable 64-bit id for a module name (Python's ``hash`` of a str changes between processes)."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+
+
+@dataclass(frozen=True)
+class DropoutPosition:
+    """Where the batch in flight sits in the run."""
+
+    seed: int
+    step: int
+    first_sample: int = 0  # row of the step's global batch that this batch's row 0 is
+
+
+_position: DropoutPosition | None = None  # a global, not a ContextVar: autograd's device threads read it too
+
+
+@contextmanager
+def dropout_position(position: DropoutPosition | None) -> Iterator[None]:
+    """Masks drawn inside (forward and the recomputing backward) are functions of ``position``."""
+    global _position
+    previous, _position = _position, position
+    try:
+        yield
+    finally:
+        _position = previous
+
+
+def current_dropout_position() -> DropoutPosition | None:
+    return _position
+
+
+class Dropout(nn.Module):
+    """``nn.Dropout`` with layout-independent masks: drop x[b, i1, i2, ...] by its global coordinates."""
+
+    def __init__(self, p: float = 0.5) -> None:
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+        self.p = p
+        self.site = 0  # set from the module's name by name_dropout_sites
+        self.shard_index = 0  # this rank's slice of dim 1 (equal slices), set by parallel plans
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        return _ScaleKept.apply(x, self.keep_mask(x.shape, x.device), 1.0 / (1.0 - self.p))
+
+    def keep_mask(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
+        """Bool tensor of ``shape`` (batch first), True where an element is kept."""
+        z = self._sample_keys(shape[0], device).view(-1, *[1] * (len(shape) - 1))
+        # index * golden = sum over dims of coordinate * stride * golden (mod 2^64): one broadcast add per dim,
+        # outermost first, so that only the last add is full-sized.
+        for dim in range(1, len(shape)):
+            stride = math.prod(shape[dim + 1:])
+            first = self.shard_index * shape[dim] if dim == 1 else 0
+            coordinates = torch.arange(first, first + shape[dim], device=device, dtype=torch.int64)
+            z = z + (coordinates * _signed(stride * GOLDEN)).view(-1, *[1] * (len(shape) - 1 - dim))
+        return _mix_(z) >= round(self.p * 2**64) - 2**63
+
+    def _sample_keys(self, batch: int, device: torch.device) -> torch.Tensor:
+        position = _position
+        if position is None:  # plain PyTorch use: fresh keys from torch's generator, like nn.Dropout
+            return torch.randint(-2**63, 2**63 - 1, (batch,), dtype=torch.int64, device=device)
+        base = mix64(mix64(mix64(position.seed) ^ self.site) + position.step * GOLDEN)
+        rows = torch.arange(position.first_sample + 1, position.first_sample + batch + 1, device=device)
+        return _mix_(rows * _signed(GOLDEN) + _signed(base))
+
+
+def name_dropout_sites(model: nn.Module) -> None:
+    """Give each :class:`Dropout` of ``model`` the id of its name, the same in every layout."""
+    for name, module in model.named_modules():
+        if isinstance(module, Dropout):
+            module.site = site_id(name)
