@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 
 from xscale.config import Config, ConfigError, load_config_from_cli
 from xscale.launcher.env import free_port
+from xscale.models.registry import ATTENTION
 
 PARITY_SETTINGS = ("train.eval_every=0", "train.plot=false", "train.tensorboard=false", "train.progress=false",
                    "train.log_every=1000000", "train.precision=fp32", "checkpoint.resume=none")
@@ -107,9 +108,13 @@ def max_relative_difference(reference: Sequence[float], losses: Sequence[float])
 
 def check_dropout_comparable(layout: str, config: Config) -> None:
     """Refuse a comparison whose dropout masks depend on the layout, so losses could not match."""
-    if config.model.attention_dropout:
-        raise ConfigError(f"layout {layout}: parity needs model.attention_dropout=0: attention-probability "
-                          "dropout masks depend on the layout")
+    model = config.model
+    layers = model.n_layers + (model.decoder_layers if model.family == "encoder_decoder" else 0)
+    rng_kinds = sorted({kind for kind in map(model.attention.kind_for_layer, range(layers))
+                        if ATTENTION.get(kind).rng_dropout})
+    if model.attention_dropout and rng_kinds:
+        raise ConfigError(f"layout {layout}: attention {', '.join(rng_kinds)} draws attention dropout from torch's "
+                          "RNG, so its masks depend on the layout; compare with model.attention_dropout=0")
     if config.model.dropout and config.parallel.pp > 1:
         raise ConfigError(f"layout {layout}: pipeline stages draw dropout from torch's RNG, so their masks differ "
                           "from one device's; compare with model.dropout=0")

@@ -23,7 +23,9 @@ Every parameter is a DTensor on the tp mesh and every gradient comes back with i
 
 Dropout masks are functions of each element's global coordinates (:mod:`xscale.models.dropout`), so
 replicated activations get the same mask on every rank; under sequence parallelism each dropout is told which
-slice of the tokens this rank holds, and draws that slice of the single device's mask.
+slice of the tokens this rank holds, and draws that slice of the single device's mask; attention cores
+likewise drop the probabilities of their global heads (cores flagged ``rng_dropout`` draw from torch's RNG:
+not one device's masks).
 """
 
 from __future__ import annotations
@@ -152,6 +154,7 @@ def _parallelize_attention(attention: Attention, mesh: DeviceMesh, config: Model
     stream = _stream(sequence_parallel)
     tp = mesh.size()
     attention.head_offset = mesh.get_local_rank() * (config.n_heads // tp)
+    attention.core.dropout.shard_index = mesh.get_local_rank()  # probabilities (B, H, Tq, Tk): heads on dim 1
     plan: dict[str, ColwiseParallel | RowwiseParallel] = {
         "wq": ColwiseParallel(),
         "wo": RowwiseParallel(output_layouts=stream),

@@ -42,6 +42,7 @@ def blocks_of(x: Tensor, size: int) -> Tensor:
 
 @ATTENTION.register("memory_compressed", "compressed")
 class MemoryCompressedAttention(AttentionCore):
+    rng_dropout = True  # SDPA's dropout_p
     Options = CompressedOptions
 
     def __init__(self, model: ModelConfig, layer_index: int, options: CompressedOptions) -> None:

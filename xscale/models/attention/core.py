@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from xscale.config import ConfigError, ModelConfig, _from_dict
+from xscale.models.dropout import Dropout
 
 
 @dataclasses.dataclass
@@ -38,6 +39,9 @@ class AttentionCore(nn.Module):
     mixes_heads: ClassVar[bool] = False  # heads exchange information: tensor parallelism must refuse it
     carries_scores: ClassVar[bool] = False  # takes and returns pre-softmax scores across layers (RealFormer)
     per_head_state: ClassVar[tuple[str, ...]] = ()  # parameters/buffers whose dim 0 is the head (TP slices them)
+    # Attention dropout drawn from torch's RNG (SDPA's dropout_p, F.dropout): its masks depend on the layout.
+    # Other cores apply ``self.dropout`` to batch-first probabilities, (B, H, Tq, Tk) where tp splits heads.
+    rng_dropout: ClassVar[bool] = False
 
     def __init__(self, model: ModelConfig, layer_index: int, options: Any) -> None:
         super().__init__()
@@ -46,6 +50,7 @@ class AttentionCore(nn.Module):
         self.options = options
         self.uses_queries = True
         self.uses_keys = True
+        self.dropout = Dropout(model.attention_dropout)  # on attention probabilities
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                 bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -18,17 +18,30 @@ def causal_bias(q_len: int, k_len: int, device: torch.device, dtype: torch.dtype
 
 @ATTENTION.register("dense", "mha", "mqa", "gqa")
 class DenseAttention(AttentionCore):
-    """Through ``scaled_dot_product_attention`` (flash / memory-efficient kernels where the device has them)."""
+    """Through ``scaled_dot_product_attention`` (flash / memory-efficient kernels where the device has them).
+
+    With attention dropout in training the probabilities are formed explicitly, so that their mask is a
+    function of (sample, global head, query, key) like every dropout mask here; SDPA's fused dropout would
+    draw from each rank's RNG (:mod:`xscale.models.dropout`).
+    """
 
     supports_bias = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
-        dropout = self.model_config.attention_dropout if self.training else 0.0
-        if bias is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal and q.shape[2] > 1, dropout_p=dropout)
-        mask = bias.to(q.dtype)
-        if causal:
-            mask = mask + causal_bias(q.shape[2], k.shape[2], q.device, q.dtype)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+        mask = None if bias is None else bias.to(q.dtype)
+        if causal and (mask is not None or self._explicit):
+            causal_mask = causal_bias(q.shape[2], k.shape[2], q.device, q.dtype)
+            mask = causal_mask if mask is None else mask + causal_mask
+        if self._explicit:
+            scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+            probs = torch.softmax(scores if mask is None else scores + mask, dim=-1)
+            return self.dropout(probs) @ v
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal and q.shape[2] > 1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    @property
+    def _explicit(self) -> bool:
+        return self.training and self.dropout.p > 0

@@ -31,6 +31,8 @@ def pooled_attention(q: Tensor, k: Tensor, v: Tensor, points: Tensor, dropout: f
 class PooledAttention(AttentionCore):
     """Holds the per-head points (H, m, d_head); subclasses name the option that sets m."""
 
+    rng_dropout = True  # SDPA's dropout_p
+
     per_head_state = ("points",)
 
     def __init__(self, model: ModelConfig, layer_index: int, options, n_points: int) -> None:

@@ -31,6 +31,8 @@ class LinformerOptions:
 class LinformerAttention(AttentionCore):
     """Keys and values projected along the length by learned E, F (k x max_seq_len), shared by the heads."""
 
+    rng_dropout = True  # SDPA's dropout_p
+
     Options = LinformerOptions
     causal_capable = False
 

@@ -52,6 +52,8 @@ class GaussianOptions:
 class GaussianPriorAttention(AttentionCore):
     """Dense attention plus -(j - i)^2 / (2 sigma_h^2); the log-offset s_h starts near 0 (sigma_h ~ sigma)."""
 
+    rng_dropout = True  # SDPA's dropout_p
+
     Options = GaussianOptions
     supports_bias = True
     per_head_state = ("log_sigma_offset",)
@@ -97,6 +99,8 @@ class AdaptiveSpanAttention(AttentionCore):
     ``aux_loss_scale`` (1.0) scales the penalty, as :class:`xscale.models.moe.layer.MoELayer`'s does.
     Encoders use |i - j|; the paper's causal models use i - j >= 0.
     """
+
+    rng_dropout = True  # SDPA's dropout_p
 
     Options = AdaptiveSpanOptions
     supports_bias = True

@@ -10,7 +10,6 @@ beside the hidden state (:func:`xscale.models.transformer.run_blocks`).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from xscale.models.attention.core import AttentionCore, expand_kv
@@ -41,6 +40,5 @@ class RealFormerAttention(AttentionCore):
         if causal:
             logits = logits + causal_bias(q.shape[2], k.shape[2], q.device, q.dtype)
         probs = torch.softmax(logits, dim=-1)
-        if self.training and self.model_config.attention_dropout > 0:
-            probs = F.dropout(probs, self.model_config.attention_dropout)
+        probs = self.dropout(probs)
         return probs @ v, scores

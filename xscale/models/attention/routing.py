@@ -167,8 +167,7 @@ class RoutingAttention(AttentionCore):
         logits = torch.cat([run_scores.masked_fill(~allowed, float("-inf")),
                             self_score.masked_fill(self_in_run, float("-inf"))], dim=-1)
         probs = torch.softmax(logits, dim=-1)
-        if self.training and self.model_config.attention_dropout > 0:
-            probs = F.dropout(probs, self.model_config.attention_dropout)
+        probs = self.dropout(probs)
         out = probs[..., :-1] @ gather_positions(v, key_positions) + probs[..., -1:] * own_values
         out = out.flatten(2, 3)[:, :, :length]  # sorted query order
         return torch.empty_like(out).scatter_(2, query_order[..., None].expand_as(out), out)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from xscale.config import ModelConfig
@@ -107,7 +106,6 @@ class SinkhornAttention(AttentionCore):
         log_mass = torch.where(mass > 0, mass.clamp_min(1e-30).log(), float("-inf"))
         sorted_logits = sorted_logits + log_mass[..., None, :]
         probs = torch.softmax(torch.cat([own, sorted_logits], dim=-1), dim=-1)
-        if self.training and self.model_config.attention_dropout > 0:
-            probs = F.dropout(probs, self.model_config.attention_dropout)
+        probs = self.dropout(probs)
         out = probs[..., :block] @ v_blocks + probs[..., block:] @ sorted_values
         return out.flatten(2, 3)[:, :, :length]

@@ -39,6 +39,8 @@ def require_non_negative(kind: str, **values: int) -> None:
 class PatternAttention(AttentionCore):
     """Base for the position-sparse cores: subclasses return their pattern from ``make_pattern``."""
 
+    rng_dropout = True  # F.dropout
+
     def __init__(self, model: ModelConfig, layer_index: int, options: Any) -> None:
         super().__init__(model, layer_index, options)
         self.pattern = self.make_pattern()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from xscale.config import ModelConfig
@@ -89,6 +88,5 @@ class SynthesizerAttention(AttentionCore):
         if causal:
             logits = logits + causal_bias(q.shape[2], v.shape[2], v.device, v.dtype)
         weights = torch.softmax(logits, dim=-1)
-        if self.training and self.model_config.attention_dropout > 0:
-            weights = F.dropout(weights, self.model_config.attention_dropout)
+        weights = self.dropout(weights)
         return weights @ v

@@ -10,7 +10,6 @@ heads, so a tensor-parallel plan that splits heads must refuse it (``mixes_heads
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from xscale.config import ModelConfig
@@ -43,6 +42,5 @@ class TalkingHeadsAttention(AttentionCore):
         if causal:
             logits = logits + causal_bias(q.shape[2], k.shape[2], q.device, q.dtype)
         weights = self._mix(torch.softmax(logits, dim=-1), self.post_softmax_mix_delta)
-        if self.training and self.model_config.attention_dropout > 0:
-            weights = F.dropout(weights, self.model_config.attention_dropout)
+        weights = self.dropout(weights)
         return weights @ v
