@@ -14,6 +14,8 @@ ENCODER = ["model.family=encoder", "model.vocab_size=48", "model.d_model=32", "m
            "model.ffn=gelu", "model.bias=true", "model.embedding_norm=true", "model.lm_head_transform=true",
            "model.lm_head_bias=true", "train.global_batch_size=8", "train.seq_len=16", "train.warmup_steps=2",
            "train.lr=3e-3", "data.dataset=copy", "data.num_samples=256", "data.eval_fraction=0.0"]
+# Residual, FFN, embedding and attention-probability dropout, in microbatches of 2 (masks must follow samples).
+DROPOUT = ["model.dropout=0.1", "model.attention_dropout=0.1", "train.micro_batch_size=2"]
 RTOL = 1e-5
 STEPS = 10
 

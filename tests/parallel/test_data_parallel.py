@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from parity_models import DECODER, ENCODER, assert_parity
+from parity_models import DECODER, DROPOUT, ENCODER, assert_parity
 
 from xscale.config import load_config
 from xscale.parallel.dims import ParallelDims
@@ -20,6 +20,16 @@ def test_decoder_dp_and_zero_stages_match_one_process(tmp_path):
 def test_encoder_mlm_dp_and_zero_stages_match_one_process(tmp_path):
     assert_parity(ENCODER, ["dp_replicate=2,dp_shard=1", "dp_shard=2,zero_stage=2",
                             "dp_shard=2,zero_stage=3,activation_checkpointing=selective"], tmp_path)
+
+
+def test_dropout_masks_follow_global_samples_under_data_parallel(tmp_path):
+    assert_parity(DECODER + DROPOUT, ["dp_shard=2,zero_stage=3,activation_checkpointing=full"], tmp_path)
+
+
+@pytest.mark.slow
+def test_dropout_masks_follow_global_samples_under_every_zero_stage(tmp_path):
+    assert_parity(DECODER + DROPOUT, ["dp_replicate=2,dp_shard=1", "dp_shard=2,zero_stage=1",
+                                      "dp_shard=2,zero_stage=2,activation_checkpointing=selective"], tmp_path)
 
 
 @pytest.mark.slow

@@ -4,7 +4,9 @@ alone and composed with data parallel / ZeRO (the engines' own gradient checks l
 from __future__ import annotations
 
 import pytest
-from parity_models import DECODER, ENCODER, assert_parity
+from parity_models import DECODER, DROPOUT, ENCODER, assert_parity
+
+from xscale.config import ConfigError
 
 
 def test_decoder_tensor_sequence_and_pipeline_parallel(tmp_path):
@@ -14,6 +16,25 @@ def test_decoder_tensor_sequence_and_pipeline_parallel(tmp_path):
 
 def test_encoder_tensor_and_pipeline_parallel(tmp_path):
     assert_parity(ENCODER, ["tp=2", "pp=2,microbatches=2"], tmp_path)
+
+
+def test_dropout_masks_match_one_device_under_sequence_parallel(tmp_path):
+    assert_parity(DECODER + DROPOUT, ["tp=2,sequence_parallel=true"], tmp_path)
+
+
+@pytest.mark.slow
+def test_dropout_masks_match_one_device_under_tensor_and_composed_parallel(tmp_path):
+    assert_parity(DECODER + DROPOUT, ["tp=2", "dp_shard=2,tp=2,sequence_parallel=true"], tmp_path)
+    assert_parity(ENCODER + DROPOUT, ["tp=2,sequence_parallel=true"], tmp_path)
+
+
+@pytest.mark.parametrize(("extra", "layout", "message"), [
+    (["model.dropout=0.1"], "pp=2,microbatches=2", "pipeline stages draw dropout from torch's RNG"),
+    (["model.attention_dropout=0.1", "model.attention.kind=linformer"], "tp=2", "linformer draws attention dropout"),
+])
+def test_parity_refuses_layout_dependent_dropout(tmp_path, extra, layout, message):
+    with pytest.raises(ConfigError, match=message):
+        assert_parity(DECODER + extra, [layout], tmp_path)
 
 
 @pytest.mark.slow

@@ -1,0 +1,81 @@
+"""Layout-independent dropout: a mask is a function of (seed, site, step, global sample, coordinates), so any
+slice a rank holds draws that slice of the whole tensor's mask; without a position it acts like nn.Dropout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from xscale.config import ModelConfig
+from xscale.models import build_model
+from xscale.models.dropout import Dropout, DropoutPosition, dropout_position
+
+SHAPE = (8, 32, 64)
+POSITION = DropoutPosition(seed=1, step=3)
+
+
+def mask(p: float = 0.1, shape=SHAPE, position=POSITION, shard_index: int = 0,
+         site: int = 7) -> torch.Tensor:
+    dropout = Dropout(p)
+    dropout.site, dropout.shard_index = site, shard_index
+    with dropout_position(position):
+        return dropout.keep_mask(torch.Size(shape), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("p", [0.01, 0.1, 0.5, 0.9])
+def test_drops_a_fraction_p(p):
+    dropped = 1.0 - mask(p, shape=(64, 128, 128)).float().mean().item()
+    assert abs(dropped - p) < 5 * (p * (1 - p) / 64 / 128 / 128) ** 0.5 + 1e-4
+
+
+def test_neighbours_are_uncorrelated():
+    dropped = (~mask(0.5, shape=(16, 64, 128))).float()
+    for a, b in [(dropped[..., 1:], dropped[..., :-1]), (dropped[:, 1:], dropped[:, :-1]),
+                 (dropped[1:], dropped[:-1])]:
+        assert abs(torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1]) < 0.02
+
+
+def test_slices_draw_the_slices_of_the_whole_mask():
+    whole = mask()
+    half = SHAPE[1] // 2
+    for rank in range(2):  # sequence (or head) shards on dim 1
+        shard = mask(shape=(SHAPE[0], half, SHAPE[2]), shard_index=rank)
+        assert torch.equal(shard, whole[:, rank * half:(rank + 1) * half])
+    rows = mask(shape=(3, *SHAPE[1:]), position=DropoutPosition(seed=1, step=3, first_sample=5))
+    assert torch.equal(rows, whole[5:8])  # a data-parallel rank's (or microbatch's) rows
+
+
+@pytest.mark.parametrize("change", ["seed", "step", "site"])
+def test_seed_step_and_site_change_the_mask(change):
+    position = DropoutPosition(seed=2 if change == "seed" else 1, step=4 if change == "step" else 3)
+    other = mask(position=position, site=8 if change == "site" else 7)
+    agreement = (other == mask()).float().mean().item()
+    assert agreement < 0.85  # independent masks at p=0.1 agree on 0.9^2 + 0.1^2 = 0.82 of elements
+
+
+def test_forward_scales_kept_elements_and_backward_uses_the_same_mask():
+    dropout = Dropout(0.25).train()
+    x = torch.randn(SHAPE, requires_grad=True)
+    with dropout_position(DropoutPosition(seed=0, step=0)):
+        out = dropout(x)
+        keep = dropout.keep_mask(x.shape, x.device)
+    torch.testing.assert_close(out, x.detach() * keep / 0.75)
+    out.backward(torch.ones_like(out))
+    torch.testing.assert_close(x.grad, keep / 0.75)
+    assert dropout.eval()(x) is x
+
+
+def test_without_a_position_it_draws_from_torchs_generator():
+    dropout = Dropout(0.5).train()
+    x = torch.ones(SHAPE)
+    torch.manual_seed(0)
+    first, second = dropout(x), dropout(x)
+    torch.manual_seed(0)
+    assert torch.equal(dropout(x), first) and not torch.equal(first, second)
+
+
+def test_every_dropout_of_a_model_has_its_own_site():
+    model = build_model(ModelConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, dropout=0.1,
+                                    attention_dropout=0.1), seed=0)
+    sites = [module.site for module in model.modules() if isinstance(module, Dropout)]
+    assert len(sites) == 2 * 4 + 1 and len(set(sites)) == len(sites)  # per block: 2 residual, FFN, attention
