@@ -43,9 +43,9 @@ def mix64(value: int) -> int:
 
 
 def _mix_(z: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser in place on int64, leaner: torch shifts int64 arithmetically, which maps the
-    stream 2-to-1 (a 63-bit hash, collisions 2^-63 apart), and the last xor-shift is left out because only the
-    high bits are read, and those of a product depend on every input bit."""
+    """splitmix64's finaliser in place on int64, two passes leaner: torch shifts int64 arithmetically (each
+    xor-shift then clears bit 63: a 62-bit hash, which a keep/drop decision does not notice) instead of masking,
+    and the last xor-shift is left out: only the high bits are read, and those of a product depend on every bit."""
     z ^= z >> 30
     z *= _signed(MIX1)
     z ^= z >> 27
@@ -96,10 +96,6 @@ def dropout_position(position: DropoutPosition | None) -> Iterator[None]:
         _position = previous
 
 
-def current_dropout_position() -> DropoutPosition | None:
-    return _position
-
-
 class Dropout(nn.Module):
     """``nn.Dropout`` with layout-independent masks: drop x[b, i1, i2, ...] by its global coordinates."""
 
@@ -131,6 +127,7 @@ class Dropout(nn.Module):
             z = z + (coordinates * _signed(stride * GOLDEN)).view(-1, *[1] * (len(shape) - 1 - dim))
         return _mix_(z) >= round(self.p * 2**64) - 2**63
 
+    @torch.compiler.disable  # runs eagerly: a compiled block would otherwise recompile for every new step
     def _sample_keys(self, batch: int, device: torch.device) -> torch.Tensor:
         position = _position
         if position is None:  # plain PyTorch use: fresh keys from torch's generator, like nn.Dropout
