@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shape", type=int, nargs=3, default=[8, 512, 1024], metavar=("B", "T", "D"))
     parser.add_argument("--p", type=float, default=0.1)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--block-repeats", type=int, default=2)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args(argv)
@@ -62,8 +63,8 @@ def main(argv: list[str] | None = None) -> None:
         config = ModelConfig(d_model=args.shape[2], n_heads=max(1, args.shape[2] // 64), dropout=args.p)
         block = TransformerBlock(config, 0, causal=True).to(args.device, x.dtype).train()
         for _ in range(2):
-            mine = seconds_per_call(block, x, args.repeats)
-            base = seconds_per_call(with_torch_dropout(copy.deepcopy(block)), x, args.repeats)
+            mine = seconds_per_call(block, x, args.block_repeats)
+            base = seconds_per_call(with_torch_dropout(copy.deepcopy(block)), x, args.block_repeats)
             print(f"Transformer block (d_model {args.shape[2]}, dropout {args.p}): nn.Dropout {base * 1e3:.2f} ms, "
                   f"layout-independent {mine * 1e3:.2f} ms, ratio {mine / base:.2f}")
 

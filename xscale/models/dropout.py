@@ -127,7 +127,7 @@ class Dropout(nn.Module):
             z = z + (coordinates * _signed(stride * GOLDEN)).view(-1, *[1] * (len(shape) - 1 - dim))
         return _mix_(z) >= round(self.p * 2**64) - 2**63
 
-    @torch.compiler.disable  # runs eagerly: a compiled block would otherwise recompile for every new step
+    @torch.compiler.disable  # eager: compiled, it would recompile every step (and inductor folds without wrapping)
     def _sample_keys(self, batch: int, device: torch.device) -> torch.Tensor:
         position = _position
         if position is None:  # plain PyTorch use: fresh keys from torch's generator, like nn.Dropout
