@@ -18,8 +18,9 @@ def test_encoder_tensor_and_pipeline_parallel(tmp_path):
     assert_parity(ENCODER, ["tp=2", "pp=2,microbatches=2"], tmp_path)
 
 
-def test_dropout_masks_match_one_device_under_sequence_parallel(tmp_path):
-    assert_parity(DECODER + DROPOUT, ["tp=2,sequence_parallel=true"], tmp_path)
+def test_dropout_masks_match_one_device_under_sequence_and_data_parallel(tmp_path):
+    assert_parity(DECODER + DROPOUT, ["tp=2,sequence_parallel=true",
+                                      "dp_shard=2,zero_stage=3,activation_checkpointing=full"], tmp_path)
 
 
 @pytest.mark.slow
