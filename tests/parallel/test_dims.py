@@ -28,7 +28,6 @@ REFUSED = [
     (["parallel.pp=8", "parallel.dp_shard=1"], 8, "model.n_layers=4 cannot fill 8 pipeline stages"),
     (["parallel.pp=2", "parallel.dp_shard=1", "parallel.microbatches=3"], 2, "does not split into parallel.microbatches=3"),
     (["parallel.zero_stage=4"], 2, "must be 0 (DDP)"),
-    (["parallel.pp=2", "parallel.zero_stage=3", "parallel.microbatches=2"], 4, "with ZeRO-3"),
     (["parallel.cp=2"], 2, "context parallelism"),
     (["parallel.dp_shard=0"], 2, "dp_shard must be >= 1"),
     (["parallel.tp=0"], 2, "parallel.tp must be >= 1"),

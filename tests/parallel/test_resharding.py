@@ -37,8 +37,12 @@ def _train(config):
     from xscale.train.trainer import Trainer
 
     train = RecordingDataset(build_datasets(config)[0])
-    summary = Trainer(config, train, None).fit()
-    return {"losses": summary["losses"], "seen": train.seen}
+    trainer = Trainer(config, train, None)
+    summary = trainer.fit()
+    # pp and tp peers read the same samples as their data-parallel rank: count each data-parallel rank once
+    mesh = trainer.mesh
+    reader = mesh is None or (mesh["pp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0)
+    return {"losses": summary["losses"], "seen": train.seen if reader else []}
 
 
 def _run(layout: str, output_dir: Path, *extra: str, model: list[str] = MODEL) -> list[dict]:
@@ -84,6 +88,8 @@ def test_resume_at_another_layout(save_layout, resume_layout, tmp_path):
     ("dp_shard=4,zero_stage=3", "dp_shard=2,zero_stage=3"),
     ("dp_replicate=2,dp_shard=2,zero_stage=2", "single"),
     ("single", "dp_shard=4,zero_stage=2"),
+    ("pp=2,dp_shard=2,microbatches=2,zero_stage=3", "dp_shard=2,zero_stage=3"),
+    ("dp_shard=2,zero_stage=1", "pp=2,dp_shard=2,microbatches=2,zero_stage=3"),
 ])
 def test_resume_at_another_world_size(save_layout, resume_layout, tmp_path):
     check_resharding(save_layout, resume_layout, tmp_path)
