@@ -78,7 +78,7 @@ def _human(n: float) -> str:
 def layout_report(config: Config, world_size: int) -> list[str]:
     """The per-rank plan of ``config.parallel`` at ``world_size`` and each rank's predicted state bytes."""
     from xscale.parallel.dims import ParallelDims, rank_coordinates
-    from xscale.parallel.memory import predicted_state_bytes
+    from xscale.parallel.memory import predicted_pipeline_state_bytes, predicted_state_bytes
 
     dims = ParallelDims.from_config(config, world_size)
     lines = [f"layout: {dims.describe()}", f"  {'rank':>4} {'pp':>3} {'dp':>3} {'tp':>3} {'ep':>3}"]
@@ -88,6 +88,11 @@ def layout_report(config: Config, world_size: int) -> list[str]:
         lines.append(f"  {rank:>4} {at['pp']:>3} {at['dp']:>3} {at['tp']:>3} {at['ep']:>3}")
     if world_size > len(shown):
         lines.append(f"  ... {world_size - len(shown)} more ranks")
+    if dims.pp > 1:  # the stages differ: the first holds the embedding, the last the head (and a tied copy)
+        lines.append("per-rank model state (ZeRO formulas over each pp rank's stages, fp32 AdamW):")
+        for pp_rank, state in enumerate(predicted_pipeline_state_bytes(config, dims)):
+            lines.append(f"  pp {pp_rank}: " + ", ".join(f"{name} {_human(value)}" for name, value in state.items()))
+        return lines
     count = count_parameters(config)
     state = predicted_state_bytes(count.total, dims, count.expert)
     lines.append("per-rank model state (ZeRO formulas, fp32 AdamW):")
