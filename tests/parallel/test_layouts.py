@@ -34,12 +34,14 @@ def test_every_pipeline_schedule(tmp_path):
 @pytest.mark.slow
 def test_pipeline_with_zero3_at_four_ranks(tmp_path):
     """FSDP2 stages: the tied embedding's two ends are FSDP2 shards, summed over the pipeline; zero-bubble's
-    split backward needs the stage gathered from forward to backward."""
+    split backward needs the stage gathered from forward to backward (also under activation checkpointing)."""
     assert_parity(DECODER, ["pp=2,dp_shard=2,microbatches=2,zero_stage=3"], tmp_path / "decoder")
     assert_parity(ENCODER, ["pp=2,dp_shard=2,microbatches=2,zero_stage=3"], tmp_path / "encoder")
     assert_parity(DECODER + ["model.n_layers=4"],
-                  ["pp=2,dp_shard=2,microbatches=4,zero_stage=3,pp_schedule=interleaved_1f1b,pp_stages_per_rank=2",
-                   "pp=2,dp_shard=2,microbatches=2,zero_stage=3,pp_schedule=zero_bubble,pp_stages_per_rank=2"],
+                  ["pp=2,dp_shard=2,microbatches=4,zero_stage=3,pp_schedule=interleaved_1f1b,pp_stages_per_rank=2,"
+                   "activation_checkpointing=full",
+                   "pp=2,dp_shard=2,microbatches=2,zero_stage=3,pp_schedule=zero_bubble,pp_stages_per_rank=2,"
+                   "activation_checkpointing=selective"],
                   tmp_path / "schedules")
 
 

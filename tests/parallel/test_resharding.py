@@ -88,7 +88,7 @@ def test_resume_at_another_layout(save_layout, resume_layout, tmp_path):
     ("dp_shard=4,zero_stage=3", "dp_shard=2,zero_stage=3"),
     ("dp_replicate=2,dp_shard=2,zero_stage=2", "single"),
     ("single", "dp_shard=4,zero_stage=2"),
-    ("pp=2,dp_shard=2,microbatches=2,zero_stage=3", "dp_shard=2,zero_stage=3"),
+    ("pp=2,dp_shard=2,microbatches=2,zero_stage=3,activation_checkpointing=full", "dp_shard=2,zero_stage=3"),
     ("dp_shard=2,zero_stage=1", "pp=2,dp_shard=2,microbatches=2,zero_stage=3"),
 ])
 def test_resume_at_another_world_size(save_layout, resume_layout, tmp_path):
