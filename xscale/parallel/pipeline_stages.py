@@ -14,11 +14,12 @@ Shoeybi et al. 2019), so the optimizer keeps the copies bitwise equal.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from xscale.config import ConfigError
 from xscale.models.init import init_weights
@@ -122,14 +123,18 @@ class PipelineStageModule(nn.Module):
 
 
 def build_stage_module(meta_model: Transformer, layer_indices: list[int], *, is_first: bool, is_last: bool,
-                       device: torch.device | str, seed: int) -> PipelineStageModule:
-    """Cut a stage from a meta-device Transformer, allocate it on ``device`` and fill it with the
+                       device: torch.device | str, seed: int,
+                       parallelize: Callable[[PipelineStageModule], None] | None = None) -> PipelineStageModule:
+    """Cut a stage from a meta-device Transformer, apply ``parallelize`` to it (still on the meta device:
+    tensor parallelism, activation checkpointing), allocate it on ``device`` and fill it with the
     single-process initial weights (the tied output copy takes ``embedding.weight``'s values)."""
     model = copy.deepcopy(meta_model)
     stage = PipelineStageModule(model, layer_indices, is_first=is_first, is_last=is_last)
     untie = model.config.tie_embeddings and is_last and not is_first
     if untie:
         stage.output.weight = nn.Parameter(torch.empty_like(stage.output.weight))
+    if parallelize is not None:
+        parallelize(stage)
     stage.to_empty(device=device)
     names = {id(stage.output.weight): TIED_SOURCE} if untie else None
     init_weights(stage, model.config, seed, names=names)
@@ -180,15 +185,17 @@ class TiedEmbeddingGrads:
         if self.source is not None and self.copy is not None:
             total = _grad(self.source) + _grad(self.copy)
         else:
+            # Under tensor parallelism both ends are sharded alike on the vocabulary: the peer across the
+            # pipeline (same tp coordinate) holds the same rows, so the local shards are exchanged.
             mine = self.ends[0]
             peer = self.last_rank if self.source is not None else self.first_rank
-            local = _grad(mine).contiguous()
+            local = _local(_grad(mine)).contiguous()
             theirs = torch.empty_like(local)
             ops = [dist.P2POp(dist.isend, local, group=self.group, group_peer=peer),
                    dist.P2POp(dist.irecv, theirs, group=self.group, group_peer=peer)]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-            total = local + theirs if self.source is not None else theirs + local
+            total = _as_param_grad(mine, local + theirs if self.source is not None else theirs + local)
         for param in self.ends:
             earlier = self._earlier.get(id(param))
             param.grad = total.clone() if earlier is None else earlier + total
@@ -197,6 +204,18 @@ class TiedEmbeddingGrads:
 
 def _grad(param: nn.Parameter) -> torch.Tensor:
     return param.grad if param.grad is not None else torch.zeros_like(param)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _as_param_grad(param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as a gradient of ``param``: a DTensor with the parameter's placements when it is one."""
+    if isinstance(param, DTensor):
+        return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
+                                  stride=param.stride(), run_check=False)
+    return local
 
 
 def merged_view(stages: Iterable[nn.Module]) -> nn.Module:
