@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from xscale.config import ConfigError
-from xscale.models.init import init_weights
+from xscale.models.init import canonical_name, init_weights
 from xscale.models.position import PositionEncoding
 from xscale.models.transformer import Transformer
 
@@ -222,14 +222,16 @@ def merged_view(stages: Iterable[nn.Module]) -> nn.Module:
     """A module whose parameter and buffer names are the single-process ones, over this rank's stages.
 
     Leaves (modules owning parameters or buffers) are shared with the stages; the containers above
-    them are fresh, so building the view changes no stage. DCP's ``get_state_dict`` / ``set_state_dict``
-    then see one model holding every parameter the optimizer steps.
+    them are fresh and named without wrapper levels (activation checkpointing's), so building the view
+    changes no stage. DCP's ``get_state_dict`` / ``set_state_dict`` then see one model holding every
+    parameter the optimizer steps.
     """
     view = nn.Module()
     for stage in stages:
         for name, module in stage.named_modules():
             if not name or (not module._parameters and not module._buffers):
                 continue
+            name = canonical_name(f"{name}.").rstrip(".")  # the prefixes it strips end with a dot
             parent, leaf = view, name.rsplit(".", 1)[-1]
             for part in name.split(".")[:-1]:
                 child = parent._modules.get(part)
