@@ -11,6 +11,11 @@ The engine keeps the :class:`~xscale.parallel.engine.Engine` contract: the loss 
 pp rank and the gradients it leaves are the single-process model's on the whole batch. Each
 microbatch's loss is its token cross-entropy SUM over the global count of labelled tokens, and the
 schedule is told not to rescale (``scale_grads=False``), so gradients add up to the global mean.
+
+Under tensor parallelism (each stage split over ``tp`` before it is initialised) the loss is
+vocabulary-parallel, and what one stage sends the next is a plain local tensor: the microbatch's full
+hidden states, or under sequence parallelism this tp rank's sequence shard (B/m, T/tp, D), always to
+the same tp rank of the next stage, so PipelineStage infers the shapes from the first microbatch.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ is the single-process state dict and checkpoints move between layouts.
 Tied embeddings (Press & Wolf 2017) whose two ends sit on different stages become two parameters,
 ``embedding.weight`` on the first stage and ``output.weight`` on the last, both initialised from
 ``embedding.weight``. After backward their gradients are summed (Megatron's embedding group,
-Shoeybi et al. 2019), so the optimizer keeps the copies bitwise equal.
+Shoeybi et al. 2019), so the optimizer keeps the copies bitwise equal. Under tensor parallelism both
+are sharded by vocabulary alike, and each tp rank sums its shard with its pipeline peer's.
 """
 
 from __future__ import annotations
