@@ -96,6 +96,7 @@ def test_resume_at_another_layout(save_layout, resume_layout, tmp_path):
     ("dp_shard=4,zero_stage=3", "dp_shard=2,zero_stage=3"),
     ("dp_replicate=2,dp_shard=2,zero_stage=2", "single"),
     ("single", "dp_shard=4,zero_stage=2"),
+    ("pp=2,tp=2,sequence_parallel=true,microbatches=2", "single"),
 ])
 def test_resume_at_another_world_size(save_layout, resume_layout, tmp_path):
     check_resharding(save_layout, resume_layout, tmp_path)
