@@ -106,7 +106,8 @@ def _model_slice(config: Config, dims, at: dict[str, int]) -> str:
             stages.append(f"{stage} ({', '.join(held)})")
         parts.append(f"stage{'s' if len(stages) > 1 else ''} {', '.join(stages)}")
     else:
-        parts.append(_layers(0, model.n_layers - 1))
+        decoder = f", decoder {_layers(0, model.decoder_layers - 1)}" if model.family == "encoder_decoder" else ""
+        parts.append(_layers(0, model.n_layers - 1) + decoder)
     if dims.tp > 1:
         parts.append(f"heads {_share(at['tp'], model.n_heads, dims.tp)}"
                      + (f", vocab {_share(at['tp'], model.vocab_size, dims.tp)}" if holds_vocabulary else ""))
