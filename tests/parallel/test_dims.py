@@ -106,3 +106,13 @@ def test_inspect_prints_each_pipeline_rank_state(capsys):
                          "--world-size", "4"]) == 0
     out = capsys.readouterr().out
     assert "layout: world 4: pp=2 x dp_shard=2, ZeRO-3" in out and "  pp 0: parameters" in out and "  pp 1:" in out
+
+
+def test_inspect_plans_pipeline_x_tensor_x_data_parallel(capsys):
+    """Each rank's stage (layers, embedding, head) and tensor-parallel share (heads, vocabulary rows)."""
+    assert inspect_main(["--world-size", "8", *BASE, "parallel.pp=2", "parallel.tp=2", "parallel.dp_shard=2",
+                         "parallel.microbatches=2"]) == 0
+    out = capsys.readouterr().out
+    assert "layout: world 8: pp=2 x dp_shard=2 x tp=2" in out
+    assert "     2   0   1   0   0  stage 0 (embedding, layers 0-1); heads 0-1, vocab 0-31" in out
+    assert "     5   1   0   1   0  stage 1 (layers 2-3, head); heads 2-3, vocab 32-63" in out

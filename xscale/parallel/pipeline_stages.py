@@ -8,13 +8,14 @@ is the single-process state dict and checkpoints move between layouts.
 Tied embeddings (Press & Wolf 2017) whose two ends sit on different stages become two parameters,
 ``embedding.weight`` on the first stage and ``output.weight`` on the last, both initialised from
 ``embedding.weight``. After backward their gradients are summed (Megatron's embedding group,
-Shoeybi et al. 2019), so the optimizer keeps the copies bitwise equal.
+Shoeybi et al. 2019), so the optimizer keeps the copies bitwise equal. Under tensor parallelism both
+are sharded by vocabulary alike, and each tp rank sums its shard with its pipeline peer's.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -124,14 +125,18 @@ class PipelineStageModule(nn.Module):
 
 
 def build_stage_module(meta_model: Transformer, layer_indices: list[int], *, is_first: bool, is_last: bool,
-                       device: torch.device | str, seed: int) -> PipelineStageModule:
-    """Cut a stage from a meta-device Transformer, allocate it on ``device`` and fill it with the
+                       device: torch.device | str, seed: int,
+                       parallelize: Callable[[PipelineStageModule], None] | None = None) -> PipelineStageModule:
+    """Cut a stage from a meta-device Transformer, apply ``parallelize`` to it (still on the meta device:
+    tensor parallelism, activation checkpointing), allocate it on ``device`` and fill it with the
     single-process initial weights (the tied output copy takes ``embedding.weight``'s values)."""
     model = copy.deepcopy(meta_model)
     stage = PipelineStageModule(model, layer_indices, is_first=is_first, is_last=is_last)
     untie = model.config.tie_embeddings and is_last and not is_first
     if untie:
         stage.output.weight = nn.Parameter(torch.empty_like(stage.output.weight))
+    if parallelize is not None:
+        parallelize(stage)
     stage.to_empty(device=device)
     names = {id(stage.output.weight): TIED_SOURCE} if untie else None
     init_weights(stage, model.config, seed, names=names)
@@ -198,6 +203,8 @@ class TiedEmbeddingGrads:
         if source is not None and copy_ is not None:
             total = _local_grad(source) + _local_grad(copy_)
         else:
+            # Both ends are sharded alike (vocabulary rows under tp, FSDP2 rows under ZeRO-3): the peer across
+            # the pipeline (same tp and dp coordinates) holds the same rows, so the local shards are exchanged.
             peer = self.last_rank if source is not None else self.first_rank
             local = _local_grad(ends[0]).contiguous()
             theirs = torch.empty_like(local)
@@ -222,7 +229,7 @@ def _like_param(param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
     """``local`` as a gradient for ``param``: a DTensor with the parameter's placements when it is one."""
     if isinstance(param, DTensor):
         return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
-                                  stride=param.stride())
+                                  stride=param.stride(), run_check=False)
     return local
 
 
