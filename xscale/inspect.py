@@ -75,19 +75,66 @@ def _human(n: float) -> str:
     return f"{n:.1f} PiB"
 
 
+def _layers(first: int, last: int) -> str:
+    return f"layer {first}" if first == last else f"layers {first}-{last}"
+
+
+def _share(index: int, total: int, parts: int) -> str:
+    """Rows [index * total/parts, (index+1) * total/parts) as 'a-b'."""
+    size = total // parts
+    return f"{index * size}-{(index + 1) * size - 1}"
+
+
+def _model_slice(config: Config, dims, at: dict[str, int]) -> str:
+    """What the rank at mesh coordinates ``at`` holds: its pipeline stages (layers, embedding, head) and its
+    tensor- and expert-parallel shares (heads, vocabulary rows, experts)."""
+    from xscale.parallel.pipeline import SCHEDULES, split_layers, stage_to_rank
+
+    model, parallel = config.model, config.parallel
+    parts, holds_vocabulary = [], True
+    if dims.pp > 1:
+        num_stages = dims.pp * parallel.pp_stages_per_rank
+        layers = split_layers(model.n_layers, num_stages, parallel.pp_split)
+        ranks = stage_to_rank(num_stages, dims.pp, SCHEDULES[parallel.pp_schedule].placement)
+        mine = [stage for stage in range(num_stages) if ranks[stage] == at["pp"]]
+        holds_vocabulary = 0 in mine or num_stages - 1 in mine
+        stages = []
+        for stage in mine:
+            held = ["embedding"] if stage == 0 else []
+            held.append(_layers(layers[stage][0], layers[stage][-1]))
+            held += ["head"] if stage == num_stages - 1 else []
+            stages.append(f"{stage} ({', '.join(held)})")
+        parts.append(f"stage{'s' if len(stages) > 1 else ''} {', '.join(stages)}")
+    else:
+        decoder = f", decoder {_layers(0, model.decoder_layers - 1)}" if model.family == "encoder_decoder" else ""
+        parts.append(_layers(0, model.n_layers - 1) + decoder)
+    if dims.tp > 1:
+        parts.append(f"heads {_share(at['tp'], model.n_heads, dims.tp)}"
+                     + (f", vocab {_share(at['tp'], model.vocab_size, dims.tp)}" if holds_vocabulary else ""))
+    if dims.ep > 1:
+        parts.append(f"experts {_share(at['ep'], model.moe.num_experts, dims.ep)}")
+    return "; ".join(parts)
+
+
 def layout_report(config: Config, world_size: int) -> list[str]:
     """The per-rank plan of ``config.parallel`` at ``world_size`` and each rank's predicted state bytes."""
     from xscale.parallel.dims import ParallelDims, rank_coordinates
-    from xscale.parallel.memory import predicted_state_bytes
+    from xscale.parallel.memory import predicted_pipeline_state_bytes, predicted_state_bytes
 
     dims = ParallelDims.from_config(config, world_size)
-    lines = [f"layout: {dims.describe()}", f"  {'rank':>4} {'pp':>3} {'dp':>3} {'tp':>3} {'ep':>3}"]
+    lines = [f"layout: {dims.describe()}", f"  {'rank':>4} {'pp':>3} {'dp':>3} {'tp':>3} {'ep':>3}  holds"]
     shown = list(range(min(world_size, 16)))
     for rank in shown:
         at = rank_coordinates(dims, rank)
-        lines.append(f"  {rank:>4} {at['pp']:>3} {at['dp']:>3} {at['tp']:>3} {at['ep']:>3}")
+        lines.append(f"  {rank:>4} {at['pp']:>3} {at['dp']:>3} {at['tp']:>3} {at['ep']:>3}  "
+                     f"{_model_slice(config, dims, at)}")
     if world_size > len(shown):
         lines.append(f"  ... {world_size - len(shown)} more ranks")
+    if dims.pp > 1:  # the stages differ: the first holds the embedding, the last the head (and a tied copy)
+        lines.append("per-rank model state (ZeRO formulas over each pp rank's stages, fp32 AdamW):")
+        for pp_rank, state in enumerate(predicted_pipeline_state_bytes(config, dims)):
+            lines.append(f"  pp {pp_rank}: " + ", ".join(f"{name} {_human(value)}" for name, value in state.items()))
+        return lines
     count = count_parameters(config)
     state = predicted_state_bytes(count.total, dims, count.expert)
     lines.append("per-rank model state (ZeRO formulas, fp32 AdamW):")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from xscale.parity import compare_layouts
 
 # Llama-style decoder (RoPE + SwiGLU + RMSNorm + GQA) and BERT-style encoder (MLM), small enough for 2 CPU cores.
@@ -20,10 +23,24 @@ RTOL = 1e-5
 STEPS = 10
 
 
-def assert_parity(overrides: list[str], layouts: list[str], tmp_path) -> None:
-    """Every layout's 10 per-step losses within RTOL of the single-process run's (which must train)."""
+def grad_norms(run_dir: Path) -> list[float]:
+    """The global gradient norm of each step of the run that wrote ``run_dir`` (its metrics.jsonl)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [record["train/grad_norm"] for record in records if "train/grad_norm" in record]
+
+
+def assert_parity(overrides: list[str], layouts: list[str], tmp_path, *, same_grad_norms: bool = False) -> None:
+    """Every layout's 10 per-step losses within RTOL of the single-process run's (which must train);
+    ``same_grad_norms``: the per-step global gradient norms too (AdamW is nearly blind to a wrong norm)."""
     reference, results = compare_layouts(None, overrides, layouts, STEPS, tmp_path)
     assert len(reference) == STEPS and reference[-1] < reference[0], "the reference run must train"
     for result in results:
         assert len(result.losses) == STEPS, result.layout
         assert result.passed(RTOL), f"{result.layout}: max relative loss difference {result.max_relative_difference}"
+    if same_grad_norms:
+        expected = grad_norms(tmp_path / "single")  # compare_layouts' run folders: single, layout0, layout1, ...
+        assert len(expected) == STEPS
+        for index, result in enumerate(results):
+            got = grad_norms(tmp_path / f"layout{index}")
+            difference = max(abs(a - b) / abs(a) for a, b in zip(expected, got, strict=True))
+            assert difference <= RTOL, f"{result.layout}: max relative gradient-norm difference {difference}"

@@ -6,8 +6,8 @@ import pytest
 from parity_models import DECODER, DROPOUT, ENCODER, assert_parity
 
 from xscale.config import load_config
-from xscale.parallel.dims import ParallelDims
-from xscale.parallel.memory import predicted_state_bytes
+from xscale.parallel.dims import ParallelDims, rank_coordinates
+from xscale.parallel.memory import predicted_pipeline_state_bytes, predicted_state_bytes
 from xscale.parity import run_local
 
 
@@ -53,13 +53,18 @@ def _measure(config):
     return {"measured": measured_state_bytes(trainer.engine, trainer.optimizer), "params": trainer.num_params}
 
 
-def _check_memory(world_size, stage, tmp_path):
-    config = load_config(None, [*MEMORY, f"parallel.dp_shard={world_size}", f"parallel.zero_stage={stage}",
-                                f"train.output_dir={tmp_path}"])
+def _check_memory(world_size, stage, tmp_path, layout=()):
+    config = load_config(None, [*MEMORY, *layout, f"parallel.zero_stage={stage}", f"train.output_dir={tmp_path}"]
+                         + ([] if layout else [f"parallel.dp_shard={world_size}"]))
     ranks = run_local(_measure, world_size, config)
-    predicted = predicted_state_bytes(ranks[0]["params"], ParallelDims.from_config(config, world_size))
+    dims = ParallelDims.from_config(config, world_size)
+    if dims.pp > 1:
+        per_stage = predicted_pipeline_state_bytes(config, dims)
+        predicted = [per_stage[rank_coordinates(dims, rank)["pp"]] for rank in range(world_size)]
+    else:
+        predicted = [predicted_state_bytes(ranks[0]["params"], dims)] * world_size
     for rank, result in enumerate(ranks):
-        for kind, expected in predicted.items():
+        for kind, expected in predicted[rank].items():
             measured = result["measured"][kind]
             assert abs(measured - expected) <= 0.03 * expected, \
                 f"ZeRO-{stage} at {world_size}, rank {rank}: {kind} {measured} bytes vs formula {expected:.0f}"
@@ -74,3 +79,8 @@ def test_per_rank_state_bytes_follow_zero_formulas_at_two_ranks(stage, tmp_path)
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_per_rank_state_bytes_follow_zero_formulas_at_four_ranks(stage, tmp_path):
     _check_memory(4, stage, tmp_path)
+
+
+@pytest.mark.slow
+def test_pipeline_zero3_state_bytes_follow_the_formulas_per_stage(tmp_path):
+    _check_memory(4, 3, tmp_path, layout=["parallel.pp=2", "parallel.dp_shard=2", "parallel.microbatches=2"])

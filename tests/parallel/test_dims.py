@@ -7,7 +7,11 @@ import pytest
 from xscale.config import ConfigError, load_config
 from xscale.inspect import main as inspect_main
 from xscale.parallel.dims import ParallelDims, rank_coordinates
-from xscale.parallel.memory import predicted_state_bytes
+from xscale.parallel.memory import (
+    pipeline_rank_parameters,
+    predicted_pipeline_state_bytes,
+    predicted_state_bytes,
+)
 
 BASE = ["model.vocab_size=64", "model.d_model=32", "model.n_layers=4", "model.n_heads=4", "train.global_batch_size=8",
         "train.seq_len=16", "data.dataset=copy"]
@@ -28,7 +32,6 @@ REFUSED = [
     (["parallel.pp=8", "parallel.dp_shard=1"], 8, "model.n_layers=4 cannot fill 8 pipeline stages"),
     (["parallel.pp=2", "parallel.dp_shard=1", "parallel.microbatches=3"], 2, "does not split into parallel.microbatches=3"),
     (["parallel.zero_stage=4"], 2, "must be 0 (DDP)"),
-    (["parallel.pp=2", "parallel.zero_stage=3", "parallel.microbatches=2"], 4, "with ZeRO-3"),
     (["parallel.cp=2"], 2, "context parallelism"),
     (["parallel.dp_shard=0"], 2, "dp_shard must be >= 1"),
     (["parallel.tp=0"], 2, "parallel.tp must be >= 1"),
@@ -82,3 +85,34 @@ def test_inspect_prints_the_per_rank_plan(capsys):
     assert "layout: world 4: dp_shard=2 x tp=2, ZeRO-3" in out
     assert "per-rank model state" in out
     assert inspect_main([*BASE, "parallel.tp=3", "parallel.dp_shard=1"]) == 2
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_pipeline_ranks_hold_the_model_and_a_tied_copy(tie):
+    from xscale.inspect import count_parameters
+
+    config = load_config(None, [*BASE, "parallel.pp=2", "parallel.zero_stage=3", "parallel.microbatches=2",
+                                f"model.tie_embeddings={str(tie).lower()}"])
+    dims = ParallelDims.from_config(config, 4)
+    total = count_parameters(config).total
+    held = [count for count, _ in pipeline_rank_parameters(config, dims)]
+    assert sum(held) == total + (config.model.vocab_size * config.model.d_model if tie else 0)
+    state = predicted_pipeline_state_bytes(config, dims)
+    assert [s["parameters"] for s in state] == [4 * count / 2 for count in held]  # ZeRO-3 over dp_shard=2
+
+
+def test_inspect_prints_each_pipeline_rank_state(capsys):
+    assert inspect_main([*BASE, "parallel.pp=2", "parallel.zero_stage=3", "parallel.microbatches=2",
+                         "--world-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "layout: world 4: pp=2 x dp_shard=2, ZeRO-3" in out and "  pp 0: parameters" in out and "  pp 1:" in out
+
+
+def test_inspect_plans_pipeline_x_tensor_x_data_parallel(capsys):
+    """Each rank's stage (layers, embedding, head) and tensor-parallel share (heads, vocabulary rows)."""
+    assert inspect_main(["--world-size", "8", *BASE, "parallel.pp=2", "parallel.tp=2", "parallel.dp_shard=2",
+                         "parallel.microbatches=2"]) == 0
+    out = capsys.readouterr().out
+    assert "layout: world 8: pp=2 x dp_shard=2 x tp=2" in out
+    assert "     2   0   1   0   0  stage 0 (embedding, layers 0-1); heads 0-1, vocab 0-31" in out
+    assert "     5   1   0   1   0  stage 1 (layers 2-3, head); heads 2-3, vocab 32-63" in out

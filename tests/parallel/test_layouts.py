@@ -1,5 +1,6 @@
 """Tensor, sequence and pipeline parallel layouts through the trainer: 10-step loss parity with one process,
-alone and composed with data parallel / ZeRO (the engines' own gradient checks live beside them)."""
+alone and composed with each other and with data parallel / ZeRO (the engines' own gradient checks live beside
+them)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import pytest
 from parity_models import DECODER, DROPOUT, ENCODER, assert_parity
 
 from xscale.config import ConfigError
+
+PIPELINE_TENSOR = ["pp=2,tp=2,microbatches=2",
+                   "pp=2,tp=2,sequence_parallel=true,microbatches=2,activation_checkpointing=full"]
 
 
 def test_decoder_tensor_sequence_and_pipeline_parallel(tmp_path):
@@ -54,6 +58,48 @@ def test_every_pipeline_schedule(tmp_path):
 
 
 @pytest.mark.slow
+def test_pipeline_with_zero3_at_four_ranks(tmp_path):
+    """FSDP2 stages: the tied embedding's two ends are FSDP2 shards, summed over the pipeline; zero-bubble's
+    split backward needs the stage gathered from forward to backward (also under activation checkpointing)."""
+    assert_parity(DECODER, ["pp=2,dp_shard=2,microbatches=2,zero_stage=3"], tmp_path / "decoder")
+    assert_parity(ENCODER, ["pp=2,dp_shard=2,microbatches=2,zero_stage=3"], tmp_path / "encoder")
+    assert_parity(DECODER + ["model.n_layers=4"],
+                  ["pp=2,dp_shard=2,microbatches=4,zero_stage=3,pp_schedule=interleaved_1f1b,pp_stages_per_rank=2,"
+                   "activation_checkpointing=full",
+                   "pp=2,dp_shard=2,microbatches=2,zero_stage=3,pp_schedule=zero_bubble,pp_stages_per_rank=2,"
+                   "activation_checkpointing=selective"],
+                  tmp_path / "schedules")
+
+
+@pytest.mark.slow
 def test_routing_attention_centroids_move_alike_under_data_parallel(tmp_path):
     routing = ["model.attention.kind=routing", "model.attention.options={clusters: 2, window: 8}"]
     assert_parity(DECODER + routing, ["dp_shard=2"], tmp_path)
+
+
+@pytest.mark.slow
+def test_decoder_pipeline_x_tensor_parallel(tmp_path):
+    assert_parity(DECODER, PIPELINE_TENSOR, tmp_path, same_grad_norms=True)
+
+
+@pytest.mark.slow
+def test_encoder_pipeline_x_tensor_parallel(tmp_path):
+    assert_parity(ENCODER, PIPELINE_TENSOR, tmp_path, same_grad_norms=True)
+
+
+@pytest.mark.slow
+def test_pipeline_schedules_under_tensor_parallel(tmp_path):
+    """Several stages per rank: interleaved (loop placement) and ZB-V (both tied ends on rank 0, backward split
+    into input and weight halves) over tp-split stages."""
+    assert_parity(DECODER + ["model.n_layers=4"],
+                  ["pp=2,tp=2,microbatches=4,pp_schedule=interleaved_1f1b,pp_stages_per_rank=2",
+                   "pp=2,tp=2,sequence_parallel=true,microbatches=2,pp_schedule=zero_bubble,pp_stages_per_rank=2"],
+                  tmp_path, same_grad_norms=True)
+
+
+@pytest.mark.slow
+def test_three_dimensional_layout(tmp_path):
+    """pp=2 x dp_shard=2 x tp=2 on 8 ranks, with ZeRO-1, and ZeRO-2 + sequence parallelism."""
+    assert_parity(DECODER, ["pp=2,dp_shard=2,tp=2,microbatches=2,zero_stage=1",
+                            "pp=2,dp_shard=2,tp=2,sequence_parallel=true,microbatches=2,zero_stage=2"],
+                  tmp_path, same_grad_norms=True)

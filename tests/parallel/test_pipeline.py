@@ -231,6 +231,20 @@ def test_training_steps_and_checkpoint_match_single_process(tmp_path, schedule, 
         assert torch.equal(optimizer.state[param]["exp_avg_sq"], holders[0]["moments"][name]), name
 
 
+def test_checkpointed_stages_save_under_single_process_names() -> None:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from xscale.parallel.activation import apply_activation_checkpointing
+    from xscale.parallel.pipeline_stages import build_stage_module, merged_view
+
+    config = decoder_config(2)
+    meta = build_model(config, materialize=False)
+    apply_activation_checkpointing([meta.stack], "full")  # block parameters named stack.layers.k._checkpoint_...
+    stages = [build_stage_module(meta, [index], is_first=index == 0, is_last=index == 1, device="cpu", seed=SEED)
+              for index in (0, 1)]
+    assert set(get_model_state_dict(merged_view(stages))) == single_process_names(config)
+
+
 def pipeline_config(**overrides) -> Config:
     model = {key[6:]: value for key, value in overrides.items() if key.startswith("model_")}
     moe = model.pop("moe", None)
@@ -293,3 +307,19 @@ def test_split_layers() -> None:
     assert split_layers(4, 2, [1, 3]) == [[0], [1, 2, 3]]
     with pytest.raises(ConfigError, match="cannot fill 3 pipeline stages"):
         split_layers(2, 3, None)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpoint_view_names_activation_checkpointed_stages_like_one_process(mode) -> None:
+    """The stages' state-dict view drops the checkpoint wrappers' level, so DCP resolves every name."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from xscale.parallel.activation import apply_activation_checkpointing
+    from xscale.parallel.pipeline_stages import build_stage_module, merged_view
+
+    config = decoder_config(2)
+    meta = build_model(config, materialize=False)
+    stages = [build_stage_module(meta, [index], is_first=index == 0, is_last=index == 1, device="cpu", seed=SEED,
+                                 parallelize=lambda stage: apply_activation_checkpointing([stage.stack], mode))
+              for index in (0, 1)]
+    assert set(get_model_state_dict(merged_view(stages))) == single_process_names(config)

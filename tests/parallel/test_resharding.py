@@ -37,8 +37,18 @@ def _train(config):
     from xscale.train.trainer import Trainer
 
     train = RecordingDataset(build_datasets(config)[0])
-    summary = Trainer(config, train, None).fit()
-    return {"losses": summary["losses"], "seen": train.seen}
+    trainer = Trainer(config, train, None)
+    summary = trainer.fit()
+    return {"losses": summary["losses"], "seen": train.seen, "dp_rank": trainer.dp_rank}
+
+
+def _seen_per_data_parallel_rank(ranks: list[dict]) -> list[list[int]]:
+    """The samples each data-parallel rank read; its tensor and pipeline peers must have read the same ones."""
+    by_dp_rank: dict[int, list[int]] = {}
+    for rank in ranks:
+        seen = by_dp_rank.setdefault(rank["dp_rank"], rank["seen"])
+        assert seen == rank["seen"], f"ranks of data-parallel rank {rank['dp_rank']} read different samples"
+    return list(by_dp_rank.values())
 
 
 def _run(layout: str, output_dir: Path, *extra: str, model: list[str] = MODEL) -> list[dict]:
@@ -64,8 +74,8 @@ def check_resharding(save_layout: str, resume_layout: str, tmp_path: Path, model
     assert len(losses) == STEPS - 4
     for step, (expected, got) in enumerate(zip(reference[4:], losses), start=5):
         assert abs(got - expected) <= RTOL * abs(expected), f"step {step}: {got} after resume vs {expected}"
-    first_half = Counter(i for rank in first for i in rank["seen"][: len(rank["seen"]) // 2])
-    second_half = Counter(i for rank in second for i in rank["seen"])
+    first_half = Counter(i for seen in _seen_per_data_parallel_rank(first) for i in seen[: len(seen) // 2])
+    second_half = Counter(i for seen in _seen_per_data_parallel_rank(second) for i in seen)
     seen = first_half + second_half
     assert sorted(seen) == list(range(SAMPLES)) and set(seen.values()) == {1}, \
         f"samples read twice: {[i for i, n in seen.items() if n > 1]}, never: {set(range(SAMPLES)) - set(seen)}"
@@ -74,6 +84,8 @@ def check_resharding(save_layout: str, resume_layout: str, tmp_path: Path, model
 @pytest.mark.parametrize("save_layout,resume_layout", [
     ("dp_shard=2,zero_stage=3", "single"),
     ("dp_shard=2,zero_stage=1", "dp_shard=2,zero_stage=3"),
+    ("tp=2", "dp_shard=2"),
+    ("pp=2,microbatches=2", "tp=2"),
 ])
 def test_resume_at_another_layout(save_layout, resume_layout, tmp_path):
     check_resharding(save_layout, resume_layout, tmp_path)
@@ -84,6 +96,9 @@ def test_resume_at_another_layout(save_layout, resume_layout, tmp_path):
     ("dp_shard=4,zero_stage=3", "dp_shard=2,zero_stage=3"),
     ("dp_replicate=2,dp_shard=2,zero_stage=2", "single"),
     ("single", "dp_shard=4,zero_stage=2"),
+    ("pp=2,dp_shard=2,microbatches=2,zero_stage=3,activation_checkpointing=full", "dp_shard=2,zero_stage=3"),
+    ("dp_shard=2,zero_stage=1", "pp=2,dp_shard=2,microbatches=2,zero_stage=3"),
+    ("pp=2,tp=2,sequence_parallel=true,microbatches=2", "single"),
 ])
 def test_resume_at_another_world_size(save_layout, resume_layout, tmp_path):
     check_resharding(save_layout, resume_layout, tmp_path)

@@ -121,9 +121,6 @@ class ParallelDims:
             check_tensor_parallel(config, self.tp)
         if self.pp > 1:
             check_pipeline_layout(config, self)
-            if self.zero_stage == 3 and self.dp > 1:
-                raise ConfigError("pipeline parallelism with ZeRO-3 (FSDP2 stages) does not match one device yet; "
-                                  "use parallel.zero_stage=1 or 2 with parallel.pp > 1")
         self._validate_batch(config)
         if parallel.backend == "nccl":
             import torch

@@ -4,6 +4,11 @@ Each Transformer block is one FSDP unit (all-gathered just before it runs, freed
 embedding, final norms and LM head and stays unsharded between forward and backward because the loss reads the
 output projection right after the forward. Gradients are reduce-scattered as sums (the loss is already the
 global-batch mean), in fp32 when the parameters run in bf16 (fp32 master weights).
+
+Under pipeline parallelism each stage is a root, and its blocks too stay unsharded from forward to backward: the
+schedule all-gathers a stage once before its first microbatch and frees it after its last (torchtitan's default
+for pp), instead of once per microbatch, and zero-bubble's split backward needs it: it lists the stage's
+parameters before the autograd call that would unshard them, so a resharded block's weight gradient is lost.
 """
 
 from __future__ import annotations
@@ -29,10 +34,12 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, param_dty
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else \
         MixedPrecisionPolicy()
     dense_mesh = data_parallel_mesh(mesh, dims)
+    reshard_blocks = dims.pp == 1  # a pipeline stage stays gathered over its microbatches (module docstring)
     for experts in expert_modules:
-        fully_shard(experts, mesh=data_parallel_mesh(mesh, dims, expert=True), mp_policy=policy)
+        fully_shard(experts, mesh=data_parallel_mesh(mesh, dims, expert=True), mp_policy=policy,
+                    reshard_after_forward=reshard_blocks)
     for block in blocks:
-        fully_shard(block, mesh=dense_mesh, mp_policy=policy)
+        fully_shard(block, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=reshard_blocks)
     fully_shard(model, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=False)
     for unit in [*expert_modules, *blocks, model]:
         unit.set_gradient_divide_factor(1.0)  # sums: the loss is already the global-batch mean

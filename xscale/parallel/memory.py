@@ -9,16 +9,22 @@ ZeRO (Rajbhandari et al. 2020, sec. 5) with Psi parameters over N data-parallel 
     stage 3 (P_os+g+p):   params 4 Psi / N grads 4 Psi / N optimizer 8 Psi / N
 
 Tensor and pipeline parallelism divide Psi first (Psi / (tp x pp), exact for the sharded matrices; norms are
-replicated over tp, so the prediction is slightly low under tp). Under expert parallelism the Psi_E expert
+replicated over tp, so the prediction is slightly low under tp). Per pipeline rank,
+:func:`predicted_pipeline_state_bytes` applies the formulas to what that rank's stages hold: the first stage the
+embedding, the last the head, and with tied embeddings the last its own copy (so the stages hold more than Psi). Under expert parallelism the Psi_E expert
 parameters are divided by ep x pp instead (experts are replicated over tp) and ZeRO shards them over the edp
 ranks that hold the same experts, N_E = dp / ep, instead of N.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import torch
 
-from xscale.parallel.data import local_tensor
+from xscale.config import Config
+from xscale.parallel.data import is_expert_parameter, local_tensor
 from xscale.parallel.dims import ParallelDims
 
 BYTES_PER_VALUE = 4
@@ -40,6 +46,32 @@ def predicted_state_bytes(num_params: int, dims: ParallelDims, expert_params: in
         state["gradients"] += value / n if stage >= 2 else value
         state["optimizer"] += OPTIMIZER_VALUES * value / n if stage >= 1 else OPTIMIZER_VALUES * value
     return state
+
+
+def pipeline_rank_parameters(config: Config, dims: ParallelDims) -> list[tuple[int, int]]:
+    """(parameters, expert parameters) of each pp rank's stages, counted on meta-device stage modules."""
+    from xscale.models import build_model
+    from xscale.parallel.pipeline import SCHEDULES
+    from xscale.parallel.pipeline_stages import PipelineStageModule, split_layers, stage_to_rank
+
+    parallel = config.parallel
+    num_stages = dims.pp * parallel.pp_stages_per_rank
+    ranks = stage_to_rank(num_stages, dims.pp, SCHEDULES[parallel.pp_schedule].placement)
+    meta = build_model(config.model, materialize=False)
+    counts = [[0, 0] for _ in range(dims.pp)]
+    for index, layers in enumerate(split_layers(config.model.n_layers, num_stages, parallel.pp_split)):
+        stage = PipelineStageModule(copy.deepcopy(meta), layers, is_first=index == 0, is_last=index == num_stages - 1)
+        for name, param in stage.named_parameters():  # a last stage's output.weight is the tied copy
+            counts[ranks[index]][0] += param.numel()
+            counts[ranks[index]][1] += param.numel() if is_expert_parameter(name) else 0
+    return [(total, expert) for total, expert in counts]
+
+
+def predicted_pipeline_state_bytes(config: Config, dims: ParallelDims) -> list[dict[str, float]]:
+    """:func:`predicted_state_bytes` of each pp rank over the parameters its stages hold."""
+    within_stage = dataclasses.replace(dims, pp=1)
+    return [predicted_state_bytes(total, within_stage, expert)
+            for total, expert in pipeline_rank_parameters(config, dims)]
 
 
 def _unique_bytes(tensors: list[torch.Tensor]) -> int:

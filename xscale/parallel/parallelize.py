@@ -136,17 +136,23 @@ def _data_parallel(parts: list[nn.Module], dims: ParallelDims, mesh: DeviceMesh,
 
 def _build_pipeline_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh, device: torch.device,
                            autocast: torch.dtype | None) -> Engine:
-    """Stages cut from the meta model (materialised and initialised by the engine), data parallel around them."""
+    """Stages cut from the meta model, each tensor-parallel over ``tp`` (the first stage's embedding and the last
+    stage's output projection split by vocabulary), activation-checkpointed and compiled before the engine
+    materialises and initialises it; data parallel around them."""
     from xscale.parallel.pipeline import PipelineEngine
 
-    if dims.tp > 1:
-        raise ConfigError("pipeline x tensor parallelism (parallel.pp > 1 with parallel.tp > 1) is not supported "
-                          "yet; use pp with data parallel / ZeRO, or tp with data parallel")
     if dims.ep > 1:
         raise ConfigError("pipeline x expert parallelism is not supported yet; use parallel.ep=1 with parallel.pp")
+
+    def parallelize_stage(stage: nn.Module) -> None:
+        if dims.tp > 1:
+            from xscale.parallel.tensor import apply_tensor_parallel
+
+            apply_tensor_parallel(stage, mesh["tp"], sequence_parallel=config.parallel.sequence_parallel)
+        apply_activation_checkpointing(_stacks(stage), config.parallel.activation_checkpointing)
+        _compile_blocks(stage, config)
+
     model = build_model(config.model, materialize=False)
-    apply_activation_checkpointing(_stacks(model), config.parallel.activation_checkpointing)
-    _compile_blocks(model, config)
-    engine = PipelineEngine.from_config(config, model, mesh["pp"], device)
+    engine = PipelineEngine.from_config(config, model, mesh["pp"], device, parallelize_stage)
     engine.data_parallel = _data_parallel(engine.model_parts, dims, mesh, autocast)(engine.model_parts)
     return engine

@@ -11,11 +11,17 @@ The engine keeps the :class:`~xscale.parallel.engine.Engine` contract: the loss 
 pp rank and the gradients it leaves are the single-process model's on the whole batch. Each
 microbatch's loss is its token cross-entropy SUM over the global count of labelled tokens, and the
 schedule is told not to rescale (``scale_grads=False``), so gradients add up to the global mean.
+
+Under tensor parallelism (each stage split over ``tp`` before it is initialised) the loss is
+vocabulary-parallel, and what one stage sends the next is a plain local tensor: the microbatch's full
+hidden states, or under sequence parallelism this tp rank's sequence shard (B/m, T/tp, D), always to
+the same tp rank of the next stage, so PipelineStage infers the shapes from the first microbatch.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +35,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.tensor import DTensor
 
 from xscale.config import Config, ConfigError, ModelConfig
 from xscale.models.dropout import DropoutPosition
@@ -46,6 +53,7 @@ from xscale.parallel.pipeline_stages import (
     split_layers,
     stage_to_rank,
 )
+from xscale.parallel.vocab_parallel import vocab_sharded_loss_sum
 
 __all__ = ["SCHEDULES", "PipelineEngine", "PipelineStageModule", "check_pipeline", "split_layers"]
 
@@ -209,7 +217,8 @@ class PipelineEngine(Engine):
     def __init__(self, model_config: ModelConfig, meta_model: Transformer, pp: DeviceMesh | dist.ProcessGroup,
                  microbatches: int, schedule: str = "1f1b", stages_per_rank: int = 1,
                  device: torch.device | str = "cpu", seed: int = 0, pp_split: list[int] | None = None,
-                 autocast_dtype: torch.dtype | None = None) -> None:
+                 autocast_dtype: torch.dtype | None = None,
+                 parallelize_stage: Callable[[PipelineStageModule], None] | None = None) -> None:
         self.group = _pp_group(pp)
         self.pp_size, self.pp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         if self.pp_size < 2:
@@ -232,9 +241,12 @@ class PipelineEngine(Engine):
         layers = split_layers(model_config.n_layers, self.num_stages, pp_split)
         self.stages = [
             build_stage_module(meta_model, layers[index], is_first=index == 0, is_last=index == self.num_stages - 1,
-                               device=self.device, seed=seed)
+                               device=self.device, seed=seed, parallelize=parallelize_stage)
             for index in self.stage_indices
         ]
+        # Tensor parallelism split the output projection by vocabulary (read before ZeRO-3 makes every weight a
+        # DTensor): the loss is then vocabulary-parallel, and the full logits never exist.
+        self.vocab_parallel = isinstance(self.stages[-1].output.weight, DTensor) if self.holds_last else False
         self.last_rank = self.stage_ranks[-1]
         self.tied = TiedEmbeddingGrads(self.stages, self.stage_ranks[0], self.last_rank, self.group)
         self._schedules: dict[tuple, object] = {}
@@ -245,11 +257,13 @@ class PipelineEngine(Engine):
 
     @classmethod
     def from_config(cls, config: Config, meta_model: Transformer, pp: DeviceMesh | dist.ProcessGroup,
-                    device: torch.device | str = "cpu") -> PipelineEngine:
+                    device: torch.device | str = "cpu",
+                    parallelize_stage: Callable[[PipelineStageModule], None] | None = None) -> PipelineEngine:
         parallel = config.parallel
         autocast = torch.bfloat16 if config.train.precision == "bf16" else None
         return cls(config.model, meta_model, pp, parallel.microbatches, parallel.pp_schedule,
-                   parallel.pp_stages_per_rank, device, config.train.seed, parallel.pp_split, autocast)
+                   parallel.pp_stages_per_rank, device, config.train.seed, parallel.pp_split, autocast,
+                   parallelize_stage)
 
     @property
     def model_parts(self) -> list[nn.Module]:
@@ -266,7 +280,9 @@ class PipelineEngine(Engine):
     # ------------------------------------------------------------------ schedule
     def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         output = self.stages[-1].output
-        if output.bias is None:
+        if self.vocab_parallel:
+            total = vocab_sharded_loss_sum(output(hidden), labels)
+        elif output.bias is None:
             total = linear_cross_entropy_sum(hidden, output.weight, labels)
         else:
             total = cross_entropy_sum(output(hidden), labels)

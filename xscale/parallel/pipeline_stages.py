@@ -8,22 +8,25 @@ is the single-process state dict and checkpoints move between layouts.
 Tied embeddings (Press & Wolf 2017) whose two ends sit on different stages become two parameters,
 ``embedding.weight`` on the first stage and ``output.weight`` on the last, both initialised from
 ``embedding.weight``. After backward their gradients are summed (Megatron's embedding group,
-Shoeybi et al. 2019), so the optimizer keeps the copies bitwise equal.
+Shoeybi et al. 2019), so the optimizer keeps the copies bitwise equal. Under tensor parallelism both
+are sharded by vocabulary alike, and each tp rank sums its shard with its pipeline peer's.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from xscale.config import ConfigError
-from xscale.models.init import init_weights
+from xscale.models.init import canonical_name, init_weights
 from xscale.models.position import PositionEncoding
 from xscale.models.transformer import Transformer
+from xscale.parallel.data import local_tensor
 
 TIED_COPY = "output.weight"
 TIED_SOURCE = "embedding.weight"
@@ -122,14 +125,18 @@ class PipelineStageModule(nn.Module):
 
 
 def build_stage_module(meta_model: Transformer, layer_indices: list[int], *, is_first: bool, is_last: bool,
-                       device: torch.device | str, seed: int) -> PipelineStageModule:
-    """Cut a stage from a meta-device Transformer, allocate it on ``device`` and fill it with the
+                       device: torch.device | str, seed: int,
+                       parallelize: Callable[[PipelineStageModule], None] | None = None) -> PipelineStageModule:
+    """Cut a stage from a meta-device Transformer, apply ``parallelize`` to it (still on the meta device:
+    tensor parallelism, activation checkpointing), allocate it on ``device`` and fill it with the
     single-process initial weights (the tied output copy takes ``embedding.weight``'s values)."""
     model = copy.deepcopy(meta_model)
     stage = PipelineStageModule(model, layer_indices, is_first=is_first, is_last=is_last)
     untie = model.config.tie_embeddings and is_last and not is_first
     if untie:
         stage.output.weight = nn.Parameter(torch.empty_like(stage.output.weight))
+    if parallelize is not None:
+        parallelize(stage)
     stage.to_empty(device=device)
     names = {id(stage.output.weight): TIED_SOURCE} if untie else None
     init_weights(stage, model.config, seed, names=names)
@@ -150,16 +157,30 @@ class TiedEmbeddingGrads:
     their gradients point-to-point (no extra process group) and each adds them in the same order,
     so both ends get bitwise the same gradient. Gradients from earlier steps (accumulation) are set
     aside by :meth:`begin` and added back by :meth:`finish`, so only this step's are exchanged.
+
+    The ends are looked up in the stages at each use: ZeRO-3 (``fully_shard``) replaces a module's
+    parameters after the engine is built. Their gradients are then shards over ``dp_shard``, already
+    summed over data parallel; the two peers sit at the same data-parallel coordinate, so they hold
+    the same rows and swap their local shards.
     """
 
     def __init__(self, stages: list[PipelineStageModule], first_rank: int, last_rank: int,
                  group: dist.ProcessGroup) -> None:
         self.group = group
         self.first_rank, self.last_rank = first_rank, last_rank
-        tied = stages[0].config.tie_embeddings
-        self.source = next((stage.embedding.weight for stage in stages if stage.is_first and tied), None)
-        self.copy = next((tied_copy(stage) for stage in stages if tied_copy(stage) is not None), None)
+        self.stages = stages
         self._earlier: dict[int, torch.Tensor | None] = {}
+
+    @property
+    def source(self) -> nn.Parameter | None:
+        """The first stage's ``embedding.weight`` when this rank holds it and the model ties it."""
+        tied = self.stages[0].config.tie_embeddings
+        return next((stage.embedding.weight for stage in self.stages if stage.is_first and tied), None)
+
+    @property
+    def copy(self) -> nn.Parameter | None:
+        """The last stage's copy of the tied embedding when this rank holds it."""
+        return next((tied_copy(stage) for stage in self.stages if tied_copy(stage) is not None), None)
 
     @property
     def ends(self) -> list[nn.Parameter]:
@@ -175,28 +196,41 @@ class TiedEmbeddingGrads:
 
     @torch.no_grad()
     def finish(self) -> None:
-        if not self.ends:
+        ends = self.ends
+        if not ends:
             return
-        if self.source is not None and self.copy is not None:
-            total = _grad(self.source) + _grad(self.copy)
+        source, copy_ = self.source, self.copy
+        if source is not None and copy_ is not None:
+            total = _local_grad(source) + _local_grad(copy_)
         else:
-            mine = self.ends[0]
-            peer = self.last_rank if self.source is not None else self.first_rank
-            local = _grad(mine).contiguous()
+            # Both ends are sharded alike (vocabulary rows under tp, FSDP2 rows under ZeRO-3): the peer across
+            # the pipeline (same tp and dp coordinates) holds the same rows, so the local shards are exchanged.
+            peer = self.last_rank if source is not None else self.first_rank
+            local = _local_grad(ends[0]).contiguous()
             theirs = torch.empty_like(local)
             ops = [dist.P2POp(dist.isend, local, group=self.group, group_peer=peer),
                    dist.P2POp(dist.irecv, theirs, group=self.group, group_peer=peer)]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-            total = local + theirs if self.source is not None else theirs + local
-        for param in self.ends:
+            total = local + theirs if source is not None else theirs + local
+        for param in ends:
             earlier = self._earlier.get(id(param))
-            param.grad = total.clone() if earlier is None else earlier + total
+            summed = total.clone() if earlier is None else local_tensor(earlier) + total
+            param.grad = _like_param(param, summed)
         self._earlier = {}
 
 
-def _grad(param: nn.Parameter) -> torch.Tensor:
-    return param.grad if param.grad is not None else torch.zeros_like(param)
+def _local_grad(param: nn.Parameter) -> torch.Tensor:
+    """This rank's part of ``param``'s gradient (zeros when it has none)."""
+    return local_tensor(param.grad) if param.grad is not None else torch.zeros_like(local_tensor(param))
+
+
+def _like_param(param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as a gradient for ``param``: a DTensor with the parameter's placements when it is one."""
+    if isinstance(param, DTensor):
+        return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
+                                  stride=param.stride(), run_check=False)
+    return local
 
 
 def merged_view(stages: Iterable[nn.Module]) -> nn.Module:
@@ -204,13 +238,15 @@ def merged_view(stages: Iterable[nn.Module]) -> nn.Module:
 
     Leaves (modules owning parameters or buffers) are shared with the stages; the containers above
     them are fresh, so building the view changes no stage. DCP's ``get_state_dict`` / ``set_state_dict``
-    then see one model holding every parameter the optimizer steps.
+    then see one model holding every parameter the optimizer steps. Wrapper names (activation
+    checkpointing's) are left out of the view's paths: DCP strips them before it walks the names.
     """
     view = nn.Module()
     for stage in stages:
         for name, module in stage.named_modules():
             if not name or (not module._parameters and not module._buffers):
                 continue
+            name = canonical_name(f"{name}.").rstrip(".")
             parent, leaf = view, name.rsplit(".", 1)[-1]
             for part in name.split(".")[:-1]:
                 child = parent._modules.get(part)

@@ -57,7 +57,7 @@ from xscale.models.moe import MoELayer
 from xscale.models.registry import ATTENTION
 from xscale.models.transformer import Stack, Transformer
 from xscale.parallel.replicated import replicate_parameters
-from xscale.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy_sum
+from xscale.parallel.vocab_parallel import VocabParallelEmbedding, vocab_sharded_loss_sum
 
 # The hooks through which a position encoding computes (it has no forward).
 POSITION_METHODS = ("embed", "rotate", "bias")
@@ -229,10 +229,6 @@ def _parallelize_embedding(model: Transformer, stacks: list[Stack], mesh: Device
             parallelize_module(first, mesh, PrepareModuleInput(
                 input_layouts=Replicate(), desired_input_layouts=Shard(1), use_local_output=True))
     _parallelize_norm(model.embedding_norm, mesh, sequence_parallel)
-    for stack in stacks:
-        # The full sequence reaches position tables on every rank; T5's table is read per head.
-        replicate_parameters(stack.position, mesh, sum_gradients=stack.position.biases_logits,
-                             methods=POSITION_METHODS)
 
 
 def _require_divisible_sequences(embedding: nn.Module, tp: int) -> None:
@@ -245,7 +241,7 @@ def _require_divisible_sequences(embedding: nn.Module, tp: int) -> None:
     embedding.register_forward_pre_hook(check)
 
 
-def _place_sequence_shard_dropout(model: Transformer, mesh: DeviceMesh) -> None:
+def _place_sequence_shard_dropout(model: nn.Module, mesh: DeviceMesh) -> None:
     """Under sequence parallelism the residual stream's dropouts (embedding, sub-layer outputs) hold tokens
     [rank * T/tp, (rank + 1) * T/tp): dim 1's shard ``rank`` of the single device's tensor."""
     in_attention = {id(inner) for module in model.modules() if isinstance(module, Attention)
@@ -255,34 +251,44 @@ def _place_sequence_shard_dropout(model: Transformer, mesh: DeviceMesh) -> None:
             module.shard_index = mesh.get_local_rank()
 
 
-def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False) -> None:
+def apply_tensor_parallel(model: Transformer | nn.Module, tp_mesh: DeviceMesh, *,
+                          sequence_parallel: bool = False) -> None:
     """Split ``model`` (built on the meta device) in place over the 1-D mesh ``tp_mesh``.
 
-    Then materialise as usual: ``model.to_empty(device=...); model.tie_weights(); init_weights(...)``.
-    Under tensor parallelism ``model(...)`` returns logits as a DTensor sharded on the vocabulary dim;
-    train with :func:`tensor_parallel_loss_sum`. With ``sequence_parallel`` sequence lengths must be
-    multiples of tp.
+    ``model`` is a Transformer or one pipeline stage cut from it
+    (:class:`~xscale.parallel.pipeline_stages.PipelineStageModule`): the parts it holds (embedding, blocks,
+    final norm, head) are split. Then materialise as usual: ``model.to_empty(device=...); model.tie_weights();
+    init_weights(...)``. Under tensor parallelism ``model(...)`` returns logits as a DTensor sharded on the
+    vocabulary dim; train with :func:`tensor_parallel_loss_sum`. With ``sequence_parallel`` sequence lengths
+    must be multiples of tp.
     """
     if tp_mesh.ndim != 1:
         raise ConfigError(f"apply_tensor_parallel needs the 1-D tp mesh (e.g. mesh['tp']), got a {tp_mesh.ndim}-D "
                           f"mesh with dimensions {tp_mesh.mesh_dim_names}")
-    if isinstance(model.embedding, VocabParallelEmbedding):
+    embedding, output = getattr(model, "embedding", None), getattr(model, "output", None)
+    if isinstance(embedding, VocabParallelEmbedding) or isinstance(getattr(output, "weight", None), DTensor):
         raise ValueError("apply_tensor_parallel: this model is already tensor-parallel")
     config = model.config
     check_tensor_parallel(config, tp_mesh.size())
-    stacks = [stack for stack in (model.stack, model.decoder) if stack is not None]
-    _parallelize_embedding(model, stacks, tp_mesh, sequence_parallel)
+    stacks = [stack for stack in (model.stack, getattr(model, "decoder", None)) if stack is not None]
+    if embedding is not None:
+        _parallelize_embedding(model, stacks, tp_mesh, sequence_parallel)
     for stack in stacks:
+        # The full sequence reaches position tables on every rank; T5's table is read per head.
+        replicate_parameters(stack.position, tp_mesh, sum_gradients=stack.position.biases_logits,
+                             methods=POSITION_METHODS)
         for block in stack.layers.values():
             _parallelize_block(block, tp_mesh, config, sequence_parallel)
         _parallelize_norm(stack.final_norm, tp_mesh, sequence_parallel)
     if sequence_parallel:
         _place_sequence_shard_dropout(model, tp_mesh)
-    if model.head_transform is not None:
+    if getattr(model, "head_transform", None) is not None:
         replicate_parameters(model.head_transform, tp_mesh, sum_gradients=sequence_parallel)
-    parallelize_module(model.output, tp_mesh, ColwiseParallel(
-        input_layouts=_stream(sequence_parallel), output_layouts=Shard(-1), use_local_output=False))
-    model.tie_weights()  # the output projection had its own copy of the shared weight sharded
+    if output is not None:
+        parallelize_module(output, tp_mesh, ColwiseParallel(
+            input_layouts=_stream(sequence_parallel), output_layouts=Shard(-1), use_local_output=False))
+    if embedding is not None and output is not None:
+        model.tie_weights()  # the output projection had its own copy of the shared weight sharded
 
 
 def tensor_parallel_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -294,13 +300,4 @@ def tensor_parallel_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -
     Every tp rank returns the same value.
     """
     hidden = model.hidden_states(batch["input_ids"], batch.get("decoder_input_ids"))
-    logits = model.logits(hidden)
-    vocab_sharded = isinstance(logits, DTensor) and logits.placements[0].is_shard() and (
-        logits.placements[0].dim % logits.ndim == logits.ndim - 1)
-    if not vocab_sharded:
-        raise ValueError("tensor_parallel_loss_sum needs a model split by apply_tensor_parallel "
-                         "(logits sharded on the vocabulary); use model_loss_sum on one device")
-    local = logits.to_local()
-    mesh = logits.device_mesh
-    vocab_start = mesh.get_local_rank() * local.shape[-1]
-    return vocab_parallel_cross_entropy_sum(local, batch["labels"], vocab_start, mesh.get_group())
+    return vocab_sharded_loss_sum(model.logits(hidden), batch["labels"])

@@ -71,6 +71,20 @@ def vocab_parallel_cross_entropy_sum(local_logits: torch.Tensor, labels: torch.T
     return VocabParallelCrossEntropySum.apply(local_logits, labels, vocab_start, group)
 
 
+def vocab_sharded_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of token cross-entropies over labels != -100 from logits that are a DTensor sharded on the vocabulary
+    dim (a tensor-parallel output projection's); every rank of the logits' mesh returns the same value."""
+    vocab_sharded = isinstance(logits, DTensor) and logits.placements[0].is_shard() and (
+        logits.placements[0].dim % logits.ndim == logits.ndim - 1)
+    if not vocab_sharded:
+        raise ValueError("the vocabulary-parallel loss needs logits sharded on the vocabulary (a model split by "
+                         "apply_tensor_parallel); use model_loss_sum on one device")
+    local = logits.to_local()
+    mesh = logits.device_mesh
+    vocab_start = mesh.get_local_rank() * local.shape[-1]
+    return vocab_parallel_cross_entropy_sum(local, labels, vocab_start, mesh.get_group())
+
+
 class VocabParallelEmbedding(nn.Module):
     """Replaces an ``nn.Embedding``; ``weight`` is a DTensor sharded on the vocabulary dim (same name, same
     checkpoint key). ``output_layout``: Replicate() gives every rank the full sequence, Shard(1) its shard."""
