@@ -115,9 +115,6 @@ def check_dropout_comparable(layout: str, config: Config) -> None:
     if model.attention_dropout and rng_kinds:
         raise ConfigError(f"layout {layout}: attention {', '.join(rng_kinds)} draws attention dropout from torch's "
                           "RNG, so its masks depend on the layout; compare with model.attention_dropout=0")
-    if model.dropout and config.parallel.pp > 1:
-        raise ConfigError(f"layout {layout}: pipeline stages draw dropout from torch's RNG, so their masks differ "
-                          "from one device's; compare with model.dropout=0")
 
 
 def compare_layouts(config_path: str | None, overrides: Sequence[str], layouts: Sequence[str], steps: int,

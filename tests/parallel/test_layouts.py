@@ -22,24 +22,31 @@ def test_encoder_tensor_and_pipeline_parallel(tmp_path):
     assert_parity(ENCODER, ["tp=2", "pp=2,microbatches=2"], tmp_path)
 
 
-def test_dropout_masks_match_one_device_under_sequence_and_data_parallel(tmp_path):
-    assert_parity(DECODER + DROPOUT, ["tp=2,sequence_parallel=true",
-                                      "dp_shard=2,zero_stage=3,activation_checkpointing=full"], tmp_path)
+def test_dropout_masks_match_one_device_under_sequence_data_and_pipeline_parallel(tmp_path):
+    assert_parity(DECODER + DROPOUT, ["tp=2,sequence_parallel=true", "dp_shard=2,zero_stage=3,activation_checkpointing=full",
+                                      "pp=2,microbatches=4,activation_checkpointing=full"], tmp_path)
 
 
 @pytest.mark.slow
 def test_dropout_masks_match_one_device_under_tensor_and_composed_parallel(tmp_path):
-    assert_parity(DECODER + DROPOUT, ["tp=2", "dp_shard=2,tp=2,sequence_parallel=true"], tmp_path)
+    assert_parity(DECODER + DROPOUT, ["tp=2", "dp_shard=2,tp=2,sequence_parallel=true",
+                                      "pp=2,tp=2,microbatches=4,sequence_parallel=true"], tmp_path)
     assert_parity(ENCODER + DROPOUT, ["tp=2,sequence_parallel=true"], tmp_path)
 
 
-@pytest.mark.parametrize(("extra", "layout", "message"), [
-    (["model.dropout=0.1"], "pp=2,microbatches=2", "pipeline stages draw dropout from torch's RNG"),
-    (["model.attention_dropout=0.1", "model.attention.kind=linformer"], "tp=2", "linformer draws attention dropout"),
-])
-def test_parity_refuses_layout_dependent_dropout(tmp_path, extra, layout, message):
-    with pytest.raises(ConfigError, match=message):
-        assert_parity(DECODER + extra, [layout], tmp_path)
+@pytest.mark.slow
+def test_dropout_masks_match_one_device_under_every_pipeline_schedule(tmp_path):
+    """Each stage's k-th forward is microbatch k's, whatever the schedule's order; recomputation (activation
+    checkpointing) in a later backward draws the masks of the forward it repeats."""
+    assert_parity(DECODER + DROPOUT + ["model.n_layers=4"], [
+        "pp=2,microbatches=4,activation_checkpointing=full", "pp=2,microbatches=4,pp_schedule=gpipe",
+        "pp=2,microbatches=4,pp_schedule=interleaved_1f1b,pp_stages_per_rank=2",
+        "pp=2,microbatches=4,pp_schedule=zero_bubble,pp_stages_per_rank=2,activation_checkpointing=full"], tmp_path)
+
+
+def test_parity_refuses_layout_dependent_attention_dropout(tmp_path):
+    with pytest.raises(ConfigError, match="linformer draws attention dropout"):
+        assert_parity(DECODER + ["model.attention_dropout=0.1", "model.attention.kind=linformer"], ["tp=2"], tmp_path)
 
 
 @pytest.mark.slow

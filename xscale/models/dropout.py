@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -85,15 +83,26 @@ class DropoutPosition:
 _position: DropoutPosition | None = None  # a global, not a ContextVar: autograd's device threads read it too
 
 
-@contextmanager
-def dropout_position(position: DropoutPosition | None) -> Iterator[None]:
-    """Masks drawn inside (forward and the recomputing backward) are functions of ``position``."""
-    global _position
-    previous, _position = _position, position
-    try:
-        yield
-    finally:
-        _position = previous
+class dropout_position:  # noqa: N801  (used like contextlib's context managers)
+    """Masks drawn inside (forward and the recomputing backward) are functions of ``position``. Re-enterable:
+    activation checkpointing may recompute more than once (zero-bubble schedules split the backward)."""
+
+    def __init__(self, position: DropoutPosition | None) -> None:
+        self.position = position
+        self._previous: list[DropoutPosition | None] = []
+
+    def __enter__(self) -> None:
+        global _position
+        self._previous.append(_position)
+        _position = self.position
+
+    def __exit__(self, *exc_info: object) -> None:
+        global _position
+        _position = self._previous.pop()
+
+
+def current_dropout_position() -> DropoutPosition | None:
+    return _position
 
 
 class Dropout(nn.Module):

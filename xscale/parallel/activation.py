@@ -7,12 +7,23 @@ add ``_checkpoint_wrapped_module`` to parameter names; checkpoints and the initi
 
 from __future__ import annotations
 
+import contextlib
+
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
+from xscale.models.dropout import current_dropout_position, dropout_position
+
+
+def _same_dropout_masks() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """The recomputation draws the dropout masks of the forward it repeats, wherever its backward runs (a
+    pipeline schedule runs it after other microbatches' forwards)."""
+    return contextlib.nullcontext(), dropout_position(current_dropout_position())
+
 
 def _wrap(module: nn.Module) -> nn.Module:
-    return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=True)
+    return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=True,
+                              context_fn=_same_dropout_masks)
 
 
 def apply_activation_checkpointing(stacks: list[nn.Module], mode: str) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from xscale.config import Config, ConfigError, ModelConfig
-from xscale.models.dropout import DropoutPosition
+from xscale.models.dropout import DropoutPosition, dropout_position
 from xscale.models.transformer import Transformer
 from xscale.ops import cross_entropy_sum, linear_cross_entropy_sum
 from xscale.parallel.engine import STATE_DICT_OPTIONS, Batch, Engine
@@ -206,6 +206,21 @@ def _pp_group(pp: DeviceMesh | dist.ProcessGroup) -> dist.ProcessGroup:
     return pp
 
 
+class MicrobatchDropoutStage(PipelineStage):
+    """A stage whose forward of microbatch k draws the dropout masks of that microbatch's rows in the global batch
+    (:mod:`xscale.models.dropout`), whatever order the schedule runs microbatches in."""
+
+    engine: PipelineEngine
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+        position = self.engine.dropout_position
+        if position is not None:
+            first = position.first_sample + fwd_chunk_id * self.engine.rows_per_microbatch
+            position = replace(position, first_sample=first)
+        with dropout_position(position):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+
 class PipelineEngine(Engine):
     """Forward and backward of one optimizer step through a pipeline schedule over the ``pp`` group.
 
@@ -250,6 +265,8 @@ class PipelineEngine(Engine):
         self.last_rank = self.stage_ranks[-1]
         self.tied = TiedEmbeddingGrads(self.stages, self.stage_ranks[0], self.last_rank, self.group)
         self._schedules: dict[tuple, object] = {}
+        self.dropout_position: DropoutPosition | None = None  # this step's, while train_step runs
+        self.rows_per_microbatch = 0
         self._token_count = torch.ones((), device=self.device)
         self.last_step_seconds = 0.0
         # micro_batch_size is unused: the schedule cuts each batch into ``microbatches`` equal parts.
@@ -296,8 +313,10 @@ class PipelineEngine(Engine):
         # Stages learn their activation shapes on first use, so each input shape gets its own.
         key = (training, rows, *batch["input_ids"].shape[1:])
         if key not in self._schedules:
-            stages = [PipelineStage(module, index, self.num_stages, self.device, group=self.group)
+            stages = [MicrobatchDropoutStage(module, index, self.num_stages, self.device, group=self.group)
                       for module, index in zip(self.stages, self.stage_indices)]
+            for stage in stages:
+                stage.engine = self
             kwargs = {"n_microbatches": self.microbatches, "loss_fn": self._loss, "scale_grads": False}
             cls = self.spec.cls if training else (self.spec.eval_cls or self.spec.cls)
             self._schedules[key] = cls(stages[0], **kwargs) if self.spec.single_stage else cls(stages, **kwargs)
@@ -325,12 +344,16 @@ class PipelineEngine(Engine):
     # ------------------------------------------------------------------ Engine
     def train_step(self, batch: Batch, position: DropoutPosition | None = None) -> torch.Tensor:
         """Forward + backward of every microbatch through the schedule; the global-batch mean token loss.
-        Dropout draws from torch's RNG here (``position`` unused): masks are not those of one device."""
+        ``position``: as :meth:`Engine.train_step`'s (read by :class:`MicrobatchDropoutStage`)."""
         for stage in self.stages:
             stage.train()
         self.tied.begin()
         self.routing_groups.begin_step(self.microbatches)
-        total = self._run(batch, training=True)
+        self.dropout_position, self.rows_per_microbatch = position, batch["input_ids"].shape[0] // self.microbatches
+        try:
+            total = self._run(batch, training=True)
+        finally:
+            self.dropout_position = None
         self.tied.finish()
         if self.distributed:
             self.data_parallel.after_backward()
