@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -105,7 +106,10 @@ def _deepspeed_layer(ours: nn.Module, args: argparse.Namespace, ep_size: int = 1
                  ep_size=ep_size, k=1, capacity_factor=args.capacity_factor,
                  eval_capacity_factor=args.capacity_factor, min_capacity=4, drop_tokens=True, use_rts=False)
     if ep_size > 1:
-        deepspeed.init_distributed(dist_backend="gloo")  # wraps the process group already running
+        # deepspeed.comm wraps the process group already running. Its shared-memory all-reduce kernel (a C++
+        # build of minutes on first use) serves only inference all-reduces, not the MoE's all-to-all: skipped.
+        with mock.patch("deepspeed.comm.torch.build_shm_op", return_value=None):
+            deepspeed.init_distributed(dist_backend="gloo")
         theirs.set_deepspeed_parallelism()
     local = args.experts // ep_size
     with torch.no_grad():

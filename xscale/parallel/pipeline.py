@@ -16,6 +16,7 @@ schedule is told not to rescale (``scale_grads=False``), so gradients add up to 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,10 @@ class ForwardOnlyZBV(ScheduleZBVZeroBubble):
             rank: [action for action in actions if action.computation_type.value in self.FORWARD_ACTIONS]
             for rank, actions in self.pipeline_order_with_comms.items()
         }
+
+
+# The PipelineStage methods that compute (everything else a schedule does is communication or bookkeeping).
+COMPUTE_ACTIONS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
 
 @dataclass(frozen=True)
@@ -239,6 +244,9 @@ class PipelineEngine(Engine):
         self._schedules: dict[tuple, object] = {}
         self._token_count = torch.ones((), device=self.device)
         self.last_step_seconds = 0.0
+        # Optional instrumentation (``xscale bench parallel`` times the compute with it): set before the first
+        # step, it wraps every compute action of the schedules (COMPUTE_ACTIONS of each stage, and the loss).
+        self.wrap_compute: Callable[[Callable], Callable] | None = None
         # micro_batch_size is unused: the schedule cuts each batch into ``microbatches`` equal parts.
         super().__init__(self.stages[0], micro_batch_size=0, autocast_dtype=autocast_dtype)
 
@@ -281,7 +289,13 @@ class PipelineEngine(Engine):
         if key not in self._schedules:
             stages = [PipelineStage(module, index, self.num_stages, self.device, group=self.group)
                       for module, index in zip(self.stages, self.stage_indices)]
-            kwargs = {"n_microbatches": self.microbatches, "loss_fn": self._loss, "scale_grads": False}
+            loss_fn = self._loss
+            if self.wrap_compute is not None:
+                loss_fn = self.wrap_compute(loss_fn)
+                for stage in stages:
+                    for name in COMPUTE_ACTIONS:
+                        setattr(stage, name, self.wrap_compute(getattr(stage, name)))
+            kwargs = {"n_microbatches": self.microbatches, "loss_fn": loss_fn, "scale_grads": False}
             cls = self.spec.cls if training else (self.spec.eval_cls or self.spec.cls)
             self._schedules[key] = cls(stages[0], **kwargs) if self.spec.single_stage else cls(stages, **kwargs)
         return self._schedules[key]
