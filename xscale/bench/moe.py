@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--capacity-factor", type=float, default=1.25)
-    parser.add_argument("--rounds", type=int, default=7, help="timed forward+backward rounds per workload")
+    parser.add_argument("--rounds", type=int, default=15, help="timed forward+backward rounds per workload")
     parser.add_argument("--ep", type=int, default=2, choices=(1, 2), help="2: also compare under expert parallel "
                         "over 2 processes")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")

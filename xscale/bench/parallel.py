@@ -11,9 +11,10 @@ the last stage's loss) is timed through :attr:`PipelineEngine.wrap_compute`; the
 for activations or gradients, sends, receives, bookkeeping) is idle. Per rank and step,
 ``bubble = 1 - compute seconds / schedule step seconds`` (``PipelineEngine.last_step_seconds``); the table
 gives the median over the timed steps, averaged over the pp ranks, and the ranks' own values. The theory
-(Huang et al. 2019; Narayanan et al. 2021) assumes equal stages and free communication: stages that differ
-(the embedding on the first, the output head and loss on the last) and gloo's copies make the measured
-bubble larger, the more so with more microbatches, whose fixed costs grow as they shrink.
+(Huang et al. 2019; Narayanan et al. 2021) assumes equal stages and free communication. Here the last stage
+also holds the output head and the loss, so it computes more than the first: the first rank idles while it
+waits for the last (its bubble stays near 1 - its compute / the last's, whatever m), and the last idles less
+than the theory says. Communication (gloo copies) counts as idle.
 
 On a shared machine, run with ``OMP_WAIT_POLICY=PASSIVE`` (spinning OpenMP threads of an oversubscribed
 CPU measure the scheduler instead), and compare only figures of one invocation.
