@@ -101,10 +101,11 @@ class AllToAllDispatch:
         chunk_rows = torch.arange(arrived.shape[0], device=arrived.device).split(received.reshape(-1).tolist())
         expert_major = torch.cat([chunk_rows[s * self.local_experts + e]
                                   for e in range(self.local_experts) for s in range(self.size)])
-        outputs = experts(arrived[expert_major], received.sum(0).tolist())
+        # index_select: its backward is an index_add (advanced indexing's is a slow accumulating index_put)
+        outputs = experts(arrived.index_select(0, expert_major), received.sum(0).tolist())
         source_major = torch.empty_like(expert_major)
         source_major[expert_major] = torch.arange(expert_major.numel(), device=expert_major.device)
-        return all_to_all(outputs[source_major], send_splits, receive_splits, self.group)
+        return all_to_all(outputs.index_select(0, source_major), send_splits, receive_splits, self.group)
 
 
 def _resolve_group(ep_group_or_mesh: dist.ProcessGroup | DeviceMesh) -> dist.ProcessGroup:

@@ -75,6 +75,10 @@ class ForwardOnlyZBV(ScheduleZBVZeroBubble):
         }
 
 
+# The PipelineStage methods that compute (everything else a schedule does is communication or bookkeeping).
+COMPUTE_ACTIONS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+
 @dataclass(frozen=True)
 class ScheduleSpec:
     """A schedule name's class, how its stages sit on the ranks, and what it demands."""
@@ -251,6 +255,9 @@ class PipelineEngine(Engine):
         self._schedules: dict[tuple, object] = {}
         self._token_count = torch.ones((), device=self.device)
         self.last_step_seconds = 0.0
+        # Optional instrumentation (``xscale bench parallel`` times the compute with it): set before the first
+        # step, it wraps every compute action of the schedules (COMPUTE_ACTIONS of each stage, and the loss).
+        self.wrap_compute: Callable[[Callable], Callable] | None = None
         # micro_batch_size is unused: the schedule cuts each batch into ``microbatches`` equal parts.
         super().__init__(self.stages[0], micro_batch_size=0, autocast_dtype=autocast_dtype)
 
@@ -297,7 +304,13 @@ class PipelineEngine(Engine):
         if key not in self._schedules:
             stages = [PipelineStage(module, index, self.num_stages, self.device, group=self.group)
                       for module, index in zip(self.stages, self.stage_indices)]
-            kwargs = {"n_microbatches": self.microbatches, "loss_fn": self._loss, "scale_grads": False}
+            loss_fn = self._loss
+            if self.wrap_compute is not None:
+                loss_fn = self.wrap_compute(loss_fn)
+                for stage in stages:
+                    for name in COMPUTE_ACTIONS:
+                        setattr(stage, name, self.wrap_compute(getattr(stage, name)))
+            kwargs = {"n_microbatches": self.microbatches, "loss_fn": loss_fn, "scale_grads": False}
             cls = self.spec.cls if training else (self.spec.eval_cls or self.spec.cls)
             self._schedules[key] = cls(stages[0], **kwargs) if self.spec.single_stage else cls(stages, **kwargs)
         return self._schedules[key]
