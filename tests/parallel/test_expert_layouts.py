@@ -198,6 +198,20 @@ def test_expert_checkpoint_saved_at_ep2_resumes_on_one_process(tmp_path):
     ("dp_shard=2,ep=2,zero_stage=1", "dp_shard=4,ep=4"),
     ("single", "dp_shard=4,ep=4,zero_stage=3"),
     ("dp_shard=4,ep=4,zero_stage=2", "dp_shard=2,ep=2,zero_stage=3"),
+    ("dp_shard=2,ep=2,tp=2,zero_stage=1", "single"),
 ])
 def test_expert_checkpoint_resumes_at_another_ep(save_layout, resume_layout, tmp_path):
     check_resharding(save_layout, resume_layout, tmp_path, model=RESHARD_MODEL)
+
+
+# ---------------------------------------------------------------------------------------------------- ep x tp
+
+@pytest.mark.slow
+@pytest.mark.parametrize("router", [SWITCH, GSHARD], ids=["switch", "gshard"])
+def test_ep2_with_tp2_attention_matches_one_process(router, tmp_path):
+    """ep=2 x tp=2 (4 ranks): attention split over tp, every tp rank routing the same tokens through its ep group;
+    one routing group per step, as in ep=2 alone. Switch also under sequence parallelism with ZeRO-3."""
+    layouts = ["dp_shard=2,ep=2,tp=2"]
+    if router is SWITCH:
+        layouts.append("dp_shard=2,ep=2,tp=2,sequence_parallel=true,zero_stage=3")
+    assert_layouts_match([*TRAINING, *router], 8, layouts, tmp_path)

@@ -37,8 +37,11 @@ def _train(config):
     from xscale.train.trainer import Trainer
 
     train = RecordingDataset(build_datasets(config)[0])
-    summary = Trainer(config, train, None).fit()
-    return {"losses": summary["losses"], "seen": train.seen}
+    trainer = Trainer(config, train, None)
+    summary = trainer.fit()
+    mesh = trainer.mesh  # tp and pp ranks read their data-parallel rank's samples again: count one of them
+    copy = mesh is not None and (mesh["tp"].get_local_rank() > 0 or mesh["pp"].get_local_rank() > 0)
+    return {"losses": summary["losses"], "seen": [] if copy else train.seen}
 
 
 def _run(layout: str, output_dir: Path, *extra: str, model: list[str] = MODEL) -> list[dict]:

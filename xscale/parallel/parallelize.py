@@ -80,9 +80,6 @@ def build_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh | None, de
         return Engine(model, micro_batch_size(config, dims), autocast)
     if dims.pp > 1:
         return _build_pipeline_engine(config, dims, mesh, device, autocast)
-    if dims.ep > 1 and dims.tp > 1:
-        raise ConfigError(f"expert x tensor parallelism (parallel.ep={dims.ep} with parallel.tp={dims.tp}) is not "
-                          f"supported yet; use ep with data parallel / ZeRO, or tp with ep=1")
 
     model = build_model(config.model, materialize=False)
     loss_fn = model_loss_sum
