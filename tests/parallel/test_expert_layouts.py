@@ -215,3 +215,17 @@ def test_ep2_with_tp2_attention_matches_one_process(router, tmp_path):
     if router is SWITCH:
         layouts.append("dp_shard=2,ep=2,tp=2,sequence_parallel=true,zero_stage=3")
     assert_layouts_match([*TRAINING, *router], 8, layouts, tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------- pp x ep
+
+@pytest.mark.slow
+@pytest.mark.parametrize("router", [SWITCH, GSHARD], ids=["switch", "gshard"])
+def test_pp2_by_ep2_matches_one_process(router, tmp_path):
+    """pp=2 x ep=2 (4 ranks, 2 microbatches): each stage's MoE layer exchanges tokens over its ep group inside the
+    schedule's forwards and backwards, and its auxiliary losses reach the gradients on that stage. A step has
+    2 routing groups of 4 sequences (microbatches x dp / ep), each a contiguous run of the global batch."""
+    layouts = ["pp=2,dp_shard=2,ep=2,microbatches=2"]
+    if router is SWITCH:
+        layouts.append("pp=2,dp_shard=2,ep=2,microbatches=2,pp_schedule=gpipe,zero_stage=1")
+    assert_layouts_match([*TRAINING, *router], 4, layouts, tmp_path)

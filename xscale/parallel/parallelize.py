@@ -139,11 +139,13 @@ def _build_pipeline_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh,
     if dims.tp > 1:
         raise ConfigError("pipeline x tensor parallelism (parallel.pp > 1 with parallel.tp > 1) is not supported "
                           "yet; use pp with data parallel / ZeRO, or tp with data parallel")
-    if dims.ep > 1:
-        raise ConfigError("pipeline x expert parallelism is not supported yet; use parallel.ep=1 with parallel.pp")
     model = build_model(config.model, materialize=False)
     apply_activation_checkpointing(_stacks(model), config.parallel.activation_checkpointing)
     _compile_blocks(model, config)
     engine = PipelineEngine.from_config(config, model, mesh["pp"], device)
+    if dims.ep > 1:  # the stages are materialised with the single-process init; keep this rank's experts
+        for stage in engine.model_parts:
+            if moe_layers(stage):
+                apply_expert_parallel(stage, mesh["ep"])
     engine.data_parallel = _data_parallel(engine.model_parts, dims, mesh, autocast)(engine.model_parts)
     return engine

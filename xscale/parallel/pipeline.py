@@ -16,6 +16,8 @@ schedule is told not to rescale (``scale_grads=False``), so gradients add up to 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +36,7 @@ from xscale.config import Config, ConfigError, ModelConfig
 from xscale.models.transformer import Transformer
 from xscale.ops import cross_entropy_sum, linear_cross_entropy_sum
 from xscale.parallel.engine import STATE_DICT_OPTIONS, Batch, Engine
+from xscale.parallel.expert_state import globalize_expert_state, localize_expert_state
 from xscale.parallel.grad_norm import clip_gradients
 from xscale.parallel.pipeline_stages import (
     TIED_COPY,
@@ -65,6 +68,19 @@ class ForwardOnlyZBV(ScheduleZBVZeroBubble):
             rank: [action for action in actions if action.computation_type.value in self.FORWARD_ACTIONS]
             for rank, actions in self.pipeline_order_with_comms.items()
         }
+
+
+class QuietMetadataStage(PipelineStage):
+    """A PipelineStage whose metadata-inference forward records no MoE routing statistics: before its first step
+    torch runs each stage once on the first microbatch (later stages: on uninitialised placeholders)."""
+
+    def __init__(self, *args, pause_statistics: Callable[[], AbstractContextManager], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.pause_statistics = pause_statistics
+
+    def _prepare_forward_infra(self, *args, **kwargs):
+        with self.pause_statistics():
+            return super()._prepare_forward_infra(*args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -254,6 +270,9 @@ class PipelineEngine(Engine):
     def model_parts(self) -> list[nn.Module]:
         return list(self.stages)
 
+    def microbatches_per_batch(self, rows: int) -> int:
+        return self.microbatches
+
     @property
     def holds_first(self) -> bool:
         return self.stages[0].is_first
@@ -279,7 +298,8 @@ class PipelineEngine(Engine):
         # Stages learn their activation shapes on first use, so each input shape gets its own.
         key = (training, rows, *batch["input_ids"].shape[1:])
         if key not in self._schedules:
-            stages = [PipelineStage(module, index, self.num_stages, self.device, group=self.group)
+            stages = [QuietMetadataStage(module, index, self.num_stages, self.device, group=self.group,
+                                         pause_statistics=self.routing_groups.paused)
                       for module, index in zip(self.stages, self.stage_indices)]
             kwargs = {"n_microbatches": self.microbatches, "loss_fn": self._loss, "scale_grads": False}
             cls = self.spec.cls if training else (self.spec.eval_cls or self.spec.cls)
@@ -355,11 +375,14 @@ class PipelineEngine(Engine):
                                                           options=STATE_DICT_OPTIONS)
         if self.tied.copy is not None:
             _tied_copy_to_source(optimizer_state)
-        return {"model": model_state, "optimizer": optimizer_state}
+        state = {"model": model_state, "optimizer": optimizer_state}
+        return state if self.expert_mesh is None else globalize_expert_state(state, self.expert_mesh)
 
     def load_state_dict(self, state: dict, optimizer: torch.optim.Optimizer) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
+        if self.expert_mesh is not None:
+            state = localize_expert_state(state, self.model_parts)
         optimizer_state = state["optimizer"]
         if self.tied.copy is not None:
             optimizer_state = _source_to_tied_copy(optimizer_state, holds_source=self.holds_first)
