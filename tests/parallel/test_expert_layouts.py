@@ -19,6 +19,7 @@ import torch
 from tests.parallel.test_resharding import GLOBAL_BATCH, SAMPLES, check_resharding
 from tests.parallel.test_resharding import STEPS as RESHARD_STEPS
 from xscale.config import load_config
+from xscale.data import GlobalSampler
 from xscale.inspect import count_parameters
 from xscale.models import build_model
 from xscale.models.moe import moe_layers
@@ -81,6 +82,16 @@ def assert_layouts_match(overrides: list[str], routing_group: int, layouts: list
         assert difference <= RTOL, f"{layout}: max relative loss difference {difference}"
         for step, (expected, got) in enumerate(zip(reference_metrics, _moe_metrics(layout_dir)), start=1):
             assert got == pytest.approx(expected, rel=METRICS_RTOL, abs=1e-7), f"{layout}: MoE metrics of step {step}"
+
+
+def test_data_split_follows_microbatches():
+    """Microbatch m of all data-parallel ranks together is the m-th contiguous slice of the global batch, so an ep
+    group's routing group is a run of samples the single process reads as one microbatch."""
+    batch = list(range(100, 116))
+    pieces = [GlobalSampler.shard(batch, rank, 2, microbatches=4) for rank in range(2)]
+    assert pieces == [[100, 101, 104, 105, 108, 109, 112, 113], [102, 103, 106, 107, 110, 111, 114, 115]]
+    assert GlobalSampler.shard(batch, 1, 2) == list(range(108, 116))
+    assert GlobalSampler.shard(batch, 0, 1, microbatches=4) == batch
 
 
 def test_switch_ep2_with_zero_stages_matches_one_process(tmp_path):
@@ -199,6 +210,7 @@ def test_expert_checkpoint_saved_at_ep2_resumes_on_one_process(tmp_path):
     ("single", "dp_shard=4,ep=4,zero_stage=3"),
     ("dp_shard=4,ep=4,zero_stage=2", "dp_shard=2,ep=2,zero_stage=3"),
     ("dp_shard=2,ep=2,tp=2,zero_stage=1", "single"),
+    ("pp=2,dp_shard=2,ep=2,pp_schedule=gpipe,zero_stage=1", "dp_shard=2,ep=2"),
 ])
 def test_expert_checkpoint_resumes_at_another_ep(save_layout, resume_layout, tmp_path):
     check_resharding(save_layout, resume_layout, tmp_path, model=RESHARD_MODEL)
