@@ -241,3 +241,11 @@ def test_pp2_by_ep2_matches_one_process(router, tmp_path):
     if router is SWITCH:
         layouts.append("pp=2,dp_shard=2,ep=2,microbatches=2,pp_schedule=gpipe,zero_stage=1")
     assert_layouts_match([*TRAINING, *router], 4, layouts, tmp_path)
+
+
+@pytest.mark.slow
+def test_pp2_by_ep2_zero_bubble_matches_one_process(tmp_path):
+    """ZB-V (2 stages per rank, backward split into input and weight halves) over 4 layers, MoE in every other one:
+    stages without an MoE layer hold no experts."""
+    assert_layouts_match([*TRAINING, "model.n_layers=4", "model.moe.every=2", *SWITCH], 4,
+                         ["pp=2,dp_shard=2,ep=2,microbatches=2,pp_schedule=zero_bubble,pp_stages_per_rank=2"], tmp_path)

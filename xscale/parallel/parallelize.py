@@ -4,7 +4,8 @@ Order (as torchtitan settled on): build on the meta device -> pipeline split -> 
 expert parallel -> activation checkpointing -> ZeRO-3 (FSDP2) -> materialise on the device -> deterministic init
 from (seed, canonical parameter name), so every layout starts from the single-device weights.
 Expert parallelism (ep > 1) acts on the MoE layers only and slices materialised experts, so under ep the model is
-materialised and initialised just before it.
+materialised and initialised just before it (after tensor parallelism's plans on the meta model; under pp, in each
+stage the pipeline engine has materialised).
 """
 
 from __future__ import annotations
