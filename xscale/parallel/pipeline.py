@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,7 @@ from xscale.config import Config, ConfigError, ModelConfig
 from xscale.models.transformer import Transformer
 from xscale.ops import cross_entropy_sum, linear_cross_entropy_sum
 from xscale.parallel.engine import STATE_DICT_OPTIONS, Batch, Engine
+from xscale.parallel.expert_state import globalize_expert_state, localize_expert_state
 from xscale.parallel.grad_norm import clip_gradients
 from xscale.parallel.pipeline_stages import (
     TIED_COPY,
@@ -77,6 +79,19 @@ class ForwardOnlyZBV(ScheduleZBVZeroBubble):
 
 # The PipelineStage methods that compute (everything else a schedule does is communication or bookkeeping).
 COMPUTE_ACTIONS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+
+class QuietMetadataStage(PipelineStage):
+    """A PipelineStage whose metadata-inference forward records no MoE routing statistics: before its first step
+    torch runs each stage once on the first microbatch (later stages: on uninitialised placeholders)."""
+
+    def __init__(self, *args, pause_statistics: Callable[[], AbstractContextManager], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.pause_statistics = pause_statistics
+
+    def _prepare_forward_infra(self, *args, **kwargs):
+        with self.pause_statistics():
+            return super()._prepare_forward_infra(*args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -275,6 +290,9 @@ class PipelineEngine(Engine):
     def model_parts(self) -> list[nn.Module]:
         return list(self.stages)
 
+    def microbatches_per_batch(self, rows: int) -> int:
+        return self.microbatches
+
     @property
     def holds_first(self) -> bool:
         return self.stages[0].is_first
@@ -302,7 +320,8 @@ class PipelineEngine(Engine):
         # Stages learn their activation shapes on first use, so each input shape gets its own.
         key = (training, rows, *batch["input_ids"].shape[1:])
         if key not in self._schedules:
-            stages = [PipelineStage(module, index, self.num_stages, self.device, group=self.group)
+            stages = [QuietMetadataStage(module, index, self.num_stages, self.device, group=self.group,
+                                         pause_statistics=self.routing_groups.paused)
                       for module, index in zip(self.stages, self.stage_indices)]
             loss_fn = self._loss
             if self.wrap_compute is not None:
@@ -384,11 +403,14 @@ class PipelineEngine(Engine):
                                                           options=STATE_DICT_OPTIONS)
         if self.tied.copy is not None:
             _tied_copy_to_source(optimizer_state)
-        return {"model": model_state, "optimizer": optimizer_state}
+        state = {"model": model_state, "optimizer": optimizer_state}
+        return state if self.expert_mesh is None else globalize_expert_state(state, self.expert_mesh)
 
     def load_state_dict(self, state: dict, optimizer: torch.optim.Optimizer) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
+        if self.expert_mesh is not None:
+            state = localize_expert_state(state, self.model_parts)
         optimizer_state = state["optimizer"]
         if self.tied.copy is not None:
             optimizer_state = _source_to_tied_copy(optimizer_state, holds_source=self.holds_first)

@@ -100,9 +100,21 @@ class Trainer:
             print(f"resumed from {path} at step {self.step}", flush=True)
         return True
 
+    def layer_metrics(self) -> dict[str, float]:
+        """Per-layer statistics of every layer of the model (rank 0 logs them; later pipeline stages send theirs)."""
+        metrics: dict[str, float] = {}
+        for module in self.engine.model_parts:
+            metrics.update(_collect_layer_metrics(module))
+        if self.dims.pp > 1:
+            stages: list[dict[str, float] | None] = [None] * self.dims.pp
+            torch.distributed.all_gather_object(stages, metrics, group=self.mesh["pp"].get_group())
+            metrics = {key: value for stage in stages for key, value in stage.items()}
+        return metrics
+
     # ------------------------------------------------------------------ data
     def _load(self, dataset: Any, indices: list[int]) -> dict[str, torch.Tensor]:
-        local = GlobalSampler.shard(indices, self.dp_rank, self.dp_size)
+        microbatches = self.engine.microbatches_per_batch(len(indices) // self.dp_size)
+        local = GlobalSampler.shard(indices, self.dp_rank, self.dp_size, microbatches)
         batch = collate([dataset[i] for i in local])
         return {key: value.to(self.device) for key, value in batch.items()}
 
@@ -158,8 +170,7 @@ class Trainer:
             while self.step < train.steps:
                 scalars = self.train_step()
                 losses.append(scalars["train/loss"])
-                for module in self.engine.model_parts:  # before evaluation, whose forwards overwrite them
-                    scalars.update(_collect_layer_metrics(module))
+                scalars.update(self.layer_metrics())  # before evaluation, whose forwards overwrite them
                 if train.eval_every and self.step % train.eval_every == 0:
                     scalars["eval/loss"] = self.evaluate()
                 self.metrics.log(self.step, scalars)
