@@ -19,6 +19,7 @@ import torch
 from tests.parallel.test_resharding import GLOBAL_BATCH, SAMPLES, check_resharding
 from tests.parallel.test_resharding import STEPS as RESHARD_STEPS
 from xscale.config import load_config
+from xscale.data import GlobalSampler
 from xscale.inspect import count_parameters
 from xscale.models import build_model
 from xscale.models.moe import moe_layers
@@ -81,6 +82,16 @@ def assert_layouts_match(overrides: list[str], routing_group: int, layouts: list
         assert difference <= RTOL, f"{layout}: max relative loss difference {difference}"
         for step, (expected, got) in enumerate(zip(reference_metrics, _moe_metrics(layout_dir)), start=1):
             assert got == pytest.approx(expected, rel=METRICS_RTOL, abs=1e-7), f"{layout}: MoE metrics of step {step}"
+
+
+def test_data_split_follows_microbatches():
+    """Microbatch m of all data-parallel ranks together is the m-th contiguous slice of the global batch, so an ep
+    group's routing group is a run of samples the single process reads as one microbatch."""
+    batch = list(range(100, 116))
+    pieces = [GlobalSampler.shard(batch, rank, 2, microbatches=4) for rank in range(2)]
+    assert pieces == [[100, 101, 104, 105, 108, 109, 112, 113], [102, 103, 106, 107, 110, 111, 114, 115]]
+    assert GlobalSampler.shard(batch, 1, 2) == list(range(108, 116))
+    assert GlobalSampler.shard(batch, 0, 1, microbatches=4) == batch
 
 
 def test_switch_ep2_with_zero_stages_matches_one_process(tmp_path):
@@ -198,6 +209,43 @@ def test_expert_checkpoint_saved_at_ep2_resumes_on_one_process(tmp_path):
     ("dp_shard=2,ep=2,zero_stage=1", "dp_shard=4,ep=4"),
     ("single", "dp_shard=4,ep=4,zero_stage=3"),
     ("dp_shard=4,ep=4,zero_stage=2", "dp_shard=2,ep=2,zero_stage=3"),
+    ("dp_shard=2,ep=2,tp=2,zero_stage=1", "single"),
+    ("pp=2,dp_shard=2,ep=2,pp_schedule=gpipe,zero_stage=1", "dp_shard=2,ep=2"),
 ])
 def test_expert_checkpoint_resumes_at_another_ep(save_layout, resume_layout, tmp_path):
     check_resharding(save_layout, resume_layout, tmp_path, model=RESHARD_MODEL)
+
+
+# ---------------------------------------------------------------------------------------------------- ep x tp
+
+@pytest.mark.slow
+@pytest.mark.parametrize("router", [SWITCH, GSHARD], ids=["switch", "gshard"])
+def test_ep2_with_tp2_attention_matches_one_process(router, tmp_path):
+    """ep=2 x tp=2 (4 ranks): attention split over tp, every tp rank routing the same tokens through its ep group;
+    one routing group per step, as in ep=2 alone. Switch also under sequence parallelism with ZeRO-3."""
+    layouts = ["dp_shard=2,ep=2,tp=2"]
+    if router is SWITCH:
+        layouts.append("dp_shard=2,ep=2,tp=2,sequence_parallel=true,zero_stage=3")
+    assert_layouts_match([*TRAINING, *router], 8, layouts, tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------- pp x ep
+
+@pytest.mark.slow
+@pytest.mark.parametrize("router", [SWITCH, GSHARD], ids=["switch", "gshard"])
+def test_pp2_by_ep2_matches_one_process(router, tmp_path):
+    """pp=2 x ep=2 (4 ranks, 2 microbatches): each stage's MoE layer exchanges tokens over its ep group inside the
+    schedule's forwards and backwards, and its auxiliary losses reach the gradients on that stage. A step has
+    2 routing groups of 4 sequences (microbatches x dp / ep), each a contiguous run of the global batch."""
+    layouts = ["pp=2,dp_shard=2,ep=2,microbatches=2"]
+    if router is SWITCH:
+        layouts.append("pp=2,dp_shard=2,ep=2,microbatches=2,pp_schedule=gpipe,zero_stage=1")
+    assert_layouts_match([*TRAINING, *router], 4, layouts, tmp_path)
+
+
+@pytest.mark.slow
+def test_pp2_by_ep2_zero_bubble_matches_one_process(tmp_path):
+    """ZB-V (2 stages per rank, backward split into input and weight halves) over 4 layers, MoE in every other one:
+    stages without an MoE layer hold no experts."""
+    assert_layouts_match([*TRAINING, "model.n_layers=4", "model.moe.every=2", *SWITCH], 4,
+                         ["pp=2,dp_shard=2,ep=2,microbatches=2,pp_schedule=zero_bubble,pp_stages_per_rank=2"], tmp_path)

@@ -1,23 +1,28 @@
 """``xscale bench moe``: our MoE layer vs DeepSpeed's MoE layer and vs a dense FFN, same machine, one run.
 
-Three forward+backward workloads on the same tokens (fp32), timed in alternating rounds so machine noise
-hits each alike:
-  * xscale ``MoELayer`` (Switch top-1, stacked experts, sort-based dispatch);
+Forward+backward of the same tokens (fp32) through:
+  * xscale ``MoELayer`` (Switch top-1, stacked experts, sort-based dispatch, grouped expert GEMMs);
   * DeepSpeed ``deepspeed.moe.layer.MoE`` at the same config (k=1, same capacity factor, token dropping,
-    ``use_rts=False``) with the same weights, in a 1-process gloo group;
+    ``use_rts=False``) with the same weights;
   * a dense FFN with the MoE's active parameters per token (one expert's FFN), the compute floor.
-Prints tokens/s, xscale/DeepSpeed and MoE/dense step-time ratios. ``--ep 2`` also times the layer under
-expert parallelism over 2 gloo processes (each with half the tokens) against 1 process.
+In one process (a 1-process gloo group for DeepSpeed) and, with ``--ep 2``, under expert parallelism over
+2 gloo processes (each with half the tokens, half the experts), xscale and DeepSpeed again.
+
+Workloads are timed in alternating rounds (A B C A B C ...) after one warm-up each and the median per
+workload is reported, so machine noise hits them alike. Figures: tokens/s, xscale/DeepSpeed tokens/s
+(target >= 1.5x) and MoE/dense step time (target <= 1.3x). On a shared machine, run with
+``OMP_WAIT_POLICY=PASSIVE``: spinning OpenMP threads of an oversubscribed CPU measure the scheduler instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import socket
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -25,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from xscale.config import ModelConfig, MoEConfig
+from xscale.launcher.env import free_port
 from xscale.models.ffn import build_ffn
 from xscale.models.moe import build_moe
 
@@ -51,20 +57,35 @@ def _step(module: nn.Module, x: torch.Tensor, upstream: torch.Tensor) -> Callabl
         out = out[0] if isinstance(out, tuple) else out
         (out * upstream).sum().backward()
         module.zero_grad(set_to_none=True)
+        x.grad = None
     return run
 
 
-def _time(runs: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
-    """Median seconds per call of each workload, alternating workloads every round (after one warm-up)."""
+def time_alternating(runs: dict[str, Callable[[], None]], rounds: int,
+                     sync: Callable[[], None] = lambda: None) -> dict[str, float]:
+    """Median seconds per call of each workload, the workloads alternating every round (after one warm-up).
+
+    ``sync`` runs before and after each timed call (a barrier under expert parallelism).
+    """
     times: dict[str, list[float]] = {name: [] for name in runs}
     for run in runs.values():
         run()
     for _ in range(rounds):
         for name, run in runs.items():
+            sync()
             start = time.perf_counter()
             run()
+            sync()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+def deepspeed_available() -> bool:
+    try:
+        import deepspeed.moe.layer  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @contextlib.contextmanager
@@ -76,24 +97,46 @@ def _single_process_group():
         dist.destroy_process_group()
 
 
-def _deepspeed_layer(ours: nn.Module, args: argparse.Namespace) -> nn.Module:
+def _deepspeed_layer(ours: nn.Module, args: argparse.Namespace, ep_size: int = 1, ep_rank: int = 0) -> nn.Module:
+    """DeepSpeed's MoE with our router weights and experts (rank ``ep_rank``'s share of them under ep)."""
+    import deepspeed
     from deepspeed.moe.layer import MoE
 
-    theirs = MoE(args.d_model, _DeepSpeedExpert(args.d_model, args.hidden), num_experts=args.experts, ep_size=1,
-                 k=1, capacity_factor=args.capacity_factor, eval_capacity_factor=args.capacity_factor,
-                 min_capacity=4, drop_tokens=True, use_rts=False)
+    theirs = MoE(args.d_model, _DeepSpeedExpert(args.d_model, args.hidden), num_experts=args.experts,
+                 ep_size=ep_size, k=1, capacity_factor=args.capacity_factor,
+                 eval_capacity_factor=args.capacity_factor, min_capacity=4, drop_tokens=True, use_rts=False)
+    if ep_size > 1:
+        # deepspeed.comm wraps the process group already running. Its shared-memory all-reduce kernel (a C++
+        # build of minutes on first use) serves only inference all-reduces, not the MoE's all-to-all: skipped.
+        with mock.patch("deepspeed.comm.torch.build_shm_op", return_value=None):
+            deepspeed.init_distributed(dist_backend="gloo")
+        theirs.set_deepspeed_parallelism()
+    local = args.experts // ep_size
     with torch.no_grad():
         theirs.deepspeed_moe.gate.wg.weight.copy_(ours.router.weight)
-        for e, expert in enumerate(theirs.deepspeed_moe.experts.deepspeed_experts):
-            expert.w_in.weight.copy_(ours.experts.w_in.weight[e])
-            expert.w_out.weight.copy_(ours.experts.w_out.weight[e])
+        for index, expert in enumerate(theirs.deepspeed_moe.experts.deepspeed_experts):
+            source = index if ours.experts.num_experts == local else ep_rank * local + index
+            expert.w_in.weight.copy_(ours.experts.w_in.weight[source])
+            expert.w_out.weight.copy_(ours.experts.w_out.weight[source])
     return theirs
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def single_process(args: argparse.Namespace) -> dict[str, float]:
+    """Median seconds of xscale's MoE, the dense FFN and (when installed) DeepSpeed's MoE, in this process."""
+    torch.manual_seed(0)
+    ours = build_moe(layer_config(args), 0)
+    dense = build_ffn("gelu", args.d_model, args.hidden, False, 0.0)
+    x = torch.randn(args.tokens, args.d_model, requires_grad=True)
+    upstream = torch.randn(args.tokens, args.d_model)
+    runs = {"xscale_moe": _step(ours, x, upstream), "dense_ffn": _step(dense, x, upstream)}
+    with contextlib.ExitStack() as stack:
+        if deepspeed_available():
+            stack.enter_context(_single_process_group())
+            runs["deepspeed_moe"] = _step(_deepspeed_layer(ours, args), x, upstream)
+        seconds = time_alternating(runs, args.rounds)
+    ours(x)
+    seconds["dropped_fraction"] = float(ours.metrics["dropped_fraction"])
+    return seconds
 
 
 def _ep_worker(rank: int, port: int, args: argparse.Namespace, results) -> None:
@@ -103,24 +146,66 @@ def _ep_worker(rank: int, port: int, args: argparse.Namespace, results) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         torch.manual_seed(0)
-        layer = build_moe(layer_config(args), 0)
-        apply_expert_parallel(layer, dist.group.WORLD)
+        ours = build_moe(layer_config(args), 0)
+        runs = {}
         tokens = args.tokens // 2
+        torch.manual_seed(1 + rank)
         x = torch.randn(tokens, args.d_model, requires_grad=True)
         upstream = torch.randn(tokens, args.d_model)
-        run = _step(layer, x, upstream)
-        run()
-        times = []
-        for _ in range(args.rounds):
-            dist.barrier()
-            start = time.perf_counter()
-            run()
-            dist.barrier()
-            times.append(time.perf_counter() - start)
+        if deepspeed_available():
+            runs["deepspeed_moe"] = _step(_deepspeed_layer(ours, args, ep_size=2, ep_rank=rank), x, upstream)
+        apply_expert_parallel(ours, dist.group.WORLD)
+        runs["xscale_moe"] = _step(ours, x, upstream)
+        seconds = time_alternating(runs, args.rounds, sync=dist.barrier)
         if rank == 0:
-            results["ep2"] = statistics.median(times)
+            results.update(seconds)
     finally:
         dist.destroy_process_group()
+
+
+def expert_parallel(args: argparse.Namespace) -> dict[str, float]:
+    """Median seconds (rank 0, between barriers) of xscale's and DeepSpeed's MoE at ep=2 over 2 gloo processes."""
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_ep_worker, args=(free_port(), args, results), nprocs=2, join=True)
+        return dict(results)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Every figure of the bench: seconds per workload and the target ratios (see the module docstring)."""
+    single = single_process(args)
+    figures: dict = {"single": single, "ratios": {"moe_over_dense_step_time": single["xscale_moe"] / single["dense_ffn"]}}
+    if "deepspeed_moe" in single:
+        figures["ratios"]["xscale_over_deepspeed_tokens_per_s"] = single["deepspeed_moe"] / single["xscale_moe"]
+    if args.ep == 2:
+        ep = expert_parallel(args)
+        figures["ep2"] = ep
+        figures["ratios"]["ep2_over_single_tokens_per_s"] = single["xscale_moe"] / ep["xscale_moe"]
+        if "deepspeed_moe" in ep:
+            figures["ratios"]["ep2_xscale_over_deepspeed_tokens_per_s"] = ep["deepspeed_moe"] / ep["xscale_moe"]
+    return figures
+
+
+def report(figures: dict, args: argparse.Namespace) -> None:
+    single, ratios = figures["single"], figures["ratios"]
+    print(f"MoE layer: {args.tokens} tokens, d_model {args.d_model}, hidden {args.hidden}, {args.experts} experts, "
+          f"top-1, capacity factor {args.capacity_factor} (dropped {single['dropped_fraction']:.3f}), fp32, "
+          f"{torch.get_num_threads()} threads, forward+backward, median of {args.rounds} alternating rounds")
+    rows = [(f"{name} (1 process)", value) for name, value in single.items() if name != "dropped_fraction"]
+    rows += [(f"{name} (ep=2, 2 processes)", value) for name, value in figures.get("ep2", {}).items()]
+    for name, seconds in rows:
+        print(f"  {name:32s} {seconds * 1e3:9.1f} ms {args.tokens / seconds:12.0f} tokens/s")
+    if not deepspeed_available():
+        print("deepspeed is not installed: no DeepSpeed comparison (pip install -e .[deepspeed])")
+    labels = {"xscale_over_deepspeed_tokens_per_s": "xscale/DeepSpeed tokens/s, 1 process (target >= 1.5x)",
+              "ep2_xscale_over_deepspeed_tokens_per_s": "xscale/DeepSpeed tokens/s, ep=2 (target >= 1.5x)",
+              "moe_over_dense_step_time": "MoE/dense FFN step time (target <= 1.3x)",
+              "ep2_over_single_tokens_per_s": "xscale ep=2 / 1 process tokens/s"}
+    for key, label in labels.items():
+        if key in ratios:
+            print(f"{label}: {ratios[key]:.2f}x")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,48 +215,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--capacity-factor", type=float, default=1.25)
-    parser.add_argument("--rounds", type=int, default=5, help="timed forward+backward rounds per workload")
-    parser.add_argument("--ep", type=int, default=1, choices=(1, 2), help="2: also time expert parallel over 2 processes")
+    parser.add_argument("--rounds", type=int, default=15, help="timed forward+backward rounds per workload")
+    parser.add_argument("--ep", type=int, default=2, choices=(1, 2), help="2: also compare under expert parallel "
+                        "over 2 processes")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     args = parser.parse_args(argv)
+    if args.experts % args.ep or args.tokens % 2:
+        print(f"xscale bench moe: --experts {args.experts} must split over --ep {args.ep} and --tokens be even",
+              file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
-
-    torch.manual_seed(0)
-    ours = build_moe(layer_config(args), 0)
-    dense = build_ffn("gelu", args.d_model, args.hidden, False, 0.0)
-    x = torch.randn(args.tokens, args.d_model, requires_grad=True)
-    upstream = torch.randn(args.tokens, args.d_model)
-    runs = {"xscale_moe": _step(ours, x, upstream), "dense_ffn": _step(dense, x, upstream)}
-    with contextlib.ExitStack() as stack:
-        try:
-            import deepspeed.moe.layer  # noqa: F401
-        except ImportError:
-            print("deepspeed is not installed: skipping the DeepSpeed comparison (pip install -e .[deepspeed])")
-        else:
-            stack.enter_context(_single_process_group())
-            runs["deepspeed_moe"] = _step(_deepspeed_layer(ours, args), x, upstream)
-        seconds = _time(runs, args.rounds)
-
-    ours(x)
-    print(f"MoE layer: {args.tokens} tokens, d_model {args.d_model}, hidden {args.hidden}, {args.experts} experts, "
-          f"top-1, capacity factor {args.capacity_factor} (dropped {ours.metrics['dropped_fraction'].item():.3f}), "
-          f"fp32, {torch.get_num_threads()} threads, forward+backward, median of {args.rounds}")
-    for name, value in seconds.items():
-        print(f"  {name:14s} {value * 1e3:9.1f} ms   {args.tokens / value:12.0f} tokens/s")
-    if "deepspeed_moe" in seconds:
-        print(f"xscale/deepspeed tokens/s: {seconds['deepspeed_moe'] / seconds['xscale_moe']:.2f}x (target >= 1.5x)")
-    print(f"MoE/dense step time: {seconds['xscale_moe'] / seconds['dense_ffn']:.2f}x (target <= 1.3x)")
-
-    if args.ep == 2:
-        import torch.multiprocessing as mp
-
-        with mp.Manager() as manager:
-            results = manager.dict()
-            mp.spawn(_ep_worker, args=(_free_port(), args, results), nprocs=2, join=True)
-            ep_seconds = results["ep2"]
-        print(f"  xscale_moe ep=2 {ep_seconds * 1e3:9.1f} ms   {args.tokens / ep_seconds:12.0f} tokens/s "
-              f"(2 gloo processes, {args.tokens // 2} tokens each)")
+    report(run(args), args)
     return 0
 
 

@@ -1,45 +1,131 @@
-"""``xscale bench parallel``: training throughput of parallel layouts relative to one process, in one run.
+"""``xscale bench parallel``: training throughput of parallel layouts relative to one process, in one run,
+and the measured pipeline bubble next to the theoretical (p-1)/(m+p-1).
 
-Each layout trains the same model in fresh local processes (the machine's cores shared out between them); the
-figure is the median step time after warm-up, as tokens/s and as a ratio to the single-process run measured in
-the same invocation. Pipeline layouts also report the measured bubble fraction next to (p-1)/(m+p-1).
+Each layout trains the same model in fresh local processes (the machine's cores shared out between them);
+the figure is the median step time over the timed steps after warm-up, as tokens/s and as a ratio to the
+single-process run measured in the same invocation.
+
+Bubble (pipeline layouts): the fraction of a rank's schedule step in which it computes nothing. Every
+compute action the schedule runs (each stage's forward, backward and weight backward of a microbatch, and
+the last stage's loss) is timed through :attr:`PipelineEngine.wrap_compute`; the rest of the step (waiting
+for activations or gradients, sends, receives, bookkeeping) is idle. Per rank and step,
+``bubble = 1 - compute seconds / schedule step seconds`` (``PipelineEngine.last_step_seconds``); the table
+gives the median over the timed steps, averaged over the pp ranks, and the ranks' own values. The theory
+(Huang et al. 2019; Narayanan et al. 2021) assumes equal stages and free communication. Here the last stage
+also holds the output head and the loss, so it computes more than the first: the first rank idles while it
+waits for the last (its bubble stays near 1 - its compute / the last's, whatever m), and the last idles less
+than the theory says. Communication (gloo copies) counts as idle.
+
+On a shared machine, run with ``OMP_WAIT_POLICY=PASSIVE`` (spinning OpenMP threads of an oversubscribed
+CPU measure the scheduler instead), and compare only figures of one invocation.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from xscale.config import Config, ConfigError, load_config_from_cli
 from xscale.parity import PARITY_SETTINGS, layout_overrides, run_local, world_size_of
 
+PIPELINES = tuple(f"pp=2,dp_shard=1,microbatches={m},pp_schedule={schedule}"
+                  for schedule in ("gpipe", "1f1b") for m in (2, 4, 8))
 DEFAULT_LAYOUTS = ("dp_shard=2", "dp_shard=2,zero_stage=1", "dp_shard=2,zero_stage=2", "dp_shard=2,zero_stage=3",
-                   "tp=2,dp_shard=1", "pp=2,dp_shard=1,microbatches=4,pp_schedule=gpipe",
-                   "pp=2,dp_shard=1,microbatches=4,pp_schedule=1f1b")
+                   "tp=2,dp_shard=1", *PIPELINES)
 MODEL = ["model.vocab_size=4000", "model.d_model=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4",
          "train.global_batch_size=16", "train.seq_len=128", "data.dataset=copy", "data.num_samples=4096",
          "data.eval_fraction=0.0"]
 
 
+class ComputeClock:
+    """Adds up the wall time spent inside the callables it wraps (the schedule's compute actions)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def wrap(self, action: Callable) -> Callable:
+        @functools.wraps(action)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return action(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+        return timed
+
+
+def bubble_fraction(compute_seconds: float, step_seconds: float) -> float:
+    """The idle share of a schedule step: 1 - compute / step."""
+    return 1.0 - compute_seconds / step_seconds
+
+
+def theoretical_bubble(pp: int, microbatches: int) -> float:
+    """GPipe's and 1F1B's bubble with equal stages and free communication: (p-1)/(m+p-1)."""
+    return (pp - 1) / (microbatches + pp - 1)
+
+
 def _measure(config: Config, warmup: int, steps: int) -> dict:
+    """On every rank: median step seconds (the trainer's whole step) and, in a pipeline, median bubble."""
+    from xscale.parallel.pipeline import PipelineEngine
     from xscale.train.trainer import Trainer
 
     trainer = Trainer(config)
+    engine = trainer.engine
+    clock = ComputeClock()
+    if isinstance(engine, PipelineEngine):
+        engine.wrap_compute = clock.wrap  # before the first step builds the schedule
     for _ in range(warmup):
         trainer.train_step()
     times, bubbles = [], []
     for _ in range(steps):
+        clock.seconds = 0.0
         start = time.perf_counter()
         trainer.train_step()
         times.append(time.perf_counter() - start)
-        bubble = getattr(trainer.engine, "last_bubble_fraction", None)
-        if bubble is not None:
-            bubbles.append(bubble)
+        if isinstance(engine, PipelineEngine):
+            bubbles.append(bubble_fraction(clock.seconds, engine.last_step_seconds))
     return {"seconds": statistics.median(times), "bubble": statistics.median(bubbles) if bubbles else None}
+
+
+def measure_layouts(config_path: str | None, overrides: list[str], layouts: list[str], warmup: int,
+                    steps: int) -> list[dict]:
+    """One row per layout ("single" first): procs, step seconds, tokens/s, ratio to single, bubbles."""
+    base = ([] if config_path else MODEL) + [*overrides, *PARITY_SETTINGS, "train.steps=1000"]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="xscale-bench-parallel-") as scratch:
+        for index, layout in enumerate(["single", *layouts]):
+            config = load_config_from_cli(config_path, [*base, *layout_overrides(layout),
+                                                        f"train.output_dir={Path(scratch) / str(index)}"])
+            world_size = world_size_of(config)
+            ranks = run_local(_measure, world_size, config, warmup, steps)
+            bubbles = [rank["bubble"] for rank in ranks if rank["bubble"] is not None]
+            parallel = config.parallel
+            rows.append({
+                "layout": layout, "procs": world_size, "seconds": ranks[0]["seconds"],
+                "tokens_per_s": config.train.global_batch_size * config.train.seq_len / ranks[0]["seconds"],
+                "rank_bubbles": bubbles, "bubble": statistics.mean(bubbles) if bubbles else None,
+                "theory": theoretical_bubble(parallel.pp, parallel.microbatches) if parallel.pp > 1 else None,
+            })
+    for row in rows:
+        row["vs_single"] = rows[0]["seconds"] / row["seconds"]
+    return rows
+
+
+def report(rows: list[dict]) -> None:
+    print(f"{'layout':<48} {'procs':>5} {'step s':>8} {'tokens/s':>9} {'vs single':>9} "
+          f"{'bubble':>7} {'(p-1)/(m+p-1)':>13}  per-rank bubble")
+    for row in rows:
+        bubble = f"{row['bubble']:.3f}" if row["bubble"] is not None else "-"
+        theory = f"{row['theory']:.3f}" if row["theory"] is not None else "-"
+        ranks = " ".join(f"{value:.3f}" for value in row["rank_bubbles"])
+        print(f"{row['layout']:<48} {row['procs']:>5} {row['seconds']:>8.3f} {row['tokens_per_s']:>9,.0f} "
+              f"{row['vs_single']:>8.2f}x {bubble:>7} {theory:>13}  {ranks}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,31 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args(argv)
-    base = ([] if args.config else MODEL) + [*args.overrides, *PARITY_SETTINGS, "train.steps=1000"]
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="xscale-bench-parallel-") as scratch:
-        try:
-            for index, layout in enumerate(["single", *args.layouts]):
-                config = load_config_from_cli(args.config, [*base, *layout_overrides(layout),
-                                                            f"train.output_dir={Path(scratch) / str(index)}"])
-                world_size = world_size_of(config)
-                result = run_local(_measure, world_size, config, args.warmup, args.steps)[0]
-                theory = None
-                if config.parallel.pp > 1:
-                    p, m = config.parallel.pp, config.parallel.microbatches
-                    theory = (p - 1) / (m + p - 1)
-                rows.append((layout, world_size, result["seconds"], result["bubble"], theory))
-        except ConfigError as error:
-            print(f"xscale bench parallel: {error}", file=sys.stderr)
-            return 2
-    tokens = config.train.global_batch_size * config.train.seq_len
-    single = rows[0][2]
-    print(f"{'layout':<48} {'procs':>5} {'step s':>8} {'tokens/s':>10} {'vs single':>9} {'bubble':>7} {'(p-1)/(m+p-1)':>13}")
-    for layout, world_size, seconds, bubble, theory in rows:
-        bubble_text = f"{bubble:.3f}" if bubble is not None else "-"
-        theory_text = f"{theory:.3f}" if theory is not None else "-"
-        print(f"{layout:<48} {world_size:>5} {seconds:>8.3f} {tokens / seconds:>10,.0f} {single / seconds:>8.2f}x "
-              f"{bubble_text:>7} {theory_text:>13}")
+    try:
+        rows = measure_layouts(args.config, args.overrides, args.layouts, args.warmup, args.steps)
+    except ConfigError as error:
+        print(f"xscale bench parallel: {error}", file=sys.stderr)
+        return 2
+    report(rows)
     return 0
 
 

@@ -2,9 +2,12 @@
 
 Position p in the training stream (p = 0, 1, 2, ... over all epochs) reads sample
 ``permutation_e[p mod N]`` with epoch e = p // N and a permutation seeded by (seed, e). Step s reads
-positions ``origin + s*B .. origin + (s+1)*B - 1`` (B the global batch), and data-parallel rank r of D
-takes the r-th contiguous slice. The state holds only global quantities (seed, samples consumed, step),
-so resuming with any number of ranks continues with exactly the samples not yet seen.
+positions ``origin + s*B .. origin + (s+1)*B - 1`` (B the global batch). When the engine runs k microbatches per
+step the batch is cut into k contiguous slices and data-parallel rank r of D takes the r-th contiguous piece
+of each, so microbatch m of all ranks together is the m-th slice (k = 1: rank r takes the r-th slice); an
+expert-parallel routing group is then a contiguous run of samples (:mod:`xscale.parallel.engine`). The state
+holds only global quantities (seed, samples consumed, step), so resuming with any number of ranks continues
+with exactly the samples not yet seen.
 """
 
 from __future__ import annotations
@@ -61,15 +64,20 @@ class GlobalSampler:
         return self.indices_at(self.origin + step * self.global_batch_size, self.global_batch_size)
 
     @staticmethod
-    def shard(indices: list[int], dp_rank: int, dp_size: int) -> list[int]:
-        """The contiguous slice of a global batch that data-parallel rank ``dp_rank`` of ``dp_size`` reads."""
+    def shard(indices: list[int], dp_rank: int, dp_size: int, microbatches: int = 1) -> list[int]:
+        """What data-parallel rank ``dp_rank`` of ``dp_size`` reads of a global batch: its piece of each of the
+        ``microbatches`` contiguous slices, in microbatch order."""
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} must be in [0, {dp_size})")
         if len(indices) % dp_size:
             raise ValueError(f"a global batch of {len(indices)} samples does not split over {dp_size} "
                              "data-parallel ranks; make train.global_batch_size a multiple of the data-parallel size")
         per_rank = len(indices) // dp_size
-        return indices[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        if microbatches < 1 or per_rank % microbatches:
+            raise ValueError(f"a rank's {per_rank} samples do not split into {microbatches} microbatches")
+        micro = per_rank // microbatches
+        return [index for slice_start in range(dp_rank * micro, len(indices), dp_size * micro)
+                for index in indices[slice_start:slice_start + micro]]
 
     @property
     def consumed_samples(self) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -78,6 +78,12 @@ class DropoutPosition:
     seed: int
     step: int
     first_sample: int = 0  # row of the step's global batch that this batch's row 0 is
+    microbatch_stride: int = 0  # rows of the global batch from one microbatch of this batch to the next (0: its rows)
+
+    def microbatch(self, index: int, rows: int) -> DropoutPosition:
+        """Where microbatch ``index`` (``rows`` rows, contiguous in the global batch) of this batch sits."""
+        stride = self.microbatch_stride or rows
+        return replace(self, first_sample=self.first_sample + index * stride, microbatch_stride=0)
 
 
 _position: DropoutPosition | None = None  # a global, not a ContextVar: autograd's device threads read it too

@@ -12,12 +12,13 @@ the ep group under expert parallelism. A step has G = microbatches x (dp / ep) o
 layer's auxiliary losses are weighted 1/G and its reported statistics are the step's
 (:mod:`xscale.parallel.routing_groups`). The single process routes one microbatch at a time, so its
 routing matches a layout's when its micro_batch_size equals the sequences of one routing group
-(ep x the per-rank micro_batch_size, contiguous in the global batch).
+(ep x the per-rank micro_batch_size): the data split follows the microbatches
+(:meth:`GlobalSampler.shard <xscale.data.sampler.GlobalSampler.shard>`), so a group is a contiguous run of
+the global batch, in the order the single process reads it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 
@@ -83,6 +84,10 @@ class Engine:
         """The modules this rank holds (one, or several pipeline stages)."""
         return [self.model]
 
+    def microbatches_per_batch(self, rows: int) -> int:
+        """How many microbatches a rank's batch of ``rows`` sequences is run as (the data split follows them)."""
+        return max(1, rows // self.micro_batch_size)
+
     def parameters(self) -> Iterator[nn.Parameter]:
         for part in self.model_parts:
             yield from part.parameters()
@@ -126,8 +131,7 @@ class Engine:
         for index, micro in enumerate(micros):
             if self.distributed:
                 self.data_parallel.requires_gradient_sync(index == len(micros) - 1)
-            with dropout_position(position and dataclasses.replace(
-                    position, first_sample=position.first_sample + index * self.micro_batch_size)):
+            with dropout_position(position and position.microbatch(index, self.micro_batch_size)):
                 with self._autocast():
                     loss = self.loss_fn(self.model, micro) / tokens
                 loss.backward()

@@ -13,6 +13,12 @@ them in the global shape, :mod:`xscale.parallel.expert_state`). Gradients of exp
 only over the data-parallel ranks that hold the same experts, those of other weights over every data-parallel
 rank. In the trainer's layouts (:func:`xscale.parallel.parallelize.build_engine`) the ep group is ``mesh["ep"]``,
 consecutive data-parallel ranks, so one routing group is a contiguous slice of the global batch.
+
+With tensor parallelism on attention (``ep x tp``) the MoE layers are replicated over tp
+(:mod:`xscale.parallel.tensor`): the tp ranks of a data-parallel rank route the same tokens, each through the ep
+group of its own tp coordinate, and hold the same expert slice as Replicate DTensors. Their expert gradients are
+then already whole on every tp rank (not summed over tp), reduced over ``edp`` only, and counted once in the
+gradient norm (each slice has edp x tp replicas).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from xscale.config import ConfigError
 from xscale.models.moe import MoELayer, moe_layers
@@ -101,10 +108,11 @@ class AllToAllDispatch:
         chunk_rows = torch.arange(arrived.shape[0], device=arrived.device).split(received.reshape(-1).tolist())
         expert_major = torch.cat([chunk_rows[s * self.local_experts + e]
                                   for e in range(self.local_experts) for s in range(self.size)])
-        outputs = experts(arrived[expert_major], received.sum(0).tolist())
+        # index_select: its backward is an index_add (advanced indexing's is a slow accumulating index_put)
+        outputs = experts(arrived.index_select(0, expert_major), received.sum(0).tolist())
         source_major = torch.empty_like(expert_major)
         source_major[expert_major] = torch.arange(expert_major.numel(), device=expert_major.device)
-        return all_to_all(outputs[source_major], send_splits, receive_splits, self.group)
+        return all_to_all(outputs.index_select(0, source_major), send_splits, receive_splits, self.group)
 
 
 def _resolve_group(ep_group_or_mesh: dist.ProcessGroup | DeviceMesh) -> dist.ProcessGroup:
@@ -137,10 +145,16 @@ def shard_expert_state_dict(state_dict: dict[str, torch.Tensor], num_experts: in
 
 @torch.no_grad()
 def _shard_experts(layer: MoELayer, first: int, last: int) -> None:
+    """Keep experts [first, last); a tensor-parallel (Replicate DTensor) parameter stays one, on its mesh."""
     experts = layer.experts
     for module in experts.modules():
         for name, param in list(module.named_parameters(recurse=False)):
-            setattr(module, name, nn.Parameter(param[first:last].clone(), requires_grad=param.requires_grad))
+            if isinstance(param, DTensor):
+                rows = DTensor.from_local(param.to_local()[first:last].clone(), param.device_mesh, param.placements,
+                                          run_check=False)
+            else:
+                rows = param[first:last].clone()
+            setattr(module, name, nn.Parameter(rows, requires_grad=param.requires_grad))
     experts.num_experts = last - first
 
 

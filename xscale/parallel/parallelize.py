@@ -4,7 +4,8 @@ Order (as torchtitan settled on): build on the meta device -> pipeline split -> 
 expert parallel -> activation checkpointing -> ZeRO-3 (FSDP2) -> materialise on the device -> deterministic init
 from (seed, canonical parameter name), so every layout starts from the single-device weights.
 Expert parallelism (ep > 1) acts on the MoE layers only and slices materialised experts, so under ep the model is
-materialised and initialised just before it.
+materialised and initialised just before it (after tensor parallelism's plans on the meta model; under pp, in each
+stage the pipeline engine has materialised).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from xscale.config import Config, ConfigError
+from xscale.config import Config
 from xscale.models import build_model
 from xscale.models.init import canonical_name, init_weights
 from xscale.models.moe import moe_layers
@@ -80,9 +81,6 @@ def build_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh | None, de
         return Engine(model, micro_batch_size(config, dims), autocast)
     if dims.pp > 1:
         return _build_pipeline_engine(config, dims, mesh, device, autocast)
-    if dims.ep > 1 and dims.tp > 1:
-        raise ConfigError(f"expert x tensor parallelism (parallel.ep={dims.ep} with parallel.tp={dims.tp}) is not "
-                          f"supported yet; use ep with data parallel / ZeRO, or tp with ep=1")
 
     model = build_model(config.model, materialize=False)
     loss_fn = model_loss_sum
@@ -141,9 +139,6 @@ def _build_pipeline_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh,
     materialises and initialises it; data parallel around them."""
     from xscale.parallel.pipeline import PipelineEngine
 
-    if dims.ep > 1:
-        raise ConfigError("pipeline x expert parallelism is not supported yet; use parallel.ep=1 with parallel.pp")
-
     def parallelize_stage(stage: nn.Module) -> None:
         if dims.tp > 1:
             from xscale.parallel.tensor import apply_tensor_parallel
@@ -154,5 +149,9 @@ def _build_pipeline_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh,
 
     model = build_model(config.model, materialize=False)
     engine = PipelineEngine.from_config(config, model, mesh["pp"], device, parallelize_stage)
+    if dims.ep > 1:  # the stages are materialised with the single-process init; keep this rank's experts
+        for stage in engine.model_parts:
+            if moe_layers(stage):
+                apply_expert_parallel(stage, mesh["ep"])
     engine.data_parallel = _data_parallel(engine.model_parts, dims, mesh, autocast)(engine.model_parts)
     return engine

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,7 @@ from xscale.models.dropout import DropoutPosition, dropout_position
 from xscale.models.transformer import Transformer
 from xscale.ops import cross_entropy_sum, linear_cross_entropy_sum
 from xscale.parallel.engine import STATE_DICT_OPTIONS, Batch, Engine
+from xscale.parallel.expert_state import globalize_expert_state, localize_expert_state
 from xscale.parallel.grad_norm import clip_gradients
 from xscale.parallel.pipeline_stages import (
     TIED_COPY,
@@ -74,6 +76,23 @@ class ForwardOnlyZBV(ScheduleZBVZeroBubble):
             rank: [action for action in actions if action.computation_type.value in self.FORWARD_ACTIONS]
             for rank, actions in self.pipeline_order_with_comms.items()
         }
+
+
+# The PipelineStage methods that compute (everything else a schedule does is communication or bookkeeping).
+COMPUTE_ACTIONS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+
+class QuietMetadataStage(PipelineStage):
+    """A PipelineStage whose metadata-inference forward records no MoE routing statistics: before its first step
+    torch runs each stage once on the first microbatch (later stages: on uninitialised placeholders)."""
+
+    def __init__(self, *args, pause_statistics: Callable[[], AbstractContextManager], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.pause_statistics = pause_statistics
+
+    def _prepare_forward_infra(self, *args, **kwargs):
+        with self.pause_statistics():
+            return super()._prepare_forward_infra(*args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -206,7 +225,7 @@ def _pp_group(pp: DeviceMesh | dist.ProcessGroup) -> dist.ProcessGroup:
     return pp
 
 
-class MicrobatchDropoutStage(PipelineStage):
+class MicrobatchDropoutStage(QuietMetadataStage):
     """A stage whose forward of microbatch k draws the dropout masks of that microbatch's rows in the global batch
     (:mod:`xscale.models.dropout`), whatever order the schedule runs microbatches in."""
 
@@ -214,10 +233,7 @@ class MicrobatchDropoutStage(PipelineStage):
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
         position = self.engine.dropout_position
-        if position is not None:
-            first = position.first_sample + fwd_chunk_id * self.engine.rows_per_microbatch
-            position = replace(position, first_sample=first)
-        with dropout_position(position):
+        with dropout_position(position and position.microbatch(fwd_chunk_id, self.engine.rows_per_microbatch)):
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
 
@@ -269,6 +285,9 @@ class PipelineEngine(Engine):
         self.rows_per_microbatch = 0
         self._token_count = torch.ones((), device=self.device)
         self.last_step_seconds = 0.0
+        # Optional instrumentation (``xscale bench parallel`` times the compute with it): set before the first
+        # step, it wraps every compute action of the schedules (COMPUTE_ACTIONS of each stage, and the loss).
+        self.wrap_compute: Callable[[Callable], Callable] | None = None
         # micro_batch_size is unused: the schedule cuts each batch into ``microbatches`` equal parts.
         super().__init__(self.stages[0], micro_batch_size=0, autocast_dtype=autocast_dtype)
 
@@ -285,6 +304,9 @@ class PipelineEngine(Engine):
     @property
     def model_parts(self) -> list[nn.Module]:
         return list(self.stages)
+
+    def microbatches_per_batch(self, rows: int) -> int:
+        return self.microbatches
 
     @property
     def holds_first(self) -> bool:
@@ -313,11 +335,18 @@ class PipelineEngine(Engine):
         # Stages learn their activation shapes on first use, so each input shape gets its own.
         key = (training, rows, *batch["input_ids"].shape[1:])
         if key not in self._schedules:
-            stages = [MicrobatchDropoutStage(module, index, self.num_stages, self.device, group=self.group)
+            stages = [MicrobatchDropoutStage(module, index, self.num_stages, self.device, group=self.group,
+                                             pause_statistics=self.routing_groups.paused)
                       for module, index in zip(self.stages, self.stage_indices)]
+            loss_fn = self._loss
             for stage in stages:
                 stage.engine = self
-            kwargs = {"n_microbatches": self.microbatches, "loss_fn": self._loss, "scale_grads": False}
+                if self.wrap_compute is not None:
+                    for name in COMPUTE_ACTIONS:
+                        setattr(stage, name, self.wrap_compute(getattr(stage, name)))
+            if self.wrap_compute is not None:
+                loss_fn = self.wrap_compute(loss_fn)
+            kwargs = {"n_microbatches": self.microbatches, "loss_fn": loss_fn, "scale_grads": False}
             cls = self.spec.cls if training else (self.spec.eval_cls or self.spec.cls)
             self._schedules[key] = cls(stages[0], **kwargs) if self.spec.single_stage else cls(stages, **kwargs)
         return self._schedules[key]
@@ -396,11 +425,14 @@ class PipelineEngine(Engine):
                                                           options=STATE_DICT_OPTIONS)
         if self.tied.copy is not None:
             _tied_copy_to_source(optimizer_state)
-        return {"model": model_state, "optimizer": optimizer_state}
+        state = {"model": model_state, "optimizer": optimizer_state}
+        return state if self.expert_mesh is None else globalize_expert_state(state, self.expert_mesh)
 
     def load_state_dict(self, state: dict, optimizer: torch.optim.Optimizer) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
+        if self.expert_mesh is not None:
+            state = localize_expert_state(state, self.model_parts)
         optimizer_state = state["optimizer"]
         if self.tied.copy is not None:
             optimizer_state = _source_to_tied_copy(optimizer_state, holds_source=self.holds_first)

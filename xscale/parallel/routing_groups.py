@@ -16,7 +16,8 @@ micro_batch_size = one group's sequences routes exactly the same groups.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -60,6 +61,15 @@ class RoutingGroups:
         total = self._sums[index]
         self._sums[index] = value if total is None else total + value
         self._forwards[index] += 1
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Forwards inside record nothing (a pipeline runtime's metadata-inference forward, on placeholders)."""
+        recording, self._recording = self._recording, False
+        try:
+            yield
+        finally:
+            self._recording = recording
 
     def begin_step(self, microbatches: int) -> None:
         """Weight the auxiliary losses of each of the step's forwards by 1/G and start recording statistics."""

@@ -176,6 +176,9 @@ def _parallelize_attention(attention: Attention, mesh: DeviceMesh, config: Model
 def _parallelize_feed_forward(ffn: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) -> None:
     stream = _stream(sequence_parallel)
     if isinstance(ffn, MoELayer):
+        # The experts swap in their own local tensors too: under ep x ZeRO-3 they are an FSDP unit inside the
+        # layer, whose unshard re-registers DTensors after the layer's swap.
+        replicate_parameters(ffn.experts, mesh, sum_gradients=False)
         replicate_parameters(ffn, mesh, sum_gradients=False)
         if sequence_parallel:
             parallelize_module(ffn, mesh, PrepareModuleInputOutput(

@@ -101,9 +101,21 @@ class Trainer:
             print(f"resumed from {path} at step {self.step}", flush=True)
         return True
 
+    def layer_metrics(self) -> dict[str, float]:
+        """Per-layer statistics of every layer of the model (rank 0 logs them; later pipeline stages send theirs)."""
+        metrics: dict[str, float] = {}
+        for module in self.engine.model_parts:
+            metrics.update(_collect_layer_metrics(module))
+        if self.dims.pp > 1:
+            stages: list[dict[str, float] | None] = [None] * self.dims.pp
+            torch.distributed.all_gather_object(stages, metrics, group=self.mesh["pp"].get_group())
+            metrics = {key: value for stage in stages for key, value in stage.items()}
+        return metrics
+
     # ------------------------------------------------------------------ data
     def _load(self, dataset: Any, indices: list[int]) -> dict[str, torch.Tensor]:
-        local = GlobalSampler.shard(indices, self.dp_rank, self.dp_size)
+        microbatches = self.engine.microbatches_per_batch(len(indices) // self.dp_size)
+        local = GlobalSampler.shard(indices, self.dp_rank, self.dp_size, microbatches)
         batch = collate([dataset[i] for i in local])
         return {key: value.to(self.device) for key, value in batch.items()}
 
@@ -122,14 +134,19 @@ class Trainer:
             losses.append(float(self.engine.eval_loss(self._load(self.eval_dataset, indices))))
         return sum(losses) / len(losses) if losses else float("nan")
 
+    def dropout_position(self) -> DropoutPosition:
+        """Where this rank's batch sits in the step's global batch (its microbatches as :meth:`_load` reads them):
+        dropout masks follow the step and each sample's place, not the layout."""
+        micro = self.local_batch_size // self.engine.microbatches_per_batch(self.local_batch_size)
+        return DropoutPosition(self.config.train.seed, self.step, first_sample=self.dp_rank * micro,
+                               microbatch_stride=self.dp_size * micro)
+
     # ------------------------------------------------------------------ loop
     def train_step(self) -> dict[str, float]:
         batch = self.next_batch()
         tokens = batch["input_ids"].numel() * self.dp_size
         start = time.perf_counter()
-        # Dropout masks follow the step and each sample's place in the global batch, not the layout.
-        position = DropoutPosition(self.config.train.seed, self.step, self.dp_rank * self.local_batch_size)
-        loss = self.engine.train_step(batch, position)
+        loss = self.engine.train_step(batch, self.dropout_position())
         grad_norm = self.engine.clip_grad_norm(self.config.train.grad_clip)
         self.engine.optimizer_step(self.optimizer)
         lr = self.scheduler.get_last_lr()[0]
@@ -161,8 +178,7 @@ class Trainer:
             while self.step < train.steps:
                 scalars = self.train_step()
                 losses.append(scalars["train/loss"])
-                for module in self.engine.model_parts:  # before evaluation, whose forwards overwrite them
-                    scalars.update(_collect_layer_metrics(module))
+                scalars.update(self.layer_metrics())  # before evaluation, whose forwards overwrite them
                 if train.eval_every and self.step % train.eval_every == 0:
                     scalars["eval/loss"] = self.evaluate()
                 self.metrics.log(self.step, scalars)

@@ -10,11 +10,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from xscale.models.ffn import ACTIVATIONS, GatedMLP
 from xscale.models.registry import FFN
+from xscale.ops.grouped_linear import grouped_linear
 
 
 class StackedLinear(nn.Module):
@@ -34,12 +34,6 @@ class StackedLinear(nn.Module):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
-    def per_expert(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """(weight, bias) of each expert; one ``unbind`` so backward stacks the gradients once."""
-        weights = self.weight.unbind(0)
-        biases = self.bias.unbind(0) if self.bias is not None else [None] * len(weights)
-        return list(zip(weights, biases))
-
 
 class StackedExperts(nn.Module):
     """Expert i is ``config.ffn`` with its own weights; tokens arrive sorted by expert (Lepikhin et al. 2020)."""
@@ -58,25 +52,22 @@ class StackedExperts(nn.Module):
             self.w_in = StackedLinear(num_experts, d_model, hidden, bias)
             self.w_out = StackedLinear(num_experts, hidden, d_model, bias)
 
-    def _ffn(self, x: torch.Tensor, *projections: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
-        """One expert's FFN on tokens x [n, d_model], given its (weight, bias) per projection."""
-        if self.gated:
-            from xscale.ops import gated_activation
-
-            gate, up, down = projections
-            return F.linear(gated_activation(F.linear(x, *gate), F.linear(x, *up), self.activation), *down)
-        w_in, w_out = projections
-        return F.linear(ACTIVATIONS[self.activation](F.linear(x, *w_in)), *w_out)
-
     def forward(self, tokens_by_expert: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Tokens [sum(counts), d] sorted by expert, ``counts[i]`` of them for expert i -> outputs, same order.
 
-        Variable-size expert batches (dropless-capable): one GEMM per expert on its own rows.
+        Variable-size expert batches (dropless-capable): one GEMM per expert and projection on its own rows
+        (:func:`xscale.ops.grouped_linear.grouped_linear`).
         """
         if len(counts) != self.num_experts:
             raise ValueError(f"got token counts for {len(counts)} experts, this module holds {self.num_experts}")
-        projections = (self.w_gate, self.w_up, self.w_down) if self.gated else (self.w_in, self.w_out)
-        per_expert = zip(*(projection.per_expert() for projection in projections))
-        chunks = tokens_by_expert.split(counts)
-        outputs = [self._ffn(chunk, *weights) for chunk, weights in zip(chunks, per_expert)]
-        return torch.cat(outputs) if outputs else tokens_by_expert
+
+        def project(linear: StackedLinear, x: torch.Tensor) -> torch.Tensor:
+            return grouped_linear(x, linear.weight, linear.bias, counts)
+
+        x = tokens_by_expert
+        if self.gated:
+            from xscale.ops import gated_activation
+
+            hidden = gated_activation(project(self.w_gate, x), project(self.w_up, x), self.activation)
+            return project(self.w_down, hidden)
+        return project(self.w_out, ACTIVATIONS[self.activation](project(self.w_in, x)))

@@ -79,7 +79,9 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
         routing = self.router(tokens, self.token_group, self.token_ids)
-        outputs_by_expert = self.dispatch(tokens[routing.token_index], routing.local_tokens_per_expert, self.experts)
+        # index_select, not tokens[index]: its backward is an index_add, not a serial accumulating index_put
+        outputs_by_expert = self.dispatch(tokens.index_select(0, routing.token_index), routing.local_tokens_per_expert,
+                                          self.experts)
         weighted = outputs_by_expert * routing.gate.unsqueeze(-1).to(outputs_by_expert.dtype)
         output = torch.zeros_like(tokens).index_add(0, routing.token_index, weighted.to(tokens.dtype))
         if self.shared_expert is not None:

@@ -119,10 +119,11 @@ def token_choice_routing(*, expert_index: torch.Tensor, gate: torch.Tensor, disp
 
     token_global = order % group_tokens
     choice = order // group_tokens
-    mine = kept & (token_global >= offset) & (token_global < offset + n)
-    token_index = token_global[mine] - offset
-    local_expert = sorted_expert[mine]
-    local_gate = gate[token_index, choice[mine]]
+    mine = (kept & (token_global >= offset) & (token_global < offset + n)).nonzero().squeeze(1)
+    token_index = token_global.index_select(0, mine) - offset
+    local_expert = sorted_expert.index_select(0, mine)
+    # index_select, not gate[rows, cols]: the backward of advanced indexing is a slow accumulating index_put
+    local_gate = gate.reshape(-1).index_select(0, token_index * top_k + choice.index_select(0, mine))
 
     tokens_per_expert = torch.bincount(sorted_expert[kept], minlength=num_experts)
     dropped = 1.0 - kept.sum() / routed.sum().clamp_min(1)

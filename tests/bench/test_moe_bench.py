@@ -1,0 +1,50 @@
+"""``xscale bench moe`` at tiny sizes: every workload timed, the target ratios finite and positive.
+
+No timing is asserted (machines are noisy).
+"""
+
+import argparse
+import math
+
+import pytest
+
+from xscale.bench import moe as bench
+
+TINY = ["--tokens", "64", "--d-model", "16", "--hidden", "32", "--experts", "4", "--rounds", "1"]
+
+
+def tiny_args(ep: int) -> argparse.Namespace:
+    return argparse.Namespace(tokens=64, d_model=16, hidden=32, experts=4, capacity_factor=1.25, rounds=1, ep=ep)
+
+
+def assert_positive_and_finite(values: dict) -> None:
+    for name, value in values.items():
+        assert math.isfinite(value) and value > 0, (name, value)
+
+
+def test_one_process_times_ours_deepspeed_and_dense(capsys):
+    pytest.importorskip("deepspeed.moe.layer", reason="deepspeed is not installed")
+    figures = bench.run(tiny_args(ep=1))
+    assert set(figures["single"]) == {"xscale_moe", "dense_ffn", "deepspeed_moe", "dropped_fraction"}
+    assert set(figures["ratios"]) == {"moe_over_dense_step_time", "xscale_over_deepspeed_tokens_per_s"}
+    assert_positive_and_finite(figures["ratios"])
+    assert 0.0 <= figures["single"]["dropped_fraction"] < 1.0
+    assert bench.main([*TINY, "--ep", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "xscale/DeepSpeed tokens/s, 1 process (target >= 1.5x):" in printed
+    assert "MoE/dense FFN step time (target <= 1.3x):" in printed
+
+
+@pytest.mark.slow  # two processes bringing up DeepSpeed's groups: ~25 s on 2 loaded cores
+def test_expert_parallel_times_ours_and_deepspeed_over_two_processes():
+    pytest.importorskip("deepspeed.moe.layer", reason="deepspeed is not installed")
+    figures = bench.run(tiny_args(ep=2))
+    assert set(figures["ep2"]) == {"xscale_moe", "deepspeed_moe"}
+    assert_positive_and_finite(figures["ep2"])
+    assert {"ep2_over_single_tokens_per_s", "ep2_xscale_over_deepspeed_tokens_per_s"} <= set(figures["ratios"])
+    assert_positive_and_finite(figures["ratios"])
+
+
+def test_experts_that_do_not_split_over_ep_are_refused(capsys):
+    assert bench.main([*TINY, "--experts", "3", "--ep", "2"]) == 2
+    assert "must split over --ep 2" in capsys.readouterr().err
