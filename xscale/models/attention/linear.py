@@ -36,10 +36,9 @@ def kernelized_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, *, causal: boo
     phi_q, phi_k, values = (x.reshape(batch, heads, n_chunks, chunk, x.shape[-1]) for x in (phi_q, phi_k, values))
     out = (phi_q @ phi_k.transpose(-1, -2)).tril_() @ values  # inside each chunk: (B, H, n, C, d + 1)
     if n_chunks > 1:
-        # chunk i reads the sum of the states of chunks < i: the running sum up to chunk i - 1 (B, H, n - 1, m, d + 1)
-        before = n_chunks - 1
-        state = (phi_k.narrow(2, 0, before).transpose(-1, -2) @ values.narrow(2, 0, before)).cumsum(dim=2)
-        out[:, :, 1:] += phi_q.narrow(2, 1, n_chunks - 1) @ state
+        # chunk i reads the states of chunks < i: an exclusive prefix sum (B, H, n, m, d + 1), zero for chunk 0
+        states = (phi_k.transpose(-1, -2) @ values).narrow(2, 0, n_chunks - 1)
+        out = out + phi_q @ F.pad(states, (0, 0, 0, 0, 1, 0)).cumsum(dim=2)
     out = out.reshape(batch, heads, n_chunks * chunk, -1)[:, :, :length]
     return out[..., :-1] / out[..., -1:].clamp_min(eps)
 
