@@ -3,9 +3,10 @@ attention (T x T materialised, Long Range Arena's "vanilla") and torch SDPA, mea
 
     python -m xscale.bench.attention --out docs/bench/attention        # T = 1K..16K, 32K for linear memory
 
-Per length, every case (baselines and variants) runs once to warm up (this also builds cached sparsity plans),
-once under the allocator profiler for memory, then ``--repeats`` timed rounds that visit all cases in turn, so
-load on a shared machine hits baselines and variants alike; time is the best round. Memory is reported twice:
+Per length, every variant runs once to warm up (this builds its cached sparsity plan), then every case
+(baselines and variants) once under the allocator profiler for memory, then ``--repeats`` timed rounds that
+visit all cases in turn, so load on a shared machine hits baselines and variants alike; time is the best round.
+The outputs are rewritten after each length, so a run cut short keeps what it measured. Memory is reported twice:
 ``peak`` = the CPU allocator's high-water mark during forward + backward above what was live before (every
 tensor allocated, transient buffers and the q/k/v gradients included: ``torch.profiler`` with
 ``profile_memory``), and ``saved`` = the bytes autograd keeps for backward (unique storages, q/k/v excluded)
@@ -281,7 +282,7 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 
 def run(lengths: list[int], long_lengths: list[int], variants: list[str], repeats: int, d_model: int, heads: int,
-        max_seconds: float, log=print) -> list[dict]:
+        max_seconds: float, log=print, after_length=None) -> list[dict]:
     """Every case at every length it qualifies for; rows in (length, case) order."""
     head_dim = d_model // heads
     names = list(BASELINES) + variants
@@ -314,8 +315,9 @@ def run(lengths: list[int], long_lengths: list[int], variants: list[str], repeat
             if not row["note"]:
                 active.append((name, causal, make_runner(name, length, causal, heads, d_model)))
         timings: dict[tuple[str, bool], list[float]] = {}
-        for _name, _causal, fn in active:  # warm-up: plans, allocator, thread pool
-            time_once(fn, q, k, v, grad)
+        for name, _causal, fn in active:  # warm-up: sparsity plans
+            if name not in BASELINES:
+                time_once(fn, q, k, v, grad)
         for name, causal, fn in active:
             peak, saved = measure_memory(fn, q, k, v, grad)
             current[(name, causal)]["peak_mib"] = peak / 2**20 if peak is not None else None
@@ -336,6 +338,8 @@ def run(lengths: list[int], long_lengths: list[int], variants: list[str], repeat
                      f"saved {row['saved_mib']:.1f} MiB" if row["seconds"] else row["note"])
             ratios = "".join(f", {row[key]:.2f}x {key[3:]}" for key in ("vs_naive", "vs_sdpa") if row[key])
             log(f"T={length:6d} {name:12s} {'causal' if causal else 'bidir ':6s} {shown}{ratios}")
+        if after_length is not None:
+            after_length(rows)
     return rows
 
 
@@ -368,10 +372,15 @@ def main(argv: list[str] | None = None) -> int:
               f"(+{long_lengths} for linear memory), best of {args.repeats}, {torch.get_num_threads()} threads, "
               f"torch {torch.__version__}, load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} at start")
     print(header, flush=True)
+    names = list(BASELINES) + variants
+
+    def write(rows: list[dict]) -> str:
+        load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+        return write_outputs(rows, Path(args.out), names, f"{header}, {load} after T={rows[-1]['length']}")
+
     rows = run(lengths, long_lengths, variants, args.repeats, args.d_model, args.heads, args.max_seconds,
-               log=lambda line: print(line, flush=True))
-    header += f", {' '.join(f'{x:.1f}' for x in os.getloadavg())} at end"
-    summary = write_outputs(rows, Path(args.out), list(BASELINES) + variants, header)
+               log=lambda line: print(line, flush=True), after_length=write)
+    summary = write(rows)
     print(summary)
     print(f"wrote {args.out}/attention.md, attention.csv, attention.png")
     return 0
