@@ -10,8 +10,8 @@ The outputs are rewritten after each length, so a run cut short keeps what it me
 ``peak`` = the CPU allocator's high-water mark during forward + backward above what was live before (every
 tensor allocated, transient buffers and the q/k/v gradients included: ``torch.profiler`` with
 ``profile_memory``), and ``saved`` = the bytes autograd keeps for backward (unique storages, q/k/v excluded)
-plus the output. A case whose memory, grown quadratically from its last measured length, would not fit in the
-available memory is not run and is marked so; nothing is extrapolated. Width 512, 8 heads (hd 64), batch 1,
+plus the output. A case whose peak, grown quadratically from its last measured length, would exceed half of the
+available memory (the machine may be shared) is not run and is marked so; nothing is extrapolated. Width 512, 8 heads (hd 64), batch 1,
 fp32; causal wherever the variant allows, else bidirectional against bidirectional baselines.
 """
 
@@ -308,7 +308,7 @@ def run(lengths: list[int], long_lengths: list[int], variants: list[str], repeat
                 need = previous["peak_mib"] * 2**20 * (length / previous["length"]) ** 2
                 if need > 0.5 * available_bytes():
                     row["note"] = (f"not run (out of memory): {previous['peak_mib'] / 1024:.1f} GiB peak at "
-                                   f"T={previous['length']} grows to ~{need / 2**30:.0f} GiB, "
+                                   f"T={previous['length']} grows to ~{need / 2**30:.0f} GiB, over half of the "
                                    f"{available_bytes() / 2**30:.0f} GiB available")
             rows.append(row)
             current[(name, causal)] = row
