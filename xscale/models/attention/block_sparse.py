@@ -2,7 +2,9 @@
 
 Each (head, query block) row gathers the key/value blocks its layout row selects into a padded
 (rows, width, block, hd) tensor; rows are grouped by their count of blocks (powers of two) so that padding
-never more than doubles the work, and a dense row (a global token) does not pad every other row.
+never more than doubles the work, and a dense row (a global token) does not pad every other row. A group
+whose padding to the next wider group costs at most 1/8 of the listed blocks joins it (a band's first rows):
+each group is a gather, and its backward a full-size scatter, so few groups are faster.
 Inside the gathered blocks the exact token rule, causality and the sequence end are applied as a mask.
 Autograd differentiates through the gathers (index_select backward is a scatter-add).
 """
@@ -26,7 +28,8 @@ class RowGroup:
     rows: Tensor  # (R,)
     first_row: int | None  # rows == first_row + arange(R) (then a slice replaces the gather), else None
     key_blocks: Tensor  # (R, W) flat kv-head * n_blocks + key block
-    bias: Tensor  # (R, block, W * block): 0 where the token rule allows, -inf elsewhere
+    bias: Tensor  # (R or R / H, block, W * block): 0 where the token rule allows, -inf elsewhere (R / H: every
+    # head has the same rows and rule, the bias is shared)
     every_query_has_key: bool  # else rows with no allowed key need their softmax zeroed
     has_key: Tensor  # (R, block, 1)
 
@@ -51,10 +54,19 @@ def build_plan(pattern: Pattern, length: int, block: int, causal: bool, n_heads:
     # Selected key blocks first, in increasing block order.
     order = torch.argsort((~layout).long() * n_blocks + torch.arange(n_blocks), dim=1)
     width_class = torch.ceil(torch.log2(counts.clamp_min(1).double())).long()
+    width_class[counts == 0] = -1
+    budget = int(counts.sum()) // 8
+    classes = torch.unique(width_class[counts > 0]).tolist()
+    for narrow, wide in zip(classes, classes[1:]):
+        members = width_class == narrow
+        padding = int(members.sum()) * int(counts[width_class == wide].max()) - int(counts[members].sum())
+        if padding <= budget:
+            width_class[members] = wide
+            budget -= padding
     groups = []
     offsets = torch.arange(block)
     for cls in torch.unique(width_class[counts > 0]).tolist():
-        rows = torch.nonzero((width_class == cls) & (counts > 0)).flatten()
+        rows = torch.nonzero(width_class == cls).flatten()
         width = int(counts[rows].max())
         blocks = order[rows, :width]
         head = rows // n_blocks
@@ -71,6 +83,10 @@ def build_plan(pattern: Pattern, length: int, block: int, causal: bool, n_heads:
         contiguous = bool((rows == rows[0] + torch.arange(len(rows))).all())
         # A query with no key gets a finite row (its probabilities are zeroed later) so no NaN reaches backward.
         bias = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask & has_key, float("-inf"))
+        per_head = bias.view(n_heads, -1, *bias.shape[1:]) if len(rows) % n_heads == 0 else None
+        if per_head is not None and bool((head.view(n_heads, -1) == torch.arange(n_heads)[:, None]).all()) and \
+                bool((per_head == per_head[:1]).all()):
+            bias = per_head[0].clone()
         groups.append(RowGroup(rows.to(device), int(rows[0]) if contiguous else None,
                                (kv_head[:, None] * n_blocks + blocks).to(device), bias.to(device),
                                bool(has_key.all()), has_key.to(device)))
@@ -104,14 +120,17 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, blo
             queries = q_blocks.narrow(1, group.first_row, n_rows)
         else:
             queries = q_blocks.index_select(1, group.rows)
+        if group.bias.shape[0] != n_rows:  # one bias for every head: rows as (head, row of the head)
+            queries, keys, values = (x.reshape(batch, n_heads, n_rows // n_heads, *x.shape[2:])
+                                     for x in (queries, keys, values))
         scores = torch.matmul(queries, keys.transpose(-1, -2))
         scores += group.bias.to(scores.dtype)
         probs = torch.softmax(scores, dim=-1)
         if not group.every_query_has_key:
-            probs = torch.where(group.has_key, probs, 0.0)
+            probs = torch.where(group.has_key.view(*probs.shape[1:-1], 1), probs, 0.0)
         if dropout > 0.0 and training:
             probs = F.dropout(probs, dropout)
-        outputs.append(torch.matmul(probs, values))
+        outputs.append(torch.matmul(probs, values).view(batch, n_rows, block, head_dim))
     if not outputs:
         return q.new_zeros(batch, n_heads, length, head_dim)
     out = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]

@@ -1,8 +1,8 @@
 """Linearized attention: phi(Q) (phi(K)^T V) / phi(Q) sum phi(K) (Katharopoulos et al. 2020, eq. 4-6, phi = elu + 1).
 
 The causal form (eq. 8-9) runs over chunks of C positions: inside a chunk a masked C x C product, across
-chunks a running state S = sum phi(k) v^T (m x d) and z = sum phi(k) kept once per chunk, so memory is
-T/C x m x d, never T x m x d. :func:`kernelized_attention` is shared with the random-feature variants.
+chunks a running state S = sum phi(k) [v, 1]^T (m x (d + 1): the last column is the normaliser z = sum phi(k))
+kept once per chunk, so memory is T/C x m x d, never T x m x d. :func:`kernelized_attention` is shared with the random-feature variants.
 """
 
 from __future__ import annotations
@@ -18,33 +18,29 @@ from xscale.models.attention.sparse import require, require_positive
 from xscale.models.registry import ATTENTION
 
 
-def _exclusive_cumsum(x: Tensor, dim: int) -> Tensor:
-    """Sum of the entries strictly before each index along ``dim``."""
-    total = x.cumsum(dim)
-    return torch.cat([torch.zeros_like(total.narrow(dim, 0, 1)), total.narrow(dim, 0, x.shape[dim] - 1)], dim)
-
-
 def kernelized_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, *, causal: bool, chunk: int,
                          eps: float = 1e-6) -> Tensor:
-    """phi_q, phi_k (B, H, T, m) feature maps, v (B, H, T, d) -> (B, H, T, d)."""
+    """phi_q, phi_k (B, H, T, m) feature maps, v (B, H, T, d) -> (B, H, T, d).
+
+    The values carry an extra column of ones, so one product gives the numerator and (last column) the normaliser.
+    """
+    values = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)  # (B, H, T, d + 1)
     if not causal:
-        state = phi_k.transpose(-1, -2) @ v  # (B, H, m, d)
-        normaliser = phi_k.sum(-2)  # (B, H, m)
-        numerator = phi_q @ state
-        denominator = (phi_q @ normaliser.unsqueeze(-1)).squeeze(-1)
-        return numerator / denominator.clamp_min(eps).unsqueeze(-1)
+        out = phi_q @ (phi_k.transpose(-1, -2) @ values)
+        return out[..., :-1] / out[..., -1:].clamp_min(eps)
     batch, heads, length, _ = phi_q.shape
     n_chunks = -(-length // chunk)
     pad = n_chunks * chunk - length
-    phi_q, phi_k, v = (F.pad(x, (0, 0, 0, pad)) for x in (phi_q, phi_k, v))
-    phi_q, phi_k, v = (x.reshape(batch, heads, n_chunks, chunk, x.shape[-1]) for x in (phi_q, phi_k, v))
-    within = (phi_q @ phi_k.transpose(-1, -2)).tril()  # (B, H, n, C, C)
-    state = _exclusive_cumsum(phi_k.transpose(-1, -2) @ v, dim=2)  # (B, H, n, m, d): chunks before this one
-    normaliser = _exclusive_cumsum(phi_k.sum(-2), dim=2)  # (B, H, n, m)
-    numerator = within @ v + phi_q @ state
-    denominator = within.sum(-1) + (phi_q @ normaliser.unsqueeze(-1)).squeeze(-1)
-    out = numerator / denominator.clamp_min(eps).unsqueeze(-1)
-    return out.reshape(batch, heads, n_chunks * chunk, -1)[:, :, :length]
+    if pad:
+        phi_q, phi_k, values = (F.pad(x, (0, 0, 0, pad)) for x in (phi_q, phi_k, values))
+    phi_q, phi_k, values = (x.reshape(batch, heads, n_chunks, chunk, x.shape[-1]) for x in (phi_q, phi_k, values))
+    out = (phi_q @ phi_k.transpose(-1, -2)).tril_() @ values  # inside each chunk: (B, H, n, C, d + 1)
+    if n_chunks > 1:
+        # chunk i reads the states of chunks < i: an exclusive prefix sum (B, H, n, m, d + 1), zero for chunk 0
+        states = (phi_k.transpose(-1, -2) @ values).narrow(2, 0, n_chunks - 1)
+        out = out + phi_q @ F.pad(states, (0, 0, 0, 0, 1, 0)).cumsum(dim=2)
+    out = out.reshape(batch, heads, n_chunks * chunk, -1)[:, :, :length]
+    return out[..., :-1] / out[..., -1:].clamp_min(eps)
 
 
 def kernelized_reference(phi_q: Tensor, phi_k: Tensor, v: Tensor, *, causal: bool, eps: float = 1e-6) -> Tensor:

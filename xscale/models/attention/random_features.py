@@ -97,20 +97,26 @@ class PerformerOptions:
 
 @ATTENTION.register("performer", "favor")
 class PerformerAttention(RandomFeatureAttention):
-    """phi(x) = exp(w_i . x - |x|^2 / 2) / sqrt(m), x = q or k scaled by d^-1/4: E[phi(q).phi(k)] = exp(q.k/sqrt(d))."""
+    """phi(x) = exp(w_i . x - |x|^2 / 2) / sqrt(m), x = q or k scaled by d^-1/4: E[phi(q).phi(k)] = exp(q.k/sqrt(d))
+    (``features`` drops the factors that cancel in the normalised output)."""
 
     Options = PerformerOptions
 
     def features(self, x: Tensor, is_query: bool, causal: bool) -> Tensor:
         x = x * x.shape[-1] ** -0.25
-        logits = x @ self.projection.to(x.dtype).T - 0.5 * (x * x).sum(-1, keepdim=True)
-        # A per-query shift cancels in that query's ratio; a key shift must be shared by every key, and in a
-        # decoder a shift taken over all keys would read the future, so causal keys go unshifted.
+        projection = self.projection.to(x.dtype)
+        # Factors shared by a query's features (exp(-|q|^2 / 2), a max shift) cancel in that query's ratio, and
+        # factors shared by all keys (1 / sqrt(m), a global shift) cancel in every ratio: they are left out. A
+        # decoder's key shift taken over all keys would read the future, so causal keys go unshifted.
         if is_query:
-            logits = logits - logits.amax(-1, keepdim=True).detach()
-        elif not causal:
-            logits = logits - logits.amax(dim=(-1, -2), keepdim=True).detach()
-        return torch.exp(logits) / math.sqrt(logits.shape[-1])
+            logits = x @ projection.T
+            return torch.exp(logits.sub_(logits.amax(-1, keepdim=True).detach()))
+        # w.k - |k|^2 / 2 as one product: [k, |k|^2] . [w, -1/2]
+        x = torch.cat([x, (x * x).sum(-1, keepdim=True)], dim=-1)
+        logits = x @ torch.cat([projection, projection.new_full((projection.shape[0], 1), -0.5)], dim=1).T
+        if not causal:
+            logits = logits.sub_(logits.amax(dim=(-1, -2), keepdim=True).detach())
+        return torch.exp(logits)
 
 
 @dataclasses.dataclass
