@@ -11,7 +11,7 @@ COMMANDS = {
     "train": ("xscale.train.cli", "main", "train a model: xscale train [CONFIG] [section.key=value ...]"),
     "inspect": ("xscale.inspect", "main", "parameters, FLOPs per token and per-rank memory of a config"),
     "export": ("xscale.export", "main", "write a checkpoint's weights to one safetensors file"),
-    "bench": ("xscale.bench", "main", "benchmarks: train | attention | kernels | moe | parallel"),
+    "bench": ("xscale.bench", "main", "benchmarks: train | attention | kernels | moe | parallel | dropout"),
     "data": ("xscale.data.cli", "main", "data tools: tokenizer | preprocess"),
     "submit": ("xscale.launcher.submit", "main", "render and submit a Slurm job"),
     "parity": ("xscale.parity", "main", "compare loss curves across parallel layouts"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ("train", "attention", "kernels", "moe", "parallel")
+BENCHMARKS = ("train", "attention", "kernels", "moe", "parallel", "dropout")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""``python -m xscale.bench.dropout``: the layout-independent :class:`~xscale.models.dropout.Dropout` against
+"""``xscale bench dropout``: the layout-independent :class:`~xscale.models.dropout.Dropout` against
 ``nn.Dropout`` in the same run, as time ratios: alone on a (B, T, D) activation, and inside a Transformer block
 (its residual and FFN dropouts swapped for ``nn.Dropout``), forward + backward. Attention dropout is left out:
 there the cost is that of forming the probabilities instead of SDPA's fused kernel."""
