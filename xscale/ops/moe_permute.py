@@ -44,3 +44,41 @@ def unpermute_reference(expert_out: torch.Tensor, plan: Permutation, gate_weight
     """y[t] = sum_j w[t, j] * expert_out[position[t, j]], accumulated in float32."""
     gathered = expert_out[plan.position].float()
     return (gathered * gate_weights.float().unsqueeze(-1)).sum(1).to(expert_out.dtype)
+
+
+class _CombineByGate(torch.autograd.Function):
+    """out[t] = sum over kept assignments a of token t: gate[a] * rows[a]; one pass each way past the GEMMs.
+
+    Backward: the gradient rows of the assignments are gathered once; d gate[a] = <d out[t], rows[a]> and
+    d rows[a] = gate[a] * d out[t] are taken from that one gathered copy (autograd's mul + index_add would
+    gather, then allocate and sweep two more full-size products).
+    """
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, gate: torch.Tensor, token_index: torch.Tensor, num_tokens: int,
+                out_dtype: torch.dtype) -> torch.Tensor:
+        gate_rows = gate.to(rows.dtype).unsqueeze(-1)
+        out = rows.new_zeros((num_tokens, rows.shape[-1]), dtype=out_dtype)
+        out.index_add_(0, token_index, (rows * gate_rows).to(out_dtype))
+        ctx.save_for_backward(rows, gate_rows, token_index)
+        ctx.gate_dtype = gate.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        rows, gate_rows, token_index = ctx.saved_tensors
+        grad_rows = grad_out.index_select(0, token_index).to(rows.dtype)
+        grad_gate = None
+        if ctx.needs_input_grad[1]:
+            grad_gate = torch.linalg.vecdot(grad_rows, rows).to(ctx.gate_dtype)
+        return grad_rows.mul_(gate_rows), grad_gate, None, None, None
+
+
+def combine_by_gate(rows: torch.Tensor, gate: torch.Tensor, token_index: torch.Tensor, num_tokens: int,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Expert outputs of the kept assignments [A, d] -> tokens [num_tokens, d]: y[t] = sum_a gate[a] * rows[a]
+    over the assignments a with ``token_index[a] == t`` (GShard's combine; a token with none gets 0)."""
+    if rows.shape[0] != gate.shape[0] or rows.shape[0] != token_index.shape[0]:
+        raise ValueError(f"rows {tuple(rows.shape)}, gate {tuple(gate.shape)} and token_index "
+                         f"{tuple(token_index.shape)} must have one entry per assignment")
+    return _CombineByGate.apply(rows, gate, token_index, num_tokens, out_dtype or rows.dtype)

@@ -12,9 +12,9 @@ import math
 import torch
 from torch import nn
 
-from xscale.models.ffn import ACTIVATIONS, GatedMLP
+from xscale.models.ffn import GatedMLP
 from xscale.models.registry import FFN
-from xscale.ops.grouped_linear import grouped_linear
+from xscale.ops.grouped_mlp import grouped_mlp
 
 
 class StackedLinear(nn.Module):
@@ -55,19 +55,13 @@ class StackedExperts(nn.Module):
     def forward(self, tokens_by_expert: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Tokens [sum(counts), d] sorted by expert, ``counts[i]`` of them for expert i -> outputs, same order.
 
-        Variable-size expert batches (dropless-capable): one GEMM per expert and projection on its own rows
-        (:func:`xscale.ops.grouped_linear.grouped_linear`).
+        Variable-size expert batches (dropless-capable): each expert's whole FFN runs on its own rows
+        (:func:`xscale.ops.grouped_mlp.grouped_mlp`).
         """
         if len(counts) != self.num_experts:
             raise ValueError(f"got token counts for {len(counts)} experts, this module holds {self.num_experts}")
-
-        def project(linear: StackedLinear, x: torch.Tensor) -> torch.Tensor:
-            return grouped_linear(x, linear.weight, linear.bias, counts)
-
-        x = tokens_by_expert
         if self.gated:
-            from xscale.ops import gated_activation
-
-            hidden = gated_activation(project(self.w_gate, x), project(self.w_up, x), self.activation)
-            return project(self.w_down, hidden)
-        return project(self.w_out, ACTIVATIONS[self.activation](project(self.w_in, x)))
+            return grouped_mlp(tokens_by_expert, counts, self.activation, self.w_gate.weight, self.w_gate.bias,
+                               self.w_down.weight, self.w_down.bias, self.w_up.weight, self.w_up.bias)
+        return grouped_mlp(tokens_by_expert, counts, self.activation, self.w_in.weight, self.w_in.bias,
+                           self.w_out.weight, self.w_out.bias)

@@ -16,6 +16,7 @@ from xscale.models.ffn import build_ffn
 from xscale.models.moe.experts import StackedExperts
 from xscale.models.moe.routing import LocalTokens
 from xscale.models.registry import ROUTER
+from xscale.ops.moe_permute import combine_by_gate
 
 
 class AttachAuxiliaryLoss(torch.autograd.Function):
@@ -82,8 +83,7 @@ class MoELayer(nn.Module):
         # index_select, not tokens[index]: its backward is an index_add, not a serial accumulating index_put
         outputs_by_expert = self.dispatch(tokens.index_select(0, routing.token_index), routing.local_tokens_per_expert,
                                           self.experts)
-        weighted = outputs_by_expert * routing.gate.unsqueeze(-1).to(outputs_by_expert.dtype)
-        output = torch.zeros_like(tokens).index_add(0, routing.token_index, weighted.to(tokens.dtype))
+        output = combine_by_gate(outputs_by_expert, routing.gate, routing.token_index, tokens.shape[0], tokens.dtype)
         if self.shared_expert is not None:
             output = output + self.shared_expert(tokens)
         self._record(routing)

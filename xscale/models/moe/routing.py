@@ -67,14 +67,19 @@ def router_z_loss(logits: torch.Tensor, group_tokens: int) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1).square().sum() / group_tokens
 
 
-def rank_within_expert(expert: torch.Tensor, priority: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rank_within_expert(expert: torch.Tensor, priority: torch.Tensor | None,
+                       num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Order assignments by (expert, priority) and number them within their expert from 0.
 
+    ``priority=None``: by (expert, assignment index).
     Returns (order, rank): ``order`` sorts the assignments, ``rank[i]`` is the place of assignment
     ``order[i]`` in its expert's queue. Experts >= num_experts (not dispatched) sort last.
     """
-    by_priority = torch.argsort(priority, stable=True)
-    order = by_priority[torch.argsort(expert[by_priority], stable=True)]
+    if priority is None:  # queue order is assignment order: one stable sort by expert
+        order = torch.argsort(expert, stable=True)
+    else:
+        by_priority = torch.argsort(priority, stable=True)
+        order = by_priority[torch.argsort(expert[by_priority], stable=True)]
     counts = torch.bincount(expert, minlength=num_experts + 1)
     starts = torch.cumsum(counts, 0) - counts
     sorted_expert = expert[order]
@@ -106,7 +111,7 @@ def token_choice_routing(*, expert_index: torch.Tensor, gate: torch.Tensor, disp
     # Assignments in choice-major order: a = choice * N + token.
     expert_flat = torch.where(all_dispatched, all_expert, num_experts).t().reshape(-1)
     if drop_policy == "position":
-        priority = torch.arange(expert_flat.numel(), device=expert_flat.device)
+        priority = None  # the assignment order itself
     elif drop_policy == "probs":
         choice = torch.arange(top_k, device=all_gate.device).repeat_interleave(group_tokens)
         priority = choice * 4.0 - all_gate.t().reshape(-1)  # gates in [0, 1]: choice dominates, then gate

@@ -1,0 +1,37 @@
+"""combine_by_gate: the gate-weighted sum of expert outputs back onto tokens, forward and backward."""
+
+import pytest
+import torch
+
+from xscale.ops.moe_permute import combine_by_gate
+
+
+def test_matches_the_weighted_index_add_with_repeated_and_missing_tokens():
+    torch.manual_seed(0)
+    token_index = torch.tensor([4, 0, 2, 0, 4, 1])  # tokens 0 and 4 twice (top-2), token 3 dropped entirely
+    rows = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    gate = torch.rand(6, dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(5, 5, dtype=torch.float64)
+
+    got = combine_by_gate(rows, gate, token_index, 5)
+    expected = torch.zeros(5, 5, dtype=torch.float64).index_add(0, token_index, rows * gate[:, None])
+    torch.testing.assert_close(got, expected)
+    assert torch.count_nonzero(got[3]) == 0
+    got_grads = torch.autograd.grad((got * upstream).sum(), [rows, gate])
+    expected_grads = torch.autograd.grad((expected * upstream).sum(), [rows, gate])
+    for got_grad, expected_grad in zip(got_grads, expected_grads):
+        torch.testing.assert_close(got_grad, expected_grad)
+
+
+def test_output_dtype_and_gate_dtype_are_kept():
+    rows = torch.randn(3, 4, dtype=torch.bfloat16, requires_grad=True)
+    gate = torch.rand(3, requires_grad=True)  # the router's float32 gate
+    out = combine_by_gate(rows, gate, torch.tensor([0, 1, 1]), 2, torch.float32)
+    assert out.dtype == torch.float32
+    out.sum().backward()
+    assert rows.grad.dtype == torch.bfloat16 and gate.grad.dtype == torch.float32
+
+
+def test_shapes_must_agree():
+    with pytest.raises(ValueError, match="one entry per assignment"):
+        combine_by_gate(torch.randn(3, 4), torch.rand(2), torch.tensor([0, 1, 2]), 3)
