@@ -120,7 +120,13 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """The layout: one DeviceMesh with dimensions (pp, dp_replicate, dp_shard, tp); ep folds into data parallel."""
+    """The layout: one DeviceMesh with dimensions (pp, dp_replicate, dp_shard, tp); ep folds into data parallel.
+
+    ``microbatches`` left unset (None, YAML ``null``) means "auto": the fewest the pipeline schedule runs that divide
+    each data-parallel rank's batch evenly (parallel.pp for 1f1b, interleaved_1f1b and zero_bubble; 1 for gpipe and
+    without a pipeline), resolved once the world size is known (``ParallelDims.from_config``, with
+    ``xscale.parallel.pipeline.resolve_microbatches``). A set value is validated as given, never changed.
+    """
 
     dp_replicate: int = 1
     dp_shard: int = -1  # -1: whatever the world size leaves
@@ -131,7 +137,7 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble
     pp_stages_per_rank: int = 1
     pp_split: list[int] | None = None  # blocks per stage; None: as even as possible
-    microbatches: int = 1
+    microbatches: int | None = None  # pipeline microbatches per step and dp rank; None (null): auto (see above)
     zero_stage: int = 0  # 0 DDP | 1 optimizer state | 2 + gradients | 3 + parameters (FSDP2)
     sequence_parallel: bool = False
     activation_checkpointing: str = "none"  # none | full | selective

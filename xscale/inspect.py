@@ -116,13 +116,29 @@ def _model_slice(config: Config, dims, at: dict[str, int]) -> str:
     return "; ".join(parts)
 
 
+def _pipeline_line(config: Config, pp: int, auto: bool) -> str:
+    """The schedule, its stages, the (resolved) microbatch count and the ideal bubble (p-1)/(m+p-1)."""
+    from xscale.parallel.pipeline import ideal_bubble
+
+    parallel = config.parallel
+    stages = pp * parallel.pp_stages_per_rank
+    return (f"pipeline: {parallel.pp_schedule}, {stages} stages ({parallel.pp_stages_per_rank} per rank), "
+            f"{parallel.microbatches} microbatch{'es' if parallel.microbatches != 1 else ''} per step"
+            f"{' (auto)' if auto else ''}, "
+            f"bubble (p-1)/(m+p-1) = {ideal_bubble(pp, parallel.microbatches):.3f}")
+
+
 def layout_report(config: Config, world_size: int) -> list[str]:
     """The per-rank plan of ``config.parallel`` at ``world_size`` and each rank's predicted state bytes."""
     from xscale.parallel.dims import ParallelDims, rank_coordinates
     from xscale.parallel.memory import predicted_pipeline_state_bytes, predicted_state_bytes
 
-    dims = ParallelDims.from_config(config, world_size)
-    lines = [f"layout: {dims.describe()}", f"  {'rank':>4} {'pp':>3} {'dp':>3} {'tp':>3} {'ep':>3}  holds"]
+    auto = config.parallel.microbatches is None
+    dims = ParallelDims.from_config(config, world_size)  # resolves an unset parallel.microbatches
+    lines = [f"layout: {dims.describe()}"]
+    if dims.pp > 1:
+        lines.append(_pipeline_line(config, dims.pp, auto))
+    lines.append(f"  {'rank':>4} {'pp':>3} {'dp':>3} {'tp':>3} {'ep':>3}  holds")
     shown = list(range(min(world_size, 16)))
     for rank in shown:
         at = rank_coordinates(dims, rank)

@@ -65,11 +65,12 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, config: Config, world_size: int) -> ParallelDims:
-        """Resolve ``dp_shard=-1`` against ``world_size`` and refuse any layout that cannot run."""
+        """Resolve ``dp_shard=-1`` against ``world_size`` and an unset ``parallel.microbatches`` (written back into
+        ``config``: :func:`~xscale.parallel.pipeline.resolve_microbatches`), and refuse any layout that cannot run."""
         parallel = config.parallel
         for name in ("dp_replicate", "tp", "pp", "ep", "cp", "microbatches", "pp_stages_per_rank"):
             value = getattr(parallel, name)
-            if value < 1:
+            if value is not None and value < 1:  # microbatches=None: auto, resolved below
                 raise ConfigError(f"parallel.{name} must be >= 1, got {value}")
         if parallel.dp_shard == 0 or parallel.dp_shard < -1:
             raise ConfigError(f"parallel.dp_shard must be >= 1, or -1 for 'what the world size leaves', got "
@@ -93,7 +94,11 @@ class ParallelDims:
                 f"the layout needs pp x dp_replicate x dp_shard x tp = {parallel.pp} x {parallel.dp_replicate} x "
                 f"{dp_shard} x {parallel.tp} = {dims.world_size} processes but {world_size} were launched; "
                 f"launch {dims.world_size} (torchrun --nproc-per-node {dims.world_size}) or set parallel.dp_shard=-1")
-        dims.validate(config)
+        dims.validate(config)  # the pipeline checks resolve an unset microbatch count the same way
+        from xscale.parallel.pipeline import resolve_microbatches
+
+        # The one place an unset parallel.microbatches becomes a count; every later reader sees the count.
+        parallel.microbatches = resolve_microbatches(config, dims.dp)
         return dims
 
     def validate(self, config: Config) -> None:

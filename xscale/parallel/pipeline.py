@@ -57,7 +57,8 @@ from xscale.parallel.pipeline_stages import (
 )
 from xscale.parallel.vocab_parallel import vocab_sharded_loss_sum
 
-__all__ = ["SCHEDULES", "PipelineEngine", "PipelineStageModule", "check_pipeline", "split_layers"]
+__all__ = ["SCHEDULES", "PipelineEngine", "PipelineStageModule", "check_pipeline", "ideal_bubble",
+           "resolve_microbatches", "split_layers"]
 
 
 class ForwardOnlyZBV(ScheduleZBVZeroBubble):
@@ -174,44 +175,91 @@ def check_pipeline(config: Config, data_parallel: int | None = None) -> None:
                           f"got parallel.pp_stages_per_rank={stages_per_rank}; {hint}")
     num_stages = parallel.pp * stages_per_rank
     split_layers(model.n_layers, num_stages, parallel.pp_split)
-    check_microbatches(parallel.pp_schedule, parallel.pp, stages_per_rank, parallel.microbatches)
     if data_parallel is None and parallel.dp_shard != -1:
         data_parallel = parallel.dp_replicate * parallel.dp_shard
+    microbatches = resolve_microbatches(config, data_parallel)
+    check_microbatches(parallel.pp_schedule, parallel.pp, stages_per_rank, microbatches)
     if data_parallel is not None:
         if train.global_batch_size % data_parallel:
             raise ConfigError(f"train.global_batch_size={train.global_batch_size} does not split over "
                               f"{data_parallel} data-parallel ranks; make it a multiple of {data_parallel}")
         local = train.global_batch_size // data_parallel
-        if local % parallel.microbatches:
+        if local % microbatches:
             raise ConfigError(
                 f"each data-parallel rank's batch of {local} sequences (train.global_batch_size / data "
-                f"parallel) does not split into parallel.microbatches={parallel.microbatches}; pick "
+                f"parallel) does not split into parallel.microbatches={microbatches}; pick "
                 f"microbatches from {[m for m in range(1, local + 1) if local % m == 0]}"
             )
         micro = train.micro_batch_size
-        if micro is not None and micro != local // parallel.microbatches:
+        if micro is not None and micro != local // microbatches:
             raise ConfigError(
                 f"train.micro_batch_size={micro} disagrees with the pipeline's microbatches of "
-                f"{local // parallel.microbatches} sequences ({local} / parallel.microbatches); leave "
+                f"{local // microbatches} sequences ({local} / parallel.microbatches); leave "
                 f"train.micro_batch_size unset under pipeline parallelism"
             )
 
 
-def check_microbatches(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> None:
-    """The microbatch counts a schedule can run."""
+def microbatch_problem(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> str | None:
+    """Why ``schedule`` cannot run ``microbatches`` per step (None: it can)."""
     if microbatches < 1:
-        raise ConfigError(f"parallel.microbatches must be >= 1, got {microbatches}")
+        return f"parallel.microbatches must be >= 1, got {microbatches}"
     spec = SCHEDULES[schedule]
     if spec.needs_microbatch_per_stage and microbatches < pp:
-        raise ConfigError(f"parallel.pp_schedule={schedule} needs at least parallel.pp={pp} microbatches, got "
-                          f"parallel.microbatches={microbatches}; raise it (more also shrinks the bubble)")
+        return (f"parallel.pp_schedule={schedule} needs at least parallel.pp={pp} microbatches, got "
+                f"parallel.microbatches={microbatches}; raise it (more also shrinks the bubble)")
     if spec.placement == "loop" and stages_per_rank > 1:
+        # torch's interleaved 1F1B runs max(1, m // pp) rounds of equal size (ScheduleInterleaved1F1B).
         rounds = max(1, microbatches // pp)
         if microbatches % rounds:
-            raise ConfigError(
-                f"parallel.pp_schedule={schedule} runs microbatches in rounds of parallel.pp={pp}; "
-                f"parallel.microbatches={microbatches} is not a whole number of rounds, use a multiple of {pp}"
-            )
+            return (f"parallel.pp_schedule={schedule} runs microbatches in rounds of parallel.pp={pp}; "
+                    f"parallel.microbatches={microbatches} is not a whole number of rounds, use a multiple of {pp}")
+    return None
+
+
+def check_microbatches(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> None:
+    """The microbatch counts a schedule can run."""
+    problem = microbatch_problem(schedule, pp, stages_per_rank, microbatches)
+    if problem:
+        raise ConfigError(problem)
+
+
+def resolve_microbatches(config: Config, data_parallel: int | None = None) -> int:
+    """``parallel.microbatches`` as set, or when unset (None, "auto") the fewest microbatches the schedule runs
+    that split each data-parallel rank's batch (``train.global_batch_size / data_parallel``) evenly.
+
+    The floor is what :func:`check_microbatches` accepts: 1 for gpipe and without a pipeline, parallel.pp for the
+    1F1B-style schedules (each stage of the pp group needs a microbatch before the first backward). With ``data_parallel`` unknown (or not dividing the batch, which
+    :func:`check_pipeline` refuses) the floor is returned. A set value is returned unchanged, to be validated as given.
+    """
+    parallel, train = config.parallel, config.train
+    if parallel.microbatches is not None:
+        return parallel.microbatches
+    if parallel.pp <= 1 or parallel.pp_schedule not in SCHEDULES:
+        return 1
+    schedule, pp, stages_per_rank = parallel.pp_schedule, parallel.pp, parallel.pp_stages_per_rank
+
+    def runs(count: int) -> bool:
+        return microbatch_problem(schedule, pp, stages_per_rank, count) is None
+
+    floor = next(count for count in range(1, pp + 1) if runs(count))  # pp always runs (one round)
+    if data_parallel is None or data_parallel < 1 or train.global_batch_size % data_parallel:
+        return floor
+    local = train.global_batch_size // data_parallel
+    divisors = [count for count in range(1, local + 1) if local % count == 0]
+    fitting = [count for count in divisors if runs(count)]
+    if not fitting:
+        raise ConfigError(
+            f"parallel.microbatches is unset (auto) and no count fits: parallel.pp_schedule={schedule} needs at least "
+            f"{floor} microbatches, but each data-parallel rank's batch of {local} sequences "
+            f"(train.global_batch_size={train.global_batch_size} / {data_parallel} data-parallel ranks) splits only "
+            f"into {divisors}; set train.global_batch_size to a multiple of {data_parallel * floor}"
+            + (", or parallel.pp_schedule=gpipe" if schedule != "gpipe" else ""))
+    return fitting[0]
+
+
+def ideal_bubble(pp: int, microbatches: int) -> float:
+    """GPipe's and 1F1B's bubble with equal stages and free communication: (p-1)/(m+p-1) (Huang et al. 2019)."""
+    return (pp - 1) / (microbatches + pp - 1)
 
 
 def _pp_group(pp: DeviceMesh | dist.ProcessGroup) -> dist.ProcessGroup:
@@ -297,7 +345,8 @@ class PipelineEngine(Engine):
                     parallelize_stage: Callable[[PipelineStageModule], None] | None = None) -> PipelineEngine:
         parallel = config.parallel
         autocast = torch.bfloat16 if config.train.precision == "bf16" else None
-        return cls(config.model, meta_model, pp, parallel.microbatches, parallel.pp_schedule,
+        # ParallelDims.from_config has resolved an unset count against the batch; here only the schedule's floor.
+        return cls(config.model, meta_model, pp, resolve_microbatches(config), parallel.pp_schedule,
                    parallel.pp_stages_per_rank, device, config.train.seed, parallel.pp_split, autocast,
                    parallelize_stage)
 
