@@ -9,14 +9,15 @@ import time
 import pytest
 
 from xscale.bench import parallel as bench
+from xscale.parallel.pipeline import ideal_bubble
 
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1", "train.global_batch_size=4",
         "train.seq_len=16", "data.num_samples=64"]
 
 
 def test_theoretical_and_measured_bubble_formulas():
-    assert bench.theoretical_bubble(2, 4) == pytest.approx(1 / 5)
-    assert bench.theoretical_bubble(4, 8) == pytest.approx(3 / 11)
+    assert ideal_bubble(2, 4) == pytest.approx(1 / 5)
+    assert ideal_bubble(4, 8) == pytest.approx(3 / 11)
     assert bench.bubble_fraction(compute_seconds=0.75, step_seconds=1.0) == pytest.approx(0.25)
 
 

@@ -32,6 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from xscale.config import Config, ConfigError, load_config_from_cli
+from xscale.parallel.dims import ParallelDims
+from xscale.parallel.pipeline import ideal_bubble
 from xscale.parity import PARITY_SETTINGS, layout_overrides, run_local, world_size_of
 
 PIPELINES = tuple(f"pp=2,dp_shard=1,microbatches={m},pp_schedule={schedule}"
@@ -63,11 +65,6 @@ class ComputeClock:
 def bubble_fraction(compute_seconds: float, step_seconds: float) -> float:
     """The idle share of a schedule step: 1 - compute / step."""
     return 1.0 - compute_seconds / step_seconds
-
-
-def theoretical_bubble(pp: int, microbatches: int) -> float:
-    """GPipe's and 1F1B's bubble with equal stages and free communication: (p-1)/(m+p-1)."""
-    return (pp - 1) / (microbatches + pp - 1)
 
 
 def _measure(config: Config, warmup: int, steps: int) -> dict:
@@ -103,6 +100,7 @@ def measure_layouts(config_path: str | None, overrides: list[str], layouts: list
             config = load_config_from_cli(config_path, [*base, *layout_overrides(layout),
                                                         f"train.output_dir={Path(scratch) / str(index)}"])
             world_size = world_size_of(config)
+            ParallelDims.from_config(config, world_size)  # resolves an unset parallel.microbatches
             ranks = run_local(_measure, world_size, config, warmup, steps)
             bubbles = [rank["bubble"] for rank in ranks if rank["bubble"] is not None]
             parallel = config.parallel
@@ -110,7 +108,7 @@ def measure_layouts(config_path: str | None, overrides: list[str], layouts: list
                 "layout": layout, "procs": world_size, "seconds": ranks[0]["seconds"],
                 "tokens_per_s": config.train.global_batch_size * config.train.seq_len / ranks[0]["seconds"],
                 "rank_bubbles": bubbles, "bubble": statistics.mean(bubbles) if bubbles else None,
-                "theory": theoretical_bubble(parallel.pp, parallel.microbatches) if parallel.pp > 1 else None,
+                "theory": ideal_bubble(parallel.pp, parallel.microbatches) if parallel.pp > 1 else None,
             })
     for row in rows:
         row["vs_single"] = rows[0]["seconds"] / row["seconds"]
