@@ -25,14 +25,17 @@ def assert_positive_and_finite(values: dict) -> None:
 def test_one_process_times_ours_deepspeed_and_dense(capsys):
     pytest.importorskip("deepspeed.moe.layer", reason="deepspeed is not installed")
     figures = bench.run(tiny_args(ep=1))
-    assert set(figures["single"]) == {"xscale_moe", "dense_ffn", "deepspeed_moe", "dropped_fraction"}
-    assert set(figures["ratios"]) == {"moe_over_dense_step_time", "xscale_over_deepspeed_tokens_per_s"}
+    assert set(figures["single"]) == {"xscale_moe", "dense_ffn", "xscale_experts_only", "deepspeed_moe",
+                                      "dropped_fraction"}
+    assert set(figures["ratios"]) == {"moe_over_dense_step_time", "xscale_over_deepspeed_tokens_per_s",
+                                      "experts_only_over_dense_step_time", "deepspeed_over_dense_step_time"}
     assert_positive_and_finite(figures["ratios"])
     assert 0.0 <= figures["single"]["dropped_fraction"] < 1.0
     assert bench.main([*TINY, "--ep", "1"]) == 0
     printed = capsys.readouterr().out
     assert "xscale/DeepSpeed tokens/s, 1 process (target >= 1.5x):" in printed
     assert "MoE/dense FFN step time (target <= 1.3x):" in printed
+    assert "ceiling of that ratio for an MoE no faster than the dense FFN (DeepSpeed/dense step time):" in printed
 
 
 @pytest.mark.slow  # two processes bringing up DeepSpeed's groups: ~25 s on 2 loaded cores

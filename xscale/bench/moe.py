@@ -8,6 +8,11 @@ Forward+backward of the same tokens (fp32) through:
 In one process (a 1-process gloo group for DeepSpeed) and, with ``--ep 2``, under expert parallelism over
 2 gloo processes (each with half the tokens, half the experts), xscale and DeepSpeed again.
 
+A fourth workload, xscale's expert FFNs alone on the routed rows, splits the MoE/dense gap into the cost of
+E smaller GEMMs and that of routing. DeepSpeed's time over the dense FFN's is printed as the ceiling of the
+xscale/DeepSpeed ratio: the experts do the dense FFN's FLOPs (fewer when tokens drop), so an MoE layer faster than
+the dense FFN is out of reach, and xscale/DeepSpeed cannot exceed DeepSpeed/dense.
+
 Workloads are timed in alternating rounds (A B C A B C ...) after one warm-up each and the median per
 workload is reported, so machine noise hits them alike. Figures: tokens/s, xscale/DeepSpeed tokens/s
 (target >= 1.5x) and MoE/dense step time (target <= 1.3x). On a shared machine, run with
@@ -58,6 +63,22 @@ def _step(module: nn.Module, x: torch.Tensor, upstream: torch.Tensor) -> Callabl
         (out * upstream).sum().backward()
         module.zero_grad(set_to_none=True)
         x.grad = None
+    return run
+
+
+def _experts_step(layer: nn.Module, x: torch.Tensor, upstream: torch.Tensor) -> Callable[[], None]:
+    """The MoE layer's expert FFNs alone on its routed rows (already sorted by expert): no router, no gather or
+    combine. Its time over the dense FFN's is the cost of E smaller GEMMs; the MoE step's over it, of routing."""
+    with torch.no_grad():
+        layer(x)
+    counts = [int(count) for count in layer.metrics["tokens_per_expert"]]
+    rows = x.detach()[: sum(counts)].clone().requires_grad_()
+    rows_upstream = upstream[: sum(counts)]
+
+    def run() -> None:
+        (layer.experts(rows, counts) * rows_upstream).sum().backward()
+        layer.experts.zero_grad(set_to_none=True)
+        rows.grad = None
     return run
 
 
@@ -128,7 +149,8 @@ def single_process(args: argparse.Namespace) -> dict[str, float]:
     dense = build_ffn("gelu", args.d_model, args.hidden, False, 0.0)
     x = torch.randn(args.tokens, args.d_model, requires_grad=True)
     upstream = torch.randn(args.tokens, args.d_model)
-    runs = {"xscale_moe": _step(ours, x, upstream), "dense_ffn": _step(dense, x, upstream)}
+    runs = {"xscale_moe": _step(ours, x, upstream), "dense_ffn": _step(dense, x, upstream),
+            "xscale_experts_only": _experts_step(ours, x, upstream)}
     with contextlib.ExitStack() as stack:
         if deepspeed_available():
             stack.enter_context(_single_process_group())
@@ -177,8 +199,10 @@ def run(args: argparse.Namespace) -> dict:
     """Every figure of the bench: seconds per workload and the target ratios (see the module docstring)."""
     single = single_process(args)
     figures: dict = {"single": single, "ratios": {"moe_over_dense_step_time": single["xscale_moe"] / single["dense_ffn"]}}
+    figures["ratios"]["experts_only_over_dense_step_time"] = single["xscale_experts_only"] / single["dense_ffn"]
     if "deepspeed_moe" in single:
         figures["ratios"]["xscale_over_deepspeed_tokens_per_s"] = single["deepspeed_moe"] / single["xscale_moe"]
+        figures["ratios"]["deepspeed_over_dense_step_time"] = single["deepspeed_moe"] / single["dense_ffn"]
     if args.ep == 2:
         ep = expert_parallel(args)
         figures["ep2"] = ep
@@ -201,7 +225,11 @@ def report(figures: dict, args: argparse.Namespace) -> None:
         print("deepspeed is not installed: no DeepSpeed comparison (pip install -e .[deepspeed])")
     labels = {"xscale_over_deepspeed_tokens_per_s": "xscale/DeepSpeed tokens/s, 1 process (target >= 1.5x)",
               "ep2_xscale_over_deepspeed_tokens_per_s": "xscale/DeepSpeed tokens/s, ep=2 (target >= 1.5x)",
+              "deepspeed_over_dense_step_time": "  ceiling of that ratio for an MoE no faster than the dense FFN "
+                                                "(DeepSpeed/dense step time)",
               "moe_over_dense_step_time": "MoE/dense FFN step time (target <= 1.3x)",
+              "experts_only_over_dense_step_time": "  of which the expert FFNs alone on their routed rows "
+                                                   "(experts only/dense step time)",
               "ep2_over_single_tokens_per_s": "xscale ep=2 / 1 process tokens/s"}
     for key, label in labels.items():
         if key in ratios:
