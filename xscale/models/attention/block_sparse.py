@@ -42,7 +42,6 @@ class RowGroup:
 @dataclasses.dataclass
 class BlockPlan:
     groups: list[RowGroup]
-    length: int
     n_blocks: int
     nonzero_blocks: int
     inverse: Tensor | None  # output row order after concatenating the groups; None: already in order
@@ -103,7 +102,7 @@ def build_plan(pattern: Pattern, length: int, block: int, causal: bool, n_heads:
         inverse = torch.argsort(covered).to(device)
     elif len(covered) < n_heads * n_blocks:
         inverse = covered.to(device)  # partial cover: index_copy into zeros
-    return BlockPlan(groups, length, n_blocks, int(counts.sum()), inverse)
+    return BlockPlan(groups, n_blocks, int(counts.sum()), inverse)
 
 
 def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, block: int, *,
