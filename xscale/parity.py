@@ -6,8 +6,8 @@ unless given). Each layout trains the same
 config for ``--steps`` steps in fresh local processes (gloo on CPU, nccl on GPUs) and its per-step losses are
 compared with the single-process run's: the largest relative difference must stay within ``--rtol``.
 Dropout masks are functions of each element's global coordinates (:mod:`xscale.models.dropout`), so runs
-with ``model.dropout`` compare too, except where masks still depend on the layout (refused, see
-:func:`check_dropout_comparable`).
+with ``model.dropout`` and ``model.attention_dropout`` compare too, in every attention core (a core whose
+masks depended on the layout would be refused, see :func:`check_dropout_comparable`).
 """
 
 from __future__ import annotations
@@ -107,7 +107,8 @@ def max_relative_difference(reference: Sequence[float], losses: Sequence[float])
 
 
 def check_dropout_comparable(layout: str, config: Config) -> None:
-    """Refuse a comparison whose dropout masks depend on the layout, so losses could not match."""
+    """Refuse a comparison whose dropout masks depend on the layout, so losses could not match: attention cores
+    flagged ``rng_dropout`` (none of the registered ones now: every core draws hashed, layout-independent masks)."""
     model = config.model
     layers = model.n_layers + (model.decoder_layers if model.family == "encoder_decoder" else 0)
     rng_kinds = sorted({kind for kind in map(model.attention.kind_for_layer, range(layers))

@@ -45,6 +45,17 @@ def test_slices_draw_the_slices_of_the_whole_mask():
     assert torch.equal(rows, whole[5:8])  # a data-parallel rank's (or microbatch's) rows
 
 
+def test_masks_at_flat_positions_are_the_whole_masks_elements():
+    """keep_at(index) is keep_mask at those row-major positions (block-sparse attention's gathered blocks)."""
+    whole = mask()
+    dropout = Dropout(0.1)
+    dropout.site = 7
+    index = torch.randint(0, SHAPE[1] * SHAPE[2], (5, 6))
+    with dropout_position(POSITION):
+        picked = dropout.keep_at(SHAPE[0], index)
+    assert torch.equal(picked, whole.flatten(1)[:, index])
+
+
 @pytest.mark.parametrize("change", ["seed", "step", "site"])
 def test_seed_step_and_site_change_the_mask(change):
     position = DropoutPosition(seed=2 if change == "seed" else 1, step=4 if change == "step" else 3)

@@ -130,6 +130,19 @@ class Dropout(nn.Module):
             return x
         return _ScaleKept.apply(x, self.keep_mask(x.shape, x.device), 1.0 / (1.0 - self.p))
 
+    def at(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Dropout of ``x`` (batch first) whose elements sit at the flat positions ``index`` (broadcastable to
+        ``x.shape[1:]``) of each sample's whole, unsharded tensor: for gathered layouts (block-sparse attention)."""
+        if not self.training or self.p == 0.0:
+            return x
+        return _ScaleKept.apply(x, self.keep_at(x.shape[0], index).expand(x.shape), 1.0 / (1.0 - self.p))
+
+    def keep_at(self, batch: int, index: torch.Tensor) -> torch.Tensor:
+        """Bool (batch, *index.shape): the keep mask at flat positions ``index`` (int64, inside a sample, global
+        coordinates); :meth:`keep_mask` of a tensor equals this at its elements' row-major flat positions."""
+        z = self._sample_keys(batch, index.device).view(-1, *[1] * index.dim())
+        return _mix_(z + index.to(torch.int64) * _signed(GOLDEN)) >= round(self.p * 2**64) - 2**63
+
     def keep_mask(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
         """Bool tensor of ``shape`` (batch first), True where an element is kept."""
         z = self._sample_keys(shape[0], device).view(-1, *[1] * (len(shape) - 1))

@@ -23,9 +23,9 @@ Every parameter is a DTensor on the tp mesh and every gradient comes back with i
 
 Dropout masks are functions of each element's global coordinates (:mod:`xscale.models.dropout`), so
 replicated activations get the same mask on every rank; under sequence parallelism each dropout is told which
-slice of the tokens this rank holds, and draws that slice of the single device's mask; attention cores
-likewise drop the probabilities of their global heads (cores flagged ``rng_dropout`` draw from torch's RNG:
-not one device's masks).
+slice of the tokens this rank holds, and draws that slice of the single device's mask; attention cores see the
+whole sequence and drop the probabilities (B, H, Tq, Tk) of their global heads (their dropout's ``shard_index``
+is the rank's slice of the heads; block-sparse cores mask the gathered blocks at the same global positions).
 """
 
 from __future__ import annotations

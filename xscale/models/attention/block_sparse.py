@@ -7,6 +7,8 @@ whose padding to the next wider group costs at most 1/8 of the listed blocks joi
 each group is a gather, and its backward a full-size scatter, so few groups are faster.
 Inside the gathered blocks the exact token rule, causality and the sequence end are applied as a mask.
 Autograd differentiates through the gathers (index_select backward is a scatter-add).
+Attention dropout masks the gathered probabilities by their global (sample, head, query, key) position, the mask
+dense attention's probabilities (B, H, T, T) would get (:meth:`xscale.models.dropout.Dropout.at`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from xscale.models.attention.patterns import Pattern
+from xscale.models.dropout import Dropout
 
 
 @dataclasses.dataclass
@@ -32,6 +35,8 @@ class RowGroup:
     # head has the same rows and rule, the bias is shared)
     every_query_has_key: bool  # else rows with no allowed key need their softmax zeroed
     has_key: Tensor  # (R, block, 1)
+    query_index: Tensor  # (R, block): head * length + query position (the head local to the plan's heads)
+    key_position: Tensor  # (R, W * block)
 
 
 @dataclasses.dataclass
@@ -89,7 +94,8 @@ def build_plan(pattern: Pattern, length: int, block: int, causal: bool, n_heads:
             bias = per_head[0].clone()
         groups.append(RowGroup(rows.to(device), int(rows[0]) if contiguous else None,
                                (kv_head[:, None] * n_blocks + blocks).to(device), bias.to(device),
-                               bool(has_key.all()), has_key.to(device)))
+                               bool(has_key.all()), has_key.to(device), (head[:, None] * length + query).to(device),
+                               key.to(device)))
     covered = torch.cat([g.rows.cpu() for g in groups]) if groups else torch.empty(0, dtype=torch.long)
     inverse = None
     if len(covered) == n_heads * n_blocks and not torch.equal(covered, torch.arange(len(covered))):
@@ -100,8 +106,12 @@ def build_plan(pattern: Pattern, length: int, block: int, causal: bool, n_heads:
 
 
 def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, block: int, *,
-                           dropout: float = 0.0, training: bool = False) -> Tensor:
-    """q (B, H, T, hd), k/v (B, Hkv, T, hd) -> (B, H, T, hd); a query with no allowed key outputs zeros."""
+                           dropout: Dropout | None = None) -> Tensor:
+    """q (B, H, T, hd), k/v (B, Hkv, T, hd) -> (B, H, T, hd); a query with no allowed key outputs zeros.
+
+    ``dropout`` (on the probabilities, when training): its ``shard_index`` says which slice of the heads q holds
+    (tensor parallelism), so that head h here is head shard_index * H + h of the whole model.
+    """
     batch, n_heads, length, head_dim = q.shape
     n_kv_heads, padded = k.shape[1], plan.n_blocks * block
     if padded != length:
@@ -128,8 +138,10 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, blo
         probs = torch.softmax(scores, dim=-1)
         if not group.every_query_has_key:
             probs = torch.where(group.has_key.view(*probs.shape[1:-1], 1), probs, 0.0)
-        if dropout > 0.0 and training:
-            probs = F.dropout(probs, dropout)
+        if dropout is not None and dropout.training and dropout.p > 0:
+            first = dropout.shard_index * n_heads * length  # this rank's first head, as query_index counts
+            index = ((group.query_index + first)[:, :, None] * length + group.key_position[:, None, :])
+            probs = dropout.at(probs, index.view(probs.shape[1:]))
         outputs.append(torch.matmul(probs, values).view(batch, n_rows, block, head_dim))
     if not outputs:
         return q.new_zeros(batch, n_heads, length, head_dim)

@@ -42,7 +42,6 @@ def blocks_of(x: Tensor, size: int) -> Tensor:
 
 @ATTENTION.register("memory_compressed", "compressed")
 class MemoryCompressedAttention(AttentionCore):
-    rng_dropout = True  # SDPA's dropout_p
     Options = CompressedOptions
 
     def __init__(self, model: ModelConfig, layer_index: int, options: CompressedOptions) -> None:
@@ -61,14 +60,12 @@ class MemoryCompressedAttention(AttentionCore):
         scale = q.shape[-1] ** -0.5
         keys = expand_kv(self.compress(k, self.key_compression), heads)
         values = expand_kv(self.compress(v, self.value_compression), heads)
-        dropout = self.model_config.attention_dropout if self.training else 0.0
         if not causal:
-            return F.scaled_dot_product_attention(q, keys, values, dropout_p=dropout)
+            return self.attend(q, keys, values)  # dropout on the probabilities over the slots (B, H, T, T/c)
         require(q.shape[2] == k.shape[2], "causal memory_compressed attention is self-attention (equal lengths)")
-        return self._causal(q, expand_kv(k, heads), expand_kv(v, heads), keys, values, scale, dropout)
+        return self._causal(q, expand_kv(k, heads), expand_kv(v, heads), keys, values, scale)
 
-    def _causal(self, q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, scale: float,
-                dropout: float) -> Tensor:
+    def _causal(self, q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
         c, length = self.options.compression, q.shape[2]
         n_slots = keys.shape[2]
         position = torch.arange(length, device=q.device)
@@ -79,9 +76,8 @@ class MemoryCompressedAttention(AttentionCore):
         local = (q_blocks @ k_blocks.transpose(-1, -2)) * scale  # (B, H, n, c, c)
         own_past = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
         local = local.masked_fill(~own_past, float("-inf")).flatten(2, 3)[:, :, :length]  # (B, H, T, c)
-        probs = torch.softmax(torch.cat([compressed, local], dim=-1), dim=-1)
-        if dropout > 0:
-            probs = F.dropout(probs, dropout)
+        # (B, H, T, n_slots + c): each query's slots, then its own block's keys (dropped by that coordinate)
+        probs = self.dropout(torch.softmax(torch.cat([compressed, local], dim=-1), dim=-1))
         from_slots = probs[..., :n_slots] @ values
         local_probs = F.pad(probs[..., n_slots:], (0, 0, 0, n_slots * c - length)).view(*local.shape[:2], n_slots, c, c)
         from_block = (local_probs @ v_blocks).flatten(2, 3)[:, :, :length]

@@ -17,6 +17,7 @@ import dataclasses
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from xscale.config import ConfigError, ModelConfig, _from_dict
@@ -40,7 +41,8 @@ class AttentionCore(nn.Module):
     carries_scores: ClassVar[bool] = False  # takes and returns pre-softmax scores across layers (RealFormer)
     per_head_state: ClassVar[tuple[str, ...]] = ()  # parameters/buffers whose dim 0 is the head (TP slices them)
     # Attention dropout drawn from torch's RNG (SDPA's dropout_p, F.dropout): its masks depend on the layout.
-    # Other cores apply ``self.dropout`` to batch-first probabilities, (B, H, Tq, Tk) where tp splits heads.
+    # Every core here applies ``self.dropout`` to batch-first probabilities, (B, H, Tq, Tk) where tp splits
+    # heads, through :meth:`attend` or directly (block-sparse: :meth:`Dropout.at` on the gathered blocks).
     rng_dropout: ClassVar[bool] = False
 
     def __init__(self, model: ModelConfig, layer_index: int, options: Any) -> None:
@@ -55,6 +57,23 @@ class AttentionCore(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
+
+    @property
+    def drops_probabilities(self) -> bool:
+        """Training with attention dropout (then probabilities must be formed where ``self.dropout`` sees them)."""
+        return self.training and self.dropout.p > 0
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
+        """dropout(softmax(Q K^T / sqrt(d) + mask)) V for q (B, H, Tq, d), k/v (B, H, Tk, d), mask broadcasting to
+        (B, H, Tq, Tk). SDPA when nothing is dropped; else the probabilities are formed explicitly and masked by
+        (sample, global head, query, key) like every dropout here (SDPA's fused dropout draws from each rank's RNG,
+        so its masks would depend on the layout)."""
+        if not self.drops_probabilities:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+        probs = torch.softmax(scores if mask is None else scores + mask, dim=-1)
+        return self.dropout(probs) @ v
 
 
 def expand_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:

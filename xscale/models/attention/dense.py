@@ -31,17 +31,13 @@ class DenseAttention(AttentionCore):
                 bias: torch.Tensor | None = None) -> torch.Tensor:
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
         mask = None if bias is None else bias.to(q.dtype)
-        if causal and (mask is not None or self._explicit):
+        if causal and (mask is not None or self.drops_probabilities):
             causal_mask = causal_bias(q.shape[2], k.shape[2], q.device, q.dtype)
             mask = causal_mask if mask is None else mask + causal_mask
-        if self._explicit:
+        if self.drops_probabilities:
             scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
             probs = torch.softmax(scores if mask is None else scores + mask, dim=-1)
             return self.dropout(probs) @ v
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal and q.shape[2] > 1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-    @property
-    def _explicit(self) -> bool:
-        return self.training and self.dropout.p > 0

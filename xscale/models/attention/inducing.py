@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from xscale.config import ModelConfig
@@ -22,16 +21,14 @@ from xscale.models.attention.sparse import require, require_positive
 from xscale.models.registry import ATTENTION
 
 
-def pooled_attention(q: Tensor, k: Tensor, v: Tensor, points: Tensor, dropout: float = 0.0) -> Tensor:
-    """q (B, H, Tq, d), k/v (B, H, Tk, d), points (H, m, d) -> (B, H, Tq, d)."""
-    pool = torch.softmax(points.to(k.dtype) @ k.transpose(-1, -2) * k.shape[-1] ** -0.5, dim=-1)  # (B, H, m, Tk)
-    return F.scaled_dot_product_attention(q, pool @ k, pool @ v, dropout_p=dropout)
+def pool(k: Tensor, v: Tensor, points: Tensor) -> tuple[Tensor, Tensor]:
+    """k/v (B, H, Tk, d), points (H, m, d) -> the pooled keys and values A K, A V (B, H, m, d)."""
+    weights = torch.softmax(points.to(k.dtype) @ k.transpose(-1, -2) * k.shape[-1] ** -0.5, dim=-1)  # (B, H, m, Tk)
+    return weights @ k, weights @ v
 
 
 class PooledAttention(AttentionCore):
     """Holds the per-head points (H, m, d_head); subclasses name the option that sets m."""
-
-    rng_dropout = True  # SDPA's dropout_p
 
     per_head_state = ("points",)
 
@@ -41,8 +38,8 @@ class PooledAttention(AttentionCore):
 
     def pooled(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         check_heads(self, self.points, q.shape[1])
-        dropout = self.model_config.attention_dropout if self.training else 0.0
-        return pooled_attention(q, expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1]), self.points, dropout)
+        # Attention dropout on the queries' probabilities over the m pooled slots (B, H, Tq, m), not on the pool.
+        return self.attend(q, *pool(expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1]), self.points))
 
 
 @dataclasses.dataclass

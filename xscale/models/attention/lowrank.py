@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from xscale.config import ModelConfig
@@ -31,8 +30,6 @@ class LinformerOptions:
 class LinformerAttention(AttentionCore):
     """Keys and values projected along the length by learned E, F (k x max_seq_len), shared by the heads."""
 
-    rng_dropout = True  # SDPA's dropout_p
-
     Options = LinformerOptions
     causal_capable = False
 
@@ -53,8 +50,7 @@ class LinformerAttention(AttentionCore):
         value_projection = key_projection if self.options.share_projections else self.value_projection[:, :length]
         k = key_projection.to(k.dtype) @ expand_kv(k, q.shape[1])  # (B, H, k, hd)
         v = value_projection.to(v.dtype) @ expand_kv(v, q.shape[1])
-        dropout = self.model_config.attention_dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout)
+        return self.attend(q, k, v)  # dropout on the probabilities over the projected slots (B, H, T, k)
 
 
 def segment_means(x: Tensor, n_segments: int) -> Tensor:

@@ -1,7 +1,7 @@
 """Luna: linear unified nested attention (Ma et al. 2021): pack the sequence into a fixed-length extra sequence
 P (length l), then unpack it: Y_P = Attn(P, X) (pack), Y_X = Attn(X, Y_P) (unpack), cost T * l.
 
-Bidirectional: :func:`xscale.models.attention.inducing.pooled_attention` with P as the points (packed keys and
+Bidirectional: :class:`xscale.models.attention.inducing.PooledAttention` with P as the points (packed keys and
 values A K, A V share one pack map A). Causal (our formulation of the paper's autoregressive Luna): position t
 unpacks a pack of its own prefix only,
   K~_t = sum_{j<=t} a_pj k_j / sum_{j<=t} a_pj,  a_pj = exp(p . k_j / sqrt(d))  (V~_t alike),

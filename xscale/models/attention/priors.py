@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from xscale.config import ModelConfig
@@ -30,14 +29,15 @@ def signed_distance(q_len: int, k_len: int, device: torch.device) -> Tensor:
     return (torch.arange(q_len, device=device)[:, None] + offset) - torch.arange(k_len, device=device)[None, :]
 
 
-def attend_with_logit_bias(q: Tensor, k: Tensor, v: Tensor, logit_bias: Tensor, *, causal: bool, dropout: float
-                           ) -> Tensor:
-    """softmax(QK^T / sqrt(d) + logit_bias (+ causal mask)) V through SDPA; logit_bias broadcasts to (B, H, Tq, Tk)."""
+def attend_with_logit_bias(core: AttentionCore, q: Tensor, k: Tensor, v: Tensor, logit_bias: Tensor, *,
+                           causal: bool) -> Tensor:
+    """softmax(QK^T / sqrt(d) + logit_bias (+ causal mask)) V through ``core.attend`` (SDPA unless dropping
+    probabilities); logit_bias broadcasts to (B, H, Tq, Tk)."""
     k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     mask = logit_bias.to(q.dtype)
     if causal:
         mask = mask + causal_bias(q.shape[2], k.shape[2], q.device, q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+    return core.attend(q, k, v, mask)
 
 
 @dataclasses.dataclass
@@ -51,8 +51,6 @@ class GaussianOptions:
 @ATTENTION.register("gaussian", "gaussian_prior")
 class GaussianPriorAttention(AttentionCore):
     """Dense attention plus -(j - i)^2 / (2 sigma_h^2); the log-offset s_h starts near 0 (sigma_h ~ sigma)."""
-
-    rng_dropout = True  # SDPA's dropout_p
 
     Options = GaussianOptions
     supports_bias = True
@@ -75,8 +73,7 @@ class GaussianPriorAttention(AttentionCore):
         logit_bias = self.prior(q.shape[2], k.shape[2])
         if bias is not None:
             logit_bias = logit_bias + bias
-        dropout = self.model_config.attention_dropout if self.training else 0.0
-        return attend_with_logit_bias(q, k, v, logit_bias, causal=causal, dropout=dropout)
+        return attend_with_logit_bias(self, q, k, v, logit_bias, causal=causal)
 
 
 @dataclasses.dataclass
@@ -99,8 +96,6 @@ class AdaptiveSpanAttention(AttentionCore):
     ``aux_loss_scale`` (1.0) scales the penalty, as :class:`xscale.models.moe.layer.MoELayer`'s does.
     Encoders use |i - j|; the paper's causal models use i - j >= 0.
     """
-
-    rng_dropout = True  # SDPA's dropout_p
 
     Options = AdaptiveSpanOptions
     supports_bias = True
@@ -134,8 +129,7 @@ class AdaptiveSpanAttention(AttentionCore):
         # m * exp(s) / sum(m * exp(s)) == softmax(s + log m): the mask enters as a logit bias.
         log_mask = torch.where(mask > 0, mask.clamp_min(torch.finfo(mask.dtype).tiny).log(), float("-inf"))
         logit_bias = log_mask if bias is None else log_mask + bias
-        dropout = self.model_config.attention_dropout if self.training else 0.0
-        out = attend_with_logit_bias(q, k, v, logit_bias, causal=causal, dropout=dropout)
+        out = attend_with_logit_bias(self, q, k, v, logit_bias, causal=causal)
         if self.options.span_loss > 0 and torch.is_grad_enabled() and self.span_fraction.requires_grad:
             out = AttachAuxiliaryLoss.apply(out, self.aux_loss_scale * self.span_penalty())
         return out

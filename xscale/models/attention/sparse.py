@@ -39,8 +39,6 @@ def require_non_negative(kind: str, **values: int) -> None:
 class PatternAttention(AttentionCore):
     """Base for the position-sparse cores: subclasses return their pattern from ``make_pattern``."""
 
-    rng_dropout = True  # F.dropout
-
     def __init__(self, model: ModelConfig, layer_index: int, options: Any) -> None:
         super().__init__(model, layer_index, options)
         self.pattern = self.make_pattern()
@@ -64,9 +62,7 @@ class PatternAttention(AttentionCore):
             raise ValueError(f"position-sparse attention is self-attention: query length {q.shape[2]} "
                              f"!= key length {k.shape[2]}")
         plan = self.plan(q.shape[2], causal, q.shape[1], k.shape[1], q.device, q.dtype)
-        dropout = self.model_config.attention_dropout
-        return block_sparse_attention(q, k, v, plan, self.options.block_size, dropout=dropout,
-                                      training=self.training)
+        return block_sparse_attention(q, k, v, plan, self.options.block_size, dropout=self.dropout)
 
 
 @dataclasses.dataclass

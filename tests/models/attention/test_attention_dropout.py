@@ -1,0 +1,134 @@
+"""Attention dropout is layout-independent in every core: a tensor-parallel rank's heads and a data-parallel
+rank's samples draw their slice of the single device's masks (:mod:`xscale.models.dropout`), the block-sparse
+kernel drops the gathered probabilities at their global (sample, head, query, key) position, and no core draws
+attention dropout from torch's RNG."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from tests.models.attention.conftest import make_core, random_qkv
+from tests.models.attention.test_in_model import SMALL_OPTIONS
+from xscale.config import AttentionConfig, ModelConfig
+from xscale.models import build_model
+from xscale.models.attention import patterns as P
+from xscale.models.attention.core import AttentionCore
+from xscale.models.dropout import DropoutPosition, dropout_position
+from xscale.models.registry import ATTENTION
+
+P_DROP = 0.3
+POSITION = DropoutPosition(seed=5, step=2)
+HEADS, LENGTH = 4, 37
+
+# The cores that drew attention dropout from torch's RNG before (F.dropout, SDPA's dropout_p), and dense.
+CASES = [
+    ("dense", True, {}),
+    ("longformer", False, {"window": 6, "global_tokens": 3, "block_size": 8}),
+    ("bigbird", True, {"window": 6, "global_tokens": 3, "random_blocks": 2, "block_size": 8}),
+    ("local", True, {"window": 5, "block_size": 8}),
+    ("gaussian", True, {}),
+    ("adaptive_span", False, {"max_span": 16, "ramp": 4}),
+    ("inducing", False, {"inducing_points": 5}),
+    ("luna", False, {"packed_length": 5}),
+    ("linformer", False, {"projected_length": 7}),
+    ("memory_compressed", False, {}),
+    ("memory_compressed", True, {}),
+]
+
+
+def _core(kind: str, causal: bool, options: dict) -> AttentionCore:
+    core = make_core(kind, causal, options, n_heads=HEADS)
+    core.dropout.p, core.dropout.site = P_DROP, 11
+    with torch.no_grad():
+        for parameter in core.parameters():  # some cores leave their state to the model's initialiser
+            parameter.copy_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(3)) * 0.3)
+    return core.train()
+
+
+def _head_shard(core: AttentionCore, rank: int, heads: int) -> AttentionCore:
+    """What a tensor-parallel rank holds: heads [rank * heads, (rank + 1) * heads) of the per-head state."""
+    shard = copy.deepcopy(core)
+    for name in shard.per_head_state:
+        setattr(shard, name, nn.Parameter(getattr(core, name)[rank * heads:(rank + 1) * heads].detach().clone()))
+    shard.dropout.shard_index = rank
+    return shard
+
+
+def _run(core: AttentionCore, q, k, v, causal: bool, position: DropoutPosition = POSITION) -> torch.Tensor:
+    with dropout_position(position):
+        return core(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("kind,causal,options", CASES, ids=[f"{k}-{'causal' if c else 'bidir'}" for k, c, _ in CASES])
+def test_head_and_batch_slices_draw_the_whole_mask(kind: str, causal: bool, options: dict) -> None:
+    core = _core(kind, causal, options)
+    q, k, v = random_qkv(4, HEADS, LENGTH, 16)
+    whole = _run(core, q, k, v, causal)
+    with torch.no_grad():
+        plain = core.eval()(q, k, v, causal=causal)
+    core.train()
+    assert not torch.allclose(whole, plain, atol=1e-3), "attention dropout must change the output"
+    other_step = _run(core, q, k, v, causal, DropoutPosition(seed=5, step=3))
+    assert not torch.allclose(whole, other_step, atol=1e-3), "the mask must change with the step"
+
+    half = HEADS // 2
+    grad = torch.randn_like(whole)
+    whole_grads = torch.autograd.grad(whole, (q, k, v), grad)
+    for rank in range(2):  # tensor parallelism: each rank its heads, numbered from shard_index * half
+        heads = slice(rank * half, (rank + 1) * half)
+        parts = tuple(x[:, heads].detach().requires_grad_() for x in (q, k, v))
+        out = _run(_head_shard(core, rank, half), *parts, causal)
+        torch.testing.assert_close(out, whole[:, heads], atol=1e-12, rtol=1e-12)
+        for got, want in zip(torch.autograd.grad(out, parts, grad[:, heads]), whole_grads):
+            torch.testing.assert_close(got, want[:, heads], atol=1e-12, rtol=1e-12)
+    # data parallelism (or a microbatch): rows 1, 2 of the global batch
+    rows = _run(core, *(x[1:3] for x in (q, k, v)), causal, DropoutPosition(seed=5, step=2, first_sample=1))
+    torch.testing.assert_close(rows, whole[1:3], atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("kind,causal,options", [c for c in CASES if c[0] in ("longformer", "bigbird", "local")])
+@pytest.mark.parametrize("kv_heads", [HEADS, 2])
+def test_block_sparse_drops_what_dense_attention_would(kind: str, causal: bool, options: dict, kv_heads: int) -> None:
+    """The gathered probabilities are masked at (sample, head, query, key): the dense (B, H, T, T) mask."""
+    core = _core(kind, causal, options)
+    q, k, v = random_qkv(3, HEADS, LENGTH, 16, kv_heads=kv_heads)
+    out = _run(core, q, k, v, causal)
+    visible = P.reference_mask(core.pattern, LENGTH, options["block_size"], causal, n_heads=HEADS)
+    if causal:
+        visible = visible & torch.ones(LENGTH, LENGTH, dtype=torch.bool).tril()
+    groups = HEADS // kv_heads
+    keys, values = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = (q @ keys.transpose(-1, -2) / 4).masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    with dropout_position(POSITION):
+        keep = core.dropout.keep_mask(probs.shape, probs.device)
+    torch.testing.assert_close(out, (probs * keep / (1 - P_DROP)) @ values, atol=1e-10, rtol=1e-10)
+
+
+def _kinds():
+    seen = set()
+    for kind in ATTENTION.names():
+        cls = ATTENTION.get(kind)
+        if cls not in seen:
+            seen.add(cls)
+            yield pytest.param(kind, "decoder" if cls.causal_capable else "encoder", id=kind)
+
+
+@pytest.mark.parametrize("kind,family", list(_kinds()))
+def test_no_core_draws_attention_dropout_from_torchs_rng(kind: str, family: str) -> None:
+    """Under a dropout position a training step's output does not depend on torch's generator (cores that
+    still did would need ``rng_dropout = True``, which makes ``xscale parity`` refuse them)."""
+    config = ModelConfig(family=family, vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=48,
+                         attention_dropout=P_DROP, attention=AttentionConfig(kind=kind, options=dict(SMALL_OPTIONS)))
+    model = build_model(config, seed=0).train()
+    tokens = torch.randint(0, 64, (2, 37), generator=torch.Generator().manual_seed(0))
+    outputs = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        with dropout_position(POSITION):
+            outputs.append(model(tokens))
+    assert ATTENTION.get(kind).rng_dropout or torch.equal(outputs[0], outputs[1])
