@@ -38,10 +38,10 @@ def expert_reference(layer, expert: int, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("router,top_k", [("switch", 1), ("gshard", 2)])
 def test_layer_matches_per_token_reference(ffn, router, top_k):
     config = model_config(ffn, router=router, top_k=top_k, capacity_factor=1.0, min_capacity=0,
-                          second_expert_policy="all", drop_policy="position")
+                          second_expert_policy="all", drop_policy="position", aux_loss_coef=0.0, z_loss_coef=0.0)
     layer = build_moe(config, 0)
     randomise(layer)
-    x = torch.randn(2, 12, 8)
+    x = torch.randn(2, 12, 8, requires_grad=True)
     out = layer(x).reshape(-1, 8)
     tokens = x.reshape(-1, 8)
     # Reference: recompute routing by the definition, then loop token by token.
@@ -59,6 +59,14 @@ def test_layer_matches_per_token_reference(ffn, router, top_k):
                 expected[t] += gates[t, choice] * expert_reference(layer, e, tokens[t:t + 1])[0]
     assert layer.metrics["tokens_per_expert"].tolist() == load
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    # Gradients of every parameter (router included, through the gates) and of the input.
+    upstream = torch.randn_like(tokens)
+    leaves = [x, *layer.parameters()]
+    got = torch.autograd.grad((out * upstream).sum(), leaves, retain_graph=True)
+    want = torch.autograd.grad((expected * upstream).sum(), leaves, allow_unused=True)
+    for got_grad, want_grad in zip(got, want):
+        torch.testing.assert_close(got_grad, torch.zeros_like(got_grad) if want_grad is None else want_grad,
+                                   rtol=1e-4, atol=1e-5)
 
 
 def test_aux_losses_reach_the_router_gradient():
