@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from xscale.ops.moe_permute import combine_by_gate
+from xscale.ops.moe_permute import assignment_of_token, combine_by_gate, gather_tokens
 
 
 def test_matches_the_weighted_index_add_with_repeated_and_missing_tokens():
@@ -35,3 +35,36 @@ def test_output_dtype_and_gate_dtype_are_kept():
 def test_shapes_must_agree():
     with pytest.raises(ValueError, match="one entry per assignment"):
         combine_by_gate(torch.randn(3, 4), torch.rand(2), torch.tensor([0, 1, 2]), 3)
+
+
+def test_one_assignment_per_token_gathers_give_the_scatter_results():
+    """Top-1 with drops: the gather forms of dispatch's backward and of combine equal the scatter forms."""
+    torch.manual_seed(0)
+    token_index = torch.tensor([3, 0, 5, 1])  # tokens 2 and 4 dropped
+    assignment = assignment_of_token(token_index, 6)
+    assert assignment.tolist() == [1, 3, 4, 0, 4, 2]
+    tokens = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    gate = torch.rand(4, dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(6, 5, dtype=torch.float64)
+    results = []
+    for one_per_token in (None, assignment):
+        rows = gather_tokens(tokens, token_index, one_per_token)
+        out = combine_by_gate(rows * 2.0, gate, token_index, 6, assignment=one_per_token)
+        results.append((out, *torch.autograd.grad((out * upstream).sum(), [tokens, gate])))
+    for scatter, gather in zip(*results):
+        torch.testing.assert_close(gather, scatter)
+    out, grad_tokens, _ = results[1]
+    assert torch.count_nonzero(out[[2, 4]]) == 0 and torch.count_nonzero(grad_tokens[[2, 4]]) == 0
+    expected = torch.zeros(6, 5, dtype=torch.float64).index_add(0, token_index, 2.0 * tokens[token_index] * gate[:, None])
+    torch.testing.assert_close(results[0][0], expected)
+
+
+def test_nothing_kept_gives_zeros():
+    tokens = torch.randn(3, 2, requires_grad=True)
+    empty = torch.empty(0, dtype=torch.long)
+    assignment = assignment_of_token(empty, 3)
+    rows = gather_tokens(tokens, empty, assignment)
+    out = combine_by_gate(rows, torch.empty(0), empty, 3, assignment=assignment)
+    assert torch.equal(out, torch.zeros(3, 2))
+    out.sum().backward()
+    assert torch.equal(tokens.grad, torch.zeros(3, 2))

@@ -16,7 +16,7 @@ from xscale.models.ffn import build_ffn
 from xscale.models.moe.experts import StackedExperts
 from xscale.models.moe.routing import LocalTokens
 from xscale.models.registry import ROUTER
-from xscale.ops.moe_permute import combine_by_gate
+from xscale.ops.moe_permute import assignment_of_token, combine_by_gate, gather_tokens
 
 
 class AttachAuxiliaryLoss(torch.autograd.Function):
@@ -80,10 +80,11 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
         routing = self.router(tokens, self.token_group, self.token_ids)
-        # index_select, not tokens[index]: its backward is an index_add, not a serial accumulating index_put
-        outputs_by_expert = self.dispatch(tokens.index_select(0, routing.token_index), routing.local_tokens_per_expert,
-                                          self.experts)
-        output = combine_by_gate(outputs_by_expert, routing.gate, routing.token_index, tokens.shape[0], tokens.dtype)
+        assignment = assignment_of_token(routing.token_index, tokens.shape[0]) if routing.one_per_token else None
+        outputs_by_expert = self.dispatch(gather_tokens(tokens, routing.token_index, assignment),
+                                          routing.local_tokens_per_expert, self.experts)
+        output = combine_by_gate(outputs_by_expert, routing.gate, routing.token_index, tokens.shape[0], tokens.dtype,
+                                 assignment)
         if self.shared_expert is not None:
             output = output + self.shared_expert(tokens)
         self._record(routing)

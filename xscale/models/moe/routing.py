@@ -42,6 +42,7 @@ class Routing:
     dropped_fraction: torch.Tensor  # dropped / routed assignments over the routing group
     aux_loss: torch.Tensor  # this device's share of the group's load-balancing loss (shares sum to it)
     z_loss: torch.Tensor  # this device's share of the group's router z-loss
+    one_per_token: bool = False  # no token has two kept assignments (top-1): dispatch and combine can gather
 
 
 def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float,
@@ -138,4 +139,4 @@ def token_choice_routing(*, expert_index: torch.Tensor, gate: torch.Tensor, disp
     return Routing(token_index=token_index, expert_index=local_expert, gate=local_gate,
                    local_tokens_per_expert=torch.bincount(local_expert, minlength=num_experts),
                    tokens_per_expert=tokens_per_expert, dropped_fraction=dropped.float(),
-                   aux_loss=aux, z_loss=z_loss)
+                   aux_loss=aux, z_loss=z_loss, one_per_token=top_k == 1)
