@@ -13,7 +13,7 @@ import torch
 
 from xscale.config import ConfigError, ModelConfig
 from xscale.models.moe.routers import LearnedRouter
-from xscale.models.moe.routing import LocalTokens, Routing, router_z_loss
+from xscale.models.moe.routing import LocalTokens, Routing, router_probabilities, router_z_loss
 from xscale.models.registry import ROUTER
 
 
@@ -31,8 +31,7 @@ class ExpertChoiceRouter(LearnedRouter):
             raise ConfigError("router=expert_choice has a fixed capacity per expert; set model.moe.dropless=false")
 
     def forward(self, x: torch.Tensor, group: LocalTokens, token_ids: torch.Tensor | None = None) -> Routing:
-        logits = self.router_logits(x)
-        scores = torch.softmax(logits.float(), dim=-1)  # token-to-expert affinities S = softmax(X W)
+        scores, log_normaliser = router_probabilities(self.router_logits(x))  # affinities S = softmax(X W)
         everyone, offset = group.gather(scores.detach())
         group_tokens, n = everyone.shape[0], x.shape[0]
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
@@ -50,5 +49,5 @@ class ExpertChoiceRouter(LearnedRouter):
             local_tokens_per_expert=torch.bincount(expert_index, minlength=self.num_experts),
             tokens_per_expert=torch.full((self.num_experts,), capacity, device=x.device),
             dropped_fraction=1.0 - covered.float().mean(),
-            aux_loss=scores.new_zeros(()), z_loss=router_z_loss(logits, group_tokens),
+            aux_loss=scores.new_zeros(()), z_loss=router_z_loss(log_normaliser, group_tokens),
         )

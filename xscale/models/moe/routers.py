@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from xscale.config import ConfigError, ModelConfig
-from xscale.models.moe.routing import LocalTokens, Routing, token_choice_routing
+from xscale.models.moe.routing import LocalTokens, Routing, router_probabilities, token_choice_routing
 from xscale.models.registry import ROUTER
 
 ROUTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -49,11 +49,11 @@ class LearnedRouter(nn.Module):
         return self.capacity_factor if self.training else self.eval_capacity_factor
 
     def route(self, expert_index: torch.Tensor, gate: torch.Tensor, dispatched: torch.Tensor,
-              probs: torch.Tensor, logits: torch.Tensor, group: LocalTokens) -> Routing:
+              probs: torch.Tensor, log_normaliser: torch.Tensor, group: LocalTokens) -> Routing:
         return token_choice_routing(
             expert_index=expert_index, gate=gate, dispatched=dispatched, num_experts=self.num_experts,
             capacity_factor=self.active_capacity_factor(), min_capacity=self.min_capacity,
-            drop_policy=self.drop_policy, group=group, probs=probs, logits=logits,
+            drop_policy=self.drop_policy, group=group, probs=probs, log_normaliser=log_normaliser,
         )
 
 
@@ -68,10 +68,10 @@ class SwitchRouter(LearnedRouter):
                               f"(got {self.top_k}) or use router=gshard for top-2")
 
     def forward(self, x: torch.Tensor, group: LocalTokens, token_ids: torch.Tensor | None = None) -> Routing:
-        logits = self.router_logits(x)
-        probs = torch.softmax(logits.float(), dim=-1)
+        probs, log_normaliser = router_probabilities(self.router_logits(x))
         gate, expert_index = probs.max(dim=-1, keepdim=True)
-        return self.route(expert_index, gate, torch.ones_like(expert_index, dtype=torch.bool), probs, logits, group)
+        return self.route(expert_index, gate, torch.ones_like(expert_index, dtype=torch.bool), probs, log_normaliser,
+                          group)
 
 
 @ROUTER.register("gshard")
@@ -92,11 +92,10 @@ class GShardRouter(LearnedRouter):
         self.second_expert_policy = config.moe.second_expert_policy
 
     def forward(self, x: torch.Tensor, group: LocalTokens, token_ids: torch.Tensor | None = None) -> Routing:
-        logits = self.router_logits(x)
-        probs = torch.softmax(logits.float(), dim=-1)
+        probs, log_normaliser = router_probabilities(self.router_logits(x))
         top_probs, expert_index = probs.topk(2, dim=-1)
         gate = top_probs / top_probs.sum(dim=-1, keepdim=True)
         dispatched = torch.ones_like(expert_index, dtype=torch.bool)
         if self.second_expert_policy == "sampling" and self.training:
             dispatched[:, 1] = torch.rand_like(gate[:, 1]) < 2.0 * gate[:, 1].detach()
-        return self.route(expert_index, gate, dispatched, probs, logits, group)
+        return self.route(expert_index, gate, dispatched, probs, log_normaliser, group)

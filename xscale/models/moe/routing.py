@@ -63,9 +63,18 @@ def load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor, num_exp
     return num_experts * (fraction * mean_prob_share).sum()
 
 
-def router_z_loss(logits: torch.Tensor, group_tokens: int) -> torch.Tensor:
-    """ST-MoE eq. 5: mean over the group's tokens of logsumexp(logits)^2 (this device's share)."""
-    return torch.logsumexp(logits, dim=-1).square().sum() / group_tokens
+def router_probabilities(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(logits) over the experts in float32, and logsumexp(logits) [n] (the z-loss's term): one log-sum-exp
+    serves both (softmax = exp(logits - logsumexp)); ATen's softmax over a last dimension of a few experts is
+    several times slower than these element-wise passes."""
+    log_normaliser = torch.logsumexp(logits.float(), dim=-1)
+    return torch.exp(logits.float() - log_normaliser.unsqueeze(-1)), log_normaliser
+
+
+def router_z_loss(log_normaliser: torch.Tensor, group_tokens: int) -> torch.Tensor:
+    """ST-MoE eq. 5: mean over the group's tokens of logsumexp(logits)^2 (this device's share), from the
+    logsumexp of each token's router logits (:func:`router_probabilities`)."""
+    return log_normaliser.square().sum() / group_tokens
 
 
 def rank_within_expert(expert: torch.Tensor, priority: torch.Tensor | None,
@@ -91,13 +100,14 @@ def rank_within_expert(expert: torch.Tensor, priority: torch.Tensor | None,
 def token_choice_routing(*, expert_index: torch.Tensor, gate: torch.Tensor, dispatched: torch.Tensor,
                          num_experts: int, capacity_factor: float | None, min_capacity: int,
                          drop_policy: str, group: LocalTokens,
-                         probs: torch.Tensor | None, logits: torch.Tensor | None) -> Routing:
+                         probs: torch.Tensor | None, log_normaliser: torch.Tensor | None) -> Routing:
     """Each token picked k experts (``expert_index`` [n, k], ``gate`` [n, k]); cut every expert at capacity.
 
     ``dispatched`` [n, k] marks the picks that are sent at all (GShard's sampled second expert).
     Priority in an expert's queue (GShard): all first choices before any second choice; then
     ``drop_policy="position"`` keeps tokens in order (earlier first), ``"probs"`` keeps higher gates first.
-    Capacity comes from the group's token count (:func:`expert_capacity`); ``capacity_factor=None``: dropless. ``probs``/``logits`` [n, E] feed the auxiliary losses (None: no router).
+    Capacity comes from the group's token count (:func:`expert_capacity`); ``capacity_factor=None``: dropless. ``probs`` [n, E] and ``log_normaliser`` [n] (:func:`router_probabilities`) feed the
+    auxiliary losses (None: no router).
     """
     n, top_k = expert_index.shape
     packed = torch.cat([expert_index.to(gate.dtype), gate.detach(), dispatched.to(gate.dtype)], dim=1)
@@ -135,7 +145,7 @@ def token_choice_routing(*, expert_index: torch.Tensor, gate: torch.Tensor, disp
     dropped = 1.0 - kept.sum() / routed.sum().clamp_min(1)
     zero = gate.new_zeros(())
     aux = zero if probs is None else load_balancing_loss(probs, all_expert[:, 0], num_experts, group_tokens)
-    z_loss = zero if logits is None else router_z_loss(logits, group_tokens)
+    z_loss = zero if log_normaliser is None else router_z_loss(log_normaliser, group_tokens)
     return Routing(token_index=token_index, expert_index=local_expert, gate=local_gate,
                    local_tokens_per_expert=torch.bincount(local_expert, minlength=num_experts),
                    tokens_per_expert=tokens_per_expert, dropped_fraction=dropped.float(),
