@@ -225,6 +225,18 @@ def test_expert_checkpoint_resumes_at_another_ep(save_layout, resume_layout, tmp
     check_resharding(save_layout, resume_layout, tmp_path, model=RESHARD_MODEL)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("save_layout,resume_layout", [
+    ("dp_shard=4,ep=2,zero_stage=3", "dp_shard=2"),
+    ("dp_shard=2,zero_stage=1", "dp_shard=4,ep=2,tp=2,zero_stage=3"),
+])
+def test_expert_checkpoint_with_experts_sharded_over_edp2_reshards(save_layout, resume_layout, tmp_path):
+    """Expert slices FSDP-sharded over dp_expert=2 are gathered into [E, ...] tensors on save and cut back into
+    FSDP shards on load. Every layout here routes groups of 4 sequences (ep2 x 2 per rank; 4 per rank at dp2), so
+    the uninterrupted reference does too."""
+    check_resharding(save_layout, resume_layout, tmp_path, model=RESHARD_MODEL, reference=("train.micro_batch_size=4",))
+
+
 # ---------------------------------------------------------------------------------------------------- ep x tp
 
 @pytest.mark.slow
