@@ -286,6 +286,18 @@ def test_pp2_by_tp2_by_ep2_matches_one_process(router, tmp_path):
     assert_layouts_match([*TRAINING, *router], 4, layouts, tmp_path)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,routing_group", [
+    ("pp=2,dp_shard=2,ep=2,tp=2,microbatches=2,pp_schedule=zero_bubble,pp_stages_per_rank=2", 4),
+    ("pp=2,dp_shard=2,ep=2,tp=2,microbatches=4,pp_schedule=interleaved_1f1b,pp_stages_per_rank=2,zero_stage=3", 2),
+], ids=["zero_bubble", "interleaved_zero3"])
+def test_pp2_by_tp2_by_ep2_with_two_stages_per_rank_matches_one_process(layout, routing_group, tmp_path):
+    """4 layers, MoE in every other one, 2 stages per rank: ZB-V (weight gradients split from input gradients,
+    with tp-replicated experts) and interleaved 1F1B under ZeRO-3 (4 microbatches of one sequence per rank)."""
+    assert_layouts_match([*TRAINING, "model.n_layers=4", "model.moe.every=2", *SWITCH], routing_group, [layout],
+                         tmp_path)
+
+
 # ---------------------------------------------------------------------------------------------------- ep x ZeRO-3 over edp
 
 @pytest.mark.slow
