@@ -167,14 +167,16 @@ def _measure_state_bytes(config) -> dict:
     return {"measured": measured_state_bytes(trainer.engine, trainer.optimizer)}
 
 
-def _check_expert_memory(dp_shard: int, ep: int, stage: int, tmp_path: Path) -> None:
-    """Measured per-rank bytes vs the ZeRO formulas with experts divided by ep and sharded over edp."""
+def _check_expert_memory(dp_shard: int, ep: int, stage: int, tmp_path: Path, tp: int = 1) -> None:
+    """Measured per-rank bytes vs the ZeRO formulas with experts divided by ep and sharded over edp (the dense
+    weights divided by tp too: the norms and routers it replicates are < 3% of a rank's bytes here)."""
     config = load_config(None, [*TRAINING, *SWITCH, f"parallel.dp_shard={dp_shard}", f"parallel.ep={ep}",
-                                f"parallel.zero_stage={stage}", f"train.output_dir={tmp_path}", *PARITY_SETTINGS])
+                                f"parallel.tp={tp}", f"parallel.zero_stage={stage}", f"train.output_dir={tmp_path}",
+                                *PARITY_SETTINGS])
     count = count_parameters(config)
     assert count.expert > count.total / 2, "experts must dominate for the check to tell ep apart"
-    predicted = predicted_state_bytes(count.total, ParallelDims.from_config(config, dp_shard), count.expert)
-    for rank, result in enumerate(run_local(_measure_state_bytes, dp_shard, config)):
+    predicted = predicted_state_bytes(count.total, ParallelDims.from_config(config, dp_shard * tp), count.expert)
+    for rank, result in enumerate(run_local(_measure_state_bytes, dp_shard * tp, config)):
         for kind, expected in predicted.items():
             measured = result["measured"][kind]
             assert abs(measured - expected) <= 0.03 * expected, \
@@ -190,6 +192,13 @@ def test_per_rank_state_bytes_under_ep2_zero1(tmp_path):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_per_rank_state_bytes_under_ep2_by_dp2(stage, tmp_path):
     _check_expert_memory(4, 2, stage, tmp_path)
+
+
+@pytest.mark.slow
+def test_per_rank_state_bytes_under_ep2_by_edp2_by_tp2_zero3(tmp_path):
+    """ZeRO-3 with experts replicated over tp and FSDP-sharded over dp_expert=2: each rank holds a quarter of the
+    expert weights, gradients and moments (E / ep / edp), the dense ones / (tp x dp)."""
+    _check_expert_memory(4, 2, 3, tmp_path, tp=2)
 
 
 # ---------------------------------------------------------------------------------------------------- resharding
@@ -214,6 +223,18 @@ def test_expert_checkpoint_saved_at_ep2_resumes_on_one_process(tmp_path):
 ])
 def test_expert_checkpoint_resumes_at_another_ep(save_layout, resume_layout, tmp_path):
     check_resharding(save_layout, resume_layout, tmp_path, model=RESHARD_MODEL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("save_layout,resume_layout", [
+    ("dp_shard=4,ep=2,zero_stage=3", "dp_shard=2"),
+    ("dp_shard=2,zero_stage=1", "dp_shard=4,ep=2,tp=2,zero_stage=3"),
+])
+def test_expert_checkpoint_with_experts_sharded_over_edp2_reshards(save_layout, resume_layout, tmp_path):
+    """Expert slices FSDP-sharded over dp_expert=2 are gathered into [E, ...] tensors on save and cut back into
+    FSDP shards on load. Every layout here routes groups of 4 sequences (ep2 x 2 per rank; 4 per rank at dp2), so
+    the uninterrupted reference does too."""
+    check_resharding(save_layout, resume_layout, tmp_path, model=RESHARD_MODEL, reference=("train.micro_batch_size=4",))
 
 
 # ---------------------------------------------------------------------------------------------------- ep x tp
@@ -249,3 +270,50 @@ def test_pp2_by_ep2_zero_bubble_matches_one_process(tmp_path):
     stages without an MoE layer hold no experts."""
     assert_layouts_match([*TRAINING, "model.n_layers=4", "model.moe.every=2", *SWITCH], 4,
                          ["pp=2,dp_shard=2,ep=2,microbatches=2,pp_schedule=zero_bubble,pp_stages_per_rank=2"], tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------- pp x tp x ep
+
+@pytest.mark.slow
+@pytest.mark.parametrize("router", [SWITCH, GSHARD], ids=["switch", "gshard"])
+def test_pp2_by_tp2_by_ep2_matches_one_process(router, tmp_path):
+    """pp=2 x dp_shard=2 x tp=2 x ep=2 (8 ranks, 2 microbatches): in each stage attention is split over tp and
+    the MoE layer, replicated over tp, exchanges tokens over the ep group of its tp coordinate. Routing groups as
+    in pp x ep (2 per step, 4 sequences each). Switch also with sequence parallelism and ZeRO-3."""
+    layouts = ["pp=2,dp_shard=2,ep=2,tp=2,microbatches=2"]
+    if router is SWITCH:
+        layouts.append("pp=2,dp_shard=2,ep=2,tp=2,microbatches=2,sequence_parallel=true,zero_stage=3")
+    assert_layouts_match([*TRAINING, *router], 4, layouts, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,routing_group", [
+    ("pp=2,dp_shard=2,ep=2,tp=2,microbatches=2,pp_schedule=zero_bubble,pp_stages_per_rank=2", 4),
+    ("pp=2,dp_shard=2,ep=2,tp=2,microbatches=4,pp_schedule=interleaved_1f1b,pp_stages_per_rank=2,zero_stage=3", 2),
+], ids=["zero_bubble", "interleaved_zero3"])
+def test_pp2_by_tp2_by_ep2_with_two_stages_per_rank_matches_one_process(layout, routing_group, tmp_path):
+    """4 layers, MoE in every other one, 2 stages per rank: ZB-V (weight gradients split from input gradients,
+    with tp-replicated experts) and interleaved 1F1B under ZeRO-3 (4 microbatches of one sequence per rank)."""
+    assert_layouts_match([*TRAINING, "model.n_layers=4", "model.moe.every=2", *SWITCH], routing_group, [layout],
+                         tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------- ep x ZeRO-3 over edp
+
+@pytest.mark.slow
+@pytest.mark.parametrize("router", [SWITCH, GSHARD], ids=["switch", "gshard"])
+def test_ep2_with_experts_fsdp_sharded_over_edp2_matches_one_process(router, tmp_path):
+    """ZeRO-3 with dp_shard=4, ep=2: each expert slice [E/ep, ...] is an FSDP unit sharded over dp_expert=2 (the
+    edp ranks, reduce-scattered there), the dense blocks over all 4 dp_shard ranks; also with tp=2 (8 ranks), where
+    the experts are Replicate DTensors on tp sharded over dp_expert. Two routing groups of 4 sequences per step.
+    (The bytes each rank holds: test_per_rank_state_bytes_under_ep2_by_dp2[3] and ..._by_edp2_by_tp2_zero3.)"""
+    assert_layouts_match([*TRAINING, *router], 4, ["dp_shard=4,ep=2,zero_stage=3", "dp_shard=4,ep=2,tp=2,zero_stage=3"],
+                         tmp_path)
+
+
+@pytest.mark.slow
+def test_ep2_with_experts_fsdp_sharded_over_replicate_and_dp_expert_matches_one_process(tmp_path):
+    """8 ranks, one sequence per rank and microbatch, so 4 routing groups of 2 sequences per step: experts sharded
+    over dp_expert=2 and replicated over dp_replicate=2 (HSDP over edp = 2 x 2), and under pp=2 over dp_expert=2."""
+    assert_layouts_match([*TRAINING, *SWITCH], 2, ["dp_replicate=2,dp_shard=4,ep=2,zero_stage=3",
+                                                   "pp=2,dp_shard=4,ep=2,microbatches=2,zero_stage=3"], tmp_path)

@@ -58,9 +58,11 @@ def _run(layout: str, output_dir: Path, *extra: str, model: list[str] = MODEL) -
     return run_local(_train, world_size_of(config), config)
 
 
-def check_resharding(save_layout: str, resume_layout: str, tmp_path: Path, model: list[str] = MODEL) -> None:
-    """``model``: overrides of the model and data (8 steps of a 64-sample epoch, global batch 8)."""
-    reference = _run("single", tmp_path / "reference", model=model)[0]["losses"]
+def check_resharding(save_layout: str, resume_layout: str, tmp_path: Path, model: list[str] = MODEL,
+                     reference: tuple[str, ...] = ()) -> None:
+    """``model``: overrides of the model and data (8 steps of a 64-sample epoch, global batch 8); ``reference``:
+    overrides of the uninterrupted single-process run only (e.g. its micro_batch_size, to route as the layouts do)."""
+    reference = _run("single", tmp_path / "reference", *reference, model=model)[0]["losses"]
     first = _run(save_layout, tmp_path / "run", "checkpoint.every=4", model=model)
     checkpoints = tmp_path / "run" / "checkpoints"
     for step_dir in checkpoints.glob("step_*"):
