@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from xscale.launcher.cpu_allocator import keep_freed_memory
+
 BENCHMARKS = ("train", "attention", "kernels", "moe", "parallel", "dropout")
 
 
@@ -13,5 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in BENCHMARKS:
         print(f"usage: xscale bench {{{'|'.join(BENCHMARKS)}}} [options]", file=sys.stderr)
         return 2
+    # What the trainer does on CPU, for every workload of the run alike (XSCALE_SYSTEM_MALLOC=1: leave malloc).
+    keep_freed_memory()
     module = importlib.import_module(f"xscale.bench.{argv[0]}")
     return int(module.main(argv[1:]) or 0)

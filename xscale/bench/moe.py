@@ -17,6 +17,8 @@ Workloads are timed in alternating rounds (A B C A B C ...) after one warm-up ea
 workload is reported, so machine noise hits them alike. Figures: tokens/s, xscale/DeepSpeed tokens/s
 (target >= 1.5x) and MoE/dense step time (target <= 1.3x). On a shared machine, run with
 ``OMP_WAIT_POLICY=PASSIVE``: spinning OpenMP threads of an oversubscribed CPU measure the scheduler instead.
+Every process keeps freed memory mapped, as the trainer does on CPU (:mod:`xscale.launcher.cpu_allocator`;
+``XSCALE_SYSTEM_MALLOC=1`` measures with glibc's defaults).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from xscale.config import ModelConfig, MoEConfig
+from xscale.launcher.cpu_allocator import keep_freed_memory
 from xscale.launcher.env import free_port
 from xscale.models.ffn import build_ffn
 from xscale.models.moe import build_moe
@@ -164,6 +167,7 @@ def single_process(args: argparse.Namespace) -> dict[str, float]:
 def _ep_worker(rank: int, port: int, args: argparse.Namespace, results) -> None:
     from xscale.parallel.expert import apply_expert_parallel
 
+    keep_freed_memory()  # a spawned process: the allocator setting of the parent, as in the trainer's ranks
     torch.set_num_threads(max(1, torch.get_num_threads() // 2))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
@@ -216,7 +220,8 @@ def report(figures: dict, args: argparse.Namespace) -> None:
     single, ratios = figures["single"], figures["ratios"]
     print(f"MoE layer: {args.tokens} tokens, d_model {args.d_model}, hidden {args.hidden}, {args.experts} experts, "
           f"top-1, capacity factor {args.capacity_factor} (dropped {single['dropped_fraction']:.3f}), fp32, "
-          f"{torch.get_num_threads()} threads, forward+backward, median of {args.rounds} alternating rounds")
+          f"{torch.get_num_threads()} threads, forward+backward, median of {args.rounds} alternating rounds, "
+          f"malloc {'keeping freed memory' if keep_freed_memory() else 'as the system set it'}")
     rows = [(f"{name} (1 process)", value) for name, value in single.items() if name != "dropped_fraction"]
     rows += [(f"{name} (ep=2, 2 processes)", value) for name, value in figures.get("ep2", {}).items()]
     for name, seconds in rows:
@@ -254,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
+    keep_freed_memory()
     report(run(args), args)
     return 0
 

@@ -16,6 +16,7 @@ import torch
 from xscale.config import Config
 from xscale.data import GlobalSampler, collate
 from xscale.inspect import count_parameters
+from xscale.launcher.cpu_allocator import keep_freed_memory
 from xscale.launcher.env import detect_world, init_distributed, local_device
 from xscale.launcher.preemption import PreemptionHandler
 from xscale.models.dropout import DropoutPosition
@@ -41,6 +42,8 @@ class Trainer:
         self.device = local_device(world)
         if self.device.type != "cpu":
             torch.accelerator.set_device_index(self.device.index)
+        else:
+            keep_freed_memory()  # activations and gradients re-allocated every step stop page-faulting
         torch.manual_seed(train.seed)
         set_kernel_backend(train.kernels)
         if train_dataset is None:
