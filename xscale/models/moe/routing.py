@@ -106,8 +106,9 @@ def token_choice_routing(*, expert_index: torch.Tensor, gate: torch.Tensor, disp
     ``dispatched`` [n, k] marks the picks that are sent at all (GShard's sampled second expert).
     Priority in an expert's queue (GShard): all first choices before any second choice; then
     ``drop_policy="position"`` keeps tokens in order (earlier first), ``"probs"`` keeps higher gates first.
-    Capacity comes from the group's token count (:func:`expert_capacity`); ``capacity_factor=None``: dropless. ``probs`` [n, E] and ``log_normaliser`` [n] (:func:`router_probabilities`) feed the
-    auxiliary losses (None: no router).
+    Capacity comes from the group's token count (:func:`expert_capacity`); ``capacity_factor=None``: dropless.
+    ``probs`` [n, E] and ``log_normaliser`` [n] (:func:`router_probabilities`) feed the auxiliary losses (None: no
+    router).
     """
     n, top_k = expert_index.shape
     packed = torch.cat([expert_index.to(gate.dtype), gate.detach(), dispatched.to(gate.dtype)], dim=1)
