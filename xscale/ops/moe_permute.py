@@ -59,8 +59,9 @@ def assignment_of_token(token_index: torch.Tensor, num_tokens: int) -> torch.Ten
 
 def _gather_with_zero_row(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """rows[index] where index == len(rows) reads a zero row."""
-    out = rows.index_select(0, index.clamp(max=max(rows.shape[0] - 1, 0))) if rows.shape[0] else \
-        rows.new_zeros((index.shape[0], *rows.shape[1:]))
+    if rows.shape[0] == 0:
+        return rows.new_zeros((index.shape[0], *rows.shape[1:]))
+    out = rows.index_select(0, index.clamp(max=rows.shape[0] - 1))
     missing = (index == rows.shape[0]).nonzero().squeeze(1)
     if missing.numel():
         out.index_fill_(0, missing, 0.0)
