@@ -44,6 +44,7 @@ ARCHITECTURE = ["model.vocab_size=48", "model.d_model=32", "model.n_layers=2", "
                 "data.eval_fraction=0.0"]
 SWITCH = ["model.moe.router=switch", "model.moe.top_k=1"]
 GSHARD = ["model.moe.router=gshard", "model.moe.top_k=2", "model.moe.second_expert_policy=all"]
+HASH = ["model.moe.router=hash", "model.moe.top_k=1"]
 TRAINING = [*ARCHITECTURE, "train.global_batch_size=8", "data.num_samples=256"]
 RTOL = 1e-5
 STEPS = 10
@@ -317,3 +318,17 @@ def test_ep2_with_experts_fsdp_sharded_over_replicate_and_dp_expert_matches_one_
     over dp_expert=2 and replicated over dp_replicate=2 (HSDP over edp = 2 x 2), and under pp=2 over dp_expert=2."""
     assert_layouts_match([*TRAINING, *SWITCH], 2, ["dp_replicate=2,dp_shard=4,ep=2,zero_stage=3",
                                                    "pp=2,dp_shard=4,ep=2,microbatches=2,zero_stage=3"], tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------- hash routing
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layouts,routing_group", [
+    (["dp_shard=2,ep=2", "dp_shard=2,ep=2,tp=2,sequence_parallel=true,zero_stage=3"], 8),
+    (["pp=2,dp_shard=2,ep=2,microbatches=2,activation_checkpointing=full"], 4),
+], ids=["ep_tp_sp", "pp_ep_recomputed"])
+def test_hash_routing_matches_one_process(layouts, routing_group, tmp_path):
+    """Hash layers route by token id: under ep each rank routes its own sequences' ids, under sequence parallelism the
+    gathered sequence's, and each pipeline stage microbatch k's, also when the backward recomputes the blocks after
+    other microbatches' forwards."""
+    assert_layouts_match([*TRAINING, *HASH], routing_group, layouts, tmp_path)

@@ -127,6 +127,10 @@ def check_schedules(rank: int) -> None:
     moe = decoder_config(4)
     moe.moe = MoEConfig(num_experts=4, router="switch", capacity_factor=1.0, aux_loss_coef=0.1, z_loss_coef=0.01)
     check_case(moe, "zero_bubble", 2, 2, None, reference_micro_batch=2)
+    # Hash routing: every stage routes microbatch k by microbatch k's token ids (later stages get hidden states).
+    hashed = decoder_config(3)
+    hashed.moe = MoEConfig(num_experts=4, router="hash", capacity_factor=1.0, min_capacity=0)
+    check_case(hashed, "1f1b", 1, 2, None, reference_micro_batch=2)
     check_case(decoder_config(3), "1f1b", 1, 2, None, autocast_dtype=torch.bfloat16)
 
 
@@ -272,7 +276,6 @@ def pipeline_config(**overrides) -> Config:
     ({"model_family": "encoder_decoder"}, "encoder-decoder"),
     ({"model_share_layers": True}, "share_layers"),
     ({"model_position": "t5_bias"}, "t5_bias"),
-    ({"model_moe": MoEConfig(num_experts=4, router="hash")}, "hash routing"),
     ({"model_n_layers": 1}, "cannot fill 2 pipeline stages"),
     ({"pp_schedule": "interleaved_1f1b", "pp_stages_per_rank": 2, "model_n_layers": 3}, "cannot fill 4"),
     ({"pp_split": [3, 2]}, "sums to 5"),

@@ -13,6 +13,7 @@ from xscale.config import ModelConfig
 from xscale.models.block import TransformerBlock
 from xscale.models.dropout import Dropout, name_dropout_sites
 from xscale.models.ffn import ACTIVATIONS
+from xscale.models.moe.token_ids import routing_token_ids
 from xscale.models.norm import build_norm
 from xscale.models.position import build_position
 
@@ -110,7 +111,8 @@ class Transformer(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states (B, T, D) of the stack that feeds the LM head."""
         x = self._embed_for_stack(input_ids, self.stack)
-        x, _ = run_blocks(self.stack.blocks(), x, self.stack.position)
+        with routing_token_ids(input_ids):  # hash-routed MoE layers route by the ids of the tokens they see
+            x, _ = run_blocks(self.stack.blocks(), x, self.stack.position)
         if self.stack.final_norm is not None:
             x = self.stack.final_norm(x)
         if self.decoder is None:
@@ -119,7 +121,8 @@ class Transformer(nn.Module):
             raise ValueError("an encoder-decoder model needs decoder_input_ids")
         memory = x
         y = self._embed_for_stack(decoder_input_ids, self.decoder)
-        y, _ = run_blocks(self.decoder.blocks(), y, self.decoder.position, memory)
+        with routing_token_ids(decoder_input_ids):
+            y, _ = run_blocks(self.decoder.blocks(), y, self.decoder.position, memory)
         return self.decoder.final_norm(y) if self.decoder.final_norm is not None else y
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

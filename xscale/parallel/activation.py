@@ -13,17 +13,33 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
 from xscale.models.dropout import current_dropout_position, dropout_position
+from xscale.models.moe.token_ids import current_routing_token_ids, routing_token_ids
 
 
-def _same_dropout_masks() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-    """The recomputation draws the dropout masks of the forward it repeats, wherever its backward runs (a
-    pipeline schedule runs it after other microbatches' forwards)."""
-    return contextlib.nullcontext(), dropout_position(current_dropout_position())
+class _ForwardContext:
+    """Re-enters the dropout position and routing token ids a forward ran under (re-enterable)."""
+
+    def __init__(self) -> None:
+        self.contexts = (dropout_position(current_dropout_position()), routing_token_ids(current_routing_token_ids()))
+
+    def __enter__(self) -> None:
+        for context in self.contexts:
+            context.__enter__()
+
+    def __exit__(self, *exc_info: object) -> None:
+        for context in reversed(self.contexts):
+            context.__exit__(*exc_info)
+
+
+def _same_forward_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """The recomputation draws the dropout masks, and hash-routes the tokens, of the forward it repeats, wherever
+    its backward runs (a pipeline schedule runs it after other microbatches' forwards)."""
+    return contextlib.nullcontext(), _ForwardContext()
 
 
 def _wrap(module: nn.Module) -> nn.Module:
     return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=True,
-                              context_fn=_same_dropout_masks)
+                              context_fn=_same_forward_context)
 
 
 def apply_activation_checkpointing(stacks: list[nn.Module], mode: str) -> None:

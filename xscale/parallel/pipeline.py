@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from xscale.config import Config, ConfigError, ModelConfig
 from xscale.models.dropout import DropoutPosition, dropout_position
+from xscale.models.moe.token_ids import routing_token_ids
 from xscale.models.transformer import Transformer
 from xscale.ops import cross_entropy_sum, linear_cross_entropy_sum
 from xscale.parallel.engine import STATE_DICT_OPTIONS, Batch, Engine
@@ -161,9 +162,6 @@ def check_pipeline(config: Config, data_parallel: int | None = None) -> None:
         raise ConfigError("routing attention moves its k-means centroids after each forward, and a pipeline schedule "
                           "runs several forwards before their backwards (the replayed routes would differ); use "
                           "parallel.pp=1 with routing attention")
-    if model.moe.num_experts and model.moe.router == "hash":
-        raise ConfigError("hash routing needs the token ids at every MoE layer, which later pipeline stages do "
-                          "not receive; use another model.moe.router or parallel.pp=1")
     spec = SCHEDULES.get(parallel.pp_schedule)
     if spec is None:
         raise ConfigError(f"parallel.pp_schedule='{parallel.pp_schedule}' is not one of {', '.join(SCHEDULES)}")
@@ -273,15 +271,25 @@ def _pp_group(pp: DeviceMesh | dist.ProcessGroup) -> dist.ProcessGroup:
     return pp
 
 
-class MicrobatchDropoutStage(QuietMetadataStage):
-    """A stage whose forward of microbatch k draws the dropout masks of that microbatch's rows in the global batch
-    (:mod:`xscale.models.dropout`), whatever order the schedule runs microbatches in."""
+class MicrobatchStage(QuietMetadataStage):
+    """A stage whose forward of microbatch k, whatever order the schedule runs microbatches in, draws the dropout
+    masks of that microbatch's rows in the global batch (:mod:`xscale.models.dropout`) and hash-routes by that
+    microbatch's token ids (:mod:`xscale.models.moe.token_ids`; stages after the first receive only hidden states)."""
 
     engine: PipelineEngine
 
+    def _token_ids(self, microbatch: int) -> torch.Tensor:
+        rows = self.engine.rows_per_microbatch
+        return self.engine.step_input_ids[microbatch * rows:(microbatch + 1) * rows]
+
+    def _prepare_forward_infra(self, *args, **kwargs):
+        with routing_token_ids(self._token_ids(0)):  # torch's shape inference runs the first microbatch
+            return super()._prepare_forward_infra(*args, **kwargs)
+
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
-        position = self.engine.dropout_position
-        with dropout_position(position and position.microbatch(fwd_chunk_id, self.engine.rows_per_microbatch)):
+        position = self.engine.dropout_position and self.engine.dropout_position.microbatch(
+            fwd_chunk_id, self.engine.rows_per_microbatch)
+        with dropout_position(position), routing_token_ids(self._token_ids(fwd_chunk_id)):
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
 
@@ -331,6 +339,7 @@ class PipelineEngine(Engine):
         self._schedules: dict[tuple, object] = {}
         self.dropout_position: DropoutPosition | None = None  # this step's, while train_step runs
         self.rows_per_microbatch = 0
+        self.step_input_ids = torch.empty(0, dtype=torch.long)  # the batch's, while a step or an evaluation runs
         self._token_count = torch.ones((), device=self.device)
         self.last_step_seconds = 0.0
         # Optional instrumentation (``xscale bench parallel`` times the compute with it): set before the first
@@ -384,7 +393,7 @@ class PipelineEngine(Engine):
         # Stages learn their activation shapes on first use, so each input shape gets its own.
         key = (training, rows, *batch["input_ids"].shape[1:])
         if key not in self._schedules:
-            stages = [MicrobatchDropoutStage(module, index, self.num_stages, self.device, group=self.group,
+            stages = [MicrobatchStage(module, index, self.num_stages, self.device, group=self.group,
                                              pause_statistics=self.routing_groups.paused)
                       for module, index in zip(self.stages, self.stage_indices)]
             loss_fn = self._loss
@@ -403,6 +412,8 @@ class PipelineEngine(Engine):
     def _run(self, batch: Batch, training: bool) -> torch.Tensor:
         self._token_count = self.global_token_count(batch).clamp_min(1).to(self.device, torch.float32)
         schedule = self._schedule(batch, training)
+        self.step_input_ids = batch["input_ids"]
+        self.rows_per_microbatch = batch["input_ids"].shape[0] // self.microbatches
         args = (batch["input_ids"],) if self.holds_first else ()
         target = batch["labels"] if self.holds_last else None
         losses: list[torch.Tensor] = []
@@ -422,12 +433,12 @@ class PipelineEngine(Engine):
     # ------------------------------------------------------------------ Engine
     def train_step(self, batch: Batch, position: DropoutPosition | None = None) -> torch.Tensor:
         """Forward + backward of every microbatch through the schedule; the global-batch mean token loss.
-        ``position``: as :meth:`Engine.train_step`'s (read by :class:`MicrobatchDropoutStage`)."""
+        ``position``: as :meth:`Engine.train_step`'s (read by :class:`MicrobatchStage`)."""
         for stage in self.stages:
             stage.train()
         self.tied.begin()
         self.routing_groups.begin_step(self.microbatches)
-        self.dropout_position, self.rows_per_microbatch = position, batch["input_ids"].shape[0] // self.microbatches
+        self.dropout_position = position
         try:
             total = self._run(batch, training=True)
         finally:

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from xscale.config import ConfigError, ModelConfig, MoEConfig, config_from_dict
 from xscale.models import build_model
-from xscale.models.moe import attach_token_ids, build_moe, collect_moe_metrics, moe_layers
+from xscale.models.moe import build_moe, collect_moe_metrics, moe_layers, routing_token_ids
+from xscale.models.moe.hash_router import hash_expert
 
 
 def model_config(ffn="gelu", family="encoder", **moe) -> ModelConfig:
@@ -136,12 +137,30 @@ def test_model_with_moe_layers_trains_and_reports_metrics():
 
 
 def test_hash_layers_get_token_ids_from_the_model():
-    model = build_model(model_config(router="hash", dropless=True), seed=1)
-    with pytest.raises(ValueError, match="token ids"):
-        model(torch.randint(0, 50, (2, 8)))
-    attach_token_ids(model)
-    model(torch.randint(0, 50, (2, 8)))
-    assert collect_moe_metrics(model)["moe/layer0/dropped_fraction"] == 0.0
+    """The model routes each stack by its own tokens: the encoder's by input_ids, the decoder's by decoder_input_ids."""
+    config = model_config(family="encoder_decoder", router="hash", dropless=True)
+    config.n_decoder_layers = 1
+    model = build_model(config, seed=1)
+    input_ids, decoder_input_ids = torch.randint(0, 50, (2, 8)), torch.randint(0, 50, (2, 5))
+    model(input_ids, decoder_input_ids)
+    metrics = collect_moe_metrics(model)
+    for layer, ids in ((0, input_ids), (1, input_ids), (2, decoder_input_ids)):
+        expected = hash_expert(ids.reshape(-1), 4).bincount(minlength=4).tolist()
+        assert [metrics[f"moe/layer{layer}/expert{e}_tokens"] for e in range(4)] == expected, layer
+        assert metrics[f"moe/layer{layer}/dropped_fraction"] == 0.0
+
+
+def test_a_bare_hash_layer_routes_the_ids_it_is_given():
+    layer = build_moe(model_config(router="hash", dropless=True), 0)
+    x = torch.randn(2, 3, 8)
+    with pytest.raises(ValueError, match="routing_token_ids"):
+        layer(x)
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    with routing_token_ids(ids):
+        layer(x)
+    assert layer.metrics["tokens_per_expert"].tolist() == hash_expert(ids.reshape(-1), 4).bincount(minlength=4).tolist()
+    with routing_token_ids(ids[:1]), pytest.raises(ValueError, match="3 token ids for 6 tokens"):
+        layer(x)
 
 
 @pytest.mark.parametrize("moe,message", [

@@ -4,11 +4,12 @@ from xscale.models.moe import expert_choice, hash_router, routers  # noqa: F401 
 from xscale.models.moe.layer import (
     AttachAuxiliaryLoss,
     MoELayer,
-    attach_token_ids,
     build_moe,
     check_moe_config,
     collect_moe_metrics,
     moe_layers,
 )
+from xscale.models.moe.token_ids import current_routing_token_ids, routing_token_ids
 
-__all__ = ["AttachAuxiliaryLoss", "MoELayer", "attach_token_ids", "build_moe", "check_moe_config", "collect_moe_metrics", "moe_layers"]
+__all__ = ["AttachAuxiliaryLoss", "MoELayer", "build_moe", "check_moe_config", "collect_moe_metrics",
+           "current_routing_token_ids", "moe_layers", "routing_token_ids"]

@@ -21,7 +21,7 @@ def hash_expert(token_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 @ROUTER.register("hash")
 class HashRouter(nn.Module):
-    """Routes by token id, which the layer must be given explicitly (see ``MoELayer.token_ids``)."""
+    """Routes by token id: the ids of the tokens routed, which the model sets (:mod:`xscale.models.moe.token_ids`)."""
 
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
@@ -35,8 +35,8 @@ class HashRouter(nn.Module):
 
     def forward(self, x: torch.Tensor, group: LocalTokens, token_ids: torch.Tensor | None = None) -> Routing:
         if token_ids is None:
-            raise ValueError("the hash router needs the token ids: call xscale.models.moe.attach_token_ids(model) "
-                             "once, or set layer.token_ids = input_ids before each forward")
+            raise ValueError("the hash router needs the token ids of the tokens it routes: the Transformer sets them; "
+                             "around a bare MoE layer use `with xscale.models.moe.routing_token_ids(input_ids):`")
         token_ids = token_ids.reshape(-1)
         if token_ids.numel() != x.shape[0]:
             raise ValueError(f"hash router: {token_ids.numel()} token ids for {x.shape[0]} tokens; set the ids of "

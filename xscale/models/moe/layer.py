@@ -15,6 +15,7 @@ from xscale.config import ConfigError, ModelConfig
 from xscale.models.ffn import build_ffn
 from xscale.models.moe.experts import StackedExperts
 from xscale.models.moe.routing import LocalTokens
+from xscale.models.moe.token_ids import current_routing_token_ids
 from xscale.models.registry import ROUTER
 from xscale.ops.moe_permute import assignment_of_token, combine_by_gate, gather_tokens
 
@@ -46,9 +47,8 @@ class LocalDispatch:
 class MoELayer(nn.Module):
     """Mixture-of-Experts FFN (Shazeer et al. 2017; GShard; Switch): router + E stacked FFN experts.
 
-    Attributes set from outside, explicitly:
-      ``token_ids``: the token ids [B, T] of the sequence this layer sees (hash routing only);
-        :func:`attach_token_ids` sets them from the model's inputs before every forward.
+    A hash router reads the token ids of the sequence the layer sees from :func:`routing_token_ids`, which the
+    model sets around each stack. Attributes set from outside, explicitly:
       ``token_group`` / ``dispatch``: replaced by :func:`xscale.parallel.expert.apply_expert_parallel`.
       ``aux_loss_scale``: the weight of this forward's auxiliary losses. A routing group is the tokens one
         forward routes together (one microbatch on one device; under expert parallelism, that microbatch on
@@ -71,7 +71,6 @@ class MoELayer(nn.Module):
         self.shared_expert = (
             build_ffn(config.ffn, config.d_model, config.ffn_hidden, config.bias, 0.0) if moe.shared_expert else None
         )
-        self.token_ids: torch.Tensor | None = None
         self.token_group = LocalTokens()
         self.dispatch = LocalDispatch()
         self.aux_loss_scale = 1.0
@@ -79,7 +78,7 @@ class MoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
-        routing = self.router(tokens, self.token_group, self.token_ids)
+        routing = self.router(tokens, self.token_group, current_routing_token_ids())
         assignment = assignment_of_token(routing.token_index, tokens.shape[0]) if routing.one_per_token else None
         outputs_by_expert = self.dispatch(gather_tokens(tokens, routing.token_index, assignment),
                                           routing.local_tokens_per_expert, self.experts)
@@ -164,18 +163,3 @@ def collect_moe_metrics(model: nn.Module) -> dict[str, float]:
     """Per-layer load of the last forward (or training step), keyed ``moe/layer{i}/<name>`` (see :meth:`MoELayer.layer_metrics`)."""
     return {f"moe/layer{layer.layer_index}/{name}": value
             for layer in moe_layers(model) for name, value in layer.layer_metrics().items()}
-
-
-def attach_token_ids(model: nn.Module) -> torch.utils.hooks.RemovableHandle:
-    """Hash routing: before each ``model(input_ids, decoder_input_ids)`` set every MoE layer's ``token_ids``
-    (encoder layers get ``input_ids``, decoder layers of an encoder-decoder ``decoder_input_ids``)."""
-    encoder_layers = getattr(getattr(model, "config", None), "n_layers", None)
-
-    def set_ids(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        decoder_input_ids = kwargs.get("decoder_input_ids", args[1] if len(args) > 1 else None)
-        for layer in moe_layers(model):
-            in_decoder = encoder_layers is not None and layer.layer_index >= encoder_layers
-            layer.token_ids = decoder_input_ids if in_decoder and decoder_input_ids is not None else input_ids
-
-    return model.register_forward_pre_hook(set_ids, with_kwargs=True)
