@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from xscale.config import AttentionConfig, ModelConfig
+from xscale.config import AttentionConfig, ModelConfig, MoEConfig
 from xscale.models import build_model
+from xscale.models.registry import FFN, NORM, POSITION, ROUTER
 from xscale.parallel.engine import Engine
 
 VOCAB, LENGTH, BATCH = 32, 16, 8
@@ -29,14 +30,18 @@ def _batch(family: str, step: int) -> dict[str, torch.Tensor]:
 
 CASES = {
     "rope": dict(position="rope"),
+    "no-position": dict(position="none"),
     "sinusoidal": dict(position="sinusoidal"),
     "learned": dict(position="learned"),
     "alibi": dict(position="alibi"),
     "t5_bias": dict(position="t5_bias"),
     "layernorm-post": dict(norm="layernorm", norm_placement="post"),
     "rmsnorm-sandwich": dict(norm="rmsnorm", norm_placement="sandwich"),
+    "scalenorm": dict(norm="scalenorm"),
     "relu": dict(ffn="relu"),
     "gelu": dict(ffn="gelu"),
+    "gelu_tanh": dict(ffn="gelu_tanh"),
+    "swiglu": dict(ffn="swiglu"),
     "geglu": dict(ffn="geglu"),
     "reglu": dict(ffn="reglu"),
     "mqa": dict(n_kv_heads=1, attention=AttentionConfig(kind="mqa")),
@@ -47,7 +52,25 @@ CASES = {
     "encoder-mlm": dict(family="encoder", position="learned", norm="layernorm", norm_placement="post",
                         embedding_norm=True, lm_head_transform=True, lm_head_bias=True, ffn="gelu"),
     "encoder-decoder": dict(family="encoder_decoder", position="t5_bias", n_decoder_layers=2),
+    # Every router, through the model as the trainer runs it (MoE in every layer; expert choice sees the future,
+    # so it runs in an encoder).
+    "moe-switch": dict(moe=MoEConfig(num_experts=4, router="switch", top_k=1, every=1)),
+    "moe-gshard": dict(moe=MoEConfig(num_experts=4, router="gshard", top_k=2, every=1)),
+    "moe-hash": dict(moe=MoEConfig(num_experts=4, router="hash", top_k=1, every=1)),
+    "moe-hash-encoder-decoder": dict(family="encoder_decoder", n_decoder_layers=2,
+                                     moe=MoEConfig(num_experts=4, router="hash", top_k=1, every=1)),
+    "moe-expert_choice": dict(family="encoder", position="learned", ffn="gelu",
+                              moe=MoEConfig(num_experts=4, router="expert_choice", every=1)),
 }
+
+
+@pytest.mark.parametrize("registry,option", [(FFN, "ffn"), (NORM, "norm"), (POSITION, "position"),
+                                             (ROUTER, "router")])
+def test_every_registered_component_has_a_training_case(registry, option):
+    """A component registered without a case here would never be trained end to end by the suite."""
+    covered = {case["moe"].router if option == "router" else case.get(option, getattr(ModelConfig(), option))
+               for case in CASES.values() if option != "router" or "moe" in case}
+    assert set(registry.names()) <= covered, f"{option}s without a case: {set(registry.names()) - covered}"
 
 
 @pytest.mark.parametrize("name", list(CASES))
