@@ -64,8 +64,10 @@ def _moe_metrics(output_dir: Path) -> list[dict[str, float]]:
             for record in records]
 
 
-def assert_layouts_match(overrides: list[str], routing_group: int, layouts: list[str], tmp_path: Path) -> None:
-    """Each layout's 10 losses and MoE metrics equal the single process routing ``routing_group`` sequences at once."""
+def assert_layouts_match(overrides: list[str], routing_group: int, layouts: list[str], tmp_path: Path, *,
+                         dropless: bool = False) -> None:
+    """Each layout's 10 losses and MoE metrics equal the single process routing ``routing_group`` sequences at once.
+    ``dropless``: the run must drop no token (else it must drop some, so that capacity is exercised)."""
     reference_dir = tmp_path / "single"
     reference = _losses([*overrides, f"train.micro_batch_size={routing_group}"], "single", reference_dir)
     assert len(reference) == STEPS and reference[-1] < reference[0], "the reference run must train"
@@ -74,8 +76,11 @@ def assert_layouts_match(overrides: list[str], routing_group: int, layouts: list
         "dropped_fraction", "aux_loss", "z_loss", "max_load", "expert0_tokens", "expert3_tokens"}
     assert len({key.rsplit("/", 1)[0] for key in reference_metrics[0]} - {"train"}) == 2, "two MoE layers report"
     assert reference_metrics[0]["train/grad_norm"] > 1.0, "clipping at 1.0 must act, so the global norm is checked"
-    assert max(step[key] for step in reference_metrics for key in step if key.endswith("dropped_fraction")) > 0, \
-        "the case must drop tokens, so capacity over the routing group is exercised"
+    dropped = max(step[key] for step in reference_metrics for key in step if key.endswith("dropped_fraction"))
+    if dropless:
+        assert dropped == 0, "a dropless layer dropped tokens"
+    else:
+        assert dropped > 0, "the case must drop tokens, so capacity over the routing group is exercised"
     for index, layout in enumerate(layouts):
         layout_dir = tmp_path / f"layout{index}"
         losses = _losses(overrides, layout, layout_dir)
@@ -332,3 +337,25 @@ def test_hash_routing_matches_one_process(layouts, routing_group, tmp_path):
     gathered sequence's, and each pipeline stage microbatch k's, also when the backward recomputes the blocks after
     other microbatches' forwards."""
     assert_layouts_match([*TRAINING, *HASH], routing_group, layouts, tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------- other options
+
+@pytest.mark.slow
+def test_dropless_routing_matches_one_process(tmp_path):
+    """Dropless: expert batches of any size, so the all-to-all splits vary freely, over ep alone, with ZeRO-3, and under
+    pp x ep."""
+    assert_layouts_match([*TRAINING, *GSHARD, "model.moe.dropless=true"], 8,
+                         ["dp_shard=2,ep=2", "dp_shard=2,ep=2,zero_stage=3"], tmp_path / "ep", dropless=True)
+    assert_layouts_match([*TRAINING, *SWITCH, "model.moe.dropless=true"], 4, ["pp=2,dp_shard=2,ep=2,microbatches=2"],
+                         tmp_path / "pp", dropless=True)
+
+
+@pytest.mark.slow
+def test_shared_expert_and_expert_choice_match_one_process(tmp_path):
+    """A shared expert beside the routed ones (replicated over ep and tp, its gradients reduced over all data
+    parallel), and expert choice in an encoder (each expert takes its top-c tokens of the ep group's)."""
+    assert_layouts_match([*TRAINING, *SWITCH, "model.moe.shared_expert=true"], 8,
+                         ["dp_shard=2,ep=2", "dp_shard=2,ep=2,tp=2"], tmp_path / "shared")
+    assert_layouts_match([*TRAINING, "model.family=encoder", "model.moe.router=expert_choice"], 8,
+                         ["dp_shard=2,ep=2", "dp_shard=2,ep=2,zero_stage=3"], tmp_path / "expert_choice")
