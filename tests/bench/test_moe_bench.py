@@ -13,8 +13,9 @@ from xscale.bench import moe as bench
 TINY = ["--tokens", "64", "--d-model", "16", "--hidden", "32", "--experts", "4", "--rounds", "1"]
 
 
-def tiny_args(ep: int) -> argparse.Namespace:
-    return argparse.Namespace(tokens=64, d_model=16, hidden=32, experts=4, capacity_factor=1.25, rounds=1, ep=ep)
+def tiny_args(ep: int, top_k: int = 1) -> argparse.Namespace:
+    return argparse.Namespace(tokens=64, d_model=16, hidden=32, experts=4, top_k=top_k, capacity_factor=1.25, rounds=1,
+                              ep=ep)
 
 
 def assert_positive_and_finite(values: dict) -> None:
@@ -22,17 +23,19 @@ def assert_positive_and_finite(values: dict) -> None:
         assert math.isfinite(value) and value > 0, (name, value)
 
 
-def test_one_process_times_ours_deepspeed_and_dense(capsys):
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_one_process_times_ours_deepspeed_and_dense(top_k, capsys):
     pytest.importorskip("deepspeed.moe.layer", reason="deepspeed is not installed")
-    figures = bench.run(tiny_args(ep=1))
+    figures = bench.run(tiny_args(ep=1, top_k=top_k))
     assert set(figures["single"]) == {"xscale_moe", "dense_ffn", "xscale_experts_only", "deepspeed_moe",
                                       "dropped_fraction"}
     assert set(figures["ratios"]) == {"moe_over_dense_step_time", "xscale_over_deepspeed_tokens_per_s",
                                       "experts_only_over_dense_step_time", "deepspeed_over_dense_step_time"}
     assert_positive_and_finite(figures["ratios"])
     assert 0.0 <= figures["single"]["dropped_fraction"] < 1.0
-    assert bench.main([*TINY, "--ep", "1"]) == 0
+    assert bench.main([*TINY, "--ep", "1", "--top-k", str(top_k)]) == 0
     printed = capsys.readouterr().out
+    assert f"experts, top-{top_k}, capacity factor 1.25" in printed
     assert "xscale/DeepSpeed tokens/s, 1 process (target >= 1.5x):" in printed
     assert "MoE/dense FFN step time (target <= 1.3x):" in printed
     assert "ceiling of that ratio for an MoE no faster than the dense FFN (DeepSpeed/dense step time):" in printed

@@ -1,10 +1,12 @@
 """``xscale bench moe``: our MoE layer vs DeepSpeed's MoE layer and vs a dense FFN, same machine, one run.
 
 Forward+backward of the same tokens (fp32) through:
-  * xscale ``MoELayer`` (Switch top-1, stacked experts, sort-based dispatch, grouped expert GEMMs);
-  * DeepSpeed ``deepspeed.moe.layer.MoE`` at the same config (k=1, same capacity factor, token dropping,
-    ``use_rts=False``) with the same weights;
-  * a dense FFN with the MoE's active parameters per token (one expert's FFN), the compute floor.
+  * xscale ``MoELayer`` (Switch top-1, or with ``--top-k 2`` GShard top-2 with both choices dispatched; stacked
+    experts, sort-based dispatch, grouped expert GEMMs);
+  * DeepSpeed ``deepspeed.moe.layer.MoE`` at the same config (same k and capacity factor, token dropping,
+    ``use_rts=False``, top-2 without the sampled second expert) with the same weights;
+  * a dense FFN with the MoE's active parameters per token (k experts' FFNs: hidden k x ``--hidden``), the
+    compute floor.
 In one process (a 1-process gloo group for DeepSpeed) and, with ``--ep 2``, under expert parallelism over
 2 gloo processes (each with half the tokens, half the experts), xscale and DeepSpeed again.
 
@@ -55,8 +57,9 @@ class _DeepSpeedExpert(nn.Module):
 
 def layer_config(args: argparse.Namespace) -> ModelConfig:
     return ModelConfig(d_model=args.d_model, d_ff=args.hidden, ffn="gelu", moe=MoEConfig(
-        num_experts=args.experts, router="switch", top_k=1, capacity_factor=args.capacity_factor,
-        eval_capacity_factor=args.capacity_factor, min_capacity=4, drop_policy="position"))
+        num_experts=args.experts, router="switch" if args.top_k == 1 else "gshard", top_k=args.top_k,
+        second_expert_policy="all", capacity_factor=args.capacity_factor, eval_capacity_factor=args.capacity_factor,
+        min_capacity=4, drop_policy="position"))
 
 
 def _step(module: nn.Module, x: torch.Tensor, upstream: torch.Tensor) -> Callable[[], None]:
@@ -75,8 +78,9 @@ def _experts_step(layer: nn.Module, x: torch.Tensor, upstream: torch.Tensor) -> 
     with torch.no_grad():
         layer(x)
     counts = [int(count) for count in layer.metrics["tokens_per_expert"]]
-    rows = x.detach()[: sum(counts)].clone().requires_grad_()
-    rows_upstream = upstream[: sum(counts)]
+    copies = -(-sum(counts) // x.shape[0])  # top-k routes up to k rows per token
+    rows = x.detach().repeat(copies, 1)[: sum(counts)].clone().requires_grad_()
+    rows_upstream = upstream.repeat(copies, 1)[: sum(counts)]
 
     def run() -> None:
         (layer.experts(rows, counts) * rows_upstream).sum().backward()
@@ -127,8 +131,9 @@ def _deepspeed_layer(ours: nn.Module, args: argparse.Namespace, ep_size: int = 1
     from deepspeed.moe.layer import MoE
 
     theirs = MoE(args.d_model, _DeepSpeedExpert(args.d_model, args.hidden), num_experts=args.experts,
-                 ep_size=ep_size, k=1, capacity_factor=args.capacity_factor,
-                 eval_capacity_factor=args.capacity_factor, min_capacity=4, drop_tokens=True, use_rts=False)
+                 ep_size=ep_size, k=args.top_k, capacity_factor=args.capacity_factor,
+                 eval_capacity_factor=args.capacity_factor, min_capacity=4, drop_tokens=True, use_rts=False,
+                 top2_2nd_expert_sampling=False)
     if ep_size > 1:
         # deepspeed.comm wraps the process group already running. Its shared-memory all-reduce kernel (a C++
         # build of minutes on first use) serves only inference all-reduces, not the MoE's all-to-all: skipped.
@@ -149,7 +154,7 @@ def single_process(args: argparse.Namespace) -> dict[str, float]:
     """Median seconds of xscale's MoE, the dense FFN and (when installed) DeepSpeed's MoE, in this process."""
     torch.manual_seed(0)
     ours = build_moe(layer_config(args), 0)
-    dense = build_ffn("gelu", args.d_model, args.hidden, False, 0.0)
+    dense = build_ffn("gelu", args.d_model, args.top_k * args.hidden, False, 0.0)
     x = torch.randn(args.tokens, args.d_model, requires_grad=True)
     upstream = torch.randn(args.tokens, args.d_model)
     runs = {"xscale_moe": _step(ours, x, upstream), "dense_ffn": _step(dense, x, upstream),
@@ -219,7 +224,7 @@ def run(args: argparse.Namespace) -> dict:
 def report(figures: dict, args: argparse.Namespace) -> None:
     single, ratios = figures["single"], figures["ratios"]
     print(f"MoE layer: {args.tokens} tokens, d_model {args.d_model}, hidden {args.hidden}, {args.experts} experts, "
-          f"top-1, capacity factor {args.capacity_factor} (dropped {single['dropped_fraction']:.3f}), fp32, "
+          f"top-{args.top_k}, capacity factor {args.capacity_factor} (dropped {single['dropped_fraction']:.3f}), fp32, "
           f"{torch.get_num_threads()} threads, forward+backward, median of {args.rounds} alternating rounds, "
           f"malloc {'keeping freed memory' if keep_freed_memory() else 'as the system set it'}")
     rows = [(f"{name} (1 process)", value) for name, value in single.items() if name != "dropped_fraction"]
@@ -247,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--top-k", type=int, default=1, choices=(1, 2), help="1: Switch; 2: GShard top-2")
     parser.add_argument("--capacity-factor", type=float, default=1.25)
     parser.add_argument("--rounds", type=int, default=15, help="timed forward+backward rounds per workload")
     parser.add_argument("--ep", type=int, default=2, choices=(1, 2), help="2: also compare under expert parallel "

@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from xscale.parallel.collectives import all_gather_flat, reduce_scatter_flat
 from xscale.parallel.grad_norm import GradientPiece
 
 BUCKET_BYTES = 32 * 2**20
@@ -244,7 +245,7 @@ class ZeroDataParallel(ReplicatedDataParallel):
                 padded = flat.new_zeros(part.chunk * part.shard_size)
                 padded[: flat.numel()] = flat
                 reduced = flat.new_empty(part.chunk)
-                dist.reduce_scatter_tensor(reduced, padded, group=part.shard_group)
+                reduce_scatter_flat(reduced, padded, group=part.shard_group)
             if part.replicate_group is not None:
                 dist.all_reduce(reduced, group=part.replicate_group)
             part.shard.grad = reduced[: part.stop - part.start]
@@ -273,7 +274,7 @@ class ZeroDataParallel(ReplicatedDataParallel):
         padded = chunk.new_zeros(part.chunk)
         padded[: chunk.numel()] = chunk
         gathered = chunk.new_empty(part.chunk * part.shard_size)
-        dist.all_gather_into_tensor(gathered, padded, group=part.shard_group)
+        all_gather_flat(gathered, padded, group=part.shard_group)
         full.copy_(gathered[: part.numel])
 
     # ------------------------------------------------------------------ checkpoint

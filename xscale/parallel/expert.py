@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from xscale.config import ConfigError
 from xscale.models.moe import MoELayer, moe_layers
 from xscale.models.moe.experts import StackedExperts
+from xscale.parallel.collectives import all_gather_flat
 
 
 class _AllToAll(torch.autograd.Function):
@@ -70,13 +71,13 @@ class ExpertParallelTokens:
     def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
         count = torch.tensor([rows.shape[0]], dtype=torch.long, device=rows.device)
         counts = count.new_empty(self.size)
-        dist.all_gather_into_tensor(counts, count, group=self.group)
+        all_gather_flat(counts, count, group=self.group)
         counts = counts.tolist()
         longest = max(counts)
         padded = rows.new_zeros((longest, *rows.shape[1:]))
         padded[: rows.shape[0]] = rows
         everyone = rows.new_empty((self.size * longest, *rows.shape[1:]))
-        dist.all_gather_into_tensor(everyone, padded.contiguous(), group=self.group)
+        all_gather_flat(everyone, padded.contiguous(), group=self.group)
         pieces = [everyone[r * longest: r * longest + counts[r]] for r in range(self.size)]
         return torch.cat(pieces), sum(counts[: self.rank])
 
