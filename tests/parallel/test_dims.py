@@ -116,3 +116,14 @@ def test_inspect_plans_pipeline_x_tensor_x_data_parallel(capsys):
     assert "layout: world 8: pp=2 x dp_shard=2 x tp=2" in out
     assert "     2   0   1   0   0  stage 0 (embedding, layers 0-1); heads 0-1, vocab 0-31" in out
     assert "     5   1   0   1   0  stage 1 (layers 2-3, head); heads 2-3, vocab 32-63" in out
+
+
+@pytest.mark.parametrize("zero_stage,suffix", [
+    (3, " (at rest 1/2 of their weights, ZeRO-3 over dp_expert=2)"),
+    (1, ""),
+])
+def test_inspect_says_which_experts_a_rank_holds_and_how_zero3_splits_them(zero_stage, suffix, capsys):
+    assert inspect_main(["--world-size", "4", *BASE, "model.moe.num_experts=8", "parallel.dp_shard=4", "parallel.ep=2",
+                         f"parallel.zero_stage={zero_stage}"]) == 0
+    out = capsys.readouterr().out
+    assert f"     1   0   1   0   1  layers 0-3; experts 4-7{suffix}\n" in out
