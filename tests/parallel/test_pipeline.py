@@ -154,6 +154,11 @@ def check_schedules(rank: int) -> None:
             except AssertionError as error:
                 kind = f"{config.family} ({config.position}, {config.attention.kind})"
                 raise AssertionError(f"{schedule} on the {kind}: {error}") from error
+    # RealFormer layers among dense ones (R D D R D over [2, 1, 1, 1]): the scores leave stage 0, pass through
+    # stage 1 untouched, are read on stage 2, and stage 3 gets hidden states alone.
+    mixed = realformer_config(5)
+    mixed.attention = AttentionConfig(per_layer=["realformer", "dense", "dense"])
+    check_case(mixed, "interleaved_1f1b", 2, 4, None)
     # MoE: routing (capacity, auxiliary losses) is per microbatch, as in the 1-process engine's accumulation;
     # zero bubble splits each backward into input and weight halves around the auxiliary-loss Function.
     moe = decoder_config(4)

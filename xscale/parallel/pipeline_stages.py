@@ -157,13 +157,15 @@ class _GradientTap(torch.autograd.Function):
 
 @contextmanager
 def _tapped_bias(position: PositionEncoding, anchor: torch.Tensor | None) -> Iterator[None]:
-    """While a stage runs its blocks, each block's logit bias from a learned table (T5) passes a
-    :class:`_GradientTap` tied to the stage input ``anchor``.
+    """While a stage runs its blocks, each block's logit bias from a learned table (T5) passes through a
+    :class:`_GradientTap` with an edge to the stage input ``anchor``.
 
-    Zero-bubble schedules (Qi et al. 2024) split a stage's backward at the nodes where a parameter's path
-    meets the input's and later run each parameter's part from there. The table reaches every block's
-    scores, which also depend on the earlier blocks (so, again, on the table): from the scores, that part
-    would run back through the whole stage. The tap is such a meeting node with no way back but the table.
+    Zero-bubble schedules (Qi et al. 2024) split a stage's backward in two: the input half keeps, for each
+    parameter, the gradients at the nodes where the parameter's path joins the input's, and the weight half
+    later runs backward from those nodes to the parameter. For a table every block reads, the joining nodes
+    would be the blocks' scores, and from block k's scores the way back to the table also runs through the
+    blocks before it (which read it too): the weight half would redo the stage's backward on a freed graph.
+    The tap is a joining node whose only way back is to the table.
     """
     tapping = (anchor is not None and anchor.requires_grad and torch.is_grad_enabled()
                and any(param.requires_grad for param in position.parameters()))
