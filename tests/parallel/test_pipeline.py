@@ -4,7 +4,8 @@ Each spawned case compares the pipeline with :class:`Engine` on one process runn
 on the same batch: the loss (relative 1e-5), every parameter (exactly: same init) and every gradient
 (1e-5 absolute), for a decoder (RoPE, SwiGLU, RMSNorm, GQA, tied embeddings, fused linear CE) and a
 BERT-style encoder (learned positions, post-LN, embedding norm, MLM head with bias, tied, labels
-mostly -100). Splits are uneven.
+mostly -100), a decoder with T5's relative bias table (every stage holds a copy) and a RealFormer
+decoder (stages send their attention scores with the hidden states). Splits are uneven.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 from spawned import WORLD, spawn
 
 from xscale.config import (
+    AttentionConfig,
     Config,
     ConfigError,
     ModelConfig,
@@ -48,6 +50,19 @@ def encoder_config(n_layers: int) -> ModelConfig:
                        ffn="gelu", bias=True, tie_embeddings=True, lm_head_transform=True, lm_head_bias=True)
 
 
+def t5_decoder_config(n_layers: int) -> ModelConfig:
+    config = decoder_config(n_layers)
+    config.position = "t5_bias"
+    return config
+
+
+def realformer_config(n_layers: int) -> ModelConfig:
+    config = decoder_config(n_layers)
+    config.position = "alibi"
+    config.attention = AttentionConfig(kind="realformer")
+    return config
+
+
 def make_batch(config: ModelConfig, rows: int = 4, seq: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, config.vocab_size, (rows, seq), generator=generator)
@@ -67,9 +82,22 @@ def gathered_names(engine: PipelineEngine) -> set[str]:
     names = [name for stage in engine.stages for name, _ in stage.named_parameters()]
     everyone: list[list[str]] = [[] for _ in range(WORLD)]
     dist.all_gather_object(everyone, names, group=engine.group)
+    shared = {entry.name for entry in engine.shared.shared}  # a copy on several stages (T5's table)
     flat = [name for names in everyone for name in names]
-    assert len(flat) == len(set(flat)), "a parameter is held by two stages"
+    unshared = [name for name in flat if name not in shared]
+    assert len(unshared) == len(set(unshared)), "a parameter is held by two stages"
     return set(flat)
+
+
+def assert_copies_equal(engine: PipelineEngine) -> None:
+    """Every copy of a shared parameter (tied embedding ends, T5 table) is bitwise the same on every pp rank."""
+    for entry in engine.shared.shared:
+        copies = engine.shared.copies(entry)
+        mine = copies[0].detach().clone() if copies else None
+        everyone: list = [None] * WORLD
+        dist.all_gather_object(everyone, mine, group=engine.group)
+        held = [copy_ for copy_ in everyone if copy_ is not None] + [c.detach() for c in copies]
+        assert all(torch.equal(held[0], other) for other in held), f"the copies of {entry.name} drifted apart"
 
 
 def assert_matches_single(engine: PipelineEngine, single: torch.nn.Module) -> None:
@@ -111,17 +139,26 @@ def check_case(config: ModelConfig, schedule: str, stages_per_rank: int, microba
     if autocast_dtype is None:
         assert_matches_single(engine, single)
     assert gathered_names(engine) == single_process_names(config)
+    if autocast_dtype is None:
+        assert_copies_equal(engine)
     torch.testing.assert_close(engine.eval_loss(batch), expected_eval, **tolerance)
     assert engine.last_step_seconds > 0
 
 
 def check_schedules(rank: int) -> None:
     for schedule, stages_per_rank, microbatches, n_layers, pp_split in SCHEDULE_CASES:
-        for config in (decoder_config(n_layers), encoder_config(n_layers)):
+        for config in (decoder_config(n_layers), encoder_config(n_layers), t5_decoder_config(n_layers),
+                       realformer_config(n_layers)):
             try:
                 check_case(config, schedule, stages_per_rank, microbatches, pp_split)
             except AssertionError as error:
-                raise AssertionError(f"{schedule} on the {config.family}: {error}") from error
+                kind = f"{config.family} ({config.position}, {config.attention.kind})"
+                raise AssertionError(f"{schedule} on the {kind}: {error}") from error
+    # RealFormer layers among dense ones (R D D R D over [2, 1, 1, 1]): the scores leave stage 0, pass through
+    # stage 1 untouched, are read on stage 2, and stage 3 gets hidden states alone.
+    mixed = realformer_config(5)
+    mixed.attention = AttentionConfig(per_layer=["realformer", "dense", "dense"])
+    check_case(mixed, "interleaved_1f1b", 2, 4, None)
     # MoE: routing (capacity, auxiliary losses) is per microbatch, as in the 1-process engine's accumulation;
     # zero bubble splits each backward into input and weight halves around the auxiliary-loss Function.
     moe = decoder_config(4)
@@ -158,8 +195,9 @@ def single_process_run(config: ModelConfig, steps: int, max_norm: float):
 
 
 def check_training_and_checkpoint(rank: int, schedule: str, stages_per_rank: int, n_layers: int,
-                                  folder: str) -> None:
+                                  folder: str, position: str = "rope") -> None:
     config = decoder_config(n_layers)
+    config.position = position
     steps, max_norm = 3, 0.5
     single, _, expected_losses, expected_norms = single_process_run(config, steps, max_norm)
     assert expected_norms[0] > max_norm, "the case must exercise clipping"
@@ -180,8 +218,7 @@ def check_training_and_checkpoint(rank: int, schedule: str, stages_per_rank: int
     for stage in engine.stages:
         for name, param in stage.named_parameters():
             torch.testing.assert_close(param.detach(), reference[name].detach(), **GRAD_TOLERANCE, msg=name)
-    if engine.tied.copy is not None and engine.tied.source is not None:
-        assert torch.equal(engine.tied.copy, engine.tied.source), "the tied copies drifted apart"
+    assert_copies_equal(engine)
 
     dcp.save(engine.state_dict(optimizer), checkpoint_id=f"{folder}/pipeline")
     values = {name: param.detach().clone() for stage in engine.stages for name, param in stage.named_parameters()}
@@ -202,9 +239,9 @@ def check_training_and_checkpoint(rank: int, schedule: str, stages_per_rank: int
             source = "embedding.weight" if name == "output.weight" else name
             assert torch.equal(param.detach(), saved["values"][source]), name
             assert torch.equal(fresh_optimizer.state[param]["exp_avg_sq"], saved["moments"][source]), name
-    if fresh.tied.copy is not None and fresh.tied.source is not None:
-        moments_of = [fresh_optimizer.state[p]["exp_avg"] for p in (fresh.tied.copy, fresh.tied.source)]
-        assert moments_of[0].data_ptr() != moments_of[1].data_ptr(), "tied copies must not share optimizer state"
+    for entry in fresh.shared.shared:
+        moments_of = [fresh_optimizer.state[param]["exp_avg"].data_ptr() for param in fresh.shared.copies(entry)]
+        assert len(set(moments_of)) == len(moments_of), f"copies of {entry.name} must not share optimizer state"
 
 
 def save_single_process_checkpoint(config: ModelConfig, steps: int, folder: Path) -> None:
@@ -219,15 +256,18 @@ def checkpoint_keys(path: Path) -> set[str]:
     return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
 
 
-@pytest.mark.parametrize("schedule, stages_per_rank, n_layers", [
-    ("1f1b", 1, 3),
-    pytest.param("zero_bubble", 2, 4, marks=pytest.mark.slow),
+@pytest.mark.parametrize("schedule, stages_per_rank, n_layers, position", [
+    ("1f1b", 1, 3, "rope"),
+    # T5's table: a copy on every stage, two on each rank; the norm counts it once, checkpoints hold it once.
+    ("interleaved_1f1b", 2, 4, "t5_bias"),
+    pytest.param("zero_bubble", 2, 4, "rope", marks=pytest.mark.slow),
 ])
 def test_training_steps_and_checkpoint_match_single_process(tmp_path, schedule, stages_per_rank,
-                                                             n_layers) -> None:
+                                                             n_layers, position) -> None:
     config = decoder_config(n_layers)
+    config.position = position
     save_single_process_checkpoint(config, 3, tmp_path)
-    spawn(check_training_and_checkpoint, schedule, stages_per_rank, n_layers, str(tmp_path))
+    spawn(check_training_and_checkpoint, schedule, stages_per_rank, n_layers, str(tmp_path), position)
 
     assert checkpoint_keys(tmp_path / "pipeline") == checkpoint_keys(tmp_path / "single")
     model = build_model(config, seed=SEED + 1)
@@ -275,7 +315,6 @@ def pipeline_config(**overrides) -> Config:
 @pytest.mark.parametrize("overrides, message", [
     ({"model_family": "encoder_decoder"}, "encoder-decoder"),
     ({"model_share_layers": True}, "share_layers"),
-    ({"model_position": "t5_bias"}, "t5_bias"),
     ({"model_n_layers": 1}, "cannot fill 2 pipeline stages"),
     ({"pp_schedule": "interleaved_1f1b", "pp_stages_per_rank": 2, "model_n_layers": 3}, "cannot fill 4"),
     ({"pp_split": [3, 2]}, "sums to 5"),

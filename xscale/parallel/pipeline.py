@@ -50,9 +50,12 @@ from xscale.parallel.pipeline_stages import (
     TIED_COPY,
     TIED_SOURCE,
     PipelineStageModule,
-    TiedEmbeddingGrads,
+    SharedParameterGrads,
+    add_aliases,
     build_stage_module,
+    drop_aliases,
     merged_view,
+    shared_parameters,
     split_layers,
     stage_to_rank,
 )
@@ -148,16 +151,6 @@ def check_pipeline(config: Config, data_parallel: int | None = None) -> None:
     if model.share_layers:
         raise ConfigError("model.share_layers reuses one block at every depth, so no stage could own it; "
                           "set model.share_layers=false or parallel.pp=1")
-    if model.position == "t5_bias":
-        raise ConfigError("model.position=t5_bias shares one learned bias table across all layers, which "
-                          "pipeline stages cannot share; use rope or alibi, or parallel.pp=1")
-    from xscale.models.registry import ATTENTION
-
-    carrying = sorted({kind for index in range(model.n_layers)
-                       if ATTENTION.get(kind := model.attention.kind_for_layer(index)).carries_scores})
-    if carrying:
-        raise ConfigError(f"attention {', '.join(carrying)} passes each layer's attention scores to the next, which "
-                          "pipeline stages do not send; use another model.attention.kind or parallel.pp=1")
     if any(model.attention.kind_for_layer(index) == "routing" for index in range(model.n_layers)):
         raise ConfigError("routing attention moves its k-means centroids after each forward, and a pipeline schedule "
                           "runs several forwards before their backwards (the replayed routes would differ); use "
@@ -335,7 +328,9 @@ class PipelineEngine(Engine):
         # DTensor): the loss is then vocabulary-parallel, and the full logits never exist.
         self.vocab_parallel = isinstance(self.stages[-1].output.weight, DTensor) if self.holds_last else False
         self.last_rank = self.stage_ranks[-1]
-        self.tied = TiedEmbeddingGrads(self.stages, self.stage_ranks[0], self.last_rank, self.group)
+        # The tied embedding's ends and a logit-bias position table (T5) live on several stages.
+        self.shared = SharedParameterGrads(self.stages, self.stage_indices, self.stage_ranks,
+                                           shared_parameters(meta_model, self.num_stages), self.group)
         self._schedules: dict[tuple, object] = {}
         self.dropout_position: DropoutPosition | None = None  # this step's, while train_step runs
         self.rows_per_microbatch = 0
@@ -436,14 +431,14 @@ class PipelineEngine(Engine):
         ``position``: as :meth:`Engine.train_step`'s (read by :class:`MicrobatchStage`)."""
         for stage in self.stages:
             stage.train()
-        self.tied.begin()
+        self.shared.begin()
         self.routing_groups.begin_step(self.microbatches)
         self.dropout_position = position
         try:
             total = self._run(batch, training=True)
         finally:
             self.dropout_position = None
-        self.tied.finish()
+        self.shared.finish()
         if self.distributed:
             self.data_parallel.after_backward()
         self.routing_groups.end_step()
@@ -456,12 +451,12 @@ class PipelineEngine(Engine):
         return self.reduce_loss(self._run(batch, training=False))
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Global gradient norm over every stage (the tied copy counted once); clip when ``max_norm`` > 0."""
+        """Global gradient norm over every stage (each shared parameter counted once); clip when ``max_norm`` > 0."""
+        uncounted = {id(param) for param in self.shared.uncounted}
         if self.distributed:
-            uncounted = TIED_COPY if self.tied.copy is not None else None
             return clip_gradients(self.data_parallel.gradient_pieces(uncounted=uncounted), max_norm)
         params = [p for p in self.parameters() if p.grad is not None]
-        counted = [p.grad for p in params if p is not self.tied.copy]
+        counted = [p.grad for p in params if id(p) not in uncounted]
         local = torch.nn.utils.get_total_norm(counted) if counted else torch.zeros((), device=self.device)
         if hasattr(local, "full_tensor"):  # a DTensor norm (sharded gradients) reduces over its mesh first
             local = local.full_tensor()
@@ -479,11 +474,11 @@ class PipelineEngine(Engine):
 
         custom = self.data_parallel.optimizer_state_dict(optimizer) if self.distributed else None
         if custom is not None:
-            model_state, optimizer_state = get_model_state_dict(merged_view(self.stages)), custom
+            model_state, optimizer_state = get_model_state_dict(self._view()), custom
         else:
-            model_state, optimizer_state = get_state_dict(merged_view(self.stages), optimizer,
-                                                          options=STATE_DICT_OPTIONS)
-        if self.tied.copy is not None:
+            model_state, optimizer_state = get_state_dict(self._view(), optimizer, options=STATE_DICT_OPTIONS)
+        model_state, optimizer_state = drop_aliases(model_state), drop_aliases(optimizer_state)
+        if self.shared.tied_copy is not None:
             _tied_copy_to_source(optimizer_state)
         state = {"model": model_state, "optimizer": optimizer_state}
         return state if self.expert_mesh is None else globalize_expert_state(state, self.expert_mesh)
@@ -494,14 +489,22 @@ class PipelineEngine(Engine):
         if self.expert_mesh is not None:
             state = localize_expert_state(state, self.model_parts)
         optimizer_state = state["optimizer"]
-        if self.tied.copy is not None:
+        if self.shared.tied_copy is not None:
             optimizer_state = _source_to_tied_copy(optimizer_state, holds_source=self.holds_first)
+        view = self._view()
+        model_state = add_aliases(state["model"], view)
+        optimizer_state = add_aliases(optimizer_state, view, flat_optimizer=True)
         if self.distributed and self.data_parallel.optimizer_state_dict(optimizer) is not None:
-            set_model_state_dict(merged_view(self.stages), state["model"])
+            set_model_state_dict(view, model_state)
             self.data_parallel.load_optimizer_state_dict(optimizer, optimizer_state)
             return
-        set_state_dict(merged_view(self.stages), optimizer, model_state_dict=state["model"],
-                       optim_state_dict=optimizer_state, options=STATE_DICT_OPTIONS)
+        set_state_dict(view, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
+                       options=STATE_DICT_OPTIONS)
+
+    def _view(self) -> nn.Module:
+        """This rank's stages under single-process names (:func:`merged_view`), shared modules aliased."""
+        shared = {entry.name.rsplit(".", 1)[0] for entry in self.shared.shared}
+        return merged_view(self.stages, shared)
 
 
 def _tied_copy_to_source(optimizer_state: dict) -> None:

@@ -9,13 +9,21 @@ Tied embeddings (Press & Wolf 2017) whose two ends sit on different stages becom
 ``embedding.weight`` on the first stage and ``output.weight`` on the last, both initialised from
 ``embedding.weight``. After backward their gradients are summed (Megatron's embedding group,
 Shoeybi et al. 2019), so the optimizer keeps the copies bitwise equal. Under tensor parallelism both
-are sharded by vocabulary alike, and each tp rank sums its shard with its pipeline peer's.
+are sharded by vocabulary alike, and each tp rank sums its shard with its pipeline peer's. A position
+encoding that biases the logits of every layer (T5's table, Raffel et al. 2020) is shared the same way:
+every stage holds a copy under the single-process name, and the copies' gradients are summed.
+
+RealFormer blocks (He et al. 2020) pass their pre-softmax scores to the next block: a stage sends
+``(x, scores)`` when a block before its end made scores that a block after it reads, else ``x``.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -25,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from xscale.config import ConfigError
 from xscale.models.init import canonical_name, init_weights
 from xscale.models.position import PositionEncoding
-from xscale.models.transformer import Transformer
+from xscale.models.transformer import Transformer, run_blocks
 from xscale.parallel.data import local_tensor
 
 TIED_COPY = "output.weight"
@@ -87,6 +95,10 @@ class PipelineStageModule(nn.Module):
         self.config = model.config
         self.layer_indices = list(layer_indices)
         self.is_first, self.is_last = is_first, is_last
+        carrying = [block.layer_index for block in model.stack.blocks() if block.carries_scores]
+        # RealFormer scores (He et al. 2020) cross a stage boundary when made before it and read after it.
+        self.sends_scores = not is_last and any(i <= layer_indices[-1] for i in carrying) and any(
+            i > layer_indices[-1] for i in carrying)
         if is_first:
             self.embedding = model.embedding
             self.embedding_norm = model.embedding_norm
@@ -108,20 +120,68 @@ class PipelineStageModule(nn.Module):
             self.head_transform = model.head_transform
             self.output = model.output
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor,
+                scores: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states (or token ids, first stage), with the previous stage's RealFormer scores when it
+        sends them; returns the hidden states, with the scores when this stage sends them."""
         if self.is_first:
             x = self.stack.position.embed(self.embedding(x))
             if self.embedding_norm is not None:
                 x = self.embedding_norm(x)
             x = self.embedding_dropout(x)
-        for block in self.stack.layers.values():
-            x = block(x, self.stack.position)
+        received = scores
+        with _tapped_bias(self.stack.position, None if self.is_first else x):
+            x, scores = run_blocks(list(self.stack.layers.values()), x, self.stack.position, scores=scores)
         if self.is_last:
             if self.stack.final_norm is not None:
                 x = self.stack.final_norm(x)
             if self.head_transform is not None:
                 x = self.head_transform(x)
-        return x
+        if not self.sends_scores:
+            return x
+        # Scores passed through untouched leave as a new tensor, so the schedule's backward reaches them.
+        return x, scores.clone() if scores is received else scores
+
+
+class _GradientTap(torch.autograd.Function):
+    """Identity on ``value``, with an (unused) edge to ``anchor``, a stage input: see :func:`_tapped_bias`."""
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+@contextmanager
+def _tapped_bias(position: PositionEncoding, anchor: torch.Tensor | None) -> Iterator[None]:
+    """While a stage runs its blocks, each block's logit bias from a learned table (T5) passes through a
+    :class:`_GradientTap` with an edge to the stage input ``anchor``.
+
+    Zero-bubble schedules (Qi et al. 2024) split a stage's backward in two: the input half keeps, for each
+    parameter, the gradients at the nodes where the parameter's path joins the input's, and the weight half
+    later runs backward from those nodes to the parameter. For a table every block reads, the joining nodes
+    would be the blocks' scores, and from block k's scores the way back to the table also runs through the
+    blocks before it (which read it too): the weight half would redo the stage's backward on a freed graph.
+    The tap is a joining node whose only way back is to the table.
+    """
+    tapping = (anchor is not None and anchor.requires_grad and torch.is_grad_enabled()
+               and any(param.requires_grad for param in position.parameters()))
+    if not tapping:
+        yield
+        return
+    bias = position.bias  # the class's method (under tp, the one reading local parameters)
+    position.bias = lambda *args, **kwargs: _tap(bias(*args, **kwargs), anchor)
+    try:
+        yield
+    finally:
+        del position.bias
+
+
+def _tap(value: torch.Tensor | None, anchor: torch.Tensor) -> torch.Tensor | None:
+    return None if value is None else _GradientTap.apply(value, anchor)
 
 
 def build_stage_module(meta_model: Transformer, layer_indices: list[int], *, is_first: bool, is_last: bool,
@@ -150,74 +210,114 @@ def tied_copy(stage: PipelineStageModule) -> nn.Parameter | None:
     return None
 
 
-class TiedEmbeddingGrads:
-    """Sums the gradients of the two ends of a tied embedding held by different stages.
+@dataclass(frozen=True)
+class SharedParameter:
+    """A single-process parameter of which several stages hold a copy: the tied embedding's two ends, or a
+    position table every layer reads. ``find`` returns a holding stage's copy; it is called at each use,
+    since ZeRO-3 (``fully_shard``) replaces a module's parameters after the engine is built."""
 
-    When both ends are on this rank the sum is local; otherwise the first- and last-stage ranks swap
-    their gradients point-to-point (no extra process group) and each adds them in the same order,
-    so both ends get bitwise the same gradient. Gradients from earlier steps (accumulation) are set
-    aside by :meth:`begin` and added back by :meth:`finish`, so only this step's are exchanged.
+    name: str  # the single-process name (checkpoints, the initial value)
+    stages: tuple[int, ...]  # the stages holding a copy
+    find: Callable[[PipelineStageModule], nn.Parameter]
 
-    The ends are looked up in the stages at each use: ZeRO-3 (``fully_shard``) replaces a module's
-    parameters after the engine is built. Their gradients are then shards over ``dp_shard``, already
-    summed over data parallel; the two peers sit at the same data-parallel coordinate, so they hold
-    the same rows and swap their local shards.
+
+def _tied_end(stage: PipelineStageModule) -> nn.Parameter:
+    return stage.embedding.weight if stage.is_first else stage.output.weight
+
+
+def _position_parameter(stage: PipelineStageModule, name: str) -> nn.Parameter:
+    return stage.stack.position.get_parameter(name)
+
+
+def shared_parameters(model: Transformer, num_stages: int) -> list[SharedParameter]:
+    """The parameters held by more than one of ``num_stages`` stages cut from ``model``."""
+    shared = []
+    if model.config.tie_embeddings:
+        shared.append(SharedParameter(TIED_SOURCE, (0, num_stages - 1), _tied_end))
+    if not model.stack.position.adds_to_input:  # every stage keeps the position module (see PipelineStageModule)
+        for name, _ in model.stack.position.named_parameters():
+            shared.append(SharedParameter(f"stack.position.{name}", tuple(range(num_stages)),
+                                          partial(_position_parameter, name=name)))
+    return shared
+
+
+class SharedParameterGrads:
+    """Sums the gradients of every copy of each shared parameter, so the optimizer keeps the copies bitwise equal.
+
+    This rank first adds up its own copies (two stages of an interleaved or V schedule may both hold one); the
+    pp ranks holding copies then swap these sums point-to-point (no extra process group) and each adds them in
+    ascending pp rank order, so every copy gets bitwise the same gradient. Gradients from earlier steps
+    (accumulation) are set aside by :meth:`begin` and added back by :meth:`finish`, so only this step's are
+    exchanged.
+
+    Copies are sharded alike on every stage: vocabulary rows of the tied embedding or a Replicate table under
+    tp, FSDP2 rows under ZeRO-3, whose gradients are then already summed over data parallel. The peers across
+    the pipeline sit at the same tp and data-parallel coordinates, so they hold the same rows and swap their
+    local shards.
     """
 
-    def __init__(self, stages: list[PipelineStageModule], first_rank: int, last_rank: int,
-                 group: dist.ProcessGroup) -> None:
-        self.group = group
-        self.first_rank, self.last_rank = first_rank, last_rank
-        self.stages = stages
+    def __init__(self, stages: list[PipelineStageModule], stage_indices: list[int], stage_ranks: list[int],
+                 shared: list[SharedParameter], group: dist.ProcessGroup) -> None:
+        self.stages, self.stage_indices, self.group = stages, stage_indices, group
+        self.shared = [entry for entry in shared if len(set(entry.stages)) > 1]
+        self.ranks = {entry.name: sorted({stage_ranks[index] for index in entry.stages}) for entry in self.shared}
         self._earlier: dict[int, torch.Tensor | None] = {}
 
-    @property
-    def source(self) -> nn.Parameter | None:
-        """The first stage's ``embedding.weight`` when this rank holds it and the model ties it."""
-        tied = self.stages[0].config.tie_embeddings
-        return next((stage.embedding.weight for stage in self.stages if stage.is_first and tied), None)
+    def copies(self, entry: SharedParameter) -> list[nn.Parameter]:
+        """This rank's copies of ``entry``, in stage order."""
+        found = [entry.find(stage) for stage, index in zip(self.stages, self.stage_indices) if index in entry.stages]
+        return list({id(param): param for param in found}.values())
 
     @property
-    def copy(self) -> nn.Parameter | None:
+    def uncounted(self) -> list[nn.Parameter]:
+        """The copies the gradient norm leaves out: all but the lowest stage's, which stands for the parameter."""
+        return [entry.find(stage) for entry in self.shared for stage, index in zip(self.stages, self.stage_indices)
+                if index in entry.stages and index != min(entry.stages)]
+
+    @property
+    def tied_copy(self) -> nn.Parameter | None:
         """The last stage's copy of the tied embedding when this rank holds it."""
         return next((tied_copy(stage) for stage in self.stages if tied_copy(stage) is not None), None)
 
-    @property
-    def ends(self) -> list[nn.Parameter]:
-        """The ends this rank holds, when the other end lives on another stage."""
-        if self.source is not None and self.first_rank == self.last_rank and self.copy is None:
-            return []  # one stage holds both ends as one parameter
-        return [param for param in (self.source, self.copy) if param is not None]
-
     def begin(self) -> None:
-        self._earlier = {id(param): param.grad for param in self.ends}
-        for param in self.ends:
+        params = [param for entry in self.shared for param in self.copies(entry)]
+        self._earlier = {id(param): param.grad for param in params}
+        for param in params:
             param.grad = None
 
     @torch.no_grad()
     def finish(self) -> None:
-        ends = self.ends
-        if not ends:
-            return
-        source, copy_ = self.source, self.copy
-        if source is not None and copy_ is not None:
-            total = _local_grad(source) + _local_grad(copy_)
-        else:
-            # Both ends are sharded alike (vocabulary rows under tp, FSDP2 rows under ZeRO-3): the peer across
-            # the pipeline (same tp and dp coordinates) holds the same rows, so the local shards are exchanged.
-            peer = self.last_rank if source is not None else self.first_rank
-            local = _local_grad(ends[0]).contiguous()
-            theirs = torch.empty_like(local)
-            ops = [dist.P2POp(dist.isend, local, group=self.group, group_peer=peer),
-                   dist.P2POp(dist.irecv, theirs, group=self.group, group_peer=peer)]
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-            total = local + theirs if source is not None else theirs + local
-        for param in ends:
-            earlier = self._earlier.get(id(param))
-            summed = total.clone() if earlier is None else local_tensor(earlier) + total
-            param.grad = _like_param(param, summed)
+        for entry in self.shared:
+            copies = self.copies(entry)
+            if not copies:
+                continue
+            local = _local_grad(copies[0])
+            for param in copies[1:]:
+                local = local + _local_grad(param)
+            total = self._sum_over_ranks(local.contiguous(), self.ranks[entry.name])
+            for param in copies:
+                earlier = self._earlier.get(id(param))
+                summed = total.clone() if earlier is None else local_tensor(earlier) + total
+                param.grad = _like_param(param, summed)
         self._earlier = {}
+
+    def _sum_over_ranks(self, local: torch.Tensor, ranks: list[int]) -> torch.Tensor:
+        """The sum of ``local`` over the pp ``ranks``, added in rank order (bitwise the same on each)."""
+        me = dist.get_rank(self.group)
+        if len(ranks) == 1:
+            return local
+        received = {peer: torch.empty_like(local) for peer in ranks if peer != me}
+        ops = []
+        for peer, buffer in received.items():
+            ops.append(dist.P2POp(dist.isend, local, group=self.group, group_peer=peer))
+            ops.append(dist.P2POp(dist.irecv, buffer, group=self.group, group_peer=peer))
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        parts = [local if peer == me else received[peer] for peer in ranks]
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        return total
 
 
 def _local_grad(param: nn.Parameter) -> torch.Tensor:
@@ -233,22 +333,36 @@ def _like_param(param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
     return local
 
 
-def merged_view(stages: Iterable[nn.Module]) -> nn.Module:
+# Where merged_view puts a second copy of a shared module held by this rank (two stages of one rank).
+SHARED_ALIAS = "_pipeline_copy"
+
+
+def merged_view(stages: Iterable[nn.Module], shared: Iterable[str] = ()) -> nn.Module:
     """A module whose parameter and buffer names are the single-process ones, over this rank's stages.
 
     Leaves (modules owning parameters or buffers) are shared with the stages; the containers above
     them are fresh, so building the view changes no stage. DCP's ``get_state_dict`` / ``set_state_dict``
     then see one model holding every parameter the optimizer steps. Wrapper names (activation
     checkpointing's) are left out of the view's paths: DCP strips them before it walks the names.
+    A module under a ``shared`` path (e.g. ``stack.position``) that two stages of this rank both hold
+    appears once under its name and again under ``SHARED_ALIAS<k>.<name>``: the copies are equal, and
+    :func:`drop_aliases` / :func:`add_aliases` keep the second out of checkpoints.
     """
     view = nn.Module()
+    shared = set(shared)
     for stage in stages:
         for name, module in stage.named_modules():
             if not name or (not module._parameters and not module._buffers):
                 continue
             name = canonical_name(f"{name}.").rstrip(".")
-            parent, leaf = view, name.rsplit(".", 1)[-1]
-            for part in name.split(".")[:-1]:
+            path = name
+            for count in range(1, 64):
+                existing = _lookup(view, path)
+                if existing is None or existing is module or name not in shared:
+                    break
+                path = f"{SHARED_ALIAS}{count}.{name}"
+            parent, leaf = view, path.rsplit(".", 1)[-1]
+            for part in path.split(".")[:-1]:
                 child = parent._modules.get(part)
                 if child is None:
                     child = nn.Module()
@@ -260,6 +374,40 @@ def merged_view(stages: Iterable[nn.Module]) -> nn.Module:
             elif existing is not module and _owns_state(existing):
                 raise ValueError(f"two pipeline stages on one rank both hold '{name}'")
     return view
+
+
+def _lookup(view: nn.Module, path: str) -> nn.Module | None:
+    module = view
+    for part in path.split("."):
+        module = module._modules.get(part)
+        if module is None:
+            return None
+    return module
+
+
+def _is_alias(key: str) -> bool:
+    return key.startswith(SHARED_ALIAS) or key.split(".", 1)[-1].startswith(SHARED_ALIAS)
+
+
+def drop_aliases(state: dict) -> dict:
+    """A model or (flattened) optimizer state dict without :func:`merged_view`'s second copies."""
+    return {key: value for key, value in state.items() if not _is_alias(key)}
+
+
+def add_aliases(state: dict, view: nn.Module, flat_optimizer: bool = False) -> dict:
+    """The inverse of :func:`drop_aliases` for ``view``: each second copy gets a clone of its original's entries
+    (``flat_optimizer``: keys are DCP's flattened optimizer ones, ``state.<name>.<key>``)."""
+    aliases = [name for name, _ in [*view.named_parameters(), *view.named_buffers()] if name.startswith(SHARED_ALIAS)]
+    result = dict(state)
+    for alias in aliases:
+        original = alias.split(".", 1)[1]
+        for key, value in state.items():
+            section, rest = key.split(".", 1) if flat_optimizer else ("", key)
+            if rest == original or rest.startswith(f"{original}."):
+                renamed = f"{alias}{rest[len(original):]}"
+                result[f"{section}.{renamed}" if flat_optimizer else renamed] = (
+                    value.clone() if isinstance(value, torch.Tensor) else value)
+    return result
 
 
 def _owns_state(module: nn.Module) -> bool:
