@@ -75,6 +75,8 @@ def _run_rank(local_rank: int, world_size: int, port: int, function: Callable[..
     try:
         result = function(*args)
         Path(result_dir, f"rank{local_rank}.json").write_text(json.dumps(result))
+        if dist.is_initialized():
+            dist.barrier()  # no rank tears its connections down while a peer still talks to it
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
