@@ -4,7 +4,8 @@ Each spawned case compares the pipeline with :class:`Engine` on one process runn
 on the same batch: the loss (relative 1e-5), every parameter (exactly: same init) and every gradient
 (1e-5 absolute), for a decoder (RoPE, SwiGLU, RMSNorm, GQA, tied embeddings, fused linear CE) and a
 BERT-style encoder (learned positions, post-LN, embedding norm, MLM head with bias, tied, labels
-mostly -100). Splits are uneven.
+mostly -100), and an encoder-decoder (learned or sinusoidal positions, tied embeddings) whose stage
+boundaries fall inside the encoder, inside the decoder and exactly between the two. Splits are uneven.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from xscale.models import build_model
 from xscale.parallel.dims import ParallelDims
 from xscale.parallel.engine import Engine
 from xscale.parallel.pipeline import PipelineEngine, check_pipeline, resolve_microbatches, split_layers
+from xscale.parallel.pipeline_stages import tied_source_name
 from xscale.train.optim import build_optimizer
 
 SEED = 7
@@ -48,6 +50,13 @@ def encoder_config(n_layers: int) -> ModelConfig:
                        ffn="gelu", bias=True, tie_embeddings=True, lm_head_transform=True, lm_head_bias=True)
 
 
+def encoder_decoder_config(n_layers: int, n_decoder_layers: int, position: str = "learned",
+                           embedding_norm: bool = False) -> ModelConfig:
+    return ModelConfig(family="encoder_decoder", vocab_size=64, d_model=32, n_layers=n_layers,
+                       n_decoder_layers=n_decoder_layers, n_heads=4, max_seq_len=16, position=position,
+                       norm="rmsnorm", ffn="swiglu", embedding_norm=embedding_norm, tie_embeddings=True)
+
+
 def make_batch(config: ModelConfig, rows: int = 4, seq: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, config.vocab_size, (rows, seq), generator=generator)
@@ -55,12 +64,22 @@ def make_batch(config: ModelConfig, rows: int = 4, seq: int = 16, seed: int = 0)
     if config.family == "encoder":  # MLM: ~20% of positions carry a label; the first sequence none at all
         labels[torch.rand(rows, seq, generator=generator) > 0.2] = -100
         labels[0] = -100
-    return {"input_ids": input_ids, "labels": labels}
+    batch = {"input_ids": input_ids, "labels": labels}
+    if config.family == "encoder_decoder":  # a shorter target than the source, some of it padding
+        batch["decoder_input_ids"] = torch.randint(0, config.vocab_size, (rows, seq - 4), generator=generator)
+        batch["labels"] = labels[:, :seq - 4]
+        batch["labels"][1, -3:] = -100
+    return batch
 
 
 def single_process_names(config: ModelConfig) -> set[str]:
     """Parameter names of the 1-process model, the tied output projection included."""
     return set(build_model(config, materialize=False).state_dict())
+
+
+def single_process_name(name: str) -> str:
+    """A stage parameter's single-process name (the first decoder stage's copies name their source)."""
+    return name if name == "output.weight" else tied_source_name(name)
 
 
 def gathered_names(engine: PipelineEngine) -> set[str]:
@@ -69,7 +88,7 @@ def gathered_names(engine: PipelineEngine) -> set[str]:
     dist.all_gather_object(everyone, names, group=engine.group)
     flat = [name for names in everyone for name in names]
     assert len(flat) == len(set(flat)), "a parameter is held by two stages"
-    return set(flat)
+    return {single_process_name(name) for name in flat}
 
 
 def assert_matches_single(engine: PipelineEngine, single: torch.nn.Module) -> None:
@@ -79,6 +98,7 @@ def assert_matches_single(engine: PipelineEngine, single: torch.nn.Module) -> No
         reference["output.weight"] = single.embedding.weight
     for stage in engine.stages:
         for name, param in stage.named_parameters():
+            name = single_process_name(name)
             assert torch.equal(param.detach(), reference[name].detach()), f"{name}: initial weights differ"
             assert param.grad is not None, f"{name}: no gradient"
             torch.testing.assert_close(param.grad, reference[name].grad, **GRAD_TOLERANCE, msg=name)
@@ -132,6 +152,25 @@ def check_schedules(rank: int) -> None:
     hashed.moe = MoEConfig(num_experts=4, router="hash", capacity_factor=1.0, min_capacity=0)
     check_case(hashed, "1f1b", 1, 2, None, reference_micro_batch=2)
     check_case(decoder_config(3), "1f1b", 1, 2, None, autocast_dtype=torch.bfloat16)
+    for schedule, stages_per_rank, microbatches, (n_layers, n_decoder_layers), pp_split, config in ENCODER_DECODER:
+        try:
+            check_case(config(n_layers, n_decoder_layers), schedule, stages_per_rank, microbatches, pp_split)
+        except AssertionError as error:
+            raise AssertionError(f"{schedule} on the encoder-decoder split {pp_split}: {error}") from error
+
+
+ENCODER_DECODER = [  # schedule, stages per rank, microbatches, (encoder, decoder layers), pp_split, config
+    ("gpipe", 1, 2, (2, 3), [2, 3], encoder_decoder_config),  # the cut exactly between encoder and decoder
+    # A cut inside the encoder: rank 1 embeds decoder_input_ids with its copy of the embedding (and its norm).
+    ("1f1b", 1, 2, (2, 2), [1, 3],
+     lambda n, d: encoder_decoder_config(n, d, position="sinusoidal", embedding_norm=True)),
+    # Stage 1 (rank 1) ends the encoder and starts the decoder; a cut inside the decoder.
+    ("interleaved_1f1b", 2, 4, (2, 3), [1, 2, 1, 1], encoder_decoder_config),
+    # Loop placement: the first decoder stage (2) on rank 0 beside the embedding's stage 0.
+    ("interleaved_1f1b", 2, 2, (2, 3), [1, 1, 1, 2], encoder_decoder_config),
+    # V placement: stages 0 and 3 on rank 0 (embedding and output copy), the decoder starting on rank 1.
+    ("zero_bubble", 2, 4, (2, 3), [1, 1, 2, 1], encoder_decoder_config),
+]
 
 
 def test_every_schedule_matches_single_process() -> None:
@@ -273,7 +312,9 @@ def pipeline_config(**overrides) -> Config:
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"model_family": "encoder_decoder"}, "encoder-decoder"),
+    ({"model_family": "encoder_decoder", "tp": 2}, "encoder-decoder model under pipeline"),
+    ({"model_family": "encoder_decoder", "model_n_decoder_layers": 1, "model_n_layers": 2, "pp_split": [1, 1]},
+     r"sums to 2 blocks but model.n_layers \+ the decoder's layers \(2 \+ 1\)=3"),
     ({"model_share_layers": True}, "share_layers"),
     ({"model_position": "t5_bias"}, "t5_bias"),
     ({"model_n_layers": 1}, "cannot fill 2 pipeline stages"),
@@ -305,6 +346,10 @@ def test_check_pipeline_accepts_runnable_layouts() -> None:
     check_pipeline(pipeline_config(pp_schedule="interleaved_1f1b", pp_stages_per_rank=2, pp_split=[1, 1, 1, 1]))
     check_pipeline(pipeline_config(pp_schedule="zero_bubble", pp_stages_per_rank=2, dp_shard=2))
     check_pipeline(pipeline_config(pp=1, model_share_layers=True))  # no pipeline: nothing to refuse
+    # Encoder-decoder: the stages cut encoder then decoder layers (2 + 2 here), the cut anywhere.
+    check_pipeline(pipeline_config(model_family="encoder_decoder", model_n_layers=2, model_position="learned"))
+    check_pipeline(pipeline_config(model_family="encoder_decoder", model_n_layers=1, model_n_decoder_layers=3,
+                                   pp_schedule="zero_bubble", pp_stages_per_rank=2))
 
 
 def test_check_pipeline_uses_the_known_data_parallel_degree() -> None:

@@ -15,7 +15,7 @@ After the step every rank all-gathers the updated chunks. ZeRO-3 is FSDP2 (:mod:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,15 +117,15 @@ class DataParallel:
             distinct *= self.expert_parallel  # the ep mesh dimension is never part of a parameter's DTensor mesh
         return max(1, self.stage_replicas // distinct)
 
-    def gradient_pieces(self, uncounted: str | None = None) -> list[GradientPiece]:
-        """This rank's gradient pieces with their replica counts (``uncounted``: a parameter clipped but not
-        counted in the norm, e.g. the pipeline's copy of a tied embedding, whose twin is counted)."""
+    def gradient_pieces(self, uncounted: Collection[str] = ()) -> list[GradientPiece]:
+        """This rank's gradient pieces with their replica counts (``uncounted``: parameters clipped but not
+        counted in the norm, e.g. the pipeline's copies of a tied embedding, whose source is counted)."""
         pieces = []
         for entry in self.parameters:
             grad = entry.param.grad
             if grad is not None:
                 pieces.append(GradientPiece(local_tensor(grad), self._replicas(entry.name, grad),
-                                            counted=entry.name != uncounted))
+                                            counted=entry.name not in uncounted))
         return pieces
 
     # checkpoint: None means "use torch.distributed.checkpoint.state_dict as is"
@@ -251,12 +251,12 @@ class ZeroDataParallel(ReplicatedDataParallel):
             part.shard.grad = reduced[: part.stop - part.start]
             part.entry.param.grad = None  # ZeRO-2 keeps only this rank's gradient chunk
 
-    def gradient_pieces(self, uncounted: str | None = None) -> list[GradientPiece]:
+    def gradient_pieces(self, uncounted: Collection[str] = ()) -> list[GradientPiece]:
         pieces = []
         for part in self.partitions:
             if part.shard.grad is not None:
                 replicas = self._replicas(part.entry.name, part.entry.param, part.shard_size)
-                pieces.append(GradientPiece(part.shard.grad, replicas, counted=part.entry.name != uncounted))
+                pieces.append(GradientPiece(part.shard.grad, replicas, counted=part.entry.name not in uncounted))
         return pieces
 
     @torch.no_grad()

@@ -5,11 +5,21 @@ its blocks (``stack.layers.<k>`` for its layer indices k), the last stage the fi
 transform and the output projection. Names are untouched, so the union of the stages' state dicts
 is the single-process state dict and checkpoints move between layouts.
 
-Tied embeddings (Press & Wolf 2017) whose two ends sit on different stages become two parameters,
-``embedding.weight`` on the first stage and ``output.weight`` on the last, both initialised from
-``embedding.weight``. After backward their gradients are summed (Megatron's embedding group,
-Shoeybi et al. 2019), so the optimizer keeps the copies bitwise equal. Under tensor parallelism both
-are sharded by vocabulary alike, and each tp rank sums its shard with its pipeline peer's.
+An encoder-decoder model (Raffel et al. 2020) is cut along the concatenation of its stacks: layer indices
+0..n_layers-1 are the encoder's blocks (``stack.layers.<k>``), n_layers.. the decoder's (``decoder.layers.<k>``,
+k = index - n_layers). Encoder stages send hidden states; the stage holding the last encoder block applies the
+encoder's final norm and sends the memory; from the first decoder block on, stages send (decoder hidden, memory),
+so the memory's gradient, which every decoder block's cross-attention adds to, comes back stage by stage. The
+stage holding the first decoder block embeds the microbatch's ``decoder_input_ids`` itself (set by the engine
+with :class:`decoder_input_ids`).
+
+A parameter that several stages use is held by each of them (tied parameters): tied embeddings (Press & Wolf
+2017) put ``output.weight`` on the last stage, and an encoder-decoder's first decoder stage holds
+``decoder_embedding`` (and ``decoder_embedding_norm``), all copies of the first stage's ``embedding`` (and
+``embedding_norm``), initialised from the single-process names. After backward the holders' gradients are summed
+(Megatron's embedding group, Shoeybi et al. 2019), so the optimizer keeps the copies bitwise equal. Under tensor
+parallelism the output copy is sharded by vocabulary like the embedding, and each tp rank sums its shard with its
+pipeline peers'.
 """
 
 from __future__ import annotations
@@ -24,23 +34,65 @@ from torch.distributed.tensor import DTensor
 
 from xscale.config import ConfigError
 from xscale.models.init import canonical_name, init_weights
+from xscale.models.moe.token_ids import routing_token_ids
 from xscale.models.position import PositionEncoding
 from xscale.models.transformer import Transformer
 from xscale.parallel.data import local_tensor
 
 TIED_COPY = "output.weight"
 TIED_SOURCE = "embedding.weight"
+# The stage-local name of every tied copy -> the single-process parameter it copies.
+DECODER_COPIES = {"decoder_embedding": "embedding", "decoder_embedding_norm": "embedding_norm"}
 
 
-def split_layers(n_layers: int, num_stages: int, pp_split: list[int] | None = None) -> list[list[int]]:
+def tied_source_name(name: str) -> str:
+    """The single-process name of a stage parameter (``name`` canonical): a tied copy's source, else itself."""
+    if name == TIED_COPY:
+        return TIED_SOURCE
+    head, _, rest = name.partition(".")
+    return f"{DECODER_COPIES[head]}.{rest}" if head in DECODER_COPIES else name
+
+
+def is_tied_copy(name: str) -> bool:
+    return tied_source_name(name) != name
+
+
+def pipeline_layers(config) -> int:
+    """The blocks a pipeline cuts: the encoder's then the decoder's for an encoder-decoder model."""
+    return config.n_layers + (config.decoder_layers if config.family == "encoder_decoder" else 0)
+
+
+_decoder_ids: torch.Tensor | None = None
+
+
+class decoder_input_ids:  # noqa: N801  (used like contextlib's context managers)
+    """The microbatch's ``decoder_input_ids`` that a pipeline stage holding the first decoder block embeds."""
+
+    def __init__(self, token_ids: torch.Tensor | None) -> None:
+        self.token_ids = token_ids
+        self._previous: list[torch.Tensor | None] = []
+
+    def __enter__(self) -> None:
+        global _decoder_ids
+        self._previous.append(_decoder_ids)
+        _decoder_ids = self.token_ids
+
+    def __exit__(self, *exc_info: object) -> None:
+        global _decoder_ids
+        _decoder_ids = self._previous.pop()
+
+
+def split_layers(n_layers: int, num_stages: int, pp_split: list[int] | None = None,
+                 what: str = "model.n_layers") -> list[list[int]]:
     """Layer indices per stage: ``pp_split`` blocks per stage when given, else as even as possible
-    (the earlier stages take one more layer when ``num_stages`` does not divide ``n_layers``)."""
+    (the earlier stages take one more layer when ``num_stages`` does not divide ``n_layers``). ``what``
+    names the layer count in messages."""
     if num_stages < 1:
         raise ConfigError(f"a pipeline needs at least one stage, got {num_stages}")
     if pp_split is None:
         if n_layers < num_stages:
             raise ConfigError(
-                f"model.n_layers={n_layers} cannot fill {num_stages} pipeline stages (parallel.pp x "
+                f"{what}={n_layers} cannot fill {num_stages} pipeline stages (parallel.pp x "
                 f"parallel.pp_stages_per_rank); lower pp or pp_stages_per_rank to at most {n_layers} stages"
             )
         base, extra = divmod(n_layers, num_stages)
@@ -56,7 +108,7 @@ def split_layers(n_layers: int, num_stages: int, pp_split: list[int] | None = No
             raise ConfigError(f"parallel.pp_split={sizes}: every stage needs at least one block")
         if sum(sizes) != n_layers:
             raise ConfigError(
-                f"parallel.pp_split={sizes} sums to {sum(sizes)} blocks but model.n_layers={n_layers}; "
+                f"parallel.pp_split={sizes} sums to {sum(sizes)} blocks but {what}={n_layers}; "
                 f"make the counts sum to {n_layers}"
             )
     bounds = [sum(sizes[:stage]) for stage in range(num_stages + 1)]
@@ -74,53 +126,112 @@ def stage_to_rank(num_stages: int, pp_size: int, style: str) -> list[int]:
 
 
 class PipelineStageModule(nn.Module):
-    """One pipeline stage: token ids (first stage) or hidden states in, hidden states out.
+    """One pipeline stage: token ids (first stage) or what the previous stage sent in, hidden states out.
 
     The last stage returns the hidden states the LM head projects (after the final norm and the
     head transform); the engine's loss function applies ``output``. The forward mirrors
-    :meth:`Transformer.hidden_states` for the layers this stage holds. The stage takes over (and
-    prunes) ``model``'s modules: pass a copy.
+    :meth:`Transformer.hidden_states` for the layers this stage holds (indices into :func:`pipeline_layers`).
+    Encoder-decoder stages take and return, by position: the first stage token ids; an encoder stage the hidden
+    states; the stage after the encoder's end the memory; later decoder stages (decoder hidden, memory). The
+    stage takes over (and prunes) ``model``'s modules: pass a copy.
     """
 
     def __init__(self, model: Transformer, layer_indices: list[int], *, is_first: bool, is_last: bool) -> None:
         super().__init__()
-        self.config = model.config
+        config = self.config = model.config
         self.layer_indices = list(layer_indices)
         self.is_first, self.is_last = is_first, is_last
+        self.seq2seq = config.family == "encoder_decoder"
+        encoder = [index for index in layer_indices if index < config.n_layers]
+        decoder = [index - config.n_layers for index in layer_indices if index >= config.n_layers]
+        self.ends_encoder = self.seq2seq and config.n_layers - 1 in encoder
+        self.starts_decoder = self.seq2seq and 0 in decoder
+        self.embeds_midway = self.starts_decoder and not is_first  # token ids from the engine, not an input
         if is_first:
             self.embedding = model.embedding
             self.embedding_norm = model.embedding_norm
             self.embedding_dropout = model.embedding_dropout
-        stack = model.stack
-        held = {str(index) for index in layer_indices}
-        for name in [name for name in stack.layers if name not in held]:
-            del stack.layers[name]
-        stack.n_layers = len(layer_indices)
-        if not is_first and stack.position.adds_to_input:
-            # Absolute positions are added once, before the first block; later stages need no table.
-            config = model.config
-            stack.position = PositionEncoding(config.d_model, config.n_heads, config.head_dim, config.max_seq_len,
-                                              stack.position.causal)
-        if not is_last:
-            stack.final_norm = None
-        self.stack = stack
+        elif self.starts_decoder:  # copies of the first stage's (tied), under their own names
+            self.decoder_embedding = model.embedding
+            self.decoder_embedding_norm = model.embedding_norm
+            self.decoder_embedding_dropout = model.embedding_dropout
+        if encoder or not self.seq2seq:
+            self.stack = self._prune(model.stack, encoder, is_first, keep_norm=is_last or self.ends_encoder)
+        if decoder:
+            self.decoder = self._prune(model.decoder, decoder, self.starts_decoder, keep_norm=is_last)
         if is_last:
             self.head_transform = model.head_transform
             self.output = model.output
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_first:
-            x = self.stack.position.embed(self.embedding(x))
-            if self.embedding_norm is not None:
-                x = self.embedding_norm(x)
-            x = self.embedding_dropout(x)
-        for block in self.stack.layers.values():
-            x = block(x, self.stack.position)
+    @staticmethod
+    def _prune(stack: nn.Module, held_layers: list[int], embeds: bool, keep_norm: bool) -> nn.Module:
+        held = {str(index) for index in held_layers}
+        for name in [name for name in stack.layers if name not in held]:
+            del stack.layers[name]
+        stack.n_layers = len(held_layers)
+        if not embeds and stack.position.adds_to_input:
+            # Absolute positions are added once, before the stack's first block; later stages need no table.
+            position = stack.position
+            stack.position = PositionEncoding(position.d_model, position.n_heads, position.head_dim,
+                                              position.max_seq_len, position.causal)
+        if not keep_norm:
+            stack.final_norm = None
+        return stack
+
+    def _embed(self, tokens: torch.Tensor, stack: nn.Module, embedding: nn.Module, norm: nn.Module | None,
+               dropout: nn.Module) -> torch.Tensor:
+        """:meth:`Transformer._embed_for_stack` with this stage's (copy of the) embedding."""
+        x = embedding(tokens)
+        if self.seq2seq and self.config.tie_embeddings:
+            x = x * self.config.d_model**0.5
+        x = stack.position.embed(x)
+        if norm is not None:
+            x = norm(x)
+        return dropout(x)
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        stack = getattr(self, "stack", None)
+        if stack is not None:
+            x = inputs[0]
+            if self.is_first:
+                x = self._embed(x, stack, self.embedding, self.embedding_norm, self.embedding_dropout)
+            for block in stack.layers.values():
+                x = block(x, stack.position)
+            if not self.seq2seq or self.ends_encoder:
+                if stack.final_norm is not None:
+                    x = stack.final_norm(x)
+            if not self.seq2seq:
+                return self._head(x)
+            if not self.ends_encoder or not hasattr(self, "decoder"):
+                return x  # encoder hidden states, or the memory
+            memory = x
+        else:
+            memory = inputs[-1]
+        decoder = self.decoder
+        tokens = _decoder_ids
+        if self.starts_decoder:
+            if tokens is None:
+                raise ValueError("the first decoder stage needs the microbatch's decoder_input_ids")
+            if self.is_first:
+                y = self._embed(tokens, decoder, self.embedding, self.embedding_norm, self.embedding_dropout)
+            else:
+                y = self._embed(tokens, decoder, self.decoder_embedding, self.decoder_embedding_norm,
+                                self.decoder_embedding_dropout)
+        else:
+            y = inputs[0]
+        with routing_token_ids(tokens):
+            for block in decoder.layers.values():
+                y = block(y, decoder.position, memory)
         if self.is_last:
-            if self.stack.final_norm is not None:
-                x = self.stack.final_norm(x)
-            if self.head_transform is not None:
-                x = self.head_transform(x)
+            if decoder.final_norm is not None:
+                y = decoder.final_norm(y)
+            return self._head(y)
+        # A new tensor (not a view: schedules detach their outputs in place), so the memory's gradient goes back.
+        return y, memory.clone()
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_last and self.head_transform is not None:
+            x = self.head_transform(x)
         return x
 
 
@@ -129,7 +240,7 @@ def build_stage_module(meta_model: Transformer, layer_indices: list[int], *, is_
                        parallelize: Callable[[PipelineStageModule], None] | None = None) -> PipelineStageModule:
     """Cut a stage from a meta-device Transformer, apply ``parallelize`` to it (still on the meta device:
     tensor parallelism, activation checkpointing), allocate it on ``device`` and fill it with the
-    single-process initial weights (the tied output copy takes ``embedding.weight``'s values)."""
+    single-process initial weights (tied copies take their source's values)."""
     model = copy.deepcopy(meta_model)
     stage = PipelineStageModule(model, layer_indices, is_first=is_first, is_last=is_last)
     untie = model.config.tie_embeddings and is_last and not is_first
@@ -138,7 +249,7 @@ def build_stage_module(meta_model: Transformer, layer_indices: list[int], *, is_
     if parallelize is not None:
         parallelize(stage)
     stage.to_empty(device=device)
-    names = {id(stage.output.weight): TIED_SOURCE} if untie else None
+    names = {id(param): tied_source_name(canonical_name(name)) for name, param in stage.named_parameters()}
     init_weights(stage, model.config, seed, names=names)
     return stage
 
@@ -150,26 +261,58 @@ def tied_copy(stage: PipelineStageModule) -> nn.Parameter | None:
     return None
 
 
+def tied_holders(config, layers: list[list[int]]) -> dict[str, list[int]]:
+    """Each tied parameter (single-process name) -> the stages holding it, when more than one does."""
+    num_stages = len(layers)
+    embedding_stages = {0}
+    if config.tie_embeddings:
+        embedding_stages.add(num_stages - 1)
+    norm_stages = {0}
+    if config.family == "encoder_decoder":
+        start = next(stage for stage, held in enumerate(layers) if config.n_layers in held)
+        embedding_stages.add(start)
+        norm_stages.add(start)
+    holders = {TIED_SOURCE: sorted(embedding_stages)}
+    if config.embedding_norm:
+        holders.update({"embedding_norm.weight": sorted(norm_stages), "embedding_norm.bias": sorted(norm_stages)})
+    return {name: stages for name, stages in holders.items() if len(stages) > 1}
+
+
 class TiedEmbeddingGrads:
-    """Sums the gradients of the two ends of a tied embedding held by different stages.
+    """Sums the gradients of the copies of each tied parameter held by different stages.
 
-    When both ends are on this rank the sum is local; otherwise the first- and last-stage ranks swap
-    their gradients point-to-point (no extra process group) and each adds them in the same order,
-    so both ends get bitwise the same gradient. Gradients from earlier steps (accumulation) are set
-    aside by :meth:`begin` and added back by :meth:`finish`, so only this step's are exchanged.
+    Each rank holding copies adds its own (in stage order); ranks on other stages swap these partial sums
+    point-to-point (no extra process group) and every holder adds the partials in rank order, so all copies
+    get bitwise the same gradient. Gradients from earlier steps (accumulation) are set aside by :meth:`begin`
+    and added back by :meth:`finish`, so only this step's are exchanged.
 
-    The ends are looked up in the stages at each use: ZeRO-3 (``fully_shard``) replaces a module's
+    The copies are looked up in the stages at each use: ZeRO-3 (``fully_shard``) replaces a module's
     parameters after the engine is built. Their gradients are then shards over ``dp_shard``, already
-    summed over data parallel; the two peers sit at the same data-parallel coordinate, so they hold
+    summed over data parallel; the peers sit at the same data-parallel coordinate, so they hold
     the same rows and swap their local shards.
     """
 
-    def __init__(self, stages: list[PipelineStageModule], first_rank: int, last_rank: int,
-                 group: dist.ProcessGroup) -> None:
+    def __init__(self, stages: list[PipelineStageModule], stage_indices: list[int], stage_ranks: list[int],
+                 holders: dict[str, list[int]], group: dist.ProcessGroup) -> None:
         self.group = group
-        self.first_rank, self.last_rank = first_rank, last_rank
-        self.stages = stages
+        self.stages, self.stage_indices = stages, stage_indices
+        self.rank = stage_ranks[stage_indices[0]]
+        # name -> the pp ranks holding a copy, for the names this rank holds
+        self.ranks = {name: sorted({stage_ranks[stage] for stage in stages_})
+                      for name, stages_ in holders.items() if set(stages_) & set(stage_indices)}
         self._earlier: dict[int, torch.Tensor | None] = {}
+
+    def _copies(self) -> dict[str, list[nn.Parameter]]:
+        """This rank's copies of each tied parameter, in stage order."""
+        found: dict[str, list[nn.Parameter]] = {name: [] for name in self.ranks}
+        for stage in self.stages:
+            seen: set[int] = set()
+            for name, param in stage.named_parameters():
+                source = tied_source_name(canonical_name(name))
+                if source in found and id(param) not in seen:
+                    seen.add(id(param))
+                    found[source].append(param)
+        return {name: params for name, params in found.items() if params}  # (a norm without a bias)
 
     @property
     def source(self) -> nn.Parameter | None:
@@ -184,39 +327,39 @@ class TiedEmbeddingGrads:
 
     @property
     def ends(self) -> list[nn.Parameter]:
-        """The ends this rank holds, when the other end lives on another stage."""
-        if self.source is not None and self.first_rank == self.last_rank and self.copy is None:
-            return []  # one stage holds both ends as one parameter
-        return [param for param in (self.source, self.copy) if param is not None]
+        """Every copy this rank holds of a parameter that other stages hold too."""
+        return [param for params in self._copies().values() for param in params]
 
     def begin(self) -> None:
-        self._earlier = {id(param): param.grad for param in self.ends}
-        for param in self.ends:
+        ends = self.ends
+        self._earlier = {id(param): param.grad for param in ends}
+        for param in ends:
             param.grad = None
 
     @torch.no_grad()
     def finish(self) -> None:
-        ends = self.ends
-        if not ends:
-            return
-        source, copy_ = self.source, self.copy
-        if source is not None and copy_ is not None:
-            total = _local_grad(source) + _local_grad(copy_)
-        else:
-            # Both ends are sharded alike (vocabulary rows under tp, FSDP2 rows under ZeRO-3): the peer across
-            # the pipeline (same tp and dp coordinates) holds the same rows, so the local shards are exchanged.
-            peer = self.last_rank if source is not None else self.first_rank
-            local = _local_grad(ends[0]).contiguous()
-            theirs = torch.empty_like(local)
-            ops = [dist.P2POp(dist.isend, local, group=self.group, group_peer=peer),
-                   dist.P2POp(dist.irecv, theirs, group=self.group, group_peer=peer)]
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-            total = local + theirs if source is not None else theirs + local
-        for param in ends:
-            earlier = self._earlier.get(id(param))
-            summed = total.clone() if earlier is None else local_tensor(earlier) + total
-            param.grad = _like_param(param, summed)
+        for name, params in self._copies().items():
+            ranks = self.ranks[name]
+            partial = _local_grad(params[0]).contiguous()
+            for param in params[1:]:
+                partial = partial + _local_grad(param)
+            if len(ranks) > 1:
+                received = {peer: torch.empty_like(partial) for peer in ranks if peer != self.rank}
+                ops = [op for peer, buffer in received.items()
+                       for op in (dist.P2POp(dist.isend, partial, group=self.group, group_peer=peer),
+                                  dist.P2POp(dist.irecv, buffer, group=self.group, group_peer=peer))]
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+                received[self.rank] = partial
+                total = received[ranks[0]]
+                for peer in ranks[1:]:
+                    total = total + received[peer]
+            else:
+                total = partial
+            for param in params:
+                earlier = self._earlier.get(id(param))
+                summed = total.clone() if earlier is None else local_tensor(earlier) + total
+                param.grad = _like_param(param, summed)
         self._earlier = {}
 
 
