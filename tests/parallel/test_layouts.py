@@ -5,7 +5,7 @@ them)."""
 from __future__ import annotations
 
 import pytest
-from parity_models import DECODER, DROPOUT, ENCODER, assert_parity
+from parity_models import DECODER, DROPOUT, ENCODER, ENCODER_DECODER, assert_parity
 
 from xscale.config import ConfigError
 
@@ -21,6 +21,15 @@ def test_decoder_tensor_sequence_and_pipeline_parallel(tmp_path):
 def test_encoder_tensor_and_pipeline_parallel(tmp_path):
     # pp=2 with parallel.microbatches unset: the trainer resolves it (1f1b: 2 microbatches) before building the engine.
     assert_parity(ENCODER, ["tp=2", "pp=2"], tmp_path)
+
+
+@pytest.mark.slow
+def test_encoder_decoder_pipeline_parallel(tmp_path):
+    """Stages cut at the encoder/decoder boundary (pp=2 over 2 + 2 layers), after every layer (interleaved 1F1B,
+    4 stages: inside the encoder, at the boundary, inside the decoder), and the decoder's embedding copy on a
+    ZeRO-1 data-parallel stage; the per-step gradient norms too (tied copies counted once)."""
+    assert_parity(ENCODER_DECODER, ["pp=2", "pp=2,microbatches=4,pp_schedule=interleaved_1f1b,pp_stages_per_rank=2",
+                                    "pp=2,dp_shard=2,zero_stage=1,microbatches=2"], tmp_path, same_grad_norms=True)
 
 
 def test_dropout_masks_match_one_device_under_sequence_data_and_pipeline_parallel(tmp_path):

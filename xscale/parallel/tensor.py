@@ -273,7 +273,7 @@ def apply_tensor_parallel(model: Transformer | nn.Module, tp_mesh: DeviceMesh, *
         raise ValueError("apply_tensor_parallel: this model is already tensor-parallel")
     config = model.config
     check_tensor_parallel(config, tp_mesh.size())
-    stacks = [stack for stack in (model.stack, getattr(model, "decoder", None)) if stack is not None]
+    stacks = [stack for stack in (getattr(model, "stack", None), getattr(model, "decoder", None)) if stack is not None]
     if embedding is not None:
         _parallelize_embedding(model, stacks, tp_mesh, sequence_parallel)
     for stack in stacks:
