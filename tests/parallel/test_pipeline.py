@@ -196,9 +196,16 @@ def single_process_run(config: ModelConfig, steps: int, max_norm: float):
     return model, optimizer, losses, norms
 
 
+def checkpoint_case_config(family: str, n_layers: int) -> ModelConfig:
+    """A decoder, or an encoder-decoder with ``n_layers`` split between its stacks (the decoder the larger)."""
+    if family == "encoder_decoder":
+        return encoder_decoder_config(n_layers // 2, n_layers - n_layers // 2)
+    return decoder_config(n_layers)
+
+
 def check_training_and_checkpoint(rank: int, schedule: str, stages_per_rank: int, n_layers: int,
-                                  folder: str) -> None:
-    config = decoder_config(n_layers)
+                                  folder: str, family: str) -> None:
+    config = checkpoint_case_config(family, n_layers)
     steps, max_norm = 3, 0.5
     single, _, expected_losses, expected_norms = single_process_run(config, steps, max_norm)
     assert expected_norms[0] > max_norm, "the case must exercise clipping"
@@ -218,7 +225,8 @@ def check_training_and_checkpoint(rank: int, schedule: str, stages_per_rank: int
     reference["output.weight"] = single.embedding.weight
     for stage in engine.stages:
         for name, param in stage.named_parameters():
-            torch.testing.assert_close(param.detach(), reference[name].detach(), **GRAD_TOLERANCE, msg=name)
+            torch.testing.assert_close(param.detach(), reference[single_process_name(name)].detach(),
+                                       **GRAD_TOLERANCE, msg=name)
     if engine.tied.copy is not None and engine.tied.source is not None:
         assert torch.equal(engine.tied.copy, engine.tied.source), "the tied copies drifted apart"
 
@@ -238,7 +246,7 @@ def check_training_and_checkpoint(rank: int, schedule: str, stages_per_rank: int
     saved = torch.load(f"{folder}/single.pt")
     for stage in fresh.stages:
         for name, param in stage.named_parameters():
-            source = "embedding.weight" if name == "output.weight" else name
+            source = tied_source_name(name)
             assert torch.equal(param.detach(), saved["values"][source]), name
             assert torch.equal(fresh_optimizer.state[param]["exp_avg_sq"], saved["moments"][source]), name
     if fresh.tied.copy is not None and fresh.tied.source is not None:
@@ -258,15 +266,20 @@ def checkpoint_keys(path: Path) -> set[str]:
     return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
 
 
-@pytest.mark.parametrize("schedule, stages_per_rank, n_layers", [
-    ("1f1b", 1, 3),
-    pytest.param("zero_bubble", 2, 4, marks=pytest.mark.slow),
+@pytest.mark.parametrize("schedule, stages_per_rank, n_layers, family", [
+    ("1f1b", 1, 3, "decoder"),
+    pytest.param("zero_bubble", 2, 4, "decoder", marks=pytest.mark.slow),
+    # The first decoder stage (2, on rank 1) holds a copy of the embedding: saved and resumed under its name.
+    pytest.param("zero_bubble", 2, 4, "encoder_decoder", marks=pytest.mark.slow),
+    pytest.param("1f1b", 1, 3, "encoder_decoder", marks=pytest.mark.slow),
+    # Loop placement: rank 0 holds the embedding (stage 0) and the decoder's copy (stage 2), saved once.
+    pytest.param("interleaved_1f1b", 2, 4, "encoder_decoder", marks=pytest.mark.slow),
 ])
 def test_training_steps_and_checkpoint_match_single_process(tmp_path, schedule, stages_per_rank,
-                                                             n_layers) -> None:
-    config = decoder_config(n_layers)
+                                                             n_layers, family) -> None:
+    config = checkpoint_case_config(family, n_layers)
     save_single_process_checkpoint(config, 3, tmp_path)
-    spawn(check_training_and_checkpoint, schedule, stages_per_rank, n_layers, str(tmp_path))
+    spawn(check_training_and_checkpoint, schedule, stages_per_rank, n_layers, str(tmp_path), family)
 
     assert checkpoint_keys(tmp_path / "pipeline") == checkpoint_keys(tmp_path / "single")
     model = build_model(config, seed=SEED + 1)
