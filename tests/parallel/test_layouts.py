@@ -32,6 +32,16 @@ def test_encoder_decoder_pipeline_parallel(tmp_path):
                                     "pp=2,dp_shard=2,zero_stage=1,microbatches=2"], tmp_path, same_grad_norms=True)
 
 
+@pytest.mark.slow
+def test_encoder_decoder_pipeline_with_dropout_embedding_norm_and_zero3(tmp_path):
+    """The first decoder stage's copies (embedding and its norm) under ZeRO-3, zero bubble with recomputation, and
+    dropout masks that follow the microbatch (the decoder's embedding dropout included)."""
+    assert_parity(ENCODER_DECODER + DROPOUT[:2] + ["model.embedding_norm=true"], [
+        "pp=2,dp_shard=2,zero_stage=3,microbatches=2",
+        "pp=2,microbatches=2,pp_schedule=zero_bubble,pp_stages_per_rank=2,activation_checkpointing=full",
+        "pp=2,microbatches=4,pp_schedule=gpipe"], tmp_path, same_grad_norms=True)
+
+
 def test_dropout_masks_match_one_device_under_sequence_data_and_pipeline_parallel(tmp_path):
     assert_parity(DECODER + DROPOUT, ["tp=2,sequence_parallel=true", "dp_shard=2,zero_stage=3,activation_checkpointing=full",
                                       "pp=2,microbatches=4,activation_checkpointing=full"], tmp_path)

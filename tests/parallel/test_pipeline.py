@@ -157,6 +157,10 @@ def check_schedules(rank: int) -> None:
             check_case(config(n_layers, n_decoder_layers), schedule, stages_per_rank, microbatches, pp_split)
         except AssertionError as error:
             raise AssertionError(f"{schedule} on the encoder-decoder split {pp_split}: {error}") from error
+    # Hash routing in both stacks: decoder stages route microbatch k by its decoder_input_ids.
+    hashed = encoder_decoder_config(2, 2)
+    hashed.moe = MoEConfig(num_experts=4, router="hash", capacity_factor=1.0, min_capacity=0)
+    check_case(hashed, "zero_bubble", 2, 2, None, reference_micro_batch=2)
 
 
 ENCODER_DECODER = [  # schedule, stages per rank, microbatches, (encoder, decoder layers), pp_split, config

@@ -53,7 +53,12 @@ def pipeline_rank_parameters(config: Config, dims: ParallelDims) -> list[tuple[i
     """(parameters, expert parameters) of each pp rank's stages, counted on meta-device stage modules."""
     from xscale.models import build_model
     from xscale.parallel.pipeline import SCHEDULES
-    from xscale.parallel.pipeline_stages import PipelineStageModule, pipeline_layers, split_layers, stage_to_rank
+    from xscale.parallel.pipeline_stages import (
+        PipelineStageModule,
+        pipeline_layers,
+        split_layers,
+        stage_to_rank,
+    )
 
     parallel = config.parallel
     num_stages = dims.pp * parallel.pp_stages_per_rank
