@@ -42,6 +42,16 @@ def test_encoder_decoder_pipeline_with_dropout_embedding_norm_and_zero3(tmp_path
         "pp=2,microbatches=4,pp_schedule=gpipe"], tmp_path, same_grad_norms=True)
 
 
+@pytest.mark.slow
+def test_encoder_decoder_pipeline_x_tensor_parallel(tmp_path):
+    """The first decoder stage's embedding copy (and its norm) split by vocabulary like the first stage's; with
+    sequence parallelism the memory travels between stages as each tp rank's sequence shard."""
+    assert_parity(ENCODER_DECODER + ["model.embedding_norm=true"], [
+        "pp=2,tp=2,microbatches=2",
+        "pp=2,tp=2,sequence_parallel=true,microbatches=4,pp_schedule=interleaved_1f1b,pp_stages_per_rank=2"],
+        tmp_path, same_grad_norms=True)
+
+
 def test_dropout_masks_match_one_device_under_sequence_data_and_pipeline_parallel(tmp_path):
     assert_parity(DECODER + DROPOUT, ["tp=2,sequence_parallel=true", "dp_shard=2,zero_stage=3,activation_checkpointing=full",
                                       "pp=2,microbatches=4,activation_checkpointing=full"], tmp_path)

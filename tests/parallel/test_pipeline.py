@@ -329,7 +329,6 @@ def pipeline_config(**overrides) -> Config:
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"model_family": "encoder_decoder", "tp": 2}, "encoder-decoder model under pipeline"),
     ({"model_family": "encoder_decoder", "model_n_decoder_layers": 1, "model_n_layers": 2, "pp_split": [1, 1]},
      r"sums to 2 blocks but model.n_layers \+ the decoder's layers \(2 \+ 1\)=3"),
     ({"model_share_layers": True}, "share_layers"),

@@ -16,6 +16,10 @@ Under tensor parallelism (each stage split over ``tp`` before it is initialised)
 vocabulary-parallel, and what one stage sends the next is a plain local tensor: the microbatch's full
 hidden states, or under sequence parallelism this tp rank's sequence shard (B/m, T/tp, D), always to
 the same tp rank of the next stage, so PipelineStage infers the shapes from the first microbatch.
+
+Encoder-decoder models pipeline over the encoder's layers then the decoder's
+(:mod:`~xscale.parallel.pipeline_stages`): decoder stages send (decoder hidden, memory), and the first decoder
+stage embeds the microbatch's ``decoder_input_ids``, which every pp rank has (the batch is the same on all).
 """
 
 from __future__ import annotations
@@ -147,10 +151,6 @@ def check_pipeline(config: Config, data_parallel: int | None = None) -> None:
         raise ConfigError(f"parallel.pp must be >= 1, got {parallel.pp}")
     if parallel.pp == 1:
         return
-    if model.family == "encoder_decoder" and parallel.tp > 1:
-        raise ConfigError("an encoder-decoder model under pipeline parallelism runs without tensor parallelism "
-                          "(the first decoder stage's copy of the embedding is not split by vocabulary); set "
-                          "parallel.tp=1 or parallel.pp=1")
     if model.share_layers:
         raise ConfigError("model.share_layers reuses one block at every depth, so no stage could own it; "
                           "set model.share_layers=false or parallel.pp=1")

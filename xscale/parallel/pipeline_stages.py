@@ -18,7 +18,7 @@ A parameter that several stages use is held by each of them (tied parameters): t
 ``decoder_embedding`` (and ``decoder_embedding_norm``), all copies of the first stage's ``embedding`` (and
 ``embedding_norm``), initialised from the single-process names. After backward the holders' gradients are summed
 (Megatron's embedding group, Shoeybi et al. 2019), so the optimizer keeps the copies bitwise equal. Under tensor
-parallelism the output copy is sharded by vocabulary like the embedding, and each tp rank sums its shard with its
+parallelism the copies are sharded by vocabulary like the embedding, and each tp rank sums its shard with its
 pipeline peers'.
 """
 
