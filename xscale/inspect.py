@@ -119,7 +119,10 @@ def _model_slice(config: Config, dims, at: dict[str, int]) -> str:
         parts.append(f"heads {_share(at['tp'], model.n_heads, dims.tp)}"
                      + (f", vocab {_share(at['tp'], model.vocab_size, dims.tp)}" if holds_vocabulary else ""))
     if dims.ep > 1:
-        parts.append(f"experts {_share(at['ep'], model.moe.num_experts, dims.ep)}")
+        experts = f"experts {_share(at['ep'], model.moe.num_experts, dims.ep)}"
+        if dims.fsdp and dims.dp_expert > 1:  # ZeRO-3 shards them further over the ranks holding the same experts
+            experts += f" (at rest 1/{dims.dp_expert} of their weights, ZeRO-3 over dp_expert={dims.dp_expert})"
+        parts.append(experts)
     return "; ".join(parts)
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from xscale.config import ModelConfig
+from xscale.config import ModelConfig, MoEConfig
 from xscale.models import build_model
-from xscale.models.dropout import Dropout, DropoutPosition, dropout_position
+from xscale.models.dropout import Dropout, DropoutPosition, dropout_position, uniform_draws
 
 SHAPE = (8, 32, 64)
 POSITION = DropoutPosition(seed=1, step=3)
@@ -90,3 +90,24 @@ def test_every_dropout_of_a_model_has_its_own_site():
                                     attention_dropout=0.1), seed=0)
     sites = [module.site for module in model.modules() if isinstance(module, Dropout)]
     assert len(sites) == 2 * 4 + 1 and len(set(sites)) == len(sites)  # per block: 2 residual, FFN, attention
+
+
+def test_uniform_draws_are_uniform_and_follow_the_global_rows():
+    whole_position = DropoutPosition(seed=1, step=3)
+    with dropout_position(whole_position):
+        whole = uniform_draws(77, torch.Size((8, 16, 32)), torch.device("cpu"))
+    assert whole.dtype == torch.float32 and 0.0 <= whole.min() and whole.max() < 1.0
+    assert abs(whole.mean().item() - 0.5) < 0.01 and abs(whole.var().item() - 1 / 12) < 0.005
+    assert torch.corrcoef(torch.stack([whole[:, :, :-1].reshape(-1), whole[:, :, 1:].reshape(-1)]))[0, 1].abs() < 0.02
+    with dropout_position(DropoutPosition(seed=1, step=3, first_sample=5)):
+        assert torch.equal(uniform_draws(77, torch.Size((3, 16, 32)), torch.device("cpu")), whole[5:8])
+    with dropout_position(whole_position):
+        assert not torch.equal(uniform_draws(78, torch.Size((8, 16, 32)), torch.device("cpu")), whole)
+
+
+def test_routers_draw_at_their_own_site():
+    model = build_model(ModelConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, dropout=0.1,
+                                    moe=MoEConfig(num_experts=4, jitter=0.1, every=1)), seed=0)
+    sites = [module.site for module in model.modules() if hasattr(module, "site")]
+    routers = [layer.sublayer.router for layer in (block.feed_forward for block in model.stack.layers.values())]
+    assert all(router.site != 0 for router in routers) and len(set(sites)) == len(sites)

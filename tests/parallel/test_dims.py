@@ -136,3 +136,14 @@ def test_encoder_decoder_pipeline_ranks_hold_both_stacks_and_the_embedding_copie
     out = capsys.readouterr().out
     assert "     0   0   0   0   0  stages 0 (embedding, layer 0), 3 (decoder layer 2, head)" in out
     assert "     2   1   0   0   0  stages 1 (layer 1), 2 (embedding copy, decoder layers 0-1)" in out
+
+
+@pytest.mark.parametrize("zero_stage,suffix", [
+    (3, " (at rest 1/2 of their weights, ZeRO-3 over dp_expert=2)"),
+    (1, ""),
+])
+def test_inspect_says_which_experts_a_rank_holds_and_how_zero3_splits_them(zero_stage, suffix, capsys):
+    assert inspect_main(["--world-size", "4", *BASE, "model.moe.num_experts=8", "parallel.dp_shard=4", "parallel.ep=2",
+                         f"parallel.zero_stage={zero_stage}"]) == 0
+    out = capsys.readouterr().out
+    assert f"     1   0   1   0   1  layers 0-3; experts 4-7{suffix}\n" in out

@@ -3,8 +3,8 @@ over routing groups, per-layer MoE metrics, and checkpoints that reshard over ep
 
 The single process routes one microbatch at a time, so its micro_batch_size is set to the sequences of one routing
 group of the layout (ep x the per-rank microbatch): then capacity and load-balancing decisions match exactly.
-GShard runs with second_expert_policy=all: the sampled policy draws its random numbers on each rank's own tokens,
-so it cannot reproduce the single process's draws (it matches it in distribution only).
+Router noise (Switch's jitter, GShard's sampled second expert) is drawn from each token's place in the global batch,
+as dropout masks are, so layouts with it on match the single process too (test_router_noise_matches_one_process).
 """
 
 from __future__ import annotations
@@ -359,3 +359,15 @@ def test_shared_expert_and_expert_choice_match_one_process(tmp_path):
                          ["dp_shard=2,ep=2", "dp_shard=2,ep=2,tp=2"], tmp_path / "shared")
     assert_layouts_match([*TRAINING, "model.family=encoder", "model.moe.router=expert_choice"], 8,
                          ["dp_shard=2,ep=2", "dp_shard=2,ep=2,zero_stage=3"], tmp_path / "expert_choice")
+
+
+@pytest.mark.slow
+def test_router_noise_matches_one_process(tmp_path):
+    """Jitter and GShard's sampled second expert draw the same numbers for the same token in every layout: ep, ep with
+    tp and sequence parallelism, and pp x ep (microbatches drawn at their rows of the global batch)."""
+    noisy = [*TRAINING, "model.moe.router=gshard", "model.moe.top_k=2", "model.moe.second_expert_policy=sampling",
+             "model.moe.jitter=0.1"]
+    assert_layouts_match(noisy, 8, ["dp_shard=2,ep=2", "dp_shard=2,ep=2,tp=2,sequence_parallel=true"],
+                         tmp_path / "ep")
+    assert_layouts_match(noisy, 4, ["pp=2,dp_shard=2,ep=2,microbatches=2,activation_checkpointing=full"],
+                         tmp_path / "pp")

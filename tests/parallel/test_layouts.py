@@ -161,3 +161,35 @@ def test_three_dimensional_layout(tmp_path):
     assert_parity(DECODER, ["pp=2,dp_shard=2,tp=2,microbatches=2,zero_stage=1",
                             "pp=2,dp_shard=2,tp=2,sequence_parallel=true,microbatches=2,zero_stage=2"],
                   tmp_path, same_grad_norms=True)
+
+
+@pytest.mark.slow
+def test_t5_bias_table_under_pipeline_data_and_tensor_parallel(tmp_path):
+    """T5's relative bias table is read by every layer: each stage holds a copy, the copies' gradients are summed
+    over the pp ranks (sharded alike under ZeRO-3, replicated under tp) and the norm counts the table once."""
+    t5 = DECODER + ["model.position=t5_bias", "model.n_layers=4"]
+    assert_parity(t5, ["pp=2", "pp=2,dp_shard=2,zero_stage=3", "pp=2,tp=2",
+                       "pp=2,tp=2,pp_schedule=zero_bubble,pp_stages_per_rank=2,microbatches=2,"
+                       "activation_checkpointing=full"],
+                  tmp_path, same_grad_norms=True)
+
+
+@pytest.mark.slow
+def test_t5_encoder_decoder_under_pipeline_and_zero3(tmp_path):
+    """T5 (encoder-decoder, relative bias tables, tied embeddings) over 2 + 3 layers: stage 0 runs the encoder and
+    the first decoder block, so both stages hold a copy of the decoder's table (and of the embedding); its gradients
+    are summed over the pp ranks (sharded alike under ZeRO-3), and the norm counts each parameter once. Zero bubble
+    (4 stages over [2, 1, 1, 1]: the decoder starts on stage 1) splits stages 2 and 3's backward around the table."""
+    t5 = ENCODER_DECODER + ["model.position=t5_bias", "model.tie_embeddings=true", "model.n_decoder_layers=3"]
+    assert_parity(t5, ["pp=2", "pp=2,dp_shard=2,zero_stage=3",
+                       "pp=2,pp_schedule=zero_bubble,pp_stages_per_rank=2,microbatches=2"],
+                  tmp_path, same_grad_norms=True)
+
+
+@pytest.mark.slow
+def test_realformer_scores_cross_pipeline_stages(tmp_path):
+    """RealFormer's scores travel with the hidden states from stage to stage, and their gradients back."""
+    realformer = DECODER + ["model.position=alibi", "model.attention.kind=realformer", "model.n_layers=4"]
+    assert_parity(realformer, ["pp=2", "pp=2,dp_shard=2,zero_stage=3,microbatches=2",
+                               "pp=2,pp_schedule=zero_bubble,pp_stages_per_rank=2,microbatches=2,"
+                               "activation_checkpointing=full"], tmp_path, same_grad_norms=True)

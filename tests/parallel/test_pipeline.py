@@ -4,8 +4,10 @@ Each spawned case compares the pipeline with :class:`Engine` on one process runn
 on the same batch: the loss (relative 1e-5), every parameter (exactly: same init) and every gradient
 (1e-5 absolute), for a decoder (RoPE, SwiGLU, RMSNorm, GQA, tied embeddings, fused linear CE) and a
 BERT-style encoder (learned positions, post-LN, embedding norm, MLM head with bias, tied, labels
-mostly -100), and an encoder-decoder (learned or sinusoidal positions, tied embeddings) whose stage
-boundaries fall inside the encoder, inside the decoder and exactly between the two. Splits are uneven.
+mostly -100), a decoder with T5's relative bias table (every stage holds a copy), a RealFormer decoder
+(stages send their attention scores with the hidden states), and encoder-decoders (learned, sinusoidal or T5
+positions, tied embeddings) whose stage boundaries fall inside the encoder, inside the decoder and exactly between
+the two. Splits are uneven.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from spawned import WORLD, spawn
 
 from xscale.config import (
+    AttentionConfig,
     Config,
     ConfigError,
     ModelConfig,
@@ -31,7 +34,7 @@ from xscale.models import build_model
 from xscale.parallel.dims import ParallelDims
 from xscale.parallel.engine import Engine
 from xscale.parallel.pipeline import PipelineEngine, check_pipeline, resolve_microbatches, split_layers
-from xscale.parallel.pipeline_stages import tied_source_name
+from xscale.parallel.pipeline_stages import DECODER_COPIES
 from xscale.train.optim import build_optimizer
 
 SEED = 7
@@ -57,6 +60,19 @@ def encoder_decoder_config(n_layers: int, n_decoder_layers: int, position: str =
                        norm="rmsnorm", ffn="swiglu", embedding_norm=embedding_norm, tie_embeddings=True)
 
 
+def t5_decoder_config(n_layers: int) -> ModelConfig:
+    config = decoder_config(n_layers)
+    config.position = "t5_bias"
+    return config
+
+
+def realformer_config(n_layers: int) -> ModelConfig:
+    config = decoder_config(n_layers)
+    config.position = "alibi"
+    config.attention = AttentionConfig(kind="realformer")
+    return config
+
+
 def make_batch(config: ModelConfig, rows: int = 4, seq: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, config.vocab_size, (rows, seq), generator=generator)
@@ -79,16 +95,30 @@ def single_process_names(config: ModelConfig) -> set[str]:
 
 def single_process_name(name: str) -> str:
     """A stage parameter's single-process name (the first decoder stage's copies name their source)."""
-    return name if name == "output.weight" else tied_source_name(name)
+    head, _, rest = name.partition(".")
+    return f"{DECODER_COPIES[head]}.{rest}" if head in DECODER_COPIES else name
 
 
 def gathered_names(engine: PipelineEngine) -> set[str]:
     names = [name for stage in engine.stages for name, _ in stage.named_parameters()]
     everyone: list[list[str]] = [[] for _ in range(WORLD)]
     dist.all_gather_object(everyone, names, group=engine.group)
+    shared = {entry.name for entry in engine.shared.shared}  # a copy on several stages (T5's table)
     flat = [name for names in everyone for name in names]
-    assert len(flat) == len(set(flat)), "a parameter is held by two stages"
+    unshared = [name for name in flat if name not in shared]
+    assert len(unshared) == len(set(unshared)), "a parameter is held by two stages"
     return {single_process_name(name) for name in flat}
+
+
+def assert_copies_equal(engine: PipelineEngine) -> None:
+    """Every copy of a shared parameter (tied embedding ends, T5 table) is bitwise the same on every pp rank."""
+    for entry in engine.shared.shared:
+        copies = engine.shared.copies(entry)
+        mine = copies[0].detach().clone() if copies else None
+        everyone: list = [None] * WORLD
+        dist.all_gather_object(everyone, mine, group=engine.group)
+        held = [copy_ for copy_ in everyone if copy_ is not None] + [c.detach() for c in copies]
+        assert all(torch.equal(held[0], other) for other in held), f"the copies of {entry.name} drifted apart"
 
 
 def assert_matches_single(engine: PipelineEngine, single: torch.nn.Module) -> None:
@@ -131,17 +161,26 @@ def check_case(config: ModelConfig, schedule: str, stages_per_rank: int, microba
     if autocast_dtype is None:
         assert_matches_single(engine, single)
     assert gathered_names(engine) == single_process_names(config)
+    if autocast_dtype is None:
+        assert_copies_equal(engine)
     torch.testing.assert_close(engine.eval_loss(batch), expected_eval, **tolerance)
     assert engine.last_step_seconds > 0
 
 
 def check_schedules(rank: int) -> None:
     for schedule, stages_per_rank, microbatches, n_layers, pp_split in SCHEDULE_CASES:
-        for config in (decoder_config(n_layers), encoder_config(n_layers)):
+        for config in (decoder_config(n_layers), encoder_config(n_layers), t5_decoder_config(n_layers),
+                       realformer_config(n_layers)):
             try:
                 check_case(config, schedule, stages_per_rank, microbatches, pp_split)
             except AssertionError as error:
-                raise AssertionError(f"{schedule} on the {config.family}: {error}") from error
+                kind = f"{config.family} ({config.position}, {config.attention.kind})"
+                raise AssertionError(f"{schedule} on the {kind}: {error}") from error
+    # RealFormer layers among dense ones (R D D R D over [2, 1, 1, 1]): the scores leave stage 0, pass through
+    # stage 1 untouched, are read on stage 2, and stage 3 gets hidden states alone.
+    mixed = realformer_config(5)
+    mixed.attention = AttentionConfig(per_layer=["realformer", "dense", "dense"])
+    check_case(mixed, "interleaved_1f1b", 2, 4, None)
     # MoE: routing (capacity, auxiliary losses) is per microbatch, as in the 1-process engine's accumulation;
     # zero bubble splits each backward into input and weight halves around the auxiliary-loss Function.
     moe = decoder_config(4)
@@ -174,6 +213,9 @@ ENCODER_DECODER = [  # schedule, stages per rank, microbatches, (encoder, decode
     ("interleaved_1f1b", 2, 2, (2, 3), [1, 1, 1, 2], encoder_decoder_config),
     # V placement: stages 0 and 3 on rank 0 (embedding and output copy), the decoder starting on rank 1.
     ("zero_bubble", 2, 4, (2, 3), [1, 1, 2, 1], encoder_decoder_config),
+    # T5: stage 1 (rank 1) ends the encoder and starts the decoder, so it holds both stacks' bias tables; each
+    # rank holds encoder and decoder stages, and sums its copies of each table before swapping them.
+    ("interleaved_1f1b", 2, 4, (2, 3), [1, 2, 1, 1], lambda n, d: encoder_decoder_config(n, d, position="t5_bias")),
 ]
 
 
@@ -200,16 +242,18 @@ def single_process_run(config: ModelConfig, steps: int, max_norm: float):
     return model, optimizer, losses, norms
 
 
-def checkpoint_case_config(family: str, n_layers: int) -> ModelConfig:
+def checkpoint_case_config(family: str, n_layers: int, position: str) -> ModelConfig:
     """A decoder, or an encoder-decoder with ``n_layers`` split between its stacks (the decoder the larger)."""
     if family == "encoder_decoder":
-        return encoder_decoder_config(n_layers // 2, n_layers - n_layers // 2)
-    return decoder_config(n_layers)
+        return encoder_decoder_config(n_layers // 2, n_layers - n_layers // 2, position=position)
+    config = decoder_config(n_layers)
+    config.position = position
+    return config
 
 
 def check_training_and_checkpoint(rank: int, schedule: str, stages_per_rank: int, n_layers: int,
-                                  folder: str, family: str) -> None:
-    config = checkpoint_case_config(family, n_layers)
+                                  folder: str, family: str, position: str) -> None:
+    config = checkpoint_case_config(family, n_layers, position)
     steps, max_norm = 3, 0.5
     single, _, expected_losses, expected_norms = single_process_run(config, steps, max_norm)
     assert expected_norms[0] > max_norm, "the case must exercise clipping"
@@ -231,8 +275,7 @@ def check_training_and_checkpoint(rank: int, schedule: str, stages_per_rank: int
         for name, param in stage.named_parameters():
             torch.testing.assert_close(param.detach(), reference[single_process_name(name)].detach(),
                                        **GRAD_TOLERANCE, msg=name)
-    if engine.tied.copy is not None and engine.tied.source is not None:
-        assert torch.equal(engine.tied.copy, engine.tied.source), "the tied copies drifted apart"
+    assert_copies_equal(engine)
 
     dcp.save(engine.state_dict(optimizer), checkpoint_id=f"{folder}/pipeline")
     values = {name: param.detach().clone() for stage in engine.stages for name, param in stage.named_parameters()}
@@ -250,12 +293,12 @@ def check_training_and_checkpoint(rank: int, schedule: str, stages_per_rank: int
     saved = torch.load(f"{folder}/single.pt")
     for stage in fresh.stages:
         for name, param in stage.named_parameters():
-            source = tied_source_name(name)
+            source = "embedding.weight" if name == "output.weight" else single_process_name(name)
             assert torch.equal(param.detach(), saved["values"][source]), name
             assert torch.equal(fresh_optimizer.state[param]["exp_avg_sq"], saved["moments"][source]), name
-    if fresh.tied.copy is not None and fresh.tied.source is not None:
-        moments_of = [fresh_optimizer.state[p]["exp_avg"] for p in (fresh.tied.copy, fresh.tied.source)]
-        assert moments_of[0].data_ptr() != moments_of[1].data_ptr(), "tied copies must not share optimizer state"
+    for entry in fresh.shared.shared:
+        moments_of = [fresh_optimizer.state[param]["exp_avg"].data_ptr() for param in fresh.shared.copies(entry)]
+        assert len(set(moments_of)) == len(moments_of), f"copies of {entry.name} must not share optimizer state"
 
 
 def save_single_process_checkpoint(config: ModelConfig, steps: int, folder: Path) -> None:
@@ -270,20 +313,24 @@ def checkpoint_keys(path: Path) -> set[str]:
     return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
 
 
-@pytest.mark.parametrize("schedule, stages_per_rank, n_layers, family", [
-    ("1f1b", 1, 3, "decoder"),
-    pytest.param("zero_bubble", 2, 4, "decoder", marks=pytest.mark.slow),
+@pytest.mark.parametrize("schedule, stages_per_rank, n_layers, family, position", [
+    ("1f1b", 1, 3, "decoder", "rope"),
+    # T5's table: a copy on every stage, two on each rank; the norm counts it once, checkpoints hold it once.
+    ("interleaved_1f1b", 2, 4, "decoder", "t5_bias"),
+    pytest.param("zero_bubble", 2, 4, "decoder", "rope", marks=pytest.mark.slow),
     # The first decoder stage (2, on rank 1) holds a copy of the embedding: saved and resumed under its name.
-    pytest.param("zero_bubble", 2, 4, "encoder_decoder", marks=pytest.mark.slow),
-    pytest.param("1f1b", 1, 3, "encoder_decoder", marks=pytest.mark.slow),
+    pytest.param("zero_bubble", 2, 4, "encoder_decoder", "learned", marks=pytest.mark.slow),
+    pytest.param("1f1b", 1, 3, "encoder_decoder", "learned", marks=pytest.mark.slow),
     # Loop placement: rank 0 holds the embedding (stage 0) and the decoder's copy (stage 2), saved once.
-    pytest.param("interleaved_1f1b", 2, 4, "encoder_decoder", marks=pytest.mark.slow),
+    pytest.param("interleaved_1f1b", 2, 4, "encoder_decoder", "learned", marks=pytest.mark.slow),
+    # T5: each rank holds an encoder stage (stack.position) and a decoder stage (decoder.position).
+    pytest.param("interleaved_1f1b", 2, 4, "encoder_decoder", "t5_bias", marks=pytest.mark.slow),
 ])
 def test_training_steps_and_checkpoint_match_single_process(tmp_path, schedule, stages_per_rank,
-                                                             n_layers, family) -> None:
-    config = checkpoint_case_config(family, n_layers)
+                                                             n_layers, family, position) -> None:
+    config = checkpoint_case_config(family, n_layers, position)
     save_single_process_checkpoint(config, 3, tmp_path)
-    spawn(check_training_and_checkpoint, schedule, stages_per_rank, n_layers, str(tmp_path), family)
+    spawn(check_training_and_checkpoint, schedule, stages_per_rank, n_layers, str(tmp_path), family, position)
 
     assert checkpoint_keys(tmp_path / "pipeline") == checkpoint_keys(tmp_path / "single")
     model = build_model(config, seed=SEED + 1)
@@ -304,7 +351,8 @@ def test_checkpointed_stages_save_under_single_process_names() -> None:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     from xscale.parallel.activation import apply_activation_checkpointing
-    from xscale.parallel.pipeline_stages import build_stage_module, merged_view
+    from xscale.parallel.pipeline_checkpoint import merged_view
+    from xscale.parallel.pipeline_stages import build_stage_module
 
     config = decoder_config(2)
     meta = build_model(config, materialize=False)
@@ -331,8 +379,9 @@ def pipeline_config(**overrides) -> Config:
 @pytest.mark.parametrize("overrides, message", [
     ({"model_family": "encoder_decoder", "model_n_decoder_layers": 1, "model_n_layers": 2, "pp_split": [1, 1]},
      r"sums to 2 blocks but model.n_layers \+ the decoder's layers \(2 \+ 1\)=3"),
+    ({"model_family": "encoder_decoder", "model_n_decoder_layers": 2, "model_position": "alibi",
+      "model_attention": AttentionConfig(kind="realformer")}, "encoder-decoder pipeline stages do not send"),
     ({"model_share_layers": True}, "share_layers"),
-    ({"model_position": "t5_bias"}, "t5_bias"),
     ({"model_n_layers": 1}, "cannot fill 2 pipeline stages"),
     ({"pp_schedule": "interleaved_1f1b", "pp_stages_per_rank": 2, "model_n_layers": 3}, "cannot fill 4"),
     ({"pp_split": [3, 2]}, "sums to 5"),
@@ -483,7 +532,8 @@ def test_checkpoint_view_names_activation_checkpointed_stages_like_one_process(m
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     from xscale.parallel.activation import apply_activation_checkpointing
-    from xscale.parallel.pipeline_stages import build_stage_module, merged_view
+    from xscale.parallel.pipeline_checkpoint import merged_view
+    from xscale.parallel.pipeline_stages import build_stage_module
 
     config = decoder_config(2)
     meta = build_model(config, materialize=False)

@@ -93,6 +93,16 @@ def test_resume_at_another_layout(save_layout, resume_layout, tmp_path):
     check_resharding(save_layout, resume_layout, tmp_path)
 
 
+@pytest.mark.parametrize("save_layout", [
+    "pp=2,microbatches=2",
+    pytest.param("pp=2,pp_schedule=interleaved_1f1b,pp_stages_per_rank=2,microbatches=2", marks=pytest.mark.slow),
+])
+def test_t5_bias_table_saved_by_a_pipeline_resumes_on_one_process(save_layout, tmp_path):
+    """Every stage holds a copy of T5's table (two on a rank of the interleaved schedule); the checkpoint holds
+    one, under the single-process name."""
+    check_resharding(save_layout, "single", tmp_path, model=[*MODEL, "model.position=t5_bias", "model.n_layers=4"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("save_layout,resume_layout", [
     ("dp_shard=4,zero_stage=3", "dp_shard=2,zero_stage=3"),

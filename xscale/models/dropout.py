@@ -145,28 +145,50 @@ class Dropout(nn.Module):
 
     def keep_mask(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
         """Bool tensor of ``shape`` (batch first), True where an element is kept."""
-        z = self._sample_keys(shape[0], device).view(-1, *[1] * (len(shape) - 1))
-        # index * golden = sum over dims of coordinate * stride * golden (mod 2^64): one broadcast add per dim,
-        # outermost first, so that only the last add is full-sized.
-        for dim in range(1, len(shape)):
-            stride = math.prod(shape[dim + 1:])
-            first = self.shard_index * shape[dim] if dim == 1 else 0
-            coordinates = torch.arange(first, first + shape[dim], device=device, dtype=torch.int64)
-            z = z + (coordinates * _signed(stride * GOLDEN)).view(-1, *[1] * (len(shape) - 1 - dim))
-        return _mix_(z) >= round(self.p * 2**64) - 2**63
+        return _element_hashes(self.site, shape, device, self.shard_index) >= round(self.p * 2**64) - 2**63
 
-    @torch.compiler.disable  # eager: compiled, it would recompile every step (and inductor folds without wrapping)
     def _sample_keys(self, batch: int, device: torch.device) -> torch.Tensor:
-        position = _position
-        if position is None:  # plain PyTorch use: fresh keys from torch's generator, like nn.Dropout
-            return torch.randint(-2**63, 2**63 - 1, (batch,), dtype=torch.int64, device=device)
-        base = mix64(mix64(mix64(position.seed) ^ self.site) + position.step * GOLDEN)
-        rows = torch.arange(position.first_sample + 1, position.first_sample + batch + 1, device=device)
-        return _mix_(rows * _signed(GOLDEN) + _signed(base))
+        return _sample_keys(self.site, batch, device)
+
+
+@torch.compiler.disable  # eager: compiled, it would recompile every step (and inductor folds without wrapping)
+def _sample_keys(site: int, batch: int, device: torch.device) -> torch.Tensor:
+    """One key per sample of the batch in flight: of (seed, site, step, global row) under a position."""
+    position = _position
+    if position is None:  # plain PyTorch use: fresh keys from torch's generator, like nn.Dropout
+        return torch.randint(-2**63, 2**63 - 1, (batch,), dtype=torch.int64, device=device)
+    base = mix64(mix64(mix64(position.seed) ^ site) + position.step * GOLDEN)
+    rows = torch.arange(position.first_sample + 1, position.first_sample + batch + 1, device=device)
+    return _mix_(rows * _signed(GOLDEN) + _signed(base))
+
+
+def _element_hashes(site: int, shape: torch.Size, device: torch.device, shard_index: int = 0) -> torch.Tensor:
+    """int64 hash of every element of a batch-first tensor of ``shape`` from its global coordinates (dim 1 being
+    slice ``shard_index`` of equal slices)."""
+    z = _sample_keys(site, shape[0], device).view(-1, *[1] * (len(shape) - 1))
+    # index * golden = sum over dims of coordinate * stride * golden (mod 2^64): one broadcast add per dim,
+    # outermost first, so that only the last add is full-sized.
+    for dim in range(1, len(shape)):
+        stride = math.prod(shape[dim + 1:])
+        first = shard_index * shape[dim] if dim == 1 else 0
+        coordinates = torch.arange(first, first + shape[dim], device=device, dtype=torch.int64)
+        z = z + (coordinates * _signed(stride * GOLDEN)).view(-1, *[1] * (len(shape) - 1 - dim))
+    return _mix_(z)
+
+
+def uniform_draws(site: int, shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """float32 uniform on [0, 1) (24 bits) for every element of a batch-first tensor of ``shape``, drawn as the
+    dropout masks are: from the element's global coordinates under a :class:`DropoutPosition`, so every layout
+    draws the same noise for the same token (MoE router jitter, GShard's sampled second expert); from torch's
+    generator without one."""
+    if _position is None:
+        return torch.rand(shape, device=device)
+    return ((_element_hashes(site, shape, device) >> 40) & ((1 << 24) - 1)).float() * 2.0**-24
 
 
 def name_dropout_sites(model: nn.Module) -> None:
-    """Give each :class:`Dropout` of ``model`` the id of its name, the same in every layout."""
+    """Give each module of ``model`` that draws by position (a :class:`Dropout`, an MoE router: those with a
+    ``site`` attribute) the id of its name, the same in every layout."""
     for name, module in model.named_modules():
-        if isinstance(module, Dropout):
+        if isinstance(module, Dropout) or hasattr(module, "site"):
             module.site = site_id(name)

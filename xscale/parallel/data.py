@@ -117,15 +117,15 @@ class DataParallel:
             distinct *= self.expert_parallel  # the ep mesh dimension is never part of a parameter's DTensor mesh
         return max(1, self.stage_replicas // distinct)
 
-    def gradient_pieces(self, uncounted: Collection[str] = ()) -> list[GradientPiece]:
-        """This rank's gradient pieces with their replica counts (``uncounted``: parameters clipped but not
-        counted in the norm, e.g. the pipeline's copies of a tied embedding, whose source is counted)."""
+    def gradient_pieces(self, uncounted: Collection[int] = ()) -> list[GradientPiece]:
+        """This rank's gradient pieces with their replica counts (``uncounted``: ids of parameters clipped but not
+        counted in the norm, e.g. the pipeline's copies of a shared parameter, one of which is counted)."""
         pieces = []
         for entry in self.parameters:
             grad = entry.param.grad
             if grad is not None:
                 pieces.append(GradientPiece(local_tensor(grad), self._replicas(entry.name, grad),
-                                            counted=entry.name not in uncounted))
+                                            counted=id(entry.param) not in uncounted))
         return pieces
 
     # checkpoint: None means "use torch.distributed.checkpoint.state_dict as is"
@@ -251,12 +251,12 @@ class ZeroDataParallel(ReplicatedDataParallel):
             part.shard.grad = reduced[: part.stop - part.start]
             part.entry.param.grad = None  # ZeRO-2 keeps only this rank's gradient chunk
 
-    def gradient_pieces(self, uncounted: Collection[str] = ()) -> list[GradientPiece]:
+    def gradient_pieces(self, uncounted: Collection[int] = ()) -> list[GradientPiece]:
         pieces = []
         for part in self.partitions:
             if part.shard.grad is not None:
                 replicas = self._replicas(part.entry.name, part.entry.param, part.shard_size)
-                pieces.append(GradientPiece(part.shard.grad, replicas, counted=part.entry.name not in uncounted))
+                pieces.append(GradientPiece(part.shard.grad, replicas, counted=id(part.entry.param) not in uncounted))
         return pieces
 
     @torch.no_grad()

@@ -51,19 +51,21 @@ from xscale.ops import cross_entropy_sum, linear_cross_entropy_sum
 from xscale.parallel.engine import STATE_DICT_OPTIONS, Batch, Engine
 from xscale.parallel.expert_state import globalize_expert_state, localize_expert_state
 from xscale.parallel.grad_norm import clip_gradients
+from xscale.parallel.pipeline_checkpoint import (
+    add_aliases,
+    copies_to_sources,
+    drop_aliases,
+    merged_view,
+    sources_to_copies,
+)
+from xscale.parallel.pipeline_shared import SharedParameterGrads, shared_parameters
 from xscale.parallel.pipeline_stages import (
-    TIED_COPY,
     PipelineStageModule,
-    TiedEmbeddingGrads,
     build_stage_module,
     decoder_input_ids,
-    is_tied_copy,
-    merged_view,
     pipeline_layers,
     split_layers,
     stage_to_rank,
-    tied_holders,
-    tied_source_name,
 )
 from xscale.parallel.vocab_parallel import vocab_sharded_loss_sum
 
@@ -154,17 +156,15 @@ def check_pipeline(config: Config, data_parallel: int | None = None) -> None:
     if model.share_layers:
         raise ConfigError("model.share_layers reuses one block at every depth, so no stage could own it; "
                           "set model.share_layers=false or parallel.pp=1")
-    if model.position == "t5_bias":
-        raise ConfigError("model.position=t5_bias shares one learned bias table across all layers, which "
-                          "pipeline stages cannot share; use rope or alibi, or parallel.pp=1")
     from xscale.models.registry import ATTENTION
 
     layer_count = pipeline_layers(model)
     carrying = sorted({kind for index in range(layer_count)
                        if ATTENTION.get(kind := model.attention.kind_for_layer(index)).carries_scores})
-    if carrying:
+    if carrying and model.family == "encoder_decoder":
         raise ConfigError(f"attention {', '.join(carrying)} passes each layer's attention scores to the next, which "
-                          "pipeline stages do not send; use another model.attention.kind or parallel.pp=1")
+                          "encoder-decoder pipeline stages do not send (they send the decoder's hidden states and "
+                          "the memory); use another model.attention.kind or parallel.pp=1")
     if any(model.attention.kind_for_layer(index) == "routing" for index in range(layer_count)):
         raise ConfigError("routing attention moves its k-means centroids after each forward, and a pipeline schedule "
                           "runs several forwards before their backwards (the replayed routes would differ); use "
@@ -367,8 +367,10 @@ class PipelineEngine(Engine):
         # DTensor): the loss is then vocabulary-parallel, and the full logits never exist.
         self.vocab_parallel = isinstance(self.stages[-1].output.weight, DTensor) if self.holds_last else False
         self.last_rank = self.stage_ranks[-1]
-        self.tied = TiedEmbeddingGrads(self.stages, self.stage_indices, self.stage_ranks,
-                                       tied_holders(model_config, layers), self.group)
+        # The tied embedding's ends, an encoder-decoder's embedding copy and a logit-bias position table (T5)
+        # live on several stages.
+        self.shared = SharedParameterGrads(self.stages, self.stage_indices, self.stage_ranks,
+                                           shared_parameters(meta_model, layers), self.group)
         self._schedules: dict[tuple, object] = {}
         self.dropout_position: DropoutPosition | None = None  # this step's, while train_step runs
         self.rows_per_microbatch = 0
@@ -474,14 +476,14 @@ class PipelineEngine(Engine):
         ``position``: as :meth:`Engine.train_step`'s (read by :class:`MicrobatchStage`)."""
         for stage in self.stages:
             stage.train()
-        self.tied.begin()
+        self.shared.begin()
         self.routing_groups.begin_step(self.microbatches)
         self.dropout_position = position
         try:
             total = self._run(batch, training=True)
         finally:
             self.dropout_position = None
-        self.tied.finish()
+        self.shared.finish()
         if self.distributed:
             self.data_parallel.after_backward()
         self.routing_groups.end_step()
@@ -494,15 +496,12 @@ class PipelineEngine(Engine):
         return self.reduce_loss(self._run(batch, training=False))
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Global gradient norm over every stage (tied copies counted once); clip when ``max_norm`` > 0."""
-        copies = {id(param) for stage in self.stages for name, param in stage.named_parameters()
-                  if is_tied_copy(canonical_name(name))}
+        """Global gradient norm over every stage (each shared parameter counted once); clip when ``max_norm`` > 0."""
+        uncounted = {id(param) for param in self.shared.uncounted}
         if self.distributed:
-            uncounted = {name for stage in self.stages for name, _ in stage.named_parameters()
-                         if is_tied_copy(canonical_name(name))}
             return clip_gradients(self.data_parallel.gradient_pieces(uncounted=uncounted), max_norm)
         params = [p for p in self.parameters() if p.grad is not None]
-        counted = [p.grad for p in params if id(p) not in copies]
+        counted = [p.grad for p in params if id(p) not in uncounted]
         local = torch.nn.utils.get_total_norm(counted) if counted else torch.zeros((), device=self.device)
         if hasattr(local, "full_tensor"):  # a DTensor norm (sharded gradients) reduces over its mesh first
             local = local.full_tensor()
@@ -513,24 +512,18 @@ class PipelineEngine(Engine):
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
         return total
 
-    def _tied_names(self) -> tuple[list[str], set[str]]:
-        """The tied copies this rank holds (canonical names) and the other parameters' names."""
-        names = {canonical_name(name) for stage in self.stages for name, _ in stage.named_parameters()}
-        return sorted(name for name in names if is_tied_copy(name)), {name for name in names if not is_tied_copy(name)}
-
     def state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        """Single-process keys: the model state of this rank's stages; the state of a tied copy under its
-        source's name (``embedding.weight`` ...), dropped when this rank also holds the source itself."""
+        """Single-process keys (:mod:`~xscale.parallel.pipeline_checkpoint`): the model state of this rank's stages;
+        the state of a copy under its source's name (``embedding.weight`` ...), held once per rank."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
         custom = self.data_parallel.optimizer_state_dict(optimizer) if self.distributed else None
         if custom is not None:
-            model_state, optimizer_state = get_model_state_dict(merged_view(self.stages)), custom
+            model_state, optimizer_state = get_model_state_dict(self._view()), custom
         else:
-            model_state, optimizer_state = get_state_dict(merged_view(self.stages), optimizer,
-                                                          options=STATE_DICT_OPTIONS)
-        copies, held = self._tied_names()
-        _tied_copies_to_sources(model_state, optimizer_state, copies, held)
+            model_state, optimizer_state = get_state_dict(self._view(), optimizer, options=STATE_DICT_OPTIONS)
+        model_state, optimizer_state = drop_aliases(model_state), drop_aliases(optimizer_state)
+        copies_to_sources(model_state, optimizer_state, *self._renamed_copies())
         state = {"model": model_state, "optimizer": optimizer_state}
         return state if self.expert_mesh is None else globalize_expert_state(state, self.expert_mesh)
 
@@ -539,56 +532,26 @@ class PipelineEngine(Engine):
 
         if self.expert_mesh is not None:
             state = localize_expert_state(state, self.model_parts)
-        copies, held = self._tied_names()
-        model_state, optimizer_state = _sources_to_tied_copies(state["model"], state["optimizer"], copies, held)
+        model_state, optimizer_state = sources_to_copies(state["model"], state["optimizer"], *self._renamed_copies())
+        view = self._view()
+        model_state = add_aliases(model_state, view)
+        optimizer_state = add_aliases(optimizer_state, view, flat_optimizer=True)
         if self.distributed and self.data_parallel.optimizer_state_dict(optimizer) is not None:
-            set_model_state_dict(merged_view(self.stages), model_state)
+            set_model_state_dict(view, model_state)
             self.data_parallel.load_optimizer_state_dict(optimizer, optimizer_state)
             return
-        set_state_dict(merged_view(self.stages), optimizer, model_state_dict=model_state,
-                       optim_state_dict=optimizer_state, options=STATE_DICT_OPTIONS)
+        set_state_dict(view, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
+                       options=STATE_DICT_OPTIONS)
 
+    def _view(self) -> nn.Module:
+        """This rank's stages under single-process names (:func:`merged_view`), shared modules aliased."""
+        shared = {entry.name.rsplit(".", 1)[0] for entry in self.shared.shared}
+        return merged_view(self.stages, shared)
 
-def _tied_copies_to_sources(model_state: dict, optimizer_state: dict, copies: list[str], held: set[str]) -> None:
-    """Save each tied copy's state under its source's single-process name, in place; a rank that also holds the
-    source drops the copy's entries (the two are bitwise equal). ``output.weight`` keeps its model-state entry:
-    the single-process state dict names the tied output projection too."""
-    for copy_name in copies:
-        source = tied_source_name(copy_name)
-        for key in [key for key in optimizer_state if _names_param(key, copy_name)]:
-            value = optimizer_state.pop(key)
-            if source not in held:
-                optimizer_state.setdefault(_rename(key, copy_name, source), value)
-        if copy_name != TIED_COPY and copy_name in model_state:
-            value = model_state.pop(copy_name)
-            if source not in held:
-                model_state.setdefault(source, value)
+    def _renamed_copies(self) -> tuple[dict[str, str], set[str]]:
+        """The copies this rank holds under another name (-> their single-process name), and the names of its
+        other parameters (canonical)."""
+        copies = self.shared.renamed_copies()
+        names = {canonical_name(name) for stage in self.stages for name, _ in stage.named_parameters()}
+        return copies, names - set(copies)
 
-
-def _sources_to_tied_copies(model_state: dict, optimizer_state: dict, copies: list[str],
-                            held: set[str]) -> tuple[dict, dict]:
-    """The inverse of :func:`_tied_copies_to_sources`: each tied copy gets its own clone of its source's state."""
-    model_state, optimizer_state = dict(model_state), dict(optimizer_state)
-    sources = {tied_source_name(name) for name in copies}
-    for copy_name in copies:
-        source = tied_source_name(copy_name)
-        for key in [key for key in optimizer_state if _names_param(key, source)]:
-            value = optimizer_state[key]
-            optimizer_state[_rename(key, source, copy_name)] = (value.clone() if isinstance(value, torch.Tensor)
-                                                                 else value)
-        if copy_name != TIED_COPY and source in model_state:
-            model_state[copy_name] = model_state[source]
-    for source in sources - held:
-        for key in [key for key in optimizer_state if _names_param(key, source)]:
-            del optimizer_state[key]
-        model_state.pop(source, None)
-    return model_state, optimizer_state
-
-
-def _names_param(key: str, name: str) -> bool:
-    return key.startswith((f"state.{name}.", f"param_groups.{name}."))
-
-
-def _rename(key: str, old: str, new: str) -> str:
-    section, rest = key.split(".", 1)
-    return f"{section}.{new}{rest[len(old):]}"

@@ -3,7 +3,9 @@
 A stage keeps the modules it runs and drops the rest: the first stage the embedding, every stage
 its blocks (``stack.layers.<k>`` for its layer indices k), the last stage the final norm, the head
 transform and the output projection. Names are untouched, so the union of the stages' state dicts
-is the single-process state dict and checkpoints move between layouts.
+is the single-process state dict and checkpoints move between layouts. Parameters that several stages
+use (tied embeddings, T5's position table, an encoder-decoder's embedding) are held by each of them:
+:mod:`~xscale.parallel.pipeline_shared`.
 
 An encoder-decoder model (Raffel et al. 2020) is cut along the concatenation of its stacks: layer indices
 0..n_layers-1 are the encoder's blocks (``stack.layers.<k>``), n_layers.. the decoder's (``decoder.layers.<k>``,
@@ -11,50 +13,40 @@ k = index - n_layers). Encoder stages send hidden states; the stage holding the 
 encoder's final norm and sends the memory; from the first decoder block on, stages send (decoder hidden, memory),
 so the memory's gradient, which every decoder block's cross-attention adds to, comes back stage by stage. The
 stage holding the first decoder block embeds the microbatch's ``decoder_input_ids`` itself (set by the engine
-with :class:`decoder_input_ids`).
+with :class:`decoder_input_ids`), with its own copy ``decoder_embedding`` (and ``decoder_embedding_norm``) of the
+first stage's embedding when it is not the first stage.
 
-A parameter that several stages use is held by each of them (tied parameters): tied embeddings (Press & Wolf
-2017) put ``output.weight`` on the last stage, and an encoder-decoder's first decoder stage holds
-``decoder_embedding`` (and ``decoder_embedding_norm``), all copies of the first stage's ``embedding`` (and
-``embedding_norm``), initialised from the single-process names. After backward the holders' gradients are summed
-(Megatron's embedding group, Shoeybi et al. 2019), so the optimizer keeps the copies bitwise equal. Under tensor
-parallelism the copies are sharded by vocabulary like the embedding, and each tp rank sums its shard with its
-pipeline peers'.
+RealFormer blocks (He et al. 2020) pass their pre-softmax scores to the next block: a stage sends
+``(x, scores)`` when a block before its end made scores that a block after it reads, else ``x``.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from xscale.config import ConfigError
 from xscale.models.init import canonical_name, init_weights
 from xscale.models.moe.token_ids import routing_token_ids
 from xscale.models.position import PositionEncoding
-from xscale.models.transformer import Transformer
-from xscale.parallel.data import local_tensor
+from xscale.models.transformer import Transformer, run_blocks
 
 TIED_COPY = "output.weight"
 TIED_SOURCE = "embedding.weight"
-# The stage-local name of every tied copy -> the single-process parameter it copies.
+# The first decoder stage's copies (stage-local name -> the single-process module they copy).
 DECODER_COPIES = {"decoder_embedding": "embedding", "decoder_embedding_norm": "embedding_norm"}
 
 
-def tied_source_name(name: str) -> str:
-    """The single-process name of a stage parameter (``name`` canonical): a tied copy's source, else itself."""
-    if name == TIED_COPY:
+def source_name(stage: PipelineStageModule, name: str) -> str:
+    """The single-process name of ``stage``'s parameter ``name`` (canonical): a copy's source, else ``name``."""
+    if name == TIED_COPY and stage.is_last and not stage.is_first and stage.config.tie_embeddings:
         return TIED_SOURCE
     head, _, rest = name.partition(".")
     return f"{DECODER_COPIES[head]}.{rest}" if head in DECODER_COPIES else name
-
-
-def is_tied_copy(name: str) -> bool:
-    return tied_source_name(name) != name
 
 
 def pipeline_layers(config) -> int:
@@ -147,11 +139,16 @@ class PipelineStageModule(nn.Module):
         self.ends_encoder = self.seq2seq and config.n_layers - 1 in encoder
         self.starts_decoder = self.seq2seq and 0 in decoder
         self.embeds_midway = self.starts_decoder and not is_first  # token ids from the engine, not an input
+        carrying = [block.layer_index for block in model.stack.blocks() if block.carries_scores]
+        # RealFormer scores (He et al. 2020) cross a stage boundary when made before it and read after it
+        # (check_pipeline refuses them in encoder-decoder models).
+        self.sends_scores = not is_last and any(i <= layer_indices[-1] for i in carrying) and any(
+            i > layer_indices[-1] for i in carrying)
         if is_first:
             self.embedding = model.embedding
             self.embedding_norm = model.embedding_norm
             self.embedding_dropout = model.embedding_dropout
-        elif self.starts_decoder:  # copies of the first stage's (tied), under their own names
+        elif self.starts_decoder:  # copies of the first stage's, under their own names
             self.decoder_embedding = model.embedding
             self.decoder_embedding_norm = model.embedding_norm
             self.decoder_embedding_dropout = model.embedding_dropout
@@ -190,20 +187,22 @@ class PipelineStageModule(nn.Module):
         return dropout(x)
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """What the previous stage sent (token ids on the first stage); returns what this stage sends."""
+        if not self.seq2seq:
+            return self._forward_stack(*inputs)
         stack = getattr(self, "stack", None)
         if stack is not None:
             x = inputs[0]
             if self.is_first:
                 x = self._embed(x, stack, self.embedding, self.embedding_norm, self.embedding_dropout)
-            for block in stack.layers.values():
-                x = block(x, stack.position)
-            if not self.seq2seq or self.ends_encoder:
-                if stack.final_norm is not None:
-                    x = stack.final_norm(x)
-            if not self.seq2seq:
-                return self._head(x)
-            if not self.ends_encoder or not hasattr(self, "decoder"):
-                return x  # encoder hidden states, or the memory
+            with _tapped_bias(stack.position, None if self.is_first else x):
+                x, _ = run_blocks(list(stack.layers.values()), x, stack.position)
+            if not self.ends_encoder:
+                return x  # encoder hidden states
+            if stack.final_norm is not None:
+                x = stack.final_norm(x)
+            if not hasattr(self, "decoder"):
+                return x  # the memory
             memory = x
         else:
             memory = inputs[-1]
@@ -219,9 +218,9 @@ class PipelineStageModule(nn.Module):
                                 self.decoder_embedding_dropout)
         else:
             y = inputs[0]
-        with routing_token_ids(tokens):
-            for block in decoder.layers.values():
-                y = block(y, decoder.position, memory)
+        # A stage that embeds the decoder's tokens runs its backward whole (MicrobatchStage): no tap needed.
+        with routing_token_ids(tokens), _tapped_bias(decoder.position, None if self.starts_decoder else y):
+            y, _ = run_blocks(list(decoder.layers.values()), y, decoder.position, memory)
         if self.is_last:
             if decoder.final_norm is not None:
                 y = decoder.final_norm(y)
@@ -229,10 +228,70 @@ class PipelineStageModule(nn.Module):
         # A new tensor (not a view: schedules detach their outputs in place), so the memory's gradient goes back.
         return y, memory.clone()
 
+    def _forward_stack(self, x: torch.Tensor,
+                       scores: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """A decoder-only or encoder-only stage: hidden states (or token ids, first stage), with the previous
+        stage's RealFormer scores when it sends them; returns the hidden states, with the scores when this stage
+        sends them."""
+        stack = self.stack
+        if self.is_first:
+            x = self._embed(x, stack, self.embedding, self.embedding_norm, self.embedding_dropout)
+        received = scores
+        with _tapped_bias(stack.position, None if self.is_first else x):
+            x, scores = run_blocks(list(stack.layers.values()), x, stack.position, scores=scores)
+        if self.is_last and stack.final_norm is not None:
+            x = stack.final_norm(x)
+        x = self._head(x)
+        if not self.sends_scores:
+            return x
+        # Scores passed through untouched leave as a new tensor, so the schedule's backward reaches them.
+        return x, scores.clone() if scores is received else scores
+
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_last and self.head_transform is not None:
             x = self.head_transform(x)
         return x
+
+
+class _GradientTap(torch.autograd.Function):
+    """Identity on ``value``, with an (unused) edge to ``anchor``, a stage input: see :func:`_tapped_bias`."""
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+@contextmanager
+def _tapped_bias(position: PositionEncoding, anchor: torch.Tensor | None) -> Iterator[None]:
+    """While a stage runs its blocks, each block's logit bias from a learned table (T5) passes through a
+    :class:`_GradientTap` with an edge to the stage input ``anchor``.
+
+    Zero-bubble schedules (Qi et al. 2024) split a stage's backward in two: the input half keeps, for each
+    parameter, the gradients at the nodes where the parameter's path joins the input's, and the weight half
+    later runs backward from those nodes to the parameter. For a table every block reads, the joining nodes
+    would be the blocks' scores, and from block k's scores the way back to the table also runs through the
+    blocks before it (which read it too): the weight half would redo the stage's backward on a freed graph.
+    The tap is a joining node whose only way back is to the table.
+    """
+    tapping = (anchor is not None and anchor.requires_grad and torch.is_grad_enabled()
+               and any(param.requires_grad for param in position.parameters()))
+    if not tapping:
+        yield
+        return
+    bias = position.bias  # the class's method (under tp, the one reading local parameters)
+    position.bias = lambda *args, **kwargs: _tap(bias(*args, **kwargs), anchor)
+    try:
+        yield
+    finally:
+        del position.bias
+
+
+def _tap(value: torch.Tensor | None, anchor: torch.Tensor) -> torch.Tensor | None:
+    return None if value is None else _GradientTap.apply(value, anchor)
 
 
 def build_stage_module(meta_model: Transformer, layer_indices: list[int], *, is_first: bool, is_last: bool,
@@ -240,7 +299,7 @@ def build_stage_module(meta_model: Transformer, layer_indices: list[int], *, is_
                        parallelize: Callable[[PipelineStageModule], None] | None = None) -> PipelineStageModule:
     """Cut a stage from a meta-device Transformer, apply ``parallelize`` to it (still on the meta device:
     tensor parallelism, activation checkpointing), allocate it on ``device`` and fill it with the
-    single-process initial weights (tied copies take their source's values)."""
+    single-process initial weights (copies take their source's values)."""
     model = copy.deepcopy(meta_model)
     stage = PipelineStageModule(model, layer_indices, is_first=is_first, is_last=is_last)
     untie = model.config.tie_embeddings and is_last and not is_first
@@ -249,161 +308,6 @@ def build_stage_module(meta_model: Transformer, layer_indices: list[int], *, is_
     if parallelize is not None:
         parallelize(stage)
     stage.to_empty(device=device)
-    names = {id(param): tied_source_name(canonical_name(name)) for name, param in stage.named_parameters()}
+    names = {id(param): source_name(stage, canonical_name(name)) for name, param in stage.named_parameters()}
     init_weights(stage, model.config, seed, names=names)
     return stage
-
-
-def tied_copy(stage: PipelineStageModule) -> nn.Parameter | None:
-    """The last stage's copy of the tied embedding, or None (untied model, or first and last stage in one)."""
-    if stage.is_last and not stage.is_first and stage.config.tie_embeddings:
-        return stage.output.weight
-    return None
-
-
-def tied_holders(config, layers: list[list[int]]) -> dict[str, list[int]]:
-    """Each tied parameter (single-process name) -> the stages holding it, when more than one does."""
-    num_stages = len(layers)
-    embedding_stages = {0}
-    if config.tie_embeddings:
-        embedding_stages.add(num_stages - 1)
-    norm_stages = {0}
-    if config.family == "encoder_decoder":
-        start = next(stage for stage, held in enumerate(layers) if config.n_layers in held)
-        embedding_stages.add(start)
-        norm_stages.add(start)
-    holders = {TIED_SOURCE: sorted(embedding_stages)}
-    if config.embedding_norm:
-        holders.update({"embedding_norm.weight": sorted(norm_stages), "embedding_norm.bias": sorted(norm_stages)})
-    return {name: stages for name, stages in holders.items() if len(stages) > 1}
-
-
-class TiedEmbeddingGrads:
-    """Sums the gradients of the copies of each tied parameter held by different stages.
-
-    Each rank holding copies adds its own (in stage order); ranks on other stages swap these partial sums
-    point-to-point (no extra process group) and every holder adds the partials in rank order, so all copies
-    get bitwise the same gradient. Gradients from earlier steps (accumulation) are set aside by :meth:`begin`
-    and added back by :meth:`finish`, so only this step's are exchanged.
-
-    The copies are looked up in the stages at each use: ZeRO-3 (``fully_shard``) replaces a module's
-    parameters after the engine is built. Their gradients are then shards over ``dp_shard``, already
-    summed over data parallel; the peers sit at the same data-parallel coordinate, so they hold
-    the same rows and swap their local shards.
-    """
-
-    def __init__(self, stages: list[PipelineStageModule], stage_indices: list[int], stage_ranks: list[int],
-                 holders: dict[str, list[int]], group: dist.ProcessGroup) -> None:
-        self.group = group
-        self.stages, self.stage_indices = stages, stage_indices
-        self.rank = stage_ranks[stage_indices[0]]
-        # name -> the pp ranks holding a copy, for the names this rank holds
-        self.ranks = {name: sorted({stage_ranks[stage] for stage in stages_})
-                      for name, stages_ in holders.items() if set(stages_) & set(stage_indices)}
-        self._earlier: dict[int, torch.Tensor | None] = {}
-
-    def _copies(self) -> dict[str, list[nn.Parameter]]:
-        """This rank's copies of each tied parameter, in stage order."""
-        found: dict[str, list[nn.Parameter]] = {name: [] for name in self.ranks}
-        for stage in self.stages:
-            seen: set[int] = set()
-            for name, param in stage.named_parameters():
-                source = tied_source_name(canonical_name(name))
-                if source in found and id(param) not in seen:
-                    seen.add(id(param))
-                    found[source].append(param)
-        return {name: params for name, params in found.items() if params}  # (a norm without a bias)
-
-    @property
-    def source(self) -> nn.Parameter | None:
-        """The first stage's ``embedding.weight`` when this rank holds it and the model ties it."""
-        tied = self.stages[0].config.tie_embeddings
-        return next((stage.embedding.weight for stage in self.stages if stage.is_first and tied), None)
-
-    @property
-    def copy(self) -> nn.Parameter | None:
-        """The last stage's copy of the tied embedding when this rank holds it."""
-        return next((tied_copy(stage) for stage in self.stages if tied_copy(stage) is not None), None)
-
-    @property
-    def ends(self) -> list[nn.Parameter]:
-        """Every copy this rank holds of a parameter that other stages hold too."""
-        return [param for params in self._copies().values() for param in params]
-
-    def begin(self) -> None:
-        ends = self.ends
-        self._earlier = {id(param): param.grad for param in ends}
-        for param in ends:
-            param.grad = None
-
-    @torch.no_grad()
-    def finish(self) -> None:
-        for name, params in self._copies().items():
-            ranks = self.ranks[name]
-            partial = _local_grad(params[0]).contiguous()
-            for param in params[1:]:
-                partial = partial + _local_grad(param)
-            if len(ranks) > 1:
-                received = {peer: torch.empty_like(partial) for peer in ranks if peer != self.rank}
-                ops = [op for peer, buffer in received.items()
-                       for op in (dist.P2POp(dist.isend, partial, group=self.group, group_peer=peer),
-                                  dist.P2POp(dist.irecv, buffer, group=self.group, group_peer=peer))]
-                for work in dist.batch_isend_irecv(ops):
-                    work.wait()
-                received[self.rank] = partial
-                total = received[ranks[0]]
-                for peer in ranks[1:]:
-                    total = total + received[peer]
-            else:
-                total = partial
-            for param in params:
-                earlier = self._earlier.get(id(param))
-                summed = total.clone() if earlier is None else local_tensor(earlier) + total
-                param.grad = _like_param(param, summed)
-        self._earlier = {}
-
-
-def _local_grad(param: nn.Parameter) -> torch.Tensor:
-    """This rank's part of ``param``'s gradient (zeros when it has none)."""
-    return local_tensor(param.grad) if param.grad is not None else torch.zeros_like(local_tensor(param))
-
-
-def _like_param(param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
-    """``local`` as a gradient for ``param``: a DTensor with the parameter's placements when it is one."""
-    if isinstance(param, DTensor):
-        return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
-                                  stride=param.stride(), run_check=False)
-    return local
-
-
-def merged_view(stages: Iterable[nn.Module]) -> nn.Module:
-    """A module whose parameter and buffer names are the single-process ones, over this rank's stages.
-
-    Leaves (modules owning parameters or buffers) are shared with the stages; the containers above
-    them are fresh, so building the view changes no stage. DCP's ``get_state_dict`` / ``set_state_dict``
-    then see one model holding every parameter the optimizer steps. Wrapper names (activation
-    checkpointing's) are left out of the view's paths: DCP strips them before it walks the names.
-    """
-    view = nn.Module()
-    for stage in stages:
-        for name, module in stage.named_modules():
-            if not name or (not module._parameters and not module._buffers):
-                continue
-            name = canonical_name(f"{name}.").rstrip(".")
-            parent, leaf = view, name.rsplit(".", 1)[-1]
-            for part in name.split(".")[:-1]:
-                child = parent._modules.get(part)
-                if child is None:
-                    child = nn.Module()
-                    parent.add_module(part, child)
-                parent = child
-            existing = parent._modules.get(leaf)
-            if existing is None:
-                parent.add_module(leaf, module)
-            elif existing is not module and _owns_state(existing):
-                raise ValueError(f"two pipeline stages on one rank both hold '{name}'")
-    return view
-
-
-def _owns_state(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from xscale.config import ModelConfig, MoEConfig
+from xscale.models.dropout import DropoutPosition, dropout_position, uniform_draws
 from xscale.models.moe.expert_choice import ExpertChoiceRouter
 from xscale.models.moe.hash_router import HASH_MULTIPLIER, HashRouter, hash_expert
 from xscale.models.moe.routers import GShardRouter, SwitchRouter
@@ -103,6 +104,24 @@ def test_gshard_gates_renormalised_and_second_expert_sampled_by_weight():
     routing = router(x, LocalTokens())
     second_kept = (routing.expert_index == 1).float().sum().item() / 4000
     assert second_kept == pytest.approx(2 * 0.25, abs=0.04)  # dispatched with probability 2 * g2
+
+
+def test_jitter_scales_the_router_input_by_uniform_noise_while_training():
+    router = SwitchRouter(config(num_experts=4, jitter=0.2), 0)
+    router.site = 123
+    with torch.no_grad():
+        router.weight.normal_()
+    x = torch.randn(2, 5, 2)
+    position = DropoutPosition(seed=4, step=2, first_sample=6)
+    with dropout_position(position):
+        logits = router.router_logits(x)
+        noise = uniform_draws(123, x.shape, x.device)
+    expected = (x * (0.8 + 0.4 * noise)).reshape(-1, 2) @ router.weight.t()
+    torch.testing.assert_close(logits, expected)
+    assert not torch.allclose(logits, x.reshape(-1, 2) @ router.weight.t())
+    router.eval()
+    with dropout_position(position):
+        torch.testing.assert_close(router.router_logits(x), x.reshape(-1, 2) @ router.weight.t())
 
 
 def test_expert_choice_is_perfectly_balanced():

@@ -33,7 +33,7 @@ class ExpertChoiceRouter(LearnedRouter):
     def forward(self, x: torch.Tensor, group: LocalTokens, token_ids: torch.Tensor | None = None) -> Routing:
         scores, log_normaliser = router_probabilities(self.router_logits(x))  # affinities S = softmax(X W)
         everyone, offset = group.gather(scores.detach())
-        group_tokens, n = everyone.shape[0], x.shape[0]
+        group_tokens, n = everyone.shape[0], scores.shape[0]
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
         capacity = min(max(math.ceil(group_tokens * factor / self.num_experts), self.min_capacity), group_tokens)
         chosen = everyone.topk(capacity, dim=0).indices.t()  # [E, c]: each expert's tokens (I = TopK(S^T, c))

@@ -37,9 +37,9 @@ class HashRouter(nn.Module):
         if token_ids is None:
             raise ValueError("the hash router needs the token ids of the tokens it routes: the Transformer sets them; "
                              "around a bare MoE layer use `with xscale.models.moe.routing_token_ids(input_ids):`")
-        token_ids = token_ids.reshape(-1)
-        if token_ids.numel() != x.shape[0]:
-            raise ValueError(f"hash router: {token_ids.numel()} token ids for {x.shape[0]} tokens; set the ids of "
+        token_ids, tokens = token_ids.reshape(-1), x.numel() // x.shape[-1]
+        if token_ids.numel() != tokens:
+            raise ValueError(f"hash router: {token_ids.numel()} token ids for {tokens} tokens; set the ids of "
                              f"the sequence this layer sees (decoder layers: decoder_input_ids)")
         expert_index = hash_expert(token_ids, self.num_experts).unsqueeze(1)
         gate = torch.ones(expert_index.shape, dtype=torch.float32, device=x.device)

@@ -78,7 +78,7 @@ class MoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
-        routing = self.router(tokens, self.token_group, current_routing_token_ids())
+        routing = self.router(x, self.token_group, current_routing_token_ids())
         assignment = assignment_of_token(routing.token_index, tokens.shape[0]) if routing.one_per_token else None
         outputs_by_expert = self.dispatch(gather_tokens(tokens, routing.token_index, assignment),
                                           routing.local_tokens_per_expert, self.experts)

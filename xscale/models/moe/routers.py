@@ -7,15 +7,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from xscale.config import ConfigError, ModelConfig
+from xscale.models.dropout import uniform_draws
 from xscale.models.moe.routing import LocalTokens, Routing, router_probabilities, token_choice_routing
 from xscale.models.registry import ROUTER
 
+SAMPLING_STREAM = 0x5EC0  # GShard's second-expert draws: another stream of the router's site than its jitter
 ROUTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                  "float64": torch.float64}
 
 
 class LearnedRouter(nn.Module):
-    """A linear router W_r [E, d] computed in ``router_dtype`` (fp32: Switch's selective precision)."""
+    """A linear router W_r [E, d] computed in ``router_dtype`` (fp32: Switch's selective precision).
+
+    Routers take the layer's input x [..., d] (batch first) and route its tokens flattened, row-major. Their random
+    draws (jitter, sampled second experts) are functions of each token's place in the global batch
+    (:func:`xscale.models.dropout.uniform_draws`, keyed by ``site``, the module's name), so every layout draws alike.
+    """
 
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
@@ -31,17 +38,20 @@ class LearnedRouter(nn.Module):
         self.drop_policy = moe.drop_policy
         self.jitter = moe.jitter
         self.router_dtype = ROUTER_DTYPES[moe.router_dtype]
+        self.site = 0  # set from the module's name (xscale.models.dropout.name_dropout_sites)
         self.weight = nn.Parameter(torch.empty(moe.num_experts, config.d_model))
         if not self.weight.is_meta:
             nn.init.normal_(self.weight, std=0.1 * config.init_std)  # small router init (Switch sec. 2.4)
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Logits [n, E] in the router dtype; multiplicative jitter on the input while training (Switch)."""
+        """Logits [n, E] of the n tokens of x [..., d], in the router dtype; multiplicative jitter on the input,
+        uniform in [1 - jitter, 1 + jitter], while training (Switch, sec. 2.4)."""
         with torch.autocast(x.device.type, enabled=False):
             x = x.to(self.router_dtype)
             if self.training and self.jitter > 0:
-                x = x * torch.empty_like(x).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
-            return F.linear(x, self.weight.to(self.router_dtype))
+                noise = uniform_draws(self.site, x.shape, x.device).to(x.dtype)
+                x = x * (noise * (2.0 * self.jitter) + (1.0 - self.jitter))
+            return F.linear(x.reshape(-1, x.shape[-1]), self.weight.to(self.router_dtype))
 
     def active_capacity_factor(self) -> float | None:
         if self.dropless:
@@ -97,5 +107,6 @@ class GShardRouter(LearnedRouter):
         gate = top_probs / top_probs.sum(dim=-1, keepdim=True)
         dispatched = torch.ones_like(expert_index, dtype=torch.bool)
         if self.second_expert_policy == "sampling" and self.training:
-            dispatched[:, 1] = torch.rand_like(gate[:, 1]) < 2.0 * gate[:, 1].detach()
+            draws = uniform_draws(self.site ^ SAMPLING_STREAM, x.shape[:-1], x.device).reshape(-1)
+            dispatched[:, 1] = draws < 2.0 * gate[:, 1].detach()
         return self.route(expert_index, gate, dispatched, probs, log_normaliser, group)
