@@ -40,6 +40,9 @@ from xscale.train.optim import build_optimizer
 SEED = 7
 LOSS_TOLERANCE = {"rtol": 1e-5, "atol": 0.0}
 GRAD_TOLERANCE = {"rtol": 0.0, "atol": 1e-5}
+# Weights after AdamW steps: Adam divides by sqrt(v), so where a gradient is near zero the rounding of another
+# summation order (microbatches, stages) moves a weight by ~1e-5 (a wrong gradient moves them by ~lr = 1e-2).
+WEIGHT_TOLERANCE = {"rtol": 0.0, "atol": 5e-5}
 
 
 def decoder_config(n_layers: int) -> ModelConfig:
@@ -274,7 +277,7 @@ def check_training_and_checkpoint(rank: int, schedule: str, stages_per_rank: int
     for stage in engine.stages:
         for name, param in stage.named_parameters():
             torch.testing.assert_close(param.detach(), reference[single_process_name(name)].detach(),
-                                       **GRAD_TOLERANCE, msg=name)
+                                       **WEIGHT_TOLERANCE, msg=name)
     assert_copies_equal(engine)
 
     dcp.save(engine.state_dict(optimizer), checkpoint_id=f"{folder}/pipeline")

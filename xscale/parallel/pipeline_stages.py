@@ -29,7 +29,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from xscale.config import ConfigError
+from xscale.config import ConfigError, ModelConfig
 from xscale.models.init import canonical_name, init_weights
 from xscale.models.moe.token_ids import routing_token_ids
 from xscale.models.position import PositionEncoding
@@ -49,7 +49,7 @@ def source_name(stage: PipelineStageModule, name: str) -> str:
     return f"{DECODER_COPIES[head]}.{rest}" if head in DECODER_COPIES else name
 
 
-def pipeline_layers(config) -> int:
+def pipeline_layers(config: ModelConfig) -> int:
     """The blocks a pipeline cuts: the encoder's then the decoder's for an encoder-decoder model."""
     return config.n_layers + (config.decoder_layers if config.family == "encoder_decoder" else 0)
 
