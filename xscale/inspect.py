@@ -89,19 +89,26 @@ def _model_slice(config: Config, dims, at: dict[str, int]) -> str:
     """What the rank at mesh coordinates ``at`` holds: its pipeline stages (layers, embedding, head) and its
     tensor- and expert-parallel shares (heads, vocabulary rows, experts)."""
     from xscale.parallel.pipeline import SCHEDULES, split_layers, stage_to_rank
+    from xscale.parallel.pipeline_stages import pipeline_layers
 
     model, parallel = config.model, config.parallel
     parts, holds_vocabulary = [], True
     if dims.pp > 1:
         num_stages = dims.pp * parallel.pp_stages_per_rank
-        layers = split_layers(model.n_layers, num_stages, parallel.pp_split)
+        layers = split_layers(pipeline_layers(model), num_stages, parallel.pp_split)
         ranks = stage_to_rank(num_stages, dims.pp, SCHEDULES[parallel.pp_schedule].placement)
         mine = [stage for stage in range(num_stages) if ranks[stage] == at["pp"]]
         holds_vocabulary = 0 in mine or num_stages - 1 in mine
         stages = []
         for stage in mine:
             held = ["embedding"] if stage == 0 else []
-            held.append(_layers(layers[stage][0], layers[stage][-1]))
+            encoder = [index for index in layers[stage] if index < model.n_layers]
+            decoder = [index - model.n_layers for index in layers[stage] if index >= model.n_layers]
+            if encoder:
+                held.append(_layers(encoder[0], encoder[-1]))
+            if decoder:  # an encoder-decoder's decoder blocks (the first decoder stage embeds with a copy)
+                held.append(("embedding copy, " if 0 in decoder and stage else "") + "decoder "
+                            + _layers(decoder[0], decoder[-1]))
             held += ["head"] if stage == num_stages - 1 else []
             stages.append(f"{stage} ({', '.join(held)})")
         parts.append(f"stage{'s' if len(stages) > 1 else ''} {', '.join(stages)}")

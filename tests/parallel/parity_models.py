@@ -1,4 +1,4 @@
-"""The two reference models of the layout parity tests and the check they share."""
+"""The reference models of the layout parity tests and the check they share."""
 
 from __future__ import annotations
 
@@ -17,6 +17,12 @@ ENCODER = ["model.family=encoder", "model.vocab_size=48", "model.d_model=32", "m
            "model.ffn=gelu", "model.bias=true", "model.embedding_norm=true", "model.lm_head_transform=true",
            "model.lm_head_bias=true", "train.global_batch_size=8", "train.seq_len=16", "train.warmup_steps=2",
            "train.lr=3e-3", "data.dataset=copy", "data.num_samples=256", "data.eval_fraction=0.0"]
+# T5-style encoder-decoder (copy task, span objective) with learned positions and tied embeddings.
+ENCODER_DECODER = ["model.family=encoder_decoder", "model.vocab_size=48", "model.d_model=32", "model.n_layers=2",
+                   "model.n_decoder_layers=2", "model.n_heads=4", "model.position=learned", "model.max_seq_len=16",
+                   "model.norm=rmsnorm", "model.ffn=swiglu", "train.global_batch_size=8", "train.seq_len=16",
+                   "train.warmup_steps=2", "train.lr=3e-3", "data.dataset=copy", "data.num_samples=256",
+                   "data.eval_fraction=0.0"]
 # Residual, FFN, embedding and attention-probability dropout, in microbatches of 2 (masks must follow samples).
 DROPOUT = ["model.dropout=0.1", "model.attention_dropout=0.1", "train.micro_batch_size=2"]
 RTOL = 1e-5

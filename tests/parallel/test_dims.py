@@ -118,6 +118,26 @@ def test_inspect_plans_pipeline_x_tensor_x_data_parallel(capsys):
     assert "     5   1   0   1   0  stage 1 (layers 2-3, head); heads 2-3, vocab 32-63" in out
 
 
+def test_encoder_decoder_pipeline_ranks_hold_both_stacks_and_the_embedding_copies(capsys):
+    """The stages cut encoder then decoder layers; the first decoder stage holds its own copy of the embedding,
+    counted in its rank's state, as the last stage's tied output copy is."""
+    from xscale.inspect import count_parameters
+
+    overrides = [*BASE, "model.family=encoder_decoder", "model.position=learned", "model.n_layers=2",
+                 "model.n_decoder_layers=3", "parallel.pp=2", "parallel.pp_schedule=zero_bubble",
+                 "parallel.pp_stages_per_rank=2", "parallel.pp_split=[1,1,2,1]", "parallel.zero_stage=1"]
+    config = load_config(None, overrides)
+    dims = ParallelDims.from_config(config, 4)
+    held = [count for count, _ in pipeline_rank_parameters(config, dims)]
+    embedding = config.model.vocab_size * config.model.d_model
+    assert sum(held) == count_parameters(config).total + 2 * embedding  # the output copy and the decoder's
+    assert len(predicted_pipeline_state_bytes(config, dims)) == 2
+    assert inspect_main([*overrides, "--world-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "     0   0   0   0   0  stages 0 (embedding, layer 0), 3 (decoder layer 2, head)" in out
+    assert "     2   1   0   0   0  stages 1 (layer 1), 2 (embedding copy, decoder layers 0-1)" in out
+
+
 @pytest.mark.parametrize("zero_stage,suffix", [
     (3, " (at rest 1/2 of their weights, ZeRO-3 over dp_expert=2)"),
     (1, ""),

@@ -5,7 +5,7 @@ them)."""
 from __future__ import annotations
 
 import pytest
-from parity_models import DECODER, DROPOUT, ENCODER, assert_parity
+from parity_models import DECODER, DROPOUT, ENCODER, ENCODER_DECODER, assert_parity
 
 from xscale.config import ConfigError
 
@@ -21,6 +21,35 @@ def test_decoder_tensor_sequence_and_pipeline_parallel(tmp_path):
 def test_encoder_tensor_and_pipeline_parallel(tmp_path):
     # pp=2 with parallel.microbatches unset: the trainer resolves it (1f1b: 2 microbatches) before building the engine.
     assert_parity(ENCODER, ["tp=2", "pp=2"], tmp_path)
+
+
+@pytest.mark.slow
+def test_encoder_decoder_pipeline_parallel(tmp_path):
+    """Stages cut at the encoder/decoder boundary (pp=2 over 2 + 2 layers), after every layer (interleaved 1F1B,
+    4 stages: inside the encoder, at the boundary, inside the decoder), and the decoder's embedding copy on a
+    ZeRO-1 data-parallel stage; the per-step gradient norms too (tied copies counted once)."""
+    assert_parity(ENCODER_DECODER, ["pp=2", "pp=2,microbatches=4,pp_schedule=interleaved_1f1b,pp_stages_per_rank=2",
+                                    "pp=2,dp_shard=2,zero_stage=1,microbatches=2"], tmp_path, same_grad_norms=True)
+
+
+@pytest.mark.slow
+def test_encoder_decoder_pipeline_with_dropout_embedding_norm_and_zero3(tmp_path):
+    """The first decoder stage's copies (embedding and its norm) under ZeRO-3, zero bubble with recomputation, and
+    dropout masks that follow the microbatch (the decoder's embedding dropout included)."""
+    assert_parity(ENCODER_DECODER + DROPOUT[:2] + ["model.embedding_norm=true"], [
+        "pp=2,dp_shard=2,zero_stage=3,microbatches=2",
+        "pp=2,microbatches=2,pp_schedule=zero_bubble,pp_stages_per_rank=2,activation_checkpointing=full",
+        "pp=2,microbatches=4,pp_schedule=gpipe"], tmp_path, same_grad_norms=True)
+
+
+@pytest.mark.slow
+def test_encoder_decoder_pipeline_x_tensor_parallel(tmp_path):
+    """The first decoder stage's embedding copy (and its norm) split by vocabulary like the first stage's; with
+    sequence parallelism the memory travels between stages as each tp rank's sequence shard."""
+    assert_parity(ENCODER_DECODER + ["model.embedding_norm=true"], [
+        "pp=2,tp=2,microbatches=2",
+        "pp=2,tp=2,sequence_parallel=true,microbatches=4,pp_schedule=interleaved_1f1b,pp_stages_per_rank=2"],
+        tmp_path, same_grad_norms=True)
 
 
 def test_dropout_masks_match_one_device_under_sequence_data_and_pipeline_parallel(tmp_path):
@@ -142,6 +171,18 @@ def test_t5_bias_table_under_pipeline_data_and_tensor_parallel(tmp_path):
     assert_parity(t5, ["pp=2", "pp=2,dp_shard=2,zero_stage=3", "pp=2,tp=2",
                        "pp=2,tp=2,pp_schedule=zero_bubble,pp_stages_per_rank=2,microbatches=2,"
                        "activation_checkpointing=full"],
+                  tmp_path, same_grad_norms=True)
+
+
+@pytest.mark.slow
+def test_t5_encoder_decoder_under_pipeline_and_zero3(tmp_path):
+    """T5 (encoder-decoder, relative bias tables, tied embeddings) over 2 + 3 layers: stage 0 runs the encoder and
+    the first decoder block, so both stages hold a copy of the decoder's table (and of the embedding); its gradients
+    are summed over the pp ranks (sharded alike under ZeRO-3), and the norm counts each parameter once. Zero bubble
+    (4 stages over [2, 1, 1, 1]: the decoder starts on stage 1) splits stages 2 and 3's backward around the table."""
+    t5 = ENCODER_DECODER + ["model.position=t5_bias", "model.tie_embeddings=true", "model.n_decoder_layers=3"]
+    assert_parity(t5, ["pp=2", "pp=2,dp_shard=2,zero_stage=3",
+                       "pp=2,pp_schedule=zero_bubble,pp_stages_per_rank=2,microbatches=2"],
                   tmp_path, same_grad_norms=True)
 
 

@@ -4,8 +4,10 @@ Each spawned case compares the pipeline with :class:`Engine` on one process runn
 on the same batch: the loss (relative 1e-5), every parameter (exactly: same init) and every gradient
 (1e-5 absolute), for a decoder (RoPE, SwiGLU, RMSNorm, GQA, tied embeddings, fused linear CE) and a
 BERT-style encoder (learned positions, post-LN, embedding norm, MLM head with bias, tied, labels
-mostly -100), a decoder with T5's relative bias table (every stage holds a copy) and a RealFormer
-decoder (stages send their attention scores with the hidden states). Splits are uneven.
+mostly -100), a decoder with T5's relative bias table (every stage holds a copy), a RealFormer decoder
+(stages send their attention scores with the hidden states), and encoder-decoders (learned, sinusoidal or T5
+positions, tied embeddings) whose stage boundaries fall inside the encoder, inside the decoder and exactly between
+the two. Splits are uneven.
 """
 
 from __future__ import annotations
@@ -32,11 +34,15 @@ from xscale.models import build_model
 from xscale.parallel.dims import ParallelDims
 from xscale.parallel.engine import Engine
 from xscale.parallel.pipeline import PipelineEngine, check_pipeline, resolve_microbatches, split_layers
+from xscale.parallel.pipeline_stages import DECODER_COPIES
 from xscale.train.optim import build_optimizer
 
 SEED = 7
 LOSS_TOLERANCE = {"rtol": 1e-5, "atol": 0.0}
 GRAD_TOLERANCE = {"rtol": 0.0, "atol": 1e-5}
+# Weights after AdamW steps: Adam divides by sqrt(v), so where a gradient is near zero the rounding of another
+# summation order (microbatches, stages) moves a weight by ~1e-5 (a wrong gradient moves them by ~lr = 1e-2).
+WEIGHT_TOLERANCE = {"rtol": 0.0, "atol": 5e-5}
 
 
 def decoder_config(n_layers: int) -> ModelConfig:
@@ -48,6 +54,13 @@ def encoder_config(n_layers: int) -> ModelConfig:
     return ModelConfig(family="encoder", vocab_size=64, d_model=32, n_layers=n_layers, n_heads=4, max_seq_len=16,
                        position="learned", norm="layernorm", norm_placement="post", embedding_norm=True,
                        ffn="gelu", bias=True, tie_embeddings=True, lm_head_transform=True, lm_head_bias=True)
+
+
+def encoder_decoder_config(n_layers: int, n_decoder_layers: int, position: str = "learned",
+                           embedding_norm: bool = False) -> ModelConfig:
+    return ModelConfig(family="encoder_decoder", vocab_size=64, d_model=32, n_layers=n_layers,
+                       n_decoder_layers=n_decoder_layers, n_heads=4, max_seq_len=16, position=position,
+                       norm="rmsnorm", ffn="swiglu", embedding_norm=embedding_norm, tie_embeddings=True)
 
 
 def t5_decoder_config(n_layers: int) -> ModelConfig:
@@ -70,12 +83,23 @@ def make_batch(config: ModelConfig, rows: int = 4, seq: int = 16, seed: int = 0)
     if config.family == "encoder":  # MLM: ~20% of positions carry a label; the first sequence none at all
         labels[torch.rand(rows, seq, generator=generator) > 0.2] = -100
         labels[0] = -100
-    return {"input_ids": input_ids, "labels": labels}
+    batch = {"input_ids": input_ids, "labels": labels}
+    if config.family == "encoder_decoder":  # a shorter target than the source, some of it padding
+        batch["decoder_input_ids"] = torch.randint(0, config.vocab_size, (rows, seq - 4), generator=generator)
+        batch["labels"] = labels[:, :seq - 4]
+        batch["labels"][1, -3:] = -100
+    return batch
 
 
 def single_process_names(config: ModelConfig) -> set[str]:
     """Parameter names of the 1-process model, the tied output projection included."""
     return set(build_model(config, materialize=False).state_dict())
+
+
+def single_process_name(name: str) -> str:
+    """A stage parameter's single-process name (the first decoder stage's copies name their source)."""
+    head, _, rest = name.partition(".")
+    return f"{DECODER_COPIES[head]}.{rest}" if head in DECODER_COPIES else name
 
 
 def gathered_names(engine: PipelineEngine) -> set[str]:
@@ -86,7 +110,7 @@ def gathered_names(engine: PipelineEngine) -> set[str]:
     flat = [name for names in everyone for name in names]
     unshared = [name for name in flat if name not in shared]
     assert len(unshared) == len(set(unshared)), "a parameter is held by two stages"
-    return set(flat)
+    return {single_process_name(name) for name in flat}
 
 
 def assert_copies_equal(engine: PipelineEngine) -> None:
@@ -107,6 +131,7 @@ def assert_matches_single(engine: PipelineEngine, single: torch.nn.Module) -> No
         reference["output.weight"] = single.embedding.weight
     for stage in engine.stages:
         for name, param in stage.named_parameters():
+            name = single_process_name(name)
             assert torch.equal(param.detach(), reference[name].detach()), f"{name}: initial weights differ"
             assert param.grad is not None, f"{name}: no gradient"
             torch.testing.assert_close(param.grad, reference[name].grad, **GRAD_TOLERANCE, msg=name)
@@ -169,6 +194,32 @@ def check_schedules(rank: int) -> None:
     hashed.moe = MoEConfig(num_experts=4, router="hash", capacity_factor=1.0, min_capacity=0)
     check_case(hashed, "1f1b", 1, 2, None, reference_micro_batch=2)
     check_case(decoder_config(3), "1f1b", 1, 2, None, autocast_dtype=torch.bfloat16)
+    for schedule, stages_per_rank, microbatches, (n_layers, n_decoder_layers), pp_split, config in ENCODER_DECODER:
+        try:
+            check_case(config(n_layers, n_decoder_layers), schedule, stages_per_rank, microbatches, pp_split)
+        except AssertionError as error:
+            raise AssertionError(f"{schedule} on the encoder-decoder split {pp_split}: {error}") from error
+    # Hash routing in both stacks: decoder stages route microbatch k by its decoder_input_ids.
+    hashed = encoder_decoder_config(2, 2)
+    hashed.moe = MoEConfig(num_experts=4, router="hash", capacity_factor=1.0, min_capacity=0)
+    check_case(hashed, "zero_bubble", 2, 2, None, reference_micro_batch=2)
+
+
+ENCODER_DECODER = [  # schedule, stages per rank, microbatches, (encoder, decoder layers), pp_split, config
+    ("gpipe", 1, 2, (2, 3), [2, 3], encoder_decoder_config),  # the cut exactly between encoder and decoder
+    # A cut inside the encoder: rank 1 embeds decoder_input_ids with its copy of the embedding (and its norm).
+    ("1f1b", 1, 2, (2, 2), [1, 3],
+     lambda n, d: encoder_decoder_config(n, d, position="sinusoidal", embedding_norm=True)),
+    # Stage 1 (rank 1) ends the encoder and starts the decoder; a cut inside the decoder.
+    ("interleaved_1f1b", 2, 4, (2, 3), [1, 2, 1, 1], encoder_decoder_config),
+    # Loop placement: the first decoder stage (2) on rank 0 beside the embedding's stage 0.
+    ("interleaved_1f1b", 2, 2, (2, 3), [1, 1, 1, 2], encoder_decoder_config),
+    # V placement: stages 0 and 3 on rank 0 (embedding and output copy), the decoder starting on rank 1.
+    ("zero_bubble", 2, 4, (2, 3), [1, 1, 2, 1], encoder_decoder_config),
+    # T5: stage 1 (rank 1) ends the encoder and starts the decoder, so it holds both stacks' bias tables; each
+    # rank holds encoder and decoder stages, and sums its copies of each table before swapping them.
+    ("interleaved_1f1b", 2, 4, (2, 3), [1, 2, 1, 1], lambda n, d: encoder_decoder_config(n, d, position="t5_bias")),
+]
 
 
 def test_every_schedule_matches_single_process() -> None:
@@ -194,10 +245,18 @@ def single_process_run(config: ModelConfig, steps: int, max_norm: float):
     return model, optimizer, losses, norms
 
 
-def check_training_and_checkpoint(rank: int, schedule: str, stages_per_rank: int, n_layers: int,
-                                  folder: str, position: str = "rope") -> None:
+def checkpoint_case_config(family: str, n_layers: int, position: str) -> ModelConfig:
+    """A decoder, or an encoder-decoder with ``n_layers`` split between its stacks (the decoder the larger)."""
+    if family == "encoder_decoder":
+        return encoder_decoder_config(n_layers // 2, n_layers - n_layers // 2, position=position)
     config = decoder_config(n_layers)
     config.position = position
+    return config
+
+
+def check_training_and_checkpoint(rank: int, schedule: str, stages_per_rank: int, n_layers: int,
+                                  folder: str, family: str, position: str) -> None:
+    config = checkpoint_case_config(family, n_layers, position)
     steps, max_norm = 3, 0.5
     single, _, expected_losses, expected_norms = single_process_run(config, steps, max_norm)
     assert expected_norms[0] > max_norm, "the case must exercise clipping"
@@ -217,7 +276,8 @@ def check_training_and_checkpoint(rank: int, schedule: str, stages_per_rank: int
     reference["output.weight"] = single.embedding.weight
     for stage in engine.stages:
         for name, param in stage.named_parameters():
-            torch.testing.assert_close(param.detach(), reference[name].detach(), **GRAD_TOLERANCE, msg=name)
+            torch.testing.assert_close(param.detach(), reference[single_process_name(name)].detach(),
+                                       **WEIGHT_TOLERANCE, msg=name)
     assert_copies_equal(engine)
 
     dcp.save(engine.state_dict(optimizer), checkpoint_id=f"{folder}/pipeline")
@@ -236,7 +296,7 @@ def check_training_and_checkpoint(rank: int, schedule: str, stages_per_rank: int
     saved = torch.load(f"{folder}/single.pt")
     for stage in fresh.stages:
         for name, param in stage.named_parameters():
-            source = "embedding.weight" if name == "output.weight" else name
+            source = "embedding.weight" if name == "output.weight" else single_process_name(name)
             assert torch.equal(param.detach(), saved["values"][source]), name
             assert torch.equal(fresh_optimizer.state[param]["exp_avg_sq"], saved["moments"][source]), name
     for entry in fresh.shared.shared:
@@ -256,18 +316,24 @@ def checkpoint_keys(path: Path) -> set[str]:
     return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
 
 
-@pytest.mark.parametrize("schedule, stages_per_rank, n_layers, position", [
-    ("1f1b", 1, 3, "rope"),
+@pytest.mark.parametrize("schedule, stages_per_rank, n_layers, family, position", [
+    ("1f1b", 1, 3, "decoder", "rope"),
     # T5's table: a copy on every stage, two on each rank; the norm counts it once, checkpoints hold it once.
-    ("interleaved_1f1b", 2, 4, "t5_bias"),
-    pytest.param("zero_bubble", 2, 4, "rope", marks=pytest.mark.slow),
+    ("interleaved_1f1b", 2, 4, "decoder", "t5_bias"),
+    pytest.param("zero_bubble", 2, 4, "decoder", "rope", marks=pytest.mark.slow),
+    # The first decoder stage (2, on rank 1) holds a copy of the embedding: saved and resumed under its name.
+    pytest.param("zero_bubble", 2, 4, "encoder_decoder", "learned", marks=pytest.mark.slow),
+    pytest.param("1f1b", 1, 3, "encoder_decoder", "learned", marks=pytest.mark.slow),
+    # Loop placement: rank 0 holds the embedding (stage 0) and the decoder's copy (stage 2), saved once.
+    pytest.param("interleaved_1f1b", 2, 4, "encoder_decoder", "learned", marks=pytest.mark.slow),
+    # T5: each rank holds an encoder stage (stack.position) and a decoder stage (decoder.position).
+    pytest.param("interleaved_1f1b", 2, 4, "encoder_decoder", "t5_bias", marks=pytest.mark.slow),
 ])
 def test_training_steps_and_checkpoint_match_single_process(tmp_path, schedule, stages_per_rank,
-                                                             n_layers, position) -> None:
-    config = decoder_config(n_layers)
-    config.position = position
+                                                             n_layers, family, position) -> None:
+    config = checkpoint_case_config(family, n_layers, position)
     save_single_process_checkpoint(config, 3, tmp_path)
-    spawn(check_training_and_checkpoint, schedule, stages_per_rank, n_layers, str(tmp_path), position)
+    spawn(check_training_and_checkpoint, schedule, stages_per_rank, n_layers, str(tmp_path), family, position)
 
     assert checkpoint_keys(tmp_path / "pipeline") == checkpoint_keys(tmp_path / "single")
     model = build_model(config, seed=SEED + 1)
@@ -288,7 +354,8 @@ def test_checkpointed_stages_save_under_single_process_names() -> None:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     from xscale.parallel.activation import apply_activation_checkpointing
-    from xscale.parallel.pipeline_stages import build_stage_module, merged_view
+    from xscale.parallel.pipeline_checkpoint import merged_view
+    from xscale.parallel.pipeline_stages import build_stage_module
 
     config = decoder_config(2)
     meta = build_model(config, materialize=False)
@@ -313,7 +380,10 @@ def pipeline_config(**overrides) -> Config:
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"model_family": "encoder_decoder"}, "encoder-decoder"),
+    ({"model_family": "encoder_decoder", "model_n_decoder_layers": 1, "model_n_layers": 2, "pp_split": [1, 1]},
+     r"sums to 2 blocks but model.n_layers \+ the decoder's layers \(2 \+ 1\)=3"),
+    ({"model_family": "encoder_decoder", "model_n_decoder_layers": 2, "model_position": "alibi",
+      "model_attention": AttentionConfig(kind="realformer")}, "encoder-decoder pipeline stages do not send"),
     ({"model_share_layers": True}, "share_layers"),
     ({"model_n_layers": 1}, "cannot fill 2 pipeline stages"),
     ({"pp_schedule": "interleaved_1f1b", "pp_stages_per_rank": 2, "model_n_layers": 3}, "cannot fill 4"),
@@ -344,6 +414,10 @@ def test_check_pipeline_accepts_runnable_layouts() -> None:
     check_pipeline(pipeline_config(pp_schedule="interleaved_1f1b", pp_stages_per_rank=2, pp_split=[1, 1, 1, 1]))
     check_pipeline(pipeline_config(pp_schedule="zero_bubble", pp_stages_per_rank=2, dp_shard=2))
     check_pipeline(pipeline_config(pp=1, model_share_layers=True))  # no pipeline: nothing to refuse
+    # Encoder-decoder: the stages cut encoder then decoder layers (2 + 2 here), the cut anywhere.
+    check_pipeline(pipeline_config(model_family="encoder_decoder", model_n_layers=2, model_position="learned"))
+    check_pipeline(pipeline_config(model_family="encoder_decoder", model_n_layers=1, model_n_decoder_layers=3,
+                                   pp_schedule="zero_bubble", pp_stages_per_rank=2))
 
 
 def test_check_pipeline_uses_the_known_data_parallel_degree() -> None:
@@ -461,7 +535,8 @@ def test_checkpoint_view_names_activation_checkpointed_stages_like_one_process(m
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     from xscale.parallel.activation import apply_activation_checkpointing
-    from xscale.parallel.pipeline_stages import build_stage_module, merged_view
+    from xscale.parallel.pipeline_checkpoint import merged_view
+    from xscale.parallel.pipeline_stages import build_stage_module
 
     config = decoder_config(2)
     meta = build_model(config, materialize=False)

@@ -114,3 +114,18 @@ def test_t5_bias_table_saved_by_a_pipeline_resumes_on_one_process(save_layout, t
 ])
 def test_resume_at_another_world_size(save_layout, resume_layout, tmp_path):
     check_resharding(save_layout, resume_layout, tmp_path)
+
+
+ENCODER_DECODER = ["model.family=encoder_decoder", "model.n_decoder_layers=2", "model.position=learned",
+                   "model.max_seq_len=16", "model.embedding_norm=true"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("save_layout,resume_layout", [
+    # Rank 0 holds the embedding (stage 0) and the decoder's copy of it (stage 2): saved once, resumed on one process.
+    ("pp=2,microbatches=4,pp_schedule=interleaved_1f1b,pp_stages_per_rank=2", "single"),
+    # The single process's embedding resumes as the first decoder stage's copy on rank 1 too.
+    ("single", "pp=2,microbatches=2,pp_schedule=zero_bubble,pp_stages_per_rank=2"),
+])
+def test_encoder_decoder_pipeline_checkpoints_move_between_layouts(save_layout, resume_layout, tmp_path):
+    check_resharding(save_layout, resume_layout, tmp_path, model=[*MODEL, *ENCODER_DECODER])

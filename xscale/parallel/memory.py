@@ -11,7 +11,8 @@ ZeRO (Rajbhandari et al. 2020, sec. 5) with Psi parameters over N data-parallel 
 Tensor and pipeline parallelism divide Psi first (Psi / (tp x pp), exact for the sharded matrices; norms are
 replicated over tp, so the prediction is slightly low under tp). Per pipeline rank,
 :func:`predicted_pipeline_state_bytes` applies the formulas to what that rank's stages hold: the first stage the
-embedding, the last the head, and with tied embeddings the last its own copy (so the stages hold more than Psi). Under expert parallelism the Psi_E expert
+embedding, the last the head, and with tied embeddings the last its own copy, as an encoder-decoder's first decoder stage holds
+one of the embedding (so the stages hold more than Psi). Under expert parallelism the Psi_E expert
 parameters are divided by ep x pp instead (experts are replicated over tp) and ZeRO shards them over the edp
 ranks that hold the same experts, N_E = dp / ep, instead of N.
 """
@@ -52,14 +53,19 @@ def pipeline_rank_parameters(config: Config, dims: ParallelDims) -> list[tuple[i
     """(parameters, expert parameters) of each pp rank's stages, counted on meta-device stage modules."""
     from xscale.models import build_model
     from xscale.parallel.pipeline import SCHEDULES
-    from xscale.parallel.pipeline_stages import PipelineStageModule, split_layers, stage_to_rank
+    from xscale.parallel.pipeline_stages import (
+        PipelineStageModule,
+        pipeline_layers,
+        split_layers,
+        stage_to_rank,
+    )
 
     parallel = config.parallel
     num_stages = dims.pp * parallel.pp_stages_per_rank
     ranks = stage_to_rank(num_stages, dims.pp, SCHEDULES[parallel.pp_schedule].placement)
     meta = build_model(config.model, materialize=False)
     counts = [[0, 0] for _ in range(dims.pp)]
-    for index, layers in enumerate(split_layers(config.model.n_layers, num_stages, parallel.pp_split)):
+    for index, layers in enumerate(split_layers(pipeline_layers(config.model), num_stages, parallel.pp_split)):
         stage = PipelineStageModule(copy.deepcopy(meta), layers, is_first=index == 0, is_last=index == num_stages - 1)
         for name, param in stage.named_parameters():  # a last stage's output.weight is the tied copy
             counts[ranks[index]][0] += param.numel()

@@ -26,7 +26,8 @@ from xscale.parallel.expert import apply_expert_parallel
 
 
 def _stacks(model: nn.Module) -> list[nn.Module]:
-    return [model.stack] + ([model.decoder] if getattr(model, "decoder", None) is not None else [])
+    """The stacks of a model, or those a pipeline stage holds (an encoder-decoder stage may hold either or both)."""
+    return [stack for stack in (getattr(model, "stack", None), getattr(model, "decoder", None)) if stack is not None]
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:

@@ -16,6 +16,10 @@ Under tensor parallelism (each stage split over ``tp`` before it is initialised)
 vocabulary-parallel, and what one stage sends the next is a plain local tensor: the microbatch's full
 hidden states, or under sequence parallelism this tp rank's sequence shard (B/m, T/tp, D), always to
 the same tp rank of the next stage, so PipelineStage infers the shapes from the first microbatch.
+
+Encoder-decoder models pipeline over the encoder's layers then the decoder's
+(:mod:`~xscale.parallel.pipeline_stages`): decoder stages send (decoder hidden, memory), and the first decoder
+stage embeds the microbatch's ``decoder_input_ids``, which every pp rank has (the batch is the same on all).
 """
 
 from __future__ import annotations
@@ -40,22 +44,26 @@ from torch.distributed.tensor import DTensor
 
 from xscale.config import Config, ConfigError, ModelConfig
 from xscale.models.dropout import DropoutPosition, dropout_position
+from xscale.models.init import canonical_name
 from xscale.models.moe.token_ids import routing_token_ids
 from xscale.models.transformer import Transformer
 from xscale.ops import cross_entropy_sum, linear_cross_entropy_sum
 from xscale.parallel.engine import STATE_DICT_OPTIONS, Batch, Engine
 from xscale.parallel.expert_state import globalize_expert_state, localize_expert_state
 from xscale.parallel.grad_norm import clip_gradients
-from xscale.parallel.pipeline_stages import (
-    TIED_COPY,
-    TIED_SOURCE,
-    PipelineStageModule,
-    SharedParameterGrads,
+from xscale.parallel.pipeline_checkpoint import (
     add_aliases,
-    build_stage_module,
+    copies_to_sources,
     drop_aliases,
     merged_view,
-    shared_parameters,
+    sources_to_copies,
+)
+from xscale.parallel.pipeline_shared import SharedParameterGrads, shared_parameters
+from xscale.parallel.pipeline_stages import (
+    PipelineStageModule,
+    build_stage_module,
+    decoder_input_ids,
+    pipeline_layers,
     split_layers,
     stage_to_rank,
 )
@@ -145,13 +153,19 @@ def check_pipeline(config: Config, data_parallel: int | None = None) -> None:
         raise ConfigError(f"parallel.pp must be >= 1, got {parallel.pp}")
     if parallel.pp == 1:
         return
-    if model.family == "encoder_decoder":
-        raise ConfigError("pipeline parallelism does not support encoder-decoder models (the decoder needs the "
-                          "encoder's output at every layer); set parallel.pp=1 or use a decoder/encoder model")
     if model.share_layers:
         raise ConfigError("model.share_layers reuses one block at every depth, so no stage could own it; "
                           "set model.share_layers=false or parallel.pp=1")
-    if any(model.attention.kind_for_layer(index) == "routing" for index in range(model.n_layers)):
+    from xscale.models.registry import ATTENTION
+
+    layer_count = pipeline_layers(model)
+    carrying = sorted({kind for index in range(layer_count)
+                       if ATTENTION.get(kind := model.attention.kind_for_layer(index)).carries_scores})
+    if carrying and model.family == "encoder_decoder":
+        raise ConfigError(f"attention {', '.join(carrying)} passes each layer's attention scores to the next, which "
+                          "encoder-decoder pipeline stages do not send (they send the decoder's hidden states and "
+                          "the memory); use another model.attention.kind or parallel.pp=1")
+    if any(model.attention.kind_for_layer(index) == "routing" for index in range(layer_count)):
         raise ConfigError("routing attention moves its k-means centroids after each forward, and a pipeline schedule "
                           "runs several forwards before their backwards (the replayed routes would differ); use "
                           "parallel.pp=1 with routing attention")
@@ -165,7 +179,7 @@ def check_pipeline(config: Config, data_parallel: int | None = None) -> None:
         raise ConfigError(f"parallel.pp_schedule={parallel.pp_schedule} needs {spec.stages_rule()} stages per rank, "
                           f"got parallel.pp_stages_per_rank={stages_per_rank}; {hint}")
     num_stages = parallel.pp * stages_per_rank
-    split_layers(model.n_layers, num_stages, parallel.pp_split)
+    split_layers(layer_count, num_stages, parallel.pp_split, layer_count_name(model))
     if data_parallel is None and parallel.dp_shard != -1:
         data_parallel = parallel.dp_replicate * parallel.dp_shard
     microbatches = resolve_microbatches(config, data_parallel)
@@ -188,6 +202,13 @@ def check_pipeline(config: Config, data_parallel: int | None = None) -> None:
                 f"{local // microbatches} sequences ({local} / parallel.microbatches); leave "
                 f"train.micro_batch_size unset under pipeline parallelism"
             )
+
+
+def layer_count_name(model: ModelConfig) -> str:
+    """How messages name the layer count a pipeline splits."""
+    if model.family == "encoder_decoder":
+        return f"model.n_layers + the decoder's layers ({model.n_layers} + {model.decoder_layers})"
+    return "model.n_layers"
 
 
 def microbatch_problem(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> str | None:
@@ -267,23 +288,41 @@ def _pp_group(pp: DeviceMesh | dist.ProcessGroup) -> dist.ProcessGroup:
 class MicrobatchStage(QuietMetadataStage):
     """A stage whose forward of microbatch k, whatever order the schedule runs microbatches in, draws the dropout
     masks of that microbatch's rows in the global batch (:mod:`xscale.models.dropout`) and hash-routes by that
-    microbatch's token ids (:mod:`xscale.models.moe.token_ids`; stages after the first receive only hidden states)."""
+    microbatch's token ids (:mod:`xscale.models.moe.token_ids`; stages after the first receive only hidden states);
+    the first decoder stage of an encoder-decoder model embeds that microbatch's ``decoder_input_ids``."""
 
     engine: PipelineEngine
 
-    def _token_ids(self, microbatch: int) -> torch.Tensor:
+    def _token_ids(self, microbatch: int, ids: torch.Tensor | None = None) -> torch.Tensor | None:
         rows = self.engine.rows_per_microbatch
-        return self.engine.step_input_ids[microbatch * rows:(microbatch + 1) * rows]
+        ids = self.engine.step_input_ids if ids is None else ids
+        return ids[microbatch * rows:(microbatch + 1) * rows] if ids.numel() else None
+
+    def _decoder_ids(self, microbatch: int) -> torch.Tensor | None:
+        return self._token_ids(microbatch, self.engine.step_decoder_input_ids)
 
     def _prepare_forward_infra(self, *args, **kwargs):
-        with routing_token_ids(self._token_ids(0)):  # torch's shape inference runs the first microbatch
+        # torch's shape inference runs the first microbatch
+        with routing_token_ids(self._token_ids(0)), decoder_input_ids(self._decoder_ids(0)):
             return super()._prepare_forward_infra(*args, **kwargs)
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
         position = self.engine.dropout_position and self.engine.dropout_position.microbatch(
             fwd_chunk_id, self.engine.rows_per_microbatch)
-        with dropout_position(position), routing_token_ids(self._token_ids(fwd_chunk_id)):
+        with (dropout_position(position), routing_token_ids(self._token_ids(fwd_chunk_id)),
+              decoder_input_ids(self._decoder_ids(fwd_chunk_id))):
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        """A stage that embeds tokens midway (the first decoder stage, after the first stage) runs its whole
+        backward in the input half of a split backward (zero bubble). torch finds the weight half's subgraphs
+        from the stage's inputs, which the embedding's path does not pass through: the parameters on it would
+        share unfreed subgraphs, as on the first stage, which torch also runs whole."""
+        if self.submod.embeds_midway and backward_type in ("input", "weight"):
+            if backward_type == "weight":
+                return (), None
+            backward_type = "full"
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
 
 class PipelineEngine(Engine):
@@ -318,7 +357,7 @@ class PipelineEngine(Engine):
         self.num_stages = self.pp_size * stages_per_rank
         self.stage_ranks = stage_to_rank(self.num_stages, self.pp_size, self.spec.placement)
         self.stage_indices = [s for s in range(self.num_stages) if self.stage_ranks[s] == self.pp_rank]
-        layers = split_layers(model_config.n_layers, self.num_stages, pp_split)
+        layers = split_layers(pipeline_layers(model_config), self.num_stages, pp_split)
         self.stages = [
             build_stage_module(meta_model, layers[index], is_first=index == 0, is_last=index == self.num_stages - 1,
                                device=self.device, seed=seed, parallelize=parallelize_stage)
@@ -328,13 +367,15 @@ class PipelineEngine(Engine):
         # DTensor): the loss is then vocabulary-parallel, and the full logits never exist.
         self.vocab_parallel = isinstance(self.stages[-1].output.weight, DTensor) if self.holds_last else False
         self.last_rank = self.stage_ranks[-1]
-        # The tied embedding's ends and a logit-bias position table (T5) live on several stages.
+        # The tied embedding's ends, an encoder-decoder's embedding copy and a logit-bias position table (T5)
+        # live on several stages.
         self.shared = SharedParameterGrads(self.stages, self.stage_indices, self.stage_ranks,
-                                           shared_parameters(meta_model, self.num_stages), self.group)
+                                           shared_parameters(meta_model, layers), self.group)
         self._schedules: dict[tuple, object] = {}
         self.dropout_position: DropoutPosition | None = None  # this step's, while train_step runs
         self.rows_per_microbatch = 0
         self.step_input_ids = torch.empty(0, dtype=torch.long)  # the batch's, while a step or an evaluation runs
+        self.step_decoder_input_ids = torch.empty(0, dtype=torch.long)
         self._token_count = torch.ones((), device=self.device)
         self.last_step_seconds = 0.0
         # Optional instrumentation (``xscale bench parallel`` times the compute with it): set before the first
@@ -386,7 +427,8 @@ class PipelineEngine(Engine):
             raise ConfigError(f"a batch of {rows} sequences does not split into parallel.microbatches="
                               f"{self.microbatches}; use a batch that is a multiple of {self.microbatches}")
         # Stages learn their activation shapes on first use, so each input shape gets its own.
-        key = (training, rows, *batch["input_ids"].shape[1:])
+        decoder_shape = tuple(batch["decoder_input_ids"].shape[1:]) if "decoder_input_ids" in batch else ()
+        key = (training, rows, *batch["input_ids"].shape[1:], decoder_shape)
         if key not in self._schedules:
             stages = [MicrobatchStage(module, index, self.num_stages, self.device, group=self.group,
                                              pause_statistics=self.routing_groups.paused)
@@ -408,6 +450,9 @@ class PipelineEngine(Engine):
         self._token_count = self.global_token_count(batch).clamp_min(1).to(self.device, torch.float32)
         schedule = self._schedule(batch, training)
         self.step_input_ids = batch["input_ids"]
+        if self.stages[0].seq2seq and "decoder_input_ids" not in batch:
+            raise ValueError("an encoder-decoder model needs decoder_input_ids in the batch")
+        self.step_decoder_input_ids = batch.get("decoder_input_ids", torch.empty(0, dtype=torch.long))
         self.rows_per_microbatch = batch["input_ids"].shape[0] // self.microbatches
         args = (batch["input_ids"],) if self.holds_first else ()
         target = batch["labels"] if self.holds_last else None
@@ -468,8 +513,8 @@ class PipelineEngine(Engine):
         return total
 
     def state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        """Single-process keys: the model state of this rank's stages; optimizer state of the tied copy
-        under ``embedding.weight`` (dropped when this rank also holds the embedding itself)."""
+        """Single-process keys (:mod:`~xscale.parallel.pipeline_checkpoint`): the model state of this rank's stages;
+        the state of a copy under its source's name (``embedding.weight`` ...), held once per rank."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
         custom = self.data_parallel.optimizer_state_dict(optimizer) if self.distributed else None
@@ -478,8 +523,7 @@ class PipelineEngine(Engine):
         else:
             model_state, optimizer_state = get_state_dict(self._view(), optimizer, options=STATE_DICT_OPTIONS)
         model_state, optimizer_state = drop_aliases(model_state), drop_aliases(optimizer_state)
-        if self.shared.tied_copy is not None:
-            _tied_copy_to_source(optimizer_state)
+        copies_to_sources(model_state, optimizer_state, *self._renamed_copies())
         state = {"model": model_state, "optimizer": optimizer_state}
         return state if self.expert_mesh is None else globalize_expert_state(state, self.expert_mesh)
 
@@ -488,11 +532,9 @@ class PipelineEngine(Engine):
 
         if self.expert_mesh is not None:
             state = localize_expert_state(state, self.model_parts)
-        optimizer_state = state["optimizer"]
-        if self.shared.tied_copy is not None:
-            optimizer_state = _source_to_tied_copy(optimizer_state, holds_source=self.holds_first)
+        model_state, optimizer_state = sources_to_copies(state["model"], state["optimizer"], *self._renamed_copies())
         view = self._view()
-        model_state = add_aliases(state["model"], view)
+        model_state = add_aliases(model_state, view)
         optimizer_state = add_aliases(optimizer_state, view, flat_optimizer=True)
         if self.distributed and self.data_parallel.optimizer_state_dict(optimizer) is not None:
             set_model_state_dict(view, model_state)
@@ -506,35 +548,10 @@ class PipelineEngine(Engine):
         shared = {entry.name.rsplit(".", 1)[0] for entry in self.shared.shared}
         return merged_view(self.stages, shared)
 
+    def _renamed_copies(self) -> tuple[dict[str, str], set[str]]:
+        """The copies this rank holds under another name (-> their single-process name), and the names of its
+        other parameters (canonical)."""
+        copies = self.shared.renamed_copies()
+        names = {canonical_name(name) for stage in self.stages for name, _ in stage.named_parameters()}
+        return copies, names - set(copies)
 
-def _tied_copy_to_source(optimizer_state: dict) -> None:
-    """Save the tied copy's (flattened) optimizer state under the single-process name, in place; a rank
-    that also holds the embedding drops the copy's entries (the two are bitwise equal)."""
-    copy_keys = [key for key in optimizer_state if _names_param(key, TIED_COPY)]
-    holds_source = any(_names_param(key, TIED_SOURCE) for key in optimizer_state)
-    for key in copy_keys:
-        value = optimizer_state.pop(key)
-        if not holds_source:
-            optimizer_state[_rename(key, TIED_COPY, TIED_SOURCE)] = value
-
-
-def _source_to_tied_copy(optimizer_state: dict, holds_source: bool) -> dict:
-    """The inverse of :func:`_tied_copy_to_source`: the tied copy gets its own clone of the state."""
-    result = {}
-    for key, value in optimizer_state.items():
-        if not _names_param(key, TIED_SOURCE):
-            result[key] = value
-            continue
-        result[_rename(key, TIED_SOURCE, TIED_COPY)] = value.clone() if isinstance(value, torch.Tensor) else value
-        if holds_source:
-            result[key] = value
-    return result
-
-
-def _names_param(key: str, name: str) -> bool:
-    return key.startswith((f"state.{name}.", f"param_groups.{name}."))
-
-
-def _rename(key: str, old: str, new: str) -> str:
-    section, rest = key.split(".", 1)
-    return f"{section}.{new}{rest[len(old):]}"

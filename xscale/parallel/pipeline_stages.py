@@ -3,15 +3,18 @@
 A stage keeps the modules it runs and drops the rest: the first stage the embedding, every stage
 its blocks (``stack.layers.<k>`` for its layer indices k), the last stage the final norm, the head
 transform and the output projection. Names are untouched, so the union of the stages' state dicts
-is the single-process state dict and checkpoints move between layouts.
+is the single-process state dict and checkpoints move between layouts. Parameters that several stages
+use (tied embeddings, T5's position table, an encoder-decoder's embedding) are held by each of them:
+:mod:`~xscale.parallel.pipeline_shared`.
 
-Tied embeddings (Press & Wolf 2017) whose two ends sit on different stages become two parameters,
-``embedding.weight`` on the first stage and ``output.weight`` on the last, both initialised from
-``embedding.weight``. After backward their gradients are summed (Megatron's embedding group,
-Shoeybi et al. 2019), so the optimizer keeps the copies bitwise equal. Under tensor parallelism both
-are sharded by vocabulary alike, and each tp rank sums its shard with its pipeline peer's. A position
-encoding that biases the logits of every layer (T5's table, Raffel et al. 2020) is shared the same way:
-every stage holds a copy under the single-process name, and the copies' gradients are summed.
+An encoder-decoder model (Raffel et al. 2020) is cut along the concatenation of its stacks: layer indices
+0..n_layers-1 are the encoder's blocks (``stack.layers.<k>``), n_layers.. the decoder's (``decoder.layers.<k>``,
+k = index - n_layers). Encoder stages send hidden states; the stage holding the last encoder block applies the
+encoder's final norm and sends the memory; from the first decoder block on, stages send (decoder hidden, memory),
+so the memory's gradient, which every decoder block's cross-attention adds to, comes back stage by stage. The
+stage holding the first decoder block embeds the microbatch's ``decoder_input_ids`` itself (set by the engine
+with :class:`decoder_input_ids`), with its own copy ``decoder_embedding`` (and ``decoder_embedding_norm``) of the
+first stage's embedding when it is not the first stage.
 
 RealFormer blocks (He et al. 2020) pass their pre-softmax scores to the next block: a stage sends
 ``(x, scores)`` when a block before its end made scores that a block after it reads, else ``x``.
@@ -20,35 +23,68 @@ RealFormer blocks (He et al. 2020) pass their pre-softmax scores to the next blo
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from functools import partial
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from xscale.config import ConfigError
+from xscale.config import ConfigError, ModelConfig
 from xscale.models.init import canonical_name, init_weights
+from xscale.models.moe.token_ids import routing_token_ids
 from xscale.models.position import PositionEncoding
 from xscale.models.transformer import Transformer, run_blocks
-from xscale.parallel.data import local_tensor
 
 TIED_COPY = "output.weight"
 TIED_SOURCE = "embedding.weight"
+# The first decoder stage's copies (stage-local name -> the single-process module they copy).
+DECODER_COPIES = {"decoder_embedding": "embedding", "decoder_embedding_norm": "embedding_norm"}
 
 
-def split_layers(n_layers: int, num_stages: int, pp_split: list[int] | None = None) -> list[list[int]]:
+def source_name(stage: PipelineStageModule, name: str) -> str:
+    """The single-process name of ``stage``'s parameter ``name`` (canonical): a copy's source, else ``name``."""
+    if name == TIED_COPY and stage.is_last and not stage.is_first and stage.config.tie_embeddings:
+        return TIED_SOURCE
+    head, _, rest = name.partition(".")
+    return f"{DECODER_COPIES[head]}.{rest}" if head in DECODER_COPIES else name
+
+
+def pipeline_layers(config: ModelConfig) -> int:
+    """The blocks a pipeline cuts: the encoder's then the decoder's for an encoder-decoder model."""
+    return config.n_layers + (config.decoder_layers if config.family == "encoder_decoder" else 0)
+
+
+_decoder_ids: torch.Tensor | None = None
+
+
+class decoder_input_ids:  # noqa: N801  (used like contextlib's context managers)
+    """The microbatch's ``decoder_input_ids`` that a pipeline stage holding the first decoder block embeds."""
+
+    def __init__(self, token_ids: torch.Tensor | None) -> None:
+        self.token_ids = token_ids
+        self._previous: list[torch.Tensor | None] = []
+
+    def __enter__(self) -> None:
+        global _decoder_ids
+        self._previous.append(_decoder_ids)
+        _decoder_ids = self.token_ids
+
+    def __exit__(self, *exc_info: object) -> None:
+        global _decoder_ids
+        _decoder_ids = self._previous.pop()
+
+
+def split_layers(n_layers: int, num_stages: int, pp_split: list[int] | None = None,
+                 what: str = "model.n_layers") -> list[list[int]]:
     """Layer indices per stage: ``pp_split`` blocks per stage when given, else as even as possible
-    (the earlier stages take one more layer when ``num_stages`` does not divide ``n_layers``)."""
+    (the earlier stages take one more layer when ``num_stages`` does not divide ``n_layers``). ``what``
+    names the layer count in messages."""
     if num_stages < 1:
         raise ConfigError(f"a pipeline needs at least one stage, got {num_stages}")
     if pp_split is None:
         if n_layers < num_stages:
             raise ConfigError(
-                f"model.n_layers={n_layers} cannot fill {num_stages} pipeline stages (parallel.pp x "
+                f"{what}={n_layers} cannot fill {num_stages} pipeline stages (parallel.pp x "
                 f"parallel.pp_stages_per_rank); lower pp or pp_stages_per_rank to at most {n_layers} stages"
             )
         base, extra = divmod(n_layers, num_stages)
@@ -64,7 +100,7 @@ def split_layers(n_layers: int, num_stages: int, pp_split: list[int] | None = No
             raise ConfigError(f"parallel.pp_split={sizes}: every stage needs at least one block")
         if sum(sizes) != n_layers:
             raise ConfigError(
-                f"parallel.pp_split={sizes} sums to {sum(sizes)} blocks but model.n_layers={n_layers}; "
+                f"parallel.pp_split={sizes} sums to {sum(sizes)} blocks but {what}={n_layers}; "
                 f"make the counts sum to {n_layers}"
             )
     bounds = [sum(sizes[:stage]) for stage in range(num_stages + 1)]
@@ -82,65 +118,139 @@ def stage_to_rank(num_stages: int, pp_size: int, style: str) -> list[int]:
 
 
 class PipelineStageModule(nn.Module):
-    """One pipeline stage: token ids (first stage) or hidden states in, hidden states out.
+    """One pipeline stage: token ids (first stage) or what the previous stage sent in, hidden states out.
 
     The last stage returns the hidden states the LM head projects (after the final norm and the
     head transform); the engine's loss function applies ``output``. The forward mirrors
-    :meth:`Transformer.hidden_states` for the layers this stage holds. The stage takes over (and
-    prunes) ``model``'s modules: pass a copy.
+    :meth:`Transformer.hidden_states` for the layers this stage holds (indices into :func:`pipeline_layers`).
+    Encoder-decoder stages take and return, by position: the first stage token ids; an encoder stage the hidden
+    states; the stage after the encoder's end the memory; later decoder stages (decoder hidden, memory). The
+    stage takes over (and prunes) ``model``'s modules: pass a copy.
     """
 
     def __init__(self, model: Transformer, layer_indices: list[int], *, is_first: bool, is_last: bool) -> None:
         super().__init__()
-        self.config = model.config
+        config = self.config = model.config
         self.layer_indices = list(layer_indices)
         self.is_first, self.is_last = is_first, is_last
+        self.seq2seq = config.family == "encoder_decoder"
+        encoder = [index for index in layer_indices if index < config.n_layers]
+        decoder = [index - config.n_layers for index in layer_indices if index >= config.n_layers]
+        self.ends_encoder = self.seq2seq and config.n_layers - 1 in encoder
+        self.starts_decoder = self.seq2seq and 0 in decoder
+        self.embeds_midway = self.starts_decoder and not is_first  # token ids from the engine, not an input
         carrying = [block.layer_index for block in model.stack.blocks() if block.carries_scores]
-        # RealFormer scores (He et al. 2020) cross a stage boundary when made before it and read after it.
+        # RealFormer scores (He et al. 2020) cross a stage boundary when made before it and read after it
+        # (check_pipeline refuses them in encoder-decoder models).
         self.sends_scores = not is_last and any(i <= layer_indices[-1] for i in carrying) and any(
             i > layer_indices[-1] for i in carrying)
         if is_first:
             self.embedding = model.embedding
             self.embedding_norm = model.embedding_norm
             self.embedding_dropout = model.embedding_dropout
-        stack = model.stack
-        held = {str(index) for index in layer_indices}
-        for name in [name for name in stack.layers if name not in held]:
-            del stack.layers[name]
-        stack.n_layers = len(layer_indices)
-        if not is_first and stack.position.adds_to_input:
-            # Absolute positions are added once, before the first block; later stages need no table.
-            config = model.config
-            stack.position = PositionEncoding(config.d_model, config.n_heads, config.head_dim, config.max_seq_len,
-                                              stack.position.causal)
-        if not is_last:
-            stack.final_norm = None
-        self.stack = stack
+        elif self.starts_decoder:  # copies of the first stage's, under their own names
+            self.decoder_embedding = model.embedding
+            self.decoder_embedding_norm = model.embedding_norm
+            self.decoder_embedding_dropout = model.embedding_dropout
+        if encoder or not self.seq2seq:
+            self.stack = self._prune(model.stack, encoder, is_first, keep_norm=is_last or self.ends_encoder)
+        if decoder:
+            self.decoder = self._prune(model.decoder, decoder, self.starts_decoder, keep_norm=is_last)
         if is_last:
             self.head_transform = model.head_transform
             self.output = model.output
 
-    def forward(self, x: torch.Tensor,
-                scores: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Hidden states (or token ids, first stage), with the previous stage's RealFormer scores when it
-        sends them; returns the hidden states, with the scores when this stage sends them."""
-        if self.is_first:
-            x = self.stack.position.embed(self.embedding(x))
-            if self.embedding_norm is not None:
-                x = self.embedding_norm(x)
-            x = self.embedding_dropout(x)
-        received = scores
-        with _tapped_bias(self.stack.position, None if self.is_first else x):
-            x, scores = run_blocks(list(self.stack.layers.values()), x, self.stack.position, scores=scores)
+    @staticmethod
+    def _prune(stack: nn.Module, held_layers: list[int], embeds: bool, keep_norm: bool) -> nn.Module:
+        held = {str(index) for index in held_layers}
+        for name in [name for name in stack.layers if name not in held]:
+            del stack.layers[name]
+        stack.n_layers = len(held_layers)
+        if not embeds and stack.position.adds_to_input:
+            # Absolute positions are added once, before the stack's first block; later stages need no table.
+            position = stack.position
+            stack.position = PositionEncoding(position.d_model, position.n_heads, position.head_dim,
+                                              position.max_seq_len, position.causal)
+        if not keep_norm:
+            stack.final_norm = None
+        return stack
+
+    def _embed(self, tokens: torch.Tensor, stack: nn.Module, embedding: nn.Module, norm: nn.Module | None,
+               dropout: nn.Module) -> torch.Tensor:
+        """:meth:`Transformer._embed_for_stack` with this stage's (copy of the) embedding."""
+        x = embedding(tokens)
+        if self.seq2seq and self.config.tie_embeddings:
+            x = x * self.config.d_model**0.5
+        x = stack.position.embed(x)
+        if norm is not None:
+            x = norm(x)
+        return dropout(x)
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """What the previous stage sent (token ids on the first stage); returns what this stage sends."""
+        if not self.seq2seq:
+            return self._forward_stack(*inputs)
+        stack = getattr(self, "stack", None)
+        if stack is not None:
+            x = inputs[0]
+            if self.is_first:
+                x = self._embed(x, stack, self.embedding, self.embedding_norm, self.embedding_dropout)
+            with _tapped_bias(stack.position, None if self.is_first else x):
+                x, _ = run_blocks(list(stack.layers.values()), x, stack.position)
+            if not self.ends_encoder:
+                return x  # encoder hidden states
+            if stack.final_norm is not None:
+                x = stack.final_norm(x)
+            if not hasattr(self, "decoder"):
+                return x  # the memory
+            memory = x
+        else:
+            memory = inputs[-1]
+        decoder = self.decoder
+        tokens = _decoder_ids
+        if self.starts_decoder:
+            if tokens is None:
+                raise ValueError("the first decoder stage needs the microbatch's decoder_input_ids")
+            if self.is_first:
+                y = self._embed(tokens, decoder, self.embedding, self.embedding_norm, self.embedding_dropout)
+            else:
+                y = self._embed(tokens, decoder, self.decoder_embedding, self.decoder_embedding_norm,
+                                self.decoder_embedding_dropout)
+        else:
+            y = inputs[0]
+        # A stage that embeds the decoder's tokens runs its backward whole (MicrobatchStage): no tap needed.
+        with routing_token_ids(tokens), _tapped_bias(decoder.position, None if self.starts_decoder else y):
+            y, _ = run_blocks(list(decoder.layers.values()), y, decoder.position, memory)
         if self.is_last:
-            if self.stack.final_norm is not None:
-                x = self.stack.final_norm(x)
-            if self.head_transform is not None:
-                x = self.head_transform(x)
+            if decoder.final_norm is not None:
+                y = decoder.final_norm(y)
+            return self._head(y)
+        # A new tensor (not a view: schedules detach their outputs in place), so the memory's gradient goes back.
+        return y, memory.clone()
+
+    def _forward_stack(self, x: torch.Tensor,
+                       scores: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """A decoder-only or encoder-only stage: hidden states (or token ids, first stage), with the previous
+        stage's RealFormer scores when it sends them; returns the hidden states, with the scores when this stage
+        sends them."""
+        stack = self.stack
+        if self.is_first:
+            x = self._embed(x, stack, self.embedding, self.embedding_norm, self.embedding_dropout)
+        received = scores
+        with _tapped_bias(stack.position, None if self.is_first else x):
+            x, scores = run_blocks(list(stack.layers.values()), x, stack.position, scores=scores)
+        if self.is_last and stack.final_norm is not None:
+            x = stack.final_norm(x)
+        x = self._head(x)
         if not self.sends_scores:
             return x
         # Scores passed through untouched leave as a new tensor, so the schedule's backward reaches them.
         return x, scores.clone() if scores is received else scores
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_last and self.head_transform is not None:
+            x = self.head_transform(x)
+        return x
 
 
 class _GradientTap(torch.autograd.Function):
@@ -189,7 +299,7 @@ def build_stage_module(meta_model: Transformer, layer_indices: list[int], *, is_
                        parallelize: Callable[[PipelineStageModule], None] | None = None) -> PipelineStageModule:
     """Cut a stage from a meta-device Transformer, apply ``parallelize`` to it (still on the meta device:
     tensor parallelism, activation checkpointing), allocate it on ``device`` and fill it with the
-    single-process initial weights (the tied output copy takes ``embedding.weight``'s values)."""
+    single-process initial weights (copies take their source's values)."""
     model = copy.deepcopy(meta_model)
     stage = PipelineStageModule(model, layer_indices, is_first=is_first, is_last=is_last)
     untie = model.config.tie_embeddings and is_last and not is_first
@@ -198,217 +308,6 @@ def build_stage_module(meta_model: Transformer, layer_indices: list[int], *, is_
     if parallelize is not None:
         parallelize(stage)
     stage.to_empty(device=device)
-    names = {id(stage.output.weight): TIED_SOURCE} if untie else None
+    names = {id(param): source_name(stage, canonical_name(name)) for name, param in stage.named_parameters()}
     init_weights(stage, model.config, seed, names=names)
     return stage
-
-
-def tied_copy(stage: PipelineStageModule) -> nn.Parameter | None:
-    """The last stage's copy of the tied embedding, or None (untied model, or first and last stage in one)."""
-    if stage.is_last and not stage.is_first and stage.config.tie_embeddings:
-        return stage.output.weight
-    return None
-
-
-@dataclass(frozen=True)
-class SharedParameter:
-    """A single-process parameter of which several stages hold a copy: the tied embedding's two ends, or a
-    position table every layer reads. ``find`` returns a holding stage's copy; it is called at each use,
-    since ZeRO-3 (``fully_shard``) replaces a module's parameters after the engine is built."""
-
-    name: str  # the single-process name (checkpoints, the initial value)
-    stages: tuple[int, ...]  # the stages holding a copy
-    find: Callable[[PipelineStageModule], nn.Parameter]
-
-
-def _tied_end(stage: PipelineStageModule) -> nn.Parameter:
-    return stage.embedding.weight if stage.is_first else stage.output.weight
-
-
-def _position_parameter(stage: PipelineStageModule, name: str) -> nn.Parameter:
-    return stage.stack.position.get_parameter(name)
-
-
-def shared_parameters(model: Transformer, num_stages: int) -> list[SharedParameter]:
-    """The parameters held by more than one of ``num_stages`` stages cut from ``model``."""
-    shared = []
-    if model.config.tie_embeddings:
-        shared.append(SharedParameter(TIED_SOURCE, (0, num_stages - 1), _tied_end))
-    if not model.stack.position.adds_to_input:  # every stage keeps the position module (see PipelineStageModule)
-        for name, _ in model.stack.position.named_parameters():
-            shared.append(SharedParameter(f"stack.position.{name}", tuple(range(num_stages)),
-                                          partial(_position_parameter, name=name)))
-    return shared
-
-
-class SharedParameterGrads:
-    """Sums the gradients of every copy of each shared parameter, so the optimizer keeps the copies bitwise equal.
-
-    This rank first adds up its own copies (two stages of an interleaved or V schedule may both hold one); the
-    pp ranks holding copies then swap these sums point-to-point (no extra process group) and each adds them in
-    ascending pp rank order, so every copy gets bitwise the same gradient. Gradients from earlier steps
-    (accumulation) are set aside by :meth:`begin` and added back by :meth:`finish`, so only this step's are
-    exchanged.
-
-    Copies are sharded alike on every stage: vocabulary rows of the tied embedding or a Replicate table under
-    tp, FSDP2 rows under ZeRO-3, whose gradients are then already summed over data parallel. The peers across
-    the pipeline sit at the same tp and data-parallel coordinates, so they hold the same rows and swap their
-    local shards.
-    """
-
-    def __init__(self, stages: list[PipelineStageModule], stage_indices: list[int], stage_ranks: list[int],
-                 shared: list[SharedParameter], group: dist.ProcessGroup) -> None:
-        self.stages, self.stage_indices, self.group = stages, stage_indices, group
-        self.shared = [entry for entry in shared if len(set(entry.stages)) > 1]
-        self.ranks = {entry.name: sorted({stage_ranks[index] for index in entry.stages}) for entry in self.shared}
-        self._earlier: dict[int, torch.Tensor | None] = {}
-
-    def copies(self, entry: SharedParameter) -> list[nn.Parameter]:
-        """This rank's copies of ``entry``, in stage order."""
-        found = [entry.find(stage) for stage, index in zip(self.stages, self.stage_indices) if index in entry.stages]
-        return list({id(param): param for param in found}.values())
-
-    @property
-    def uncounted(self) -> list[nn.Parameter]:
-        """The copies the gradient norm leaves out: all but the lowest stage's, which stands for the parameter."""
-        return [entry.find(stage) for entry in self.shared for stage, index in zip(self.stages, self.stage_indices)
-                if index in entry.stages and index != min(entry.stages)]
-
-    @property
-    def tied_copy(self) -> nn.Parameter | None:
-        """The last stage's copy of the tied embedding when this rank holds it."""
-        return next((tied_copy(stage) for stage in self.stages if tied_copy(stage) is not None), None)
-
-    def begin(self) -> None:
-        params = [param for entry in self.shared for param in self.copies(entry)]
-        self._earlier = {id(param): param.grad for param in params}
-        for param in params:
-            param.grad = None
-
-    @torch.no_grad()
-    def finish(self) -> None:
-        for entry in self.shared:
-            copies = self.copies(entry)
-            if not copies:
-                continue
-            local = _local_grad(copies[0])
-            for param in copies[1:]:
-                local = local + _local_grad(param)
-            total = self._sum_over_ranks(local.contiguous(), self.ranks[entry.name])
-            for param in copies:
-                earlier = self._earlier.get(id(param))
-                summed = total.clone() if earlier is None else local_tensor(earlier) + total
-                param.grad = _like_param(param, summed)
-        self._earlier = {}
-
-    def _sum_over_ranks(self, local: torch.Tensor, ranks: list[int]) -> torch.Tensor:
-        """The sum of ``local`` over the pp ``ranks``, added in rank order (bitwise the same on each)."""
-        me = dist.get_rank(self.group)
-        if len(ranks) == 1:
-            return local
-        received = {peer: torch.empty_like(local) for peer in ranks if peer != me}
-        ops = []
-        for peer, buffer in received.items():
-            ops.append(dist.P2POp(dist.isend, local, group=self.group, group_peer=peer))
-            ops.append(dist.P2POp(dist.irecv, buffer, group=self.group, group_peer=peer))
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        parts = [local if peer == me else received[peer] for peer in ranks]
-        total = parts[0].clone()
-        for part in parts[1:]:
-            total += part
-        return total
-
-
-def _local_grad(param: nn.Parameter) -> torch.Tensor:
-    """This rank's part of ``param``'s gradient (zeros when it has none)."""
-    return local_tensor(param.grad) if param.grad is not None else torch.zeros_like(local_tensor(param))
-
-
-def _like_param(param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
-    """``local`` as a gradient for ``param``: a DTensor with the parameter's placements when it is one."""
-    if isinstance(param, DTensor):
-        return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
-                                  stride=param.stride(), run_check=False)
-    return local
-
-
-# Where merged_view puts a second copy of a shared module held by this rank (two stages of one rank).
-SHARED_ALIAS = "_pipeline_copy"
-
-
-def merged_view(stages: Iterable[nn.Module], shared: Iterable[str] = ()) -> nn.Module:
-    """A module whose parameter and buffer names are the single-process ones, over this rank's stages.
-
-    Leaves (modules owning parameters or buffers) are shared with the stages; the containers above
-    them are fresh, so building the view changes no stage. DCP's ``get_state_dict`` / ``set_state_dict``
-    then see one model holding every parameter the optimizer steps. Wrapper names (activation
-    checkpointing's) are left out of the view's paths: DCP strips them before it walks the names.
-    A module under a ``shared`` path (e.g. ``stack.position``) that two stages of this rank both hold
-    appears once under its name and again under ``SHARED_ALIAS<k>.<name>``: the copies are equal, and
-    :func:`drop_aliases` / :func:`add_aliases` keep the second out of checkpoints.
-    """
-    view = nn.Module()
-    shared = set(shared)
-    for stage in stages:
-        for name, module in stage.named_modules():
-            if not name or (not module._parameters and not module._buffers):
-                continue
-            name = canonical_name(f"{name}.").rstrip(".")
-            path = name
-            for count in range(1, 64):
-                existing = _lookup(view, path)
-                if existing is None or existing is module or name not in shared:
-                    break
-                path = f"{SHARED_ALIAS}{count}.{name}"
-            parent, leaf = view, path.rsplit(".", 1)[-1]
-            for part in path.split(".")[:-1]:
-                child = parent._modules.get(part)
-                if child is None:
-                    child = nn.Module()
-                    parent.add_module(part, child)
-                parent = child
-            existing = parent._modules.get(leaf)
-            if existing is None:
-                parent.add_module(leaf, module)
-            elif existing is not module and _owns_state(existing):
-                raise ValueError(f"two pipeline stages on one rank both hold '{name}'")
-    return view
-
-
-def _lookup(view: nn.Module, path: str) -> nn.Module | None:
-    module = view
-    for part in path.split("."):
-        module = module._modules.get(part)
-        if module is None:
-            return None
-    return module
-
-
-def _is_alias(key: str) -> bool:
-    return key.startswith(SHARED_ALIAS) or key.split(".", 1)[-1].startswith(SHARED_ALIAS)
-
-
-def drop_aliases(state: dict) -> dict:
-    """A model or (flattened) optimizer state dict without :func:`merged_view`'s second copies."""
-    return {key: value for key, value in state.items() if not _is_alias(key)}
-
-
-def add_aliases(state: dict, view: nn.Module, flat_optimizer: bool = False) -> dict:
-    """The inverse of :func:`drop_aliases` for ``view``: each second copy gets a clone of its original's entries
-    (``flat_optimizer``: keys are DCP's flattened optimizer ones, ``state.<name>.<key>``)."""
-    aliases = [name for name, _ in [*view.named_parameters(), *view.named_buffers()] if name.startswith(SHARED_ALIAS)]
-    result = dict(state)
-    for alias in aliases:
-        original = alias.split(".", 1)[1]
-        for key, value in state.items():
-            section, rest = key.split(".", 1) if flat_optimizer else ("", key)
-            if rest == original or rest.startswith(f"{original}."):
-                renamed = f"{alias}{rest[len(original):]}"
-                result[f"{section}.{renamed}" if flat_optimizer else renamed] = (
-                    value.clone() if isinstance(value, torch.Tensor) else value)
-    return result
-
-
-def _owns_state(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())

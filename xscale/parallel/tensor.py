@@ -218,20 +218,23 @@ def _parallelize_block(block: TransformerBlock, mesh: DeviceMesh, config: ModelC
 
 
 def _parallelize_embedding(model: Transformer, stacks: list[Stack], mesh: DeviceMesh,
-                           sequence_parallel: bool) -> None:
-    """Vocab-parallel embedding; under sequence parallelism its output reaches the blocks as sequence shards."""
+                           sequence_parallel: bool, prefix: str = "") -> None:
+    """Vocab-parallel embedding; under sequence parallelism its output reaches the blocks as sequence shards.
+    ``prefix``: ``decoder_`` for a pipeline stage's copy of the embedding (the first decoder stage's)."""
     adds_positions = any(stack.position.adds_to_input for stack in stacks)
     scatter_in_embedding = sequence_parallel and not adds_positions
     output = Shard(1) if scatter_in_embedding else Replicate()
-    model.embedding = VocabParallelEmbedding(model.embedding, mesh, output)
+    embedding = VocabParallelEmbedding(getattr(model, f"{prefix}embedding"), mesh, output)
+    setattr(model, f"{prefix}embedding", embedding)
+    norm, dropout = getattr(model, f"{prefix}embedding_norm"), getattr(model, f"{prefix}embedding_dropout")
     if sequence_parallel:
-        _require_divisible_sequences(model.embedding, mesh.size())
+        _require_divisible_sequences(embedding, mesh.size())
         if not scatter_in_embedding:
             # Positions are added to the full sequence; the first module after them takes this rank's shard.
-            first = model.embedding_norm if model.embedding_norm is not None else model.embedding_dropout
+            first = norm if norm is not None else dropout
             parallelize_module(first, mesh, PrepareModuleInput(
                 input_layouts=Replicate(), desired_input_layouts=Shard(1), use_local_output=True))
-    _parallelize_norm(model.embedding_norm, mesh, sequence_parallel)
+    _parallelize_norm(norm, mesh, sequence_parallel)
 
 
 def _require_divisible_sequences(embedding: nn.Module, tp: int) -> None:
@@ -273,9 +276,11 @@ def apply_tensor_parallel(model: Transformer | nn.Module, tp_mesh: DeviceMesh, *
         raise ValueError("apply_tensor_parallel: this model is already tensor-parallel")
     config = model.config
     check_tensor_parallel(config, tp_mesh.size())
-    stacks = [stack for stack in (model.stack, getattr(model, "decoder", None)) if stack is not None]
+    stacks = [stack for stack in (getattr(model, "stack", None), getattr(model, "decoder", None)) if stack is not None]
     if embedding is not None:
         _parallelize_embedding(model, stacks, tp_mesh, sequence_parallel)
+    if getattr(model, "decoder_embedding", None) is not None:
+        _parallelize_embedding(model, stacks, tp_mesh, sequence_parallel, prefix="decoder_")
     for stack in stacks:
         # The full sequence reaches position tables on every rank; T5's table is read per head.
         replicate_parameters(stack.position, tp_mesh, sum_gradients=stack.position.biases_logits,
