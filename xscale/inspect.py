@@ -80,9 +80,9 @@ def _layers(first: int, last: int) -> str:
 
 
 def _share(index: int, total: int, parts: int) -> str:
-    """Rows [index * total/parts, (index+1) * total/parts) as 'a-b'."""
+    """Rows [index * total/parts, (index+1) * total/parts) as 'a-b' (one row: 'a')."""
     size = total // parts
-    return f"{index * size}-{(index + 1) * size - 1}"
+    return str(index) if size == 1 else f"{index * size}-{(index + 1) * size - 1}"
 
 
 def _model_slice(config: Config, dims, at: dict[str, int]) -> str:
