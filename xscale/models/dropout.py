@@ -22,6 +22,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from xscale.models.scoped import Scope, ScopedValue
+
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: splitmix64's stream increment
 MIX1, MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
@@ -86,29 +88,16 @@ class DropoutPosition:
         return replace(self, first_sample=self.first_sample + index * stride, microbatch_stride=0)
 
 
-_position: DropoutPosition | None = None  # a global, not a ContextVar: autograd's device threads read it too
+_POSITION: ScopedValue[DropoutPosition] = ScopedValue()
 
 
-class dropout_position:  # noqa: N801  (used like contextlib's context managers)
-    """Masks drawn inside (forward and the recomputing backward) are functions of ``position``. Re-enterable:
-    activation checkpointing may recompute more than once (zero-bubble schedules split the backward)."""
-
-    def __init__(self, position: DropoutPosition | None) -> None:
-        self.position = position
-        self._previous: list[DropoutPosition | None] = []
-
-    def __enter__(self) -> None:
-        global _position
-        self._previous.append(_position)
-        _position = self.position
-
-    def __exit__(self, *exc_info: object) -> None:
-        global _position
-        _position = self._previous.pop()
+def dropout_position(position: DropoutPosition | None) -> Scope[DropoutPosition]:
+    """Masks drawn inside (forward and the recomputing backward) are functions of ``position``."""
+    return _POSITION.scope(position)
 
 
 def current_dropout_position() -> DropoutPosition | None:
-    return _position
+    return _POSITION.current
 
 
 class Dropout(nn.Module):
@@ -154,7 +143,7 @@ class Dropout(nn.Module):
 @torch.compiler.disable  # eager: compiled, it would recompile every step (and inductor folds without wrapping)
 def _sample_keys(site: int, batch: int, device: torch.device) -> torch.Tensor:
     """One key per sample of the batch in flight: of (seed, site, step, global row) under a position."""
-    position = _position
+    position = _POSITION.current
     if position is None:  # plain PyTorch use: fresh keys from torch's generator, like nn.Dropout
         return torch.randint(-2**63, 2**63 - 1, (batch,), dtype=torch.int64, device=device)
     base = mix64(mix64(mix64(position.seed) ^ site) + position.step * GOLDEN)
@@ -181,7 +170,7 @@ def uniform_draws(site: int, shape: torch.Size, device: torch.device) -> torch.T
     dropout masks are: from the element's global coordinates under a :class:`DropoutPosition`, so every layout
     draws the same noise for the same token (MoE router jitter, GShard's sampled second expert); from torch's
     generator without one."""
-    if _position is None:
+    if _POSITION.current is None:
         return torch.rand(shape, device=device)
     return ((_element_hashes(site, shape, device) >> 40) & ((1 << 24) - 1)).float() * 2.0**-24
 

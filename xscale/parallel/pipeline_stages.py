@@ -33,6 +33,7 @@ from xscale.config import ConfigError, ModelConfig
 from xscale.models.init import canonical_name, init_weights
 from xscale.models.moe.token_ids import routing_token_ids
 from xscale.models.position import PositionEncoding
+from xscale.models.scoped import Scope, ScopedValue
 from xscale.models.transformer import Transformer, run_blocks
 
 TIED_COPY = "output.weight"
@@ -54,24 +55,12 @@ def pipeline_layers(config: ModelConfig) -> int:
     return config.n_layers + (config.decoder_layers if config.family == "encoder_decoder" else 0)
 
 
-_decoder_ids: torch.Tensor | None = None
+_DECODER_IDS: ScopedValue[torch.Tensor] = ScopedValue()
 
 
-class decoder_input_ids:  # noqa: N801  (used like contextlib's context managers)
+def decoder_input_ids(token_ids: torch.Tensor | None) -> Scope[torch.Tensor]:
     """The microbatch's ``decoder_input_ids`` that a pipeline stage holding the first decoder block embeds."""
-
-    def __init__(self, token_ids: torch.Tensor | None) -> None:
-        self.token_ids = token_ids
-        self._previous: list[torch.Tensor | None] = []
-
-    def __enter__(self) -> None:
-        global _decoder_ids
-        self._previous.append(_decoder_ids)
-        _decoder_ids = self.token_ids
-
-    def __exit__(self, *exc_info: object) -> None:
-        global _decoder_ids
-        _decoder_ids = self._previous.pop()
+    return _DECODER_IDS.scope(token_ids)
 
 
 def split_layers(n_layers: int, num_stages: int, pp_split: list[int] | None = None,
@@ -207,7 +196,7 @@ class PipelineStageModule(nn.Module):
         else:
             memory = inputs[-1]
         decoder = self.decoder
-        tokens = _decoder_ids
+        tokens = _DECODER_IDS.current
         if self.starts_decoder:
             if tokens is None:
                 raise ValueError("the first decoder stage needs the microbatch's decoder_input_ids")

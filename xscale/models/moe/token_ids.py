@@ -9,26 +9,15 @@ from __future__ import annotations
 
 import torch
 
-_token_ids: torch.Tensor | None = None  # a global, not a ContextVar: autograd's device threads read it too
+from xscale.models.scoped import Scope, ScopedValue
+
+_TOKEN_IDS: ScopedValue[torch.Tensor] = ScopedValue()
 
 
-class routing_token_ids:  # noqa: N801  (used like contextlib's context managers)
-    """Hash routers inside read ``token_ids`` [B, T] (the sequence their layer sees). Re-enterable: a recomputing
-    backward may enter it more than once."""
-
-    def __init__(self, token_ids: torch.Tensor | None) -> None:
-        self.token_ids = token_ids
-        self._previous: list[torch.Tensor | None] = []
-
-    def __enter__(self) -> None:
-        global _token_ids
-        self._previous.append(_token_ids)
-        _token_ids = self.token_ids
-
-    def __exit__(self, *exc_info: object) -> None:
-        global _token_ids
-        _token_ids = self._previous.pop()
+def routing_token_ids(token_ids: torch.Tensor | None) -> Scope[torch.Tensor]:
+    """Hash routers inside read ``token_ids`` [B, T] (the sequence their layer sees)."""
+    return _TOKEN_IDS.scope(token_ids)
 
 
 def current_routing_token_ids() -> torch.Tensor | None:
-    return _token_ids
+    return _TOKEN_IDS.current
