@@ -25,8 +25,8 @@ stage embeds the microbatch's ``decoder_input_ids``, which every pp rank has (th
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -293,24 +293,25 @@ class MicrobatchStage(QuietMetadataStage):
 
     engine: PipelineEngine
 
-    def _token_ids(self, microbatch: int, ids: torch.Tensor | None = None) -> torch.Tensor | None:
+    def _rows(self, ids: torch.Tensor, microbatch: int) -> torch.Tensor | None:
         rows = self.engine.rows_per_microbatch
-        ids = self.engine.step_input_ids if ids is None else ids
         return ids[microbatch * rows:(microbatch + 1) * rows] if ids.numel() else None
 
-    def _decoder_ids(self, microbatch: int) -> torch.Tensor | None:
-        return self._token_ids(microbatch, self.engine.step_decoder_input_ids)
+    @contextmanager
+    def _microbatch(self, index: int) -> Iterator[None]:
+        """Dropout position, routing token ids and decoder ids of microbatch ``index``."""
+        engine = self.engine
+        position = engine.dropout_position and engine.dropout_position.microbatch(index, engine.rows_per_microbatch)
+        with (dropout_position(position), routing_token_ids(self._rows(engine.step_input_ids, index)),
+              decoder_input_ids(self._rows(engine.step_decoder_input_ids, index))):
+            yield
 
     def _prepare_forward_infra(self, *args, **kwargs):
-        # torch's shape inference runs the first microbatch
-        with routing_token_ids(self._token_ids(0)), decoder_input_ids(self._decoder_ids(0)):
+        with self._microbatch(0):  # torch's shape inference runs the first microbatch
             return super()._prepare_forward_infra(*args, **kwargs)
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
-        position = self.engine.dropout_position and self.engine.dropout_position.microbatch(
-            fwd_chunk_id, self.engine.rows_per_microbatch)
-        with (dropout_position(position), routing_token_ids(self._token_ids(fwd_chunk_id)),
-              decoder_input_ids(self._decoder_ids(fwd_chunk_id))):
+        with self._microbatch(fwd_chunk_id):
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
