@@ -77,6 +77,15 @@ PARITY_CASES = {
     "switch-moe": (SWITCH, False),
     "switch-moe-sp": (SWITCH, True),
     "shared-layers-sp": (dict(SMALL, share_layers=True), True),
+    # Shared per-head networks (compression, sorting net): replicated, gradients summed over the heads' ranks.
+    "memory-compressed-causal": (attention_model("memory_compressed", "decoder", compression=3), False),
+    "memory-compressed-encoder-sp": (attention_model("compressed", "encoder", compression=3), True),
+    "sinkhorn-causal": (attention_model("sinkhorn", "decoder"), False),
+    "sinkhorn-encoder-sp": (attention_model("sinkhorn", "encoder"), True),
+    # Scores carried block to block: each rank's are its own heads'; ALiBi and T5 biases sliced by head.
+    "realformer-alibi": (dict(attention_model("realformer", "decoder"), position="alibi"), False),
+    "realformer-encoder-sp": (attention_model("realformer", "encoder"), True),
+    "realformer-t5-sp": (dict(T5, attention=AttentionConfig(kind="realformer")), True),
 }
 
 
@@ -345,6 +354,8 @@ def test_accepts_splittable_models() -> None:
     check_tensor_parallel(ModelConfig(**dict(SMALL, n_kv_heads=1)), 4)  # MQA: kv replicated
     check_tensor_parallel(ModelConfig(**dict(SWITCH, d_ff=33, moe=dataclasses.replace(SWITCH["moe"], every=1))), 2)
     check_tensor_parallel(ModelConfig(**dict(SMALL, n_heads=3, d_model=33, vocab_size=7)), 1)
+    for kind in ("memory_compressed", "compressed", "sinkhorn", "realformer", "residual_attention"):
+        check_tensor_parallel(ModelConfig(**attention_model(kind, "decoder")), 2)
 
 
 # --------------------------------------------------------------------------- composed with FSDP2 (4 ranks)

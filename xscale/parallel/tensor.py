@@ -44,11 +44,14 @@ from torch.distributed.tensor.parallel import (
 
 from xscale.config import ConfigError, ModelConfig
 from xscale.models.attention import Attention
+from xscale.models.attention.compressed import MemoryCompressedAttention
 from xscale.models.attention.dense import DenseAttention
 from xscale.models.attention.linear import LinearAttention
 from xscale.models.attention.lowrank import LinformerAttention, NystromAttention
 from xscale.models.attention.lsh import LSHAttention
 from xscale.models.attention.random_features import RandomFeatureAttention
+from xscale.models.attention.residual import RealFormerAttention
+from xscale.models.attention.sinkhorn import SinkhornAttention
 from xscale.models.attention.sparse import FixedAttention, PatternAttention, StridedAttention
 from xscale.models.block import Residual, TransformerBlock
 from xscale.models.dropout import Dropout
@@ -65,6 +68,8 @@ POSITION_METHODS = ("embed", "rotate", "bias")
 # Cores whose heads are independent and whose tp=2 parity is tested (tests/parallel/test_tensor_parallel.py).
 HEAD_SPLITTABLE_CORES = (DenseAttention, PatternAttention, LSHAttention, LinearAttention, RandomFeatureAttention,
                          LinformerAttention, NystromAttention)
+# Heads independent too: shared per-head networks (compression, sorting net), scores carried per head.
+HEAD_SPLITTABLE_CORES += (MemoryCompressedAttention, SinkhornAttention, RealFormerAttention)
 HEAD_DEPENDENT_OPTIONS = {StridedAttention: "split_heads", FixedAttention: "split_heads"}
 
 
@@ -116,7 +121,8 @@ def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
                    "has not been verified split by heads (no tp parity test yet)")
             raise ConfigError(f"attention '{kind}' {why}, so the tensor-parallel plan refuses it; use parallel.tp=1 "
                               f"(data/pipeline parallel) or one of the kinds verified under tp: dense, the sparse "
-                              f"patterns, lsh, linear, performer, rfa, linformer, nystrom")
+                              f"patterns, lsh, linear, performer, rfa, linformer, nystrom, "
+                              f"memory_compressed, sinkhorn, realformer")
         for cls, option in HEAD_DEPENDENT_OPTIONS.items():
             if issubclass(core, cls) and config.attention.options.get(option, False):
                 raise ConfigError(
