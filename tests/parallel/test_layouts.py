@@ -83,6 +83,24 @@ def test_block_sparse_attention_dropout_matches_one_device_under_tensor_parallel
 
 
 @pytest.mark.slow
+def test_talking_heads_dropout_matches_one_device_under_tensor_parallel(tmp_path):
+    """Each tp rank drops its own output heads' mixed weights W' (B, H/tp, T, T) by global head, after mixing
+    every head's (gathered) logits."""
+    talking_heads = ["model.attention.kind=talking_heads", "model.position=alibi"]
+    assert_parity(DECODER + DROPOUT + talking_heads, ["tp=2,sequence_parallel=true"], tmp_path)
+
+
+@pytest.mark.slow
+def test_head_shared_and_score_carrying_attention_dropout_under_tensor_parallel(tmp_path):
+    """memory_compressed (probabilities over slots and own block), sinkhorn (own and sorted blocks) and realformer
+    drop their probabilities by global head under tp=2."""
+    for kind, options in (("memory_compressed", "{compression: 3}"), ("sinkhorn", "{block_size: 4}"),
+                          ("realformer", "{}")):
+        overrides = [f"model.attention.kind={kind}", f"model.attention.options={options}"]
+        assert_parity(DECODER + DROPOUT + overrides, ["tp=2"], tmp_path / kind)
+
+
+@pytest.mark.slow
 def test_low_rank_and_sparse_attention_dropout_match_one_device_under_data_and_sequence_parallel(tmp_path):
     """Linformer drops its explicit probabilities (B, H, T, k) by global position; longformer under tp + sp."""
     linformer = ["model.attention.kind=linformer", "model.attention.options={projected_length: 8}"]
@@ -193,3 +211,13 @@ def test_realformer_scores_cross_pipeline_stages(tmp_path):
     assert_parity(realformer, ["pp=2", "pp=2,dp_shard=2,zero_stage=3,microbatches=2",
                                "pp=2,pp_schedule=zero_bubble,pp_stages_per_rank=2,microbatches=2,"
                                "activation_checkpointing=full"], tmp_path, same_grad_norms=True)
+
+
+@pytest.mark.slow
+def test_realformer_scores_cross_pipeline_stages_under_tensor_parallel(tmp_path):
+    """Under pp x tp each tp rank's stage sends the scores of its own heads (B, H/tp, T, T) to the same tp rank of
+    the next stage; ALiBi's bias is sliced by head on both stages."""
+    realformer = DECODER + ["model.position=alibi", "model.attention.kind=realformer", "model.n_layers=4"]
+    assert_parity(realformer, ["pp=2,tp=2,microbatches=2",
+                               "pp=2,tp=2,sequence_parallel=true,microbatches=4,pp_schedule=interleaved_1f1b,"
+                               "pp_stages_per_rank=2,activation_checkpointing=full"], tmp_path, same_grad_norms=True)

@@ -86,6 +86,11 @@ PARITY_CASES = {
     "realformer-alibi": (dict(attention_model("realformer", "decoder"), position="alibi"), False),
     "realformer-encoder-sp": (attention_model("realformer", "encoder"), True),
     "realformer-t5-sp": (dict(T5, attention=AttentionConfig(kind="realformer")), True),
+    # Heads mixed: every rank gathers all heads' q and k (xscale/parallel/talking_heads.py).
+    "talking-heads-alibi": (dict(attention_model("talking_heads", "decoder"), position="alibi"), False),
+    "talking-heads-gqa-rope-sp": (dict(DECODER, attention=AttentionConfig(kind="talking_heads")), True),
+    "talking-heads-mqa-encoder": (dict(attention_model("talking_heads", "encoder"), n_kv_heads=1), False),
+    "talking-heads-t5-sp": (dict(T5, attention=AttentionConfig(kind="talking_heads")), True),
 }
 
 
@@ -349,12 +354,20 @@ def test_refuses_unsplittable_models(name: str) -> None:
         check_tensor_parallel(ModelConfig(**options), tp)
 
 
+def test_refuses_head_mixing_cores_without_a_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    import xscale.parallel.tensor as tensor
+
+    monkeypatch.setattr(tensor, "HEAD_MIXING_CORES", ())
+    with pytest.raises(ConfigError, match="attention 'talking_heads' mixes information across heads"):
+        check_tensor_parallel(ModelConfig(**attention_model("talking_heads", "decoder")), 2)
+
+
 def test_accepts_splittable_models() -> None:
     check_tensor_parallel(ModelConfig(**DECODER), 2)
     check_tensor_parallel(ModelConfig(**dict(SMALL, n_kv_heads=1)), 4)  # MQA: kv replicated
     check_tensor_parallel(ModelConfig(**dict(SWITCH, d_ff=33, moe=dataclasses.replace(SWITCH["moe"], every=1))), 2)
     check_tensor_parallel(ModelConfig(**dict(SMALL, n_heads=3, d_model=33, vocab_size=7)), 1)
-    for kind in ("memory_compressed", "compressed", "sinkhorn", "realformer", "residual_attention"):
+    for kind in ("memory_compressed", "compressed", "sinkhorn", "realformer", "residual_attention", "talking_heads"):
         check_tensor_parallel(ModelConfig(**attention_model(kind, "decoder")), 2)
 
 

@@ -19,6 +19,8 @@ appear only at the boundaries of the split projections. What is not split: MoE l
 tp (every tp rank routes the full sequence, under sequence parallelism gathered first), as are norms,
 position tables and BERT's head transform; their parameters are Replicate DTensors read as local tensors
 (:mod:`xscale.parallel.replicated`). With n_kv_heads=1 (MQA) the k/v projections are replicated likewise.
+Talking-heads attention mixes heads: each rank gathers every head's q and k and computes its own output heads
+(:mod:`xscale.parallel.talking_heads`, which states the extra cost).
 Every parameter is a DTensor on the tp mesh and every gradient comes back with its parameter's placements.
 
 Dropout masks are functions of each element's global coordinates (:mod:`xscale.models.dropout`), so
@@ -60,6 +62,7 @@ from xscale.models.moe import MoELayer
 from xscale.models.registry import ATTENTION
 from xscale.models.transformer import Stack, Transformer
 from xscale.parallel.replicated import replicate_parameters
+from xscale.parallel.talking_heads import HEAD_MIXING_CORES, parallelize_talking_heads
 from xscale.parallel.vocab_parallel import VocabParallelEmbedding, vocab_sharded_loss_sum
 
 # The hooks through which a position encoding computes (it has no forward).
@@ -114,7 +117,7 @@ def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
         )
     for kind in sorted(_attention_kinds(config)):
         core = ATTENTION.get(kind)
-        if not issubclass(core, HEAD_SPLITTABLE_CORES):
+        if not issubclass(core, HEAD_SPLITTABLE_CORES + HEAD_MIXING_CORES):
             why = ("mixes information across heads" if core.mixes_heads else
                    f"keeps per-head state ({', '.join(core.per_head_state)})" if core.per_head_state else
                    "passes attention scores between layers" if core.carries_scores else
@@ -122,7 +125,7 @@ def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
             raise ConfigError(f"attention '{kind}' {why}, so the tensor-parallel plan refuses it; use parallel.tp=1 "
                               f"(data/pipeline parallel) or one of the kinds verified under tp: dense, the sparse "
                               f"patterns, lsh, linear, performer, rfa, linformer, nystrom, "
-                              f"memory_compressed, sinkhorn, realformer")
+                              f"memory_compressed, sinkhorn, realformer, talking_heads")
         for cls, option in HEAD_DEPENDENT_OPTIONS.items():
             if issubclass(core, cls) and config.attention.options.get(option, False):
                 raise ConfigError(
@@ -172,6 +175,8 @@ def _parallelize_attention(attention: Attention, mesh: DeviceMesh, config: Model
         for name in kv_projections:
             _replicated_projection(getattr(attention, name), mesh)
     parallelize_module(attention, mesh, plan)
+    if attention.core.mixes_heads:  # every rank gathers all heads' q and k
+        parallelize_talking_heads(attention, mesh, config.n_heads, gather_keys=config.kv_heads % tp == 0)
     # One DTensor input for q, k, v: their input gradients are summed before the one collective.
     inputs = (stream, None, stream) if attention.cross else (stream, None)
     desired = (Replicate(), None, Replicate()) if attention.cross else (Replicate(), None)

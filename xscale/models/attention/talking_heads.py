@@ -4,7 +4,9 @@ softmax and their weights after it.
   J = Q K^T / sqrt(d);  J'_g = sum_h J_h P_l[h, g] (+ bias, mask);  W = softmax(J');  W'_g = sum_h W_h P_w[h, g];
   out_g = W'_g V_g.
 P = I + Delta with Delta learned and near 0 at initialisation, so the layer starts as dense attention. It mixes
-heads, so a tensor-parallel plan that splits heads must refuse it (``mixes_heads``). Cost T^2 per head.
+heads (``mixes_heads``): a rank holding some heads cannot compute their output from them alone; tensor
+parallelism gives the core every head's queries and keys and asks for its own output heads
+(:mod:`xscale.parallel.talking_heads`). Cost T^2 per head.
 """
 
 from __future__ import annotations
@@ -29,18 +31,25 @@ class TalkingHeadsAttention(AttentionCore):
         self.post_softmax_mix_delta = nn.Parameter(torch.zeros(model.n_heads, model.n_heads))
 
     @staticmethod
-    def _mix(x: Tensor, delta: Tensor) -> Tensor:
-        """x (B, H, Tq, Tk) -> sum_h x_h (I + delta)[h, g]."""
-        return x + torch.einsum("bhqk,hg->bgqk", x, delta.to(x.dtype))
+    def _mix(x: Tensor, delta: Tensor, heads: slice = slice(None)) -> Tensor:
+        """x (B, H, Tq, Tk) -> sum_h x_h (I + delta)[h, g] for the output heads g in ``heads``."""
+        return x[:, heads] + torch.einsum("bhqk,hg->bgqk", x, delta[:, heads].to(x.dtype))
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None) -> Tensor:
+    def softmax_weights(self, q: Tensor, k: Tensor, *, causal: bool, bias: Tensor | None = None) -> Tensor:
+        """W = softmax(J P_l + bias + mask) (B, H, Tq, Tk) from every head's q (B, H, Tq, d) and k."""
         check_heads(self, self.pre_softmax_mix_delta, q.shape[1])
-        k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+        k = expand_kv(k, q.shape[1])
         logits = self._mix(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5, self.pre_softmax_mix_delta)
         if bias is not None:
             logits = logits + bias.to(logits.dtype)
         if causal:
             logits = logits + causal_bias(q.shape[2], k.shape[2], q.device, q.dtype)
-        weights = self._mix(torch.softmax(logits, dim=-1), self.post_softmax_mix_delta)
-        weights = self.dropout(weights)
-        return weights @ v
+        return torch.softmax(logits, dim=-1)
+
+    def attend_heads(self, weights: Tensor, v: Tensor, heads: slice = slice(None)) -> Tensor:
+        """out_g = dropout(W'_g) V_g for the output heads g in ``heads``, from every head's W and their v."""
+        mixed = self.dropout(self._mix(weights, self.post_softmax_mix_delta, heads))
+        return mixed @ expand_kv(v, mixed.shape[1])
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None) -> Tensor:
+        return self.attend_heads(self.softmax_weights(q, k, causal=causal, bias=bias), v)
