@@ -221,3 +221,12 @@ def test_realformer_scores_cross_pipeline_stages_under_tensor_parallel(tmp_path)
     assert_parity(realformer, ["pp=2,tp=2,microbatches=2",
                                "pp=2,tp=2,sequence_parallel=true,microbatches=4,pp_schedule=interleaved_1f1b,"
                                "pp_stages_per_rank=2,activation_checkpointing=full"], tmp_path, same_grad_norms=True)
+
+
+@pytest.mark.slow
+def test_talking_heads_and_realformer_under_pipeline_x_tensor_parallel(tmp_path):
+    """Talking heads (q and k gathered over tp) between RealFormer blocks: layer 0's scores pass by layer 1 and cross
+    the stage boundary to layers 2 and 3."""
+    mixed = DECODER + ["model.position=alibi", "model.n_layers=4",
+                       "model.attention.per_layer=[realformer, talking_heads, realformer, realformer]"]
+    assert_parity(mixed, ["pp=2,tp=2,microbatches=2"], tmp_path, same_grad_norms=True)
