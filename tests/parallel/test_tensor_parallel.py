@@ -77,6 +77,20 @@ PARITY_CASES = {
     "switch-moe": (SWITCH, False),
     "switch-moe-sp": (SWITCH, True),
     "shared-layers-sp": (dict(SMALL, share_layers=True), True),
+    # Per-head state split by head (xscale/parallel/head_sharded.py); buffers compared too.
+    "gaussian": (attention_model("gaussian", "decoder", sigma=3.0), False),
+    "gaussian-prior-alibi-sp": (dict(attention_model("gaussian_prior", "encoder"), position="alibi"), True),
+    "adaptive-span": (attention_model("adaptive_span", "decoder", max_span=8, ramp=4, span_loss=0.01), False),
+    "synthesizer-dense-sp": (attention_model("synthesizer", "decoder", mode="dense"), True),
+    "synthesizer-random": (attention_model("synthesizer", "encoder", mode="random"), False),
+    "synthesizer-factorized": (attention_model("synthesizer", "decoder", mode="factorized", rank=4), False),
+    "inducing": (attention_model("inducing", "encoder"), False),
+    "isab-sp": (attention_model("isab", "encoder"), True),
+    "luna-causal": (attention_model("luna", "decoder", packed_length=4), False),
+    "luna-encoder": (attention_model("luna", "encoder", packed_length=4), False),
+    # Centroids move at every training forward after the first (decay 0.5); the pending statistics compared too.
+    "routing": (attention_model("routing", "decoder", clusters=2, decay=0.5), False),
+    "routing-sp": (attention_model("routing", "decoder", clusters=2, decay=0.5), True),
 }
 
 
@@ -198,6 +212,18 @@ def compare_parameters(single: torch.nn.Module, parallel: torch.nn.Module, step:
     return problems
 
 
+def compare_buffers(single: torch.nn.Module, parallel: torch.nn.Module, step: int) -> list[str]:
+    """Buffers split by head (routing's centroids) equal one process's once gathered."""
+    expected = dict(single.named_buffers())
+    problems = []
+    for name, buffer in parallel.named_buffers():
+        if isinstance(buffer, DTensor):
+            error = (buffer.full_tensor().float() - expected[name].float()).abs().max().item()
+            if error > PARAM_ATOL:
+                problems.append(f"after step {step}: buffer {name} differs by {error:.2e} (atol {PARAM_ATOL})")
+    return problems
+
+
 def compare_gradients(single: torch.nn.Module, parallel: torch.nn.Module, step: int) -> list[str]:
     problems = []
     expected = dict(single.named_parameters())
@@ -248,7 +274,7 @@ def check_parity(mesh: DeviceMesh, config: ModelConfig, sequence_parallel: bool,
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
-    return problems + compare_parameters(single, parallel, steps - 1)
+    return problems + compare_parameters(single, parallel, steps - 1) + compare_buffers(single, parallel, steps - 1)
 
 
 def check_replicas_agree_under_dropout(mesh: DeviceMesh, config: ModelConfig, sequence_parallel: bool) -> list[str]:

@@ -45,17 +45,22 @@ from torch.distributed.tensor.parallel import (
 from xscale.config import ConfigError, ModelConfig
 from xscale.models.attention import Attention
 from xscale.models.attention.dense import DenseAttention
+from xscale.models.attention.inducing import PooledAttention
 from xscale.models.attention.linear import LinearAttention
 from xscale.models.attention.lowrank import LinformerAttention, NystromAttention
 from xscale.models.attention.lsh import LSHAttention
+from xscale.models.attention.priors import AdaptiveSpanAttention, GaussianPriorAttention
 from xscale.models.attention.random_features import RandomFeatureAttention
+from xscale.models.attention.routing import RoutingAttention
 from xscale.models.attention.sparse import FixedAttention, PatternAttention, StridedAttention
+from xscale.models.attention.synthesizer import SynthesizerAttention
 from xscale.models.block import Residual, TransformerBlock
 from xscale.models.dropout import Dropout
 from xscale.models.ffn import MLP, GatedMLP
 from xscale.models.moe import MoELayer
 from xscale.models.registry import ATTENTION
 from xscale.models.transformer import Stack, Transformer
+from xscale.parallel.head_sharded import shard_head_state
 from xscale.parallel.replicated import replicate_parameters
 from xscale.parallel.vocab_parallel import VocabParallelEmbedding, vocab_sharded_loss_sum
 
@@ -65,6 +70,9 @@ POSITION_METHODS = ("embed", "rotate", "bias")
 # Cores whose heads are independent and whose tp=2 parity is tested (tests/parallel/test_tensor_parallel.py).
 HEAD_SPLITTABLE_CORES = (DenseAttention, PatternAttention, LSHAttention, LinearAttention, RandomFeatureAttention,
                          LinformerAttention, NystromAttention)
+# Cores whose per-head state (per_head_state) is split by head (xscale.parallel.head_sharded), tp=2 parity tested.
+HEAD_SHARDED_STATE_CORES = (GaussianPriorAttention, AdaptiveSpanAttention, SynthesizerAttention, PooledAttention,
+                            RoutingAttention)
 HEAD_DEPENDENT_OPTIONS = {StridedAttention: "split_heads", FixedAttention: "split_heads"}
 
 
@@ -109,14 +117,15 @@ def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
         )
     for kind in sorted(_attention_kinds(config)):
         core = ATTENTION.get(kind)
-        if not issubclass(core, HEAD_SPLITTABLE_CORES):
+        if not issubclass(core, HEAD_SPLITTABLE_CORES + HEAD_SHARDED_STATE_CORES):
             why = ("mixes information across heads" if core.mixes_heads else
                    f"keeps per-head state ({', '.join(core.per_head_state)})" if core.per_head_state else
                    "passes attention scores between layers" if core.carries_scores else
                    "has not been verified split by heads (no tp parity test yet)")
             raise ConfigError(f"attention '{kind}' {why}, so the tensor-parallel plan refuses it; use parallel.tp=1 "
                               f"(data/pipeline parallel) or one of the kinds verified under tp: dense, the sparse "
-                              f"patterns, lsh, linear, performer, rfa, linformer, nystrom")
+                              f"patterns, lsh, linear, performer, rfa, linformer, nystrom, and (their per-head state "
+                              f"split by head) gaussian, adaptive_span, synthesizer, inducing/isab, luna, routing")
         for cls, option in HEAD_DEPENDENT_OPTIONS.items():
             if issubclass(core, cls) and config.attention.options.get(option, False):
                 raise ConfigError(
@@ -170,6 +179,7 @@ def _parallelize_attention(attention: Attention, mesh: DeviceMesh, config: Model
     inputs = (stream, None, stream) if attention.cross else (stream, None)
     desired = (Replicate(), None, Replicate()) if attention.cross else (Replicate(), None)
     parallelize_module(attention, mesh, PrepareModuleInput(input_layouts=inputs, desired_input_layouts=desired))
+    shard_head_state(attention.core, mesh)  # per_head_state: each rank holds its heads' rows
     replicate_parameters(attention.core, mesh, sum_gradients=True)  # per-head use, e.g. Linformer's E, F
 
 
