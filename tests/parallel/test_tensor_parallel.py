@@ -419,6 +419,7 @@ def fsdp_over_tensor_parallel(rank: int, port: int, case: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["decoder-gqa-rope-swiglu-sp", "t5-encoder-decoder-sp"])
+@pytest.mark.parametrize("case", ["decoder-gqa-rope-swiglu-sp", "t5-encoder-decoder-sp", "synthesizer-dense-sp", "routing",
+                                  "isab-sp"])
 def test_fsdp2_over_tensor_parallel(case: str) -> None:
     mp.spawn(fsdp_over_tensor_parallel, args=(free_port(), case), nprocs=4, join=True)
