@@ -137,9 +137,7 @@ PER_HEAD_STATE = [*MODEL, "model.attention.kind=routing", "model.attention.per_l
                   "model.attention.options={clusters: 2, window: 8, decay: 0.5, mode: dense}", "model.max_seq_len=16"]
 
 
-@pytest.mark.parametrize("save_layout,resume_layout", [
-    ("tp=2", "single"),
-    pytest.param("single", "tp=2,sequence_parallel=true", marks=pytest.mark.slow),
-])
+@pytest.mark.slow
+@pytest.mark.parametrize("save_layout,resume_layout", [("tp=2", "single"), ("single", "tp=2,sequence_parallel=true")])
 def test_per_head_state_reshards_between_tensor_parallel_and_one_process(save_layout, resume_layout, tmp_path):
     check_resharding(save_layout, resume_layout, tmp_path, model=PER_HEAD_STATE)

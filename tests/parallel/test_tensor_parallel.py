@@ -84,6 +84,8 @@ PARITY_CASES = {
     "synthesizer-dense-sp": (attention_model("synthesizer", "decoder", mode="dense"), True),
     "synthesizer-random": (attention_model("synthesizer", "encoder", mode="random"), False),
     "synthesizer-factorized": (attention_model("synthesizer", "decoder", mode="factorized", rank=4), False),
+    # No queries are projected: the core's placeholder must count this rank's heads, not the replicated kv head's.
+    "synthesizer-random-mqa": (dict(attention_model("synthesizer", "decoder", mode="random"), n_kv_heads=1), False),
     "inducing": (attention_model("inducing", "encoder"), False),
     "isab-sp": (attention_model("isab", "encoder"), True),
     "luna-causal": (attention_model("luna", "decoder", packed_length=4), False),

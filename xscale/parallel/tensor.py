@@ -19,6 +19,8 @@ appear only at the boundaries of the split projections. What is not split: MoE l
 tp (every tp rank routes the full sequence, under sequence parallelism gathered first), as are norms,
 position tables and BERT's head transform; their parameters are Replicate DTensors read as local tensors
 (:mod:`xscale.parallel.replicated`). With n_kv_heads=1 (MQA) the k/v projections are replicated likewise.
+An attention core's per-head state (its ``per_head_state``: Gaussian/adaptive-span widths, Synthesizer weights,
+pooling points, routing centroids) is split by head like q/k/v (:mod:`xscale.parallel.head_sharded`).
 Every parameter is a DTensor on the tp mesh and every gradient comes back with its parameter's placements.
 
 Dropout masks are functions of each element's global coordinates (:mod:`xscale.models.dropout`), so
@@ -162,13 +164,14 @@ def _parallelize_attention(attention: Attention, mesh: DeviceMesh, config: Model
                            sequence_parallel: bool) -> None:
     stream = _stream(sequence_parallel)
     tp = mesh.size()
-    attention.head_offset = mesh.get_local_rank() * (config.n_heads // tp)
+    attention.local_heads = config.n_heads // tp
+    attention.head_offset = mesh.get_local_rank() * attention.local_heads
     attention.core.dropout.shard_index = mesh.get_local_rank()  # probabilities (B, H, Tq, Tk): heads on dim 1
     plan: dict[str, ColwiseParallel | RowwiseParallel] = {
         "wq": ColwiseParallel(),
         "wo": RowwiseParallel(output_layouts=stream),
     }
-    kv_projections = ["wv"] if attention.core.shares_qk else ["wk", "wv"]
+    kv_projections = [name for name in ("wk", "wv") if hasattr(attention, name)]  # no wk: shares_qk, uses_keys
     if config.kv_heads % tp == 0:
         plan.update({name: ColwiseParallel() for name in kv_projections})
     else:

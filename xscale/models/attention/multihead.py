@@ -35,6 +35,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(d, config.kv_heads * hd, bias=config.bias)
         self.wo = nn.Linear(config.n_heads * hd, d, bias=config.bias)
         self.head_offset = 0  # first global head held here (set by tensor parallelism)
+        self.local_heads = config.n_heads  # query heads held here (set by tensor parallelism)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
@@ -52,7 +53,7 @@ class Attention(nn.Module):
         source = memory if self.cross else x
         v = self._heads(self.wv(source))
         core = self.core
-        q = self._heads(self.wq(x)) if core.uses_queries else self._placeholder(x, v.shape[1] * self.query_groups)
+        q = self._heads(self.wq(x)) if core.uses_queries else self._placeholder(x, self.local_heads)
         if core.shares_qk:
             k = q
         else:
