@@ -202,9 +202,10 @@ SYNTHESIZER = ["model.attention.kind=synthesizer", "model.attention.options={mod
 @pytest.mark.slow
 def test_per_head_state_split_by_tensor_parallel(tmp_path):
     """Routing's centroids (moved by every training forward) and the Synthesizer's weights, split by head over
-    tp=2: each rank holds and updates its heads' rows."""
+    tp=2: each rank holds and updates its heads' rows; the Synthesizer's attention dropout by global head too."""
     assert_parity(DECODER + ROUTING, ["tp=2,sequence_parallel=true"], tmp_path / "routing", same_grad_norms=True)
     assert_parity(DECODER + SYNTHESIZER, ["tp=2"], tmp_path / "synthesizer", same_grad_norms=True)
+    assert_parity(DECODER + DROPOUT + SYNTHESIZER, ["tp=2,sequence_parallel=true"], tmp_path / "dropout")
 
 
 @pytest.mark.slow

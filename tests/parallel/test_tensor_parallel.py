@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from xscale.config import AttentionConfig, ConfigError, ModelConfig, MoEConfig
 from xscale.models import build_model
@@ -93,6 +93,7 @@ PARITY_CASES = {
     # Centroids move at every training forward after the first (decay 0.5); the pending statistics compared too.
     "routing": (attention_model("routing", "decoder", clusters=2, decay=0.5), False),
     "routing-sp": (attention_model("routing", "decoder", clusters=2, decay=0.5), True),
+    "gaussian-shared-layers-sp": (dict(attention_model("gaussian", "decoder"), share_layers=True), True),
 }
 
 
@@ -324,6 +325,27 @@ def check_logits_are_vocab_sharded(mesh: DeviceMesh, config: ModelConfig) -> lis
     return problems
 
 
+def check_head_state_is_split(mesh: DeviceMesh, config: ModelConfig) -> list[str]:
+    """Each rank stores only its heads' rows of every per-head parameter and buffer (no replicated copy); the
+    state dict shows them full-size, as a checkpoint sees them."""
+    parallel = tensor_parallel_model(config, mesh, sequence_parallel=False)
+    state = parallel.state_dict()
+    problems = []
+    found = 0
+    for prefix, module in parallel.named_modules():
+        for name in getattr(type(module), "per_head_state", ()):
+            tensor = getattr(module, name, None)
+            if tensor is None:
+                continue
+            found += 1
+            full = state[f"{prefix}.{name}"]
+            if not isinstance(tensor, DTensor) or tensor.placements != (Shard(0),):
+                problems.append(f"{prefix}.{name} is not a Shard(0) DTensor")
+            elif tensor.to_local().shape[0] != config.n_heads // WORLD or full.shape[0] != config.n_heads:
+                problems.append(f"{prefix}.{name}: local rows {tensor.to_local().shape[0]}, full {full.shape[0]}")
+    return problems if found else ["no per-head state found"]
+
+
 # --------------------------------------------------------------------------- tests
 
 
@@ -337,6 +359,11 @@ def test_matches_single_process(ranks: Ranks, name: str) -> None:
 def test_replicas_agree_under_dropout(ranks: Ranks, sequence_parallel: bool) -> None:
     config = ModelConfig(**dict(DECODER, dropout=0.2, attention_dropout=0.2))
     ranks.run(check_replicas_agree_under_dropout, config, sequence_parallel)
+
+
+@pytest.mark.parametrize("kind", ["routing", "synthesizer"])
+def test_per_head_state_is_split_by_head(ranks: Ranks, kind: str) -> None:
+    ranks.run(check_head_state_is_split, ModelConfig(**attention_model(kind, "decoder")))
 
 
 def test_sequence_parallel_refuses_indivisible_lengths(ranks: Ranks) -> None:
@@ -373,6 +400,9 @@ def test_accepts_splittable_models() -> None:
     check_tensor_parallel(ModelConfig(**dict(SMALL, n_kv_heads=1)), 4)  # MQA: kv replicated
     check_tensor_parallel(ModelConfig(**dict(SWITCH, d_ff=33, moe=dataclasses.replace(SWITCH["moe"], every=1))), 2)
     check_tensor_parallel(ModelConfig(**dict(SMALL, n_heads=3, d_model=33, vocab_size=7)), 1)
+    for kind in ("gaussian", "gaussian_prior", "adaptive_span", "synthesizer", "inducing", "isab", "luna", "routing"):
+        check_tensor_parallel(ModelConfig(**attention_model(kind, "encoder" if kind in ("inducing", "isab")
+                                                            else "decoder")), 2)  # per-head state split by head
 
 
 # --------------------------------------------------------------------------- composed with FSDP2 (4 ranks)
