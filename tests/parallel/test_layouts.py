@@ -216,3 +216,11 @@ def test_per_head_state_under_data_tensor_parallel_and_zero3(tmp_path):
                                       "dp_shard=2,tp=2"], tmp_path / "routing", same_grad_norms=True)
     assert_parity(DECODER + SYNTHESIZER, ["dp_shard=2,tp=2,zero_stage=3"], tmp_path / "synthesizer",
                   same_grad_norms=True)
+
+
+@pytest.mark.slow
+def test_per_head_state_under_pipeline_x_tensor_parallel(tmp_path):
+    """Each stage splits its cores' per-head state by head (the Synthesizer's weights, the Gaussian widths)."""
+    mixed = ["model.attention.kind=synthesizer", "model.attention.per_layer=[synthesizer,gaussian]",
+             "model.attention.options={mode: dense, sigma: 3.0}", "model.max_seq_len=16"]
+    assert_parity(DECODER + mixed, ["pp=2,tp=2,microbatches=2"], tmp_path, same_grad_norms=True)
