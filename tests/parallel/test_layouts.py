@@ -230,3 +230,34 @@ def test_talking_heads_and_realformer_under_pipeline_x_tensor_parallel(tmp_path)
     mixed = DECODER + ["model.position=alibi", "model.n_layers=4",
                        "model.attention.per_layer=[realformer, talking_heads, realformer, realformer]"]
     assert_parity(mixed, ["pp=2,tp=2,microbatches=2"], tmp_path, same_grad_norms=True)
+
+
+ROUTING = ["model.attention.kind=routing", "model.attention.options={clusters: 2, window: 8, decay: 0.5}"]
+SYNTHESIZER = ["model.attention.kind=synthesizer", "model.attention.options={mode: dense}", "model.max_seq_len=16"]
+
+
+@pytest.mark.slow
+def test_per_head_state_split_by_tensor_parallel(tmp_path):
+    """Routing's centroids (moved by every training forward) and the Synthesizer's weights, split by head over
+    tp=2: each rank holds and updates its heads' rows; the Synthesizer's attention dropout by global head too."""
+    assert_parity(DECODER + ROUTING, ["tp=2,sequence_parallel=true"], tmp_path / "routing", same_grad_norms=True)
+    assert_parity(DECODER + SYNTHESIZER, ["tp=2"], tmp_path / "synthesizer", same_grad_norms=True)
+    assert_parity(DECODER + DROPOUT + SYNTHESIZER, ["tp=2,sequence_parallel=true"], tmp_path / "dropout")
+
+
+@pytest.mark.slow
+def test_per_head_state_under_data_tensor_parallel_and_zero3(tmp_path):
+    """dp_shard=2 x tp=2 with ZeRO-3: routing's statistics are summed over dp only (each tp rank holds other
+    heads), with activation checkpointing replaying the forwards; the Synthesizer's per-head weights FSDP-sharded."""
+    assert_parity(DECODER + ROUTING, ["dp_shard=2,tp=2,zero_stage=3,activation_checkpointing=full",
+                                      "dp_shard=2,tp=2"], tmp_path / "routing", same_grad_norms=True)
+    assert_parity(DECODER + SYNTHESIZER, ["dp_shard=2,tp=2,zero_stage=3"], tmp_path / "synthesizer",
+                  same_grad_norms=True)
+
+
+@pytest.mark.slow
+def test_per_head_state_under_pipeline_x_tensor_parallel(tmp_path):
+    """Each stage splits its cores' per-head state by head (the Synthesizer's weights, the Gaussian widths)."""
+    mixed = ["model.attention.kind=synthesizer", "model.attention.per_layer=[synthesizer,gaussian]",
+             "model.attention.options={mode: dense, sigma: 3.0}", "model.max_seq_len=16"]
+    assert_parity(DECODER + mixed, ["pp=2,tp=2,microbatches=2"], tmp_path, same_grad_norms=True)

@@ -129,3 +129,15 @@ ENCODER_DECODER = ["model.family=encoder_decoder", "model.n_decoder_layers=2", "
 ])
 def test_encoder_decoder_pipeline_checkpoints_move_between_layouts(save_layout, resume_layout, tmp_path):
     check_resharding(save_layout, resume_layout, tmp_path, model=[*MODEL, *ENCODER_DECODER])
+
+
+# Per-head state split by head under tp: routing's centroids (buffers moved every step) in layer 0, the
+# Synthesizer's weights in layer 1.
+PER_HEAD_STATE = [*MODEL, "model.attention.kind=routing", "model.attention.per_layer=[routing,synthesizer]",
+                  "model.attention.options={clusters: 2, window: 8, decay: 0.5, mode: dense}", "model.max_seq_len=16"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("save_layout,resume_layout", [("tp=2", "single"), ("single", "tp=2,sequence_parallel=true")])
+def test_per_head_state_reshards_between_tensor_parallel_and_one_process(save_layout, resume_layout, tmp_path):
+    check_resharding(save_layout, resume_layout, tmp_path, model=PER_HEAD_STATE)

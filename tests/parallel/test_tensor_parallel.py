@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from xscale.config import AttentionConfig, ConfigError, ModelConfig, MoEConfig
 from xscale.models import build_model
@@ -91,6 +91,23 @@ PARITY_CASES = {
     "talking-heads-gqa-rope-sp": (dict(DECODER, attention=AttentionConfig(kind="talking_heads")), True),
     "talking-heads-mqa-encoder": (dict(attention_model("talking_heads", "encoder"), n_kv_heads=1), False),
     "talking-heads-t5-sp": (dict(T5, attention=AttentionConfig(kind="talking_heads")), True),
+    # Per-head state split by head (xscale/parallel/head_sharded.py); buffers compared too.
+    "gaussian": (attention_model("gaussian", "decoder", sigma=3.0), False),
+    "gaussian-prior-alibi-sp": (dict(attention_model("gaussian_prior", "encoder"), position="alibi"), True),
+    "adaptive-span": (attention_model("adaptive_span", "decoder", max_span=8, ramp=4, span_loss=0.01), False),
+    "synthesizer-dense-sp": (attention_model("synthesizer", "decoder", mode="dense"), True),
+    "synthesizer-random": (attention_model("synthesizer", "encoder", mode="random"), False),
+    "synthesizer-factorized": (attention_model("synthesizer", "decoder", mode="factorized", rank=4), False),
+    # No queries are projected: the core's placeholder must count this rank's heads, not the replicated kv head's.
+    "synthesizer-random-mqa": (dict(attention_model("synthesizer", "decoder", mode="random"), n_kv_heads=1), False),
+    "inducing": (attention_model("inducing", "encoder"), False),
+    "isab-sp": (attention_model("isab", "encoder"), True),
+    "luna-causal": (attention_model("luna", "decoder", packed_length=4), False),
+    "luna-encoder": (attention_model("luna", "encoder", packed_length=4), False),
+    # Centroids move at every training forward after the first (decay 0.5); the pending statistics compared too.
+    "routing": (attention_model("routing", "decoder", clusters=2, decay=0.5), False),
+    "routing-sp": (attention_model("routing", "decoder", clusters=2, decay=0.5), True),
+    "gaussian-shared-layers-sp": (dict(attention_model("gaussian", "decoder"), share_layers=True), True),
 }
 
 
@@ -212,6 +229,18 @@ def compare_parameters(single: torch.nn.Module, parallel: torch.nn.Module, step:
     return problems
 
 
+def compare_buffers(single: torch.nn.Module, parallel: torch.nn.Module, step: int) -> list[str]:
+    """Buffers split by head (routing's centroids) equal one process's once gathered."""
+    expected = dict(single.named_buffers())
+    problems = []
+    for name, buffer in parallel.named_buffers():
+        if isinstance(buffer, DTensor):
+            error = (buffer.full_tensor().float() - expected[name].float()).abs().max().item()
+            if error > PARAM_ATOL:
+                problems.append(f"after step {step}: buffer {name} differs by {error:.2e} (atol {PARAM_ATOL})")
+    return problems
+
+
 def compare_gradients(single: torch.nn.Module, parallel: torch.nn.Module, step: int) -> list[str]:
     problems = []
     expected = dict(single.named_parameters())
@@ -262,7 +291,7 @@ def check_parity(mesh: DeviceMesh, config: ModelConfig, sequence_parallel: bool,
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
-    return problems + compare_parameters(single, parallel, steps - 1)
+    return problems + compare_parameters(single, parallel, steps - 1) + compare_buffers(single, parallel, steps - 1)
 
 
 def check_replicas_agree_under_dropout(mesh: DeviceMesh, config: ModelConfig, sequence_parallel: bool) -> list[str]:
@@ -310,6 +339,27 @@ def check_logits_are_vocab_sharded(mesh: DeviceMesh, config: ModelConfig) -> lis
     return problems
 
 
+def check_head_state_is_split(mesh: DeviceMesh, config: ModelConfig) -> list[str]:
+    """Each rank stores only its heads' rows of every per-head parameter and buffer (no replicated copy); the
+    state dict shows them full-size, as a checkpoint sees them."""
+    parallel = tensor_parallel_model(config, mesh, sequence_parallel=False)
+    state = parallel.state_dict()
+    problems = []
+    found = 0
+    for prefix, module in parallel.named_modules():
+        for name in getattr(type(module), "per_head_state", ()):
+            tensor = getattr(module, name, None)
+            if tensor is None:
+                continue
+            found += 1
+            full = state[f"{prefix}.{name}"]
+            if not isinstance(tensor, DTensor) or tensor.placements != (Shard(0),):
+                problems.append(f"{prefix}.{name} is not a Shard(0) DTensor")
+            elif tensor.to_local().shape[0] != config.n_heads // WORLD or full.shape[0] != config.n_heads:
+                problems.append(f"{prefix}.{name}: local rows {tensor.to_local().shape[0]}, full {full.shape[0]}")
+    return problems if found else ["no per-head state found"]
+
+
 # --------------------------------------------------------------------------- tests
 
 
@@ -323,6 +373,11 @@ def test_matches_single_process(ranks: Ranks, name: str) -> None:
 def test_replicas_agree_under_dropout(ranks: Ranks, sequence_parallel: bool) -> None:
     config = ModelConfig(**dict(DECODER, dropout=0.2, attention_dropout=0.2))
     ranks.run(check_replicas_agree_under_dropout, config, sequence_parallel)
+
+
+@pytest.mark.parametrize("kind", ["routing", "synthesizer"])
+def test_per_head_state_is_split_by_head(ranks: Ranks, kind: str) -> None:
+    ranks.run(check_head_state_is_split, ModelConfig(**attention_model(kind, "decoder")))
 
 
 def test_sequence_parallel_refuses_indivisible_lengths(ranks: Ranks) -> None:
@@ -369,6 +424,9 @@ def test_accepts_splittable_models() -> None:
     check_tensor_parallel(ModelConfig(**dict(SMALL, n_heads=3, d_model=33, vocab_size=7)), 1)
     for kind in ("memory_compressed", "compressed", "sinkhorn", "realformer", "residual_attention", "talking_heads"):
         check_tensor_parallel(ModelConfig(**attention_model(kind, "decoder")), 2)
+    for kind in ("gaussian", "gaussian_prior", "adaptive_span", "synthesizer", "inducing", "isab", "luna", "routing"):
+        check_tensor_parallel(ModelConfig(**attention_model(kind, "encoder" if kind in ("inducing", "isab")
+                                                            else "decoder")), 2)  # per-head state split by head
 
 
 # --------------------------------------------------------------------------- composed with FSDP2 (4 ranks)
@@ -417,6 +475,7 @@ def fsdp_over_tensor_parallel(rank: int, port: int, case: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["decoder-gqa-rope-swiglu-sp", "t5-encoder-decoder-sp"])
+@pytest.mark.parametrize("case", ["decoder-gqa-rope-swiglu-sp", "t5-encoder-decoder-sp", "synthesizer-dense-sp", "routing",
+                                  "isab-sp"])
 def test_fsdp2_over_tensor_parallel(case: str) -> None:
     mp.spawn(fsdp_over_tensor_parallel, args=(free_port(), case), nprocs=4, join=True)

@@ -37,7 +37,8 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
 
 def _share_routing_statistics(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims) -> None:
     """Routing attention's k-means statistics are sums over the tokens seen: sum them over the data-parallel
-    ranks, so every rank moves its centroids alike (as one device would on the whole batch)."""
+    ranks, so every rank moves its centroids alike (as one device would on the whole batch). Over dp only: a tp
+    rank holds the statistics of its own heads (:mod:`xscale.parallel.head_sharded`)."""
     from xscale.models.attention.routing import RoutingAttention
 
     if dims.dp == 1:

@@ -20,7 +20,7 @@ The gradient reaches the DTensor in one of two ways:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,9 @@ from torch.distributed.tensor import DTensor, Replicate
 # Set on each module whose parameters were replicated: their names, and the group summing their gradients.
 LOCAL_NAMES = "_tensor_parallel_local_parameters"
 GRADIENT_GROUP = "_tensor_parallel_gradient_group"
+# Set on each module whose parameters/buffers are sharded DTensors used as their local shards
+# (:mod:`xscale.parallel.head_sharded`): their names.
+SHARDED_NAMES = "_tensor_parallel_sharded_state"
 
 
 class SumGradients(torch.autograd.Function):
@@ -50,8 +53,10 @@ class SumGradients(torch.autograd.Function):
 
 @contextlib.contextmanager
 def local_parameters(module: nn.Module) -> Iterator[None]:
-    """Within the block, the replicated parameters under ``module`` are their local tensors."""
-    swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
+    """Within the block, the replicated parameters under ``module`` are their local tensors, and so are its
+    sharded parameters and buffers (their gradients keep the shards' placements; in-place updates of a buffer
+    land in the DTensor's local storage)."""
+    swapped: list[tuple[dict, str, torch.Tensor]] = []
     try:
         for submodule in module.modules():
             group = submodule.__dict__.get(GRADIENT_GROUP)
@@ -61,35 +66,52 @@ def local_parameters(module: nn.Module) -> Iterator[None]:
                     continue  # an enclosing module's call already swapped it
                 local = param.to_local()
                 submodule._parameters[name] = SumGradients.apply(local, group) if group is not None else local
-                swapped.append((submodule, name, param))
+                swapped.append((submodule._parameters, name, param))
+            for name in submodule.__dict__.get(SHARDED_NAMES, ()):
+                slots = submodule._parameters if name in submodule._parameters else submodule._buffers
+                state = slots[name]
+                if not isinstance(state, DTensor):
+                    continue
+                if isinstance(state, nn.Parameter):
+                    slots[name] = state.to_local()  # its gradient comes back as this rank's shard
+                else:
+                    with torch.no_grad():
+                        slots[name] = state.to_local()  # the local storage itself: updates in place persist
+                swapped.append((slots, name, state))
         yield
     finally:
-        for submodule, name, param in reversed(swapped):
-            submodule._parameters[name] = param
+        for slots, name, state in reversed(swapped):
+            slots[name] = state
 
 
-_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
+_CLASSES: dict[tuple[type, tuple], type] = {}
 
 
-def _computing_with_local_parameters(cls: type, methods: tuple[str, ...]) -> type:
-    """A subclass of ``cls`` whose ``methods`` run inside :func:`local_parameters` (cached per class)."""
-    key = (cls, methods)
+def computing_within(cls: type, contexts: tuple[tuple[str, Callable[[nn.Module], contextlib.AbstractContextManager]],
+                                                ...], prefix: str = "Replicated") -> type:
+    """A subclass of ``cls`` whose methods named in ``contexts`` run inside their context (cached per class)."""
+    key = (cls, contexts)
     if key not in _CLASSES:
-        def wrap(name: str):
+        def wrap(name: str, context):
             original = getattr(cls, name)
 
             def method(self, *args, **kwargs):
-                with local_parameters(self):
+                with context(self):
                     return original(self, *args, **kwargs)
 
             method.__name__ = method.__qualname__ = name
             method.__doc__ = original.__doc__
             return method
 
-        attributes = {name: wrap(name) for name in methods}
+        attributes = {name: wrap(name, context) for name, context in contexts}
         attributes.update(__module__=cls.__module__, _computes_with_local_parameters=True)
-        _CLASSES[key] = type(f"Replicated{cls.__name__}", (cls,), attributes)
+        _CLASSES[key] = type(f"{prefix}{cls.__name__}", (cls,), attributes)
     return _CLASSES[key]
+
+
+def _computing_with_local_parameters(cls: type, methods: tuple[str, ...]) -> type:
+    """A subclass of ``cls`` whose ``methods`` run inside :func:`local_parameters`."""
+    return computing_within(cls, tuple((name, local_parameters) for name in methods))
 
 
 def replicate_parameters(module: nn.Module, mesh: DeviceMesh, *, sum_gradients: bool,

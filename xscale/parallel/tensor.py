@@ -21,6 +21,8 @@ position tables and BERT's head transform; their parameters are Replicate DTenso
 (:mod:`xscale.parallel.replicated`). With n_kv_heads=1 (MQA) the k/v projections are replicated likewise.
 Talking-heads attention mixes heads: each rank gathers every head's q and k and computes its own output heads
 (:mod:`xscale.parallel.talking_heads`, which states the extra cost).
+An attention core's per-head state (its ``per_head_state``: Gaussian/adaptive-span widths, Synthesizer weights,
+pooling points, routing centroids) is split by head like q/k/v (:mod:`xscale.parallel.head_sharded`).
 Every parameter is a DTensor on the tp mesh and every gradient comes back with its parameter's placements.
 
 Dropout masks are functions of each element's global coordinates (:mod:`xscale.models.dropout`), so
@@ -48,19 +50,24 @@ from xscale.config import ConfigError, ModelConfig
 from xscale.models.attention import Attention
 from xscale.models.attention.compressed import MemoryCompressedAttention
 from xscale.models.attention.dense import DenseAttention
+from xscale.models.attention.inducing import PooledAttention
 from xscale.models.attention.linear import LinearAttention
 from xscale.models.attention.lowrank import LinformerAttention, NystromAttention
 from xscale.models.attention.lsh import LSHAttention
+from xscale.models.attention.priors import AdaptiveSpanAttention, GaussianPriorAttention
 from xscale.models.attention.random_features import RandomFeatureAttention
 from xscale.models.attention.residual import RealFormerAttention
+from xscale.models.attention.routing import RoutingAttention
 from xscale.models.attention.sinkhorn import SinkhornAttention
 from xscale.models.attention.sparse import FixedAttention, PatternAttention, StridedAttention
+from xscale.models.attention.synthesizer import SynthesizerAttention
 from xscale.models.block import Residual, TransformerBlock
 from xscale.models.dropout import Dropout
 from xscale.models.ffn import MLP, GatedMLP
 from xscale.models.moe import MoELayer
 from xscale.models.registry import ATTENTION
 from xscale.models.transformer import Stack, Transformer
+from xscale.parallel.head_sharded import shard_head_state
 from xscale.parallel.replicated import replicate_parameters
 from xscale.parallel.talking_heads import HEAD_MIXING_CORES, parallelize_talking_heads
 from xscale.parallel.vocab_parallel import VocabParallelEmbedding, vocab_sharded_loss_sum
@@ -73,6 +80,9 @@ HEAD_SPLITTABLE_CORES = (DenseAttention, PatternAttention, LSHAttention, LinearA
                          LinformerAttention, NystromAttention)
 # Heads independent too: shared per-head networks (compression, sorting net), scores carried per head.
 HEAD_SPLITTABLE_CORES += (MemoryCompressedAttention, SinkhornAttention, RealFormerAttention)
+# Cores whose per-head state (per_head_state) is split by head (xscale.parallel.head_sharded), tp=2 parity tested.
+HEAD_SHARDED_STATE_CORES = (GaussianPriorAttention, AdaptiveSpanAttention, SynthesizerAttention, PooledAttention,
+                            RoutingAttention)
 HEAD_DEPENDENT_OPTIONS = {StridedAttention: "split_heads", FixedAttention: "split_heads"}
 
 
@@ -117,15 +127,17 @@ def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
         )
     for kind in sorted(_attention_kinds(config)):
         core = ATTENTION.get(kind)
-        if not issubclass(core, HEAD_SPLITTABLE_CORES + HEAD_MIXING_CORES):
+        if not issubclass(core, HEAD_SPLITTABLE_CORES + HEAD_SHARDED_STATE_CORES + HEAD_MIXING_CORES):
             why = ("mixes information across heads" if core.mixes_heads else
                    f"keeps per-head state ({', '.join(core.per_head_state)})" if core.per_head_state else
                    "passes attention scores between layers" if core.carries_scores else
                    "has not been verified split by heads (no tp parity test yet)")
             raise ConfigError(f"attention '{kind}' {why}, so the tensor-parallel plan refuses it; use parallel.tp=1 "
                               f"(data/pipeline parallel) or one of the kinds verified under tp: dense, the sparse "
-                              f"patterns, lsh, linear, performer, rfa, linformer, nystrom, "
-                              f"memory_compressed, sinkhorn, realformer, talking_heads")
+                              f"patterns, lsh, linear, performer, rfa, linformer, nystrom, memory_compressed, "
+                              f"sinkhorn, realformer, talking_heads (q and k gathered), and (their per-head "
+                              f"state split by head) gaussian, adaptive_span, synthesizer, inducing/isab, "
+                              f"luna, routing")
         for cls, option in HEAD_DEPENDENT_OPTIONS.items():
             if issubclass(core, cls) and config.attention.options.get(option, False):
                 raise ConfigError(
@@ -162,13 +174,14 @@ def _parallelize_attention(attention: Attention, mesh: DeviceMesh, config: Model
                            sequence_parallel: bool) -> None:
     stream = _stream(sequence_parallel)
     tp = mesh.size()
-    attention.head_offset = mesh.get_local_rank() * (config.n_heads // tp)
+    attention.local_heads = config.n_heads // tp
+    attention.head_offset = mesh.get_local_rank() * attention.local_heads
     attention.core.dropout.shard_index = mesh.get_local_rank()  # probabilities (B, H, Tq, Tk): heads on dim 1
     plan: dict[str, ColwiseParallel | RowwiseParallel] = {
         "wq": ColwiseParallel(),
         "wo": RowwiseParallel(output_layouts=stream),
     }
-    kv_projections = ["wv"] if attention.core.shares_qk else ["wk", "wv"]
+    kv_projections = [name for name in ("wk", "wv") if hasattr(attention, name)]  # no wk: shares_qk, uses_keys
     if config.kv_heads % tp == 0:
         plan.update({name: ColwiseParallel() for name in kv_projections})
     else:
@@ -181,6 +194,7 @@ def _parallelize_attention(attention: Attention, mesh: DeviceMesh, config: Model
     inputs = (stream, None, stream) if attention.cross else (stream, None)
     desired = (Replicate(), None, Replicate()) if attention.cross else (Replicate(), None)
     parallelize_module(attention, mesh, PrepareModuleInput(input_layouts=inputs, desired_input_layouts=desired))
+    shard_head_state(attention.core, mesh)  # per_head_state: each rank holds its heads' rows
     replicate_parameters(attention.core, mesh, sum_gradients=True)  # per-head use, e.g. Linformer's E, F
 
 

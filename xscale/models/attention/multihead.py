@@ -27,7 +27,6 @@ class Attention(nn.Module):
         kind = "dense" if cross else config.attention.kind_for_layer(layer_index)
         self.core = build_core(kind, config, layer_index, config.attention.options, self.causal,
                                uses_bias and not cross)
-        self.query_groups = config.n_heads // config.kv_heads
         if self.core.uses_queries:
             self.wq = nn.Linear(d, config.n_heads * hd, bias=config.bias)
         if self.core.uses_keys and not self.core.shares_qk:
@@ -35,6 +34,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(d, config.kv_heads * hd, bias=config.bias)
         self.wo = nn.Linear(config.n_heads * hd, d, bias=config.bias)
         self.head_offset = 0  # first global head held here (set by tensor parallelism)
+        self.local_heads = config.n_heads  # query heads held here (set by tensor parallelism)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
@@ -52,7 +52,7 @@ class Attention(nn.Module):
         source = memory if self.cross else x
         v = self._heads(self.wv(source))
         core = self.core
-        q = self._heads(self.wq(x)) if core.uses_queries else self._placeholder(x, v.shape[1] * self.query_groups)
+        q = self._heads(self.wq(x)) if core.uses_queries else self._placeholder(x, self.local_heads)
         if core.shares_qk:
             k = q
         else:

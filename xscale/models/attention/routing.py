@@ -16,7 +16,8 @@ its cluster, the nearest by position (causal: the ``window`` latest at or before
 With one cluster and a window of T this is dense attention exactly.
 
 ``reduce_statistics`` (identity) sums the EMA statistics over data-parallel ranks; a data-parallel plan sets
-it to an all-reduce so that every rank holds the same centroids.
+it to an all-reduce over the dp group so that every rank holds the same centroids (never over tp: there each rank
+holds the centroids and statistics of its own heads).
 """
 
 from __future__ import annotations
