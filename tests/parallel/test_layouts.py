@@ -193,3 +193,24 @@ def test_realformer_scores_cross_pipeline_stages(tmp_path):
     assert_parity(realformer, ["pp=2", "pp=2,dp_shard=2,zero_stage=3,microbatches=2",
                                "pp=2,pp_schedule=zero_bubble,pp_stages_per_rank=2,microbatches=2,"
                                "activation_checkpointing=full"], tmp_path, same_grad_norms=True)
+
+
+SHARED_LAYERS = DECODER + ["model.share_layers=true", "model.n_layers=4"]
+
+
+@pytest.mark.slow
+def test_shared_layers_under_pipeline_parallel_with_dropout(tmp_path):
+    """ALBERT-style sharing (one block at every depth): each stage holds the block and runs it at its depths, with
+    the single-process dropout sites; the copies' gradients are summed over the pp ranks and counted once."""
+    assert_parity(SHARED_LAYERS + DROPOUT, ["pp=2,microbatches=4,activation_checkpointing=full",
+                                            "pp=2,microbatches=4,pp_schedule=interleaved_1f1b,pp_stages_per_rank=2"],
+                  tmp_path, same_grad_norms=True)
+
+
+@pytest.mark.slow
+def test_shared_layers_under_pipeline_zero3_and_tensor_parallel(tmp_path):
+    """The shared block's copies as FSDP2 shards (summed shard by shard over the pipeline) and tp-split; zero
+    bubble runs a stage reusing the block whole in its input half."""
+    assert_parity(SHARED_LAYERS, ["pp=2,dp_shard=2,zero_stage=3,microbatches=2", "pp=2,tp=2,microbatches=2",
+                                  "pp=2,pp_schedule=zero_bubble,pp_stages_per_rank=2,microbatches=2,"
+                                  "activation_checkpointing=full"], tmp_path, same_grad_norms=True)

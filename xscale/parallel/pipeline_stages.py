@@ -18,6 +18,11 @@ first stage's embedding when it is not the first stage.
 
 RealFormer blocks (He et al. 2020) pass their pre-softmax scores to the next block: a stage sends
 ``(x, scores)`` when a block before its end made scores that a block after it reads, else ``x``.
+
+With ``share_layers`` (ALBERT, Lan et al. 2020; Universal Transformer, Dehghani et al. 2019) a stack has one block,
+``stack.layers.0``, run at every depth: each stage running some of that stack's depths holds the block once, under
+its single-process name (so its dropout sites and its initial values are the single-process ones), and runs it
+once per depth it owns. The copies' gradients are summed like the other shared parameters'.
 """
 
 from __future__ import annotations
@@ -128,7 +133,7 @@ class PipelineStageModule(nn.Module):
         self.ends_encoder = self.seq2seq and config.n_layers - 1 in encoder
         self.starts_decoder = self.seq2seq and 0 in decoder
         self.embeds_midway = self.starts_decoder and not is_first  # token ids from the engine, not an input
-        carrying = [block.layer_index for block in model.stack.blocks() if block.carries_scores]
+        carrying = [depth for depth, block in enumerate(model.stack.blocks()) if block.carries_scores]
         # RealFormer scores (He et al. 2020) cross a stage boundary when made before it and read after it
         # (check_pipeline refuses them in encoder-decoder models).
         self.sends_scores = not is_last and any(i <= layer_indices[-1] for i in carrying) and any(
@@ -148,10 +153,20 @@ class PipelineStageModule(nn.Module):
         if is_last:
             self.head_transform = model.head_transform
             self.output = model.output
+        # A stage running a shared block at several depths reuses its parameters inside one backward, so the weight
+        # half of a split backward would run back through the earlier depths' graph: it runs its backward whole.
+        self.reuses_block = config.share_layers and any(len(indices) > 1 for indices in (encoder, decoder))
+
+    @property
+    def whole_backward(self) -> bool:
+        """Whether a split (zero-bubble) backward must run whole in its input half: a stage that embeds tokens
+        midway (:class:`~xscale.parallel.pipeline.MicrobatchStage`) or runs a shared block more than once."""
+        return self.embeds_midway or self.reuses_block
 
     @staticmethod
     def _prune(stack: nn.Module, held_layers: list[int], embeds: bool, keep_norm: bool) -> nn.Module:
-        held = {str(index) for index in held_layers}
+        # A shared stack builds one block ("0") and runs it n_layers times (Stack.blocks): keep it, run it per depth.
+        held = {"0"} if stack.share_layers else {str(index) for index in held_layers}
         for name in [name for name in stack.layers if name not in held]:
             del stack.layers[name]
         stack.n_layers = len(held_layers)
@@ -185,7 +200,7 @@ class PipelineStageModule(nn.Module):
             if self.is_first:
                 x = self._embed(x, stack, self.embedding, self.embedding_norm, self.embedding_dropout)
             with _tapped_bias(stack.position, None if self.is_first else x):
-                x, _ = run_blocks(list(stack.layers.values()), x, stack.position)
+                x, _ = run_blocks(stack.blocks(), x, stack.position)
             if not self.ends_encoder:
                 return x  # encoder hidden states
             if stack.final_norm is not None:
@@ -209,7 +224,7 @@ class PipelineStageModule(nn.Module):
             y = inputs[0]
         # A stage that embeds the decoder's tokens runs its backward whole (MicrobatchStage): no tap needed.
         with routing_token_ids(tokens), _tapped_bias(decoder.position, None if self.starts_decoder else y):
-            y, _ = run_blocks(list(decoder.layers.values()), y, decoder.position, memory)
+            y, _ = run_blocks(decoder.blocks(), y, decoder.position, memory)
         if self.is_last:
             if decoder.final_norm is not None:
                 y = decoder.final_norm(y)
@@ -227,7 +242,7 @@ class PipelineStageModule(nn.Module):
             x = self._embed(x, stack, self.embedding, self.embedding_norm, self.embedding_dropout)
         received = scores
         with _tapped_bias(stack.position, None if self.is_first else x):
-            x, scores = run_blocks(list(stack.layers.values()), x, stack.position, scores=scores)
+            x, scores = run_blocks(stack.blocks(), x, stack.position, scores=scores)
         if self.is_last and stack.final_norm is not None:
             x = stack.final_norm(x)
         x = self._head(x)
