@@ -135,6 +135,28 @@ def test_routing_attention_centroids_move_alike_under_data_parallel(tmp_path):
     assert_parity(DECODER + routing, ["dp_shard=2"], tmp_path)
 
 
+ROUTING = ["model.attention.kind=routing", "model.attention.options={clusters: 2, window: 4, decay: 0.5}",
+           "model.n_layers=4"]
+
+
+@pytest.mark.slow
+def test_routing_attention_under_pipeline_parallel(tmp_path):
+    """Each stage routes microbatch k with the centroids moved by microbatches 0..k-1, as one process running the
+    same microbatches (of 2 rows) does; under recomputation the backward routes as its forward did."""
+    assert_parity(DECODER + ROUTING + ["train.micro_batch_size=2"],
+                  ["pp=2,microbatches=4", "pp=2,microbatches=4,activation_checkpointing=full"],
+                  tmp_path, same_grad_norms=True)
+
+
+@pytest.mark.slow
+def test_routing_attention_under_pipeline_and_data_parallel(tmp_path):
+    """Each stage's cores sum their statistics over the stage's data-parallel replicas: one microbatch per dp rank
+    (gpipe), so a step's statistics are the whole batch's, as on one process."""
+    assert_parity(DECODER + ROUTING, ["pp=2,dp_shard=2,microbatches=1,pp_schedule=gpipe",
+                                      "pp=2,dp_shard=2,zero_stage=3,microbatches=1,pp_schedule=gpipe,"
+                                      "activation_checkpointing=selective"], tmp_path, same_grad_norms=True)
+
+
 @pytest.mark.slow
 def test_decoder_pipeline_x_tensor_parallel(tmp_path):
     assert_parity(DECODER, PIPELINE_TENSOR, tmp_path, same_grad_norms=True)
