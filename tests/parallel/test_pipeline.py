@@ -383,8 +383,6 @@ def pipeline_config(**overrides) -> Config:
 @pytest.mark.parametrize("overrides, message", [
     ({"model_family": "encoder_decoder", "model_n_decoder_layers": 1, "model_n_layers": 2, "pp_split": [1, 1]},
      r"sums to 2 blocks but model.n_layers \+ the decoder's layers \(2 \+ 1\)=3"),
-    ({"model_family": "encoder_decoder", "model_n_decoder_layers": 2, "model_position": "alibi",
-      "model_attention": AttentionConfig(kind="realformer")}, "encoder-decoder pipeline stages do not send"),
     ({"model_share_layers": True, "model_attention": AttentionConfig(kind="routing")},
      r"routing attention in a shared block \(model.share_layers\)"),
     ({"model_n_layers": 1}, "cannot fill 2 pipeline stages"),
@@ -417,6 +415,8 @@ def test_check_pipeline_accepts_runnable_layouts() -> None:
     check_pipeline(pipeline_config(pp_schedule="zero_bubble", pp_stages_per_rank=2, dp_shard=2))
     check_pipeline(pipeline_config(model_share_layers=True))  # every stage holds the shared block
     check_pipeline(pipeline_config(model_attention=AttentionConfig(kind="routing")))  # replays keep their centroids
+    check_pipeline(pipeline_config(model_family="encoder_decoder", model_n_decoder_layers=2, model_position="alibi",
+                                   model_attention=AttentionConfig(kind="realformer")))  # scores travel per stack
     # Encoder-decoder: the stages cut encoder then decoder layers (2 + 2 here), the cut anywhere.
     check_pipeline(pipeline_config(model_family="encoder_decoder", model_n_layers=2, model_position="learned"))
     check_pipeline(pipeline_config(model_family="encoder_decoder", model_n_layers=1, model_n_decoder_layers=3,
@@ -616,3 +616,29 @@ def check_routing(rank: int, schedule: str, stages_per_rank: int, checkpointing:
 ])
 def test_routing_attention_matches_single_process(schedule, stages_per_rank, checkpointing) -> None:
     spawn(check_routing, schedule, stages_per_rank, checkpointing)
+
+
+def realformer_encoder_decoder_config(n_layers: int, n_decoder_layers: int,
+                                      per_layer: list[str] | None = None) -> ModelConfig:
+    config = encoder_decoder_config(n_layers, n_decoder_layers, position="alibi")
+    config.attention = AttentionConfig(kind="realformer", per_layer=per_layer)
+    return config
+
+
+def check_realformer_encoder_decoder(rank: int) -> None:
+    """Each stack's RealFormer scores cross the stage boundaries inside it: (x, scores) inside the encoder,
+    (decoder hidden, memory, scores) inside the decoder; the decoder starts its own."""
+    # Stage 1 receives the encoder's scores and runs the whole decoder.
+    check_case(realformer_encoder_decoder_config(2, 2), "1f1b", 1, 2, [1, 3])
+    # Stage 1 ends the encoder and starts the decoder, whose scores then pass stages 2 and 3.
+    check_case(realformer_encoder_decoder_config(2, 3), "interleaved_1f1b", 2, 4, [1, 2, 1, 1])
+    # The cut at the encoder's end sends the memory alone; the decoder's scores cross from stage 2 to 3.
+    check_case(realformer_encoder_decoder_config(2, 3), "zero_bubble", 2, 4, [1, 1, 2, 1])
+    # R D R | D R D over [1, 1, 2, 2]: the encoder's scores pass stage 1 untouched (read by layer 2); in the decoder
+    # (layers 3-5: D R D) no scores cross, and the decoder's first (dense) block leaves them unset.
+    mixed = realformer_encoder_decoder_config(3, 3, per_layer=["realformer", "dense"])
+    check_case(mixed, "interleaved_1f1b", 2, 4, [1, 1, 2, 2])
+
+
+def test_realformer_encoder_decoder_matches_single_process() -> None:
+    spawn(check_realformer_encoder_decoder)

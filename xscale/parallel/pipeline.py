@@ -160,16 +160,10 @@ def check_pipeline(config: Config, data_parallel: int | None = None) -> None:
         raise ConfigError(f"parallel.pp must be >= 1, got {parallel.pp}")
     if parallel.pp == 1:
         return
-    from xscale.models.registry import ATTENTION
-
     layer_count = pipeline_layers(model)
-    carrying = sorted({kind for index in range(layer_count)
-                       if ATTENTION.get(kind := model.attention.kind_for_layer(index)).carries_scores})
-    if carrying and model.family == "encoder_decoder":
-        raise ConfigError(f"attention {', '.join(carrying)} passes each layer's attention scores to the next, which "
-                          "encoder-decoder pipeline stages do not send (they send the decoder's hidden states and "
-                          "the memory); use another model.attention.kind or parallel.pp=1")
-    if model.share_layers and any(model.attention.kind_for_layer(index) == "routing" for index in range(layer_count)):
+    # A shared stack's one block is built as its first layer.
+    shared_blocks = [0, model.n_layers] if model.family == "encoder_decoder" else [0]
+    if model.share_layers and any(model.attention.kind_for_layer(index) == "routing" for index in shared_blocks):
         raise ConfigError("routing attention in a shared block (model.share_layers) moves its k-means centroids at "
                           "every depth, which pipeline stages holding copies of the block would each see only part "
                           "of; set model.share_layers=false or parallel.pp=1 with routing attention")

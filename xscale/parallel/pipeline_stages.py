@@ -17,7 +17,9 @@ with :class:`decoder_input_ids`), with its own copy ``decoder_embedding`` (and `
 first stage's embedding when it is not the first stage.
 
 RealFormer blocks (He et al. 2020) pass their pre-softmax scores to the next block: a stage sends
-``(x, scores)`` when a block before its end made scores that a block after it reads, else ``x``.
+``(x, scores)`` when a block before its end made scores that a block after it reads, else ``x``; in an
+encoder-decoder each stack has its own scores (the decoder's start at its first block), which travel last:
+``(x, scores)`` inside the encoder, ``(decoder hidden, memory, scores)`` inside the decoder.
 
 With ``share_layers`` (ALBERT, Lan et al. 2020; Universal Transformer, Dehghani et al. 2019) a stack has one block,
 ``stack.layers.0``, run at every depth: each stage running some of that stack's depths holds the block once, under
@@ -133,11 +135,14 @@ class PipelineStageModule(nn.Module):
         self.ends_encoder = self.seq2seq and config.n_layers - 1 in encoder
         self.starts_decoder = self.seq2seq and 0 in decoder
         self.embeds_midway = self.starts_decoder and not is_first  # token ids from the engine, not an input
-        carrying = [depth for depth, block in enumerate(model.stack.blocks()) if block.carries_scores]
-        # RealFormer scores (He et al. 2020) cross a stage boundary when made before it and read after it
-        # (check_pipeline refuses them in encoder-decoder models).
-        self.sends_scores = not is_last and any(i <= layer_indices[-1] for i in carrying) and any(
-            i > layer_indices[-1] for i in carrying)
+        # RealFormer scores (He et al. 2020) cross a stage boundary when made before it and read after it, by the
+        # same stack: an encoder-decoder's decoder starts its own scores.
+        carrying = [[depth for depth, block in enumerate(model.stack.blocks()) if block.carries_scores]]
+        if self.seq2seq:
+            carrying.append([config.n_layers + depth for depth, block in enumerate(model.decoder.blocks())
+                             if block.carries_scores])
+        self.receives_scores = not is_first and _scores_cross(carrying, layer_indices[0] - 1)
+        self.sends_scores = not is_last and _scores_cross(carrying, layer_indices[-1])
         if is_first:
             self.embedding = model.embedding
             self.embedding_norm = model.embedding_norm
@@ -190,24 +195,28 @@ class PipelineStageModule(nn.Module):
             x = norm(x)
         return dropout(x)
 
-    def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """What the previous stage sent (token ids on the first stage); returns what this stage sends."""
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """What the previous stage sent (token ids on the first stage); returns what this stage sends. RealFormer
+        scores, when they cross a boundary, travel last: (x, scores) or (decoder hidden, memory, scores)."""
         if not self.seq2seq:
             return self._forward_stack(*inputs)
+        scores = inputs[-1] if self.receives_scores else None
+        inputs = inputs[:-1] if self.receives_scores else inputs
         stack = getattr(self, "stack", None)
         if stack is not None:
             x = inputs[0]
             if self.is_first:
                 x = self._embed(x, stack, self.embedding, self.embedding_norm, self.embedding_dropout)
+            received = scores
             with _tapped_bias(stack.position, None if self.is_first else x):
-                x, _ = run_blocks(stack.blocks(), x, stack.position)
+                x, scores = run_blocks(stack.blocks(), x, stack.position, scores=scores)
             if not self.ends_encoder:
-                return x  # encoder hidden states
+                return self._with_scores((x,), scores, received)  # encoder hidden states
             if stack.final_norm is not None:
                 x = stack.final_norm(x)
             if not hasattr(self, "decoder"):
                 return x  # the memory
-            memory = x
+            memory, scores = x, None  # the decoder starts its own scores
         else:
             memory = inputs[-1]
         decoder = self.decoder
@@ -223,14 +232,23 @@ class PipelineStageModule(nn.Module):
         else:
             y = inputs[0]
         # A stage that embeds the decoder's tokens runs its backward whole (MicrobatchStage): no tap needed.
+        received = scores
         with routing_token_ids(tokens), _tapped_bias(decoder.position, None if self.starts_decoder else y):
-            y, _ = run_blocks(decoder.blocks(), y, decoder.position, memory)
+            y, scores = run_blocks(decoder.blocks(), y, decoder.position, memory, scores=scores)
         if self.is_last:
             if decoder.final_norm is not None:
                 y = decoder.final_norm(y)
             return self._head(y)
         # A new tensor (not a view: schedules detach their outputs in place), so the memory's gradient goes back.
-        return y, memory.clone()
+        return self._with_scores((y, memory.clone()), scores, received)
+
+    def _with_scores(self, outputs: tuple[torch.Tensor, ...], scores: torch.Tensor | None,
+                     received: torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """``outputs`` (one tensor alone), with the RealFormer scores last when this stage sends them; scores passed
+        through untouched leave as a new tensor, so the schedule's backward reaches them."""
+        if self.sends_scores:
+            outputs = (*outputs, scores.clone() if scores is received else scores)
+        return outputs[0] if len(outputs) == 1 else outputs
 
     def _forward_stack(self, x: torch.Tensor,
                        scores: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -245,16 +263,18 @@ class PipelineStageModule(nn.Module):
             x, scores = run_blocks(stack.blocks(), x, stack.position, scores=scores)
         if self.is_last and stack.final_norm is not None:
             x = stack.final_norm(x)
-        x = self._head(x)
-        if not self.sends_scores:
-            return x
-        # Scores passed through untouched leave as a new tensor, so the schedule's backward reaches them.
-        return x, scores.clone() if scores is received else scores
+        return self._with_scores((self._head(x),), scores, received)
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_last and self.head_transform is not None:
             x = self.head_transform(x)
         return x
+
+
+def _scores_cross(carrying: list[list[int]], boundary: int) -> bool:
+    """Whether RealFormer scores cross the boundary after layer ``boundary``: one of its stack's carrying layers
+    (``carrying``: per stack, in :func:`pipeline_layers` indices) is at or before it and one after it."""
+    return any(any(i <= boundary for i in stack) and any(i > boundary for i in stack) for stack in carrying)
 
 
 class _GradientTap(torch.autograd.Function):
