@@ -209,6 +209,20 @@ def test_t5_encoder_decoder_under_pipeline_and_zero3(tmp_path):
 
 
 @pytest.mark.slow
+def test_realformer_encoder_decoder_under_pipeline_parallel(tmp_path):
+    """Each stack's scores cross the stage boundaries inside it: over 3 + 3 layers cut [2, 2, 1, 1], the encoder's
+    leave stage 0 with its hidden states, the decoder's leave stages 1 and 2 after the memory; with dropout, under
+    ZeRO-3 and zero bubble with recomputation."""
+    realformer = ENCODER_DECODER + ["model.position=alibi", "model.attention.kind=realformer", "model.n_layers=3",
+                                    "model.n_decoder_layers=3"]
+    assert_parity(realformer + DROPOUT[:2], [
+        "pp=2,pp_schedule=interleaved_1f1b,pp_stages_per_rank=2,microbatches=4",
+        "pp=2,dp_shard=2,zero_stage=3,pp_schedule=interleaved_1f1b,pp_stages_per_rank=2,microbatches=2",
+        "pp=2,pp_schedule=zero_bubble,pp_stages_per_rank=2,microbatches=2,activation_checkpointing=full"],
+        tmp_path, same_grad_norms=True)
+
+
+@pytest.mark.slow
 def test_realformer_scores_cross_pipeline_stages(tmp_path):
     """RealFormer's scores travel with the hidden states from stage to stage, and their gradients back."""
     realformer = DECODER + ["model.position=alibi", "model.attention.kind=realformer", "model.n_layers=4"]
