@@ -13,17 +13,22 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
 from xscale.models.attention.routing import routed_centroids
-from xscale.models.dropout import current_dropout_position, dropout_position
+from xscale.models.dropout import (
+    current_dropout_depth,
+    current_dropout_position,
+    dropout_depth,
+    dropout_position,
+)
 from xscale.models.moe.token_ids import current_routing_token_ids, routing_token_ids
 
 
 class _ForwardContext:
-    """Re-enters the dropout position and routing token ids a forward ran under, and the store of the centroids its
-    routing-attention cores routed with (re-enterable)."""
+    """Re-enters the dropout position (and a shared block's depth), the routing token ids a forward ran under, and
+    the store of the centroids its routing-attention cores routed with (re-enterable)."""
 
     def __init__(self, routed: contextlib.AbstractContextManager) -> None:
-        self.contexts = (dropout_position(current_dropout_position()), routing_token_ids(current_routing_token_ids()),
-                         routed)
+        self.contexts = (dropout_position(current_dropout_position()), dropout_depth(current_dropout_depth()),
+                         routing_token_ids(current_routing_token_ids()), routed)
 
     def __enter__(self) -> None:
         for context in self.contexts:

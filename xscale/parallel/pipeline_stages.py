@@ -24,7 +24,7 @@ encoder-decoder each stack has its own scores (the decoder's start at its first 
 With ``share_layers`` (ALBERT, Lan et al. 2020; Universal Transformer, Dehghani et al. 2019) a stack has one block,
 ``stack.layers.0``, run at every depth: each stage running some of that stack's depths holds the block once, under
 its single-process name (so its dropout sites and its initial values are the single-process ones), and runs it
-once per depth it owns. The copies' gradients are summed like the other shared parameters'.
+once per depth it owns, numbering the depths from its first (each depth draws its own dropout masks). The copies' gradients are summed like the other shared parameters'.
 """
 
 from __future__ import annotations
@@ -172,6 +172,7 @@ class PipelineStageModule(nn.Module):
     def _prune(stack: nn.Module, held_layers: list[int], embeds: bool, keep_norm: bool) -> nn.Module:
         # A shared stack builds one block ("0") and runs it n_layers times (Stack.blocks): keep it, run it per depth.
         held = {"0"} if stack.share_layers else {str(index) for index in held_layers}
+        stack.first_depth = held_layers[0]
         for name in [name for name in stack.layers if name not in held]:
             del stack.layers[name]
         stack.n_layers = len(held_layers)
@@ -209,7 +210,8 @@ class PipelineStageModule(nn.Module):
                 x = self._embed(x, stack, self.embedding, self.embedding_norm, self.embedding_dropout)
             received = scores
             with _tapped_bias(stack.position, None if self.is_first else x):
-                x, scores = run_blocks(stack.blocks(), x, stack.position, scores=scores)
+                x, scores = run_blocks(stack.blocks(), x, stack.position, scores=scores,
+                                      first_depth=stack.shared_first_depth)
             if not self.ends_encoder:
                 return self._with_scores((x,), scores, received)  # encoder hidden states
             if stack.final_norm is not None:
@@ -234,7 +236,8 @@ class PipelineStageModule(nn.Module):
         # A stage that embeds the decoder's tokens runs its backward whole (MicrobatchStage): no tap needed.
         received = scores
         with routing_token_ids(tokens), _tapped_bias(decoder.position, None if self.starts_decoder else y):
-            y, scores = run_blocks(decoder.blocks(), y, decoder.position, memory, scores=scores)
+            y, scores = run_blocks(decoder.blocks(), y, decoder.position, memory, scores=scores,
+                                  first_depth=decoder.shared_first_depth)
         if self.is_last:
             if decoder.final_norm is not None:
                 y = decoder.final_norm(y)
@@ -260,7 +263,8 @@ class PipelineStageModule(nn.Module):
             x = self._embed(x, stack, self.embedding, self.embedding_norm, self.embedding_dropout)
         received = scores
         with _tapped_bias(stack.position, None if self.is_first else x):
-            x, scores = run_blocks(stack.blocks(), x, stack.position, scores=scores)
+            x, scores = run_blocks(stack.blocks(), x, stack.position, scores=scores,
+                                      first_depth=stack.shared_first_depth)
         if self.is_last and stack.final_norm is not None:
             x = stack.final_norm(x)
         return self._with_scores((self._head(x),), scores, received)
