@@ -111,3 +111,23 @@ def test_routers_draw_at_their_own_site():
     sites = [module.site for module in model.modules() if hasattr(module, "site")]
     routers = [layer.sublayer.router for layer in (block.feed_forward for block in model.stack.layers.values())]
     assert all(router.site != 0 for router in routers) and len(set(sites)) == len(sites)
+
+
+def test_a_shared_block_draws_its_own_masks_at_every_depth():
+    """ALBERT's one block at every depth: one site per dropout, but each depth draws its own masks (as nn.Dropout
+    would), and a stack that starts at depth k (a pipeline stage) draws depth k's."""
+    config = ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, max_seq_len=16, dropout=0.5,
+                         share_layers=True)
+    model = build_model(config, seed=1).train()
+    dropout = model.stack.layers["0"].feed_forward.dropout
+    masks = []
+    original = dropout.keep_mask
+    dropout.keep_mask = lambda shape, device: masks.append(original(shape, device)) or masks[-1]
+    tokens = torch.randint(0, 64, (2, 16))
+    with dropout_position(DropoutPosition(seed=0, step=0)):
+        model(tokens)
+        assert len(masks) == 3
+        assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
+        model.stack.first_depth, model.stack.n_layers = 1, 2  # the blocks of depths 1 and 2 alone
+        model(tokens)
+    assert torch.equal(masks[3], masks[1]) and torch.equal(masks[4], masks[2])

@@ -153,6 +153,28 @@ def test_routing_attention_centroids_move_alike_under_data_parallel(tmp_path):
     assert_parity(DECODER + routing, ["dp_shard=2"], tmp_path)
 
 
+ROUTING = ["model.attention.kind=routing", "model.attention.options={clusters: 2, window: 4, decay: 0.5}",
+           "model.n_layers=4"]
+
+
+@pytest.mark.slow
+def test_routing_attention_under_pipeline_parallel(tmp_path):
+    """Each stage routes microbatch k with the centroids moved by microbatches 0..k-1, as one process running the
+    same microbatches (of 2 rows) does; under recomputation the backward routes as its forward did."""
+    assert_parity(DECODER + ROUTING + ["train.micro_batch_size=2"],
+                  ["pp=2,microbatches=4", "pp=2,microbatches=4,activation_checkpointing=full"],
+                  tmp_path, same_grad_norms=True)
+
+
+@pytest.mark.slow
+def test_routing_attention_under_pipeline_and_data_parallel(tmp_path):
+    """Each stage's cores sum their statistics over the stage's data-parallel replicas: one microbatch per dp rank
+    (gpipe), so a step's statistics are the whole batch's, as on one process."""
+    assert_parity(DECODER + ROUTING, ["pp=2,dp_shard=2,microbatches=1,pp_schedule=gpipe",
+                                      "pp=2,dp_shard=2,zero_stage=3,microbatches=1,pp_schedule=gpipe,"
+                                      "activation_checkpointing=selective"], tmp_path, same_grad_norms=True)
+
+
 @pytest.mark.slow
 def test_decoder_pipeline_x_tensor_parallel(tmp_path):
     assert_parity(DECODER, PIPELINE_TENSOR, tmp_path, same_grad_norms=True)
@@ -202,6 +224,20 @@ def test_t5_encoder_decoder_under_pipeline_and_zero3(tmp_path):
     assert_parity(t5, ["pp=2", "pp=2,dp_shard=2,zero_stage=3",
                        "pp=2,pp_schedule=zero_bubble,pp_stages_per_rank=2,microbatches=2"],
                   tmp_path, same_grad_norms=True)
+
+
+@pytest.mark.slow
+def test_realformer_encoder_decoder_under_pipeline_parallel(tmp_path):
+    """Each stack's scores cross the stage boundaries inside it: over 3 + 3 layers cut [2, 2, 1, 1], the encoder's
+    leave stage 0 with its hidden states, the decoder's leave stages 1 and 2 after the memory; with dropout, under
+    ZeRO-3 and zero bubble with recomputation."""
+    realformer = ENCODER_DECODER + ["model.position=alibi", "model.attention.kind=realformer", "model.n_layers=3",
+                                    "model.n_decoder_layers=3"]
+    assert_parity(realformer + DROPOUT[:2], [
+        "pp=2,pp_schedule=interleaved_1f1b,pp_stages_per_rank=2,microbatches=4",
+        "pp=2,dp_shard=2,zero_stage=3,pp_schedule=interleaved_1f1b,pp_stages_per_rank=2,microbatches=2",
+        "pp=2,pp_schedule=zero_bubble,pp_stages_per_rank=2,microbatches=2,activation_checkpointing=full"],
+        tmp_path, same_grad_norms=True)
 
 
 @pytest.mark.slow
@@ -261,3 +297,24 @@ def test_per_head_state_under_pipeline_x_tensor_parallel(tmp_path):
     mixed = ["model.attention.kind=synthesizer", "model.attention.per_layer=[synthesizer,gaussian]",
              "model.attention.options={mode: dense, sigma: 3.0}", "model.max_seq_len=16"]
     assert_parity(DECODER + mixed, ["pp=2,tp=2,microbatches=2"], tmp_path, same_grad_norms=True)
+
+
+SHARED_LAYERS = DECODER + ["model.share_layers=true", "model.n_layers=4"]
+
+
+@pytest.mark.slow
+def test_shared_layers_under_pipeline_parallel_with_dropout(tmp_path):
+    """ALBERT-style sharing (one block at every depth): each stage holds the block and runs it at its depths, with
+    the single-process dropout sites; the copies' gradients are summed over the pp ranks and counted once."""
+    assert_parity(SHARED_LAYERS + DROPOUT, ["pp=2,microbatches=4,activation_checkpointing=full",
+                                            "pp=2,microbatches=4,pp_schedule=interleaved_1f1b,pp_stages_per_rank=2"],
+                  tmp_path, same_grad_norms=True)
+
+
+@pytest.mark.slow
+def test_shared_layers_under_pipeline_zero3_and_tensor_parallel(tmp_path):
+    """The shared block's copies as FSDP2 shards (summed shard by shard over the pipeline) and tp-split; zero
+    bubble runs a stage reusing the block whole in its input half."""
+    assert_parity(SHARED_LAYERS, ["pp=2,dp_shard=2,zero_stage=3,microbatches=2", "pp=2,tp=2,microbatches=2",
+                                  "pp=2,pp_schedule=zero_bubble,pp_stages_per_rank=2,microbatches=2,"
+                                  "activation_checkpointing=full"], tmp_path, same_grad_norms=True)

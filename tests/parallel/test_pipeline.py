@@ -31,6 +31,7 @@ from xscale.config import (
     load_config,
 )
 from xscale.models import build_model
+from xscale.models.init import canonical_name
 from xscale.parallel.dims import ParallelDims
 from xscale.parallel.engine import Engine
 from xscale.parallel.pipeline import PipelineEngine, check_pipeline, resolve_microbatches, split_layers
@@ -131,7 +132,7 @@ def assert_matches_single(engine: PipelineEngine, single: torch.nn.Module) -> No
         reference["output.weight"] = single.embedding.weight
     for stage in engine.stages:
         for name, param in stage.named_parameters():
-            name = single_process_name(name)
+            name = single_process_name(canonical_name(name))  # activation checkpointing wraps blocks
             assert torch.equal(param.detach(), reference[name].detach()), f"{name}: initial weights differ"
             assert param.grad is not None, f"{name}: no gradient"
             torch.testing.assert_close(param.grad, reference[name].grad, **GRAD_TOLERANCE, msg=name)
@@ -382,9 +383,8 @@ def pipeline_config(**overrides) -> Config:
 @pytest.mark.parametrize("overrides, message", [
     ({"model_family": "encoder_decoder", "model_n_decoder_layers": 1, "model_n_layers": 2, "pp_split": [1, 1]},
      r"sums to 2 blocks but model.n_layers \+ the decoder's layers \(2 \+ 1\)=3"),
-    ({"model_family": "encoder_decoder", "model_n_decoder_layers": 2, "model_position": "alibi",
-      "model_attention": AttentionConfig(kind="realformer")}, "encoder-decoder pipeline stages do not send"),
-    ({"model_share_layers": True}, "share_layers"),
+    ({"model_share_layers": True, "model_attention": AttentionConfig(kind="routing")},
+     r"routing attention in a shared block \(model.share_layers\)"),
     ({"model_n_layers": 1}, "cannot fill 2 pipeline stages"),
     ({"pp_schedule": "interleaved_1f1b", "pp_stages_per_rank": 2, "model_n_layers": 3}, "cannot fill 4"),
     ({"pp_split": [3, 2]}, "sums to 5"),
@@ -413,7 +413,10 @@ def test_check_pipeline_accepts_runnable_layouts() -> None:
     check_pipeline(pipeline_config(pp_schedule="gpipe", microbatches=1, dp_shard=2))
     check_pipeline(pipeline_config(pp_schedule="interleaved_1f1b", pp_stages_per_rank=2, pp_split=[1, 1, 1, 1]))
     check_pipeline(pipeline_config(pp_schedule="zero_bubble", pp_stages_per_rank=2, dp_shard=2))
-    check_pipeline(pipeline_config(pp=1, model_share_layers=True))  # no pipeline: nothing to refuse
+    check_pipeline(pipeline_config(model_share_layers=True))  # every stage holds the shared block
+    check_pipeline(pipeline_config(model_attention=AttentionConfig(kind="routing")))  # replays keep their centroids
+    check_pipeline(pipeline_config(model_family="encoder_decoder", model_n_decoder_layers=2, model_position="alibi",
+                                   model_attention=AttentionConfig(kind="realformer")))  # scores travel per stack
     # Encoder-decoder: the stages cut encoder then decoder layers (2 + 2 here), the cut anywhere.
     check_pipeline(pipeline_config(model_family="encoder_decoder", model_n_layers=2, model_position="learned"))
     check_pipeline(pipeline_config(model_family="encoder_decoder", model_n_layers=1, model_n_decoder_layers=3,
@@ -544,3 +547,98 @@ def test_checkpoint_view_names_activation_checkpointed_stages_like_one_process(m
                                  parallelize=lambda stage: apply_activation_checkpointing([stage.stack], mode))
               for index in (0, 1)]
     assert set(get_model_state_dict(merged_view(stages))) == single_process_names(config)
+
+
+def shared_layers_config(config: ModelConfig) -> ModelConfig:
+    config.share_layers = True
+    return config
+
+
+def check_shared_layers(rank: int) -> None:
+    """ALBERT-style sharing: every stage holds the stack's one block and runs it at its own depths."""
+    for schedule, stages_per_rank, microbatches, n_layers, pp_split in SCHEDULE_CASES[1:]:
+        for config in (decoder_config(n_layers), encoder_config(n_layers)):
+            try:
+                check_case(shared_layers_config(config), schedule, stages_per_rank, microbatches, pp_split)
+            except AssertionError as error:
+                raise AssertionError(f"{schedule} on the shared-layer {config.family}: {error}") from error
+    # Both stacks shared; stage 1 (rank 1) ends the encoder and starts the decoder, so it holds both blocks.
+    check_case(shared_layers_config(encoder_decoder_config(2, 3)), "interleaved_1f1b", 2, 4, [1, 2, 1, 1])
+    check_case(shared_layers_config(encoder_decoder_config(2, 3, position="t5_bias")), "zero_bubble", 2, 4,
+               [1, 1, 2, 1])
+
+
+def test_shared_layers_match_single_process() -> None:
+    spawn(check_shared_layers)
+
+
+def routing_config(n_layers: int) -> ModelConfig:
+    """Routing attention whose centroids move far each forward (decay 0.5), so a replay with moved centroids
+    routes differently."""
+    config = decoder_config(n_layers)
+    config.attention = AttentionConfig(kind="routing", options={"clusters": 2, "window": 4, "decay": 0.5})
+    return config
+
+
+def centroids_of(modules: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    return {canonical_name(name): buffer for module in modules for name, buffer in module.named_buffers()
+            if name.endswith("centroids")}
+
+
+def check_routing(rank: int, schedule: str, stages_per_rank: int, checkpointing: str) -> None:
+    """Each stage routes microbatch k with the centroids moved by microbatches 0..k-1, as one process running the
+    same microbatches does; a recomputation in backward (after later microbatches' forwards) routes with the
+    centroids its forward used."""
+    from xscale.parallel.activation import apply_activation_checkpointing
+
+    config, microbatches = routing_config(4), 2
+    single = build_model(config, seed=SEED)
+    reference = Engine(single, micro_batch_size=2)
+    engine = PipelineEngine(config, build_model(config, materialize=False), dist.group.WORLD, microbatches,
+                            schedule, stages_per_rank, seed=SEED,
+                            parallelize_stage=lambda stage: apply_activation_checkpointing(
+                                [stage.stack], checkpointing))
+    for step in range(3):
+        batch = make_batch(config, seed=step)
+        torch.testing.assert_close(engine.train_step(batch), reference.train_step(batch), **LOSS_TOLERANCE,
+                                   msg=f"step {step}")
+    assert_matches_single(engine, single)
+    expected = centroids_of([single])
+    for name, centroids in centroids_of(engine.stages).items():
+        torch.testing.assert_close(centroids, expected[name], rtol=0.0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("schedule, stages_per_rank, checkpointing", [
+    ("1f1b", 1, "none"),
+    ("1f1b", 1, "full"),
+    pytest.param("interleaved_1f1b", 2, "selective", marks=pytest.mark.slow),
+    pytest.param("zero_bubble", 2, "full", marks=pytest.mark.slow),
+])
+def test_routing_attention_matches_single_process(schedule, stages_per_rank, checkpointing) -> None:
+    spawn(check_routing, schedule, stages_per_rank, checkpointing)
+
+
+def realformer_encoder_decoder_config(n_layers: int, n_decoder_layers: int,
+                                      per_layer: list[str] | None = None) -> ModelConfig:
+    config = encoder_decoder_config(n_layers, n_decoder_layers, position="alibi")
+    config.attention = AttentionConfig(kind="realformer", per_layer=per_layer)
+    return config
+
+
+def check_realformer_encoder_decoder(rank: int) -> None:
+    """Each stack's RealFormer scores cross the stage boundaries inside it: (x, scores) inside the encoder,
+    (decoder hidden, memory, scores) inside the decoder; the decoder starts its own."""
+    # Stage 1 receives the encoder's scores and runs the whole decoder.
+    check_case(realformer_encoder_decoder_config(2, 2), "1f1b", 1, 2, [1, 3])
+    # Stage 1 ends the encoder and starts the decoder, whose scores then pass stages 2 and 3.
+    check_case(realformer_encoder_decoder_config(2, 3), "interleaved_1f1b", 2, 4, [1, 2, 1, 1])
+    # The cut at the encoder's end sends the memory alone; the decoder's scores cross from stage 2 to 3.
+    check_case(realformer_encoder_decoder_config(2, 3), "zero_bubble", 2, 4, [1, 1, 2, 1])
+    # R D R | D R D over [1, 1, 2, 2]: the encoder's scores pass stage 1 untouched (read by layer 2); in the decoder
+    # (layers 3-5: D R D) no scores cross, and the decoder's first (dense) block leaves them unset.
+    mixed = realformer_encoder_decoder_config(3, 3, per_layer=["realformer", "dense"])
+    check_case(mixed, "interleaved_1f1b", 2, 4, [1, 1, 2, 2])
+
+
+def test_realformer_encoder_decoder_matches_single_process() -> None:
+    spawn(check_realformer_encoder_decoder)

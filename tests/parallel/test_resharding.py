@@ -116,6 +116,31 @@ def test_resume_at_another_world_size(save_layout, resume_layout, tmp_path):
     check_resharding(save_layout, resume_layout, tmp_path)
 
 
+@pytest.mark.parametrize("save_layout,resume_layout", [
+    ("pp=2,microbatches=2", "single"),
+    # Two stages per rank: each rank holds the shared block twice, saved once; one process's block resumes on both.
+    pytest.param("single", "pp=2,pp_schedule=interleaved_1f1b,pp_stages_per_rank=2,microbatches=2",
+                 marks=pytest.mark.slow),
+])
+def test_shared_layers_checkpoint_moves_between_pipeline_and_one_process(save_layout, resume_layout, tmp_path):
+    """Every stage holds a copy of the shared block (``model.share_layers``); the checkpoint holds it once, under
+    the single-process name."""
+    check_resharding(save_layout, resume_layout, tmp_path, model=[*MODEL, "model.share_layers=true",
+                                                                  "model.n_layers=4"])
+
+
+@pytest.mark.parametrize("save_layout,resume_layout", [
+    ("pp=2,microbatches=2,activation_checkpointing=full", "single"),
+    pytest.param("single", "pp=2,microbatches=2", marks=pytest.mark.slow),
+])
+def test_routing_centroids_move_between_pipeline_and_one_process(save_layout, resume_layout, tmp_path):
+    """Routing attention's centroids (and pending statistics) are buffers of the stage holding the layer, saved
+    and resumed under the single-process names; every run routes in microbatches of 4 rows."""
+    routing = ["model.attention.kind=routing", "model.attention.options={clusters: 2, window: 4, decay: 0.5}",
+               "train.micro_batch_size=4"]
+    check_resharding(save_layout, resume_layout, tmp_path, model=[*MODEL, *routing])
+
+
 ENCODER_DECODER = ["model.family=encoder_decoder", "model.n_decoder_layers=2", "model.position=learned",
                    "model.max_seq_len=16", "model.embedding_norm=true"]
 

@@ -3,7 +3,7 @@
 keep(element) = splitmix64(key(seed, site, step, sample) + index * golden) >= p * 2^64 (Steele et al. 2014,
 a counter-based draw like Philox: Salmon et al. 2011), in vectorised int64 tensor ops. ``sample`` is the
 element's row in the step's global batch and ``index`` its position inside the sample, both in global
-coordinates; ``site`` hashes the module's name. So one device, tensor-parallel ranks holding replicas,
+coordinates; ``site`` hashes the module's name (and, for a block shared across depths, the depth it runs at). So one device, tensor-parallel ranks holding replicas,
 sequence-parallel ranks holding a slice of the tokens and data-parallel ranks holding a slice of the batch all
 drop the same elements, and a resumed run drops what the uninterrupted one would.
 
@@ -100,6 +100,19 @@ def current_dropout_position() -> DropoutPosition | None:
     return _POSITION.current
 
 
+_DEPTH: ScopedValue[int] = ScopedValue()
+
+
+def dropout_depth(depth: int | None) -> Scope[int]:
+    """Draws inside come from a shared block (ALBERT's one block at every depth, Lan et al. 2020) running at
+    ``depth``: each depth draws its own masks, as ``nn.Dropout`` would, though the block's sites are the same."""
+    return _DEPTH.scope(depth)
+
+
+def current_dropout_depth() -> int | None:
+    return _DEPTH.current
+
+
 class Dropout(nn.Module):
     """``nn.Dropout`` with layout-independent masks: drop x[b, i1, i2, ...] by its global coordinates."""
 
@@ -146,6 +159,8 @@ def _sample_keys(site: int, batch: int, device: torch.device) -> torch.Tensor:
     position = _POSITION.current
     if position is None:  # plain PyTorch use: fresh keys from torch's generator, like nn.Dropout
         return torch.randint(-2**63, 2**63 - 1, (batch,), dtype=torch.int64, device=device)
+    if _DEPTH.current is not None:  # a shared block's site at one of its depths
+        site = mix64(site + (_DEPTH.current + 1) * GOLDEN)
     base = mix64(mix64(mix64(position.seed) ^ site) + position.step * GOLDEN)
     rows = torch.arange(position.first_sample + 1, position.first_sample + batch + 1, device=device)
     return _mix_(rows * _signed(GOLDEN) + _signed(base))

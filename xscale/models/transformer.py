@@ -11,7 +11,7 @@ from torch import nn
 
 from xscale.config import ModelConfig
 from xscale.models.block import TransformerBlock
-from xscale.models.dropout import Dropout, name_dropout_sites
+from xscale.models.dropout import Dropout, dropout_depth, name_dropout_sites
 from xscale.models.ffn import ACTIVATIONS
 from xscale.models.moe.token_ids import routing_token_ids
 from xscale.models.norm import build_norm
@@ -38,6 +38,7 @@ class Stack(nn.Module):
         super().__init__()
         self.n_layers = n_layers
         self.share_layers = config.share_layers
+        self.first_depth = 0  # the depth of blocks()[0] in the whole stack (a pipeline stage may start later)
         self.position = build_position(config.position, config.d_model, config.n_heads, config.head_dim,
                                        config.max_seq_len, causal, config.rope_theta)
         uses_bias = self.position.biases_logits
@@ -56,18 +57,25 @@ class Stack(nn.Module):
             return [self.layers["0"]] * self.n_layers
         return list(self.layers.values())
 
+    @property
+    def shared_first_depth(self) -> int | None:
+        """With weights shared, the depth :func:`run_blocks` numbers ``blocks()[0]`` (dropout draws per depth)."""
+        return self.first_depth if self.share_layers else None
+
 
 def run_blocks(blocks: list[nn.Module], x: torch.Tensor, position: nn.Module | None,
-               memory: torch.Tensor | None = None,
-               scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+               memory: torch.Tensor | None = None, scores: torch.Tensor | None = None,
+               first_depth: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Apply ``blocks`` in order; returns (x, scores). ``scores`` are the pre-softmax scores that RealFormer
     blocks (``carries_scores``) pass on; other blocks leave them as they are. A pipeline stage calls this on
-    its blocks and sends ``scores`` along with ``x`` when it is not None."""
-    for block in blocks:
-        if block.carries_scores:
-            x, scores = block(x, position, memory, scores=scores)
-        else:
-            x = block(x, position, memory)
+    its blocks and sends ``scores`` along with ``x`` when it is not None. ``first_depth`` (shared weights:
+    :attr:`Stack.shared_first_depth`): block i runs at depth first_depth + i, where its dropout draws its own masks."""
+    for index, block in enumerate(blocks):
+        with dropout_depth(None if first_depth is None else first_depth + index):
+            if block.carries_scores:
+                x, scores = block(x, position, memory, scores=scores)
+            else:
+                x = block(x, position, memory)
     return x, scores
 
 
@@ -112,7 +120,8 @@ class Transformer(nn.Module):
         """Final hidden states (B, T, D) of the stack that feeds the LM head."""
         x = self._embed_for_stack(input_ids, self.stack)
         with routing_token_ids(input_ids):  # hash-routed MoE layers route by the ids of the tokens they see
-            x, _ = run_blocks(self.stack.blocks(), x, self.stack.position)
+            x, _ = run_blocks(self.stack.blocks(), x, self.stack.position,
+                              first_depth=self.stack.shared_first_depth)
         if self.stack.final_norm is not None:
             x = self.stack.final_norm(x)
         if self.decoder is None:
@@ -122,7 +131,8 @@ class Transformer(nn.Module):
         memory = x
         y = self._embed_for_stack(decoder_input_ids, self.decoder)
         with routing_token_ids(decoder_input_ids):
-            y, _ = run_blocks(self.decoder.blocks(), y, self.decoder.position, memory)
+            y, _ = run_blocks(self.decoder.blocks(), y, self.decoder.position, memory,
+                              first_depth=self.decoder.shared_first_depth)
         return self.decoder.final_norm(y) if self.decoder.final_norm is not None else y
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -12,15 +12,23 @@ import contextlib
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
-from xscale.models.dropout import current_dropout_position, dropout_position
+from xscale.models.attention.routing import routed_centroids
+from xscale.models.dropout import (
+    current_dropout_depth,
+    current_dropout_position,
+    dropout_depth,
+    dropout_position,
+)
 from xscale.models.moe.token_ids import current_routing_token_ids, routing_token_ids
 
 
 class _ForwardContext:
-    """Re-enters the dropout position and routing token ids a forward ran under (re-enterable)."""
+    """Re-enters the dropout position (and a shared block's depth), the routing token ids a forward ran under, and
+    the store of the centroids its routing-attention cores routed with (re-enterable)."""
 
-    def __init__(self) -> None:
-        self.contexts = (dropout_position(current_dropout_position()), routing_token_ids(current_routing_token_ids()))
+    def __init__(self, routed: contextlib.AbstractContextManager) -> None:
+        self.contexts = (dropout_position(current_dropout_position()), dropout_depth(current_dropout_depth()),
+                         routing_token_ids(current_routing_token_ids()), routed)
 
     def __enter__(self) -> None:
         for context in self.contexts:
@@ -32,9 +40,11 @@ class _ForwardContext:
 
 
 def _same_forward_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-    """The recomputation draws the dropout masks, and hash-routes the tokens, of the forward it repeats, wherever
-    its backward runs (a pipeline schedule runs it after other microbatches' forwards)."""
-    return contextlib.nullcontext(), _ForwardContext()
+    """The recomputation draws the dropout masks, hash-routes the tokens, and routes attention with the k-means
+    centroids (Roy et al. 2021) of the forward it repeats, wherever its backward runs (a pipeline schedule runs it
+    after other microbatches' forwards, which move the centroids)."""
+    routed = routed_centroids({})  # the forward fills it, the recomputation reads it
+    return routed, _ForwardContext(routed)
 
 
 def _wrap(module: nn.Module) -> nn.Module:

@@ -156,4 +156,6 @@ def _build_pipeline_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh,
             if moe_layers(stage):
                 apply_expert_parallel(stage, mesh["ep"])
     engine.data_parallel = _data_parallel(engine.model_parts, dims, mesh, autocast)(engine.model_parts)
+    for stage in engine.model_parts:  # each stage's cores sum their statistics over the stage's dp replicas
+        _share_routing_statistics(stage, mesh, dims)
     return engine

@@ -58,7 +58,7 @@ from xscale.parallel.pipeline_checkpoint import (
     merged_view,
     sources_to_copies,
 )
-from xscale.parallel.pipeline_shared import SharedParameterGrads, shared_parameters
+from xscale.parallel.pipeline_shared import SharedParameterGrads, shared_block_modules, shared_parameters
 from xscale.parallel.pipeline_stages import (
     PipelineStageModule,
     build_stage_module,
@@ -96,16 +96,23 @@ COMPUTE_ACTIONS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_o
 
 
 class QuietMetadataStage(PipelineStage):
-    """A PipelineStage whose metadata-inference forward records no MoE routing statistics: before its first step
-    torch runs each stage once on the first microbatch (later stages: on uninitialised placeholders)."""
+    """A PipelineStage whose metadata-inference forward records no MoE routing statistics and leaves the stage's
+    buffers as they were (routing attention's centroids and pending statistics): before its first step torch runs
+    each stage once on the first microbatch (later stages: on uninitialised placeholders)."""
 
     def __init__(self, *args, pause_statistics: Callable[[], AbstractContextManager], **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.pause_statistics = pause_statistics
 
     def _prepare_forward_infra(self, *args, **kwargs):
-        with self.pause_statistics():
-            return super()._prepare_forward_infra(*args, **kwargs)
+        buffers = [(buffer, buffer.clone()) for buffer in self.submod.buffers()]
+        try:
+            with self.pause_statistics():
+                return super()._prepare_forward_infra(*args, **kwargs)
+        finally:
+            with torch.no_grad():
+                for buffer, value in buffers:
+                    buffer.copy_(value)
 
 
 @dataclass(frozen=True)
@@ -153,22 +160,13 @@ def check_pipeline(config: Config, data_parallel: int | None = None) -> None:
         raise ConfigError(f"parallel.pp must be >= 1, got {parallel.pp}")
     if parallel.pp == 1:
         return
-    if model.share_layers:
-        raise ConfigError("model.share_layers reuses one block at every depth, so no stage could own it; "
-                          "set model.share_layers=false or parallel.pp=1")
-    from xscale.models.registry import ATTENTION
-
     layer_count = pipeline_layers(model)
-    carrying = sorted({kind for index in range(layer_count)
-                       if ATTENTION.get(kind := model.attention.kind_for_layer(index)).carries_scores})
-    if carrying and model.family == "encoder_decoder":
-        raise ConfigError(f"attention {', '.join(carrying)} passes each layer's attention scores to the next, which "
-                          "encoder-decoder pipeline stages do not send (they send the decoder's hidden states and "
-                          "the memory); use another model.attention.kind or parallel.pp=1")
-    if any(model.attention.kind_for_layer(index) == "routing" for index in range(layer_count)):
-        raise ConfigError("routing attention moves its k-means centroids after each forward, and a pipeline schedule "
-                          "runs several forwards before their backwards (the replayed routes would differ); use "
-                          "parallel.pp=1 with routing attention")
+    # A shared stack's one block is built as its first layer.
+    shared_blocks = [0, model.n_layers] if model.family == "encoder_decoder" else [0]
+    if model.share_layers and any(model.attention.kind_for_layer(index) == "routing" for index in shared_blocks):
+        raise ConfigError("routing attention in a shared block (model.share_layers) moves its k-means centroids at "
+                          "every depth, which pipeline stages holding copies of the block would each see only part "
+                          "of; set model.share_layers=false or parallel.pp=1 with routing attention")
     spec = SCHEDULES.get(parallel.pp_schedule)
     if spec is None:
         raise ConfigError(f"parallel.pp_schedule='{parallel.pp_schedule}' is not one of {', '.join(SCHEDULES)}")
@@ -318,8 +316,10 @@ class MicrobatchStage(QuietMetadataStage):
         """A stage that embeds tokens midway (the first decoder stage, after the first stage) runs its whole
         backward in the input half of a split backward (zero bubble). torch finds the weight half's subgraphs
         from the stage's inputs, which the embedding's path does not pass through: the parameters on it would
-        share unfreed subgraphs, as on the first stage, which torch also runs whole."""
-        if self.submod.embeds_midway and backward_type in ("input", "weight"):
+        share unfreed subgraphs, as on the first stage, which torch also runs whole. So does a stage running a
+        shared block (``model.share_layers``) at several depths: the weight half would start from each depth's use
+        of a weight and run back through the earlier depths' graph, which the first parameter group frees."""
+        if self.submod.whole_backward and backward_type in ("input", "weight"):
             if backward_type == "weight":
                 return (), None
             backward_type = "full"
@@ -546,7 +546,7 @@ class PipelineEngine(Engine):
 
     def _view(self) -> nn.Module:
         """This rank's stages under single-process names (:func:`merged_view`), shared modules aliased."""
-        shared = {entry.name.rsplit(".", 1)[0] for entry in self.shared.shared}
+        shared = {entry.name.rsplit(".", 1)[0] for entry in self.shared.shared} | shared_block_modules(self.stages)
         return merged_view(self.stages, shared)
 
     def _renamed_copies(self) -> tuple[dict[str, str], set[str]]:

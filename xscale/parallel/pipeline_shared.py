@@ -5,7 +5,8 @@ Tied embeddings (Press & Wolf 2017) whose two ends sit on different stages becom
 stage holds ``decoder_embedding`` (and ``decoder_embedding_norm``), copies of the first stage's ``embedding``
 (and ``embedding_norm``). A position encoding that biases the logits of every layer (T5's table, Raffel et al.
 2020) is held by every stage running that stack's blocks, under the single-process name: ``stack.position`` by
-the encoder's (or the only stack's) stages, ``decoder.position`` by the decoder's. Copies start from the
+the encoder's (or the only stack's) stages, ``decoder.position`` by the decoder's; so is a stack's one block under
+``model.share_layers`` (``stack.layers.0``, ``decoder.layers.0``: ALBERT, Lan et al. 2020). Copies start from the
 single-process values; after backward their gradients are summed (Megatron's embedding group, Shoeybi et al.
 2019), so the optimizer keeps them bitwise equal; the gradient norm counts each parameter once.
 """
@@ -63,6 +64,12 @@ def _position_copies(stage: PipelineStageModule, stack: str, name: str) -> list[
     return [getattr(stage, stack).position.get_parameter(name)]
 
 
+def _named_copies(stage: PipelineStageModule, name: str) -> list[nn.Parameter]:
+    """The stage's parameter whose single-process name is ``name``, wherever wrappers (activation checkpointing)
+    put it."""
+    return [param for path, param in stage.named_parameters() if canonical_name(path) == name]
+
+
 def shared_parameters(model: Transformer, layers: list[list[int]]) -> list[SharedParameter]:
     """The parameters held by more than one of the stages cut from ``model`` (``layers``: each stage's layer
     indices, as :func:`~xscale.parallel.pipeline_stages.split_layers` gives them)."""
@@ -78,13 +85,32 @@ def shared_parameters(model: Transformer, layers: list[list[int]]) -> list[Share
     if model.decoder is not None:
         stacks.append(("decoder", model.decoder, range(config.n_layers, config.n_layers + config.decoder_layers)))
     for stack_name, stack, indices in stacks:
+        holders = tuple(stage for stage, held in enumerate(layers) if set(held) & set(indices))
+        if config.share_layers:  # the stack's one block, run by every stage holding some of its depths
+            candidates += [SharedParameter(f"{stack_name}.layers.0.{name}", holders,
+                                           partial(_named_copies, name=f"{stack_name}.layers.0.{name}"))
+                           for name, _ in stack.layers["0"].named_parameters()]
         if stack.position.adds_to_input:  # added once, by the stage embedding that stack's tokens
             continue
-        holders = tuple(stage for stage, held in enumerate(layers) if set(held) & set(indices))
         candidates += [SharedParameter(f"{stack_name}.position.{name}", holders,
                                        partial(_position_copies, stack=stack_name, name=name))
                        for name, _ in stack.position.named_parameters()]
     return [entry for entry in candidates if len(entry.stages) > 1]
+
+
+def shared_block_modules(stages: list[PipelineStageModule]) -> set[str]:
+    """The single-process paths of every module of a shared block (``model.share_layers``) these stages hold,
+    buffers-only ones included: two stages of one rank may both hold them
+    (:func:`~xscale.parallel.pipeline_checkpoint.merged_view`)."""
+    paths = set()
+    for stage in stages:
+        if stage.config.share_layers:
+            for path, _ in stage.named_modules():
+                path = canonical_name(f"{path}.").rstrip(".")
+                if path.startswith(("stack.layers.0.", "decoder.layers.0.")) or path in ("stack.layers.0",
+                                                                                          "decoder.layers.0"):
+                    paths.add(path)
+    return paths
 
 
 class SharedParameterGrads:

@@ -17,7 +17,14 @@ with :class:`decoder_input_ids`), with its own copy ``decoder_embedding`` (and `
 first stage's embedding when it is not the first stage.
 
 RealFormer blocks (He et al. 2020) pass their pre-softmax scores to the next block: a stage sends
-``(x, scores)`` when a block before its end made scores that a block after it reads, else ``x``.
+``(x, scores)`` when a block before its end made scores that a block after it reads, else ``x``; in an
+encoder-decoder each stack has its own scores (the decoder's start at its first block), which travel last:
+``(x, scores)`` inside the encoder, ``(decoder hidden, memory, scores)`` inside the decoder.
+
+With ``share_layers`` (ALBERT, Lan et al. 2020; Universal Transformer, Dehghani et al. 2019) a stack has one block,
+``stack.layers.0``, run at every depth: each stage running some of that stack's depths holds the block once, under
+its single-process name (so its dropout sites and its initial values are the single-process ones), and runs it
+once per depth it owns, numbering the depths from its first (each depth draws its own dropout masks). The copies' gradients are summed like the other shared parameters'.
 """
 
 from __future__ import annotations
@@ -128,11 +135,14 @@ class PipelineStageModule(nn.Module):
         self.ends_encoder = self.seq2seq and config.n_layers - 1 in encoder
         self.starts_decoder = self.seq2seq and 0 in decoder
         self.embeds_midway = self.starts_decoder and not is_first  # token ids from the engine, not an input
-        carrying = [block.layer_index for block in model.stack.blocks() if block.carries_scores]
-        # RealFormer scores (He et al. 2020) cross a stage boundary when made before it and read after it
-        # (check_pipeline refuses them in encoder-decoder models).
-        self.sends_scores = not is_last and any(i <= layer_indices[-1] for i in carrying) and any(
-            i > layer_indices[-1] for i in carrying)
+        # RealFormer scores (He et al. 2020) cross a stage boundary when made before it and read after it, by the
+        # same stack: an encoder-decoder's decoder starts its own scores.
+        carrying = [[depth for depth, block in enumerate(model.stack.blocks()) if block.carries_scores]]
+        if self.seq2seq:
+            carrying.append([config.n_layers + depth for depth, block in enumerate(model.decoder.blocks())
+                             if block.carries_scores])
+        self.receives_scores = not is_first and _scores_cross(carrying, layer_indices[0] - 1)
+        self.sends_scores = not is_last and _scores_cross(carrying, layer_indices[-1])
         if is_first:
             self.embedding = model.embedding
             self.embedding_norm = model.embedding_norm
@@ -148,10 +158,21 @@ class PipelineStageModule(nn.Module):
         if is_last:
             self.head_transform = model.head_transform
             self.output = model.output
+        # A stage running a shared block at several depths reuses its parameters inside one backward, so the weight
+        # half of a split backward would run back through the earlier depths' graph: it runs its backward whole.
+        self.reuses_block = config.share_layers and any(len(indices) > 1 for indices in (encoder, decoder))
+
+    @property
+    def whole_backward(self) -> bool:
+        """Whether a split (zero-bubble) backward must run whole in its input half: a stage that embeds tokens
+        midway (:class:`~xscale.parallel.pipeline.MicrobatchStage`) or runs a shared block more than once."""
+        return self.embeds_midway or self.reuses_block
 
     @staticmethod
     def _prune(stack: nn.Module, held_layers: list[int], embeds: bool, keep_norm: bool) -> nn.Module:
-        held = {str(index) for index in held_layers}
+        # A shared stack builds one block ("0") and runs it n_layers times (Stack.blocks): keep it, run it per depth.
+        held = {"0"} if stack.share_layers else {str(index) for index in held_layers}
+        stack.first_depth = held_layers[0]
         for name in [name for name in stack.layers if name not in held]:
             del stack.layers[name]
         stack.n_layers = len(held_layers)
@@ -175,24 +196,29 @@ class PipelineStageModule(nn.Module):
             x = norm(x)
         return dropout(x)
 
-    def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """What the previous stage sent (token ids on the first stage); returns what this stage sends."""
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """What the previous stage sent (token ids on the first stage); returns what this stage sends. RealFormer
+        scores, when they cross a boundary, travel last: (x, scores) or (decoder hidden, memory, scores)."""
         if not self.seq2seq:
             return self._forward_stack(*inputs)
+        scores = inputs[-1] if self.receives_scores else None
+        inputs = inputs[:-1] if self.receives_scores else inputs
         stack = getattr(self, "stack", None)
         if stack is not None:
             x = inputs[0]
             if self.is_first:
                 x = self._embed(x, stack, self.embedding, self.embedding_norm, self.embedding_dropout)
+            received = scores
             with _tapped_bias(stack.position, None if self.is_first else x):
-                x, _ = run_blocks(list(stack.layers.values()), x, stack.position)
+                x, scores = run_blocks(stack.blocks(), x, stack.position, scores=scores,
+                                      first_depth=stack.shared_first_depth)
             if not self.ends_encoder:
-                return x  # encoder hidden states
+                return self._with_scores((x,), scores, received)  # encoder hidden states
             if stack.final_norm is not None:
                 x = stack.final_norm(x)
             if not hasattr(self, "decoder"):
                 return x  # the memory
-            memory = x
+            memory, scores = x, None  # the decoder starts its own scores
         else:
             memory = inputs[-1]
         decoder = self.decoder
@@ -208,14 +234,24 @@ class PipelineStageModule(nn.Module):
         else:
             y = inputs[0]
         # A stage that embeds the decoder's tokens runs its backward whole (MicrobatchStage): no tap needed.
+        received = scores
         with routing_token_ids(tokens), _tapped_bias(decoder.position, None if self.starts_decoder else y):
-            y, _ = run_blocks(list(decoder.layers.values()), y, decoder.position, memory)
+            y, scores = run_blocks(decoder.blocks(), y, decoder.position, memory, scores=scores,
+                                  first_depth=decoder.shared_first_depth)
         if self.is_last:
             if decoder.final_norm is not None:
                 y = decoder.final_norm(y)
             return self._head(y)
         # A new tensor (not a view: schedules detach their outputs in place), so the memory's gradient goes back.
-        return y, memory.clone()
+        return self._with_scores((y, memory.clone()), scores, received)
+
+    def _with_scores(self, outputs: tuple[torch.Tensor, ...], scores: torch.Tensor | None,
+                     received: torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """``outputs`` (one tensor alone), with the RealFormer scores last when this stage sends them; scores passed
+        through untouched leave as a new tensor, so the schedule's backward reaches them."""
+        if self.sends_scores:
+            outputs = (*outputs, scores.clone() if scores is received else scores)
+        return outputs[0] if len(outputs) == 1 else outputs
 
     def _forward_stack(self, x: torch.Tensor,
                        scores: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -227,19 +263,22 @@ class PipelineStageModule(nn.Module):
             x = self._embed(x, stack, self.embedding, self.embedding_norm, self.embedding_dropout)
         received = scores
         with _tapped_bias(stack.position, None if self.is_first else x):
-            x, scores = run_blocks(list(stack.layers.values()), x, stack.position, scores=scores)
+            x, scores = run_blocks(stack.blocks(), x, stack.position, scores=scores,
+                                      first_depth=stack.shared_first_depth)
         if self.is_last and stack.final_norm is not None:
             x = stack.final_norm(x)
-        x = self._head(x)
-        if not self.sends_scores:
-            return x
-        # Scores passed through untouched leave as a new tensor, so the schedule's backward reaches them.
-        return x, scores.clone() if scores is received else scores
+        return self._with_scores((self._head(x),), scores, received)
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_last and self.head_transform is not None:
             x = self.head_transform(x)
         return x
+
+
+def _scores_cross(carrying: list[list[int]], boundary: int) -> bool:
+    """Whether RealFormer scores cross the boundary after layer ``boundary``: one of its stack's carrying layers
+    (``carrying``: per stack, in :func:`pipeline_layers` indices) is at or before it and one after it."""
+    return any(any(i <= boundary for i in stack) and any(i > boundary for i in stack) for stack in carrying)
 
 
 class _GradientTap(torch.autograd.Function):

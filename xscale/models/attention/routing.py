@@ -7,8 +7,10 @@ keys assigned to them, mu <- normalise(decay * mu + (1 - decay) * mean of the as
 means in place of sums, so the step does not grow with the batch). A training forward records its statistics
 and applies them at the start of the next training forward, never inside backward: activation checkpointing
 re-runs a forward during backward, and that rerun must route with the centroids the original forward used.
-(Schedules that run several forwards before their backwards, as pipelining does, still break that; the plan
-that combines routing, activation checkpointing and pipelining must refuse it.)
+Where other forwards (which move the centroids) run between a forward and its backward, as in a pipeline
+schedule, the recomputation finds them moved: a forward run inside :func:`routed_centroids` keeps the centroids
+it routed with in the given store, and a rerun inside the same store routes with those (activation checkpointing
+enters one store per checkpointed forward).
 
 Balancing (ours): balancing clusters by letting each take its top-w tokens would let a later token push an
 earlier one out of its cluster, which a decoder must not allow. Instead a query sees at most ``window`` keys of
@@ -33,6 +35,7 @@ from xscale.config import ModelConfig
 from xscale.models.attention.core import AttentionCore, check_heads, expand_kv
 from xscale.models.attention.sparse import layer_seed, require, require_positive
 from xscale.models.registry import ATTENTION
+from xscale.models.scoped import Scope, ScopedValue
 
 
 @dataclasses.dataclass
@@ -82,6 +85,15 @@ def blocked(x: Tensor, size: int, fill: int | float) -> Tensor:
     return x.view(*x.shape[:2], -1, size, *x.shape[3:])
 
 
+_ROUTED: ScopedValue[dict[int, Tensor]] = ScopedValue()
+
+
+def routed_centroids(store: dict[int, Tensor] | None) -> Scope[dict[int, Tensor]]:
+    """Training forwards inside keep the centroids they route with in ``store`` (by core); forwards replayed
+    inside backward route with the stored ones (a core not in the store uses its current centroids)."""
+    return _ROUTED.scope(store)
+
+
 def local_statistics(statistics: Tensor) -> Tensor:
     """One process: the statistics are already global."""
     return statistics
@@ -108,9 +120,11 @@ class RoutingAttention(AttentionCore):
         self.centroids.copy_(F.normalize(draw, dim=-1).to(self.centroids.dtype))
         self.pending_statistics.zero_()
 
-    def assign(self, x: Tensor) -> Tensor:
-        """(B, H, T, d) -> (B, H, T) index of the nearest centroid (cosine)."""
-        return (F.normalize(x.detach(), dim=-1) @ self.centroids.to(x.dtype).transpose(-1, -2)[None]).argmax(-1)
+    def assign(self, x: Tensor, centroids: Tensor | None = None) -> Tensor:
+        """(B, H, T, d) -> (B, H, T) index of the nearest centroid (cosine); ``centroids``: these instead of the
+        current ones."""
+        centroids = self.centroids if centroids is None else centroids
+        return (F.normalize(x.detach(), dim=-1) @ centroids.to(x.dtype).transpose(-1, -2)[None]).argmax(-1)
 
     @torch.no_grad()
     def record_statistics(self, q: Tensor, k: Tensor, query_cluster: Tensor, key_cluster: Tensor) -> None:
@@ -134,10 +148,16 @@ class RoutingAttention(AttentionCore):
         require(q.shape[2] == k.shape[2], "routing attention is self-attention (equal query and key lengths)")
         check_heads(self, self.centroids, q.shape[1])
         learning = self.training and torch._C._current_graph_task_id() == -1  # -1: not replayed inside backward
+        store = _ROUTED.current
+        centroids = None
         if learning:
             self.apply_statistics()
+            if store is not None:
+                store[id(self)] = self.centroids.clone()
+        elif self.training and store is not None:  # a recomputation: route as the forward it repeats did
+            centroids = store.get(id(self))
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
-        query_cluster, key_cluster = self.assign(q), self.assign(k)
+        query_cluster, key_cluster = self.assign(q, centroids), self.assign(k, centroids)
         out = self.attend(q, k, v, query_cluster, key_cluster, causal)
         if learning:
             self.record_statistics(q.detach(), k.detach(), query_cluster, key_cluster)
