@@ -167,6 +167,14 @@ def test_routing_attention_under_pipeline_parallel(tmp_path):
 
 
 @pytest.mark.slow
+def test_routing_attention_under_pipeline_x_tensor_parallel(tmp_path):
+    """pp x tp with recomputation: each stage's cores hold their heads' centroids (split by head over tp), and a
+    backward's recomputation routes with the centroids its forward used."""
+    assert_parity(DECODER + ROUTING + ["train.micro_batch_size=2"],
+                  ["pp=2,tp=2,microbatches=4,activation_checkpointing=full"], tmp_path, same_grad_norms=True)
+
+
+@pytest.mark.slow
 def test_routing_attention_under_pipeline_and_data_parallel(tmp_path):
     """Each stage's cores sum their statistics over the stage's data-parallel replicas: one microbatch per dp rank
     (gpipe), so a step's statistics are the whole batch's, as on one process."""
@@ -268,7 +276,7 @@ def test_talking_heads_and_realformer_under_pipeline_x_tensor_parallel(tmp_path)
     assert_parity(mixed, ["pp=2,tp=2,microbatches=2"], tmp_path, same_grad_norms=True)
 
 
-ROUTING = ["model.attention.kind=routing", "model.attention.options={clusters: 2, window: 8, decay: 0.5}"]
+HEAD_SPLIT_ROUTING = ["model.attention.kind=routing", "model.attention.options={clusters: 2, window: 8, decay: 0.5}"]
 SYNTHESIZER = ["model.attention.kind=synthesizer", "model.attention.options={mode: dense}", "model.max_seq_len=16"]
 
 
@@ -276,7 +284,7 @@ SYNTHESIZER = ["model.attention.kind=synthesizer", "model.attention.options={mod
 def test_per_head_state_split_by_tensor_parallel(tmp_path):
     """Routing's centroids (moved by every training forward) and the Synthesizer's weights, split by head over
     tp=2: each rank holds and updates its heads' rows; the Synthesizer's attention dropout by global head too."""
-    assert_parity(DECODER + ROUTING, ["tp=2,sequence_parallel=true"], tmp_path / "routing", same_grad_norms=True)
+    assert_parity(DECODER + HEAD_SPLIT_ROUTING, ["tp=2,sequence_parallel=true"], tmp_path / "routing", same_grad_norms=True)
     assert_parity(DECODER + SYNTHESIZER, ["tp=2"], tmp_path / "synthesizer", same_grad_norms=True)
     assert_parity(DECODER + DROPOUT + SYNTHESIZER, ["tp=2,sequence_parallel=true"], tmp_path / "dropout")
 
@@ -285,7 +293,7 @@ def test_per_head_state_split_by_tensor_parallel(tmp_path):
 def test_per_head_state_under_data_tensor_parallel_and_zero3(tmp_path):
     """dp_shard=2 x tp=2 with ZeRO-3: routing's statistics are summed over dp only (each tp rank holds other
     heads), with activation checkpointing replaying the forwards; the Synthesizer's per-head weights FSDP-sharded."""
-    assert_parity(DECODER + ROUTING, ["dp_shard=2,tp=2,zero_stage=3,activation_checkpointing=full",
+    assert_parity(DECODER + HEAD_SPLIT_ROUTING, ["dp_shard=2,tp=2,zero_stage=3,activation_checkpointing=full",
                                       "dp_shard=2,tp=2"], tmp_path / "routing", same_grad_norms=True)
     assert_parity(DECODER + SYNTHESIZER, ["dp_shard=2,tp=2,zero_stage=3"], tmp_path / "synthesizer",
                   same_grad_norms=True)
