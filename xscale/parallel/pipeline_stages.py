@@ -211,7 +211,7 @@ class PipelineStageModule(nn.Module):
             received = scores
             with _tapped_bias(stack.position, None if self.is_first else x):
                 x, scores = run_blocks(stack.blocks(), x, stack.position, scores=scores,
-                                      first_depth=stack.shared_first_depth)
+                                       first_depth=stack.shared_first_depth)
             if not self.ends_encoder:
                 return self._with_scores((x,), scores, received)  # encoder hidden states
             if stack.final_norm is not None:
@@ -237,7 +237,7 @@ class PipelineStageModule(nn.Module):
         received = scores
         with routing_token_ids(tokens), _tapped_bias(decoder.position, None if self.starts_decoder else y):
             y, scores = run_blocks(decoder.blocks(), y, decoder.position, memory, scores=scores,
-                                  first_depth=decoder.shared_first_depth)
+                                   first_depth=decoder.shared_first_depth)
         if self.is_last:
             if decoder.final_norm is not None:
                 y = decoder.final_norm(y)
@@ -264,7 +264,7 @@ class PipelineStageModule(nn.Module):
         received = scores
         with _tapped_bias(stack.position, None if self.is_first else x):
             x, scores = run_blocks(stack.blocks(), x, stack.position, scores=scores,
-                                      first_depth=stack.shared_first_depth)
+                                   first_depth=stack.shared_first_depth)
         if self.is_last and stack.final_norm is not None:
             x = stack.final_norm(x)
         return self._with_scores((self._head(x),), scores, received)

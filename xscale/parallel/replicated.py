@@ -109,11 +109,6 @@ def computing_within(cls: type, contexts: tuple[tuple[str, Callable[[nn.Module],
     return _CLASSES[key]
 
 
-def _computing_with_local_parameters(cls: type, methods: tuple[str, ...]) -> type:
-    """A subclass of ``cls`` whose ``methods`` run inside :func:`local_parameters`."""
-    return computing_within(cls, tuple((name, local_parameters) for name in methods))
-
-
 def replicate_parameters(module: nn.Module, mesh: DeviceMesh, *, sum_gradients: bool,
                          methods: tuple[str, ...] = ("forward",)) -> None:
     """Every parameter under ``module`` becomes a Replicate DTensor on ``mesh``, used locally by ``methods``.
@@ -137,4 +132,4 @@ def replicate_parameters(module: nn.Module, mesh: DeviceMesh, *, sum_gradients: 
             setattr(submodule, GRADIENT_GROUP, group)
             replicated_any = True
     if replicated_any and not getattr(type(module), "_computes_with_local_parameters", False):
-        module.__class__ = _computing_with_local_parameters(type(module), methods)
+        module.__class__ = computing_within(type(module), tuple((name, local_parameters) for name in methods))

@@ -77,9 +77,9 @@ POSITION_METHODS = ("embed", "rotate", "bias")
 # Cores whose heads follow different patterns when this option is set: splitting heads would change them.
 # Cores whose heads are independent and whose tp=2 parity is tested (tests/parallel/test_tensor_parallel.py).
 HEAD_SPLITTABLE_CORES = (DenseAttention, PatternAttention, LSHAttention, LinearAttention, RandomFeatureAttention,
-                         LinformerAttention, NystromAttention)
-# Heads independent too: shared per-head networks (compression, sorting net), scores carried per head.
-HEAD_SPLITTABLE_CORES += (MemoryCompressedAttention, SinkhornAttention, RealFormerAttention)
+                         LinformerAttention, NystromAttention,
+                         # shared per-head networks (compression, sorting net); scores carried per head
+                         MemoryCompressedAttention, SinkhornAttention, RealFormerAttention)
 # Cores whose per-head state (per_head_state) is split by head (xscale.parallel.head_sharded), tp=2 parity tested.
 HEAD_SHARDED_STATE_CORES = (GaussianPriorAttention, AdaptiveSpanAttention, SynthesizerAttention, PooledAttention,
                             RoutingAttention)
