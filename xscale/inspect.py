@@ -118,6 +118,10 @@ def _model_slice(config: Config, dims, at: dict[str, int]) -> str:
     if dims.tp > 1:
         parts.append(f"heads {_share(at['tp'], model.n_heads, dims.tp)}"
                      + (f", vocab {_share(at['tp'], model.vocab_size, dims.tp)}" if holds_vocabulary else ""))
+    if dims.cp > 1:  # context parallelism: this rank's tokens of every sequence
+        size = config.train.seq_len // (2 * dims.cp if parallel.cp_load_balance else dims.cp)
+        chunks = (at["cp"], 2 * dims.cp - 1 - at["cp"]) if parallel.cp_load_balance else (at["cp"],)
+        parts.append("tokens " + " + ".join(f"[{c * size}, {(c + 1) * size})" for c in chunks))
     if dims.ep > 1:
         experts = f"experts {_share(at['ep'], model.moe.num_experts, dims.ep)}"
         if dims.fsdp and dims.dp_expert > 1:  # ZeRO-3 shards them further over the ranks holding the same experts
@@ -148,11 +152,11 @@ def layout_report(config: Config, world_size: int) -> list[str]:
     lines = [f"layout: {dims.describe()}"]
     if dims.pp > 1:
         lines.append(_pipeline_line(config, dims.pp, auto))
-    lines.append(f"  {'rank':>4} {'pp':>3} {'dp':>3} {'tp':>3} {'ep':>3}  holds")
+    lines.append(f"  {'rank':>4} {'pp':>3} {'dp':>3} {'cp':>3} {'tp':>3} {'ep':>3}  holds")
     shown = list(range(min(world_size, 16)))
     for rank in shown:
         at = rank_coordinates(dims, rank)
-        lines.append(f"  {rank:>4} {at['pp']:>3} {at['dp']:>3} {at['tp']:>3} {at['ep']:>3}  "
+        lines.append(f"  {rank:>4} {at['pp']:>3} {at['dp']:>3} {at['cp']:>3} {at['tp']:>3} {at['ep']:>3}  "
                      f"{_model_slice(config, dims, at)}")
     if world_size > len(shown):
         lines.append(f"  ... {world_size - len(shown)} more ranks")

@@ -31,7 +31,7 @@ from xscale.models.registry import ATTENTION
 
 PARITY_SETTINGS = ("train.eval_every=0", "train.plot=false", "train.tensorboard=false", "train.progress=false",
                    "train.log_every=1000000", "train.precision=fp32", "checkpoint.resume=none")
-DEGREES = ("pp", "dp_replicate", "dp_shard", "tp")
+DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass
