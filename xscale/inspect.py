@@ -152,11 +152,13 @@ def layout_report(config: Config, world_size: int) -> list[str]:
     lines = [f"layout: {dims.describe()}"]
     if dims.pp > 1:
         lines.append(_pipeline_line(config, dims.pp, auto))
-    lines.append(f"  {'rank':>4} {'pp':>3} {'dp':>3} {'cp':>3} {'tp':>3} {'ep':>3}  holds")
+    cp = f" {'cp':>3}" if dims.cp > 1 else ""  # the cp column only in context-parallel layouts
+    lines.append(f"  {'rank':>4} {'pp':>3} {'dp':>3}{cp} {'tp':>3} {'ep':>3}  holds")
     shown = list(range(min(world_size, 16)))
     for rank in shown:
         at = rank_coordinates(dims, rank)
-        lines.append(f"  {rank:>4} {at['pp']:>3} {at['dp']:>3} {at['cp']:>3} {at['tp']:>3} {at['ep']:>3}  "
+        cp = f" {at['cp']:>3}" if dims.cp > 1 else ""
+        lines.append(f"  {rank:>4} {at['pp']:>3} {at['dp']:>3}{cp} {at['tp']:>3} {at['ep']:>3}  "
                      f"{_model_slice(config, dims, at)}")
     if world_size > len(shown):
         lines.append(f"  ... {world_size - len(shown)} more ranks")

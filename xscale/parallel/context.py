@@ -30,18 +30,22 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from xscale.config import Config, ConfigError
+from xscale.config import Config, ConfigError, ModelConfig
 from xscale.models.attention import Attention
 from xscale.models.attention.dense import DenseAttention
 from xscale.models.dropout import Dropout, SlicedDim
 from xscale.models.registry import ATTENTION
 from xscale.parallel.collectives import all_gather_flat, reduce_scatter_flat
+
+if TYPE_CHECKING:
+    from xscale.parallel.dims import ParallelDims
 
 SUPPORTED_KINDS = ("dense", "mha", "gqa", "mqa")
 SUPPORTED_POSITIONS = ("none", "sinusoidal", "learned", "rope", "alibi", "t5_bias")
@@ -224,11 +228,11 @@ def context_parallel_loss_sum(layout: SequenceSlice,
 
 
 # ---------------------------------------------------------------------------------------------------- refusals
-def _attention_kinds(config) -> set[str]:
-    return {config.attention.kind_for_layer(index) for index in range(config.n_layers)}
+def _attention_kinds(model: ModelConfig) -> set[str]:
+    return {model.attention.kind_for_layer(index) for index in range(model.n_layers)}
 
 
-def check_context_parallel_model(model, cp: int) -> None:
+def check_context_parallel_model(model: ModelConfig, cp: int) -> None:
     """Refuse a model whose attention or positions the all-gather plan does not shard."""
     if model.family == "encoder_decoder":
         raise ConfigError(f"parallel.cp={cp}: context parallelism shards decoders and encoders, not encoder-decoder "
@@ -247,7 +251,7 @@ def check_context_parallel_model(model, cp: int) -> None:
                           f"{', '.join(SUPPORTED_POSITIONS)} or parallel.cp=1")
 
 
-def check_context_parallel(config: Config, dims) -> None:
+def check_context_parallel(config: Config, dims: ParallelDims) -> None:
     """Every refusal of ``parallel.cp > 1`` that needs only the degrees and the config (ParallelDims.validate)."""
     cp, parallel = dims.cp, config.parallel
     for name, degree in (("pp", dims.pp), ("tp", dims.tp), ("ep", dims.ep)):
