@@ -171,7 +171,24 @@ def layout_report(config: Config, world_size: int) -> list[str]:
     state = predicted_state_bytes(count.total, dims, count.expert)
     lines.append("per-rank model state (ZeRO formulas, fp32 AdamW):")
     lines += [f"  {name:<12} {_human(value)}" for name, value in state.items()]
+    if dims.cp > 1:
+        lines.append(f"  {'activations':<12} {_human(context_parallel_activation_bytes(config, dims))} "
+                     f"(T/cp tokens per rank, plus the gathered K/V)")
     return lines
+
+
+def context_parallel_activation_bytes(config: Config, dims) -> float:
+    """Stored activations per rank and microbatch under context parallelism: every term of
+    :func:`activation_bytes` is per local token (the scores are (T/cp) x T), plus each layer's gathered K and V
+    (all T tokens, the other ranks' share kept for backward) unless full recomputation drops them."""
+    model = config.model
+    micro = config.train.micro_batch_size or config.train.global_batch_size // dims.dp
+    local = activation_bytes(config, micro) / dims.cp
+    if config.parallel.activation_checkpointing == "full":
+        return local
+    value_bytes = 2 if config.train.precision == "bf16" else 4
+    gathered = 2 * config.train.seq_len * micro * model.kv_heads * model.head_dim * value_bytes * (1 - 1 / dims.cp)
+    return local + model.n_layers * gathered
 
 
 def report(config: Config) -> str:

@@ -147,3 +147,4 @@ def test_layout_world_size_and_inspect_report():
     assert state["parameters"] == 4 * 1000 / 4  # ZeRO-3 shards over dp x cp
     report = "\n".join(layout_report(config, 4))
     assert "cp=2" in report and "tokens [0, 4) + [12, 16)" in report and "tokens [4, 8) + [8, 12)" in report
+    assert "activations" in report.split("per-rank model state")[1]  # per-rank activations: T/cp tokens
