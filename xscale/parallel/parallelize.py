@@ -1,8 +1,11 @@
 """Apply a layout to a model, in a fixed order, and return the engine that runs its steps.
 
 Order (as torchtitan settled on): build on the meta device -> pipeline split -> tensor/sequence parallel ->
-expert parallel -> context parallel -> activation checkpointing -> ZeRO-3 (FSDP2) -> materialise on the device -> deterministic init
-from (seed, canonical parameter name), so every layout starts from the single-device weights.
+expert parallel -> context parallel -> activation checkpointing -> ZeRO-3 (FSDP2) -> materialise on the device ->
+deterministic init from (seed, canonical parameter name), so every layout starts from the single-device weights.
+Context parallelism (cp > 1) hooks the attention cores and position encodings and slices each microbatch in the
+loss function (:mod:`xscale.parallel.context`); its ranks hold the same parameters, so the data-parallel strategy
+sums gradients over dp x cp and ZeRO shards over dp_shard x cp.
 Expert parallelism (ep > 1) acts on the MoE layers only and slices materialised experts, so under ep the model is
 materialised and initialised just before it (after tensor parallelism's plans on the meta model; under pp, in each
 stage the pipeline engine has materialised).
