@@ -133,7 +133,8 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     ep: int = 1
-    cp: int = 1
+    cp: int = 1  # context parallelism: each sequence's tokens sharded over cp ranks (xscale.parallel.context)
+    cp_load_balance: bool = False  # cp rank r holds chunks r and 2cp-1-r of 2cp (even causal work)
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble
     pp_stages_per_rank: int = 1
     pp_split: list[int] | None = None  # blocks per stage; None: as even as possible

@@ -118,6 +118,10 @@ def _model_slice(config: Config, dims, at: dict[str, int]) -> str:
     if dims.tp > 1:
         parts.append(f"heads {_share(at['tp'], model.n_heads, dims.tp)}"
                      + (f", vocab {_share(at['tp'], model.vocab_size, dims.tp)}" if holds_vocabulary else ""))
+    if dims.cp > 1:  # context parallelism: this rank's tokens of every sequence
+        size = config.train.seq_len // (2 * dims.cp if parallel.cp_load_balance else dims.cp)
+        chunks = (at["cp"], 2 * dims.cp - 1 - at["cp"]) if parallel.cp_load_balance else (at["cp"],)
+        parts.append("tokens " + " + ".join(f"[{c * size}, {(c + 1) * size})" for c in chunks))
     if dims.ep > 1:
         experts = f"experts {_share(at['ep'], model.moe.num_experts, dims.ep)}"
         if dims.fsdp and dims.dp_expert > 1:  # ZeRO-3 shards them further over the ranks holding the same experts
@@ -148,11 +152,13 @@ def layout_report(config: Config, world_size: int) -> list[str]:
     lines = [f"layout: {dims.describe()}"]
     if dims.pp > 1:
         lines.append(_pipeline_line(config, dims.pp, auto))
-    lines.append(f"  {'rank':>4} {'pp':>3} {'dp':>3} {'tp':>3} {'ep':>3}  holds")
+    cp = f" {'cp':>3}" if dims.cp > 1 else ""  # the cp column only in context-parallel layouts
+    lines.append(f"  {'rank':>4} {'pp':>3} {'dp':>3}{cp} {'tp':>3} {'ep':>3}  holds")
     shown = list(range(min(world_size, 16)))
     for rank in shown:
         at = rank_coordinates(dims, rank)
-        lines.append(f"  {rank:>4} {at['pp']:>3} {at['dp']:>3} {at['tp']:>3} {at['ep']:>3}  "
+        cp = f" {at['cp']:>3}" if dims.cp > 1 else ""
+        lines.append(f"  {rank:>4} {at['pp']:>3} {at['dp']:>3}{cp} {at['tp']:>3} {at['ep']:>3}  "
                      f"{_model_slice(config, dims, at)}")
     if world_size > len(shown):
         lines.append(f"  ... {world_size - len(shown)} more ranks")
@@ -165,7 +171,24 @@ def layout_report(config: Config, world_size: int) -> list[str]:
     state = predicted_state_bytes(count.total, dims, count.expert)
     lines.append("per-rank model state (ZeRO formulas, fp32 AdamW):")
     lines += [f"  {name:<12} {_human(value)}" for name, value in state.items()]
+    if dims.cp > 1:
+        lines.append(f"  {'activations':<12} {_human(context_parallel_activation_bytes(config, dims))} "
+                     f"(T/cp tokens per rank, plus the gathered K/V)")
     return lines
+
+
+def context_parallel_activation_bytes(config: Config, dims) -> float:
+    """Stored activations per rank and microbatch under context parallelism: every term of
+    :func:`activation_bytes` is per local token (the scores are (T/cp) x T), plus each layer's gathered K and V
+    (all T tokens, the other ranks' share kept for backward) unless full recomputation drops them."""
+    model = config.model
+    micro = config.train.micro_batch_size or config.train.global_batch_size // dims.dp
+    local = activation_bytes(config, micro) / dims.cp
+    if config.parallel.activation_checkpointing == "full":
+        return local
+    value_bytes = 2 if config.train.precision == "bf16" else 4
+    gathered = 2 * config.train.seq_len * micro * model.kv_heads * model.head_dim * value_bytes * (1 - 1 / dims.cp)
+    return local + model.n_layers * gathered
 
 
 def report(config: Config) -> str:

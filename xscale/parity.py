@@ -26,12 +26,11 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from xscale.config import Config, ConfigError, load_config_from_cli
-from xscale.launcher.env import free_port
 from xscale.models.registry import ATTENTION
 
 PARITY_SETTINGS = ("train.eval_every=0", "train.plot=false", "train.tensorboard=false", "train.progress=false",
                    "train.log_every=1000000", "train.precision=fp32", "checkpoint.resume=none")
-DEGREES = ("pp", "dp_replicate", "dp_shard", "tp")
+DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass
@@ -65,9 +64,11 @@ def world_size_of(config: Config) -> int:
 
 def _run_rank(local_rank: int, world_size: int, port: int, function: Callable[..., Any], args: tuple,
               result_dir: str) -> None:
+    # Every rank is a client of the store the parent holds open (torchelastic's agent store): no rank binds a port
+    # picked beforehand, which another test process could take in between and so join this run's rendezvous.
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(local_rank),
                        "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
-                       "LOCAL_WORLD_SIZE": str(world_size)})
+                       "LOCAL_WORLD_SIZE": str(world_size), "TORCHELASTIC_USE_AGENT_STORE": "True"})
     import torch
     import torch.distributed as dist
 
@@ -85,8 +86,15 @@ def _run_rank(local_rank: int, world_size: int, port: int, function: Callable[..
 def run_local(function: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """Run ``function(*args)`` in ``world_size`` fresh local processes with a torchrun-style environment
     (the function initialises the process group, e.g. through the Trainer); returns each rank's JSON result."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    # The rendezvous store listens on a port the OS picks for it, open until every rank has exited.
+    store = TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timedelta(minutes=5),
+                     wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="xscale-local-") as scratch:
-        mp.start_processes(_run_rank, args=(world_size, free_port(), function, args, scratch), nprocs=world_size,
+        mp.start_processes(_run_rank, args=(world_size, store.port, function, args, scratch), nprocs=world_size,
                            join=True, start_method="spawn")
         return [json.loads(Path(scratch, f"rank{rank}.json").read_text()) for rank in range(world_size)]
 

@@ -19,7 +19,7 @@ MOE = ["model.moe.num_experts=4", "model.moe.router=switch"]
 
 REFUSED = [
     (["parallel.tp=2", "parallel.dp_shard=2"], 2, "4 processes but 2 were launched"),
-    (["parallel.tp=3"], 4, "not divisible by pp x dp_replicate x tp"),
+    (["parallel.tp=3"], 4, "not divisible by pp x dp_replicate x cp x tp"),
     (["parallel.tp=3", "parallel.dp_shard=1"], 3, "model.n_heads=4 is not divisible by parallel.tp=3"),
     (["parallel.tp=2", "parallel.dp_shard=1", "model.vocab_size=65"], 2, "model.vocab_size=65 is not divisible"),
     (["parallel.tp=2", "parallel.dp_shard=1", "model.d_ff=33"], 2, "FFN hidden width 33"),
@@ -32,7 +32,8 @@ REFUSED = [
     (["parallel.pp=8", "parallel.dp_shard=1"], 8, "model.n_layers=4 cannot fill 8 pipeline stages"),
     (["parallel.pp=2", "parallel.dp_shard=1", "parallel.microbatches=3"], 2, "does not split into parallel.microbatches=3"),
     (["parallel.zero_stage=4"], 2, "must be 0 (DDP)"),
-    (["parallel.cp=2"], 2, "context parallelism"),
+    (["parallel.cp=2", "parallel.tp=2"], 4, "parallel.cp=2 does not combine with tensor parallelism"),
+    (["parallel.cp=3"], 4, "not divisible by pp x dp_replicate x cp x tp = 1 x 1 x 3 x 1 = 3"),
     (["parallel.dp_shard=0"], 2, "dp_shard must be >= 1"),
     (["parallel.tp=0"], 2, "parallel.tp must be >= 1"),
     (["parallel.backend=nccl"], 2, "needs CUDA"),
@@ -64,7 +65,7 @@ def test_dp_shard_fills_the_world_and_mesh_coordinates_are_row_major():
                                 "train.global_batch_size=8", "parallel.microbatches=2"])
     dims = ParallelDims.from_config(config, 16)
     assert (dims.pp, dims.dp_shard, dims.tp, dims.ep, dims.dp, dims.edp) == (2, 4, 2, 2, 4, 2)
-    assert rank_coordinates(dims, 0) == {"pp": 0, "dp_replicate": 0, "dp_expert": 0, "ep": 0, "tp": 0,
+    assert rank_coordinates(dims, 0) == {"pp": 0, "dp_replicate": 0, "dp_expert": 0, "ep": 0, "cp": 0, "tp": 0,
                                          "dp_shard": 0, "dp": 0}
     last = rank_coordinates(dims, 15)
     assert (last["pp"], last["dp"], last["tp"], last["ep"]) == (1, 3, 1, 1)

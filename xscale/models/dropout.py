@@ -10,7 +10,9 @@ drop the same elements, and a resumed run drops what the uninterrupted one would
 The model stays plain PyTorch: without a :class:`DropoutPosition` (set by the training engine with
 :func:`dropout_position`) the per-sample keys come from torch's RNG and the module behaves like ``nn.Dropout``.
 Parallel plans say where a rank's slice of dim 1 (tokens under sequence parallelism, heads under tensor
-parallelism) sits by setting ``shard_index``; everything else is global already.
+parallelism) sits by setting ``shard_index``; a slice that is not one of equal contiguous slices (context
+parallelism's load-balanced token chunks) is described by a :class:`SlicedDim` in ``sliced_dim``: the global
+coordinates of the elements held along that dim. Everything else is global already.
 """
 
 from __future__ import annotations
@@ -88,6 +90,20 @@ class DropoutPosition:
         return replace(self, first_sample=self.first_sample + index * stride, microbatch_stride=0)
 
 
+class SlicedDim:
+    """A rank holds, along dim ``dim`` of a batch-first tensor, the elements at global coordinates
+    ``coordinates(local_size, device)`` of a dim whose global size is ``global_size(local_size)``."""
+
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+
+    def global_size(self, local_size: int) -> int:
+        raise NotImplementedError
+
+    def coordinates(self, local_size: int, device: torch.device) -> torch.Tensor:
+        raise NotImplementedError
+
+
 _POSITION: ScopedValue[DropoutPosition] = ScopedValue()
 
 
@@ -123,6 +139,7 @@ class Dropout(nn.Module):
         self.p = p
         self.site = 0  # set from the module's name by name_dropout_sites
         self.shard_index = 0  # this rank's slice of dim 1 (equal slices), set by parallel plans
+        self.sliced_dim: SlicedDim | None = None  # any other slice of one dim, set by parallel plans
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
@@ -147,7 +164,8 @@ class Dropout(nn.Module):
 
     def keep_mask(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
         """Bool tensor of ``shape`` (batch first), True where an element is kept."""
-        return _element_hashes(self.site, shape, device, self.shard_index) >= round(self.p * 2**64) - 2**63
+        return _element_hashes(self.site, shape, device, self.shard_index, self.sliced_dim) >= \
+            round(self.p * 2**64) - 2**63
 
     def _sample_keys(self, batch: int, device: torch.device) -> torch.Tensor:
         return _sample_keys(self.site, batch, device)
@@ -166,16 +184,23 @@ def _sample_keys(site: int, batch: int, device: torch.device) -> torch.Tensor:
     return _mix_(rows * _signed(GOLDEN) + _signed(base))
 
 
-def _element_hashes(site: int, shape: torch.Size, device: torch.device, shard_index: int = 0) -> torch.Tensor:
+def _element_hashes(site: int, shape: torch.Size, device: torch.device, shard_index: int = 0,
+                    sliced: SlicedDim | None = None) -> torch.Tensor:
     """int64 hash of every element of a batch-first tensor of ``shape`` from its global coordinates (dim 1 being
-    slice ``shard_index`` of equal slices)."""
+    slice ``shard_index`` of equal slices; dim ``sliced.dim`` holding the coordinates ``sliced`` names)."""
     z = _sample_keys(site, shape[0], device).view(-1, *[1] * (len(shape) - 1))
+    full = list(shape)  # the global shape, whose row-major strides the flat index uses
+    if sliced is not None:
+        full[sliced.dim] = sliced.global_size(shape[sliced.dim])
     # index * golden = sum over dims of coordinate * stride * golden (mod 2^64): one broadcast add per dim,
     # outermost first, so that only the last add is full-sized.
     for dim in range(1, len(shape)):
-        stride = math.prod(shape[dim + 1:])
-        first = shard_index * shape[dim] if dim == 1 else 0
-        coordinates = torch.arange(first, first + shape[dim], device=device, dtype=torch.int64)
+        stride = math.prod(full[dim + 1:])
+        if sliced is not None and dim == sliced.dim:
+            coordinates = sliced.coordinates(shape[dim], device).to(torch.int64)
+        else:
+            first = shard_index * shape[dim] if dim == 1 else 0
+            coordinates = torch.arange(first, first + shape[dim], device=device, dtype=torch.int64)
         z = z + (coordinates * _signed(stride * GOLDEN)).view(-1, *[1] * (len(shape) - 1 - dim))
     return _mix_(z)
 

@@ -4,8 +4,8 @@ The loss every rank back-propagates is its share of the global-batch mean (token
 the global gradient is the SUM of the ranks' gradients. Expert parameters (under expert parallelism) are summed
 only over the ranks that hold the same experts (``edp``), every other parameter over all data-parallel ranks.
 
-ZeRO-1/2 partition each parameter's flattened local tensor into equal chunks over the sharding group (``dp_shard``;
-``dp_expert`` for experts) and replicate over ``dp_replicate`` (HSDP). The optimizer owns only this rank's chunk:
+ZeRO-1/2 partition each parameter's flattened local tensor into equal chunks over the sharding group (``dp_shard``,
+``dp_shard x cp`` under context parallelism; ``dp_expert`` for experts) and replicate over ``dp_replicate`` (HSDP). The optimizer owns only this rank's chunk:
 its "parameter" is a view into the model parameter's storage, so fp32 training keeps no extra master copy and the
 per-rank bytes are the paper's: params 4Psi, grads 4Psi (ZeRO-1) or 4Psi/N (ZeRO-2), Adam moments 8Psi/N.
 Stage 1 all-reduces whole gradients and reads its chunk; stage 2 reduce-scatters them and frees the whole gradient.
@@ -67,15 +67,26 @@ class DataParallel:
     """
 
     def __init__(self, parameters: list[NamedParameter], mesh: DeviceMesh | None = None, stage_replicas: int = 1,
-                 expert_parallel: int = 1) -> None:
+                 expert_parallel: int = 1, context_parallel: bool = False) -> None:
         self.parameters = parameters
         self.mesh = mesh
         self.stage_replicas = stage_replicas  # ranks of one pipeline stage: world / pp
         self.expert_parallel = expert_parallel
+        # Under context parallelism the ranks of a cp group hold the same samples (tokens are counted over dp) but
+        # different tokens of them: losses and gradients are summed over dp x cp, ZeRO shards over dp_shard x cp.
+        self.reduce_dim = "dp_cp" if context_parallel else "dp"
+        self.shard_dim = "dp_shard_cp" if context_parallel else "dp_shard"
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
         return self.mesh["dp"].get_group() if self.mesh is not None and self.mesh["dp"].size() > 1 else None
+
+    @property
+    def reduce_group(self) -> dist.ProcessGroup | None:
+        """The ranks whose losses and (non-expert) gradients are summed: dp, or dp x cp."""
+        if self.mesh is None or self.mesh[self.reduce_dim].size() == 1:
+            return None
+        return self.mesh[self.reduce_dim].get_group()
 
     @property
     def routing_groups(self) -> int:
@@ -95,7 +106,10 @@ class DataParallel:
         return total
 
     def reduce_loss(self, local: torch.Tensor) -> torch.Tensor:
-        return self.global_token_count(local)
+        total = local.detach().clone()
+        if self.reduce_group is not None:
+            dist.all_reduce(total, group=self.reduce_group)
+        return total
 
     def after_backward(self) -> None:
         """Make every gradient the global one (nothing to do for one replica)."""
@@ -171,7 +185,8 @@ class ReplicatedDataParallel(DataParallel):
         by_group: dict[str, list[torch.Tensor]] = {}
         for entry in self.parameters:
             if entry.param.grad is not None:
-                dimension = "edp" if is_expert_parameter(entry.name) and self.expert_parallel > 1 else "dp"
+                expert = is_expert_parameter(entry.name) and self.expert_parallel > 1
+                dimension = "edp" if expert else self.reduce_dim
                 if self.mesh[dimension].size() > 1:
                     by_group.setdefault(dimension, []).append(local_tensor(entry.param.grad))
         for dimension, grads in by_group.items():
@@ -200,8 +215,8 @@ class ZeroDataParallel(ReplicatedDataParallel):
     """ZeRO-1 (optimizer state partitioned) or ZeRO-2 (+ gradients partitioned) over ``dp_shard``."""
 
     def __init__(self, parameters: list[NamedParameter], mesh: DeviceMesh, stage: int, stage_replicas: int,
-                 expert_parallel: int = 1) -> None:
-        super().__init__(parameters, mesh, stage_replicas, expert_parallel)
+                 expert_parallel: int = 1, context_parallel: bool = False) -> None:
+        super().__init__(parameters, mesh, stage_replicas, expert_parallel, context_parallel)
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel handles stages 1 and 2, got {stage}")
         self.stage = stage
@@ -209,7 +224,7 @@ class ZeroDataParallel(ReplicatedDataParallel):
 
     def _groups(self, name: str) -> tuple[DeviceMesh, DeviceMesh]:
         expert = is_expert_parameter(name) and self.expert_parallel > 1
-        return self.mesh["dp_expert" if expert else "dp_shard"], self.mesh["dp_replicate"]
+        return self.mesh["dp_expert" if expert else self.shard_dim], self.mesh["dp_replicate"]
 
     def _partition(self, entry: NamedParameter) -> _Partition:
         shard_mesh, replicate_mesh = self._groups(entry.name)

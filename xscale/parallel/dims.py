@@ -1,12 +1,15 @@
 """The parallel layout: degrees, their validation, and the one named DeviceMesh every plan draws from.
 
-World = pp x dp_replicate x dp_shard x tp. Expert parallelism folds into data parallelism (GShard, Lepikhin et al.
+World = pp x dp_replicate x dp_shard x cp x tp. Expert parallelism folds into data parallelism (GShard, Lepikhin et al.
 2020): ``dp_shard = dp_expert x ep``, so the ranks of one ep group see different tokens and hold different experts,
 and expert gradients are reduced over the ranks that hold the same experts (dp_replicate x dp_expert).
 
-Mesh dimensions, outermost first: ``pp, dp_replicate, dp_expert, ep, tp``; flattened views ``dp_shard``
+Mesh dimensions, outermost first: ``pp, dp_replicate, dp_expert, ep, cp, tp``; flattened views ``dp_shard``
 (dp_expert x ep), ``dp`` (every data-parallel rank) and ``edp`` (dp_replicate x dp_expert: the ranks that share
-experts). Every other module asks a :class:`ParallelDims` for sizes, ranks and groups, never the world directly.
+experts). Context parallelism (``cp``, :mod:`xscale.parallel.context`) gives the ranks of one cp group the same
+samples and a slice of each sequence's tokens: under it gradients and losses are summed over ``dp_cp``
+(dp x cp) and ZeRO shards over ``dp_shard_cp`` (dp_shard x cp), two more flattened views. Every other module
+asks a :class:`ParallelDims` for sizes, ranks and groups, never the world directly.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from xscale.config import Config, ConfigError
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_expert", "ep", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_expert", "ep", "cp", "tp")
 # Plans slice the flattened views (dp, dp_shard, edp) from the root mesh by name, which torch 2.11+ warns about.
 warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
 
@@ -34,10 +37,11 @@ class ParallelDims:
     tp: int = 1
     ep: int = 1
     zero_stage: int = 0
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp(self) -> int:
@@ -54,13 +58,18 @@ class ParallelDims:
         return self.dp // self.ep
 
     @property
+    def dp_cp(self) -> int:
+        """Ranks holding the same parameters that see different tokens: gradients are summed over them."""
+        return self.dp * self.cp
+
+    @property
     def fsdp(self) -> bool:
-        return self.zero_stage == 3 and self.dp > 1
+        return self.zero_stage == 3 and self.dp_cp > 1
 
     def describe(self) -> str:
-        parts = [f"{name}={getattr(self, name)}" for name in ("pp", "dp_replicate", "dp_shard", "tp", "ep")
+        parts = [f"{name}={getattr(self, name)}" for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
                  if getattr(self, name) > 1]
-        zero = f", ZeRO-{self.zero_stage}" if self.zero_stage and self.dp > 1 else ""
+        zero = f", ZeRO-{self.zero_stage}" if self.zero_stage and self.dp_cp > 1 else ""
         return f"world {self.world_size}: " + (" x ".join(parts) if parts else "single process") + zero
 
     @classmethod
@@ -75,24 +84,23 @@ class ParallelDims:
         if parallel.dp_shard == 0 or parallel.dp_shard < -1:
             raise ConfigError(f"parallel.dp_shard must be >= 1, or -1 for 'what the world size leaves', got "
                               f"{parallel.dp_shard}")
-        if parallel.cp != 1:
-            raise ConfigError("parallel.cp (context parallelism) is not supported yet; set parallel.cp=1 and "
-                              "use a sub-quadratic attention kind for long sequences")
-        fixed = parallel.pp * parallel.dp_replicate * parallel.tp
+        fixed = parallel.pp * parallel.dp_replicate * parallel.cp * parallel.tp
         dp_shard = parallel.dp_shard
         if dp_shard == -1:
             if world_size % fixed:
                 raise ConfigError(
-                    f"world size {world_size} is not divisible by pp x dp_replicate x tp = {parallel.pp} x "
-                    f"{parallel.dp_replicate} x {parallel.tp} = {fixed}; launch a multiple of {fixed} processes "
+                    f"world size {world_size} is not divisible by pp x dp_replicate x cp x tp = {parallel.pp} x "
+                    f"{parallel.dp_replicate} x {parallel.cp} x {parallel.tp} = {fixed}; launch a multiple of "
+                    f"{fixed} processes "
                     f"or change the layout")
             dp_shard = world_size // fixed
         dims = cls(pp=parallel.pp, dp_replicate=parallel.dp_replicate, dp_shard=dp_shard, tp=parallel.tp,
-                   ep=parallel.ep, zero_stage=parallel.zero_stage)
+                   ep=parallel.ep, zero_stage=parallel.zero_stage, cp=parallel.cp)
         if dims.world_size != world_size:
             raise ConfigError(
-                f"the layout needs pp x dp_replicate x dp_shard x tp = {parallel.pp} x {parallel.dp_replicate} x "
-                f"{dp_shard} x {parallel.tp} = {dims.world_size} processes but {world_size} were launched; "
+                f"the layout needs pp x dp_replicate x dp_shard x cp x tp = {parallel.pp} x "
+                f"{parallel.dp_replicate} x {dp_shard} x {parallel.cp} x {parallel.tp} = {dims.world_size} "
+                f"processes but {world_size} were launched; "
                 f"launch {dims.world_size} (torchrun --nproc-per-node {dims.world_size}) or set parallel.dp_shard=-1")
         dims.validate(config)  # the pipeline checks resolve an unset microbatch count the same way
         from xscale.parallel.pipeline import resolve_microbatches
@@ -122,6 +130,8 @@ class ParallelDims:
         if parallel.sequence_parallel and config.train.seq_len % self.tp:
             raise ConfigError(f"sequence parallelism splits each sequence over tp={self.tp} ranks; make "
                               f"train.seq_len={config.train.seq_len} a multiple of {self.tp}")
+        if self.cp > 1:
+            check_context_parallel_layout(config, self)
         if self.tp > 1:
             check_tensor_parallel(config, self.tp)
         if self.pp > 1:
@@ -154,11 +164,14 @@ class ParallelDims:
         if dist.get_world_size() != self.world_size:
             raise ConfigError(f"the layout needs {self.world_size} processes but the process group has "
                               f"{dist.get_world_size()}")
-        shape = (self.pp, self.dp_replicate, self.dp_expert, self.ep, self.tp)
+        shape = (self.pp, self.dp_replicate, self.dp_expert, self.ep, self.cp, self.tp)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
         mesh["dp_expert", "ep"]._flatten("dp_shard")
         mesh["dp_replicate", "dp_expert", "ep"]._flatten("dp")
         mesh["dp_replicate", "dp_expert"]._flatten("edp")
+        if self.cp > 1:
+            mesh["dp_expert", "ep", "cp"]._flatten("dp_shard_cp")
+            mesh["dp_replicate", "dp_expert", "ep", "cp"]._flatten("dp_cp")
         return mesh
 
 
@@ -167,6 +180,13 @@ def check_tensor_parallel(config: Config, tp: int) -> None:
     from xscale.parallel.tensor import check_tensor_parallel as check_plan
 
     check_plan(config.model, tp)
+
+
+def check_context_parallel_layout(config: Config, dims: ParallelDims) -> None:
+    """Context-parallel checks (refused layouts, model kinds and sequence lengths)."""
+    from xscale.parallel.context import check_context_parallel
+
+    check_context_parallel(config, dims)
 
 
 def check_pipeline_layout(config: Config, dims: ParallelDims) -> None:
@@ -178,7 +198,7 @@ def check_pipeline_layout(config: Config, dims: ParallelDims) -> None:
 
 def rank_coordinates(dims: ParallelDims, rank: int) -> dict[str, int]:
     """Coordinates of global ``rank`` on the mesh (row-major over MESH_DIMS), for plans printed without a mesh."""
-    shape = (dims.pp, dims.dp_replicate, dims.dp_expert, dims.ep, dims.tp)
+    shape = (dims.pp, dims.dp_replicate, dims.dp_expert, dims.ep, dims.cp, dims.tp)
     coordinates = {}
     for name, size in zip(reversed(MESH_DIMS), reversed(shape)):
         coordinates[name] = rank % size

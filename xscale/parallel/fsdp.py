@@ -23,8 +23,9 @@ from xscale.parallel.dims import ParallelDims
 
 
 def data_parallel_mesh(mesh: DeviceMesh, dims: ParallelDims, expert: bool = False) -> DeviceMesh:
-    """The mesh FSDP shards over: (dp_replicate, dp_shard) for HSDP, else dp_shard (dp_expert for experts)."""
-    shard = "dp_expert" if expert else "dp_shard"
+    """The mesh FSDP shards over: (dp_replicate, dp_shard) for HSDP, else dp_shard (dp_expert for experts;
+    dp_shard x cp under context parallelism, whose ranks hold the same parameters)."""
+    shard = "dp_expert" if expert else "dp_shard_cp" if dims.cp > 1 else "dp_shard"
     return mesh["dp_replicate", shard] if dims.dp_replicate > 1 else mesh[shard]
 
 
@@ -52,8 +53,8 @@ class FullyShardedDataParallel(DataParallel):
     """The strategy object for ZeRO-3: FSDP2 reduces gradients itself during backward."""
 
     def __init__(self, parameters: list[NamedParameter], mesh: DeviceMesh, stage_replicas: int,
-                 fsdp_modules: list[nn.Module], expert_parallel: int = 1) -> None:
-        super().__init__(parameters, mesh, stage_replicas, expert_parallel)
+                 fsdp_modules: list[nn.Module], expert_parallel: int = 1, context_parallel: bool = False) -> None:
+        super().__init__(parameters, mesh, stage_replicas, expert_parallel, context_parallel)
         self.fsdp_modules = fsdp_modules
 
     def requires_gradient_sync(self, enabled: bool) -> None:

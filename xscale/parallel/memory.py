@@ -14,7 +14,8 @@ replicated over tp, so the prediction is slightly low under tp). Per pipeline ra
 embedding, the last the head, and with tied embeddings the last its own copy, as an encoder-decoder's first decoder stage holds
 one of the embedding (so the stages hold more than Psi). Under expert parallelism the Psi_E expert
 parameters are divided by ep x pp instead (experts are replicated over tp) and ZeRO shards them over the edp
-ranks that hold the same experts, N_E = dp / ep, instead of N.
+ranks that hold the same experts, N_E = dp / ep, instead of N. Context parallelism (cp) does not divide Psi: its
+ranks hold the same parameters, and ZeRO shards over them too, N = dp x cp.
 """
 
 from __future__ import annotations
@@ -35,11 +36,11 @@ OPTIMIZER_VALUES = 2  # AdamW: exp_avg, exp_avg_sq
 def predicted_state_bytes(num_params: int, dims: ParallelDims, expert_params: int = 0) -> dict[str, float]:
     """Bytes of parameters, gradients and optimizer state on one rank under ``dims`` (formulas above);
     ``expert_params`` of the ``num_params`` are MoE expert weights (they matter only when ep > 1)."""
-    stage = dims.zero_stage if dims.dp > 1 else 0
+    stage = dims.zero_stage if dims.dp_cp > 1 else 0
     if dims.ep > 1:
         kinds = [(num_params - expert_params, dims.tp * dims.pp, dims.dp), (expert_params, dims.ep * dims.pp, dims.edp)]
-    else:
-        kinds = [(num_params, dims.tp * dims.pp, dims.dp)]
+    else:  # context-parallel ranks hold the same parameters: ZeRO shards over dp x cp
+        kinds = [(num_params, dims.tp * dims.pp, dims.dp_cp)]
     state = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0}
     for count, model_parallel, n in kinds:
         value = BYTES_PER_VALUE * count / model_parallel

@@ -1,8 +1,11 @@
 """Apply a layout to a model, in a fixed order, and return the engine that runs its steps.
 
 Order (as torchtitan settled on): build on the meta device -> pipeline split -> tensor/sequence parallel ->
-expert parallel -> activation checkpointing -> ZeRO-3 (FSDP2) -> materialise on the device -> deterministic init
-from (seed, canonical parameter name), so every layout starts from the single-device weights.
+expert parallel -> context parallel -> activation checkpointing -> ZeRO-3 (FSDP2) -> materialise on the device ->
+deterministic init from (seed, canonical parameter name), so every layout starts from the single-device weights.
+Context parallelism (cp > 1) hooks the attention cores and position encodings and slices each microbatch in the
+loss function (:mod:`xscale.parallel.context`); its ranks hold the same parameters, so the data-parallel strategy
+sums gradients over dp x cp and ZeRO shards over dp_shard x cp.
 Expert parallelism (ep > 1) acts on the MoE layers only and slices materialised experts, so under ep the model is
 materialised and initialised just before it (after tensor parallelism's plans on the meta model; under pp, in each
 stage the pipeline engine has materialised).
@@ -95,6 +98,11 @@ def build_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh | None, de
         # Expert parallelism slices materialised experts, so the slices are rows of the single-process init.
         _materialize(model, config, device)
         apply_expert_parallel(model, mesh["ep"])
+    if dims.cp > 1:
+        from xscale.parallel.context import apply_context_parallel, context_parallel_loss_sum
+
+        layout = apply_context_parallel(model, mesh["cp"], load_balance=config.parallel.cp_load_balance)
+        loss_fn = context_parallel_loss_sum(layout, loss_fn)
     apply_activation_checkpointing(_stacks(model), config.parallel.activation_checkpointing)
     _compile_blocks(model, config)
     make_data_parallel = _data_parallel([model], dims, mesh, autocast)
@@ -116,22 +124,23 @@ def _data_parallel(parts: list[nn.Module], dims: ParallelDims, mesh: DeviceMesh,
     """Shard ``parts`` for ZeRO-3 now (meta or materialised); return a factory that builds the strategy over
     the materialised parts."""
     stage_replicas = dims.world_size // dims.pp
+    cp = dims.cp > 1  # the cp ranks hold the same parameters: gradients summed over dp x cp
 
     def parameters(modules: list[nn.Module]) -> list[NamedParameter]:
         return [entry for module in modules for entry in named_parameters(module)]
 
-    if dims.zero_stage == 3 and dims.dp > 1:
+    if dims.zero_stage == 3 and dims.dp_cp > 1:
         from xscale.parallel.fsdp import FullyShardedDataParallel, apply_fsdp
 
         for part in parts:
             experts = [layer.experts for layer in moe_layers(part)] if dims.ep > 1 else []
             apply_fsdp(part, mesh, dims, autocast, _blocks(part), expert_modules=experts)
-        return lambda ms: FullyShardedDataParallel(parameters(ms), mesh, stage_replicas, ms, dims.ep)
-    if dims.zero_stage in (1, 2) and dims.dp > 1:
-        return lambda ms: ZeroDataParallel(parameters(ms), mesh, dims.zero_stage, stage_replicas, dims.ep)
-    if dims.dp > 1:
-        return lambda ms: ReplicatedDataParallel(parameters(ms), mesh, stage_replicas, dims.ep)
-    return lambda ms: DataParallel(parameters(ms), mesh, stage_replicas, dims.ep)
+        return lambda ms: FullyShardedDataParallel(parameters(ms), mesh, stage_replicas, ms, dims.ep, cp)
+    if dims.zero_stage in (1, 2) and dims.dp_cp > 1:
+        return lambda ms: ZeroDataParallel(parameters(ms), mesh, dims.zero_stage, stage_replicas, dims.ep, cp)
+    if dims.dp_cp > 1:
+        return lambda ms: ReplicatedDataParallel(parameters(ms), mesh, stage_replicas, dims.ep, cp)
+    return lambda ms: DataParallel(parameters(ms), mesh, stage_replicas, dims.ep, cp)
 
 
 def _build_pipeline_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh, device: torch.device,

@@ -1,0 +1,150 @@
+"""Context parallelism (parallel.cp): sequence-sharded attention equals one process.
+
+Module level (2 gloo ranks): the hidden states of each rank's tokens, the loss and every gradient (summed over the
+cp ranks) equal the single-process model's, for every position encoding, with residual and attention dropout,
+contiguous and load-balanced. Trainer level: 10-step loss parity, checkpoints resharded across cp, and each
+refusal's message.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from parity_models import DECODER, DROPOUT, ENCODER, assert_parity
+from spawned import WORLD, spawn
+from test_resharding import check_resharding
+
+from xscale.config import ConfigError, load_config
+from xscale.parallel.dims import ParallelDims
+
+SEQ, BATCH, SEED = 16, 3, 7
+SMALL = ["model.vocab_size=32", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=16",
+         "train.seq_len=16", "model.dropout=0.1", "model.attention_dropout=0.2"]
+# (family, position, n_kv_heads): decoders with GQA / MQA / MHA, encoders with their absolute and bias encodings.
+MODULE_CASES = [("decoder", "rope", 2), ("decoder", "alibi", 1), ("decoder", "t5_bias", 4), ("decoder", "learned", 2),
+                ("decoder", "none", 2), ("encoder", "sinusoidal", 4), ("encoder", "t5_bias", 2), ("encoder", "rope", 4)]
+
+
+def _module_config(family: str, position: str, kv_heads: int):
+    return load_config(None, [*SMALL, f"model.family={family}", f"model.position={position}",
+                              f"model.n_kv_heads={kv_heads}"])
+
+
+def _run(model, loss_fn, batch, tokens, input_ids):
+    """(loss, hidden states of ``input_ids``, gradients) with dropout drawn at one position of a run."""
+    from xscale.models.dropout import DropoutPosition, dropout_position
+
+    with dropout_position(DropoutPosition(SEED, step=3)):
+        loss = loss_fn(model, batch) / tokens
+        loss.backward()
+        with torch.no_grad():
+            hidden = model.hidden_states(input_ids)
+    return loss.detach(), hidden, {name: p.grad for name, p in model.named_parameters()}
+
+
+def _check_module_parity(rank: int) -> None:
+    for load_balance in (False, True):
+        _check_layout(rank, load_balance)
+
+
+def _check_layout(rank: int, load_balance: bool) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from xscale.models import build_model
+    from xscale.parallel.context import apply_context_parallel, context_parallel_loss_sum
+    from xscale.parallel.engine import model_loss_sum
+
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("cp",))  # one group per layout: fine on 2 ranks
+    generator = torch.Generator().manual_seed(SEED)
+    for family, position, kv_heads in MODULE_CASES:
+        case = f"{family}/{position}/kv{kv_heads}/{'balanced' if load_balance else 'contiguous'}"
+        config = _module_config(family, position, kv_heads)
+        ids = torch.randint(0, 32, (BATCH, SEQ), generator=generator)
+        labels = torch.randint(0, 32, (BATCH, SEQ), generator=generator)
+        labels[torch.rand(BATCH, SEQ, generator=generator) < 0.3] = -100
+        batch = {"input_ids": ids, "labels": labels}
+        tokens = (labels != -100).sum()
+        reference = build_model(config.model, "cpu", seed=SEED).train()
+        loss, hidden, grads = _run(reference, model_loss_sum, batch, tokens, ids)
+
+        model = build_model(config.model, "cpu", seed=SEED).train()
+        layout = apply_context_parallel(model, mesh, load_balance=load_balance)
+        positions = layout.positions_of(rank, SEQ, torch.device("cpu"))
+        local_loss, local_hidden, local_grads = _run(model, context_parallel_loss_sum(layout, model_loss_sum),
+                                                     batch, tokens, ids[:, positions])
+        torch.testing.assert_close(local_hidden, hidden[:, positions], rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, case=case: f"{case} hidden states: {m}")
+        dist.all_reduce(local_loss, group=mesh.get_group())
+        torch.testing.assert_close(local_loss, loss, rtol=1e-5, atol=1e-6, msg=lambda m, case=case: f"{case} loss: {m}")
+        for name, grad in local_grads.items():
+            assert grad is not None and grads[name] is not None, f"{case}: no gradient for {name}"
+            dist.all_reduce(grad, group=mesh.get_group())
+            torch.testing.assert_close(grad, grads[name], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, case=case, name=name: f"{case} grad {name}: {m}")
+
+
+def test_sharded_attention_equals_one_process():
+    """Every case, contiguous and load balanced, in one pair of processes."""
+    spawn(_check_module_parity)
+
+
+# ------------------------------------------------------------------------------------------------ trainer level
+def test_loss_parity_with_dropout_load_balanced_zero3(tmp_path):
+    assert_parity(DECODER + DROPOUT, ["cp=2,cp_load_balance=true,zero_stage=3"], tmp_path)
+
+
+@pytest.mark.slow
+def test_loss_parity_contiguous_and_data_x_context_parallel(tmp_path):
+    """cp=2 with contiguous slices (DDP-style reduction over dp x cp); dp_shard=2 x cp=2 (4 processes) with ZeRO-2;
+    a load-balanced encoder (MLM) with full recomputation (the backward re-gathers K/V)."""
+    assert_parity(DECODER + DROPOUT, ["cp=2", "dp_shard=2,cp=2,zero_stage=2,cp_load_balance=true"],
+                  tmp_path / "decoder")
+    assert_parity(ENCODER + DROPOUT, ["cp=2,cp_load_balance=true,activation_checkpointing=full"], tmp_path / "encoder")
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_at_cp2_resumes_on_one_process(tmp_path):
+    check_resharding("cp=2", "single", tmp_path)
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_at_cp2_zero3_resumes_at_dp_x_cp(tmp_path):
+    check_resharding("cp=2,zero_stage=3,cp_load_balance=true", "dp_shard=2,cp=2,zero_stage=1", tmp_path)
+
+
+# ------------------------------------------------------------------------------------------------------ refusals
+REFUSALS = [
+    (["parallel.pp=2"], 4, "does not combine with pipeline parallelism .*set parallel.pp=1 or parallel.cp=1"),
+    (["parallel.tp=2"], 4, "does not combine with tensor parallelism .*set parallel.tp=1 or parallel.cp=1"),
+    (["model.moe.num_experts=4", "parallel.ep=2"], 4, "does not combine with expert parallelism"),
+    (["model.moe.num_experts=4"], 2, "does not combine with MoE layers .*model.moe.num_experts=0"),
+    (["model.family=encoder_decoder"], 2, "not encoder-decoder models.*model.family=decoder"),
+    (["train.compile=true"], 2, r"does not combine with train.compile=true .*; set train.compile=false"),
+    (["model.attention.kind=linformer"], 2, "attention 'linformer' is not sharded by context parallelism.*dense, mha"),
+    (["train.seq_len=15"], 2, "cut.* into cp=2 equal slices; make train.seq_len=15 a multiple of 2"),
+    (["train.seq_len=18", "parallel.cp_load_balance=true"], 2,
+     r"2 x cp = 4 chunks \(parallel.cp_load_balance=true\); make train.seq_len=18 a multiple of 4"),
+]
+
+
+@pytest.mark.parametrize("overrides, world, message", REFUSALS, ids=[r[2].split()[0] + str(i) for i, r in
+                                                                    enumerate(REFUSALS)])
+def test_refusals_say_what_to_change(overrides, world, message):
+    config = load_config(None, [*DECODER, "parallel.cp=2", *overrides])
+    with pytest.raises(ConfigError, match=message):
+        ParallelDims.from_config(config, world)
+
+
+def test_layout_world_size_and_inspect_report():
+    from xscale.inspect import layout_report
+    from xscale.parallel.memory import predicted_state_bytes
+
+    config = load_config(None, [*DECODER, "parallel.cp=2", "parallel.cp_load_balance=true", "parallel.zero_stage=3"])
+    dims = ParallelDims.from_config(config, 4)
+    assert (dims.dp_shard, dims.cp, dims.dp_cp) == (2, 2, 4)
+    state = predicted_state_bytes(1000, dims)
+    assert state["parameters"] == 4 * 1000 / 4  # ZeRO-3 shards over dp x cp
+    report = "\n".join(layout_report(config, 4))
+    assert "cp=2" in report and "tokens [0, 4) + [12, 16)" in report and "tokens [4, 8) + [8, 12)" in report
+    assert "activations" in report.split("per-rank model state")[1]  # per-rank activations: T/cp tokens

@@ -1,0 +1,272 @@
+"""Context parallelism: every sequence's tokens sharded over the ``cp`` ranks (Llama 3's all-gather attention,
+Grattafiori et al. 2024, sec. 3.3.2).
+
+The ranks of one cp group read the same samples; each keeps a slice of every sequence's tokens: the contiguous
+slice ``[r T/cp, (r+1) T/cp)``, or with ``parallel.cp_load_balance`` chunks r and 2cp-1-r of 2cp equal chunks,
+so that under a causal mask every rank does the same attention work. Everything but attention is per token and
+runs on the local slice as it would on one device. Attention keeps its queries local and all-gathers K and V over
+the cp group (one collective for both; backward: a reduce-scatter of their gradients, since every rank's queries
+read every key), reordered to global token order. What depends on where a token sits uses its GLOBAL position:
+the causal mask (local queries against all keys), RoPE, absolute position embeddings (learned, sinusoidal),
+ALiBi and T5 biases (the rows of this rank's queries), and dropout masks (:class:`SequenceSlice` tells each
+:class:`~xscale.models.dropout.Dropout` which global tokens it holds, so every layout drops the same elements).
+
+The model stays single-device PyTorch: this module overrides the position encodings' hooks on the instances,
+registers a forward pre-hook on each attention core (it gathers K/V and turns ``causal`` into an explicit mask
+over global positions) and slices each microbatch in the loss function (:func:`context_parallel_loss_sum`). Each
+rank's token losses are summed and divided by the global token count, so the losses summed over dp x cp and the
+gradients summed over dp x cp (:mod:`xscale.parallel.data`; ZeRO shards over dp_shard x cp) are one process's.
+
+Collectives are plain blocking ones issued in program order (the forward's all-gather, the backward's
+reduce-scatter, on the thread that runs autograd), so every rank issues the same collectives in the same order on
+the cp group and no work handle outlives its tensors.
+
+Scope: decoders and encoders with the dense/mha/gqa/mqa attention kinds, under any data-parallel layout. Refused
+up front (:func:`check_context_parallel`): pipeline, tensor and expert parallelism, MoE, encoder-decoder models,
+``train.compile``, every other attention kind, and sequence lengths that do not split into cp (2cp) equal chunks.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from xscale.config import Config, ConfigError, ModelConfig
+from xscale.models.attention import Attention
+from xscale.models.attention.dense import DenseAttention
+from xscale.models.dropout import Dropout, SlicedDim
+from xscale.models.registry import ATTENTION
+from xscale.parallel.collectives import all_gather_flat, reduce_scatter_flat
+
+if TYPE_CHECKING:
+    from xscale.parallel.dims import ParallelDims
+
+SUPPORTED_KINDS = ("dense", "mha", "gqa", "mqa")
+SUPPORTED_POSITIONS = ("none", "sinusoidal", "learned", "rope", "alibi", "t5_bias")
+TOKENS = 1  # the token dim of the residual stream (B, T, D) and of the batch's (B, T) ids and labels
+QUERIES = 2  # the query dim of attention probabilities (B, H, Tq, Tk)
+
+
+class SequenceSlice(SlicedDim):
+    """Which global tokens cp rank ``rank`` holds (along dim ``dim`` of the tensors it describes)."""
+
+    def __init__(self, cp: int, rank: int, load_balance: bool, dim: int = TOKENS) -> None:
+        super().__init__(dim)
+        self.cp, self.rank, self.load_balance = cp, rank, load_balance
+        self._cache: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+    @property
+    def chunks(self) -> int:
+        """Equal chunks a sequence is cut into: cp, or 2cp when load balanced."""
+        return 2 * self.cp if self.load_balance else self.cp
+
+    def at(self, dim: int) -> SequenceSlice:
+        """The same slice along another dim (attention probabilities hold the queries on dim 2)."""
+        return SequenceSlice(self.cp, self.rank, self.load_balance, dim)
+
+    def global_size(self, local_size: int) -> int:
+        return local_size * self.cp
+
+    def positions_of(self, rank: int, length: int, device: torch.device) -> torch.Tensor:
+        """Global positions (int64, ascending) of the tokens ``rank`` holds of a sequence of ``length``."""
+        key = (rank, length, torch.device(device))
+        if key not in self._cache:
+            if length % self.chunks:
+                how = f"2 x cp = {self.chunks} chunks (load balanced)" if self.load_balance else f"cp={self.cp} slices"
+                raise ValueError(f"context parallelism cuts every sequence into {how}; got length {length}: make "
+                                 f"train.seq_len a multiple of {self.chunks}")
+            size = length // self.chunks
+            if self.load_balance:
+                firsts = (rank * size, (self.chunks - 1 - rank) * size)
+                positions = torch.cat([torch.arange(first, first + size) for first in firsts])
+            else:
+                positions = torch.arange(rank * size, (rank + 1) * size)
+            self._cache[key] = positions.to(device)
+        return self._cache[key]
+
+    def coordinates(self, local_size: int, device: torch.device) -> torch.Tensor:
+        return self.positions_of(self.rank, local_size * self.cp, device)
+
+    def global_order(self, length: int, device: torch.device) -> torch.Tensor | None:
+        """Index that puts the rank-major gathered tokens in global order (None: they already are)."""
+        if not self.load_balance:
+            return None
+        gathered = torch.cat([self.positions_of(rank, length, device) for rank in range(self.cp)])
+        return torch.argsort(gathered)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """(2, B, H, T/cp, hd) stacked K and V -> (2, B, H, T, hd) in global token order: all-gather over the cp
+    group; backward reduce-scatters the gradients (each rank's share summed over every rank's queries)."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group: dist.ProcessGroup, cp: int,
+                order: torch.Tensor | None) -> torch.Tensor:
+        ctx.group, ctx.cp, ctx.order = group, cp, order
+        local = local.contiguous()
+        gathered = local.new_empty((cp, *local.shape))
+        all_gather_flat(gathered.view(-1), local.view(-1), group=group)
+        two, batch, heads, length, dim = local.shape
+        full = gathered.permute(1, 2, 3, 0, 4, 5).reshape(two, batch, heads, cp * length, dim)
+        return full if order is None else full.index_select(3, order)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        if ctx.order is not None:  # back to rank-major order: gathered[g] = full[order^-1[g]]
+            grad = grad.index_select(3, torch.argsort(ctx.order))
+        two, batch, heads, length, dim = grad.shape
+        per_rank = grad.reshape(two, batch, heads, ctx.cp, length // ctx.cp, dim).permute(3, 0, 1, 2, 4, 5)
+        per_rank = per_rank.contiguous()
+        local = grad.new_empty(per_rank.shape[1:])
+        reduce_scatter_flat(local.view(-1), per_rank.view(-1), group=ctx.group)
+        return local, None, None, None
+
+
+def gather_sequence(k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
+                    layout: SequenceSlice) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's K and V (B, Hkv, T/cp, hd) -> the whole sequence's (B, Hkv, T, hd), in global order."""
+    order = layout.global_order(k.shape[2] * layout.cp, k.device)
+    full = _GatherSequence.apply(torch.stack([k, v]), group, layout.cp, order)
+    return full[0], full[1]
+
+
+def _causal_mask(query_positions: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """(Tq, T) additive mask: 0 where key j <= the query's global position, -inf elsewhere."""
+    keys = torch.arange(length, device=query_positions.device)
+    blocked = keys[None, :] > query_positions[:, None]
+    return torch.zeros(blocked.shape, dtype=dtype, device=blocked.device).masked_fill(blocked, float("-inf"))
+
+
+def _shard_attention_core(core: nn.Module, group: dist.ProcessGroup, layout: SequenceSlice) -> None:
+    """Before the core runs: gather K/V, and replace ``causal`` by the mask of this rank's global query positions
+    (the core then runs unmasked with that bias, as its own code: dense attention adds it to the logits)."""
+
+    def gather(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        q, k, v = args
+        k, v = gather_sequence(k, v, group, layout)
+        bias = kwargs.get("bias")
+        if kwargs.get("causal", False):
+            mask = _causal_mask(layout.coordinates(q.shape[2], q.device), k.shape[2], q.dtype)
+            bias = mask if bias is None else bias + mask
+        return (q, k, v), {**kwargs, "causal": False, "bias": bias}
+
+    core.register_forward_pre_hook(gather, with_kwargs=True)
+    core.dropout.sliced_dim = layout.at(QUERIES)  # probabilities (B, H, Tq, Tk): local queries, all keys
+
+
+def _shard_position(position: nn.Module, layout: SequenceSlice) -> None:
+    """Override the encoding's hooks on the instance so that they act at this rank's global positions (the
+    single-device hook computes the whole sequence's table, of which the rank's rows are taken)."""
+    from xscale.ops import apply_rope
+
+    if position.adds_to_input:
+        whole_embed = position.embed
+
+        def embed(self, x: torch.Tensor) -> torch.Tensor:
+            table = whole_embed(x.new_zeros(1, layout.global_size(x.shape[1]), x.shape[2]))
+            return x + table[:, layout.coordinates(x.shape[1], x.device)]
+
+        position.embed = types.MethodType(embed, position)
+    if position.rotates_qk:
+        def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            positions = layout.coordinates(q.shape[-2], q.device)
+            cos, sin = self._cos_sin(layout.global_size(q.shape[-2]), q.device)
+            cos, sin = cos[positions], sin[positions]
+            return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        position.rotate = types.MethodType(rotate, position)
+    if position.biases_logits:
+        whole_bias = position.bias
+
+        def bias(self, q_len: int, k_len: int, heads: slice) -> torch.Tensor:
+            full = whole_bias(layout.global_size(q_len), layout.global_size(k_len), heads)
+            return full[:, layout.coordinates(q_len, full.device)]
+
+        position.bias = types.MethodType(bias, position)
+
+
+def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, *, load_balance: bool = False) -> SequenceSlice:
+    """Shard ``model`` (meta or materialised) over the 1-D mesh ``cp_mesh`` in place; returns this rank's slice,
+    which :func:`context_parallel_loss_sum` uses to cut each microbatch."""
+    if cp_mesh.ndim != 1:
+        raise ConfigError(f"apply_context_parallel needs the 1-D cp mesh (e.g. mesh['cp']), got a {cp_mesh.ndim}-D "
+                          f"mesh with dimensions {cp_mesh.mesh_dim_names}")
+    check_context_parallel_model(model.config, cp_mesh.size())
+    layout = SequenceSlice(cp_mesh.size(), cp_mesh.get_local_rank(), load_balance)
+    group = cp_mesh.get_group()
+    in_attention = set()
+    for module in model.modules():
+        if isinstance(module, Attention):
+            _shard_attention_core(module.core, group, layout)
+            in_attention.update(id(inner) for inner in module.core.modules())
+    for module in model.modules():
+        if isinstance(module, Dropout) and id(module) not in in_attention:
+            module.sliced_dim = layout  # residual stream, embedding and FFN activations: tokens on dim 1
+    _shard_position(model.stack.position, layout)
+    return layout
+
+
+def context_parallel_loss_sum(layout: SequenceSlice,
+                              loss_sum: Callable[[nn.Module, dict], torch.Tensor]) -> Callable[[nn.Module, dict],
+                                                                                                torch.Tensor]:
+    """``loss_sum`` on this rank's tokens of the microbatch (the whole sequences every cp rank holds): the sum of
+    its token losses, which the engine divides by the global token count."""
+
+    def local_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        positions = layout.positions_of(layout.rank, batch["input_ids"].shape[TOKENS], batch["input_ids"].device)
+        local = {key: value.index_select(TOKENS, positions) if value.dim() > TOKENS else value
+                 for key, value in batch.items()}
+        return loss_sum(model, local)
+
+    return local_loss_sum
+
+
+# ---------------------------------------------------------------------------------------------------- refusals
+def _attention_kinds(model: ModelConfig) -> set[str]:
+    return {model.attention.kind_for_layer(index) for index in range(model.n_layers)}
+
+
+def check_context_parallel_model(model: ModelConfig, cp: int) -> None:
+    """Refuse a model whose attention or positions the all-gather plan does not shard."""
+    if model.family == "encoder_decoder":
+        raise ConfigError(f"parallel.cp={cp}: context parallelism shards decoders and encoders, not encoder-decoder "
+                          "models (cross-attention to a sharded memory is not implemented); use model.family=decoder "
+                          "or encoder, or parallel.cp=1")
+    if model.moe.num_experts > 0:
+        raise ConfigError(f"parallel.cp={cp} does not combine with MoE layers (model.moe.num_experts="
+                          f"{model.moe.num_experts}); set model.moe.num_experts=0 or parallel.cp=1")
+    for kind in sorted(_attention_kinds(model)):
+        if kind not in SUPPORTED_KINDS or ATTENTION.get(kind) is not DenseAttention:
+            raise ConfigError(f"attention '{kind}' is not sharded by context parallelism (parallel.cp={cp}): only "
+                              f"{', '.join(SUPPORTED_KINDS)} all-gather K/V over the cp ranks; use one of them "
+                              f"(model.attention.kind) or parallel.cp=1")
+    if model.position not in SUPPORTED_POSITIONS:
+        raise ConfigError(f"model.position={model.position} has no context-parallel plan; use one of "
+                          f"{', '.join(SUPPORTED_POSITIONS)} or parallel.cp=1")
+
+
+def check_context_parallel(config: Config, dims: ParallelDims) -> None:
+    """Every refusal of ``parallel.cp > 1`` that needs only the degrees and the config (ParallelDims.validate)."""
+    cp, parallel = dims.cp, config.parallel
+    for name, degree in (("pp", dims.pp), ("tp", dims.tp), ("ep", dims.ep)):
+        if degree > 1:
+            what = {"pp": "pipeline", "tp": "tensor", "ep": "expert"}[name]
+            raise ConfigError(f"parallel.cp={cp} does not combine with {what} parallelism (parallel.{name}="
+                              f"{degree}); context parallelism composes with data parallelism only: set "
+                              f"parallel.{name}=1 or parallel.cp=1")
+    if config.train.compile:
+        raise ConfigError(f"parallel.cp={cp} does not combine with train.compile=true (the attention cores' "
+                          "all-gather hooks are not traced); set train.compile=false or parallel.cp=1")
+    check_context_parallel_model(config.model, cp)
+    chunks = 2 * cp if parallel.cp_load_balance else cp
+    if config.train.seq_len % chunks:
+        how = (f"2 x cp = {chunks} chunks (parallel.cp_load_balance=true)" if parallel.cp_load_balance
+               else f"cp={cp} equal slices")
+        raise ConfigError(f"context parallelism cuts every sequence into {how}; make train.seq_len="
+                          f"{config.train.seq_len} a multiple of {chunks}")
