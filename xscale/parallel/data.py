@@ -78,6 +78,11 @@ class DataParallel:
         return self.mesh["dp"].get_group() if self.mesh is not None and self.mesh["dp"].size() > 1 else None
 
     @property
+    def replicas(self) -> int:
+        """Data-parallel ranks: each runs every microbatch of its share of the batch."""
+        return self.mesh["dp"].size() if self.mesh is not None else 1
+
+    @property
     def routing_groups(self) -> int:
         """MoE routing groups one microbatch forms: data-parallel ranks / ep (an ep group routes together)."""
         dp = self.mesh["dp"].size() if self.mesh is not None else 1
