@@ -22,6 +22,14 @@ def test_encoder_mlm_dp_and_zero_stages_match_one_process(tmp_path):
                             "dp_shard=2,zero_stage=3,activation_checkpointing=selective"], tmp_path)
 
 
+def test_adaptive_span_penalty_counts_once_per_step_over_data_parallel_replicas(tmp_path):
+    """Each of a step's forwards (2 microbatches on each of 2 replicas) carries a quarter of the penalty, as each of
+    the single process's 4 microbatches does; the gradient norms show a penalty counted per forward."""
+    adaptive_span = ["model.attention.kind=adaptive_span", "model.n_kv_heads=4", "train.micro_batch_size=2",
+                     "model.attention.options={max_span: 16, ramp: 4, span_loss: 0.05}"]
+    assert_parity(DECODER + adaptive_span, ["dp_shard=2"], tmp_path, same_grad_norms=True)
+
+
 @pytest.mark.slow
 def test_dropout_masks_follow_global_samples_under_every_zero_stage(tmp_path):
     """The default tier's check is in test_layouts.py (ZeRO-3 with activation checkpointing)."""

@@ -156,6 +156,15 @@ class Dropout(nn.Module):
             return x
         return _ScaleKept.apply(x, self.keep_at(x.shape[0], index).expand(x.shape), 1.0 / (1.0 - self.p))
 
+    def at_each(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """As :meth:`at`, with ``index`` of ``x``'s shape: each sample's own flat positions, for layouts that
+        depend on the sample's content (routing attention's clusters)."""
+        if not self.training or self.p == 0.0:
+            return x
+        z = self._sample_keys(x.shape[0], index.device).view(-1, *[1] * (index.dim() - 1))
+        keep = _mix_(z + index.to(torch.int64) * _signed(GOLDEN)) >= round(self.p * 2**64) - 2**63
+        return _ScaleKept.apply(x, keep, 1.0 / (1.0 - self.p))
+
     def keep_at(self, batch: int, index: torch.Tensor) -> torch.Tensor:
         """Bool (batch, *index.shape): the keep mask at flat positions ``index`` (int64, inside a sample, global
         coordinates); :meth:`keep_mask` of a tensor equals this at its elements' row-major flat positions."""

@@ -36,13 +36,24 @@ class RMSNorm(nn.Module):
 
 @NORM.register("scalenorm")
 class ScaleNorm(nn.Module):
-    """y = g * x / ||x|| with one learned scalar g initialised to sqrt(d) (Nguyen & Salazar 2019)."""
+    """y = g * x / ||x|| with one learned scalar g initialised to sqrt(d) (Nguyen & Salazar 2019, eq. 3).
+
+    g is held as a tensor of shape [1], not 0-d: FSDP2 (ZeRO-3) refuses 0-d parameters. A state dict with the
+    0-d gain of earlier versions still loads through ``load_state_dict``; checkpoints are refused with a message
+    (:func:`xscale.train.checkpoint.check_fingerprint`).
+    """
 
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
         self.eps = eps
         self.dim = dim
-        self.scale = nn.Parameter(torch.tensor(float(dim) ** 0.5))
+        self.scale = nn.Parameter(torch.full((1,), float(dim) ** 0.5))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        gain = state_dict.get(prefix + "scale")
+        if isinstance(gain, torch.Tensor) and gain.dim() == 0:  # saved before the gain became [1]
+            state_dict[prefix + "scale"] = gain.reshape(1)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         norm = x.float().norm(dim=-1, keepdim=True).clamp_min(self.eps)

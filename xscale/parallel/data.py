@@ -89,6 +89,11 @@ class DataParallel:
         return self.mesh[self.reduce_dim].get_group()
 
     @property
+    def replicas(self) -> int:
+        """Ranks whose losses are summed (dp, or dp x cp): each runs every microbatch of its share of the batch."""
+        return self.mesh[self.reduce_dim].size() if self.mesh is not None else 1
+
+    @property
     def routing_groups(self) -> int:
         """MoE routing groups one microbatch forms: data-parallel ranks / ep (an ep group routes together)."""
         dp = self.mesh["dp"].size() if self.mesh is not None else 1

@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from xscale.config import TrainConfig
 from xscale.models.dropout import DropoutPosition, dropout_position
+from xscale.models.training_step import begin_training_step
 from xscale.ops import cross_entropy_sum, linear_cross_entropy_sum
 from xscale.parallel.data import DataParallel
 from xscale.parallel.expert_state import globalize_expert_state, localize_expert_state
@@ -84,6 +85,10 @@ class Engine:
         """The modules this rank holds (one, or several pipeline stages)."""
         return [self.model]
 
+    @property
+    def data_parallel_replicas(self) -> int:
+        return self.data_parallel.replicas if self.distributed else 1
+
     def microbatches_per_batch(self, rows: int) -> int:
         """How many microbatches a rank's batch of ``rows`` sequences is run as (the data split follows them)."""
         return max(1, rows // self.micro_batch_size)
@@ -128,6 +133,7 @@ class Engine:
         total = torch.zeros((), dtype=torch.float32, device=self._device())
         micros = split_microbatches(batch, self.micro_batch_size)
         self.routing_groups.begin_step(len(micros))
+        begin_training_step(self.model_parts, len(micros) * self.data_parallel_replicas)
         for index, micro in enumerate(micros):
             if self.distributed:
                 self.data_parallel.requires_gradient_sync(index == len(micros) - 1)

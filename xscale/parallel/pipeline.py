@@ -46,6 +46,7 @@ from xscale.config import Config, ConfigError, ModelConfig
 from xscale.models.dropout import DropoutPosition, dropout_position
 from xscale.models.init import canonical_name
 from xscale.models.moe.token_ids import routing_token_ids
+from xscale.models.training_step import begin_training_step
 from xscale.models.transformer import Transformer
 from xscale.ops import cross_entropy_sum, linear_cross_entropy_sum
 from xscale.parallel.engine import STATE_DICT_OPTIONS, Batch, Engine
@@ -479,6 +480,7 @@ class PipelineEngine(Engine):
             stage.train()
         self.shared.begin()
         self.routing_groups.begin_step(self.microbatches)
+        begin_training_step(self.stages, self.microbatches * self.data_parallel_replicas)
         self.dropout_position = position
         try:
             total = self._run(batch, training=True)

@@ -197,6 +197,11 @@ def check_fingerprint(saved: dict[str, list[int]], current: dict[str, list[int]]
     lines = [f"checkpoint {path} was saved from another model:"]
     if different:
         lines += [f"  {name}: checkpoint has shape {s}, this model {c}" for name, s, c in different[:5]]
+        if any(s == [] and c == [1] for _, s, c in different):
+            lines.append("  a 0-d parameter that is now [1] is ScaleNorm's gain, reshaped so that ZeRO-3 (FSDP2) can "
+                         "shard it: resume this run with the xscale version that wrote it; its weights still load into this "
+                         "version's model with load_state_dict, which accepts the 0-d gain (e.g. after "
+                         "torch.distributed.checkpoint.format_utils.dcp_to_torch_save)")
     if missing:
         lines.append(f"  parameters missing from the checkpoint: {', '.join(missing[:5])}")
     if unexpected:

@@ -69,11 +69,17 @@ def test_performer_features_are_seeded_and_redrawn() -> None:
     redrawing = make_core("performer", True, {"redraw_every": 2}).train()
     q, k, v = random_qkv(1, 4, 8, 16)
     first = redrawing.projection.clone()
-    redrawing(q, k, v, causal=True)
-    redrawing(q, k, v, causal=True)
+    for _ in range(3):  # forwards alone never redraw: the schedule counts training steps
+        redrawing(q, k, v, causal=True)
     assert torch.equal(first, redrawing.projection)
-    redrawing(q, k, v, causal=True)
-    assert not torch.equal(first, redrawing.projection)
+    redrawing.begin_training_step(forwards=4)
+    redrawing.begin_training_step(forwards=4)
+    assert torch.equal(first, redrawing.projection)
+    redrawing.begin_training_step(forwards=4)  # step 2
+    second = redrawing.projection.clone()
+    assert not torch.equal(first, second)
+    redrawing.begin_training_step(forwards=4)
+    assert torch.equal(second, redrawing.projection)
 
 
 def test_linformer_with_identity_projections_is_exact() -> None:

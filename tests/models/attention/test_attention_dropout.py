@@ -132,3 +132,26 @@ def test_no_core_draws_attention_dropout_from_torchs_rng(kind: str, family: str)
         with dropout_position(POSITION):
             outputs.append(model(tokens))
     assert ATTENTION.get(kind).rng_dropout or torch.equal(outputs[0], outputs[1])
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
+def test_routing_attention_drops_by_global_position(causal: bool) -> None:
+    """Routing attention gathers each query block's keys into a window whose width W is the widest over the
+    samples and heads a rank holds: the probabilities are dropped at (sample, head, query, key), not at their slot
+    of that window, so head shards (tp) and row slices (dp, microbatches) draw the whole run's masks."""
+    fresh = _core("routing", causal, {"clusters": 3, "window": 4})  # every run starts from the same centroids
+    q, k, v = random_qkv(4, HEADS, LENGTH, 16, seed=1)
+    whole = _run(copy.deepcopy(fresh), q, k, v, causal)
+    with torch.no_grad():
+        plain = copy.deepcopy(fresh).eval()(q, k, v, causal=causal)
+    assert not torch.allclose(whole, plain, atol=1e-3), "attention dropout must change the output"
+    half = HEADS // 2
+    for rank in range(2):
+        heads = slice(rank * half, (rank + 1) * half)
+        out = _run(_head_shard(fresh, rank, half), *(x[:, heads] for x in (q, k, v)), causal)
+        torch.testing.assert_close(out, whole[:, heads], atol=1e-12, rtol=1e-12)
+    for first in range(4):  # each sample alone, as a data-parallel rank or a microbatch of one would hold it
+        rows = slice(first, first + 1)
+        out = _run(copy.deepcopy(fresh), *(x[rows] for x in (q, k, v)), causal,
+                   DropoutPosition(seed=5, step=2, first_sample=first))
+        torch.testing.assert_close(out, whole[rows], atol=1e-12, rtol=1e-12)

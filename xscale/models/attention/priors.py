@@ -4,7 +4,8 @@ gaussian: logits + -(j - i)^2 / (2 sigma_h^2), sigma_h = sigma * exp(s_h) with s
   Guo et al. 2019; Yang et al. 2018 predict the centre and width per query instead, which is not done here).
 adaptive_span (Sukhbaatar et al. 2019): a_ij = m_z(i - j) exp(s_ij) / sum_r m_z(i - r) exp(s_ir), with
   the soft mask m_z(x) = clamp((R + z - x) / R, 0, 1), z_h = max_span * f_h learned per head, ramp R; the L1
-  penalty span_loss * sum_h z_h reaches the gradients as an auxiliary loss (:meth:`span_penalty`).
+  penalty span_loss * sum_h z_h reaches the gradients as an auxiliary loss (:meth:`span_penalty`), once per
+  training step however many forwards the step runs.
 Both cost T^2 (dense logits); adaptive_span does not yet crop the keys beyond the largest span.
 """
 
@@ -93,7 +94,9 @@ class AdaptiveSpanAttention(AttentionCore):
     """Per-head soft span mask; the span fraction f_h starts near 0 (the paper's initialisation), so every head
     begins as a window of ``ramp`` tokens and grows where the loss pays for it.
 
-    ``aux_loss_scale`` (1.0) scales the penalty, as :class:`xscale.models.moe.layer.MoELayer`'s does.
+    ``aux_loss_scale`` (1.0) scales the penalty each forward attaches; the engines set it to 1 / forwards per step
+    (:meth:`begin_training_step`), so that a step's gradient holds the penalty once, as the paper's loss does,
+    whatever its microbatches and data-parallel replicas.
     Encoders use |i - j|; the paper's causal models use i - j >= 0.
     """
 
@@ -110,6 +113,10 @@ class AdaptiveSpanAttention(AttentionCore):
         """z_h in tokens; kept above -ramp / 2 so that every query keeps weight on itself."""
         o = self.options
         return (o.max_span * self.span_fraction).clamp(-o.ramp / 2, o.max_span)
+
+    def begin_training_step(self, forwards: int) -> None:
+        """The step's penalty is shared out over its ``forwards`` (microbatches x data-parallel replicas)."""
+        self.aux_loss_scale = 1.0 / forwards
 
     def span_penalty(self) -> Tensor:
         """The auxiliary loss span_loss * sum_h max(z_h, 0) (Sukhbaatar et al. 2019)."""

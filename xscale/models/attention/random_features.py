@@ -2,7 +2,9 @@
 features for exp(q.k)) and RFA (Peng et al. 2021, eq. 3-4, random Fourier features on unit-norm q, k).
 
 Features live in a buffer drawn from a generator seeded by (seed, layer, draw count), so every rank holds the
-same draw; in training they are redrawn every ``redraw_every`` forward calls (0: never).
+same draw; in training they are redrawn every ``redraw_every`` optimizer steps (0: never), at the start of the
+step, whatever the step's microbatches, data-parallel replicas or recomputed forwards
+(:mod:`xscale.models.training_step`): a layout redraws at the step one process does.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class RandomFeatureAttention(AttentionCore):
     def __init__(self, model: ModelConfig, layer_index: int, options) -> None:
         super().__init__(model, layer_index, options)
         self.register_buffer("projection", torch.empty(self.n_projections(), model.head_dim))
+        # Training steps begun (the name predates the per-step schedule; kept so that checkpoints load).
         self.register_buffer("calls", torch.zeros((), dtype=torch.long))
         if self.projection.device.type != "meta":
             self.reset_buffers()
@@ -49,7 +52,7 @@ class RandomFeatureAttention(AttentionCore):
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
-        """The first draw and a zeroed call counter (called after the meta-device build is materialised)."""
+        """The first draw and a zeroed step counter (called after the meta-device build is materialised)."""
         self.calls.zero_()
         self.draw(0)
 
@@ -60,12 +63,13 @@ class RandomFeatureAttention(AttentionCore):
                                          self.options.orthogonal)
         self.projection.copy_(projection.to(self.projection.dtype))
 
-    def maybe_redraw(self) -> None:
+    def begin_training_step(self, forwards: int) -> None:
+        """Steps 0..N-1 use draw 0, steps N..2N-1 draw 1, ... (N = ``redraw_every``; Performer sec. 4.2)."""
         every = self.options.redraw_every
-        if self.training and every > 0:
-            calls = int(self.calls)
-            if calls > 0 and calls % every == 0:
-                self.draw(calls // every)
+        if every > 0:
+            steps = int(self.calls)
+            if steps > 0 and steps % every == 0:
+                self.draw(steps // every)
             self.calls += 1
 
     def features(self, x: Tensor, is_query: bool, causal: bool) -> Tensor:
@@ -73,7 +77,6 @@ class RandomFeatureAttention(AttentionCore):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None) -> Tensor:
         require(q.shape[2] == k.shape[2] or not causal, "causal random-feature attention needs equal lengths")
-        self.maybe_redraw()
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
         dtype = torch.promote_types(q.dtype, torch.float32)
         phi_q = self.features(q.to(dtype), True, causal)
@@ -86,7 +89,7 @@ class RandomFeatureAttention(AttentionCore):
 class PerformerOptions:
     features: int = 64
     orthogonal: bool = True
-    redraw_every: int = 0
+    redraw_every: int = 0  # redraw the features every N optimizer steps (0: never)
     seed: int = 0
     chunk: int = 64
 
@@ -124,7 +127,7 @@ class RFAOptions:
     features: int = 64
     sigma: float = 1.0
     orthogonal: bool = False
-    redraw_every: int = 0
+    redraw_every: int = 0  # redraw the features every N optimizer steps (0: never)
     seed: int = 0
     chunk: int = 64
 

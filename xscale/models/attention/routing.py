@@ -163,6 +163,18 @@ class RoutingAttention(AttentionCore):
             self.record_statistics(q.detach(), k.detach(), query_cluster, key_cluster)
         return out
 
+    def probability_positions(self, block_queries: Tensor, key_positions: Tensor, length: int) -> Tensor:
+        """(B, H, n, C, W + 1) flat position of each gathered probability in the whole (H_all, T, T) matrix:
+        (global head, query, key), the last slot being the query's own key. Slots of the window W (the widest
+        run of the samples and heads in flight) are not positions, so masks drawn at them would change with the
+        layout; ``dropout.shard_index`` says which slice of the heads this rank holds (tensor parallelism)."""
+        n_heads, block = block_queries.shape[1], block_queries.shape[-1]
+        heads = torch.arange(n_heads, device=key_positions.device) + self.dropout.shard_index * n_heads
+        rows = (heads.view(-1, 1, 1) * length + block_queries)[..., None]  # (B, H, n, C, 1)
+        keys = torch.cat([key_positions[..., None, :].expand(*key_positions.shape[:3], block, -1),
+                          block_queries[..., None]], dim=-1)
+        return rows * length + keys
+
     def attend(self, q: Tensor, k: Tensor, v: Tensor, query_cluster: Tensor, key_cluster: Tensor,
                causal: bool) -> Tensor:
         """Queries sorted by (cluster, position) in blocks of ``window``: a block's runs of key slots overlap, so
@@ -188,7 +200,9 @@ class RoutingAttention(AttentionCore):
         logits = torch.cat([run_scores.masked_fill(~allowed, float("-inf")),
                             self_score.masked_fill(self_in_run, float("-inf"))], dim=-1)
         probs = torch.softmax(logits, dim=-1)
-        probs = self.dropout(probs)
+        if self.training and self.dropout.p > 0:
+            probs = self.dropout.at_each(probs, self.probability_positions(blocked(query_order, size, 0),
+                                                                           key_positions, length))
         out = probs[..., :-1] @ gather_positions(v, key_positions) + probs[..., -1:] * own_values
         out = out.flatten(2, 3)[:, :, :length]  # sorted query order
         return torch.empty_like(out).scatter_(2, query_order[..., None].expand_as(out), out)

@@ -1,0 +1,92 @@
+"""The zoo matrix: every registered component trained through the trainer under a demanding layout, 10 steps
+within a relative loss difference of 1e-5 of the single process, with dropout 0.1 (so its masks are checked to be
+layout-independent too).
+
+- attention, one case per class (aliases build the same core): pp2 x tp2 + sequence parallelism + full activation
+  checkpointing, 2 microbatches (the single process runs the same microbatches: routing attention moves its
+  centroids per microbatch); adaptive span with a penalty large enough to show, Performer/RFA redrawing every 3
+  steps;
+- FFN, norm and position encoding: dp2 x tp2 + ZeRO-3;
+- MoE router: dp4 x ep2 and pp2 x dp2 x ep2 (4 processes each; one routing group of 4 sequences per microbatch,
+  as the single process routes them), with the MoE metrics checked too.
+
+Slow (~10 min). The fast meta-test fails when a registered component has no case here.
+"""
+
+from __future__ import annotations
+
+import pytest
+from parity_models import DECODER, ENCODER, assert_parity
+
+from tests.parallel.test_expert_layouts import GSHARD, HASH, SWITCH, TRAINING, assert_layouts_match
+from xscale.models.registry import ATTENTION, FFN, NORM, POSITION, ROUTER
+
+DROPOUT = ["model.dropout=0.1", "model.attention_dropout=0.1"]
+ATTENTION_LAYOUT = "pp=2,tp=2,sequence_parallel=true,activation_checkpointing=full,microbatches=2"
+COMPONENT_LAYOUT = "dp_shard=2,tp=2,zero_stage=3"
+ROUTER_LAYOUTS = ("dp_shard=4,ep=2", "pp=2,dp_shard=2,ep=2,microbatches=2")
+# Small enough for 16 tokens; each core reads the options it has. span_loss and redraw_every are large enough
+# that a penalty counted per microbatch or a redraw counted per forward would show in the losses.
+ATTENTION_OPTIONS = {"block_size": 4, "window": 4, "chunk": 4, "features": 16, "global_tokens": 2, "random_blocks": 1,
+                     "buckets": 4, "rounds": 2, "landmarks": 4, "projected_length": 8, "clusters": 2,
+                     "inducing_points": 4, "packed_length": 4, "compression": 2, "max_span": 16, "ramp": 4,
+                     "rank": 4, "span_loss": 0.01, "redraw_every": 3}
+
+
+def _attention_kinds() -> list[str]:
+    """One registered name per attention class."""
+    kinds: dict[type, str] = {}
+    for name in ATTENTION.names():
+        kinds.setdefault(ATTENTION.get(name), name)
+    return sorted(kinds.values())
+
+
+def _inline(options: dict) -> str:
+    return "{" + ", ".join(f"{key}: {value}" for key, value in options.items()) + "}"
+
+
+ATTENTION_CASES = _attention_kinds()
+COMPONENT_CASES = {"ffn": ["gelu", "gelu_tanh", "geglu", "reglu", "relu", "swiglu"],
+                   "norm": ["layernorm", "rmsnorm", "scalenorm"],
+                   "position": ["alibi", "learned", "none", "rope", "sinusoidal", "t5_bias"]}
+ROUTER_CASES = {"switch": SWITCH, "gshard": GSHARD, "hash": HASH,
+                "expert_choice": ["model.family=encoder", "model.moe.router=expert_choice"]}
+
+
+@pytest.mark.parametrize("option,registry", [("attention", ATTENTION), ("ffn", FFN), ("norm", NORM),
+                                             ("position", POSITION), ("router", ROUTER)])
+def test_every_registered_component_has_a_matrix_case(option, registry):
+    """A component registered without a case here would never be checked against the single process."""
+    if option == "attention":
+        covered = {ATTENTION.get(kind) for kind in ATTENTION_CASES}
+        missing = {name for name in registry.names() if registry.get(name) not in covered}
+    else:
+        covered = set(ROUTER_CASES) if option == "router" else set(COMPONENT_CASES[option])
+        missing = set(registry.names()) - covered
+    assert not missing, f"{option}s without a zoo-matrix case: {sorted(missing)}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ATTENTION_CASES)
+def test_attention_under_pipeline_tensor_sequence_parallel_and_recomputation(kind, tmp_path):
+    cls = ATTENTION.get(kind)
+    base = DECODER if cls.causal_capable else ENCODER
+    overrides = [*base, *DROPOUT, "model.n_kv_heads=4", "train.micro_batch_size=4", f"model.attention.kind={kind}",
+                 f"model.attention.options={_inline(ATTENTION_OPTIONS)}"]
+    assert_parity(overrides, [ATTENTION_LAYOUT], tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("option,name", [(option, name) for option, names in COMPONENT_CASES.items()
+                                         for name in names])
+def test_component_under_data_tensor_parallel_and_zero3(option, name, tmp_path):
+    overrides = [*DECODER, *DROPOUT, "train.micro_batch_size=2", "model.max_seq_len=16", f"model.{option}={name}"]
+    assert_parity(overrides, [COMPONENT_LAYOUT], tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ROUTER_LAYOUTS, ids=["dp4_ep2", "pp2_dp2_ep2"])
+@pytest.mark.parametrize("router", list(ROUTER_CASES))
+def test_router_under_expert_parallel(router, layout, tmp_path):
+    """One routing group of 4 sequences per microbatch in both layouts: the single process routes 4 at a time."""
+    assert_layouts_match([*TRAINING, *ROUTER_CASES[router], *DROPOUT], 4, [layout], tmp_path)
