@@ -2,7 +2,8 @@
 
 import pytest
 
-from xscale.config import Config, ConfigError, load_config, load_config_from_cli, parse_override
+from xscale.config import Config, ConfigError, parse_override
+from xscale.validate import load_config, load_config_from_cli
 
 BAD_INPUTS = [
     (["model.n_head=8"], "did you mean 'n_heads'"),
@@ -31,6 +32,19 @@ BAD_INPUTS = [
     (["checkpoint.keep=0"], "checkpoint.keep must be at least 1"),
     (["train.steps"], "must look like section.key=value"),
     (["model.moe.num_experts=4", "model.moe.top_k=5"], "top_k=5 must be in [1, num_experts=4]"),
+    (["train.lr=.inf"], "train.lr=inf is not a finite number"),
+    (["train.lr=nan"], "train.lr=nan is not a finite number"),
+    (["train.grad_clip=nan"], "train.grad_clip=nan is not a finite number"),
+    (["model.norm_eps=-1"], "model.norm_eps must be positive"),
+    (["model.init_std=-1"], "model.init_std must be positive"),
+    (["model.d_ff=-5"], "model.d_ff must be positive"),
+    (["train.beta1=1.5"], "train.beta1 must be in [0, 1)"),
+    (["train.eps=-1"], "train.eps must be positive"),
+    (["train.weight_decay=-1"], "train.weight_decay must be >= 0"),
+    (["train.min_lr_ratio=-2"], "train.min_lr_ratio must be in [0, 1]"),
+    (["checkpoint.every=-1"], "checkpoint.every must be >= 0"),
+    (["train.output_dir="], "train.output_dir is empty"),
+    (["train.lr=!!python/object/apply:os.system [echo]"], "the value is not plain YAML"),
 ]
 
 

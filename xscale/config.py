@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -124,7 +125,7 @@ class ParallelConfig:
 
     ``microbatches`` left unset (None, YAML ``null``) means "auto": the fewest the pipeline schedule runs that divide
     each data-parallel rank's batch evenly (parallel.pp for 1f1b, interleaved_1f1b and zero_bubble; 1 for gpipe and
-    without a pipeline), resolved once the world size is known (``ParallelDims.from_config``, with
+    without a pipeline), resolved once the world size is known (``xscale.parallel.checks.resolve_dims``, with
     ``xscale.parallel.pipeline.resolve_microbatches``). A set value is validated as given, never changed.
     """
 
@@ -161,6 +162,8 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables
+    on_nonfinite: str = "stop"  # a NaN/Inf loss or gradient norm: stop (no checkpoint of it) | skip the update
+    max_skipped: int = 3  # on_nonfinite=skip: stop after this many non-finite steps in a row
     precision: str = "fp32"  # fp32 | bf16
     seed: int = 1234
     eval_every: int = 0  # 0 disables periodic evaluation
@@ -224,7 +227,7 @@ class Config:
 # --------------------------------------------------------------------------- building from dicts
 
 
-def _closest(name: str, choices: typing.Iterable[str]) -> str:
+def closest(name: str, choices: typing.Iterable[str]) -> str:
     match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
     return f" (did you mean '{match[0]}'?)" if match else ""
 
@@ -295,7 +298,7 @@ def _from_dict(cls: type, values: dict[str, Any], where: str = "") -> Any:
     for key, value in values.items():
         path = f"{where}.{key}" if where else key
         if key not in names:
-            raise ConfigError(f"unknown key '{path}'{_closest(key, names)}; valid keys: {', '.join(names)}")
+            raise ConfigError(f"unknown key '{path}'{closest(key, names)}; valid keys: {', '.join(names)}")
         kwargs[key] = _coerce(value, hints[key], path)
     return cls(**kwargs)
 
@@ -307,7 +310,12 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key, raw = text.split("=", 1)
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override '{text}': empty key part in '{key}'")
-    value = yaml.safe_load(raw) if raw != "" else ""
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as error:
+        problem = str(error).splitlines()[0]
+        raise ConfigError(f"override '{text}': the value is not plain YAML ({problem}); give a number, string, "
+                          "true/false or a [list]") from error
     return key.split("."), value
 
 
@@ -322,8 +330,9 @@ def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
     node[path[-1]] = value
 
 
-def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Read a YAML config (or the built-in default when ``path`` is None), apply overrides, validate."""
+def read_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Read a YAML config (or the built-in default when ``path`` is None) and apply overrides; checks values
+    only (:func:`check_values`). :func:`xscale.validate.load_config` adds the checks against the registries."""
     tree: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -341,23 +350,22 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     for text in overrides:
         keys, value = parse_override(text)
         _set_path(tree, keys, value)
-    config = _from_dict(Config, tree)
-    validate(config)
-    return config
+    return config_from_tree(tree)
 
 
-def load_config_from_cli(config: str | None, overrides: typing.Sequence[str]) -> Config:
-    """CLI form: ``[CONFIG] [overrides...]`` where a first argument containing '=' is an override."""
+def split_cli_arguments(config: str | None, overrides: typing.Sequence[str]) -> tuple[str | None, list[str]]:
+    """CLI form ``[CONFIG] [overrides...]``: a first argument containing '=' (and naming no file) is an override."""
     overrides = list(overrides)
     if config is not None and "=" in config and not Path(config).is_file():
         overrides.insert(0, config)
         config = None
-    return load_config(config, overrides)
+    return config, overrides
 
 
-def config_from_dict(tree: dict[str, Any]) -> Config:
+def config_from_tree(tree: dict[str, Any]) -> Config:
+    """A :class:`Config` from nested mappings (a checkpoint's saved config, a parsed YAML), values checked."""
     config = _from_dict(Config, tree)
-    validate(config)
+    check_values(config)
     return config
 
 
@@ -373,6 +381,7 @@ CHOICES = {
     "train.schedule": ("cosine", "linear", "constant"),
     "train.precision": ("fp32", "bf16"),
     "train.kernels": ("auto", "triton", "apex", "torch"),
+    "train.on_nonfinite": ("stop", "skip"),
 }
 
 
@@ -381,18 +390,7 @@ def _check_choice(config: Config, dotted: str) -> None:
     value = getattr(getattr(config, section), key)
     allowed = CHOICES[dotted]
     if value not in allowed:
-        raise ConfigError(f"{dotted}='{value}' is not one of {', '.join(allowed)}{_closest(str(value), allowed)}")
-
-
-def _check_registry(kind: str, name: str, where: str) -> None:
-    from xscale.models.registry import REGISTRIES
-
-    registry = REGISTRIES[kind]
-    if name not in registry:
-        raise ConfigError(
-            f"{where}='{name}' is not a known {kind}{_closest(name, registry.names())}; "
-            f"available: {', '.join(registry.names())}"
-        )
+        raise ConfigError(f"{dotted}='{value}' is not one of {', '.join(allowed)}{closest(str(value), allowed)}")
 
 
 def resolve_objective(config: Config) -> str:
@@ -401,8 +399,9 @@ def resolve_objective(config: Config) -> str:
     return {"decoder": "clm", "encoder": "mlm", "encoder_decoder": "span"}[config.model.family]
 
 
-def validate(config: Config) -> None:
-    """Refuse configurations that cannot run, before anything is built."""
+def check_values(config: Config) -> None:
+    """Refuse values that cannot run (choices, ranges, family vs objective); the checks that need the component
+    registries live in :mod:`xscale.validate`."""
     for dotted in CHOICES:
         _check_choice(config, dotted)
     model, train = config.model, config.train
@@ -424,11 +423,6 @@ def validate(config: Config) -> None:
     for name, value in (("dropout", model.dropout), ("attention_dropout", model.attention_dropout)):
         if not 0.0 <= value < 1.0:
             raise ConfigError(f"model.{name} must be in [0, 1), got {value}")
-    _check_registry("position", model.position, "model.position")
-    _check_registry("norm", model.norm, "model.norm")
-    _check_registry("ffn", model.ffn, "model.ffn")
-    for index in range(max(model.n_layers, model.decoder_layers)):
-        _check_registry("attention", model.attention.kind_for_layer(index), "model.attention.kind")
     if model.family == "decoder" and model.position == "none":
         pass  # decoders may run without positions (causal masking leaks order)
     elif model.position == "none":
@@ -442,14 +436,10 @@ def validate(config: Config) -> None:
         raise ConfigError(f"train.steps must be positive, got {train.steps}")
     if train.seq_len <= 1:
         raise ConfigError(f"train.seq_len must be at least 2, got {train.seq_len}")
-    if train.lr <= 0:
-        raise ConfigError(f"train.lr must be positive, got {train.lr}")
     if train.warmup_steps < 0:
         raise ConfigError(f"train.warmup_steps must be >= 0, got {train.warmup_steps}")
     if train.global_batch_size <= 0:
         raise ConfigError(f"train.global_batch_size must be positive, got {train.global_batch_size}")
-    if train.grad_clip < 0:
-        raise ConfigError(f"train.grad_clip must be >= 0 (0 disables), got {train.grad_clip}")
     objective = resolve_objective(config)
     expected = {"clm": "decoder", "mlm": "encoder", "span": "encoder_decoder"}[objective]
     if model.family != expected:
@@ -457,12 +447,63 @@ def validate(config: Config) -> None:
             f"train.objective={objective} needs model.family={expected}, got {model.family}; "
             f"set train.objective=auto to pick the family's objective"
         )
-    _validate_moe(config)
+    _check_moe_values(config)
+    _check_ranges(config)
+    if not train.output_dir.strip():
+        raise ConfigError("train.output_dir is empty; name the folder the run writes to (e.g. runs/my-run)")
     if config.checkpoint.keep < 1:
         raise ConfigError(f"checkpoint.keep must be at least 1, got {config.checkpoint.keep}")
 
 
-def _validate_moe(config: Config) -> None:
+def _positive(value: float) -> bool:
+    return value > 0
+
+
+def _non_negative(value: float) -> bool:
+    return value >= 0
+
+
+def _fraction(value: float) -> bool:
+    return 0 <= value < 1
+
+
+# Numeric fields and the range each must lie in (an unset optional field is not checked; NaN and the infinities
+# are refused first, as no setting means them).
+RANGES: dict[str, tuple[str, typing.Callable[[float], bool]]] = {
+    "model.d_ff": ("positive", _positive),
+    "model.rope_theta": ("positive", _positive),
+    "model.norm_eps": ("positive", _positive),
+    "model.init_std": ("positive", _positive),
+    "train.lr": ("positive", _positive),
+    "train.min_lr_ratio": ("in [0, 1]", lambda value: 0 <= value <= 1),
+    "train.weight_decay": (">= 0", _non_negative),
+    "train.beta1": ("in [0, 1)", _fraction),
+    "train.beta2": ("in [0, 1)", _fraction),
+    "train.eps": ("positive", _positive),
+    "train.grad_clip": (">= 0 (0 disables)", _non_negative),
+    "train.eval_every": (">= 0 (0 disables)", _non_negative),
+    "train.eval_batches": ("positive", _positive),
+    "train.log_every": ("positive", _positive),
+    "train.max_skipped": ("positive", _positive),
+    "train.peak_flops": ("positive", _positive),
+    "data.eval_fraction": ("in [0, 1)", _fraction),
+    "checkpoint.every": (">= 0 (0: only at the end)", _non_negative),
+}
+
+
+def _check_ranges(config: Config) -> None:
+    for dotted, (rule, holds) in RANGES.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(config, section), key)
+        if value is None:
+            continue
+        if not math.isfinite(value):
+            raise ConfigError(f"{dotted}={value} is not a finite number; {dotted} must be {rule}")
+        if not holds(value):
+            raise ConfigError(f"{dotted} must be {rule}, got {value}")
+
+
+def _check_moe_values(config: Config) -> None:
     moe = config.model.moe
     if moe.num_experts == 0:
         return
@@ -474,7 +515,3 @@ def _validate_moe(config: Config) -> None:
         raise ConfigError("model.moe.capacity_factor and eval_capacity_factor must be positive")
     if moe.every < 1:
         raise ConfigError(f"model.moe.every must be >= 1, got {moe.every}")
-    _check_registry("router", moe.router, "model.moe.router")
-    from xscale.models.moe import check_moe_config
-
-    check_moe_config(config.model, config.parallel.ep)

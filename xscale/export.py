@@ -11,8 +11,9 @@ from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
 
-from xscale.config import config_from_dict
+from xscale.models import build_model
 from xscale.train.checkpoint import Checkpointer, CheckpointError, check_fingerprint, shape_fingerprint
+from xscale.validate import config_from_dict
 
 
 def resolve_checkpoint(path: Path) -> Path:
@@ -26,8 +27,6 @@ def resolve_checkpoint(path: Path) -> Path:
 
 def export_safetensors(checkpoint: str | Path, output: str | Path) -> Path:
     from safetensors.torch import save_file
-
-    from xscale.models import build_model
 
     step_dir = resolve_checkpoint(Path(checkpoint))
     meta = Checkpointer.read_meta(step_dir)
@@ -53,8 +52,12 @@ def export_safetensors(checkpoint: str | Path, output: str | Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="xscale export", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a step directory or a checkpoint root (uses its 'latest')")
-    parser.add_argument("--output", "-o", required=True, help="path of the .safetensors file to write")
+    parser.add_argument("output", nargs="?", help="path of the .safetensors file to write")
+    parser.add_argument("--output", "-o", dest="output_option", metavar="OUTPUT", help="the same, as an option")
     args = parser.parse_args(argv)
+    if (args.output is None) == (args.output_option is None):
+        parser.error("give the output path once: xscale export CHECKPOINT OUTPUT (or -o OUTPUT)")
+    args.output = args.output or args.output_option
     try:
         path = export_safetensors(args.checkpoint, args.output)
     except CheckpointError as error:

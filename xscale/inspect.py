@@ -8,38 +8,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
 
-from xscale.config import Config, ConfigError, load_config_from_cli
+from xscale.config import Config, ConfigError
+from xscale.models.parameters import ModelCount, count_parameters
+from xscale.parallel.checks import resolve_dims
+from xscale.parallel.dims import rank_coordinates
+from xscale.parallel.memory import predicted_pipeline_state_bytes, predicted_state_bytes
+from xscale.parallel.pipeline import SCHEDULES, ideal_bubble, split_layers, stage_to_rank
+from xscale.parallel.pipeline_stages import pipeline_layers
 from xscale.train.metrics import flops_per_token
-
-
-@dataclass
-class ModelCount:
-    total: int
-    embedding: int
-    per_component: dict[str, int]
-    expert: int = 0  # MoE expert weights (sharded by expert parallelism)
-
-    @property
-    def non_embedding(self) -> int:
-        return self.total - self.embedding
-
-
-def count_parameters(config: Config) -> ModelCount:
-    from xscale.models import build_model
-
-    model = build_model(config.model, materialize=False)
-    per_component: dict[str, int] = {}
-    total = expert = 0
-    for name, param in model.named_parameters():  # tied weights are counted once
-        total += param.numel()
-        expert += param.numel() if ".experts." in name else 0
-        parts = name.split(".")
-        key = parts[0] if parts[0] not in ("stack", "decoder") else ".".join(p for p in parts[:5] if not p.isdigit())
-        per_component[key] = per_component.get(key, 0) + param.numel()
-    embedding = config.model.vocab_size * config.model.d_model
-    return ModelCount(total, embedding, per_component, expert)
+from xscale.validate import load_config_from_cli
 
 
 def activation_bytes(config: Config, micro_batch: int) -> float:
@@ -88,9 +66,6 @@ def _share(index: int, total: int, parts: int) -> str:
 def _model_slice(config: Config, dims, at: dict[str, int]) -> str:
     """What the rank at mesh coordinates ``at`` holds: its pipeline stages (layers, embedding, head) and its
     tensor- and expert-parallel shares (heads, vocabulary rows, experts)."""
-    from xscale.parallel.pipeline import SCHEDULES, split_layers, stage_to_rank
-    from xscale.parallel.pipeline_stages import pipeline_layers
-
     model, parallel = config.model, config.parallel
     parts, holds_vocabulary = [], True
     if dims.pp > 1:
@@ -132,8 +107,6 @@ def _model_slice(config: Config, dims, at: dict[str, int]) -> str:
 
 def _pipeline_line(config: Config, pp: int, auto: bool) -> str:
     """The schedule, its stages, the (resolved) microbatch count and the ideal bubble (p-1)/(m+p-1)."""
-    from xscale.parallel.pipeline import ideal_bubble
-
     parallel = config.parallel
     stages = pp * parallel.pp_stages_per_rank
     return (f"pipeline: {parallel.pp_schedule}, {stages} stages ({parallel.pp_stages_per_rank} per rank), "
@@ -144,11 +117,8 @@ def _pipeline_line(config: Config, pp: int, auto: bool) -> str:
 
 def layout_report(config: Config, world_size: int) -> list[str]:
     """The per-rank plan of ``config.parallel`` at ``world_size`` and each rank's predicted state bytes."""
-    from xscale.parallel.dims import ParallelDims, rank_coordinates
-    from xscale.parallel.memory import predicted_pipeline_state_bytes, predicted_state_bytes
-
     auto = config.parallel.microbatches is None
-    dims = ParallelDims.from_config(config, world_size)  # resolves an unset parallel.microbatches
+    dims = resolve_dims(config, world_size)  # resolves an unset parallel.microbatches
     lines = [f"layout: {dims.describe()}"]
     if dims.pp > 1:
         lines.append(_pipeline_line(config, dims.pp, auto))

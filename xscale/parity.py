@@ -25,8 +25,9 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from xscale.config import Config, ConfigError, load_config_from_cli
+from xscale.config import Config, ConfigError
 from xscale.models.registry import ATTENTION
+from xscale.validate import load_config_from_cli
 
 PARITY_SETTINGS = ("train.eval_every=0", "train.plot=false", "train.tensorboard=false", "train.progress=false",
                    "train.log_every=1000000", "train.precision=fp32", "checkpoint.resume=none")

@@ -14,8 +14,9 @@ from parity_models import DECODER, DROPOUT, ENCODER, assert_parity
 from spawned import WORLD, spawn
 from test_resharding import check_resharding
 
-from xscale.config import ConfigError, load_config
-from xscale.parallel.dims import ParallelDims
+from xscale.config import ConfigError
+from xscale.parallel.checks import resolve_dims
+from xscale.validate import load_config
 
 SEQ, BATCH, SEED = 16, 3, 7
 SMALL = ["model.vocab_size=32", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=16",
@@ -121,7 +122,7 @@ REFUSALS = [
     (["model.moe.num_experts=4"], 2, "does not combine with MoE layers .*model.moe.num_experts=0"),
     (["model.family=encoder_decoder"], 2, "not encoder-decoder models.*model.family=decoder"),
     (["train.compile=true"], 2, r"does not combine with train.compile=true .*; set train.compile=false"),
-    (["model.attention.kind=linformer"], 2, "attention 'linformer' is not sharded by context parallelism.*dense, mha"),
+    (["model.attention.kind=linformer"], 2, "attention 'linformer' is not sharded by context parallelism.*dense, gqa, mha, mqa"),
     (["train.seq_len=15"], 2, "cut.* into cp=2 equal slices; make train.seq_len=15 a multiple of 2"),
     (["train.seq_len=18", "parallel.cp_load_balance=true"], 2,
      r"2 x cp = 4 chunks \(parallel.cp_load_balance=true\); make train.seq_len=18 a multiple of 4"),
@@ -133,7 +134,7 @@ REFUSALS = [
 def test_refusals_say_what_to_change(overrides, world, message):
     config = load_config(None, [*DECODER, "parallel.cp=2", *overrides])
     with pytest.raises(ConfigError, match=message):
-        ParallelDims.from_config(config, world)
+        resolve_dims(config, world)
 
 
 def test_layout_world_size_and_inspect_report():
@@ -141,7 +142,7 @@ def test_layout_world_size_and_inspect_report():
     from xscale.parallel.memory import predicted_state_bytes
 
     config = load_config(None, [*DECODER, "parallel.cp=2", "parallel.cp_load_balance=true", "parallel.zero_stage=3"])
-    dims = ParallelDims.from_config(config, 4)
+    dims = resolve_dims(config, 4)
     assert (dims.dp_shard, dims.cp, dims.dp_cp) == (2, 2, 4)
     state = predicted_state_bytes(1000, dims)
     assert state["parameters"] == 4 * 1000 / 4  # ZeRO-3 shards over dp x cp

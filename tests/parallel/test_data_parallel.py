@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 from parity_models import DECODER, DROPOUT, ENCODER, assert_parity
 
-from xscale.config import load_config
-from xscale.parallel.dims import ParallelDims, rank_coordinates
+from xscale.parallel.checks import resolve_dims
+from xscale.parallel.dims import rank_coordinates
 from xscale.parallel.memory import predicted_pipeline_state_bytes, predicted_state_bytes
 from xscale.parity import run_local
+from xscale.validate import load_config
 
 
 def test_decoder_dp_and_zero_stages_match_one_process(tmp_path):
@@ -65,7 +66,7 @@ def _check_memory(world_size, stage, tmp_path, layout=()):
     config = load_config(None, [*MEMORY, *layout, f"parallel.zero_stage={stage}", f"train.output_dir={tmp_path}"]
                          + ([] if layout else [f"parallel.dp_shard={world_size}"]))
     ranks = run_local(_measure, world_size, config)
-    dims = ParallelDims.from_config(config, world_size)
+    dims = resolve_dims(config, world_size)
     if dims.pp > 1:
         per_stage = predicted_pipeline_state_bytes(config, dims)
         predicted = [per_stage[rank_coordinates(dims, rank)["pp"]] for rank in range(world_size)]

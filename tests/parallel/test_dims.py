@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from xscale.config import ConfigError, load_config
+from xscale.config import ConfigError
 from xscale.inspect import main as inspect_main
-from xscale.parallel.dims import ParallelDims, rank_coordinates
+from xscale.parallel.checks import resolve_dims
+from xscale.parallel.dims import rank_coordinates
 from xscale.parallel.memory import (
     pipeline_rank_parameters,
     predicted_pipeline_state_bytes,
     predicted_state_bytes,
 )
+from xscale.validate import load_config
 
 BASE = ["model.vocab_size=64", "model.d_model=32", "model.n_layers=4", "model.n_heads=4", "train.global_batch_size=8",
         "train.seq_len=16", "data.dataset=copy"]
@@ -44,7 +46,7 @@ REFUSED = [
 def test_impossible_layouts_are_refused(overrides, world_size, message):
     config = load_config(None, [*BASE, *overrides])
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        ParallelDims.from_config(config, world_size)
+        resolve_dims(config, world_size)
 
 
 def test_trainer_refuses_before_any_process_group(monkeypatch, tmp_path):
@@ -63,7 +65,7 @@ def test_trainer_refuses_before_any_process_group(monkeypatch, tmp_path):
 def test_dp_shard_fills_the_world_and_mesh_coordinates_are_row_major():
     config = load_config(None, [*BASE, *MOE, "parallel.tp=2", "parallel.pp=2", "parallel.ep=2",
                                 "train.global_batch_size=8", "parallel.microbatches=2"])
-    dims = ParallelDims.from_config(config, 16)
+    dims = resolve_dims(config, 16)
     assert (dims.pp, dims.dp_shard, dims.tp, dims.ep, dims.dp, dims.edp) == (2, 4, 2, 2, 4, 2)
     assert rank_coordinates(dims, 0) == {"pp": 0, "dp_replicate": 0, "dp_expert": 0, "ep": 0, "cp": 0, "tp": 0,
                                          "dp_shard": 0, "dp": 0}
@@ -75,7 +77,7 @@ def test_dp_shard_fills_the_world_and_mesh_coordinates_are_row_major():
 @pytest.mark.parametrize("stage,expected", [(0, (4, 4, 8)), (1, (4, 4, 2)), (2, (4, 1, 2)), (3, (1, 1, 2))])
 def test_zero_formulas(stage, expected):
     config = load_config(None, [*BASE, f"parallel.zero_stage={stage}"])
-    dims = ParallelDims.from_config(config, 4)
+    dims = resolve_dims(config, 4)
     state = predicted_state_bytes(1000, dims)
     assert tuple(state[k] / 1000 for k in ("parameters", "gradients", "optimizer")) == expected
 
@@ -90,11 +92,11 @@ def test_inspect_prints_the_per_rank_plan(capsys):
 
 @pytest.mark.parametrize("tie", [True, False])
 def test_pipeline_ranks_hold_the_model_and_a_tied_copy(tie):
-    from xscale.inspect import count_parameters
+    from xscale.models.parameters import count_parameters
 
     config = load_config(None, [*BASE, "parallel.pp=2", "parallel.zero_stage=3", "parallel.microbatches=2",
                                 f"model.tie_embeddings={str(tie).lower()}"])
-    dims = ParallelDims.from_config(config, 4)
+    dims = resolve_dims(config, 4)
     total = count_parameters(config).total
     held = [count for count, _ in pipeline_rank_parameters(config, dims)]
     assert sum(held) == total + (config.model.vocab_size * config.model.d_model if tie else 0)
@@ -122,13 +124,13 @@ def test_inspect_plans_pipeline_x_tensor_x_data_parallel(capsys):
 def test_encoder_decoder_pipeline_ranks_hold_both_stacks_and_the_embedding_copies(capsys):
     """The stages cut encoder then decoder layers; the first decoder stage holds its own copy of the embedding,
     counted in its rank's state, as the last stage's tied output copy is."""
-    from xscale.inspect import count_parameters
+    from xscale.models.parameters import count_parameters
 
     overrides = [*BASE, "model.family=encoder_decoder", "model.position=learned", "model.n_layers=2",
                  "model.n_decoder_layers=3", "parallel.pp=2", "parallel.pp_schedule=zero_bubble",
                  "parallel.pp_stages_per_rank=2", "parallel.pp_split=[1,1,2,1]", "parallel.zero_stage=1"]
     config = load_config(None, overrides)
-    dims = ParallelDims.from_config(config, 4)
+    dims = resolve_dims(config, 4)
     held = [count for count, _ in pipeline_rank_parameters(config, dims)]
     embedding = config.model.vocab_size * config.model.d_model
     assert sum(held) == count_parameters(config).total + 2 * embedding  # the output copy and the decoder's

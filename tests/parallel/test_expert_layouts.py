@@ -18,12 +18,11 @@ import torch
 
 from tests.parallel.test_resharding import GLOBAL_BATCH, SAMPLES, check_resharding
 from tests.parallel.test_resharding import STEPS as RESHARD_STEPS
-from xscale.config import load_config
 from xscale.data import GlobalSampler
-from xscale.inspect import count_parameters
 from xscale.models import build_model
 from xscale.models.moe import moe_layers
-from xscale.parallel.dims import ParallelDims
+from xscale.models.parameters import count_parameters
+from xscale.parallel.checks import resolve_dims
 from xscale.parallel.engine import Engine, model_loss_sum
 from xscale.parallel.memory import predicted_state_bytes
 from xscale.parity import (
@@ -34,6 +33,7 @@ from xscale.parity import (
     train_losses,
     world_size_of,
 )
+from xscale.validate import load_config
 
 # tiny-switch at test size: d_model 32, 2 layers (both MoE), 4 experts, capacity 1.0 so tokens get dropped.
 ARCHITECTURE = ["model.vocab_size=48", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.position=rope",
@@ -181,7 +181,7 @@ def _check_expert_memory(dp_shard: int, ep: int, stage: int, tmp_path: Path, tp:
                                 *PARITY_SETTINGS])
     count = count_parameters(config)
     assert count.expert > count.total / 2, "experts must dominate for the check to tell ep apart"
-    predicted = predicted_state_bytes(count.total, ParallelDims.from_config(config, dp_shard * tp), count.expert)
+    predicted = predicted_state_bytes(count.total, resolve_dims(config, dp_shard * tp), count.expert)
     for rank, result in enumerate(run_local(_measure_state_bytes, dp_shard * tp, config)):
         for kind, expected in predicted.items():
             measured = result["measured"][kind]

@@ -28,15 +28,15 @@ from xscale.config import (
     MoEConfig,
     ParallelConfig,
     TrainConfig,
-    load_config,
 )
 from xscale.models import build_model
 from xscale.models.init import canonical_name
-from xscale.parallel.dims import ParallelDims
+from xscale.parallel.checks import resolve_dims
 from xscale.parallel.engine import Engine
 from xscale.parallel.pipeline import PipelineEngine, check_pipeline, resolve_microbatches, split_layers
 from xscale.parallel.pipeline_stages import DECODER_COPIES
 from xscale.train.optim import build_optimizer
+from xscale.validate import load_config
 
 SEED = 7
 LOSS_TOLERANCE = {"rtol": 1e-5, "atol": 0.0}
@@ -481,7 +481,7 @@ def test_unset_microbatches_without_a_fitting_count_say_what_to_set():
             check()
         assert str(error.value) == message
     with pytest.raises(ConfigError, match=r"2 sequences .* multiple of 8, or parallel.pp_schedule=gpipe"):
-        ParallelDims.from_config(load_config(None, [*TINY, "parallel.pp=4", "train.global_batch_size=4"]), 8)
+        resolve_dims(load_config(None, [*TINY, "parallel.pp=4", "train.global_batch_size=4"]), 8)
 
 
 TINY = ["model.vocab_size=64", "model.d_model=32", "model.n_layers=4", "model.n_heads=4", "train.seq_len=16",
@@ -501,7 +501,7 @@ TINY = ["model.vocab_size=64", "model.d_model=32", "model.n_layers=4", "model.n_
 def test_parallel_dims_write_the_resolved_count_into_the_config(layout, world_size, expected):
     config = load_config(None, [*TINY, *layout])
     assert config.parallel.microbatches is None  # the default: auto
-    ParallelDims.from_config(config, world_size)
+    resolve_dims(config, world_size)
     assert config.parallel.microbatches == expected
 
 
@@ -515,11 +515,11 @@ def test_parallel_dims_write_the_resolved_count_into_the_config(layout, world_si
 def test_a_set_microbatch_count_is_validated_as_given(value, message):
     config = load_config(None, [*TINY, "parallel.pp=2", f"parallel.microbatches={value}"])
     with pytest.raises(ConfigError) as error:
-        ParallelDims.from_config(config, 2)
+        resolve_dims(config, 2)
     assert str(error.value) == message
     assert config.parallel.microbatches == value  # never replaced
     config = load_config(None, [*TINY, "parallel.pp=2", "parallel.microbatches=8"])
-    ParallelDims.from_config(config, 2)
+    resolve_dims(config, 2)
     assert config.parallel.microbatches == 8
 
 

@@ -24,6 +24,8 @@ from torch.distributed.tensor import DTensor, Shard
 from xscale.config import AttentionConfig, ConfigError, ModelConfig, MoEConfig
 from xscale.models import build_model
 from xscale.models.init import init_weights
+from xscale.models.registry import ATTENTION
+from xscale.models.traits import ParallelTraits
 from xscale.parallel.engine import model_loss_sum
 from xscale.parallel.tensor import apply_tensor_parallel, check_tensor_parallel, tensor_parallel_loss_sum
 
@@ -108,6 +110,9 @@ PARITY_CASES = {
     "routing": (attention_model("routing", "decoder", clusters=2, decay=0.5), False),
     "routing-sp": (attention_model("routing", "decoder", clusters=2, decay=0.5), True),
     "gaussian-shared-layers-sp": (dict(attention_model("gaussian", "decoder"), share_layers=True), True),
+    # Declared split_heads in its own file (xscale/models/attention/cosformer.py), no edit in xscale/parallel.
+    "cosformer-causal-sp": (dict(attention_model("cosformer", "decoder"), max_seq_len=16), True),
+    "cosformer-encoder": (dict(attention_model("cosformer", "encoder"), max_seq_len=16), False),
 }
 
 
@@ -410,9 +415,8 @@ def test_refuses_unsplittable_models(name: str) -> None:
 
 
 def test_refuses_head_mixing_cores_without_a_plan(monkeypatch: pytest.MonkeyPatch) -> None:
-    import xscale.parallel.tensor as tensor
-
-    monkeypatch.setattr(tensor, "HEAD_MIXING_CORES", ())
+    """A core that mixes heads is split only when its traits declare gather_heads."""
+    monkeypatch.setattr(ATTENTION.get("talking_heads"), "parallel_traits", ParallelTraits(tp="split_heads"))
     with pytest.raises(ConfigError, match="attention 'talking_heads' mixes information across heads"):
         check_tensor_parallel(ModelConfig(**attention_model("talking_heads", "decoder")), 2)
 

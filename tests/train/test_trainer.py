@@ -6,9 +6,9 @@ import shutil
 import pytest
 import torch
 
-from xscale.config import load_config
 from xscale.train.checkpoint import Checkpointer, CheckpointError
 from xscale.train.trainer import Trainer
+from xscale.validate import load_config
 
 TINY = [
     "model.vocab_size=48", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
@@ -119,6 +119,7 @@ def test_export_writes_one_safetensors_file(tmp_path):
     from safetensors.torch import load_file
 
     from xscale.export import export_safetensors
+    from xscale.export import main as export_main
 
     trainer = Trainer(_config(tmp_path, "train.steps=2"))
     trainer.fit()
@@ -128,6 +129,12 @@ def test_export_writes_one_safetensors_file(tmp_path):
         if name == "output.weight":  # tied to the embedding: stored once
             continue
         assert torch.equal(tensors[name], value), name
+    assert export_main([str(tmp_path / "checkpoints"), str(tmp_path / "positional.safetensors")]) == 0
+    assert export_main([str(tmp_path / "checkpoints"), "-o", str(tmp_path / "option.safetensors")]) == 0
+    assert load_file(str(tmp_path / "positional.safetensors")).keys() == tensors.keys()
+    assert (tmp_path / "option.safetensors").is_file()
+    with pytest.raises(SystemExit):
+        export_main([str(tmp_path / "checkpoints")])  # no output path: a usage error
 
 
 def test_async_save_completes_and_resumes(tmp_path):
@@ -155,3 +162,45 @@ def test_compiled_blocks_train_like_eager_ones(tmp_path):
     compiled += [compiled_trainer.train_step()["train/loss"] for _ in range(2)]
     assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs
     assert compiled == pytest.approx(eager, rel=1e-4)
+
+
+def test_a_rollback_keeps_every_later_checkpoint_and_retention_keeps_the_new_ones(tmp_path):
+    """Resuming at step 2 of a run that reached step 6 (the fix after a loss spike) moves steps 4 and 6 aside
+    into abandoned-*/ instead of letting retention delete the new checkpoints; lineage is in meta.json."""
+    Trainer(_config(tmp_path, "train.steps=6", "checkpoint.every=2", "checkpoint.keep=3")).fit()
+    root = tmp_path / "checkpoints"
+    originals = {name: (root / name / "meta.json").read_text() for name in ("step_00000004", "step_00000006")}
+    rollback = _config(tmp_path, "train.steps=6", "checkpoint.every=2", "checkpoint.keep=3",
+                       f"checkpoint.resume={root / 'step_00000002'}")
+    Trainer(rollback).fit()
+    (abandoned,) = root.glob("abandoned-*")
+    assert {name: (abandoned / name / "meta.json").read_text() for name in originals} == originals
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000002", "step_00000004", "step_00000006"]
+    assert (root / "latest").read_text().strip() == "step_00000006"
+    assert json.loads((root / "step_00000004" / "meta.json").read_text())["parent"] == str(root / "step_00000002")
+
+
+DIVERGING = ["train.lr=1e4", "train.grad_clip=0", "train.warmup_steps=0", "train.steps=8", "checkpoint.every=1"]
+
+
+def test_a_nonfinite_step_stops_the_run_before_it_is_applied_or_checkpointed(tmp_path):
+    """lr=1e4 without clipping: the loss is NaN within a few steps; the run stops with the reason, and every
+    checkpoint it wrote holds finite weights (the NaN update was never applied)."""
+    from xscale.train.trainer import NonFiniteTraining
+
+    trainer = Trainer(_config(tmp_path, *DIVERGING))
+    with pytest.raises(NonFiniteTraining, match="is not finite .*train.on_nonfinite=skip"):
+        trainer.fit()
+    assert all(torch.isfinite(p).all() for p in trainer.engine.model.parameters())
+    latest = Checkpointer(tmp_path / "checkpoints").latest()
+    assert latest is not None and Checkpointer.read_meta(latest)["step"] == trainer.step
+
+
+def test_nonfinite_steps_are_skipped_until_too_many_in_a_row(tmp_path):
+    from xscale.train.trainer import NonFiniteTraining
+
+    trainer = Trainer(_config(tmp_path, *DIVERGING, "train.on_nonfinite=skip", "train.max_skipped=2"))
+    with pytest.raises(NonFiniteTraining, match=r"3 non-finite steps in a row \(train.max_skipped=2\)"):
+        trainer.fit()
+    assert trainer.skipped_steps == 3
+    assert all(torch.isfinite(p).all() for p in trainer.engine.model.parameters())

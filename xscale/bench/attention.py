@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from xscale.config import ModelConfig
 from xscale.models.attention.core import build_core
+from xscale.models.registry import ATTENTION
 
 # Options at benchmark scale (the zoo's defaults are sized for tiny tests).
 VARIANTS: dict[str, dict] = {
@@ -147,8 +148,6 @@ def make_runner(name: str, length: int, causal: bool, heads: int, d_model: int):
 
 
 def causal_for(name: str) -> bool:
-    from xscale.models.registry import ATTENTION
-
     return True if name in BASELINES else ATTENTION.get(name).causal_capable
 
 

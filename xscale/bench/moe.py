@@ -43,6 +43,7 @@ from xscale.launcher.cpu_allocator import keep_freed_memory
 from xscale.launcher.env import free_port
 from xscale.models.ffn import build_ffn
 from xscale.models.moe import build_moe
+from xscale.parallel.expert import apply_expert_parallel
 
 
 class _DeepSpeedExpert(nn.Module):
@@ -170,8 +171,6 @@ def single_process(args: argparse.Namespace) -> dict[str, float]:
 
 
 def _ep_worker(rank: int, port: int, args: argparse.Namespace, results) -> None:
-    from xscale.parallel.expert import apply_expert_parallel
-
     keep_freed_memory()  # a spawned process: the allocator setting of the parent, as in the trainer's ranks
     torch.set_num_threads(max(1, torch.get_num_threads() // 2))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

@@ -31,10 +31,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from xscale.config import Config, ConfigError, load_config_from_cli
-from xscale.parallel.dims import ParallelDims
-from xscale.parallel.pipeline import ideal_bubble
+from xscale.config import Config, ConfigError
+from xscale.parallel.checks import resolve_dims
+from xscale.parallel.pipeline import PipelineEngine, ideal_bubble
 from xscale.parity import PARITY_SETTINGS, layout_overrides, run_local, world_size_of
+from xscale.train.trainer import Trainer
+from xscale.validate import load_config_from_cli
 
 PIPELINES = tuple(f"pp=2,dp_shard=1,microbatches={m},pp_schedule={schedule}"
                   for schedule in ("gpipe", "1f1b") for m in (2, 4, 8))
@@ -69,9 +71,6 @@ def bubble_fraction(compute_seconds: float, step_seconds: float) -> float:
 
 def _measure(config: Config, warmup: int, steps: int) -> dict:
     """On every rank: median step seconds (the trainer's whole step) and, in a pipeline, median bubble."""
-    from xscale.parallel.pipeline import PipelineEngine
-    from xscale.train.trainer import Trainer
-
     trainer = Trainer(config)
     engine = trainer.engine
     clock = ComputeClock()
@@ -100,7 +99,7 @@ def measure_layouts(config_path: str | None, overrides: list[str], layouts: list
             config = load_config_from_cli(config_path, [*base, *layout_overrides(layout),
                                                         f"train.output_dir={Path(scratch) / str(index)}"])
             world_size = world_size_of(config)
-            ParallelDims.from_config(config, world_size)  # resolves an unset parallel.microbatches
+            resolve_dims(config, world_size)  # resolves an unset parallel.microbatches
             ranks = run_local(_measure, world_size, config, warmup, steps)
             bubbles = [rank["bubble"] for rank in ranks if rank["bubble"] is not None]
             parallel = config.parallel

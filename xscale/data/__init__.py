@@ -17,6 +17,7 @@ from xscale.data.datasets import (
     text_objective,
     tokenize_documents,
 )
+from xscale.data.indexed import IndexedTokens
 from xscale.data.sampler import GlobalSampler
 from xscale.data.tasks import AssociativeRecallTask, CopyTask, ListOpsTask
 from xscale.data.tokenizer import FixedVocab, Tokenizer
@@ -113,8 +114,6 @@ def _text_datasets(config: Config, objective: str, seq_len: int, seed: int) -> t
     data = config.data
     options = _options(config, _TEXT_OPTIONS[objective])
     if data.dataset == "indexed":
-        from xscale.data.indexed import IndexedTokens
-
         if not data.path:
             raise ConfigError("data.dataset='indexed' needs data.path: the .bin/.idx prefix")
         stream = IndexedTokens(data.path)

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from xscale.data.corpus import stdlib_documents, text_documents
+from xscale.data.indexed import write_indexed
 from xscale.data.tokenizer import DEFAULT_SENTINELS, Tokenizer
 
 STDLIB = "stdlib"
@@ -45,8 +46,6 @@ def main_preprocess(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True, help="output prefix; writes PREFIX.bin and PREFIX.idx")
     parser.add_argument("--no-eos", action="store_true", help="do not end each document with eos")
     args = parser.parse_args(argv)
-    from xscale.data.indexed import write_indexed
-
     try:
         tokenizer = Tokenizer.load(args.tokenizer)
         eos = [] if args.no_eos else [tokenizer.eos_id]
@@ -65,3 +64,21 @@ def main_preprocess(argv: list[str] | None = None) -> int:
         return 2
     print(f"wrote {prefix}.bin/.idx: {counts['documents']} documents, {counts['tokens']} tokens")
     return 0
+
+
+TOOLS = {"tokenizer": (main_tokenizer, "train a SentencePiece tokenizer"),
+         "preprocess": (main_preprocess, "tokenize text into .bin/.idx token files")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``xscale data TOOL ...``: dispatch to one of :data:`TOOLS`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: xscale data {" + ",".join(TOOLS) + "} ...\n")
+        for name, (_, help_text) in TOOLS.items():
+            print(f"  {name:<12} {help_text}")
+        return 0 if argv else 2
+    if argv[0] not in TOOLS:
+        print(f"xscale data: unknown tool '{argv[0]}'; tools: {', '.join(TOOLS)}", file=sys.stderr)
+        return 2
+    return TOOLS[argv[0]][0](argv[1:])

@@ -19,7 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from xscale.config import Config, ConfigError, load_config
+from xscale.config import Config, ConfigError
+from xscale.validate import load_config
 
 
 class SubmitError(ValueError):

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import torch
 
+import xscale.models.zoo  # noqa: F401  (every component registers itself)
 from xscale.config import ModelConfig
+from xscale.models.init import init_weights
 from xscale.models.transformer import Transformer
 
 
 def build_model(config: ModelConfig, device: torch.device | str = "cpu", seed: int = 0,
                 materialize: bool = True) -> Transformer:
     """Build on the meta device, then (unless ``materialize=False``) allocate on ``device`` and init."""
-    from xscale.models.init import init_weights
-
     with torch.device("meta"):
         model = Transformer(config)
     if materialize:

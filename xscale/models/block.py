@@ -19,6 +19,7 @@ from xscale.config import ModelConfig
 from xscale.models.attention import Attention
 from xscale.models.dropout import Dropout
 from xscale.models.ffn import build_ffn
+from xscale.models.moe import build_moe
 from xscale.models.norm import build_norm
 from xscale.models.position import PositionEncoding
 
@@ -50,8 +51,6 @@ class Residual(nn.Module):
 
 def build_feed_forward(config: ModelConfig, layer_index: int) -> nn.Module:
     if config.moe.is_moe_layer(layer_index):
-        from xscale.models.moe import build_moe
-
         return build_moe(config, layer_index)
     return build_ffn(config.ffn, config.d_model, config.ffn_hidden, config.bias, config.dropout)
 

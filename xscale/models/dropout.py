@@ -104,7 +104,7 @@ class SlicedDim:
         raise NotImplementedError
 
 
-_POSITION: ScopedValue[DropoutPosition] = ScopedValue()
+_POSITION: ScopedValue[DropoutPosition] = ScopedValue(recomputation="replay")
 
 
 def dropout_position(position: DropoutPosition | None) -> Scope[DropoutPosition]:
@@ -112,21 +112,13 @@ def dropout_position(position: DropoutPosition | None) -> Scope[DropoutPosition]
     return _POSITION.scope(position)
 
 
-def current_dropout_position() -> DropoutPosition | None:
-    return _POSITION.current
-
-
-_DEPTH: ScopedValue[int] = ScopedValue()
+_DEPTH: ScopedValue[int] = ScopedValue(recomputation="replay")
 
 
 def dropout_depth(depth: int | None) -> Scope[int]:
     """Draws inside come from a shared block (ALBERT's one block at every depth, Lan et al. 2020) running at
     ``depth``: each depth draws its own masks, as ``nn.Dropout`` would, though the block's sites are the same."""
     return _DEPTH.scope(depth)
-
-
-def current_dropout_depth() -> int | None:
-    return _DEPTH.current
 
 
 class Dropout(nn.Module):

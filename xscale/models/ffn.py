@@ -3,24 +3,20 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from xscale.models.dropout import Dropout
 from xscale.models.registry import FFN
-
-ACTIVATIONS = {
-    "relu": F.relu,
-    "gelu": F.gelu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "silu": F.silu,
-}
+from xscale.models.traits import ParallelTraits
+from xscale.ops import gated_activation
+from xscale.ops.reference import ACTIVATIONS
 
 
 class MLP(nn.Module):
     """FFN(x) = act(x W_in + b_in) W_out + b_out."""
 
     activation = "relu"
+    parallel_traits = ParallelTraits(tp="split_hidden", column_parallel=("w_in",), row_parallel=("w_out",))
 
     def __init__(self, d_model: int, hidden: int, bias: bool = False, dropout: float = 0.0) -> None:
         super().__init__()
@@ -53,6 +49,7 @@ class GatedMLP(nn.Module):
     """FFN_GLU(x) = (act(x W_gate) * (x W_up)) W_down (Shazeer 2020, eq. 5-6)."""
 
     activation = "silu"
+    parallel_traits = ParallelTraits(tp="split_hidden", column_parallel=("w_gate", "w_up"), row_parallel=("w_down",))
 
     def __init__(self, d_model: int, hidden: int, bias: bool = False, dropout: float = 0.0) -> None:
         super().__init__()
@@ -62,8 +59,6 @@ class GatedMLP(nn.Module):
         self.dropout = Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from xscale.ops import gated_activation
-
         return self.dropout(self.w_down(gated_activation(self.w_gate(x), self.w_up(x), self.activation)))
 
 

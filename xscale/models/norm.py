@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from xscale.models.registry import NORM
+from xscale.ops import rms_norm
 
 
 @NORM.register("layernorm")
@@ -26,8 +27,6 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from xscale.ops import rms_norm
-
         return rms_norm(x, self.weight, self.eps)
 
     def reset_parameters(self) -> None:

@@ -2,6 +2,8 @@
 
 Every encoding implements the three hooks of :class:`PositionEncoding`; each hook is the identity
 unless the method acts there. One module serves a whole stack (T5 and ALiBi share across layers).
+Tensor parallelism replicates every encoding; those whose hooks context parallelism re-evaluates at global
+positions (:mod:`xscale.parallel.context`) declare ``cp`` in their ``parallel_traits``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import torch
 from torch import nn
 
 from xscale.models.registry import POSITION
+from xscale.models.traits import ParallelTraits
+from xscale.ops import apply_rope
 
 
 class PositionEncoding(nn.Module):
@@ -44,11 +48,14 @@ class PositionEncoding(nn.Module):
 class NoPosition(PositionEncoding):
     """No positions (NoPE): a causal decoder infers order from its mask."""
 
+    parallel_traits = ParallelTraits(tp="replicated", cp=True)
+
 
 @POSITION.register("sinusoidal")
 class SinusoidalPosition(PositionEncoding):
     """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...) (Vaswani et al. 2017, sec. 3.5)."""
 
+    parallel_traits = ParallelTraits(tp="replicated", cp=True)
     adds_to_input = True
 
     def __init__(self, *args, **kwargs) -> None:
@@ -77,6 +84,7 @@ class SinusoidalPosition(PositionEncoding):
 class LearnedPosition(PositionEncoding):
     """A learned vector per absolute position (GPT-2, BERT)."""
 
+    parallel_traits = ParallelTraits(tp="replicated", cp=True)
     adds_to_input = True
 
     def __init__(self, *args, **kwargs) -> None:
@@ -93,6 +101,7 @@ class LearnedPosition(PositionEncoding):
 class RotaryPosition(PositionEncoding):
     """RoPE: rotate feature pairs (i, i + d/2) by angle pos * theta^(-2i/d) (Su et al. 2021, eq. 34)."""
 
+    parallel_traits = ParallelTraits(tp="replicated", cp=True)
     rotates_qk = True
 
     def __init__(self, *args, **kwargs) -> None:
@@ -109,8 +118,6 @@ class RotaryPosition(PositionEncoding):
         return self._cache[2][:length], self._cache[3][:length]
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        from xscale.ops import apply_rope
-
         cos, sin = self._cos_sin(max(q.shape[-2], k.shape[-2]), q.device)
         return apply_rope(q, cos[: q.shape[-2]], sin[: q.shape[-2]]), apply_rope(k, cos[: k.shape[-2]], sin[: k.shape[-2]])
 
@@ -133,6 +140,7 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
 class ALiBiPosition(PositionEncoding):
     """ALiBi: add -m_h * |i - j| to the logits of head h (Press et al. 2022)."""
 
+    parallel_traits = ParallelTraits(tp="replicated", cp=True)
     biases_logits = True
 
     def bias(self, q_len: int, k_len: int, heads: slice) -> torch.Tensor:
@@ -145,6 +153,7 @@ class ALiBiPosition(PositionEncoding):
 class T5RelativeBias(PositionEncoding):
     """A learned scalar per head and log-spaced relative-distance bucket (Raffel et al. 2020, sec. 2.1)."""
 
+    parallel_traits = ParallelTraits(tp="replicated", cp=True)
     biases_logits = True
 
     def __init__(self, *args, num_buckets: int = 32, max_distance: int = 128, **kwargs) -> None:

@@ -12,10 +12,10 @@ from torch import nn
 from xscale.config import ModelConfig
 from xscale.models.block import TransformerBlock
 from xscale.models.dropout import Dropout, dropout_depth, name_dropout_sites
-from xscale.models.ffn import ACTIVATIONS
 from xscale.models.moe.token_ids import routing_token_ids
 from xscale.models.norm import build_norm
 from xscale.models.position import build_position
+from xscale.ops.reference import ACTIVATIONS
 
 
 class LMHeadTransform(nn.Module):

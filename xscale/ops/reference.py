@@ -24,6 +24,15 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels:
     return cross_entropy_sum(hidden @ weight.t(), labels)
 
 
+# Elementwise activations by config name (FFNs, gated FFNs, BERT's head transform).
+ACTIVATIONS = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+}
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1] over the halves of the last dim."""
     half = x.shape[-1] // 2
@@ -33,8 +42,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     """act(gate) * up: SwiGLU (silu), GeGLU (gelu), ReGLU (relu)."""
-    from xscale.models.ffn import ACTIVATIONS
-
     return ACTIVATIONS[activation](gate) * up
 
 

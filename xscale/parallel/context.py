@@ -21,16 +21,16 @@ Collectives are plain blocking ones issued in program order (the forward's all-g
 reduce-scatter, on the thread that runs autograd), so every rank issues the same collectives in the same order on
 the cp group and no work handle outlives its tensors.
 
-Scope: decoders and encoders with the dense/mha/gqa/mqa attention kinds, under any data-parallel layout. Refused
-up front (:func:`check_context_parallel`): pipeline, tensor and expert parallelism, MoE, encoder-decoder models,
-``train.compile``, every other attention kind, and sequence lengths that do not split into cp (2cp) equal chunks.
+Scope: decoders and encoders whose attention cores declare ``cp`` in their parallel_traits (dense/mha/gqa/mqa),
+under any data-parallel layout. Refused up front (:func:`check_context_parallel`): pipeline, tensor and expert
+parallelism, MoE, encoder-decoder models, ``train.compile``, every other attention kind, and sequence lengths that
+do not split into cp (2cp) equal chunks.
 """
 
 from __future__ import annotations
 
 import types
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -39,16 +39,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from xscale.config import Config, ConfigError, ModelConfig
 from xscale.models.attention import Attention
-from xscale.models.attention.dense import DenseAttention
 from xscale.models.dropout import Dropout, SlicedDim
-from xscale.models.registry import ATTENTION
+from xscale.models.registry import ATTENTION, POSITION
+from xscale.models.traits import traits_of
 from xscale.parallel.collectives import all_gather_flat, reduce_scatter_flat
+from xscale.parallel.dims import ParallelDims
 
-if TYPE_CHECKING:
-    from xscale.parallel.dims import ParallelDims
-
-SUPPORTED_KINDS = ("dense", "mha", "gqa", "mqa")
-SUPPORTED_POSITIONS = ("none", "sinusoidal", "learned", "rope", "alibi", "t5_bias")
 TOKENS = 1  # the token dim of the residual stream (B, T, D) and of the batch's (B, T) ids and labels
 QUERIES = 2  # the query dim of attention probabilities (B, H, Tq, Tk)
 
@@ -242,13 +238,15 @@ def check_context_parallel_model(model: ModelConfig, cp: int) -> None:
         raise ConfigError(f"parallel.cp={cp} does not combine with MoE layers (model.moe.num_experts="
                           f"{model.moe.num_experts}); set model.moe.num_experts=0 or parallel.cp=1")
     for kind in sorted(_attention_kinds(model)):
-        if kind not in SUPPORTED_KINDS or ATTENTION.get(kind) is not DenseAttention:
+        if not traits_of(ATTENTION.get(kind)).cp:
+            served = [name for name in ATTENTION.names() if traits_of(ATTENTION.get(name)).cp]
             raise ConfigError(f"attention '{kind}' is not sharded by context parallelism (parallel.cp={cp}): only "
-                              f"{', '.join(SUPPORTED_KINDS)} all-gather K/V over the cp ranks; use one of them "
-                              f"(model.attention.kind) or parallel.cp=1")
-    if model.position not in SUPPORTED_POSITIONS:
-        raise ConfigError(f"model.position={model.position} has no context-parallel plan; use one of "
-                          f"{', '.join(SUPPORTED_POSITIONS)} or parallel.cp=1")
+                              f"{', '.join(served)} all-gather K/V over the cp ranks (their parallel_traits declare "
+                              "cp); use one of them (model.attention.kind) or parallel.cp=1")
+    if not traits_of(POSITION.get(model.position)).cp:
+        served = [name for name in POSITION.names() if traits_of(POSITION.get(name)).cp]
+        raise ConfigError(f"model.position={model.position} has no context-parallel plan (its parallel_traits do not "
+                          f"declare cp); use one of {', '.join(served)} or parallel.cp=1")
 
 
 def check_context_parallel(config: Config, dims: ParallelDims) -> None:

@@ -31,7 +31,6 @@ from torch.distributed.tensor import DTensor
 
 from xscale.config import ConfigError
 from xscale.models.moe import MoELayer, moe_layers
-from xscale.models.moe.experts import StackedExperts
 from xscale.parallel.collectives import all_gather_flat
 
 
@@ -96,7 +95,7 @@ class AllToAllDispatch:
         self.local_experts = num_experts // self.size
 
     def __call__(self, tokens_by_expert: torch.Tensor, tokens_per_expert: torch.Tensor,
-                 experts: StackedExperts) -> torch.Tensor:
+                 experts: nn.Module) -> torch.Tensor:
         # received[s, l]: tokens rank s sends to my local expert l.
         received = torch.empty_like(tokens_per_expert)
         dist.all_to_all_single(received, tokens_per_expert, group=self.group)

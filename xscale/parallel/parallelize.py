@@ -19,8 +19,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from xscale.config import Config
 from xscale.models import build_model
+from xscale.models.attention import AttentionCore
 from xscale.models.init import canonical_name, init_weights
 from xscale.models.moe import moe_layers
+from xscale.models.traits import traits_of
 from xscale.parallel.activation import apply_activation_checkpointing
 from xscale.parallel.data import DataParallel, NamedParameter, ReplicatedDataParallel, ZeroDataParallel
 from xscale.parallel.dims import ParallelDims
@@ -38,12 +40,11 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     return [block for stack in _stacks(model) for block in stack.layers.values()]
 
 
-def _share_routing_statistics(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims) -> None:
-    """Routing attention's k-means statistics are sums over the tokens seen: sum them over the data-parallel
-    ranks, so every rank moves its centroids alike (as one device would on the whole batch). Over dp only: a tp
-    rank holds the statistics of its own heads (:mod:`xscale.parallel.head_sharded`)."""
-    from xscale.models.attention.routing import RoutingAttention
-
+def _share_statistics(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims) -> None:
+    """Cores that keep running statistics of the tokens they see (``dp_statistics`` in their parallel_traits:
+    routing attention's k-means sums) sum them over the data-parallel ranks, so every rank moves them alike (as
+    one device would on the whole batch). Over dp only: a tp rank holds the statistics of its own heads
+    (:mod:`xscale.parallel.head_sharded`)."""
     if dims.dp == 1:
         return
     group = mesh["dp"].get_group()
@@ -53,9 +54,8 @@ def _share_routing_statistics(model: nn.Module, mesh: DeviceMesh, dims: Parallel
         return statistics
 
     for module in model.modules():
-        if isinstance(module, RoutingAttention):
+        if isinstance(module, AttentionCore) and traits_of(module).dp_statistics:
             module.reduce_statistics = all_reduce
-
 
 def _compile_blocks(model: nn.Module, config: Config) -> None:
     """``train.compile``: compile each block's forward in place (after activation checkpointing, before FSDP, as
@@ -109,7 +109,7 @@ def build_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh | None, de
     if dims.ep == 1:
         _materialize(model, config, device)
     data_parallel = make_data_parallel([model])
-    _share_routing_statistics(model, mesh, dims)
+    _share_statistics(model, mesh, dims)
     return Engine(model, micro_batch_size(config, dims), autocast, loss_fn=loss_fn, data_parallel=data_parallel)
 
 
@@ -166,5 +166,5 @@ def _build_pipeline_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh,
                 apply_expert_parallel(stage, mesh["ep"])
     engine.data_parallel = _data_parallel(engine.model_parts, dims, mesh, autocast)(engine.model_parts)
     for stage in engine.model_parts:  # each stage's cores sum their statistics over the stage's dp replicas
-        _share_routing_statistics(stage, mesh, dims)
+        _share_statistics(stage, mesh, dims)
     return engine

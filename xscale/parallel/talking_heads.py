@@ -33,13 +33,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from xscale.config import ConfigError
 from xscale.models.attention import Attention
-from xscale.models.attention.talking_heads import TalkingHeadsAttention
 from xscale.parallel.collectives import all_gather_flat, reduce_scatter_flat
-
-# Cores that mix heads and have a tensor-parallel plan here.
-HEAD_MIXING_CORES = (TalkingHeadsAttention,)
 
 
 class GatherHeads(torch.autograd.Function):
@@ -63,31 +58,17 @@ class GatherHeads(torch.autograd.Function):
         return local, None
 
 
-class TensorParallelTalkingHeads(TalkingHeadsAttention):
-    """The core on one tp rank: every head's q and k in, this rank's output heads out (class swapped in place,
-    so parameter names stay the single-device ones)."""
-
-    output_heads: slice
-
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None) -> Tensor:
-        return self.attend_heads(self.softmax_weights(q, k, causal=causal, bias=bias), v, self.output_heads)
-
-
 def _gather_output(linear: nn.Linear, group: dist.ProcessGroup) -> None:
     linear.register_forward_hook(lambda module, args, out: GatherHeads.apply(out, group))
 
 
-def parallelize_talking_heads(attention: Attention, mesh: DeviceMesh, n_heads: int, gather_keys: bool) -> None:
+def gather_heads(attention: Attention, mesh: DeviceMesh, n_heads: int, gather_keys: bool) -> None:
     """After the Megatron split of ``attention`` (q, k, v column-parallel; ``gather_keys``: k is split, not
-    replicated), gather q and k to every head and let the core compute this rank's output heads."""
-    core = attention.core
-    if not isinstance(core, TalkingHeadsAttention):
-        raise ConfigError(f"no tensor-parallel plan for the head-mixing core {type(core).__name__}; use "
-                          "parallel.tp=1 or add its plan under xscale/parallel/")
+    replicated), gather q and k to every head and let the core (``tp="gather_heads"``) compute this rank's
+    output heads, which it reads from its ``output_heads``."""
     group, local = mesh.get_group(), n_heads // mesh.size()
     _gather_output(attention.wq, group)
     if gather_keys:
         _gather_output(attention.wk, group)
     attention.head_offset = 0  # the core sees every head: position biases for all of them
-    core.__class__ = TensorParallelTalkingHeads
-    core.output_heads = slice(mesh.get_local_rank() * local, (mesh.get_local_rank() + 1) * local)
+    attention.core.output_heads = slice(mesh.get_local_rank() * local, (mesh.get_local_rank() + 1) * local)

@@ -47,43 +47,22 @@ from torch.distributed.tensor.parallel import (
 )
 
 from xscale.config import ConfigError, ModelConfig
-from xscale.models.attention import Attention
-from xscale.models.attention.compressed import MemoryCompressedAttention
-from xscale.models.attention.dense import DenseAttention
-from xscale.models.attention.inducing import PooledAttention
-from xscale.models.attention.linear import LinearAttention
-from xscale.models.attention.lowrank import LinformerAttention, NystromAttention
-from xscale.models.attention.lsh import LSHAttention
-from xscale.models.attention.priors import AdaptiveSpanAttention, GaussianPriorAttention
-from xscale.models.attention.random_features import RandomFeatureAttention
-from xscale.models.attention.residual import RealFormerAttention
-from xscale.models.attention.routing import RoutingAttention
-from xscale.models.attention.sinkhorn import SinkhornAttention
-from xscale.models.attention.sparse import FixedAttention, PatternAttention, StridedAttention
-from xscale.models.attention.synthesizer import SynthesizerAttention
+from xscale.models.attention import Attention, AttentionCore
 from xscale.models.block import Residual, TransformerBlock
 from xscale.models.dropout import Dropout
-from xscale.models.ffn import MLP, GatedMLP
-from xscale.models.moe import MoELayer
-from xscale.models.registry import ATTENTION
+from xscale.models.registry import ATTENTION, FFN
+from xscale.models.traits import traits_of
 from xscale.models.transformer import Stack, Transformer
 from xscale.parallel.head_sharded import shard_head_state
 from xscale.parallel.replicated import replicate_parameters
-from xscale.parallel.talking_heads import HEAD_MIXING_CORES, parallelize_talking_heads
+from xscale.parallel.talking_heads import gather_heads
 from xscale.parallel.vocab_parallel import VocabParallelEmbedding, vocab_sharded_loss_sum
 
 # The hooks through which a position encoding computes (it has no forward).
 POSITION_METHODS = ("embed", "rotate", "bias")
-# Cores whose heads follow different patterns when this option is set: splitting heads would change them.
-# Cores whose heads are independent and whose tp=2 parity is tested (tests/parallel/test_tensor_parallel.py).
-HEAD_SPLITTABLE_CORES = (DenseAttention, PatternAttention, LSHAttention, LinearAttention, RandomFeatureAttention,
-                         LinformerAttention, NystromAttention,
-                         # shared per-head networks (compression, sorting net); scores carried per head
-                         MemoryCompressedAttention, SinkhornAttention, RealFormerAttention)
-# Cores whose per-head state (per_head_state) is split by head (xscale.parallel.head_sharded), tp=2 parity tested.
-HEAD_SHARDED_STATE_CORES = (GaussianPriorAttention, AdaptiveSpanAttention, SynthesizerAttention, PooledAttention,
-                            RoutingAttention)
-HEAD_DEPENDENT_OPTIONS = {StridedAttention: "split_heads", FixedAttention: "split_heads"}
+# How each attention core's heads are split, by the ``tp`` its parallel_traits declare (xscale.models.traits).
+HEAD_SPLITS = {"split_heads": "heads split", "gather_heads": "q and k gathered",
+               "head_state": "their per-head state split by head"}
 
 
 def _divisors(n: int) -> list[int]:
@@ -125,26 +104,50 @@ def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
             f"model.vocab_size={config.vocab_size} is not divisible by parallel.tp={tp}: the embedding and the "
             f"output projection are split by vocabulary; pad the vocabulary to {padded} (model.vocab_size)"
         )
+    if has_dense_ffn and traits_of(FFN.get(config.ffn)).tp != "split_hidden":
+        raise ConfigError(f"the feed-forward network model.ffn={config.ffn} declares no column/row-parallel split "
+                          "(its parallel_traits), so the tensor-parallel plan refuses it; use parallel.tp=1")
     for kind in sorted(_attention_kinds(config)):
-        core = ATTENTION.get(kind)
-        if not issubclass(core, HEAD_SPLITTABLE_CORES + HEAD_SHARDED_STATE_CORES + HEAD_MIXING_CORES):
-            why = ("mixes information across heads" if core.mixes_heads else
-                   f"keeps per-head state ({', '.join(core.per_head_state)})" if core.per_head_state else
-                   "passes attention scores between layers" if core.carries_scores else
-                   "has not been verified split by heads (no tp parity test yet)")
-            raise ConfigError(f"attention '{kind}' {why}, so the tensor-parallel plan refuses it; use parallel.tp=1 "
-                              f"(data/pipeline parallel) or one of the kinds verified under tp: dense, the sparse "
-                              f"patterns, lsh, linear, performer, rfa, linformer, nystrom, memory_compressed, "
-                              f"sinkhorn, realformer, talking_heads (q and k gathered), and (their per-head "
-                              f"state split by head) gaussian, adaptive_span, synthesizer, inducing/isab, "
-                              f"luna, routing")
-        for cls, option in HEAD_DEPENDENT_OPTIONS.items():
-            if issubclass(core, cls) and config.attention.options.get(option, False):
-                raise ConfigError(
-                    f"attention '{kind}' with model.attention.options.{option}=true gives heads [0, H/2) and "
-                    f"[H/2, H) different patterns, which tensor parallelism cannot split across ranks; set "
-                    f"{option}=false (every head sees the union) or parallel.tp=1"
-                )
+        _check_attention(kind, ATTENTION.get(kind), config)
+
+
+def _refusal(core: type[AttentionCore]) -> str | None:
+    """Why tensor parallelism cannot split ``core`` by heads, read from its declarations (None: it can)."""
+    mode = traits_of(core).tp
+    if core.mixes_heads and mode != "gather_heads":
+        return "mixes information across heads"
+    if mode in HEAD_SPLITS:
+        return None
+    if core.per_head_state:
+        return f"keeps per-head state ({', '.join(core.per_head_state)})"
+    if core.carries_scores:
+        return "passes attention scores between layers"
+    return f"declares no head split (its parallel_traits.tp is {mode!r})"
+
+
+def _split_kinds() -> str:
+    """The registered attention kinds tensor parallelism splits, grouped by how (aliases joined by '/')."""
+    names: dict[type, list[str]] = {}
+    for name in ATTENTION.names():
+        names.setdefault(ATTENTION.get(name), []).append(name)
+    groups = {mode: sorted("/".join(aliases) for core, aliases in names.items() if traits_of(core).tp == mode
+                           and _refusal(core) is None) for mode in HEAD_SPLITS}
+    return "; ".join(f"{', '.join(kinds)} ({HEAD_SPLITS[mode]})" for mode, kinds in groups.items() if kinds)
+
+
+def _check_attention(kind: str, core: type[AttentionCore], config: ModelConfig) -> None:
+    why = _refusal(core)
+    if why is not None:
+        raise ConfigError(f"attention '{kind}' {why}, so the tensor-parallel plan refuses it; use parallel.tp=1 "
+                          f"(data/pipeline parallel), or one of the kinds tensor parallelism splits: {_split_kinds()}; "
+                          "or declare how its heads split in its parallel_traits (docs/extending.md)")
+    for option in traits_of(core).head_dependent_options:
+        if config.attention.options.get(option, False):
+            raise ConfigError(
+                f"attention '{kind}' with model.attention.options.{option}=true gives heads [0, H/2) and "
+                f"[H/2, H) different patterns, which tensor parallelism cannot split across ranks; set "
+                f"{option}=false (every head sees the union) or parallel.tp=1"
+            )
 
 
 def _stream(sequence_parallel: bool) -> Shard | Replicate:
@@ -188,8 +191,8 @@ def _parallelize_attention(attention: Attention, mesh: DeviceMesh, config: Model
         for name in kv_projections:
             _replicated_projection(getattr(attention, name), mesh)
     parallelize_module(attention, mesh, plan)
-    if attention.core.mixes_heads:  # every rank gathers all heads' q and k
-        parallelize_talking_heads(attention, mesh, config.n_heads, gather_keys=config.kv_heads % tp == 0)
+    if traits_of(attention.core).tp == "gather_heads":  # every rank gathers all heads' q and k
+        gather_heads(attention, mesh, config.n_heads, gather_keys=config.kv_heads % tp == 0)
     # One DTensor input for q, k, v: their input gradients are summed before the one collective.
     inputs = (stream, None, stream) if attention.cross else (stream, None)
     desired = (Replicate(), None, Replicate()) if attention.cross else (Replicate(), None)
@@ -199,27 +202,29 @@ def _parallelize_attention(attention: Attention, mesh: DeviceMesh, config: Model
 
 
 def _parallelize_feed_forward(ffn: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """By the FFN's declared traits: its hidden width split (column- then row-parallel linears), or the whole
+    module replicated (MoE layers: every tp rank routes the full sequence)."""
     stream = _stream(sequence_parallel)
-    if isinstance(ffn, MoELayer):
-        # The experts swap in their own local tensors too: under ep x ZeRO-3 they are an FSDP unit inside the
-        # layer, whose unshard re-registers DTensors after the layer's swap.
-        replicate_parameters(ffn.experts, mesh, sum_gradients=False)
+    traits = traits_of(ffn)
+    if traits.tp == "replicated":
+        # Parts that compute on their own swap in their own local tensors (MoE's experts: under ep x ZeRO-3 an
+        # FSDP unit inside the layer, whose unshard re-registers DTensors after the layer's swap).
+        for name in traits.replicated_parts:
+            replicate_parameters(getattr(ffn, name), mesh, sum_gradients=False)
         replicate_parameters(ffn, mesh, sum_gradients=False)
         if sequence_parallel:
             parallelize_module(ffn, mesh, PrepareModuleInputOutput(
                 input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_input=True,
                 output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True))
         return
-    if isinstance(ffn, GatedMLP):
-        plan = {"w_gate": ColwiseParallel(), "w_up": ColwiseParallel(), "w_down": RowwiseParallel(output_layouts=stream)}
-    elif isinstance(ffn, MLP):
-        plan = {"w_in": ColwiseParallel(), "w_out": RowwiseParallel(output_layouts=stream)}
-    else:
-        raise ConfigError(f"no tensor-parallel plan for the feed-forward module {type(ffn).__name__}; "
-                          "use parallel.tp=1 or add its plan to xscale/parallel/tensor.py")
+    if traits.tp != "split_hidden":
+        raise ConfigError(f"no tensor-parallel plan for the feed-forward module {type(ffn).__name__} (its "
+                          f"parallel_traits.tp is {traits.tp!r}); use parallel.tp=1 or declare its column- and "
+                          "row-parallel linears in its parallel_traits (docs/extending.md)")
+    plan: dict[str, ColwiseParallel | RowwiseParallel] = {name: ColwiseParallel() for name in traits.column_parallel}
+    plan.update({name: RowwiseParallel(output_layouts=stream) for name in traits.row_parallel})
     parallelize_module(ffn, mesh, plan)
     parallelize_module(ffn, mesh, PrepareModuleInput(input_layouts=stream, desired_input_layouts=Replicate()))
-
 
 def _parallelize_norm(norm: nn.Module | None, mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Norms run on whatever the stream holds; on sequence shards each rank's gradient is a partial sum."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,29 @@ class Checkpointer:
         for old in steps[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
 
+    def set_aside_later_steps(self, resumed: Path) -> Path | None:
+        """A rollback (resuming at a step older than the directory's newest) moves every later step directory into
+        ``abandoned-<time>/`` beside them, never deleting one: retention keeps the newest steps, so they would
+        otherwise make it delete what this run writes. ``latest`` then names ``resumed`` when it lies here. Rank 0
+        moves (the other ranks wait); returns the folder, or None when nothing was later."""
+        step = _step_of(resumed)
+        later = [] if step is None else [p for p in self.directory.glob(f"{STEP_PREFIX}*")
+                                         if p.is_dir() and (_step_of(p) or 0) > step]
+        if not later:
+            return None
+        folder = self.directory / f"abandoned-{time.strftime('%Y%m%d-%H%M%S')}"
+        if _rank() == 0:
+            folder.mkdir()
+            for path in sorted(later):
+                path.rename(folder / path.name)
+            marker = self.directory / "latest"
+            if resumed.parent.resolve() == self.directory.resolve():
+                _write_atomic(marker, resumed.name + "\n")
+            elif marker.exists() and (folder / marker.read_text().strip()).exists():
+                marker.unlink()  # it named a step moved aside; the next save writes it anew
+        _barrier()
+        return folder
+
     # ------------------------------------------------------------------ load
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or None when there is none yet."""
@@ -185,6 +209,12 @@ class Checkpointer:
         if rng_file.is_file():
             _set_rng_state(torch.load(rng_file, weights_only=True))
         return meta
+
+
+def _step_of(path: Path) -> int | None:
+    """The step of a ``step_<n>`` directory (None for any other name)."""
+    digits = path.name.removeprefix(STEP_PREFIX)
+    return int(digits) if path.name.startswith(STEP_PREFIX) and digits.isdigit() else None
 
 
 def check_fingerprint(saved: dict[str, list[int]], current: dict[str, list[int]], path: Path) -> None:

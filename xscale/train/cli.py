@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from xscale.config import ConfigError, load_config_from_cli
+from xscale.config import ConfigError
+from xscale.train.checkpoint import CheckpointError
+from xscale.train.trainer import NonFiniteTraining, Trainer
+from xscale.validate import load_config_from_cli
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,14 +24,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"xscale train: invalid configuration: {error}", file=sys.stderr)
         return 2
-    from xscale.train.checkpoint import CheckpointError
-    from xscale.train.trainer import Trainer
-
     try:
         summary = Trainer(config).fit()
     except (ConfigError, CheckpointError) as error:
         print(f"xscale train: {error}", file=sys.stderr)
         return 2
+    except NonFiniteTraining as error:
+        print(f"xscale train: training diverged: {error}", file=sys.stderr)
+        return 1
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_rank() != 0:

@@ -71,7 +71,8 @@ class MetricsLogger:
         if not enabled:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = (self.output_dir / "metrics.jsonl").open("a")
+        # Line-buffered: every record is on disk once logged, so a crash loses no step of the loss curve.
+        self._jsonl = (self.output_dir / "metrics.jsonl").open("a", buffering=1)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

@@ -7,6 +7,7 @@ business), the trainer clips, steps the optimizer and the schedule, logs, evalua
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -14,19 +15,23 @@ from typing import Any
 import torch
 
 from xscale.config import Config
-from xscale.data import GlobalSampler, collate
-from xscale.inspect import count_parameters
+from xscale.data import GlobalSampler, build_datasets, collate
 from xscale.launcher.cpu_allocator import keep_freed_memory
 from xscale.launcher.env import detect_world, init_distributed, local_device
 from xscale.launcher.preemption import PreemptionHandler
 from xscale.models.dropout import DropoutPosition
 from xscale.models.init import canonical_name
+from xscale.models.parameters import count_parameters
 from xscale.ops import set_kernel_backend
-from xscale.parallel.dims import ParallelDims
+from xscale.parallel.checks import resolve_dims
 from xscale.parallel.parallelize import build_engine
 from xscale.train.checkpoint import Checkpointer, CheckpointError
 from xscale.train.metrics import MetricsLogger, flops_per_token, measure_matmul_peak, peak_memory_bytes
 from xscale.train.schedule import lr_factor
+
+
+class NonFiniteTraining(RuntimeError):
+    """The loss or gradient norm became NaN/Inf and train.on_nonfinite says to stop; the message says what to do."""
 
 
 class Trainer:
@@ -35,7 +40,7 @@ class Trainer:
         train = config.train
         world = detect_world()
         # The layout is validated against the launched world before any process group exists.
-        self.dims = ParallelDims.from_config(config, world.world_size)
+        self.dims = resolve_dims(config, world.world_size)
         if world.world_size > 1:
             init_distributed(config.parallel.backend)
         self.rank, self.world_size = world.rank, world.world_size
@@ -47,8 +52,6 @@ class Trainer:
         torch.manual_seed(train.seed)
         set_kernel_backend(train.kernels)
         if train_dataset is None:
-            from xscale.data import build_datasets
-
             train_dataset, eval_dataset = build_datasets(config)[:2]
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
 
@@ -62,6 +65,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, train))
         self.sampler = GlobalSampler(len(train_dataset), train.global_batch_size, seed=train.seed)
         self.step = 0
+        self.parent: str | None = None  # the checkpoint this run resumed from (its lineage, in each meta.json)
         output_dir = Path(train.output_dir)
         self.checkpointer = Checkpointer(config.checkpoint.dir or output_dir / "checkpoints",
                                          keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
@@ -73,6 +77,7 @@ class Trainer:
         self.peak_flops = train.peak_flops
         self.preemption = PreemptionHandler()
         self.stop_requested = False
+        self.skipped_steps = self.skipped_in_a_row = 0  # updates dropped for a non-finite loss or gradient norm
 
     # ------------------------------------------------------------------ state
     def state(self) -> dict[str, Any]:
@@ -80,7 +85,8 @@ class Trainer:
 
     def save(self) -> None:
         meta = {"config": self.config.to_dict(), "sampler": self.sampler.state_dict(),
-                "world_size": self.world_size, "layout": self.dims.describe(), "num_params": self.num_params}
+                "world_size": self.world_size, "layout": self.dims.describe(), "num_params": self.num_params,
+                "parent": self.parent}
         self.checkpointer.save(self.step, self.state(), meta)
 
     def resume(self) -> bool:
@@ -100,8 +106,13 @@ class Trainer:
         self.sampler.load_state_dict(meta["sampler"])
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, self.config.train), last_epoch=self.step - 1)
+        self.parent = str(path)
+        abandoned = self.checkpointer.set_aside_later_steps(path)
         if self.rank == 0:
             print(f"resumed from {path} at step {self.step}", flush=True)
+            if abandoned is not None:
+                print(f"rolled back: the checkpoints after step {self.step} were moved to {abandoned} (kept, not "
+                      "deleted)", flush=True)
         return True
 
     def layer_metrics(self) -> dict[str, float]:
@@ -151,18 +162,43 @@ class Trainer:
         start = time.perf_counter()
         loss = self.engine.train_step(batch, self.dropout_position())
         grad_norm = self.engine.clip_grad_norm(self.config.train.grad_clip)
-        self.engine.optimizer_step(self.optimizer)
+        if math.isfinite(float(loss)) and math.isfinite(float(grad_norm)):  # both global: every rank agrees
+            self.engine.optimizer_step(self.optimizer)
+            self.skipped_in_a_row = 0
+        else:
+            self._drop_nonfinite_update(float(loss), float(grad_norm))
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.step += 1
         elapsed = time.perf_counter() - start
         tokens_per_second = tokens / elapsed
         scalars = {"train/loss": float(loss), "train/lr": lr, "train/grad_norm": float(grad_norm),
+                   "train/skipped_steps": self.skipped_steps,
                    "perf/tokens_per_second": tokens_per_second, "perf/step_seconds": elapsed,
                    "perf/memory_gb": peak_memory_bytes(self.device) / 2**30}
         if self.peak_flops:
             scalars["perf/mfu"] = tokens_per_second * self.flops_per_token / (self.peak_flops * self.world_size)
         return scalars
+
+    def _drop_nonfinite_update(self, loss: float, grad_norm: float) -> None:
+        """A NaN/Inf loss or gradient norm: the update is never applied, so no checkpoint holds it. ``stop`` ends
+        the run; ``skip`` drops this step's gradients (the step and its batch still count) until too many in a row."""
+        train = self.config.train
+        self.skipped_in_a_row += 1
+        self.skipped_steps += 1
+        what = f"step {self.step + 1}: loss {loss}, gradient norm {grad_norm}"
+        if train.on_nonfinite == "stop" or self.skipped_in_a_row > train.max_skipped:
+            reason = ("train.on_nonfinite=stop" if train.on_nonfinite == "stop"
+                      else f"{self.skipped_in_a_row} non-finite steps in a row (train.max_skipped={train.max_skipped})")
+            raise NonFiniteTraining(
+                f"{what} is not finite ({reason}); the model was not updated and no checkpoint holds this state. "
+                "Resume from the last checkpoint with a lower train.lr or a train.grad_clip, or set "
+                "train.on_nonfinite=skip to drop such steps")
+        self.optimizer.zero_grad(set_to_none=True)
+        for param in self.engine.parameters():
+            param.grad = None
+        if self.rank == 0:
+            print(f"xscale: {what} is not finite; update skipped ({self.skipped_in_a_row} in a row)", flush=True)
 
     def fit(self) -> dict[str, Any]:
         """Train to ``train.steps`` (resuming first); on preemption save, requeue and return early."""

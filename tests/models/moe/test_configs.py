@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from xscale.config import load_config
 from xscale.models import build_model
 from xscale.models.moe import collect_moe_metrics
 from xscale.parallel.engine import Engine
+from xscale.validate import load_config
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 

@@ -6,10 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from xscale.config import ConfigError, ModelConfig, MoEConfig, config_from_dict
+from xscale.config import ConfigError, ModelConfig, MoEConfig
 from xscale.models import build_model
 from xscale.models.moe import build_moe, collect_moe_metrics, moe_layers, routing_token_ids
 from xscale.models.moe.hash_router import hash_expert
+from xscale.validate import config_from_dict
 
 
 def model_config(ffn="gelu", family="encoder", **moe) -> ModelConfig:

@@ -2,6 +2,7 @@
 
 from xscale.models.attention import (  # noqa: F401  (each module registers its cores)
     compressed,
+    cosformer,
     dense,
     inducing,
     linear,

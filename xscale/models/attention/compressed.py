@@ -22,6 +22,7 @@ from xscale.config import ModelConfig
 from xscale.models.attention.core import AttentionCore, expand_kv
 from xscale.models.attention.sparse import require, require_positive
 from xscale.models.registry import ATTENTION
+from xscale.models.traits import ParallelTraits
 
 
 @dataclasses.dataclass
@@ -43,6 +44,7 @@ def blocks_of(x: Tensor, size: int) -> Tensor:
 @ATTENTION.register("memory_compressed", "compressed")
 class MemoryCompressedAttention(AttentionCore):
     Options = CompressedOptions
+    parallel_traits = ParallelTraits(tp="split_heads")
 
     def __init__(self, model: ModelConfig, layer_index: int, options: CompressedOptions) -> None:
         super().__init__(model, layer_index, options)

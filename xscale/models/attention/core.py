@@ -5,7 +5,8 @@ a *core* only mixes values: ``core(q, k, v, causal=..., bias=...)`` with q (B, H
 k, v (B, Hkv, Tk, hd), H a multiple of Hkv (GQA/MQA), returning (B, H, Tq, hd).
 Tensor parallelism splits heads, so a core must treat heads independently (or own per-head state
 that the TP plan slices: ``per_head_state`` names it, dim 0 = heads; :mod:`xscale.parallel.head_sharded`);
-``mixes_heads`` cores cannot be split.
+``mixes_heads`` cores cannot be split. Its ``parallel_traits`` (:mod:`xscale.models.traits`) say which plans may
+run it and how; a core that declares none is refused by tensor and context parallelism.
 A core that reads no queries (or keys) says so in ``uses_queries`` / ``uses_keys``: the module then builds no
 projection for them and passes a (B, H, T, 0) placeholder that only carries the shape.
 A core with ``carries_scores`` (RealFormer) also takes ``previous_scores`` and returns ``(out, scores)``:
@@ -23,6 +24,8 @@ from torch import nn
 
 from xscale.config import ConfigError, ModelConfig, _from_dict
 from xscale.models.dropout import Dropout
+from xscale.models.registry import ATTENTION
+from xscale.models.traits import NO_TRAITS, ParallelTraits
 
 
 @dataclasses.dataclass
@@ -45,6 +48,7 @@ class AttentionCore(nn.Module):
     # Every core here applies ``self.dropout`` to batch-first probabilities, (B, H, Tq, Tk) where tp splits
     # heads, through :meth:`attend` or directly (block-sparse: :meth:`Dropout.at` on the gathered blocks).
     rng_dropout: ClassVar[bool] = False
+    parallel_traits: ClassVar[ParallelTraits] = NO_TRAITS  # what the parallel plans may do with it
 
     def __init__(self, model: ModelConfig, layer_index: int, options: Any) -> None:
         super().__init__()
@@ -94,8 +98,6 @@ def check_heads(core: AttentionCore, state: torch.Tensor, n_heads: int) -> None:
 def build_core(kind: str, model: ModelConfig, layer_index: int, options: dict[str, Any], causal: bool,
                uses_bias: bool) -> AttentionCore:
     """Build the registered core ``kind``, refusing uses the method cannot serve."""
-    from xscale.models.registry import ATTENTION
-
     cls = ATTENTION.get(kind)
     known = {f.name for f in dataclasses.fields(cls.Options)}
     parsed = _from_dict(cls.Options, {k: v for k, v in options.items() if k in known}, f"model.attention.options[{kind}]")

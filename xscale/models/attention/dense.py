@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from xscale.models.attention.core import AttentionCore, expand_kv
 from xscale.models.registry import ATTENTION
+from xscale.models.traits import ParallelTraits
 
 
 def causal_bias(q_len: int, k_len: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -26,6 +27,7 @@ class DenseAttention(AttentionCore):
     """
 
     supports_bias = True
+    parallel_traits = ParallelTraits(tp="split_heads", cp=True)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                 bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -19,6 +19,7 @@ from xscale.config import ModelConfig
 from xscale.models.attention.core import AttentionCore, check_heads, expand_kv
 from xscale.models.attention.sparse import require, require_positive
 from xscale.models.registry import ATTENTION
+from xscale.models.traits import ParallelTraits
 
 
 def pool(k: Tensor, v: Tensor, points: Tensor) -> tuple[Tensor, Tensor]:
@@ -31,6 +32,7 @@ class PooledAttention(AttentionCore):
     """Holds the per-head points (H, m, d_head); subclasses name the option that sets m."""
 
     per_head_state = ("points",)
+    parallel_traits = ParallelTraits(tp="head_state")
 
     def __init__(self, model: ModelConfig, layer_index: int, options, n_points: int) -> None:
         super().__init__(model, layer_index, options)

@@ -16,6 +16,7 @@ from torch import Tensor
 from xscale.models.attention.core import AttentionCore, expand_kv
 from xscale.models.attention.sparse import require, require_positive
 from xscale.models.registry import ATTENTION
+from xscale.models.traits import ParallelTraits
 
 
 def kernelized_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, *, causal: bool, chunk: int,
@@ -64,6 +65,7 @@ class LinearAttention(AttentionCore):
     """phi(x) = elu(x) + 1 (Katharopoulos et al. 2020)."""
 
     Options = LinearOptions
+    parallel_traits = ParallelTraits(tp="split_heads")
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None) -> Tensor:
         require(q.shape[2] == k.shape[2] or not causal, "causal linear attention needs equal query and key lengths")

@@ -15,6 +15,7 @@ from xscale.config import ModelConfig
 from xscale.models.attention.core import AttentionCore, expand_kv
 from xscale.models.attention.sparse import require, require_positive
 from xscale.models.registry import ATTENTION
+from xscale.models.traits import ParallelTraits
 
 
 @dataclasses.dataclass
@@ -32,6 +33,7 @@ class LinformerAttention(AttentionCore):
 
     Options = LinformerOptions
     causal_capable = False
+    parallel_traits = ParallelTraits(tp="split_heads")
 
     def __init__(self, model: ModelConfig, layer_index: int, options: LinformerOptions) -> None:
         super().__init__(model, layer_index, options)
@@ -88,6 +90,7 @@ class NystromAttention(AttentionCore):
 
     Options = NystromOptions
     causal_capable = False
+    parallel_traits = ParallelTraits(tp="split_heads")
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None) -> Tensor:
         require(not causal, "nystrom cannot be causally masked (landmarks average the future); use an encoder")

@@ -20,6 +20,7 @@ from xscale.config import ModelConfig
 from xscale.models.attention.core import AttentionCore, expand_kv
 from xscale.models.attention.sparse import layer_seed, require, require_positive
 from xscale.models.registry import ATTENTION
+from xscale.models.traits import ParallelTraits
 
 SELF_LOGIT = -1e5  # Reformer's value for attending to oneself
 
@@ -104,6 +105,7 @@ class LSHAttention(AttentionCore):
 
     Options = LSHOptions
     shares_qk = True
+    parallel_traits = ParallelTraits(tp="split_heads")
 
     def __init__(self, model: ModelConfig, layer_index: int, options: LSHOptions) -> None:
         super().__init__(model, layer_index, options)

@@ -22,6 +22,7 @@ from xscale.models.attention.dense import causal_bias
 from xscale.models.attention.sparse import require, require_positive
 from xscale.models.moe.layer import AttachAuxiliaryLoss
 from xscale.models.registry import ATTENTION
+from xscale.models.traits import ParallelTraits
 
 
 def signed_distance(q_len: int, k_len: int, device: torch.device) -> Tensor:
@@ -56,6 +57,7 @@ class GaussianPriorAttention(AttentionCore):
     Options = GaussianOptions
     supports_bias = True
     per_head_state = ("log_sigma_offset",)
+    parallel_traits = ParallelTraits(tp="head_state")
 
     def __init__(self, model: ModelConfig, layer_index: int, options: GaussianOptions) -> None:
         super().__init__(model, layer_index, options)
@@ -103,6 +105,7 @@ class AdaptiveSpanAttention(AttentionCore):
     Options = AdaptiveSpanOptions
     supports_bias = True
     per_head_state = ("span_fraction",)
+    parallel_traits = ParallelTraits(tp="head_state")
 
     def __init__(self, model: ModelConfig, layer_index: int, options: AdaptiveSpanOptions) -> None:
         super().__init__(model, layer_index, options)

@@ -21,6 +21,7 @@ from xscale.models.attention.core import AttentionCore, expand_kv
 from xscale.models.attention.linear import kernelized_attention
 from xscale.models.attention.sparse import layer_seed, require, require_non_negative, require_positive
 from xscale.models.registry import ATTENTION
+from xscale.models.traits import ParallelTraits
 
 
 def gaussian_projection(n_features: int, dim: int, generator: torch.Generator, orthogonal: bool) -> Tensor:
@@ -38,6 +39,8 @@ def gaussian_projection(n_features: int, dim: int, generator: torch.Generator, o
 
 class RandomFeatureAttention(AttentionCore):
     """Holds the projection buffer and its redraw schedule; subclasses define ``features``."""
+
+    parallel_traits = ParallelTraits(tp="split_heads")
 
     def __init__(self, model: ModelConfig, layer_index: int, options) -> None:
         super().__init__(model, layer_index, options)

@@ -15,6 +15,7 @@ from torch import Tensor
 from xscale.models.attention.core import AttentionCore, expand_kv
 from xscale.models.attention.dense import causal_bias
 from xscale.models.registry import ATTENTION
+from xscale.models.traits import ParallelTraits
 
 
 @ATTENTION.register("realformer", "residual_attention")
@@ -23,6 +24,7 @@ class RealFormerAttention(AttentionCore):
 
     supports_bias = True
     carries_scores = True
+    parallel_traits = ParallelTraits(tp="split_heads")
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None,
                 previous_scores: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -8,9 +8,9 @@ means in place of sums, so the step does not grow with the batch). A training fo
 and applies them at the start of the next training forward, never inside backward: activation checkpointing
 re-runs a forward during backward, and that rerun must route with the centroids the original forward used.
 Where other forwards (which move the centroids) run between a forward and its backward, as in a pipeline
-schedule, the recomputation finds them moved: a forward run inside :func:`routed_centroids` keeps the centroids
-it routed with in the given store, and a rerun inside the same store routes with those (activation checkpointing
-enters one store per checkpointed forward).
+schedule, the recomputation finds them moved: a forward run inside a store (``_ROUTED``, a scoped value that
+activation checkpointing enters afresh around each checkpointed forward, :func:`~xscale.models.scoped.
+recomputation_scopes`) keeps the centroids it routed with there, and a rerun inside the same store routes with those.
 
 Balancing (ours): balancing clusters by letting each take its top-w tokens would let a later token push an
 earlier one out of its cluster, which a decoder must not allow. Instead a query sees at most ``window`` keys of
@@ -35,7 +35,8 @@ from xscale.config import ModelConfig
 from xscale.models.attention.core import AttentionCore, check_heads, expand_kv
 from xscale.models.attention.sparse import layer_seed, require, require_positive
 from xscale.models.registry import ATTENTION
-from xscale.models.scoped import Scope, ScopedValue
+from xscale.models.scoped import ScopedValue
+from xscale.models.traits import ParallelTraits
 
 
 @dataclasses.dataclass
@@ -85,13 +86,10 @@ def blocked(x: Tensor, size: int, fill: int | float) -> Tensor:
     return x.view(*x.shape[:2], -1, size, *x.shape[3:])
 
 
-_ROUTED: ScopedValue[dict[int, Tensor]] = ScopedValue()
-
-
-def routed_centroids(store: dict[int, Tensor] | None) -> Scope[dict[int, Tensor]]:
-    """Training forwards inside keep the centroids they route with in ``store`` (by core); forwards replayed
-    inside backward route with the stored ones (a core not in the store uses its current centroids)."""
-    return _ROUTED.scope(store)
+# Training forwards inside a store keep the centroids they route with in it (by core); forwards replayed inside
+# backward route with the stored ones (a core not in the store uses its current centroids). Activation
+# checkpointing enters a fresh store around each checkpointed forward and its recomputation.
+_ROUTED: ScopedValue[dict[int, Tensor]] = ScopedValue(recomputation="store")
 
 
 def local_statistics(statistics: Tensor) -> Tensor:
@@ -103,6 +101,7 @@ def local_statistics(statistics: Tensor) -> Tensor:
 class RoutingAttention(AttentionCore):
     Options = RoutingOptions
     per_head_state = ("centroids", "pending_statistics")
+    parallel_traits = ParallelTraits(tp="head_state", dp_statistics=True)
 
     def __init__(self, model: ModelConfig, layer_index: int, options: RoutingOptions) -> None:
         super().__init__(model, layer_index, options)

@@ -27,6 +27,7 @@ from xscale.models.attention.compressed import blocks_of
 from xscale.models.attention.core import AttentionCore, expand_kv
 from xscale.models.attention.sparse import require, require_positive
 from xscale.models.registry import ATTENTION
+from xscale.models.traits import ParallelTraits
 
 
 @dataclasses.dataclass
@@ -52,6 +53,7 @@ def sinkhorn(log_scores: Tensor, iterations: int) -> Tensor:
 @ATTENTION.register("sinkhorn")
 class SinkhornAttention(AttentionCore):
     Options = SinkhornOptions
+    parallel_traits = ParallelTraits(tp="split_heads")
 
     def __init__(self, model: ModelConfig, layer_index: int, options: SinkhornOptions) -> None:
         super().__init__(model, layer_index, options)

@@ -18,6 +18,7 @@ from xscale.models.attention import patterns as P
 from xscale.models.attention.block_sparse import BlockPlan, block_sparse_attention, build_plan
 from xscale.models.attention.core import AttentionCore
 from xscale.models.registry import ATTENTION
+from xscale.models.traits import ParallelTraits
 
 
 def require(condition: bool, message: str) -> None:
@@ -38,6 +39,8 @@ def require_non_negative(kind: str, **values: int) -> None:
 
 class PatternAttention(AttentionCore):
     """Base for the position-sparse cores: subclasses return their pattern from ``make_pattern``."""
+
+    parallel_traits = ParallelTraits(tp="split_heads")
 
     def __init__(self, model: ModelConfig, layer_index: int, options: Any) -> None:
         super().__init__(model, layer_index, options)
@@ -141,6 +144,7 @@ class StridedAttention(PatternAttention):
     (``split_heads``: half the heads each, else their union in every head)."""
 
     Options = StridedOptions
+    parallel_traits = ParallelTraits(tp="split_heads", head_dependent_options=("split_heads",))
 
     def make_pattern(self) -> P.Pattern:
         local, strided = P.Band(self.options.stride), P.Strided(self.options.stride)
@@ -166,6 +170,7 @@ class FixedAttention(PatternAttention):
     """Sparse Transformer fixed: own chunk of ``stride`` plus the last ``summary`` positions of every chunk."""
 
     Options = FixedOptions
+    parallel_traits = ParallelTraits(tp="split_heads", head_dependent_options=("split_heads",))
 
     def make_pattern(self) -> P.Pattern:
         own, summary = P.BlockLocal(self.options.stride, 0), P.SummaryColumns(self.options.stride, self.options.summary)

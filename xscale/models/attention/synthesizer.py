@@ -23,6 +23,7 @@ from xscale.models.attention.core import AttentionCore, check_heads, expand_kv
 from xscale.models.attention.dense import causal_bias
 from xscale.models.attention.sparse import require, require_positive
 from xscale.models.registry import ATTENTION
+from xscale.models.traits import ParallelTraits
 
 MODES = ("dense", "random", "factorized")
 
@@ -44,6 +45,7 @@ class SynthesizerAttention(AttentionCore):
     supports_bias = True
     per_head_state = ("hidden_weight", "hidden_bias", "output_weight", "output_bias", "random_logits",
                       "random_left", "random_right")
+    parallel_traits = ParallelTraits(tp="head_state")
 
     def __init__(self, model: ModelConfig, layer_index: int, options: SynthesizerOptions) -> None:
         super().__init__(model, layer_index, options)

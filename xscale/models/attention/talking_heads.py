@@ -5,8 +5,8 @@ softmax and their weights after it.
   out_g = W'_g V_g.
 P = I + Delta with Delta learned and near 0 at initialisation, so the layer starts as dense attention. It mixes
 heads (``mixes_heads``): a rank holding some heads cannot compute their output from them alone; tensor
-parallelism gives the core every head's queries and keys and asks for its own output heads
-(:mod:`xscale.parallel.talking_heads`). Cost T^2 per head.
+parallelism (``tp="gather_heads"``) gives the core every head's queries and keys and sets ``output_heads`` to its
+own output heads (:mod:`xscale.parallel.talking_heads`). Cost T^2 per head.
 """
 
 from __future__ import annotations
@@ -18,17 +18,20 @@ from xscale.config import ModelConfig
 from xscale.models.attention.core import AttentionCore, check_heads, expand_kv
 from xscale.models.attention.dense import causal_bias
 from xscale.models.registry import ATTENTION
+from xscale.models.traits import ParallelTraits
 
 
 @ATTENTION.register("talking_heads")
 class TalkingHeadsAttention(AttentionCore):
     supports_bias = True
     mixes_heads = True
+    parallel_traits = ParallelTraits(tp="gather_heads")
 
     def __init__(self, model: ModelConfig, layer_index: int, options) -> None:
         super().__init__(model, layer_index, options)
         self.pre_softmax_mix_delta = nn.Parameter(torch.zeros(model.n_heads, model.n_heads))
         self.post_softmax_mix_delta = nn.Parameter(torch.zeros(model.n_heads, model.n_heads))
+        self.output_heads = slice(None)  # the output heads g this core computes (all of them on one device)
 
     @staticmethod
     def _mix(x: Tensor, delta: Tensor, heads: slice = slice(None)) -> Tensor:
@@ -52,4 +55,4 @@ class TalkingHeadsAttention(AttentionCore):
         return mixed @ expand_kv(v, mixed.shape[1])
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None) -> Tensor:
-        return self.attend_heads(self.softmax_weights(q, k, causal=causal, bias=bias), v)
+        return self.attend_heads(self.softmax_weights(q, k, causal=causal, bias=bias), v, self.output_heads)

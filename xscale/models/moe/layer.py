@@ -17,6 +17,7 @@ from xscale.models.moe.experts import StackedExperts
 from xscale.models.moe.routing import LocalTokens
 from xscale.models.moe.token_ids import current_routing_token_ids
 from xscale.models.registry import ROUTER
+from xscale.models.traits import ParallelTraits
 from xscale.ops.moe_permute import assignment_of_token, combine_by_gate, gather_tokens
 
 
@@ -58,6 +59,10 @@ class MoELayer(nn.Module):
     dropped_fraction, aux_loss, z_loss (unscaled); an engine replaces them with the whole step's after its
     backward (:mod:`xscale.parallel.routing_groups`). :meth:`layer_metrics` gives them as floats.
     """
+
+    # Tensor parallelism replicates the layer: every tp rank routes the whole sequence (the experts, which an
+    # expert-parallel ZeRO-3 plan may shard as their own unit, swap in their local parameters on their own).
+    parallel_traits = ParallelTraits(tp="replicated", replicated_parts=("experts",))
 
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()

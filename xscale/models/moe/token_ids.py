@@ -11,7 +11,7 @@ import torch
 
 from xscale.models.scoped import Scope, ScopedValue
 
-_TOKEN_IDS: ScopedValue[torch.Tensor] = ScopedValue()
+_TOKEN_IDS: ScopedValue[torch.Tensor] = ScopedValue(recomputation="replay")
 
 
 def routing_token_ids(token_ids: torch.Tensor | None) -> Scope[torch.Tensor]:

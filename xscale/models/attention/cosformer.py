@@ -1,0 +1,63 @@
+"""cosFormer (Qin et al. 2022, "cosFormer: Rethinking Softmax in Attention"): linear attention whose similarity is
+ReLU features re-weighted by a cosine of the distance,
+
+  s(Q_i, K_j) = ReLU(Q_i) ReLU(K_j)^T cos(pi/2 * (i - j) / M)       (eq. 9, M >= every position used)
+  O_i = sum_j s(Q_i, K_j) V_j / sum_j s(Q_i, K_j)                   (eq. 4; j <= i when causal).
+
+cos(a - b) = cos a cos b + sin a sin b splits the weight into the two feature maps (eq. 10-11)
+  phi(Q_i) = [ReLU(Q_i) cos(pi i / 2M), ReLU(Q_i) sin(pi i / 2M)],  phi(K_j) likewise,
+so the product is kernelized attention with 2d features, O(T d^2), computed by the causal chunked prefix sums of
+:func:`~xscale.models.attention.linear.kernelized_attention`. M is ``model.max_seq_len``: fixed, so a token's
+weights do not change as the sequence grows (causal decoding reads what training did). Heads are independent
+and positions are the sequence's own, so tensor parallelism splits the heads; context parallelism would need
+global positions here, so it is not declared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from xscale.models.attention.core import AttentionCore, expand_kv
+from xscale.models.attention.linear import kernelized_attention
+from xscale.models.attention.sparse import require, require_positive
+from xscale.models.registry import ATTENTION
+from xscale.models.traits import ParallelTraits
+
+
+@dataclasses.dataclass
+class CosFormerOptions:
+    chunk: int = 64  # C: positions per chunk of the causal prefix sums
+
+    def __post_init__(self) -> None:
+        require_positive("cosformer", chunk=self.chunk)
+
+
+def cos_reweighted_features(x: Tensor, max_length: int) -> Tensor:
+    """(B, H, T, d) -> (B, H, T, 2d): [ReLU(x_i) cos(pi i / 2M), ReLU(x_i) sin(pi i / 2M)] for positions i < M."""
+    angle = torch.arange(x.shape[2], device=x.device, dtype=torch.float32) * (math.pi / (2 * max_length))
+    cos, sin = (weight.to(x.dtype)[:, None] for weight in (angle.cos(), angle.sin()))
+    features = F.relu(x)
+    return torch.cat([features * cos, features * sin], dim=-1)
+
+
+@ATTENTION.register("cosformer")
+class CosFormerAttention(AttentionCore):
+    """ReLU features with cos-based re-weighting (Qin et al. 2022, eq. 9-11)."""
+
+    Options = CosFormerOptions
+    parallel_traits = ParallelTraits(tp="split_heads")
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None) -> Tensor:
+        max_length = self.model_config.max_seq_len
+        require(q.shape[2] == k.shape[2] or not causal, "causal cosformer attention needs equal query and key lengths")
+        require(max(q.shape[2], k.shape[2]) <= max_length,
+                f"cosformer re-weights by cos(pi/2 (i - j) / M) with M = model.max_seq_len={max_length}; got "
+                f"{max(q.shape[2], k.shape[2])} positions: raise model.max_seq_len")
+        k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+        return kernelized_attention(cos_reweighted_features(q, max_length), cos_reweighted_features(k, max_length),
+                                    v, causal=causal, chunk=self.options.chunk)

@@ -1,0 +1,55 @@
+"""What a component allows the parallel plans to do with it, declared on its class as ``parallel_traits``.
+
+The plans in :mod:`xscale.parallel` read these declarations and never name a component class, so a new
+component runs under every layout its traits allow without an edit there (docs/extending.md).
+
+Tensor parallelism (``tp``; Megatron-LM, Shoeybi et al. 2019) gives rank r the heads [r H/tp, (r + 1) H/tp):
+  * ``split_heads``: the heads are independent; the core runs its single-device code on its H/tp heads (any
+    parameters it has are shared by the heads: replicated, gradients summed over tp);
+  * ``head_state``: as ``split_heads``, and the state its ``per_head_state`` names (dim 0 = heads) is split by
+    head (:mod:`xscale.parallel.head_sharded`);
+  * ``gather_heads``: output heads read every head's logits (talking heads); each rank gathers all heads' q and k
+    and the core computes the output heads the plan sets in its ``output_heads`` (a slice of the global heads);
+  * ``split_hidden``: a feed-forward network whose ``column_parallel`` linears are split by output features and
+    whose ``row_parallel`` linears by input features (one all-reduce per sub-layer);
+  * ``replicated``: every rank runs the whole module on the whole sequence (MoE layers, position encodings); the
+    children named in ``replicated_parts`` compute on their own (they swap in their local parameters separately);
+  * ``none``: no tensor-parallel plan; ``parallel.tp > 1`` is refused.
+``head_dependent_options``: options that, when true, give heads different patterns, so heads cannot be split.
+``cp``: context parallelism (:mod:`xscale.parallel.context`) serves it: an attention core that is exact with K/V
+all-gathered over the cp ranks and the causal mask passed as an additive bias over global positions (it takes a bias
+and reads no position of its own); a position encoding whose hooks that plan evaluates at global positions.
+``dp_statistics``: the core keeps running statistics of the tokens it sees; the data-parallel plan sets its
+``reduce_statistics`` to a sum over the data-parallel ranks, so every replica moves them alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+TensorParallel = Literal["split_heads", "head_state", "gather_heads", "split_hidden", "replicated", "none"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelTraits:
+    tp: TensorParallel = "none"
+    head_dependent_options: tuple[str, ...] = ()
+    column_parallel: tuple[str, ...] = ()
+    row_parallel: tuple[str, ...] = ()
+    replicated_parts: tuple[str, ...] = ()
+    cp: bool = False
+    dp_statistics: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.tp == "split_hidden") != bool(self.column_parallel and self.row_parallel):
+            raise ValueError("tp='split_hidden' needs its column_parallel and row_parallel linears (and only it "
+                             f"names them); got {self}")
+
+
+def traits_of(component: object) -> ParallelTraits:
+    """The traits a component (class or instance) declares; none declared: no parallel plan may split it."""
+    return getattr(component, "parallel_traits", NO_TRAITS)
+
+
+NO_TRAITS = ParallelTraits()

@@ -1,0 +1,67 @@
+"""A run configuration checked against the component registries, before anything is built.
+
+:mod:`xscale.config` reads YAML and overrides and checks values that need nothing else (choices, ranges);
+here the names a config gives (attention kinds, norms, routers, ...) are looked up in the zoo's registries and
+the MoE layout is checked. The layout's own checks, which need the world size, are
+:func:`xscale.parallel.checks.resolve_dims`.
+"""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+
+from xscale.config import (
+    Config,
+    ConfigError,
+    check_values,
+    closest,
+    config_from_tree,
+    read_config,
+    split_cli_arguments,
+)
+from xscale.models.moe import check_moe_config
+from xscale.models.registry import REGISTRIES
+
+
+def check_registered(kind: str, name: str, where: str) -> None:
+    """Refuse a component name that no module registered, naming the closest and every available one."""
+    registry = REGISTRIES[kind]
+    if name not in registry:
+        raise ConfigError(
+            f"{where}='{name}' is not a known {kind}{closest(name, registry.names())}; "
+            f"available: {', '.join(registry.names())}"
+        )
+
+
+def validate(config: Config) -> None:
+    """Refuse configurations that cannot run: values (:func:`xscale.config.check_values`), then component names."""
+    check_values(config)
+    model = config.model
+    check_registered("position", model.position, "model.position")
+    check_registered("norm", model.norm, "model.norm")
+    check_registered("ffn", model.ffn, "model.ffn")
+    for index in range(max(model.n_layers, model.decoder_layers)):
+        check_registered("attention", model.attention.kind_for_layer(index), "model.attention.kind")
+    if model.moe.num_experts:
+        check_registered("router", model.moe.router, "model.moe.router")
+        check_moe_config(model, config.parallel.ep)
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Read a YAML config (or the built-in default when ``path`` is None), apply overrides, validate."""
+    config = read_config(path, overrides)
+    validate(config)
+    return config
+
+
+def load_config_from_cli(config: str | None, overrides: typing.Sequence[str]) -> Config:
+    """CLI form: ``[CONFIG] [overrides...]`` where a first argument containing '=' is an override."""
+    return load_config(*split_cli_arguments(config, overrides))
+
+
+def config_from_dict(tree: dict[str, typing.Any]) -> Config:
+    """A validated :class:`Config` from nested mappings (e.g. the config a checkpoint saved)."""
+    config = config_from_tree(tree)
+    validate(config)
+    return config
