@@ -23,9 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch.multiprocessing as mp
-
 from xscale.config import Config, ConfigError
+from xscale.launcher.local import start_local
 from xscale.models.registry import ATTENTION
 from xscale.validate import load_config_from_cli
 
@@ -85,7 +84,7 @@ def _run_rank(local_rank: int, world_size: int, port: int, function: Callable[..
 
 
 def run_local(function: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
-    """Run ``function(*args)`` in ``world_size`` fresh local processes with a torchrun-style environment
+    """Run ``function(*args)`` in ``world_size`` new local processes with a torchrun-style environment
     (the function initialises the process group, e.g. through the Trainer); returns each rank's JSON result."""
     from datetime import timedelta
 
@@ -95,8 +94,7 @@ def run_local(function: Callable[..., Any], world_size: int, *args: Any) -> list
     store = TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timedelta(minutes=5),
                      wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="xscale-local-") as scratch:
-        mp.start_processes(_run_rank, args=(world_size, store.port, function, args, scratch), nprocs=world_size,
-                           join=True, start_method="spawn")
+        start_local(_run_rank, world_size, (world_size, store.port, function, args, scratch))
         return [json.loads(Path(scratch, f"rank{rank}.json").read_text()) for rank in range(world_size)]
 
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from xscale.launcher import preemption
-from xscale.launcher.env import free_port
+from xscale.launcher.local import start_local
 from xscale.launcher.preemption import PreemptionHandler
 
 
@@ -40,9 +40,8 @@ def test_stop_file_from_the_environment(tmp_path, monkeypatch):
     assert handler.should_stop()
 
 
-def _agree(rank: int, world_size: int, port: int, results: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+def _agree(rank: int, world_size: int, store: str, results: dict) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
         handler = PreemptionHandler(signals=(), stop_file=None)
         first = handler.should_stop()
@@ -54,10 +53,10 @@ def _agree(rank: int, world_size: int, port: int, results: dict) -> None:
         dist.destroy_process_group()
 
 
-def test_all_ranks_stop_at_the_same_step():
+def test_all_ranks_stop_at_the_same_step(tmp_path):
     manager = mp.Manager()
     results = manager.dict()
-    mp.spawn(_agree, args=(2, free_port(), results), nprocs=2, join=True)
+    start_local(_agree, 2, (2, str(tmp_path / "store"), results))
     assert dict(results) == {0: (False, True), 1: (False, True)}
 
 

@@ -13,7 +13,8 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from xscale.launcher.local import start_local
 
 WORLD = 2
 
@@ -31,4 +32,4 @@ def _run(rank: int, store: str, world: int, check, args) -> None:
 def spawn(check, *args, world: int = WORLD) -> None:
     """``check(rank, *args)`` on ``world`` processes with a gloo process group initialised."""
     with tempfile.TemporaryDirectory(prefix="xscale-spawned-") as scratch:
-        mp.spawn(_run, args=(os.path.join(scratch, "store"), world, check, args), nprocs=world, join=True)
+        start_local(_run, world, (os.path.join(scratch, "store"), world, check, args))

@@ -10,18 +10,21 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 import queue
-import socket
+import tempfile
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawned import spawn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Shard
 
 from xscale.config import AttentionConfig, ConfigError, ModelConfig, MoEConfig
+from xscale.launcher.local import local_context
 from xscale.models import build_model
 from xscale.models.init import init_weights
 from xscale.models.registry import ATTENTION
@@ -119,15 +122,9 @@ PARITY_CASES = {
 # --------------------------------------------------------------------------- the two worker ranks
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def worker(rank: int, port: int, tasks: mp.Queue, results: mp.Queue) -> None:
+def worker(rank: int, store: str, tasks, results) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=CASE_TIMEOUT_S))
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
     try:
@@ -146,14 +143,17 @@ class Ranks:
     """Two ranks in a gloo group; restarted after a case fails (its collectives may be out of step)."""
 
     def __init__(self) -> None:
-        self.context = mp.get_context("spawn")
+        self.context = local_context()
         self.processes: list = []
+        self.scratch = tempfile.TemporaryDirectory(prefix="xscale-tp-ranks-")
+        self.starts = 0
 
     def start(self) -> None:
-        port = free_port()
+        self.starts += 1  # a fresh file store per start: a restarted pair never meets the failed pair's store
+        store = os.path.join(self.scratch.name, f"store{self.starts}")
         self.tasks = [self.context.Queue() for _ in range(WORLD)]
         self.results = self.context.Queue()
-        self.processes = [self.context.Process(target=worker, args=(rank, port, self.tasks[rank], self.results),
+        self.processes = [self.context.Process(target=worker, args=(rank, store, self.tasks[rank], self.results),
                                                daemon=True) for rank in range(WORLD)]
         for process in self.processes:
             process.start()
@@ -188,6 +188,7 @@ class Ranks:
             for process in self.processes:
                 process.join(timeout=30)
         self.stop()
+        self.scratch.cleanup()
 
 
 @pytest.fixture(scope="module")
@@ -436,50 +437,43 @@ def test_accepts_splittable_models() -> None:
 # --------------------------------------------------------------------------- composed with FSDP2 (4 ranks)
 
 
-def fsdp_over_tensor_parallel(rank: int, port: int, case: str) -> None:
+def fsdp_over_tensor_parallel(rank: int, case: str) -> None:
     """dp=2 x tp=2: FSDP2 over the tp-split blocks (the lead's order) gives one process's loss and gradients."""
-    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    options, sequence_parallel = PARITY_CASES[case]
+    config = ModelConfig(**options)
+    single = build_model(config, seed=SEED)
+    model = build_model(config, materialize=False)
+    apply_tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel)
+    for stack in (model.stack, model.decoder):
+        for block in (stack.layers.values() if stack is not None else ()):
+            fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    for method in ("hidden_states", "logits"):  # the loss calls these, not forward
+        register_fsdp_forward_method(model, method)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    init_weights(model, config, SEED)
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
-    try:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        options, sequence_parallel = PARITY_CASES[case]
-        config = ModelConfig(**options)
-        single = build_model(config, seed=SEED)
-        model = build_model(config, materialize=False)
-        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel)
-        for stack in (model.stack, model.decoder):
-            for block in (stack.layers.values() if stack is not None else ()):
-                fully_shard(block, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
-        for method in ("hidden_states", "logits"):  # the loss calls these, not forward
-            register_fsdp_forward_method(model, method)
-        model.to_empty(device="cpu")
-        model.tie_weights()
-        init_weights(model, config, SEED)
-
-        batch = {key: torch.cat([value, value.flip(0)]) for key, value in make_batch(config).items()}
-        tokens = (batch["labels"] != -100).sum()
-        rows = slice(BATCH * mesh["dp"].get_local_rank(), BATCH * (mesh["dp"].get_local_rank() + 1))
-        expected = model_loss_sum(single, batch) / tokens
-        expected.backward()
-        loss = tensor_parallel_loss_sum(model, {key: value[rows] for key, value in batch.items()}) / tokens
-        loss.backward()
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=mesh["dp"].get_group())
-        torch.testing.assert_close(total, expected.detach(), rtol=LOSS_RTOL, atol=0)
-        reference = dict(single.named_parameters())
-        for name, param in model.named_parameters():
-            grad = param.grad.full_tensor() * 2  # FSDP averages over the two dp ranks
-            torch.testing.assert_close(grad, reference[name].grad, rtol=0, atol=GRAD_ATOL,
-                                       msg=lambda message, name=name: f"{name}: {message}")
-    finally:
-        dist.destroy_process_group()
+    batch = {key: torch.cat([value, value.flip(0)]) for key, value in make_batch(config).items()}
+    tokens = (batch["labels"] != -100).sum()
+    rows = slice(BATCH * mesh["dp"].get_local_rank(), BATCH * (mesh["dp"].get_local_rank() + 1))
+    expected = model_loss_sum(single, batch) / tokens
+    expected.backward()
+    loss = tensor_parallel_loss_sum(model, {key: value[rows] for key, value in batch.items()}) / tokens
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=mesh["dp"].get_group())
+    torch.testing.assert_close(total, expected.detach(), rtol=LOSS_RTOL, atol=0)
+    reference = dict(single.named_parameters())
+    for name, param in model.named_parameters():
+        grad = param.grad.full_tensor() * 2  # FSDP averages over the two dp ranks
+        torch.testing.assert_close(grad, reference[name].grad, rtol=0, atol=GRAD_ATOL,
+                                   msg=lambda message, name=name: f"{name}: {message}")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["decoder-gqa-rope-swiglu-sp", "t5-encoder-decoder-sp", "synthesizer-dense-sp", "routing",
                                   "isab-sp"])
 def test_fsdp2_over_tensor_parallel(case: str) -> None:
-    mp.spawn(fsdp_over_tensor_parallel, args=(free_port(), case), nprocs=4, join=True)
+    spawn(fsdp_over_tensor_parallel, case, world=4)
