@@ -196,6 +196,7 @@ class CheckpointConfig:
     keep: int = 3
     async_save: bool = False
     resume: str = "auto"  # auto (latest if any) | none | a checkpoint directory
+    verify: str = "full"  # before loading, check every file against meta.json: full (SHA-256) | size | none
 
 
 @dataclass
@@ -382,6 +383,7 @@ CHOICES = {
     "train.precision": ("fp32", "bf16"),
     "train.kernels": ("auto", "triton", "apex", "torch"),
     "train.on_nonfinite": ("stop", "skip"),
+    "checkpoint.verify": ("full", "size", "none"),
 }
 
 

@@ -9,10 +9,14 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch.distributed.checkpoint as dcp
-
 from xscale.models import build_model
-from xscale.train.checkpoint import Checkpointer, CheckpointError, check_fingerprint, shape_fingerprint
+from xscale.train.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    check_fingerprint,
+    load_state,
+    shape_fingerprint,
+)
 from xscale.validate import config_from_dict
 
 
@@ -29,12 +33,12 @@ def export_safetensors(checkpoint: str | Path, output: str | Path) -> Path:
     from safetensors.torch import save_file
 
     step_dir = resolve_checkpoint(Path(checkpoint))
-    meta = Checkpointer.read_meta(step_dir)
+    meta = Checkpointer.read_meta(step_dir, verify="full")
     config = config_from_dict(meta["config"])
     model = build_model(config.model, "cpu", seed=config.train.seed)
     state = model.state_dict()
     check_fingerprint(meta.get("fingerprint", {}), shape_fingerprint(state), step_dir)
-    dcp.load({"model": state}, checkpoint_id=str(step_dir))
+    load_state({"model": state}, step_dir)
     model.load_state_dict(state)
     tensors, seen = {}, set()
     for name, param in model.state_dict().items():

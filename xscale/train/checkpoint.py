@@ -5,11 +5,13 @@ Layout of ``<dir>``::
     step_00000020/          DCP shards (model, optimizer) + meta.json + rng/rank_*.pt
     latest                  text file naming the newest complete step directory
 
-A save writes into ``.tmp-step_N`` and is renamed into place only after every rank finished and
-meta.json (with the size of every file) is written; ``latest`` is replaced atomically afterwards.
-A crash mid-save therefore leaves the previous checkpoint and ``latest`` untouched. On load, the
-recorded file sizes and the model's parameter shapes are checked, so a truncated file or a
-checkpoint of another model fails with a message that names the file and the mismatch.
+A save checks the free space first, writes into ``.tmp-step_N`` and is renamed into place only after every rank
+finished and meta.json (with the size and SHA-256 of every file, :mod:`~xscale.train.integrity`) is written;
+``latest`` is replaced atomically afterwards. A crash mid-save therefore leaves the previous checkpoint and
+``latest`` untouched, and the next start removes the partial ``.tmp-*`` directory. On load, the files are checked
+against meta.json (``checkpoint.verify``: full = SHA-256, size, none), the model's parameter shapes against the
+checkpoint's, and DCP's pickled ``.metadata`` is read with an allow-list, never running code, so a damaged file, a
+crafted file or a checkpoint of another model fails with a message that names the file and the mismatch.
 DCP reshards on load: a checkpoint saved at one parallel layout loads at another.
 """
 
@@ -17,25 +19,37 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from xscale.train.integrity import (
+    VERIFY_CHOICES,
+    CheckpointError,
+    SafeFileSystemReader,
+    checkpoint_files,
+    read_metadata_safely,
+    shared_digests,
+    verify_files,
+)
 
 # DCP warns on every single-process save/load; that is a supported use here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 STEP_PREFIX = "step_"
 META = "meta.json"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded; the message names the file and what is wrong."""
+FREE_SPACE_MARGIN = 1.1  # a save needs the state's bytes plus DCP's metadata and the RNG files
+__all__ = ["Checkpointer", "CheckpointError", "VERIFY_CHOICES", "check_fingerprint", "shape_fingerprint"]
 
 
 def _distributed() -> bool:
@@ -64,9 +78,31 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(temporary, path)
 
 
-def _file_sizes(directory: Path) -> dict[str, int]:
-    return {str(p.relative_to(directory)): p.stat().st_size for p in sorted(directory.rglob("*"))
-            if p.is_file() and p.name != META}
+def _state_bytes(state: Any) -> int:
+    """Bytes of the tensors this rank holds in ``state`` (its local shards)."""
+    if isinstance(state, dict):
+        return sum(_state_bytes(value) for value in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_state_bytes(value) for value in state)
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if hasattr(state, "to_local") else state
+        return local.numel() * local.element_size()
+    return 0
+
+
+def _check_free_space(directory: Path, state: dict[str, Any]) -> None:
+    """Refuse to start a save that cannot fit (collective): a full disk mid-write would leave a partial copy."""
+    directory.mkdir(parents=True, exist_ok=True)
+    needed = [_state_bytes(state), shutil.disk_usage(directory).free]
+    if _distributed() and dist.get_world_size() > 1:
+        everyone: list[list[int]] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(everyone, needed)
+        needed = [sum(part[0] for part in everyone), min(part[1] for part in everyone)]
+    total, free = needed
+    if total * FREE_SPACE_MARGIN > free:
+        raise CheckpointError(f"not enough free space to save a checkpoint in {directory}: it needs about "
+                              f"{total * FREE_SPACE_MARGIN / 2**30:.2f} GiB, {free / 2**30:.2f} GiB are free; free some "
+                              "space or set checkpoint.dir elsewhere (the previous checkpoint is intact)")
 
 
 def shape_fingerprint(model_state: dict[str, Any]) -> dict[str, list[int]]:
@@ -82,11 +118,29 @@ def shape_fingerprint(model_state: dict[str, Any]) -> dict[str, list[int]]:
 
 
 class Checkpointer:
-    def __init__(self, directory: str | Path, keep: int = 3, async_save: bool = False) -> None:
+    def __init__(self, directory: str | Path, keep: int = 3, async_save: bool = False, verify: str = "full") -> None:
         self.directory = Path(directory)
         self.keep = keep
         self.async_save = async_save
+        self.verify = verify
         self._pending: tuple[Any, Path, Path, dict[str, Any]] | None = None
+        if _rank() == 0:
+            self.recover_interrupted_saves()
+
+    def recover_interrupted_saves(self) -> None:
+        """Remove what a save cut short left behind (``.tmp-step_N``); a step directory that was being replaced
+        (``.old-step_N`` without ``step_N``) is put back."""
+        if not self.directory.is_dir():
+            return
+        for partial in self.directory.glob(f".tmp-{STEP_PREFIX}*"):
+            shutil.rmtree(partial, ignore_errors=True)
+            print(f"removed {partial}: a checkpoint save that did not finish", flush=True)
+        for previous in self.directory.glob(f".old-{STEP_PREFIX}*"):
+            final = previous.with_name(previous.name.removeprefix(".old-"))
+            if final.exists():
+                shutil.rmtree(previous, ignore_errors=True)
+            else:
+                previous.rename(final)
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
@@ -94,19 +148,21 @@ class Checkpointer:
         self.wait()
         final = self.directory / step_dir_name(step)
         staging = self.directory / f".tmp-{step_dir_name(step)}"
+        _check_free_space(self.directory, state)
         if _rank() == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
             if staging.exists():
                 shutil.rmtree(staging)
             (staging / "rng").mkdir(parents=True)
         _barrier()
         torch.save(_rng_state(), staging / "rng" / f"rank_{_rank():05d}.pt")
         meta = {**meta, "step": step, "fingerprint": shape_fingerprint(state.get("model", {}))}
-        if self.async_save:
-            future = dcp.async_save(state, checkpoint_id=str(staging))
-            self._pending = (future, staging, final, meta)
-        else:
-            dcp.save(state, checkpoint_id=str(staging))
+        with _save_errors(staging):
+            if self.async_save:
+                future = dcp.async_save(state, checkpoint_id=str(staging))
+                self._pending = (future, staging, final, meta)
+            else:
+                dcp.save(state, checkpoint_id=str(staging))
+        if not self.async_save:
             self._finalize(staging, final, meta)
 
     def wait(self) -> None:
@@ -115,13 +171,16 @@ class Checkpointer:
             return
         future, staging, final, meta = self._pending
         self._pending = None
-        future.result()
+        with _save_errors(staging):
+            future.result()
         self._finalize(staging, final, meta)
 
     def _finalize(self, staging: Path, final: Path, meta: dict[str, Any]) -> None:
         _barrier()
+        names = checkpoint_files(staging, exclude=META)
+        digests = shared_digests(staging, names)
         if _rank() == 0:
-            meta = {**meta, "files": _file_sizes(staging)}
+            meta = {**meta, "files": {name: (staging / name).stat().st_size for name in names}, "sha256": digests}
             _write_atomic(staging / META, json.dumps(meta, indent=1, default=str))
             previous = final.with_name(f".old-{final.name}")
             if final.exists():
@@ -177,7 +236,9 @@ class Checkpointer:
         return path
 
     @staticmethod
-    def read_meta(path: str | Path) -> dict[str, Any]:
+    def read_meta(path: str | Path, verify: str = "size") -> dict[str, Any]:
+        """meta.json of checkpoint ``path``, after checking its files (``verify``: full, size or none; collective
+        when a process group is up)."""
         path = Path(path)
         meta_file = path / META
         if not meta_file.is_file():
@@ -186,29 +247,60 @@ class Checkpointer:
             meta = json.loads(meta_file.read_text())
         except json.JSONDecodeError as error:
             raise CheckpointError(f"{meta_file} is corrupt (not JSON: {error})") from error
-        for name, size in meta.get("files", {}).items():
-            file = path / name
-            if not file.is_file():
-                raise CheckpointError(f"checkpoint file {file} is missing")
-            actual = file.stat().st_size
-            if actual != size:
-                raise CheckpointError(f"checkpoint file {file} has {actual} bytes but {size} were written: "
-                                      f"it is truncated or corrupt")
+        verify_files(path, meta.get("files", {}), meta.get("sha256", {}), verify)
         return meta
 
     def load(self, path: str | Path, state: dict[str, Any]) -> dict[str, Any]:
         """Load into ``state`` in place (resharding to its layout); returns the checkpoint's meta."""
         path = Path(path)
-        meta = self.read_meta(path)
+        meta = self.read_meta(path, self.verify)
         check_fingerprint(meta.get("fingerprint", {}), shape_fingerprint(state.get("model", {})), path)
-        try:
-            dcp.load(state, checkpoint_id=str(path))
-        except Exception as error:  # DCP raises a variety of errors on damaged shards
-            raise CheckpointError(f"could not read checkpoint {path}: {type(error).__name__}: {error}") from error
+        load_state(state, path)
         rng_file = path / "rng" / f"rank_{_rank():05d}.pt"
         if rng_file.is_file():
-            _set_rng_state(torch.load(rng_file, weights_only=True))
+            try:
+                _set_rng_state(torch.load(rng_file, weights_only=True))
+            except (pickle.UnpicklingError, RuntimeError, KeyError, EOFError) as error:
+                raise CheckpointError(f"{rng_file} is not an RNG state saved by xscale ({_first_line(error)}); it was "
+                                      "not loaded (weights_only=True)") from error
         return meta
+
+
+def load_state(state: dict[str, Any], path: Path) -> None:
+    """``dcp.load`` into ``state`` with the safe metadata reader; any failure is a one-line CheckpointError."""
+    read_metadata_safely(path / ".metadata")  # refused here, before DCP would log its fallbacks' tracebacks
+    try:
+        dcp.load(state, checkpoint_id=str(path), storage_reader=SafeFileSystemReader(str(path)))
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as error:  # DCP's CheckpointException is a BaseException
+        if isinstance(error, CheckpointException) and any(isinstance(cause, CheckpointError)
+                                                          for cause, _ in error.failures.values()):
+            raise CheckpointError(_first_line(error)) from error  # the safe reader's refusal, as it is
+        raise CheckpointError(f"could not read checkpoint {path}: {_first_line(error)}") from error
+
+
+@contextmanager
+def _save_errors(staging: Path) -> Iterator[None]:
+    """A failed write (disk full, permissions, DCP's errors) becomes one clear line; the partial copy is removed."""
+    try:
+        yield
+    except (OSError, CheckpointException) as error:
+        if _rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(f"could not write checkpoint {staging.name} in {staging.parent}: "
+                              f"{_first_line(error)} (the previous checkpoint is intact)") from error
+
+
+def _first_line(error: BaseException) -> str:
+    """The cause in one line: for DCP's CheckpointException, the first failing rank's own exception."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, (cause, _) = min(error.failures.items(), key=lambda item: item[0])
+        if isinstance(cause, CheckpointError):
+            return str(cause)
+        return f"rank {rank}: {type(cause).__name__}: {_first_line(cause)}"
+    text = str(error).strip()
+    return text.splitlines()[0] if text else "no message"
 
 
 def _step_of(path: Path) -> int | None:

@@ -68,7 +68,8 @@ class Trainer:
         self.parent: str | None = None  # the checkpoint this run resumed from (its lineage, in each meta.json)
         output_dir = Path(train.output_dir)
         self.checkpointer = Checkpointer(config.checkpoint.dir or output_dir / "checkpoints",
-                                         keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
+                                         keep=config.checkpoint.keep, async_save=config.checkpoint.async_save,
+                                         verify=config.checkpoint.verify)
         self.metrics = MetricsLogger(output_dir, enabled=self.rank == 0, total_steps=train.steps,
                                      log_every=train.log_every, tensorboard=train.tensorboard,
                                      progress=train.progress)

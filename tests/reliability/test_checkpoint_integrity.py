@@ -1,0 +1,180 @@
+"""Damaged, crafted and unwritable checkpoints: refused or reported in one line, never loaded, never a lost run.
+
+Every case starts from one small checkpoint (a module fixture) copied into the test's folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import xscale.train.checkpoint as checkpoint_module
+from xscale.export import export_safetensors
+from xscale.train.checkpoint import Checkpointer, CheckpointError
+from xscale.train.trainer import Trainer
+from xscale.validate import load_config
+
+TINY = [
+    "model.vocab_size=48", "model.d_model=32", "model.n_layers=2", "model.n_heads=4",
+    "train.global_batch_size=4", "train.seq_len=16", "train.warmup_steps=1", "train.log_every=100",
+    "train.tensorboard=false", "train.plot=false", "train.progress=false",
+    "data.dataset=copy", "data.num_samples=32", "data.eval_fraction=0.0",
+]
+STEP = "step_00000002"
+
+
+def _config(output_dir: Path, *extra: str):
+    return load_config(None, [*TINY, f"train.output_dir={output_dir}", *extra])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    output_dir = tmp_path_factory.mktemp("trained")
+    Trainer(_config(output_dir, "train.steps=2")).fit()
+    return output_dir
+
+
+@pytest.fixture
+def run(trained, tmp_path) -> Path:
+    """A copy of the trained run's output folder, free to damage."""
+    shutil.copytree(trained, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def _largest_shard(step_dir: Path) -> Path:
+    return max(step_dir.glob("*.distcp"), key=lambda p: p.stat().st_size)
+
+
+def _rewrite_meta_for(step_dir: Path, name: str) -> None:
+    """Record ``name``'s current size and digest in meta.json, as an attacker crafting a whole checkpoint would."""
+    meta_file = step_dir / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    data = (step_dir / name).read_bytes()
+    meta["files"][name] = len(data)
+    meta["sha256"][name] = hashlib.sha256(data).hexdigest()
+    meta_file.write_text(json.dumps(meta))
+
+
+class _Payload:
+    """Unpickling this runs ``Path(marker).touch()``: what a malicious ``.metadata`` would do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_meta_json_records_a_sha256_for_every_file(run):
+    meta = json.loads((run / "checkpoints" / STEP / "meta.json").read_text())
+    assert set(meta["sha256"]) == set(meta["files"]) and ".metadata" in meta["files"]
+    for name, digest in meta["sha256"].items():
+        assert hashlib.sha256((run / "checkpoints" / STEP / name).read_bytes()).hexdigest() == digest
+
+
+def test_flipped_bytes_in_a_shard_are_refused_naming_the_file(run):
+    shard = _largest_shard(run / "checkpoints" / STEP)
+    data = bytearray(shard.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 64] = bytes(b ^ 0xFF for b in data[middle:middle + 64])  # same size: only digests see it
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"{shard.name} does not match the SHA-256"):
+        Trainer(_config(run, "train.steps=3")).fit()
+    with pytest.raises(CheckpointError, match="SHA-256"):
+        export_safetensors(run / "checkpoints", run / "model.safetensors")
+    # verify=size trusts the sizes: the damage goes unseen (what the default protects against)
+    Trainer(_config(run, "train.steps=3", "checkpoint.verify=size")).resume()
+
+
+def test_a_crafted_metadata_pickle_is_refused_without_running_it(run, tmp_path):
+    step_dir = run / "checkpoints" / STEP
+    marker = tmp_path / "code-ran"
+    (step_dir / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    _rewrite_meta_for(step_dir, ".metadata")  # digests match: the allow-list is what refuses it
+    with pytest.raises(CheckpointError, match="not part of DCP checkpoint metadata"):
+        Trainer(_config(run, "train.steps=3")).fit()
+    with pytest.raises(CheckpointError, match="not part of DCP checkpoint metadata"):
+        export_safetensors(step_dir, run / "model.safetensors")
+    assert not marker.exists()
+
+
+def test_damaged_metadata_is_one_clear_line_from_the_command_line(run):
+    step_dir = run / "checkpoints" / STEP
+    (step_dir / ".metadata").write_bytes(b"\x80\x04garbage that is not a pickle")
+    _rewrite_meta_for(step_dir, ".metadata")
+    result = subprocess.run([sys.executable, "-m", "xscale", "train", *TINY, f"train.output_dir={run}",
+                             "train.steps=3"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert ".metadata is not a DCP checkpoint's metadata or is damaged" in result.stderr
+
+
+def test_a_damaged_shard_under_verify_none_is_a_checkpoint_error_not_a_traceback(run):
+    shard = _largest_shard(run / "checkpoints" / STEP)
+    shard.write_bytes(b"\0" * shard.stat().st_size)  # DCP raises CheckpointException, a BaseException
+    with pytest.raises(CheckpointError, match=rf"could not read checkpoint .*{STEP}: rank 0: "):
+        Trainer(_config(run, "train.steps=3", "checkpoint.verify=none")).fit()
+
+
+def test_too_little_free_space_is_refused_before_writing(run, monkeypatch):
+    trainer = Trainer(_config(run, "train.steps=3"))
+    assert trainer.resume()
+    before = {p.name: p.read_bytes() for p in (run / "checkpoints" / STEP).rglob("*") if p.is_file()}
+    monkeypatch.setattr(checkpoint_module.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10, 9, 1))
+    trainer.step = 3
+    with pytest.raises(CheckpointError, match="not enough free space .* checkpoint.dir elsewhere"):
+        trainer.save()
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+    assert (run / "checkpoints" / "latest").read_text().strip() == STEP
+    assert {p.name: p.read_bytes() for p in (run / "checkpoints" / STEP).rglob("*") if p.is_file()} == before
+
+
+def test_a_disk_full_while_writing_is_one_line_and_keeps_the_previous_checkpoint(run, monkeypatch):
+    trainer = Trainer(_config(run, "train.steps=3"))
+    assert trainer.resume()
+
+    def disk_full(state, checkpoint_id, **kwargs):
+        Path(checkpoint_id, "__0_0.distcp").write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint_module.dcp, "save", disk_full)
+    trainer.step = 3
+    with pytest.raises(CheckpointError, match="No space left on device .*previous checkpoint is intact"):
+        trainer.save()
+    assert not list((run / "checkpoints").glob(".tmp-*"))  # the partial copy is gone
+    monkeypatch.undo()
+    assert Checkpointer(run / "checkpoints").latest().name == STEP
+    Checkpointer.read_meta(run / "checkpoints" / STEP, verify="full")
+
+
+def test_a_partial_save_left_by_a_crash_is_removed_at_the_next_start(run):
+    partial = run / "checkpoints" / ".tmp-step_00000004"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"half a shard")
+    trainer = Trainer(_config(run, "train.steps=3"))
+    assert not partial.exists()
+    assert trainer.resume() and trainer.step == 2
+
+
+def test_a_step_being_replaced_when_the_job_died_is_put_back(run):
+    root = run / "checkpoints"
+    (root / STEP).rename(root / f".old-{STEP}")  # died between moving the old copy aside and renaming the new
+    Checkpointer(root)
+    assert (root / STEP / "meta.json").is_file() and not (root / f".old-{STEP}").exists()
+
+
+def test_rng_files_load_with_weights_only(run):
+    rng_file = run / "checkpoints" / STEP / "rng" / "rank_00000.pt"
+    torch.save({"torch": torch.get_rng_state(), "payload": _Payload(run / "x")}, rng_file)
+    _rewrite_meta_for(run / "checkpoints" / STEP, "rng/rank_00000.pt")
+    with pytest.raises(CheckpointError, match="rank_00000.pt"):
+        Trainer(_config(run, "train.steps=3")).resume()
+    assert not (run / "x").exists()
