@@ -144,6 +144,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     activation_checkpointing: str = "none"  # none | full | selective
     backend: str = "auto"  # auto | gloo | nccl
+    timeout_s: float = 600.0  # a collective waiting longer fails (torch's default: 30 min gloo, 10 min nccl)
 
 
 @dataclass
@@ -164,6 +165,8 @@ class TrainConfig:
     grad_clip: float = 1.0  # 0 disables
     on_nonfinite: str = "stop"  # a NaN/Inf loss or gradient norm: stop (no checkpoint of it) | skip the update
     max_skipped: int = 3  # on_nonfinite=skip: stop after this many non-finite steps in a row
+    watchdog: bool = True  # a step over step_timeout_s ends the job (exit 3) naming the hung rank, with stacks
+    step_timeout_s: float = 0.0  # 0: auto, 10x the median step after 5 steps, at least 60 s
     precision: str = "fp32"  # fp32 | bf16
     seed: int = 1234
     eval_every: int = 0  # 0 disables periodic evaluation
@@ -487,6 +490,8 @@ RANGES: dict[str, tuple[str, typing.Callable[[float], bool]]] = {
     "train.eval_batches": ("positive", _positive),
     "train.log_every": ("positive", _positive),
     "train.max_skipped": ("positive", _positive),
+    "train.step_timeout_s": (">= 0 (0: auto)", _non_negative),
+    "parallel.timeout_s": ("positive", _positive),
     "train.peak_flops": ("positive", _positive),
     "data.eval_fraction": ("in [0, 1)", _fraction),
     "checkpoint.every": (">= 0 (0: only at the end)", _non_negative),

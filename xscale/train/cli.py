@@ -7,6 +7,7 @@ import sys
 
 from xscale.config import ConfigError
 from xscale.train.checkpoint import CheckpointError
+from xscale.train.run_lock import RunLocked
 from xscale.train.trainer import NonFiniteTraining, Trainer
 from xscale.validate import load_config_from_cli
 
@@ -26,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         summary = Trainer(config).fit()
-    except (ConfigError, CheckpointError) as error:
+    except (ConfigError, CheckpointError, RunLocked) as error:
         print(f"xscale train: {error}", file=sys.stderr)
         return 2
     except NonFiniteTraining as error:

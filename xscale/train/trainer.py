@@ -7,8 +7,11 @@ business), the trainer clips, steps the optimizer and the schedule, logs, evalua
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import math
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,7 @@ from xscale.config import Config
 from xscale.data import GlobalSampler, build_datasets, collate
 from xscale.launcher.cpu_allocator import keep_freed_memory
 from xscale.launcher.env import detect_world, init_distributed, local_device
+from xscale.launcher.parent_death import exit_with_launcher
 from xscale.launcher.preemption import PreemptionHandler
 from xscale.models.dropout import DropoutPosition
 from xscale.models.init import canonical_name
@@ -27,7 +31,11 @@ from xscale.parallel.checks import resolve_dims
 from xscale.parallel.parallelize import build_engine
 from xscale.train.checkpoint import Checkpointer, CheckpointError
 from xscale.train.metrics import MetricsLogger, flops_per_token, measure_matmul_peak, peak_memory_bytes
+from xscale.train.run_lock import RunLock, RunLocked
 from xscale.train.schedule import lr_factor
+from xscale.train.watchdog import StepWatchdog
+
+LOCK_REFRESH_S = 60.0
 
 
 class NonFiniteTraining(RuntimeError):
@@ -42,7 +50,8 @@ class Trainer:
         # The layout is validated against the launched world before any process group exists.
         self.dims = resolve_dims(config, world.world_size)
         if world.world_size > 1:
-            init_distributed(config.parallel.backend)
+            exit_with_launcher()
+            init_distributed(config.parallel.backend, timeout=datetime.timedelta(seconds=config.parallel.timeout_s))
         self.rank, self.world_size = world.rank, world.world_size
         self.device = local_device(world)
         if self.device.type != "cpu":
@@ -67,6 +76,7 @@ class Trainer:
         self.step = 0
         self.parent: str | None = None  # the checkpoint this run resumed from (its lineage, in each meta.json)
         output_dir = Path(train.output_dir)
+        self.lock = self._lock_output_dir(output_dir)  # before the checkpointer tidies the directory
         self.checkpointer = Checkpointer(config.checkpoint.dir or output_dir / "checkpoints",
                                          keep=config.checkpoint.keep, async_save=config.checkpoint.async_save,
                                          verify=config.checkpoint.verify)
@@ -79,6 +89,29 @@ class Trainer:
         self.preemption = PreemptionHandler()
         self.stop_requested = False
         self.skipped_steps = self.skipped_in_a_row = 0  # updates dropped for a non-finite loss or gradient norm
+
+    def _lock_output_dir(self, output_dir: Path) -> RunLock:
+        """Rank 0 takes the output directory's lock; every rank raises the same RunLocked if another job holds it."""
+        lock, refusal = RunLock(output_dir), None
+        if self.rank == 0:
+            try:
+                lock.acquire()
+            except RunLocked as error:
+                refusal = str(error)
+        if self.world_size > 1:
+            shared = [refusal]
+            torch.distributed.broadcast_object_list(shared, src=0)
+            refusal = shared[0]
+        if refusal is not None:
+            raise RunLocked(refusal)
+        return lock
+
+    def _watchdog(self) -> StepWatchdog | None:
+        train = self.config.train
+        if not train.watchdog:
+            return None
+        store = torch.distributed.distributed_c10d._get_default_store() if self.world_size > 1 else None
+        return StepWatchdog(train.step_timeout_s, rank=self.rank, world_size=self.world_size, store=store)
 
     # ------------------------------------------------------------------ state
     def state(self) -> dict[str, Any]:
@@ -203,6 +236,12 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         """Train to ``train.steps`` (resuming first); on preemption save, requeue and return early."""
+        try:
+            return self._fit()
+        finally:
+            self.lock.release()
+
+    def _fit(self) -> dict[str, Any]:
         train = self.config.train
         self.resume()
         if self.peak_flops is None and self.rank == 0:
@@ -212,11 +251,29 @@ class Trainer:
             print(f"xscale: {self.num_params / 1e6:.2f}M parameters, {self.dims.describe()}, "
                   f"device {self.device.type}, {train.steps} steps of {train.global_batch_size}x{train.seq_len} tokens",
                   flush=True)
-        losses = []
-        every = self.config.checkpoint.every
-        with self.preemption:
+        losses = self._loop()
+        if self.stop_requested:
+            if self.rank == 0:
+                print(f"xscale: stop requested; checkpoint of step {self.step} written", flush=True)
+            self.preemption.requeue()
+        plot = self.metrics.close(plot=train.plot and not self.stop_requested)
+        return {"step": self.step, "losses": losses, "plot": str(plot) if plot else None,
+                "checkpoint": str(self.checkpointer.directory), "preempted": self.stop_requested}
+
+    def _loop(self) -> list[float]:
+        """The steps, under the preemption handler and the watchdog; the last checkpoint is written."""
+        train, every, losses = self.config.train, self.config.checkpoint.every, []
+        watchdog, refreshed = self._watchdog(), time.monotonic()
+        with self.preemption, watchdog or _nothing():
             while self.step < train.steps:
+                if watchdog is not None:
+                    watchdog.begin(self.step + 1)
                 scalars = self.train_step()
+                if watchdog is not None:
+                    watchdog.end()
+                if time.monotonic() - refreshed > LOCK_REFRESH_S:
+                    self.lock.refresh()
+                    refreshed = time.monotonic()
                 losses.append(scalars["train/loss"])
                 scalars.update(self.layer_metrics())  # before evaluation, whose forwards overwrite them
                 if train.eval_every and self.step % train.eval_every == 0:
@@ -229,13 +286,12 @@ class Trainer:
                     self.save()
         self.save()
         self.checkpointer.wait()
-        if self.stop_requested:
-            if self.rank == 0:
-                print(f"xscale: stop requested; checkpoint of step {self.step} written", flush=True)
-            self.preemption.requeue()
-        plot = self.metrics.close(plot=train.plot and not self.stop_requested)
-        return {"step": self.step, "losses": losses, "plot": str(plot) if plot else None,
-                "checkpoint": str(self.checkpointer.directory), "preempted": self.stop_requested}
+        return losses
+
+
+@contextlib.contextmanager
+def _nothing() -> Iterator[None]:
+    yield
 
 
 def _collect_layer_metrics(module: torch.nn.Module) -> dict[str, float]:

@@ -1,0 +1,77 @@
+"""Real torchrun jobs on this machine (2 gloo workers): a stopped rank ends the job in seconds with the rank named;
+a killed torchrun agent takes its workers with it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+STEP_TIMEOUT_S = 4
+TINY = ["model.vocab_size=48", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "train.steps=100000",
+        "train.global_batch_size=4", "train.seq_len=16", "train.log_every=1", "train.tensorboard=false",
+        "train.plot=false", "train.progress=false", "train.peak_flops=1e12", "data.dataset=copy",
+        "data.num_samples=64", "data.eval_fraction=0.0", "checkpoint.every=0"]
+
+
+def _start(output_dir: Path, *extra: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               "-m", "xscale", "train", *TINY, f"train.output_dir={output_dir}", *extra]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _workers(agent: subprocess.Popen, output_dir: Path, timeout: float = 180) -> dict[int, psutil.Process]:
+    """Rank -> worker process, once both train (metrics.jsonl has a few steps)."""
+    deadline = time.monotonic() + timeout
+    metrics = output_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        assert agent.poll() is None, agent.communicate()
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            children = psutil.Process(agent.pid).children()
+            return {int(child.environ()["RANK"]): child for child in children}
+        time.sleep(0.2)
+    pytest.fail("the job did not start training in time")
+
+
+def _cleanup(agent: subprocess.Popen, workers: dict[int, psutil.Process]) -> None:
+    for process in [*workers.values(), psutil.Process(agent.pid) if agent.poll() is None else None]:
+        if process is not None and process.is_running():
+            process.send_signal(signal.SIGCONT)
+            process.kill()
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_ends_the_job_within_the_step_timeout_naming_it(tmp_path):
+    agent = _start(tmp_path, f"train.step_timeout_s={STEP_TIMEOUT_S}")
+    workers = {}
+    try:
+        workers = _workers(agent, tmp_path)
+        workers[1].send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, stderr = agent.communicate(timeout=STEP_TIMEOUT_S + 120)
+        took = time.monotonic() - stopped
+    finally:
+        _cleanup(agent, workers)
+    assert agent.returncode != 0
+    assert took < STEP_TIMEOUT_S + 30 + 15, took  # + torchrun's 30 s grace before it SIGKILLs the stopped rank
+    assert "xscale watchdog: rank 0" in stderr and "rank 1: silent for" in stderr, stderr[:2000]
+
+
+def test_killing_the_torchrun_agent_ends_its_workers(tmp_path):
+    agent = _start(tmp_path)
+    workers = {}
+    try:
+        workers = _workers(agent, tmp_path)
+        agent.send_signal(signal.SIGKILL)
+        agent.wait()
+        gone, alive = psutil.wait_procs(list(workers.values()), timeout=20)
+    finally:
+        _cleanup(agent, workers)
+    assert not alive, f"workers outlived their agent: {[p.pid for p in alive]}"

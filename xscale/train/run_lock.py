@@ -1,0 +1,108 @@
+"""One live job per output directory: a lock file that rank 0 holds while the run lasts.
+
+Two jobs writing the same ``train.output_dir`` (a restarted job beside workers that outlived their launcher, or two
+submissions of one config) interleave checkpoints and rotate each other's away. The lock names its holder (host,
+pid, Slurm job id, start time) and is refreshed while the job lives; a lock is stale, and taken over with a message,
+when its process is gone from this host, when it belongs to an earlier run of the same Slurm job (a requeue), or
+when it has not been refreshed for :data:`STALE_AFTER_S`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+LOCK_NAME = ".xscale.lock"
+STALE_AFTER_S = 300.0
+
+
+class RunLocked(RuntimeError):
+    """Another live job holds the output directory; the message names it and what to do."""
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _holder() -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def stale_reason(holder: dict[str, Any], age_s: float) -> str | None:
+    """Why a lock held by ``holder`` (refreshed ``age_s`` ago) no longer guards a live job, or None if it does."""
+    here = socket.gethostname()
+    if holder.get("host") == here and holder.get("pid") == os.getpid():
+        return "held by this process"
+    if holder.get("host") == here and not _process_alive(int(holder.get("pid", -1))):
+        return f"its process {holder.get('pid')} is gone"
+    job = os.environ.get("SLURM_JOB_ID")
+    if job is not None and holder.get("slurm_job_id") == job:
+        return f"it belongs to an earlier run of Slurm job {job} (a requeue)"
+    if age_s > STALE_AFTER_S:
+        return f"it was last refreshed {age_s:.0f} s ago"
+    return None
+
+
+class RunLock:
+    """``with RunLock(output_dir):`` on rank 0; :meth:`refresh` every few minutes while training."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.path = Path(directory) / LOCK_NAME
+        self.held = False
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(2):  # a stale lock removed once, then created exclusively
+            try:
+                descriptor = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                self._take_over_if_stale()
+                continue
+            with os.fdopen(descriptor, "w") as handle:
+                json.dump(_holder(), handle)
+            self.held = True
+            return
+        raise RunLocked(f"could not lock {self.path}: another job took it at the same moment; start this job again")
+
+    def _take_over_if_stale(self) -> None:
+        try:
+            holder = json.loads(self.path.read_text())
+            age = time.time() - self.path.stat().st_mtime
+        except (OSError, json.JSONDecodeError):
+            holder, age = {}, STALE_AFTER_S + 1  # unreadable or removed meanwhile: treat as stale
+        reason = stale_reason(holder, age)
+        if reason is None:
+            raise RunLocked(
+                f"{self.path.parent} is in use by another xscale job (host {holder.get('host')}, pid "
+                f"{holder.get('pid')}, Slurm job {holder.get('slurm_job_id') or '-'}, started {holder.get('started')}): "
+                "two jobs would overwrite each other's checkpoints. Stop that job or set train.output_dir elsewhere; "
+                f"if it is not running, delete {self.path}")
+        print(f"xscale: taking over the stale lock {self.path} ({reason})", flush=True)
+        self.path.unlink(missing_ok=True)
+
+    def refresh(self) -> None:
+        if self.held:
+            os.utime(self.path)
+
+    def release(self) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
