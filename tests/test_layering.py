@@ -22,26 +22,12 @@ MODEL_INTERFACES = ("xscale.models", "xscale.models.attention", "xscale.models.a
                     "xscale.models.attention.multihead", "xscale.models.moe", "xscale.models.traits",
                     "xscale.models.registry", "xscale.models.init", "xscale.models.dropout", "xscale.models.block",
                     "xscale.models.transformer", "xscale.models.position", "xscale.models.norm",
-                    "xscale.models.training_step", "xscale.models.scoped")
+                    "xscale.models.training_step")
 # Imports inside a function that stay: lazy CLI dispatch (``xscale --help`` without importing torch's stack).
 LAZY_CLI = {("xscale.cli", "*")}
-# Still to be lifted by issue #15's later steps (each pair: importer -> imported); the test fails when one is fixed
-# and left here, so the list only shrinks.
-PENDING_INNER = {
-    ("xscale.parity", "xscale.train.trainer"),
-    ("xscale.parallel.memory", "xscale.models"),
-    ("xscale.parallel.memory", "xscale.parallel.pipeline"),
-    ("xscale.parallel.memory", "xscale.parallel.pipeline_stages"),
-    ("xscale.parallel.context", "xscale.ops"),
-    ("xscale.parallel.parallelize", "xscale.parallel.tensor"),
-    ("xscale.parallel.parallelize", "xscale.parallel.context"),
-    ("xscale.parallel.parallelize", "xscale.parallel.fsdp"),
-    ("xscale.parallel.parallelize", "xscale.parallel.pipeline"),
-}
-PENDING_CONCRETE = {
-    ("xscale.parallel.pipeline_stages", "xscale.models.moe.token_ids"),
-    ("xscale.parallel.pipeline", "xscale.models.moe.token_ids"),
-}
+# Imports inside a function that are not lazy CLI dispatch (importer -> imported): none left.
+PENDING_INNER: set[tuple[str, str]] = set()
+PENDING_CONCRETE: set[tuple[str, str]] = set()
 
 
 def _module_name(path: Path) -> str:
@@ -145,7 +131,7 @@ def test_the_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-@pytest.mark.parametrize("module", ["xscale.config", "xscale.parallel.dims"])
+@pytest.mark.parametrize("module", ["xscale.config", "xscale.parallel.dims", "xscale.runtime.step_context"])
 def test_the_lowest_modules_import_nothing_of_xscale(module):
     assert GRAPH[module] == set()
 
@@ -172,3 +158,16 @@ def test_no_xscale_import_inside_a_function():
     inner = {(module, target) for module, target in INNER if (module, "*") not in LAZY_CLI}
     assert inner - PENDING_INNER == set(), "import at module level (a cycle means a layer is wrong)"
     assert PENDING_INNER - inner == set(), "fixed: remove these from PENDING_INNER"
+
+
+# Process-global mutable state that the layered design removed: per-batch values travel in the StepContext argument,
+# plans register hooks or replace parameters instead of rebinding methods. Each pattern names what it forbids.
+FORBIDDEN_STATE = {"ScopedValue": "a process-global scoped value", "types.MethodType": "a method rebound on an "
+                   "instance", "contextvars": "a context variable (autograd's threads do not see it)"}
+
+
+@pytest.mark.parametrize("package", ["models", "parallel", "runtime"])
+def test_no_process_global_state_in_models_and_plans(package):
+    found = [f"{path.relative_to(ROOT)}: {what}" for path in (PACKAGE / package).rglob("*.py")
+             for pattern, what in FORBIDDEN_STATE.items() if pattern in path.read_text()]
+    assert found == []

@@ -26,6 +26,7 @@ from typing import Any
 from xscale.config import Config, ConfigError
 from xscale.launcher.local import start_local
 from xscale.models.registry import ATTENTION
+from xscale.train.trainer import Trainer
 from xscale.validate import load_config_from_cli
 
 PARITY_SETTINGS = ("train.eval_every=0", "train.plot=false", "train.tensorboard=false", "train.progress=false",
@@ -99,8 +100,6 @@ def run_local(function: Callable[..., Any], world_size: int, *args: Any) -> list
 
 
 def _train(config: Config) -> list[float]:
-    from xscale.train.trainer import Trainer
-
     return Trainer(config).fit()["losses"]
 
 

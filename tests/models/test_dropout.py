@@ -8,18 +8,18 @@ import torch
 
 from xscale.config import ModelConfig, MoEConfig
 from xscale.models import build_model
-from xscale.models.dropout import Dropout, DropoutPosition, dropout_position, uniform_draws
+from xscale.models.dropout import Dropout, uniform_draws
+from xscale.runtime import StepContext
 
 SHAPE = (8, 32, 64)
-POSITION = DropoutPosition(seed=1, step=3)
+POSITION = StepContext(seed=1, step=3)
 
 
 def mask(p: float = 0.1, shape=SHAPE, position=POSITION, shard_index: int = 0,
          site: int = 7) -> torch.Tensor:
     dropout = Dropout(p)
     dropout.site, dropout.shard_index = site, shard_index
-    with dropout_position(position):
-        return dropout.keep_mask(torch.Size(shape), torch.device("cpu"))
+    return dropout.keep_mask(torch.Size(shape), torch.device("cpu"), position)
 
 
 @pytest.mark.parametrize("p", [0.01, 0.1, 0.5, 0.9])
@@ -41,7 +41,7 @@ def test_slices_draw_the_slices_of_the_whole_mask():
     for rank in range(2):  # sequence (or head) shards on dim 1
         shard = mask(shape=(SHAPE[0], half, SHAPE[2]), shard_index=rank)
         assert torch.equal(shard, whole[:, rank * half:(rank + 1) * half])
-    rows = mask(shape=(3, *SHAPE[1:]), position=DropoutPosition(seed=1, step=3, first_sample=5))
+    rows = mask(shape=(3, *SHAPE[1:]), position=StepContext(seed=1, step=3, first_sample=5))
     assert torch.equal(rows, whole[5:8])  # a data-parallel rank's (or microbatch's) rows
 
 
@@ -51,14 +51,13 @@ def test_masks_at_flat_positions_are_the_whole_masks_elements():
     dropout = Dropout(0.1)
     dropout.site = 7
     index = torch.randint(0, SHAPE[1] * SHAPE[2], (5, 6))
-    with dropout_position(POSITION):
-        picked = dropout.keep_at(SHAPE[0], index)
+    picked = dropout.keep_at(SHAPE[0], index, POSITION)
     assert torch.equal(picked, whole.flatten(1)[:, index])
 
 
 @pytest.mark.parametrize("change", ["seed", "step", "site"])
 def test_seed_step_and_site_change_the_mask(change):
-    position = DropoutPosition(seed=2 if change == "seed" else 1, step=4 if change == "step" else 3)
+    position = StepContext(seed=2 if change == "seed" else 1, step=4 if change == "step" else 3)
     other = mask(position=position, site=8 if change == "site" else 7)
     agreement = (other == mask()).float().mean().item()
     assert agreement < 0.85  # independent masks at p=0.1 agree on 0.9^2 + 0.1^2 = 0.82 of elements
@@ -67,9 +66,9 @@ def test_seed_step_and_site_change_the_mask(change):
 def test_forward_scales_kept_elements_and_backward_uses_the_same_mask():
     dropout = Dropout(0.25).train()
     x = torch.randn(SHAPE, requires_grad=True)
-    with dropout_position(DropoutPosition(seed=0, step=0)):
-        out = dropout(x)
-        keep = dropout.keep_mask(x.shape, x.device)
+    context = StepContext(seed=0, step=0)
+    out = dropout(x, context)
+    keep = dropout.keep_mask(x.shape, x.device, context)
     torch.testing.assert_close(out, x.detach() * keep / 0.75)
     out.backward(torch.ones_like(out))
     torch.testing.assert_close(x.grad, keep / 0.75)
@@ -93,16 +92,14 @@ def test_every_dropout_of_a_model_has_its_own_site():
 
 
 def test_uniform_draws_are_uniform_and_follow_the_global_rows():
-    whole_position = DropoutPosition(seed=1, step=3)
-    with dropout_position(whole_position):
-        whole = uniform_draws(77, torch.Size((8, 16, 32)), torch.device("cpu"))
+    whole_position = StepContext(seed=1, step=3)
+    whole = uniform_draws(77, torch.Size((8, 16, 32)), torch.device("cpu"), whole_position)
     assert whole.dtype == torch.float32 and 0.0 <= whole.min() and whole.max() < 1.0
     assert abs(whole.mean().item() - 0.5) < 0.01 and abs(whole.var().item() - 1 / 12) < 0.005
     assert torch.corrcoef(torch.stack([whole[:, :, :-1].reshape(-1), whole[:, :, 1:].reshape(-1)]))[0, 1].abs() < 0.02
-    with dropout_position(DropoutPosition(seed=1, step=3, first_sample=5)):
-        assert torch.equal(uniform_draws(77, torch.Size((3, 16, 32)), torch.device("cpu")), whole[5:8])
-    with dropout_position(whole_position):
-        assert not torch.equal(uniform_draws(78, torch.Size((8, 16, 32)), torch.device("cpu")), whole)
+    rows = StepContext(seed=1, step=3, first_sample=5)
+    assert torch.equal(uniform_draws(77, torch.Size((3, 16, 32)), torch.device("cpu"), rows), whole[5:8])
+    assert not torch.equal(uniform_draws(78, torch.Size((8, 16, 32)), torch.device("cpu"), whole_position), whole)
 
 
 def test_routers_draw_at_their_own_site():
@@ -122,12 +119,13 @@ def test_a_shared_block_draws_its_own_masks_at_every_depth():
     dropout = model.stack.layers["0"].feed_forward.dropout
     masks = []
     original = dropout.keep_mask
-    dropout.keep_mask = lambda shape, device: masks.append(original(shape, device)) or masks[-1]
+    dropout.keep_mask = lambda shape, device, context: masks.append(original(shape, device, context)) or masks[-1]
     tokens = torch.randint(0, 64, (2, 16))
-    with dropout_position(DropoutPosition(seed=0, step=0)):
-        model(tokens)
-        assert len(masks) == 3
-        assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
-        model.stack.first_depth, model.stack.n_layers = 1, 2  # the blocks of depths 1 and 2 alone
-        model(tokens)
+    context = StepContext(seed=0, step=0)
+    model(tokens, context=context)
+    assert len(masks) == 3
+    assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
+    hidden = model.embedding_dropout(model.embedding(tokens), context)
+    model.stack.keep(range(1, 3))  # the blocks of depths 1 and 2 alone (a later pipeline stage)
+    model(hidden, context=context)
     assert torch.equal(masks[3], masks[1]) and torch.equal(masks[4], masks[2])

@@ -8,8 +8,8 @@ import torch
 
 from xscale.config import ModelConfig, MoEConfig
 from xscale.models import build_model
-from xscale.models.dropout import DropoutPosition, dropout_position
 from xscale.parallel.activation import apply_activation_checkpointing
+from xscale.runtime import StepContext
 
 
 def hash_routed_decoder() -> ModelConfig:
@@ -20,17 +20,15 @@ def hash_routed_decoder() -> ModelConfig:
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_recomputation_replays_the_token_ids_and_dropout_of_its_forward(mode):
     ids = [torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(seed)) for seed in (0, 1)]
-    positions = [DropoutPosition(seed=3, step=0, first_sample=2 * index) for index in range(2)]
+    positions = [StepContext(seed=3, step=0, first_sample=2 * index) for index in range(2)]
     reference = build_model(hash_routed_decoder(), seed=4)
-    with dropout_position(positions[0]):
-        reference(ids[0]).square().mean().backward()
+    reference(ids[0], context=positions[0]).square().mean().backward()
 
     checkpointed = build_model(hash_routed_decoder(), seed=4)
     apply_activation_checkpointing([checkpointed.stack], mode)
     losses = []
     for microbatch in range(2):  # both forwards first, then the first one's backward
-        with dropout_position(positions[microbatch]):
-            losses.append(checkpointed(ids[microbatch]).square().mean())
+        losses.append(checkpointed(ids[microbatch], context=positions[microbatch]).square().mean())
     losses[0].backward()
     expected = {name.replace("._checkpoint_wrapped_module", ""): param.grad
                 for name, param in reference.named_parameters()}

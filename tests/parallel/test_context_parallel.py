@@ -31,15 +31,16 @@ def _module_config(family: str, position: str, kv_heads: int):
                               f"model.n_kv_heads={kv_heads}"])
 
 
-def _run(model, loss_fn, batch, tokens, input_ids):
-    """(loss, hidden states of ``input_ids``, gradients) with dropout drawn at one position of a run."""
-    from xscale.models.dropout import DropoutPosition, dropout_position
+def _run(model, loss_fn, batch, tokens, input_ids, layout=None):
+    """(loss, hidden states of ``input_ids``, gradients) with dropout drawn at one position of a run; ``layout``:
+    the global positions ``input_ids`` hold."""
+    from xscale.runtime import StepContext
 
-    with dropout_position(DropoutPosition(SEED, step=3)):
-        loss = loss_fn(model, batch) / tokens
-        loss.backward()
-        with torch.no_grad():
-            hidden = model.hidden_states(input_ids)
+    context = StepContext(SEED, step=3)
+    loss = loss_fn(model, batch, context) / tokens
+    loss.backward()
+    with torch.no_grad():
+        hidden = model(input_ids, context=context.with_sequence(layout), project=False)
     return loss.detach(), hidden, {name: p.grad for name, p in model.named_parameters()}
 
 
@@ -54,7 +55,7 @@ def _check_layout(rank: int, load_balance: bool) -> None:
 
     from xscale.models import build_model
     from xscale.parallel.context import apply_context_parallel, context_parallel_loss_sum
-    from xscale.parallel.engine import model_loss_sum
+    from xscale.parallel.loss import model_loss_sum
 
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("cp",))  # one group per layout: fine on 2 ranks
     generator = torch.Generator().manual_seed(SEED)
@@ -73,7 +74,7 @@ def _check_layout(rank: int, load_balance: bool) -> None:
         layout = apply_context_parallel(model, mesh, load_balance=load_balance)
         positions = layout.positions_of(rank, SEQ, torch.device("cpu"))
         local_loss, local_hidden, local_grads = _run(model, context_parallel_loss_sum(layout, model_loss_sum),
-                                                     batch, tokens, ids[:, positions])
+                                                     batch, tokens, ids[:, positions], layout)
         torch.testing.assert_close(local_hidden, hidden[:, positions], rtol=1e-5, atol=1e-5,
                                    msg=lambda m, case=case: f"{case} hidden states: {m}")
         dist.all_reduce(local_loss, group=mesh.get_group())

@@ -23,7 +23,8 @@ from xscale.models import build_model
 from xscale.models.moe import moe_layers
 from xscale.models.parameters import count_parameters
 from xscale.parallel.checks import resolve_dims
-from xscale.parallel.engine import Engine, model_loss_sum
+from xscale.parallel.engine import Engine
+from xscale.parallel.loss import model_loss_sum
 from xscale.parallel.memory import predicted_state_bytes
 from xscale.parity import (
     PARITY_SETTINGS,

@@ -12,8 +12,8 @@ from spawned import WORLD, spawn
 from xscale.config import ConfigError, ModelConfig, MoEConfig
 from xscale.models import build_model
 from xscale.models.moe import build_moe, collect_moe_metrics
-from xscale.parallel.engine import model_loss_sum
 from xscale.parallel.expert import apply_expert_parallel, shard_expert_state_dict
+from xscale.parallel.loss import model_loss_sum
 
 
 def layer_config(router: str, top_k: int, ffn: str) -> ModelConfig:

@@ -34,7 +34,6 @@ from xscale.models.init import canonical_name
 from xscale.parallel.checks import resolve_dims
 from xscale.parallel.engine import Engine
 from xscale.parallel.pipeline import PipelineEngine, check_pipeline, resolve_microbatches, split_layers
-from xscale.parallel.pipeline_stages import DECODER_COPIES
 from xscale.train.optim import build_optimizer
 from xscale.validate import load_config
 
@@ -97,21 +96,15 @@ def single_process_names(config: ModelConfig) -> set[str]:
     return set(build_model(config, materialize=False).state_dict())
 
 
-def single_process_name(name: str) -> str:
-    """A stage parameter's single-process name (the first decoder stage's copies name their source)."""
-    head, _, rest = name.partition(".")
-    return f"{DECODER_COPIES[head]}.{rest}" if head in DECODER_COPIES else name
-
-
 def gathered_names(engine: PipelineEngine) -> set[str]:
-    names = [name for stage in engine.stages for name, _ in stage.named_parameters()]
+    names = [name for stage in engine.stages for name, _ in stage.named_parameters(remove_duplicate=False)]
     everyone: list[list[str]] = [[] for _ in range(WORLD)]
     dist.all_gather_object(everyone, names, group=engine.group)
     shared = {entry.name for entry in engine.shared.shared}  # a copy on several stages (T5's table)
     flat = [name for names in everyone for name in names]
     unshared = [name for name in flat if name not in shared]
     assert len(unshared) == len(set(unshared)), "a parameter is held by two stages"
-    return {single_process_name(name) for name in flat}
+    return {name for name in flat}
 
 
 def assert_copies_equal(engine: PipelineEngine) -> None:
@@ -132,7 +125,7 @@ def assert_matches_single(engine: PipelineEngine, single: torch.nn.Module) -> No
         reference["output.weight"] = single.embedding.weight
     for stage in engine.stages:
         for name, param in stage.named_parameters():
-            name = single_process_name(canonical_name(name))  # activation checkpointing wraps blocks
+            name = canonical_name(name)  # activation checkpointing wraps blocks
             assert torch.equal(param.detach(), reference[name].detach()), f"{name}: initial weights differ"
             assert param.grad is not None, f"{name}: no gradient"
             torch.testing.assert_close(param.grad, reference[name].grad, **GRAD_TOLERANCE, msg=name)
@@ -277,7 +270,7 @@ def check_training_and_checkpoint(rank: int, schedule: str, stages_per_rank: int
     reference["output.weight"] = single.embedding.weight
     for stage in engine.stages:
         for name, param in stage.named_parameters():
-            torch.testing.assert_close(param.detach(), reference[single_process_name(name)].detach(),
+            torch.testing.assert_close(param.detach(), reference[name].detach(),
                                        **WEIGHT_TOLERANCE, msg=name)
     assert_copies_equal(engine)
 
@@ -297,7 +290,7 @@ def check_training_and_checkpoint(rank: int, schedule: str, stages_per_rank: int
     saved = torch.load(f"{folder}/single.pt")
     for stage in fresh.stages:
         for name, param in stage.named_parameters():
-            source = "embedding.weight" if name == "output.weight" else single_process_name(name)
+            source = "embedding.weight" if name == "output.weight" else name
             assert torch.equal(param.detach(), saved["values"][source]), name
             assert torch.equal(fresh_optimizer.state[param]["exp_avg_sq"], saved["moments"][source]), name
     for entry in fresh.shared.shared:
@@ -361,8 +354,7 @@ def test_checkpointed_stages_save_under_single_process_names() -> None:
     config = decoder_config(2)
     meta = build_model(config, materialize=False)
     apply_activation_checkpointing([meta.stack], "full")  # block parameters named stack.layers.k._checkpoint_...
-    stages = [build_stage_module(meta, [index], is_first=index == 0, is_last=index == 1, device="cpu", seed=SEED)
-              for index in (0, 1)]
+    stages = [build_stage_module(meta, [index], device="cpu", seed=SEED) for index in (0, 1)]
     assert set(get_model_state_dict(merged_view(stages))) == single_process_names(config)
 
 
@@ -543,7 +535,7 @@ def test_checkpoint_view_names_activation_checkpointed_stages_like_one_process(m
 
     config = decoder_config(2)
     meta = build_model(config, materialize=False)
-    stages = [build_stage_module(meta, [index], is_first=index == 0, is_last=index == 1, device="cpu", seed=SEED,
+    stages = [build_stage_module(meta, [index], device="cpu", seed=SEED,
                                  parallelize=lambda stage: apply_activation_checkpointing([stage.stack], mode))
               for index in (0, 1)]
     assert set(get_model_state_dict(merged_view(stages))) == single_process_names(config)

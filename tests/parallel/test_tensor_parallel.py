@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from spawned import spawn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from xscale.config import AttentionConfig, ConfigError, ModelConfig, MoEConfig
@@ -29,8 +29,8 @@ from xscale.models import build_model
 from xscale.models.init import init_weights
 from xscale.models.registry import ATTENTION
 from xscale.models.traits import ParallelTraits
-from xscale.parallel.engine import model_loss_sum
-from xscale.parallel.tensor import apply_tensor_parallel, check_tensor_parallel, tensor_parallel_loss_sum
+from xscale.parallel.loss import model_loss_sum
+from xscale.parallel.tensor import apply_tensor_parallel, check_tensor_parallel
 
 WORLD = 2
 SEED = 3
@@ -283,7 +283,7 @@ def check_parity(mesh: DeviceMesh, config: ModelConfig, sequence_parallel: bool,
     for step in range(steps):
         expected = model_loss_sum(single, batch) / tokens
         expected.backward()
-        loss = tensor_parallel_loss_sum(parallel, batch) / tokens
+        loss = model_loss_sum(parallel, batch) / tokens
         loss.backward()
         if not torch.isclose(loss.detach(), expected.detach(), rtol=LOSS_RTOL, atol=0):
             problems.append(f"step {step}: loss {loss.item():.8f} != single process {expected.item():.8f}")
@@ -304,7 +304,7 @@ def check_replicas_agree_under_dropout(mesh: DeviceMesh, config: ModelConfig, se
     """With dropout, the copies of replicated parameters get the same gradient on every tp rank."""
     torch.manual_seed(0)  # the trainer seeds every rank alike
     parallel = tensor_parallel_model(config, mesh, sequence_parallel)
-    loss = tensor_parallel_loss_sum(parallel, make_batch(config))
+    loss = model_loss_sum(parallel, make_batch(config))
     loss.backward()
     problems = []
     for name, param in parallel.named_parameters():
@@ -324,7 +324,7 @@ def check_sequence_parallel_needs_divisible_lengths(mesh: DeviceMesh, config: Mo
     parallel = tensor_parallel_model(config, mesh, sequence_parallel=True)
     batch = {key: value[:, :-1] for key, value in make_batch(config).items()}
     try:
-        tensor_parallel_loss_sum(parallel, batch)
+        model_loss_sum(parallel, batch)
     except ValueError as error:
         return [] if "multiple of 2" in str(error) else [f"unexpected message: {error}"]
     return [f"a sequence of {LENGTH - 1} tokens was not refused"]
@@ -449,8 +449,6 @@ def fsdp_over_tensor_parallel(rank: int, case: str) -> None:
         for block in (stack.layers.values() if stack is not None else ()):
             fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
-    for method in ("hidden_states", "logits"):  # the loss calls these, not forward
-        register_fsdp_forward_method(model, method)
     model.to_empty(device="cpu")
     model.tie_weights()
     init_weights(model, config, SEED)
@@ -460,7 +458,7 @@ def fsdp_over_tensor_parallel(rank: int, case: str) -> None:
     rows = slice(BATCH * mesh["dp"].get_local_rank(), BATCH * (mesh["dp"].get_local_rank() + 1))
     expected = model_loss_sum(single, batch) / tokens
     expected.backward()
-    loss = tensor_parallel_loss_sum(model, {key: value[rows] for key, value in batch.items()}) / tokens
+    loss = model_loss_sum(model, {key: value[rows] for key, value in batch.items()}) / tokens
     loss.backward()
     total = loss.detach().clone()
     dist.all_reduce(total, group=mesh["dp"].get_group())

@@ -14,12 +14,21 @@ from torch import nn
 
 from xscale.config import ModelConfig
 from xscale.models.block import TransformerBlock
-from xscale.models.dropout import Dropout, DropoutPosition, dropout_position
+from xscale.models.dropout import Dropout
+from xscale.runtime import StepContext
 
 
-def seconds_per_call(module: nn.Module, x: torch.Tensor, repeats: int) -> float:
+class TorchDropout(nn.Dropout):
+    """``nn.Dropout`` taking (and ignoring) the step context that xscale's modules pass their dropouts."""
+
+    def forward(self, x: torch.Tensor, context: StepContext | None = None) -> torch.Tensor:
+        return super().forward(x)
+
+
+def seconds_per_call(module: nn.Module, x: torch.Tensor, repeats: int,
+                     context: StepContext | None = None) -> float:
     def run() -> None:
-        module(x).sum().backward()
+        module(x, context=context).sum().backward()
 
     run()
     if x.device.type == "cuda":
@@ -36,7 +45,7 @@ def with_torch_dropout(module: nn.Module) -> nn.Module:
     """``module`` with every :class:`Dropout` replaced by an ``nn.Dropout`` of the same probability."""
     for name, child in module.named_children():
         if isinstance(child, Dropout):
-            setattr(module, name, nn.Dropout(child.p))
+            setattr(module, name, TorchDropout(child.p))
         else:
             with_torch_dropout(child)
     return module
@@ -52,21 +61,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args(argv)
     x = torch.randn(*args.shape, device=args.device, dtype=getattr(torch, args.dtype), requires_grad=True)
-    reference = nn.Dropout(args.p).train()
+    reference = TorchDropout(args.p).train()
     ours = Dropout(args.p).train()
-    with dropout_position(DropoutPosition(seed=0, step=0)):
-        for _ in range(2):  # interleaved rounds: load on a shared machine hits both alike
-            base = seconds_per_call(reference, x, args.repeats)
-            mine = seconds_per_call(ours, x, args.repeats)
-            print(f"dropout alone, {tuple(args.shape)} {args.dtype} on {args.device}: nn.Dropout {base * 1e3:.2f} ms, "
-                  f"layout-independent {mine * 1e3:.2f} ms, ratio {mine / base:.2f}")
-        config = ModelConfig(d_model=args.shape[2], n_heads=max(1, args.shape[2] // 64), dropout=args.p)
-        block = TransformerBlock(config, 0, causal=True).to(args.device, x.dtype).train()
-        for _ in range(2):
-            mine = seconds_per_call(block, x, args.block_repeats)
-            base = seconds_per_call(with_torch_dropout(copy.deepcopy(block)), x, args.block_repeats)
-            print(f"Transformer block (d_model {args.shape[2]}, dropout {args.p}): nn.Dropout {base * 1e3:.2f} ms, "
-                  f"layout-independent {mine * 1e3:.2f} ms, ratio {mine / base:.2f}")
+    context = StepContext(seed=0, step=0)
+    for _ in range(2):  # interleaved rounds: load on a shared machine hits both alike
+        base = seconds_per_call(reference, x, args.repeats, context)
+        mine = seconds_per_call(ours, x, args.repeats, context)
+        print(f"dropout alone, {tuple(args.shape)} {args.dtype} on {args.device}: nn.Dropout {base * 1e3:.2f} ms, "
+              f"layout-independent {mine * 1e3:.2f} ms, ratio {mine / base:.2f}")
+    config = ModelConfig(d_model=args.shape[2], n_heads=max(1, args.shape[2] // 64), dropout=args.p)
+    block = TransformerBlock(config, 0, causal=True).to(args.device, x.dtype).train()
+    for _ in range(2):
+        mine = seconds_per_call(block, x, args.block_repeats, context)
+        base = seconds_per_call(with_torch_dropout(copy.deepcopy(block)), x, args.block_repeats, context)
+        print(f"Transformer block (d_model {args.shape[2]}, dropout {args.p}): nn.Dropout {base * 1e3:.2f} ms, "
+              f"layout-independent {mine * 1e3:.2f} ms, ratio {mine / base:.2f}")
 
 
 if __name__ == "__main__":

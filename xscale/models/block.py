@@ -7,7 +7,7 @@ Placement (Xiong et al. 2020; Ding et al. 2021 for sandwich):
 
 A block whose attention core ``carries_scores`` (RealFormer, He et al. 2020) takes the previous layer's
 pre-softmax scores and returns ``(x, scores)``: the scores ride beside the residual stream, so a pipeline
-stage sends the pair to the next stage (see :func:`xscale.models.transformer.run_blocks`).
+stage sends the pair to the next stage (see :mod:`xscale.models.transformer`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from xscale.models.ffn import build_ffn
 from xscale.models.moe import build_moe
 from xscale.models.norm import build_norm
 from xscale.models.position import PositionEncoding
+from xscale.runtime import StepContext
 
 
 class Residual(nn.Module):
@@ -36,16 +37,17 @@ class Residual(nn.Module):
             self.norm_out = build_norm(config.norm, config.d_model, config.norm_eps)
         self.dropout = Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, *args, context: StepContext | None = None,
+                **kwargs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The sub-layer may return ``(out, carry)``: the carry passes through untouched beside the result."""
-        out = self.sublayer(x if self.placement == "post" else self.norm(x), *args, **kwargs)
+        out = self.sublayer(x if self.placement == "post" else self.norm(x), *args, context=context, **kwargs)
         out, carry = out if isinstance(out, tuple) else (out, None)
         if self.placement == "post":
-            x = self.norm(x + self.dropout(out))
+            x = self.norm(x + self.dropout(out, context))
         else:
             if self.placement == "sandwich":
                 out = self.norm_out(out)
-            x = x + self.dropout(out)
+            x = x + self.dropout(out, context)
         return x if carry is None else (x, carry)
 
 
@@ -68,13 +70,14 @@ class TransformerBlock(nn.Module):
         self.carries_scores = self.attention.sublayer.core.carries_scores
 
     def forward(self, x: torch.Tensor, position: PositionEncoding | None = None, memory: torch.Tensor | None = None,
-                scores: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                scores: torch.Tensor | None = None,
+                context: StepContext | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Returns x, or ``(x, scores)`` when ``carries_scores`` (``scores``: None before the first such block)."""
         if self.carries_scores:
-            x, scores = self.attention(x, position, scores=scores)
+            x, scores = self.attention(x, position, scores=scores, context=context)
         else:
-            x = self.attention(x, position)
+            x = self.attention(x, position, context=context)
         if self.cross_attention is not None:
-            x = self.cross_attention(x, None, memory)
-        x = self.feed_forward(x)
+            x = self.cross_attention(x, None, memory, context=context)
+        x = self.feed_forward(x, context=context)
         return (x, scores) if self.carries_scores else x

@@ -7,24 +7,24 @@ coordinates; ``site`` hashes the module's name (and, for a block shared across d
 sequence-parallel ranks holding a slice of the tokens and data-parallel ranks holding a slice of the batch all
 drop the same elements, and a resumed run drops what the uninterrupted one would.
 
-The model stays plain PyTorch: without a :class:`DropoutPosition` (set by the training engine with
-:func:`dropout_position`) the per-sample keys come from torch's RNG and the module behaves like ``nn.Dropout``.
+The model stays plain PyTorch: each call takes the forward's :class:`~xscale.runtime.StepContext` (the engine builds
+one per microbatch); without one the per-sample keys come from torch's RNG and the module behaves like ``nn.Dropout``.
 Parallel plans say where a rank's slice of dim 1 (tokens under sequence parallelism, heads under tensor
-parallelism) sits by setting ``shard_index``; a slice that is not one of equal contiguous slices (context
-parallelism's load-balanced token chunks) is described by a :class:`SlicedDim` in ``sliced_dim``: the global
-coordinates of the elements held along that dim. Everything else is global already.
+parallelism) sits by setting ``shard_index``; a rank holding some positions of each sequence (context
+parallelism's token chunks) finds them in the context (``StepContext.sequence``), along the dim the module
+declares as its tokens' (``token_dim``: 1 for (B, T, D) activations, 2 for (B, H, Tq, Tk) attention
+probabilities). Everything else is global already.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
-from xscale.models.scoped import Scope, ScopedValue
+from xscale.runtime import StepContext
 
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: splitmix64's stream increment
@@ -75,130 +75,82 @@ def site_id(name: str) -> int:
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
 
 
-@dataclass(frozen=True)
-class DropoutPosition:
-    """Where the batch in flight sits in the run."""
-
-    seed: int
-    step: int
-    first_sample: int = 0  # row of the step's global batch that this batch's row 0 is
-    microbatch_stride: int = 0  # rows of the global batch from one microbatch of this batch to the next (0: its rows)
-
-    def microbatch(self, index: int, rows: int) -> DropoutPosition:
-        """Where microbatch ``index`` (``rows`` rows, contiguous in the global batch) of this batch sits."""
-        stride = self.microbatch_stride or rows
-        return replace(self, first_sample=self.first_sample + index * stride, microbatch_stride=0)
-
-
-class SlicedDim:
-    """A rank holds, along dim ``dim`` of a batch-first tensor, the elements at global coordinates
-    ``coordinates(local_size, device)`` of a dim whose global size is ``global_size(local_size)``."""
-
-    def __init__(self, dim: int) -> None:
-        self.dim = dim
-
-    def global_size(self, local_size: int) -> int:
-        raise NotImplementedError
-
-    def coordinates(self, local_size: int, device: torch.device) -> torch.Tensor:
-        raise NotImplementedError
-
-
-_POSITION: ScopedValue[DropoutPosition] = ScopedValue(recomputation="replay")
-
-
-def dropout_position(position: DropoutPosition | None) -> Scope[DropoutPosition]:
-    """Masks drawn inside (forward and the recomputing backward) are functions of ``position``."""
-    return _POSITION.scope(position)
-
-
-_DEPTH: ScopedValue[int] = ScopedValue(recomputation="replay")
-
-
-def dropout_depth(depth: int | None) -> Scope[int]:
-    """Draws inside come from a shared block (ALBERT's one block at every depth, Lan et al. 2020) running at
-    ``depth``: each depth draws its own masks, as ``nn.Dropout`` would, though the block's sites are the same."""
-    return _DEPTH.scope(depth)
-
-
 class Dropout(nn.Module):
     """``nn.Dropout`` with layout-independent masks: drop x[b, i1, i2, ...] by its global coordinates."""
 
-    def __init__(self, p: float = 0.5) -> None:
+    def __init__(self, p: float = 0.5, token_dim: int = 1) -> None:
         super().__init__()
         if not 0.0 <= p < 1.0:
             raise ValueError(f"dropout probability must be in [0, 1), got {p}")
         self.p = p
+        self.token_dim = token_dim  # the dim of the tensors it drops that holds the (query) tokens
         self.site = 0  # set from the module's name by name_dropout_sites
         self.shard_index = 0  # this rank's slice of dim 1 (equal slices), set by parallel plans
-        self.sliced_dim: SlicedDim | None = None  # any other slice of one dim, set by parallel plans
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context: StepContext | None = None) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        return _ScaleKept.apply(x, self.keep_mask(x.shape, x.device), 1.0 / (1.0 - self.p))
+        return _ScaleKept.apply(x, self.keep_mask(x.shape, x.device, context), 1.0 / (1.0 - self.p))
 
-    def at(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    def at(self, x: torch.Tensor, index: torch.Tensor, context: StepContext | None = None) -> torch.Tensor:
         """Dropout of ``x`` (batch first) whose elements sit at the flat positions ``index`` (broadcastable to
         ``x.shape[1:]``) of each sample's whole, unsharded tensor: for gathered layouts (block-sparse attention)."""
         if not self.training or self.p == 0.0:
             return x
-        return _ScaleKept.apply(x, self.keep_at(x.shape[0], index).expand(x.shape), 1.0 / (1.0 - self.p))
+        return _ScaleKept.apply(x, self.keep_at(x.shape[0], index, context).expand(x.shape), 1.0 / (1.0 - self.p))
 
-    def at_each(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    def at_each(self, x: torch.Tensor, index: torch.Tensor, context: StepContext | None = None) -> torch.Tensor:
         """As :meth:`at`, with ``index`` of ``x``'s shape: each sample's own flat positions, for layouts that
         depend on the sample's content (routing attention's clusters)."""
         if not self.training or self.p == 0.0:
             return x
-        z = self._sample_keys(x.shape[0], index.device).view(-1, *[1] * (index.dim() - 1))
-        keep = _mix_(z + index.to(torch.int64) * _signed(GOLDEN)) >= round(self.p * 2**64) - 2**63
-        return _ScaleKept.apply(x, keep, 1.0 / (1.0 - self.p))
+        return _ScaleKept.apply(x, self.keep_at(x.shape[0], index, context, per_sample=True), 1.0 / (1.0 - self.p))
 
-    def keep_at(self, batch: int, index: torch.Tensor) -> torch.Tensor:
+    def keep_at(self, batch: int, index: torch.Tensor, context: StepContext | None = None,
+                per_sample: bool = False) -> torch.Tensor:
         """Bool (batch, *index.shape): the keep mask at flat positions ``index`` (int64, inside a sample, global
-        coordinates); :meth:`keep_mask` of a tensor equals this at its elements' row-major flat positions."""
-        z = self._sample_keys(batch, index.device).view(-1, *[1] * index.dim())
+        coordinates); :meth:`keep_mask` of a tensor equals this at its elements' row-major flat positions.
+        ``per_sample``: ``index`` has a leading batch dim (each sample's own positions), giving (batch, ...)."""
+        keys = _sample_keys(self.site, batch, index.device, context)
+        z = keys.view(-1, *[1] * (index.dim() - 1 if per_sample else index.dim()))
         return _mix_(z + index.to(torch.int64) * _signed(GOLDEN)) >= round(self.p * 2**64) - 2**63
 
-    def keep_mask(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
+    def keep_mask(self, shape: torch.Size, device: torch.device, context: StepContext | None = None) -> torch.Tensor:
         """Bool tensor of ``shape`` (batch first), True where an element is kept."""
-        return _element_hashes(self.site, shape, device, self.shard_index, self.sliced_dim) >= \
+        return _element_hashes(self.site, shape, device, context, self.shard_index, self.token_dim) >= \
             round(self.p * 2**64) - 2**63
-
-    def _sample_keys(self, batch: int, device: torch.device) -> torch.Tensor:
-        return _sample_keys(self.site, batch, device)
 
 
 @torch.compiler.disable  # eager: compiled, it would recompile every step (and inductor folds without wrapping)
-def _sample_keys(site: int, batch: int, device: torch.device) -> torch.Tensor:
-    """One key per sample of the batch in flight: of (seed, site, step, global row) under a position."""
-    position = _POSITION.current
-    if position is None:  # plain PyTorch use: fresh keys from torch's generator, like nn.Dropout
+def _sample_keys(site: int, batch: int, device: torch.device, context: StepContext | None) -> torch.Tensor:
+    """One key per sample of the batch in flight: of (seed, site, step, global row) under a positioned context."""
+    if context is None or not context.positioned:  # plain PyTorch use: keys from torch's generator, like nn.Dropout
         return torch.randint(-2**63, 2**63 - 1, (batch,), dtype=torch.int64, device=device)
-    if _DEPTH.current is not None:  # a shared block's site at one of its depths
-        site = mix64(site + (_DEPTH.current + 1) * GOLDEN)
-    base = mix64(mix64(mix64(position.seed) ^ site) + position.step * GOLDEN)
-    rows = torch.arange(position.first_sample + 1, position.first_sample + batch + 1, device=device)
+    if context.depth is not None:  # a shared block's site at one of its depths
+        site = mix64(site + (context.depth + 1) * GOLDEN)
+    base = mix64(mix64(mix64(context.seed) ^ site) + context.step * GOLDEN)
+    rows = torch.arange(context.first_sample + 1, context.first_sample + batch + 1, device=device)
     return _mix_(rows * _signed(GOLDEN) + _signed(base))
 
 
-def _element_hashes(site: int, shape: torch.Size, device: torch.device, shard_index: int = 0,
-                    sliced: SlicedDim | None = None) -> torch.Tensor:
+def _element_hashes(site: int, shape: torch.Size, device: torch.device, context: StepContext | None,
+                    shard_index: int = 0, token_dim: int = 1) -> torch.Tensor:
     """int64 hash of every element of a batch-first tensor of ``shape`` from its global coordinates (dim 1 being
-    slice ``shard_index`` of equal slices; dim ``sliced.dim`` holding the coordinates ``sliced`` names)."""
-    z = _sample_keys(site, shape[0], device).view(-1, *[1] * (len(shape) - 1))
+    slice ``shard_index`` of equal slices; dim ``token_dim`` holding the context's sequence positions, if any)."""
+    z = _sample_keys(site, shape[0], device, context).view(-1, *[1] * (len(shape) - 1))
     full = list(shape)  # the global shape, whose row-major strides the flat index uses
-    if sliced is not None:
-        full[sliced.dim] = sliced.global_size(shape[sliced.dim])
+    sliced = context is not None and context.sequence is not None and token_dim < len(shape)
+    if sliced:
+        full[token_dim] = context.sequence_length(shape[token_dim])
     # index * golden = sum over dims of coordinate * stride * golden (mod 2^64): one broadcast add per dim,
     # outermost first, so that only the last add is full-sized.
     for dim in range(1, len(shape)):
         stride = math.prod(full[dim + 1:])
-        if sliced is not None and dim == sliced.dim:
-            coordinates = sliced.coordinates(shape[dim], device).to(torch.int64)
+        if sliced and dim == token_dim:
+            coordinates = context.positions(shape[dim], device)
         else:
             first = shard_index * shape[dim] if dim == 1 else 0
             coordinates = torch.arange(first, first + shape[dim], device=device, dtype=torch.int64)
@@ -206,14 +158,14 @@ def _element_hashes(site: int, shape: torch.Size, device: torch.device, shard_in
     return _mix_(z)
 
 
-def uniform_draws(site: int, shape: torch.Size, device: torch.device) -> torch.Tensor:
+def uniform_draws(site: int, shape: torch.Size, device: torch.device, context: StepContext | None) -> torch.Tensor:
     """float32 uniform on [0, 1) (24 bits) for every element of a batch-first tensor of ``shape``, drawn as the
-    dropout masks are: from the element's global coordinates under a :class:`DropoutPosition`, so every layout
+    dropout masks are: from the element's global coordinates under a positioned context, so every layout
     draws the same noise for the same token (MoE router jitter, GShard's sampled second expert); from torch's
     generator without one."""
-    if _POSITION.current is None:
+    if context is None or not context.positioned:
         return torch.rand(shape, device=device)
-    return ((_element_hashes(site, shape, device) >> 40) & ((1 << 24) - 1)).float() * 2.0**-24
+    return ((_element_hashes(site, shape, device, context) >> 40) & ((1 << 24) - 1)).float() * 2.0**-24
 
 
 def name_dropout_sites(model: nn.Module) -> None:

@@ -10,6 +10,7 @@ from xscale.models.registry import FFN
 from xscale.models.traits import ParallelTraits
 from xscale.ops import gated_activation
 from xscale.ops.reference import ACTIVATIONS
+from xscale.runtime import StepContext
 
 
 class MLP(nn.Module):
@@ -24,8 +25,8 @@ class MLP(nn.Module):
         self.w_out = nn.Linear(hidden, d_model, bias=bias)
         self.dropout = Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.w_out(ACTIVATIONS[self.activation](self.w_in(x))))
+    def forward(self, x: torch.Tensor, context: StepContext | None = None) -> torch.Tensor:
+        return self.dropout(self.w_out(ACTIVATIONS[self.activation](self.w_in(x))), context)
 
 
 @FFN.register("relu")
@@ -58,8 +59,8 @@ class GatedMLP(nn.Module):
         self.w_down = nn.Linear(hidden, d_model, bias=bias)
         self.dropout = Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.w_down(gated_activation(self.w_gate(x), self.w_up(x), self.activation)))
+    def forward(self, x: torch.Tensor, context: StepContext | None = None) -> torch.Tensor:
+        return self.dropout(self.w_down(gated_activation(self.w_gate(x), self.w_up(x), self.activation)), context)
 
 
 @FFN.register("swiglu")

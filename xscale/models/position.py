@@ -2,13 +2,15 @@
 
 Every encoding implements the three hooks of :class:`PositionEncoding`; each hook is the identity
 unless the method acts there. One module serves a whole stack (T5 and ALiBi share across layers).
-Tensor parallelism replicates every encoding; those whose hooks context parallelism re-evaluates at global
-positions (:mod:`xscale.parallel.context`) declare ``cp`` in their ``parallel_traits``.
+Each hook takes the forward's :class:`~xscale.runtime.StepContext`: a rank holding only some positions of each
+sequence (context parallelism) finds their global positions there, and the encodings that act at them declare
+``cp`` in their ``parallel_traits``. Tensor parallelism replicates every encoding.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -16,6 +18,7 @@ from torch import nn
 from xscale.models.registry import POSITION
 from xscale.models.traits import ParallelTraits
 from xscale.ops import apply_rope
+from xscale.runtime import StepContext
 
 
 class PositionEncoding(nn.Module):
@@ -31,17 +34,42 @@ class PositionEncoding(nn.Module):
         self.d_model, self.n_heads, self.head_dim = d_model, n_heads, head_dim
         self.max_seq_len, self.causal, self.rope_theta = max_seq_len, causal, rope_theta
 
-    def embed(self, x: torch.Tensor) -> torch.Tensor:
+    def embed(self, x: torch.Tensor, context: StepContext | None = None) -> torch.Tensor:
         """x: (B, T, D) token embeddings -> with absolute positions added."""
         return x
 
-    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate(self, q: torch.Tensor, k: torch.Tensor,
+               context: StepContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """q: (B, H, T, hd), k: (B, Hkv, T, hd) -> rotated by position (RoPE)."""
         return q, k
 
-    def bias(self, q_len: int, k_len: int, heads: slice) -> torch.Tensor | None:
-        """Additive logit bias (len(heads), q_len, k_len) for the given heads, or None."""
+    def bias(self, q_len: int, k_len: int, heads: slice, context: StepContext | None = None) -> torch.Tensor | None:
+        """Additive logit bias (len(heads), q_len, k_len) for the given heads, or None. Under a context holding part
+        of each sequence: the rows of the queries held here against every key of the whole sequence."""
         return None
+
+
+def _held(context: StepContext | None) -> bool:
+    """Whether this rank holds only some positions of each sequence (context parallelism)."""
+    return context is not None and context.sequence is not None
+
+
+def _table_rows(table: torch.Tensor, length: int, context: StepContext | None) -> torch.Tensor:
+    """The rows of a per-position table for the ``length`` tokens held here (their global positions)."""
+    whole = context.sequence_length(length) if _held(context) else length
+    if whole > table.shape[0]:
+        raise ValueError(f"sequence length {whole} exceeds model.max_seq_len={table.shape[0]}")
+    return table.index_select(0, context.positions(length, table.device)) if _held(context) else table[:length]
+
+
+def _query_rows(bias_of: Callable[[int, int], torch.Tensor], q_len: int, k_len: int,
+                context: StepContext | None) -> torch.Tensor:
+    """``bias_of(q_len, k_len)``; for a rank holding part of each sequence, the whole sequence's bias at the rows of
+    its queries (the keys are gathered whole before attention)."""
+    if not _held(context):
+        return bias_of(q_len, k_len)
+    full = bias_of(context.sequence_length(q_len), context.sequence_length(k_len))
+    return full[:, context.positions(q_len, full.device)]
 
 
 @POSITION.register("none")
@@ -71,10 +99,8 @@ class SinusoidalPosition(PositionEncoding):
         table[:, 1::2] = torch.cos(position * frequency)[:, : dim // 2]
         return table.float()
 
-    def embed(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[1] > self.table.shape[0]:
-            raise ValueError(f"sequence length {x.shape[1]} exceeds model.max_seq_len={self.table.shape[0]}")
-        return x + self.table[: x.shape[1]].to(x.dtype)
+    def embed(self, x: torch.Tensor, context: StepContext | None = None) -> torch.Tensor:
+        return x + _table_rows(self.table, x.shape[1], context).to(x.dtype)
 
     def reset_buffers(self) -> None:
         self.table = self._table(self.max_seq_len, self.d_model).to(self.table.device)
@@ -91,10 +117,8 @@ class LearnedPosition(PositionEncoding):
         super().__init__(*args, **kwargs)
         self.weight = nn.Parameter(torch.empty(self.max_seq_len, self.d_model))
 
-    def embed(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[1] > self.weight.shape[0]:
-            raise ValueError(f"sequence length {x.shape[1]} exceeds model.max_seq_len={self.weight.shape[0]}")
-        return x + self.weight[: x.shape[1]]
+    def embed(self, x: torch.Tensor, context: StepContext | None = None) -> torch.Tensor:
+        return x + _table_rows(self.weight, x.shape[1], context)
 
 
 @POSITION.register("rope")
@@ -117,7 +141,13 @@ class RotaryPosition(PositionEncoding):
             self._cache = (length, device, angles.cos(), angles.sin())
         return self._cache[2][:length], self._cache[3][:length]
 
-    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate(self, q: torch.Tensor, k: torch.Tensor,
+               context: StepContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if _held(context):  # q and k: the same tokens, at their global positions
+            positions = context.positions(q.shape[-2], q.device)
+            cos, sin = self._cos_sin(context.sequence_length(q.shape[-2]), q.device)
+            cos, sin = cos[positions], sin[positions]
+            return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cos, sin = self._cos_sin(max(q.shape[-2], k.shape[-2]), q.device)
         return apply_rope(q, cos[: q.shape[-2]], sin[: q.shape[-2]]), apply_rope(k, cos[: k.shape[-2]], sin[: k.shape[-2]])
 
@@ -143,10 +173,14 @@ class ALiBiPosition(PositionEncoding):
     parallel_traits = ParallelTraits(tp="replicated", cp=True)
     biases_logits = True
 
-    def bias(self, q_len: int, k_len: int, heads: slice) -> torch.Tensor:
+    def bias(self, q_len: int, k_len: int, heads: slice, context: StepContext | None = None) -> torch.Tensor:
         slopes = alibi_slopes(self.n_heads)[heads]
-        distance = (torch.arange(k_len)[None, :] - torch.arange(q_len)[:, None]).abs().float()
-        return -slopes[:, None, None] * distance[None]
+
+        def bias_of(queries: int, keys: int) -> torch.Tensor:
+            distance = (torch.arange(keys)[None, :] - torch.arange(queries)[:, None]).abs().float()
+            return -slopes[:, None, None] * distance[None]
+
+        return _query_rows(bias_of, q_len, k_len, context)
 
 
 @POSITION.register("t5_bias")
@@ -178,13 +212,59 @@ class T5RelativeBias(PositionEncoding):
         large = torch.clamp(large, max=buckets - 1)
         return result + torch.where(is_small, relative, large)
 
-    def bias(self, q_len: int, k_len: int, heads: slice) -> torch.Tensor:
+    def bias(self, q_len: int, k_len: int, heads: slice, context: StepContext | None = None) -> torch.Tensor:
         device = self.weight.device
-        relative = torch.arange(k_len, device=device)[None, :] - torch.arange(q_len, device=device)[:, None]
-        values = self.weight[self._bucket(relative)]  # (q, k, H)
-        return values.permute(2, 0, 1)[heads]
+
+        def bias_of(queries: int, keys: int) -> torch.Tensor:
+            relative = torch.arange(keys, device=device)[None, :] - torch.arange(queries, device=device)[:, None]
+            values = self.weight[self._bucket(relative)]  # (q, k, H)
+            return values.permute(2, 0, 1)[heads]
+
+        return _query_rows(bias_of, q_len, k_len, context)
 
 
 def build_position(name: str, d_model: int, n_heads: int, head_dim: int, max_seq_len: int, causal: bool,
                    rope_theta: float = 10000.0) -> PositionEncoding:
     return POSITION.get(name)(d_model, n_heads, head_dim, max_seq_len, causal, rope_theta=rope_theta)
+
+
+class _GradientTap(torch.autograd.Function):
+    """Identity on ``value``, with an (unused) edge to ``anchor``: see :class:`TappedPosition`."""
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class TappedPosition:
+    """A stack's position encoding whose logit bias from a learned table (T5) passes through an identity with an
+    edge to ``anchor``, the stack's input when a previous pipeline stage sent it.
+
+    Zero-bubble schedules (Qi et al. 2024) split a stage's backward in two: the input half keeps, for each
+    parameter, the gradients at the nodes where the parameter's path joins the input's, and the weight half later
+    runs backward from those nodes to the parameter. For a table every block reads, the joining nodes would be the
+    blocks' scores, and from block k's scores the way back to the table also runs through the blocks before it
+    (which read it too): the weight half would redo the stage's backward on a freed graph. The tap is a joining node
+    whose only way back is to the table. Everything else is the wrapped encoding's.
+    """
+
+    def __init__(self, position: PositionEncoding, anchor: torch.Tensor) -> None:
+        self.position, self.anchor = position, anchor
+
+    @classmethod
+    def around(cls, position: PositionEncoding, anchor: torch.Tensor) -> PositionEncoding | TappedPosition:
+        """``position`` tapped when a backward will run to ``anchor`` and a learned table feeds the bias."""
+        tapping = (anchor.requires_grad and torch.is_grad_enabled() and position.biases_logits
+                   and any(param.requires_grad for param in position.parameters()))
+        return cls(position, anchor) if tapping else position
+
+    def __getattr__(self, name: str):
+        return getattr(self.position, name)
+
+    def bias(self, *args, **kwargs) -> torch.Tensor | None:
+        value = self.position.bias(*args, **kwargs)
+        return None if value is None else _GradientTap.apply(value, self.anchor)

@@ -1,7 +1,16 @@
 """The Transformer: decoder-only (GPT), encoder-only (BERT) or encoder-decoder (T5), by config.
 
-Plain single-device PyTorch. Layers live in a ``ModuleDict`` keyed by their index so that
-pipeline stages can drop layers and keep the names that checkpoints use.
+Plain single-device PyTorch, with one forward. Layers live in a ``ModuleDict`` keyed by their index, so a pipeline
+stage is this model with modules deleted (:meth:`Transformer.keep_layers`) under the names checkpoints use, and
+runs this same forward on what it holds: the embedding when it starts a stack, a run of each stack's blocks, the
+final norm and head when it ends the last stack.
+
+What crosses a stage boundary, by position (``forward``'s ``inputs, *received`` and its return value):
+  inside a stack           x, then the RealFormer scores when blocks on both sides carry them (He et al. 2020)
+  encoder end -> decoder   the memory (the decoder starts its own scores)
+  inside the decoder       (decoder hidden, memory), then the decoder's scores when they cross
+The memory goes along stage by stage, so its gradient, which every decoder block's cross-attention adds to,
+comes back the same way.
 """
 
 from __future__ import annotations
@@ -11,11 +20,11 @@ from torch import nn
 
 from xscale.config import ModelConfig
 from xscale.models.block import TransformerBlock
-from xscale.models.dropout import Dropout, dropout_depth, name_dropout_sites
-from xscale.models.moe.token_ids import routing_token_ids
+from xscale.models.dropout import Dropout, name_dropout_sites
 from xscale.models.norm import build_norm
-from xscale.models.position import build_position
+from xscale.models.position import PositionEncoding, TappedPosition, build_position
 from xscale.ops.reference import ACTIVATIONS
+from xscale.runtime import StepContext
 
 
 class LMHeadTransform(nn.Module):
@@ -32,15 +41,21 @@ class LMHeadTransform(nn.Module):
 
 
 class Stack(nn.Module):
-    """A stack of blocks with its own position encoding and (for pre/sandwich) final norm."""
+    """A stack of blocks with its own position encoding and (for pre/sandwich) final norm.
+
+    ``held``: the depths [first, stop) whose blocks this module runs (all of them, or a pipeline stage's run).
+    With ``share_layers`` (ALBERT, Lan et al. 2020) one block, ``layers.0``, runs at every held depth and draws
+    its own dropout masks at each (the context's ``depth``).
+    """
 
     def __init__(self, config: ModelConfig, n_layers: int, *, causal: bool, cross: bool, first_index: int) -> None:
         super().__init__()
         self.n_layers = n_layers
+        self.held = (0, n_layers)
         self.share_layers = config.share_layers
-        self.first_depth = 0  # the depth of blocks()[0] in the whole stack (a pipeline stage may start later)
-        self.position = build_position(config.position, config.d_model, config.n_heads, config.head_dim,
-                                       config.max_seq_len, causal, config.rope_theta)
+        self.position: PositionEncoding | None = build_position(
+            config.position, config.d_model, config.n_heads, config.head_dim, config.max_seq_len, causal,
+            config.rope_theta)
         uses_bias = self.position.biases_logits
         built = 1 if config.share_layers else n_layers
         self.layers = nn.ModuleDict({
@@ -50,49 +65,76 @@ class Stack(nn.Module):
         self.final_norm = (
             build_norm(config.norm, config.d_model, config.norm_eps) if config.norm_placement != "post" else None
         )
-
-    def blocks(self) -> list[nn.Module]:
-        """The blocks in execution order (one block repeated when weights are shared)."""
-        if self.share_layers:
-            return [self.layers["0"]] * self.n_layers
-        return list(self.layers.values())
+        # Depths whose blocks take and pass on RealFormer scores (the whole stack's, kept when a stage is cut).
+        self.carrying = tuple(depth for depth, block in zip(range(n_layers), self.blocks()) if block.carries_scores)
 
     @property
-    def shared_first_depth(self) -> int | None:
-        """With weights shared, the depth :func:`run_blocks` numbers ``blocks()[0]`` (dropout draws per depth)."""
-        return self.first_depth if self.share_layers else None
+    def depths(self) -> range:
+        return range(*self.held)
 
+    @property
+    def starts(self) -> bool:
+        """Whether the stack's first block is held here (its input is the embedded tokens)."""
+        return self.held[0] == 0
 
-def run_blocks(blocks: list[nn.Module], x: torch.Tensor, position: nn.Module | None,
-               memory: torch.Tensor | None = None, scores: torch.Tensor | None = None,
-               first_depth: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Apply ``blocks`` in order; returns (x, scores). ``scores`` are the pre-softmax scores that RealFormer
-    blocks (``carries_scores``) pass on; other blocks leave them as they are. A pipeline stage calls this on
-    its blocks and sends ``scores`` along with ``x`` when it is not None. ``first_depth`` (shared weights:
-    :attr:`Stack.shared_first_depth`): block i runs at depth first_depth + i, where its dropout draws its own masks."""
-    for index, block in enumerate(blocks):
-        with dropout_depth(None if first_depth is None else first_depth + index):
+    @property
+    def ends(self) -> bool:
+        """Whether the stack's last block is held here (its final norm follows)."""
+        return self.held[1] == self.n_layers
+
+    def blocks(self) -> list[nn.Module]:
+        """The held blocks in execution order (one block repeated when weights are shared)."""
+        if self.share_layers:
+            return [self.layers["0"]] * len(self.depths)
+        return list(self.layers.values())
+
+    def scores_cross(self, boundary: int) -> bool:
+        """Whether RealFormer scores cross the boundary before depth ``boundary``: a carrying block on each side."""
+        return any(d < boundary for d in self.carrying) and any(d >= boundary for d in self.carrying)
+
+    def keep(self, depths: range) -> None:
+        """Delete every block outside ``depths`` (a pipeline stage's run), the final norm unless the run ends the
+        stack, and an absolute position table unless it starts it (positions are added once, before the first)."""
+        kept = {"0"} if self.share_layers else {str(depth) for depth in depths}
+        for name in [name for name in self.layers if name not in kept]:
+            del self.layers[name]
+        self.held = (depths.start, depths.stop)
+        if not self.ends:
+            self.final_norm = None
+        if not self.starts and self.position is not None and self.position.adds_to_input:
+            self.position = None
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor | None, scores: torch.Tensor | None,
+                context: StepContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Apply the held blocks in order; returns (x, scores), ``scores`` being the RealFormer scores that
+        ``carries_scores`` blocks pass on (other blocks leave them as they are)."""
+        position = self.position
+        if position is not None and not self.starts:
+            position = TappedPosition.around(position, x)
+        for depth, block in zip(self.depths, self.blocks()):
+            block_context = context.at_depth(depth) if self.share_layers else context
             if block.carries_scores:
-                x, scores = block(x, position, memory, scores=scores)
+                x, scores = block(x, position, memory, scores=scores, context=block_context)
             else:
-                x = block(x, position, memory)
-    return x, scores
+                x = block(x, position, memory, context=block_context)
+        return x, scores
 
 
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
+        self.seq2seq = config.family == "encoder_decoder"
         self.embedding = nn.Embedding(config.vocab_size, config.d_model)
         self.embedding_norm = (
             build_norm(config.norm, config.d_model, config.norm_eps) if config.embedding_norm else None
         )
         self.embedding_dropout = Dropout(config.dropout)
         decoder_only = config.family == "decoder"
-        self.stack = Stack(config, config.n_layers, causal=decoder_only, cross=False, first_index=0)
+        self.stack: Stack | None = Stack(config, config.n_layers, causal=decoder_only, cross=False, first_index=0)
         self.decoder = (
             Stack(config, config.decoder_layers, causal=True, cross=True, first_index=config.n_layers)
-            if config.family == "encoder_decoder" else None
+            if self.seq2seq else None
         )
         self.head_transform = LMHeadTransform(config) if config.lm_head_transform else None
         self.output = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
@@ -100,46 +142,109 @@ class Transformer(nn.Module):
         name_dropout_sites(self)
 
     def tie_weights(self) -> None:
-        """Share the embedding matrix with the output projection (Press & Wolf 2017); re-run after to_empty."""
-        if self.config.tie_embeddings:
+        """Share the embedding matrix with the output projection (Press & Wolf 2017); re-run after to_empty. A
+        pipeline stage holding the projection but not the embedding keeps its own copy (``output.weight``)."""
+        if self.config.tie_embeddings and self.embedding is not None and self.output is not None:
             self.output.weight = self.embedding.weight
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embedding(tokens)
-        if self.config.family == "encoder_decoder" and self.config.tie_embeddings:
-            x = x * self.config.d_model**0.5  # T5/Vaswani scaling keeps tied embeddings well-conditioned
-        return x
+    @property
+    def layer_count(self) -> int:
+        """Blocks a pipeline cuts: the encoder's, then the decoder's for an encoder-decoder model."""
+        return self.config.n_layers + (self.config.decoder_layers if self.seq2seq else 0)
 
-    def _embed_for_stack(self, tokens: torch.Tensor, stack: Stack) -> torch.Tensor:
-        x = stack.position.embed(self.embed(tokens))
+    def keep_layers(self, layers: list[int]) -> None:
+        """Cut this model down to a pipeline stage holding the consecutive ``layers`` (indices into the encoder's
+        blocks then the decoder's) by deleting every module the stage does not run: the embedding unless the stage
+        starts a stack, the head unless it ends the last one. A tied output projection without the embedding
+        becomes a copy of its own, whose gradients the pipeline sums with the embedding's."""
+        n = self.config.n_layers
+        for name, depths in (("stack", [i for i in layers if i < n]), ("decoder", [i - n for i in layers if i >= n])):
+            stack = getattr(self, name)
+            if stack is None:
+                continue
+            if depths:
+                stack.keep(range(depths[0], depths[-1] + 1))
+            else:
+                setattr(self, name, None)
+        stacks = [stack for stack in (self.stack, self.decoder) if stack is not None]
+        if not any(stack.starts for stack in stacks):
+            self.embedding, self.embedding_norm = None, None
+        last = self.decoder if self.seq2seq else self.stack
+        if last is None or not last.ends:
+            self.head_transform, self.output = None, None
+        elif self.config.tie_embeddings and self.embedding is None:
+            self.output.weight = nn.Parameter(self.output.weight.detach().clone())
+
+    def _embed(self, tokens: torch.Tensor, stack: Stack, context: StepContext) -> torch.Tensor:
+        if self.embedding is None:
+            raise ValueError("this pipeline stage starts a stack but holds no embedding")
+        x = self.embedding(tokens)
+        if self.seq2seq and self.config.tie_embeddings:
+            x = x * self.config.d_model**0.5  # T5/Vaswani scaling keeps tied embeddings well-conditioned
+        if stack.position is not None:
+            x = stack.position.embed(x, context)
         if self.embedding_norm is not None:
             x = self.embedding_norm(x)
-        return self.embedding_dropout(x)
+        return self.embedding_dropout(x, context=context)
 
-    def hidden_states(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Final hidden states (B, T, D) of the stack that feeds the LM head."""
-        x = self._embed_for_stack(input_ids, self.stack)
-        with routing_token_ids(input_ids):  # hash-routed MoE layers route by the ids of the tokens they see
-            x, _ = run_blocks(self.stack.blocks(), x, self.stack.position,
-                              first_depth=self.stack.shared_first_depth)
-        if self.stack.final_norm is not None:
-            x = self.stack.final_norm(x)
-        if self.decoder is None:
-            return x
-        if decoder_input_ids is None:
-            raise ValueError("an encoder-decoder model needs decoder_input_ids")
-        memory = x
-        y = self._embed_for_stack(decoder_input_ids, self.decoder)
-        with routing_token_ids(decoder_input_ids):
-            y, _ = run_blocks(self.decoder.blocks(), y, self.decoder.position, memory,
-                              first_depth=self.decoder.shared_first_depth)
-        return self.decoder.final_norm(y) if self.decoder.final_norm is not None else y
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _head(self, x: torch.Tensor, project: bool) -> torch.Tensor:
         if self.head_transform is not None:
-            hidden = self.head_transform(hidden)
-        return self.output(hidden)
+            x = self.head_transform(x)
+        return self.output(x) if project else x
 
-    def forward(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, vocab) (of the decoder, for encoder-decoder models)."""
-        return self.logits(self.hidden_states(input_ids, decoder_input_ids))
+    @staticmethod
+    def _send(outputs: tuple[torch.Tensor, ...], stack: Stack, scores: torch.Tensor | None,
+              received: torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """What a stage ending inside ``stack`` sends on: ``outputs``, with the scores last when they cross (passed
+        through untouched, as a new tensor, so the pipeline's backward reaches them)."""
+        if stack.scores_cross(stack.held[1]):
+            outputs = (*outputs, scores.clone() if scores is received else scores)
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def forward(self, inputs: torch.Tensor, *received: torch.Tensor, decoder_input_ids: torch.Tensor | None = None,
+                context: StepContext | None = None, project: bool = True) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Token ids (B, T) -> logits (B, T, vocab) (an encoder-decoder's: of its decoder, fed ``decoder_input_ids``).
+
+        ``context``: the batch's place in the run (dropout masks, router noise, hash-routing ids; None: plain
+        PyTorch draws). ``project=False`` returns the hidden states the output projection reads (after BERT's head
+        transform), for a loss that fuses the projection. A pipeline stage takes what the previous one sent
+        (``inputs``, then ``received``) and returns what it sends on (see the module docstring).
+        """
+        context = StepContext() if context is None else context
+        stack, decoder = self.stack, self.decoder
+        memory = None
+        if stack is not None:
+            if stack.starts:
+                if received:
+                    raise TypeError("Transformer.forward takes the token ids and, by keyword, decoder_input_ids= "
+                                    f"(got {len(received)} more positional tensors)")
+                x, scores, context = self._embed(inputs, stack, context), None, context.with_token_ids(inputs)
+            else:
+                x, scores = inputs, (received[-1] if stack.scores_cross(stack.held[0]) else None)
+            arrived = scores
+            x, scores = stack(x, None, scores, context)
+            if not stack.ends:
+                return self._send((x,), stack, scores, arrived)
+            if stack.final_norm is not None:
+                x = stack.final_norm(x)
+            if not self.seq2seq:
+                return self._head(x, project)
+            if decoder is None:
+                return x  # the memory, for the stage holding the decoder's first block
+            memory = x
+        if decoder_input_ids is None and decoder.starts:
+            raise ValueError("an encoder-decoder model needs decoder_input_ids")
+        if decoder.starts:
+            memory = inputs if memory is None else memory
+            y, scores = self._embed(decoder_input_ids, decoder, context), None
+        else:
+            y, memory = inputs, received[0]
+            scores = received[-1] if decoder.scores_cross(decoder.held[0]) else None
+        arrived = scores
+        y, scores = decoder(y, memory, scores, context.with_token_ids(decoder_input_ids))
+        if not decoder.ends:
+            # A new tensor (not a view: schedules detach their outputs in place), so the memory's gradient goes back.
+            return self._send((y, memory.clone()), decoder, scores, arrived)
+        if decoder.final_norm is not None:
+            y = decoder.final_norm(y)
+        return self._head(y, project)

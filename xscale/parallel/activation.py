@@ -6,8 +6,8 @@ add ``_checkpoint_wrapped_module`` to parameter names; checkpoints and the initi
 
 The recomputation draws the dropout masks, hash-routes the tokens, and routes attention with the k-means centroids
 (Roy et al. 2021) of the forward it repeats, wherever its backward runs (a pipeline schedule runs it after other
-microbatches' forwards, which move the centroids): every scoped value that declares what a recomputation needs of
-it is re-entered (:func:`xscale.models.scoped.recomputation_scopes`).
+microbatches' forwards, which move the centroids): it runs with the same arguments, the forward's
+:class:`~xscale.runtime.StepContext` included, whose memo holds what the forward left for it.
 """
 
 from __future__ import annotations
@@ -15,12 +15,9 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
-from xscale.models.scoped import recomputation_scopes
-
 
 def _wrap(module: nn.Module) -> nn.Module:
-    return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=True,
-                              context_fn=recomputation_scopes)
+    return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=True)
 
 
 def apply_activation_checkpointing(stacks: list[nn.Module], mode: str) -> None:

@@ -8,12 +8,14 @@ runs on the local slice as it would on one device. Attention keeps its queries l
 the cp group (one collective for both; backward: a reduce-scatter of their gradients, since every rank's queries
 read every key), reordered to global token order. What depends on where a token sits uses its GLOBAL position:
 the causal mask (local queries against all keys), RoPE, absolute position embeddings (learned, sinusoidal),
-ALiBi and T5 biases (the rows of this rank's queries), and dropout masks (:class:`SequenceSlice` tells each
-:class:`~xscale.models.dropout.Dropout` which global tokens it holds, so every layout drops the same elements).
+ALiBi and T5 biases (the rows of this rank's queries), and dropout masks: the position encodings and every
+:class:`~xscale.models.dropout.Dropout` read the rank's global positions from the forward's
+:class:`~xscale.runtime.StepContext` (``sequence``: this rank's :class:`SequenceSlice`), so every layout drops
+the same elements.
 
-The model stays single-device PyTorch: this module overrides the position encodings' hooks on the instances,
-registers a forward pre-hook on each attention core (it gathers K/V and turns ``causal`` into an explicit mask
-over global positions) and slices each microbatch in the loss function (:func:`context_parallel_loss_sum`). Each
+The model stays single-device PyTorch: this module registers a forward pre-hook on each attention core (it
+gathers K/V and turns ``causal`` into an explicit mask over global positions), and the loss function slices each
+microbatch and runs the model with the slice in its context (:func:`context_parallel_loss_sum`). Each
 rank's token losses are summed and divided by the global token count, so the losses summed over dp x cp and the
 gradients summed over dp x cp (:mod:`xscale.parallel.data`; ZeRO shards over dp_shard x cp) are one process's.
 
@@ -29,7 +31,6 @@ do not split into cp (2cp) equal chunks.
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 
 import torch
@@ -39,21 +40,19 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from xscale.config import Config, ConfigError, ModelConfig
 from xscale.models.attention import Attention
-from xscale.models.dropout import Dropout, SlicedDim
 from xscale.models.registry import ATTENTION, POSITION
 from xscale.models.traits import traits_of
 from xscale.parallel.collectives import all_gather_flat, reduce_scatter_flat
 from xscale.parallel.dims import ParallelDims
+from xscale.runtime import StepContext
 
-TOKENS = 1  # the token dim of the residual stream (B, T, D) and of the batch's (B, T) ids and labels
-QUERIES = 2  # the query dim of attention probabilities (B, H, Tq, Tk)
+TOKENS = 1  # the token dim of the batch's (B, T) ids and labels
 
 
-class SequenceSlice(SlicedDim):
-    """Which global tokens cp rank ``rank`` holds (along dim ``dim`` of the tensors it describes)."""
+class SequenceSlice:
+    """Which global tokens cp rank ``rank`` holds of each sequence (a :class:`~xscale.runtime.SequenceLayout`)."""
 
-    def __init__(self, cp: int, rank: int, load_balance: bool, dim: int = TOKENS) -> None:
-        super().__init__(dim)
+    def __init__(self, cp: int, rank: int, load_balance: bool) -> None:
         self.cp, self.rank, self.load_balance = cp, rank, load_balance
         self._cache: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
@@ -61,10 +60,6 @@ class SequenceSlice(SlicedDim):
     def chunks(self) -> int:
         """Equal chunks a sequence is cut into: cp, or 2cp when load balanced."""
         return 2 * self.cp if self.load_balance else self.cp
-
-    def at(self, dim: int) -> SequenceSlice:
-        """The same slice along another dim (attention probabilities hold the queries on dim 2)."""
-        return SequenceSlice(self.cp, self.rank, self.load_balance, dim)
 
     def global_size(self, local_size: int) -> int:
         return local_size * self.cp
@@ -153,38 +148,6 @@ def _shard_attention_core(core: nn.Module, group: dist.ProcessGroup, layout: Seq
         return (q, k, v), {**kwargs, "causal": False, "bias": bias}
 
     core.register_forward_pre_hook(gather, with_kwargs=True)
-    core.dropout.sliced_dim = layout.at(QUERIES)  # probabilities (B, H, Tq, Tk): local queries, all keys
-
-
-def _shard_position(position: nn.Module, layout: SequenceSlice) -> None:
-    """Override the encoding's hooks on the instance so that they act at this rank's global positions (the
-    single-device hook computes the whole sequence's table, of which the rank's rows are taken)."""
-    from xscale.ops import apply_rope
-
-    if position.adds_to_input:
-        whole_embed = position.embed
-
-        def embed(self, x: torch.Tensor) -> torch.Tensor:
-            table = whole_embed(x.new_zeros(1, layout.global_size(x.shape[1]), x.shape[2]))
-            return x + table[:, layout.coordinates(x.shape[1], x.device)]
-
-        position.embed = types.MethodType(embed, position)
-    if position.rotates_qk:
-        def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            positions = layout.coordinates(q.shape[-2], q.device)
-            cos, sin = self._cos_sin(layout.global_size(q.shape[-2]), q.device)
-            cos, sin = cos[positions], sin[positions]
-            return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
-        position.rotate = types.MethodType(rotate, position)
-    if position.biases_logits:
-        whole_bias = position.bias
-
-        def bias(self, q_len: int, k_len: int, heads: slice) -> torch.Tensor:
-            full = whole_bias(layout.global_size(q_len), layout.global_size(k_len), heads)
-            return full[:, layout.coordinates(q_len, full.device)]
-
-        position.bias = types.MethodType(bias, position)
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, *, load_balance: bool = False) -> SequenceSlice:
@@ -196,29 +159,25 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, *, load_balanc
     check_context_parallel_model(model.config, cp_mesh.size())
     layout = SequenceSlice(cp_mesh.size(), cp_mesh.get_local_rank(), load_balance)
     group = cp_mesh.get_group()
-    in_attention = set()
     for module in model.modules():
         if isinstance(module, Attention):
             _shard_attention_core(module.core, group, layout)
-            in_attention.update(id(inner) for inner in module.core.modules())
-    for module in model.modules():
-        if isinstance(module, Dropout) and id(module) not in in_attention:
-            module.sliced_dim = layout  # residual stream, embedding and FFN activations: tokens on dim 1
-    _shard_position(model.stack.position, layout)
     return layout
 
 
-def context_parallel_loss_sum(layout: SequenceSlice,
-                              loss_sum: Callable[[nn.Module, dict], torch.Tensor]) -> Callable[[nn.Module, dict],
-                                                                                                torch.Tensor]:
-    """``loss_sum`` on this rank's tokens of the microbatch (the whole sequences every cp rank holds): the sum of
-    its token losses, which the engine divides by the global token count."""
+LossSum = Callable[[nn.Module, dict, StepContext | None], torch.Tensor]
 
-    def local_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+
+def context_parallel_loss_sum(layout: SequenceSlice, loss_sum: LossSum) -> LossSum:
+    """``loss_sum`` on this rank's tokens of the microbatch (the whole sequences every cp rank holds), run with the
+    slice in its context: the sum of its token losses, which the engine divides by the global token count."""
+
+    def local_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor],
+                       context: StepContext | None = None) -> torch.Tensor:
         positions = layout.positions_of(layout.rank, batch["input_ids"].shape[TOKENS], batch["input_ids"].device)
         local = {key: value.index_select(TOKENS, positions) if value.dim() > TOKENS else value
                  for key, value in batch.items()}
-        return loss_sum(model, local)
+        return loss_sum(model, local, (context or StepContext()).with_sequence(layout))
 
     return local_loss_sum
 

@@ -28,30 +28,19 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.device_mesh import DeviceMesh
 
 from xscale.config import TrainConfig
-from xscale.models.dropout import DropoutPosition, dropout_position
 from xscale.models.training_step import begin_training_step
-from xscale.ops import cross_entropy_sum, linear_cross_entropy_sum
 from xscale.parallel.data import DataParallel
 from xscale.parallel.expert_state import globalize_expert_state, localize_expert_state
 from xscale.parallel.grad_norm import clip_gradients
+from xscale.parallel.loss import Batch, model_loss_sum
 from xscale.parallel.routing_groups import RoutingGroups
+from xscale.runtime import StepContext
 from xscale.train.optim import build_optimizer
 
-Batch = dict[str, torch.Tensor]
-LossFunction = Callable[[nn.Module, Batch], torch.Tensor]
+LossFunction = Callable[[nn.Module, Batch, StepContext | None], torch.Tensor]
 # Optimizer state flattened to ``state.<name>.<key>`` / ``param_groups.<name>.<key>``: nested param groups are
 # saved by group index, which collides when ranks hold different parameters (pipeline stages).
 STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-def model_loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """Sum of token cross-entropies over labelled tokens (labels == -100 are ignored)."""
-    hidden = model.hidden_states(batch["input_ids"], batch.get("decoder_input_ids"))
-    if model.head_transform is not None:
-        hidden = model.head_transform(hidden)
-    if model.output.bias is None:
-        return linear_cross_entropy_sum(hidden, model.output.weight, batch["labels"])
-    return cross_entropy_sum(model.output(hidden), batch["labels"])
 
 
 def split_microbatches(batch: Batch, micro_batch_size: int) -> list[Batch]:
@@ -63,7 +52,7 @@ def split_microbatches(batch: Batch, micro_batch_size: int) -> list[Batch]:
 class Engine:
     """Runs a step's microbatches on this rank's model; data parallelism is delegated to a strategy object.
 
-    ``loss_fn(model, microbatch)`` returns the summed token loss (vocabulary-parallel under tensor parallelism);
+    ``loss_fn(model, microbatch, context)`` returns the summed token loss (:mod:`xscale.parallel.loss`);
     ``data_parallel`` (:mod:`xscale.parallel.data`) reduces token counts, losses and gradients over the
     data-parallel ranks and owns the optimizer step (ZeRO). Without one the engine is the single-device trainer.
     """
@@ -121,10 +110,10 @@ class Engine:
         return RoutingGroups(self.model_parts, self.data_parallel.routing_groups,
                              self.data_parallel.sum_over_routing_groups)
 
-    def train_step(self, batch: Batch, position: DropoutPosition | None = None) -> torch.Tensor:
+    def train_step(self, batch: Batch, context: StepContext | None = None) -> torch.Tensor:
         """Forward + backward over the microbatches; returns the global-batch mean loss (detached).
 
-        ``position``: where ``batch`` sits in the run (step, first global sample); each microbatch's dropout
+        ``context``: where ``batch`` sits in the run (step, first global sample); each microbatch's dropout
         masks are then those of its rows in the global batch, as on one device (:mod:`xscale.models.dropout`).
         """
         for part in self.model_parts:
@@ -137,10 +126,10 @@ class Engine:
         for index, micro in enumerate(micros):
             if self.distributed:
                 self.data_parallel.requires_gradient_sync(index == len(micros) - 1)
-            with dropout_position(position and position.microbatch(index, self.micro_batch_size)):
-                with self._autocast():
-                    loss = self.loss_fn(self.model, micro) / tokens
-                loss.backward()
+            micro_context = context and context.microbatch(index, self.micro_batch_size)
+            with self._autocast():
+                loss = self.loss_fn(self.model, micro, micro_context) / tokens
+            loss.backward()
             total += loss.detach().float()
         if self.distributed:
             self.data_parallel.after_backward()
@@ -155,7 +144,7 @@ class Engine:
         total = torch.zeros((), dtype=torch.float32, device=self._device())
         for micro in split_microbatches(batch, self.micro_batch_size):
             with self._autocast():
-                total += (self.loss_fn(self.model, micro) / tokens).float()
+                total += (self.loss_fn(self.model, micro, None) / tokens).float()
         return self.reduce_loss(total)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from xscale.parallel.data import DataParallel, NamedParameter
 from xscale.parallel.dims import ParallelDims
@@ -45,8 +45,6 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, param_dty
     for unit in [*expert_modules, *blocks, model]:
         unit.set_gradient_divide_factor(1.0)  # sums: the loss is already the global-batch mean
         unit.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no PREMUL_SUM)
-    if hasattr(model, "hidden_states"):
-        register_fsdp_forward_method(model, "hidden_states")
 
 
 class FullyShardedDataParallel(DataParallel):

@@ -26,8 +26,11 @@ import dataclasses
 import torch
 
 from xscale.config import Config
+from xscale.models import build_model
 from xscale.parallel.data import is_expert_parameter, local_tensor
 from xscale.parallel.dims import ParallelDims
+from xscale.parallel.pipeline import SCHEDULES
+from xscale.parallel.pipeline_stages import pipeline_layers, split_layers, stage_to_rank
 
 BYTES_PER_VALUE = 4
 OPTIMIZER_VALUES = 2  # AdamW: exp_avg, exp_avg_sq
@@ -52,22 +55,14 @@ def predicted_state_bytes(num_params: int, dims: ParallelDims, expert_params: in
 
 def pipeline_rank_parameters(config: Config, dims: ParallelDims) -> list[tuple[int, int]]:
     """(parameters, expert parameters) of each pp rank's stages, counted on meta-device stage modules."""
-    from xscale.models import build_model
-    from xscale.parallel.pipeline import SCHEDULES
-    from xscale.parallel.pipeline_stages import (
-        PipelineStageModule,
-        pipeline_layers,
-        split_layers,
-        stage_to_rank,
-    )
-
     parallel = config.parallel
     num_stages = dims.pp * parallel.pp_stages_per_rank
     ranks = stage_to_rank(num_stages, dims.pp, SCHEDULES[parallel.pp_schedule].placement)
     meta = build_model(config.model, materialize=False)
     counts = [[0, 0] for _ in range(dims.pp)]
     for index, layers in enumerate(split_layers(pipeline_layers(config.model), num_stages, parallel.pp_split)):
-        stage = PipelineStageModule(copy.deepcopy(meta), layers, is_first=index == 0, is_last=index == num_stages - 1)
+        stage = copy.deepcopy(meta)
+        stage.keep_layers(layers)
         for name, param in stage.named_parameters():  # a last stage's output.weight is the tied copy
             counts[ranks[index]][0] += param.numel()
             counts[ranks[index]][1] += param.numel() if is_expert_parameter(name) else 0

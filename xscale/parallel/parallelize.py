@@ -24,10 +24,15 @@ from xscale.models.init import canonical_name, init_weights
 from xscale.models.moe import moe_layers
 from xscale.models.traits import traits_of
 from xscale.parallel.activation import apply_activation_checkpointing
+from xscale.parallel.context import apply_context_parallel, context_parallel_loss_sum
 from xscale.parallel.data import DataParallel, NamedParameter, ReplicatedDataParallel, ZeroDataParallel
 from xscale.parallel.dims import ParallelDims
-from xscale.parallel.engine import Engine, model_loss_sum
+from xscale.parallel.engine import Engine
 from xscale.parallel.expert import apply_expert_parallel
+from xscale.parallel.fsdp import FullyShardedDataParallel, apply_fsdp
+from xscale.parallel.loss import model_loss_sum
+from xscale.parallel.pipeline import PipelineEngine
+from xscale.parallel.tensor import apply_tensor_parallel
 
 
 def _stacks(model: nn.Module) -> list[nn.Module]:
@@ -90,17 +95,12 @@ def build_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh | None, de
     model = build_model(config.model, materialize=False)
     loss_fn = model_loss_sum
     if dims.tp > 1:
-        from xscale.parallel.tensor import apply_tensor_parallel, tensor_parallel_loss_sum
-
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=config.parallel.sequence_parallel)
-        loss_fn = tensor_parallel_loss_sum
     if dims.ep > 1:
         # Expert parallelism slices materialised experts, so the slices are rows of the single-process init.
         _materialize(model, config, device)
         apply_expert_parallel(model, mesh["ep"])
     if dims.cp > 1:
-        from xscale.parallel.context import apply_context_parallel, context_parallel_loss_sum
-
         layout = apply_context_parallel(model, mesh["cp"], load_balance=config.parallel.cp_load_balance)
         loss_fn = context_parallel_loss_sum(layout, loss_fn)
     apply_activation_checkpointing(_stacks(model), config.parallel.activation_checkpointing)
@@ -130,8 +130,6 @@ def _data_parallel(parts: list[nn.Module], dims: ParallelDims, mesh: DeviceMesh,
         return [entry for module in modules for entry in named_parameters(module)]
 
     if dims.zero_stage == 3 and dims.dp_cp > 1:
-        from xscale.parallel.fsdp import FullyShardedDataParallel, apply_fsdp
-
         for part in parts:
             experts = [layer.experts for layer in moe_layers(part)] if dims.ep > 1 else []
             apply_fsdp(part, mesh, dims, autocast, _blocks(part), expert_modules=experts)
@@ -148,12 +146,8 @@ def _build_pipeline_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh,
     """Stages cut from the meta model, each tensor-parallel over ``tp`` (the first stage's embedding and the last
     stage's output projection split by vocabulary), activation-checkpointed and compiled before the engine
     materialises and initialises it; data parallel around them."""
-    from xscale.parallel.pipeline import PipelineEngine
-
     def parallelize_stage(stage: nn.Module) -> None:
         if dims.tp > 1:
-            from xscale.parallel.tensor import apply_tensor_parallel
-
             apply_tensor_parallel(stage, mesh["tp"], sequence_parallel=config.parallel.sequence_parallel)
         apply_activation_checkpointing(_stacks(stage), config.parallel.activation_checkpointing)
         _compile_blocks(stage, config)

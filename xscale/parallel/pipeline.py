@@ -17,16 +17,16 @@ vocabulary-parallel, and what one stage sends the next is a plain local tensor: 
 hidden states, or under sequence parallelism this tp rank's sequence shard (B/m, T/tp, D), always to
 the same tp rank of the next stage, so PipelineStage infers the shapes from the first microbatch.
 
-Encoder-decoder models pipeline over the encoder's layers then the decoder's
-(:mod:`~xscale.parallel.pipeline_stages`): decoder stages send (decoder hidden, memory), and the first decoder
-stage embeds the microbatch's ``decoder_input_ids``, which every pp rank has (the batch is the same on all).
+Every stage runs the model's own forward (:mod:`~xscale.parallel.pipeline_stages`) with, as keywords, the
+microbatch's :class:`~xscale.runtime.StepContext` (its dropout position and token ids) and ``decoder_input_ids``,
+which the first decoder stage of an encoder-decoder model embeds (every pp rank has the batch).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -40,18 +40,15 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.tensor import DTensor
 
 from xscale.config import Config, ConfigError, ModelConfig
-from xscale.models.dropout import DropoutPosition, dropout_position
 from xscale.models.init import canonical_name
-from xscale.models.moe.token_ids import routing_token_ids
 from xscale.models.training_step import begin_training_step
 from xscale.models.transformer import Transformer
-from xscale.ops import cross_entropy_sum, linear_cross_entropy_sum
 from xscale.parallel.engine import STATE_DICT_OPTIONS, Batch, Engine
 from xscale.parallel.expert_state import globalize_expert_state, localize_expert_state
 from xscale.parallel.grad_norm import clip_gradients
+from xscale.parallel.loss import token_loss_sum
 from xscale.parallel.pipeline_checkpoint import (
     add_aliases,
     copies_to_sources,
@@ -61,17 +58,17 @@ from xscale.parallel.pipeline_checkpoint import (
 )
 from xscale.parallel.pipeline_shared import SharedParameterGrads, shared_block_modules, shared_parameters
 from xscale.parallel.pipeline_stages import (
-    PipelineStageModule,
     build_stage_module,
-    decoder_input_ids,
+    is_first,
+    is_last,
     pipeline_layers,
     split_layers,
     stage_to_rank,
+    whole_backward,
 )
-from xscale.parallel.vocab_parallel import vocab_sharded_loss_sum
+from xscale.runtime import StepContext
 
-__all__ = ["SCHEDULES", "PipelineEngine", "PipelineStageModule", "check_pipeline", "ideal_bubble",
-           "resolve_microbatches", "split_layers"]
+__all__ = ["SCHEDULES", "PipelineEngine", "check_pipeline", "ideal_bubble", "resolve_microbatches", "split_layers"]
 
 
 class ForwardOnlyZBV(ScheduleZBVZeroBubble):
@@ -285,33 +282,35 @@ def _pp_group(pp: DeviceMesh | dist.ProcessGroup) -> dist.ProcessGroup:
 
 
 class MicrobatchStage(QuietMetadataStage):
-    """A stage whose forward of microbatch k, whatever order the schedule runs microbatches in, draws the dropout
-    masks of that microbatch's rows in the global batch (:mod:`xscale.models.dropout`) and hash-routes by that
-    microbatch's token ids (:mod:`xscale.models.moe.token_ids`; stages after the first receive only hidden states);
-    the first decoder stage of an encoder-decoder model embeds that microbatch's ``decoder_input_ids``."""
+    """A stage whose forward of microbatch k, whatever order the schedule runs microbatches in, gets that
+    microbatch's context (dropout masks of its rows in the global batch, :mod:`xscale.models.dropout`; its token
+    ids for hash routing) and ``decoder_input_ids`` as keywords of the model's forward."""
 
     engine: PipelineEngine
+    _chunk = 0
 
-    def _rows(self, ids: torch.Tensor, microbatch: int) -> torch.Tensor | None:
-        rows = self.engine.rows_per_microbatch
-        return ids[microbatch * rows:(microbatch + 1) * rows] if ids.numel() else None
-
-    @contextmanager
-    def _microbatch(self, index: int) -> Iterator[None]:
-        """Dropout position, routing token ids and decoder ids of microbatch ``index``."""
+    def _chunk_kwargs(self, index: int) -> dict:
         engine = self.engine
-        position = engine.dropout_position and engine.dropout_position.microbatch(index, engine.rows_per_microbatch)
-        with (dropout_position(position), routing_token_ids(self._rows(engine.step_input_ids, index)),
-              decoder_input_ids(self._rows(engine.step_decoder_input_ids, index))):
-            yield
+        rows = engine.rows_per_microbatch
 
-    def _prepare_forward_infra(self, *args, **kwargs):
-        with self._microbatch(0):  # torch's shape inference runs the first microbatch
-            return super()._prepare_forward_infra(*args, **kwargs)
+        def part(ids: torch.Tensor) -> torch.Tensor | None:
+            return ids[index * rows:(index + 1) * rows] if ids.numel() else None
+
+        context = engine.step_context.microbatch(index, rows) if engine.step_context else StepContext()
+        return {"decoder_input_ids": part(engine.step_decoder_input_ids),
+                "context": context.with_token_ids(part(engine.step_input_ids)), "project": False}
+
+    def _prepare_forward_infra(self, num_microbatches: int, args, kwargs=None, has_backward: bool = False):
+        # torch's shape inference runs the first microbatch
+        return super()._prepare_forward_infra(num_microbatches, args, {**(kwargs or {}), **self._chunk_kwargs(0)},
+                                              has_backward=has_backward)
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
-        with self._microbatch(fwd_chunk_id):
-            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        self._chunk = fwd_chunk_id
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def forward_maybe_with_nosync(self, *args, **kwargs):
+        return super().forward_maybe_with_nosync(*args, **kwargs, **self._chunk_kwargs(self._chunk))
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         """A stage that embeds tokens midway (the first decoder stage, after the first stage) runs its whole
@@ -320,7 +319,7 @@ class MicrobatchStage(QuietMetadataStage):
         share unfreed subgraphs, as on the first stage, which torch also runs whole. So does a stage running a
         shared block (``model.share_layers``) at several depths: the weight half would start from each depth's use
         of a weight and run back through the earlier depths' graph, which the first parameter group frees."""
-        if self.submod.whole_backward and backward_type in ("input", "weight"):
+        if whole_backward(self.submod) and backward_type in ("input", "weight"):
             if backward_type == "weight":
                 return (), None
             backward_type = "full"
@@ -339,7 +338,7 @@ class PipelineEngine(Engine):
                  microbatches: int, schedule: str = "1f1b", stages_per_rank: int = 1,
                  device: torch.device | str = "cpu", seed: int = 0, pp_split: list[int] | None = None,
                  autocast_dtype: torch.dtype | None = None,
-                 parallelize_stage: Callable[[PipelineStageModule], None] | None = None) -> None:
+                 parallelize_stage: Callable[[Transformer], None] | None = None) -> None:
         self.group = _pp_group(pp)
         self.pp_size, self.pp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         if self.pp_size < 2:
@@ -360,21 +359,15 @@ class PipelineEngine(Engine):
         self.stage_ranks = stage_to_rank(self.num_stages, self.pp_size, self.spec.placement)
         self.stage_indices = [s for s in range(self.num_stages) if self.stage_ranks[s] == self.pp_rank]
         layers = split_layers(pipeline_layers(model_config), self.num_stages, pp_split)
-        self.stages = [
-            build_stage_module(meta_model, layers[index], is_first=index == 0, is_last=index == self.num_stages - 1,
-                               device=self.device, seed=seed, parallelize=parallelize_stage)
-            for index in self.stage_indices
-        ]
-        # Tensor parallelism split the output projection by vocabulary (read before ZeRO-3 makes every weight a
-        # DTensor): the loss is then vocabulary-parallel, and the full logits never exist.
-        self.vocab_parallel = isinstance(self.stages[-1].output.weight, DTensor) if self.holds_last else False
+        self.stages = [build_stage_module(meta_model, layers[index], device=self.device, seed=seed,
+                                          parallelize=parallelize_stage) for index in self.stage_indices]
         self.last_rank = self.stage_ranks[-1]
         # The tied embedding's ends, an encoder-decoder's embedding copy and a logit-bias position table (T5)
         # live on several stages.
         self.shared = SharedParameterGrads(self.stages, self.stage_indices, self.stage_ranks,
                                            shared_parameters(meta_model, layers), self.group)
         self._schedules: dict[tuple, object] = {}
-        self.dropout_position: DropoutPosition | None = None  # this step's, while train_step runs
+        self.step_context: StepContext | None = None  # this step's, while train_step runs
         self.rows_per_microbatch = 0
         self.step_input_ids = torch.empty(0, dtype=torch.long)  # the batch's, while a step or an evaluation runs
         self.step_decoder_input_ids = torch.empty(0, dtype=torch.long)
@@ -389,7 +382,7 @@ class PipelineEngine(Engine):
     @classmethod
     def from_config(cls, config: Config, meta_model: Transformer, pp: DeviceMesh | dist.ProcessGroup,
                     device: torch.device | str = "cpu",
-                    parallelize_stage: Callable[[PipelineStageModule], None] | None = None) -> PipelineEngine:
+                    parallelize_stage: Callable[[Transformer], None] | None = None) -> PipelineEngine:
         parallel = config.parallel
         autocast = torch.bfloat16 if config.train.precision == "bf16" else None
         # ParallelDims.from_config has resolved an unset count against the batch; here only the schedule's floor.
@@ -406,22 +399,15 @@ class PipelineEngine(Engine):
 
     @property
     def holds_first(self) -> bool:
-        return self.stages[0].is_first
+        return is_first(self.stages[0])
 
     @property
     def holds_last(self) -> bool:
-        return self.stages[-1].is_last
+        return is_last(self.stages[-1])
 
     # ------------------------------------------------------------------ schedule
     def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        output = self.stages[-1].output
-        if self.vocab_parallel:
-            total = vocab_sharded_loss_sum(output(hidden), labels)
-        elif output.bias is None:
-            total = linear_cross_entropy_sum(hidden, output.weight, labels)
-        else:
-            total = cross_entropy_sum(output(hidden), labels)
-        return total.float() / self._token_count
+        return token_loss_sum(hidden, self.stages[-1].output, labels).float() / self._token_count
 
     def _schedule(self, batch: Batch, training: bool):
         rows = batch["input_ids"].shape[0]
@@ -473,19 +459,19 @@ class PipelineEngine(Engine):
         return total.cpu()
 
     # ------------------------------------------------------------------ Engine
-    def train_step(self, batch: Batch, position: DropoutPosition | None = None) -> torch.Tensor:
+    def train_step(self, batch: Batch, context: StepContext | None = None) -> torch.Tensor:
         """Forward + backward of every microbatch through the schedule; the global-batch mean token loss.
-        ``position``: as :meth:`Engine.train_step`'s (read by :class:`MicrobatchStage`)."""
+        ``context``: as :meth:`Engine.train_step`'s (each microbatch's is made by :class:`MicrobatchStage`)."""
         for stage in self.stages:
             stage.train()
         self.shared.begin()
         self.routing_groups.begin_step(self.microbatches)
         begin_training_step(self.stages, self.microbatches * self.data_parallel_replicas)
-        self.dropout_position = position
+        self.step_context = context
         try:
             total = self._run(batch, training=True)
         finally:
-            self.dropout_position = None
+            self.step_context = None
         self.shared.finish()
         if self.distributed:
             self.data_parallel.after_backward()

@@ -5,7 +5,7 @@ state-dict functions walk. Two kinds of copy (:mod:`~xscale.parallel.pipeline_sh
 checkpoint has one entry per single-process name and resumes on any layout: a module that two stages of this rank
 both hold under the same name (T5's position table) appears in the view a second time under an alias, dropped on
 save and re-added on load (:func:`drop_aliases`, :func:`add_aliases`); a copy held under another name
-(``output.weight``, ``decoder_embedding.*``) is saved under its source's name, unless this rank holds the source
+(a tied ``output.weight``) is saved under its source's name, unless this rank holds the source
 itself (:func:`copies_to_sources`, :func:`sources_to_copies`).
 """
 

@@ -2,8 +2,7 @@
 
 Tied embeddings (Press & Wolf 2017) whose two ends sit on different stages become two parameters,
 ``embedding.weight`` on the first stage and ``output.weight`` on the last. An encoder-decoder's first decoder
-stage holds ``decoder_embedding`` (and ``decoder_embedding_norm``), copies of the first stage's ``embedding``
-(and ``embedding_norm``). A position encoding that biases the logits of every layer (T5's table, Raffel et al.
+stage holds ``embedding`` (and ``embedding_norm``) too, under the same names. A position encoding that biases the logits of every layer (T5's table, Raffel et al.
 2020) is held by every stage running that stack's blocks, under the single-process name: ``stack.position`` by
 the encoder's (or the only stack's) stages, ``decoder.position`` by the decoder's; so is a stack's one block under
 ``model.share_layers`` (``stack.layers.0``, ``decoder.layers.0``: ALBERT, Lan et al. 2020). Copies start from the
@@ -25,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from xscale.models.init import canonical_name
 from xscale.models.transformer import Transformer
 from xscale.parallel.data import local_tensor
-from xscale.parallel.pipeline_stages import TIED_SOURCE, PipelineStageModule, source_name
+from xscale.parallel.pipeline_stages import TIED_SOURCE, holds_tied_copy, source_name
 
 
 @dataclass(frozen=True)
@@ -36,35 +35,26 @@ class SharedParameter:
 
     name: str  # the single-process name (checkpoints, the initial value)
     stages: tuple[int, ...]  # the stages holding a copy
-    find: Callable[[PipelineStageModule], list[nn.Parameter]]
+    find: Callable[[Transformer], list[nn.Parameter]]
 
 
-def tied_copy(stage: PipelineStageModule) -> nn.Parameter | None:
-    """The last stage's copy of the tied embedding, or None (untied model, or first and last stage in one)."""
-    if stage.is_last and not stage.is_first and stage.config.tie_embeddings:
-        return stage.output.weight
-    return None
-
-
-def _embedding_copies(stage: PipelineStageModule) -> list[nn.Parameter]:
-    found = [stage.embedding.weight] if stage.is_first else []
-    if stage.embeds_midway:
-        found.append(stage.decoder_embedding.weight)
-    if tied_copy(stage) is not None:
+def _embedding_copies(stage: Transformer) -> list[nn.Parameter]:
+    """The stage's embedding and its tied output's own copy (a stage holding both ties them: one parameter)."""
+    found = [] if stage.embedding is None else [stage.embedding.weight]
+    if holds_tied_copy(stage):
         found.append(stage.output.weight)
     return found
 
 
-def _norm_copies(stage: PipelineStageModule, name: str) -> list[nn.Parameter]:
-    norm = stage.embedding_norm if stage.is_first else stage.decoder_embedding_norm
-    return [norm.get_parameter(name)]
+def _norm_copies(stage: Transformer, name: str) -> list[nn.Parameter]:
+    return [stage.embedding_norm.get_parameter(name)]
 
 
-def _position_copies(stage: PipelineStageModule, stack: str, name: str) -> list[nn.Parameter]:
+def _position_copies(stage: Transformer, stack: str, name: str) -> list[nn.Parameter]:
     return [getattr(stage, stack).position.get_parameter(name)]
 
 
-def _named_copies(stage: PipelineStageModule, name: str) -> list[nn.Parameter]:
+def _named_copies(stage: Transformer, name: str) -> list[nn.Parameter]:
     """The stage's parameter whose single-process name is ``name``, wherever wrappers (activation checkpointing)
     put it."""
     return [param for path, param in stage.named_parameters() if canonical_name(path) == name]
@@ -98,7 +88,7 @@ def shared_parameters(model: Transformer, layers: list[list[int]]) -> list[Share
     return [entry for entry in candidates if len(entry.stages) > 1]
 
 
-def shared_block_modules(stages: list[PipelineStageModule]) -> set[str]:
+def shared_block_modules(stages: list[Transformer]) -> set[str]:
     """The single-process paths of every module of a shared block (``model.share_layers``) these stages hold,
     buffers-only ones included: two stages of one rank may both hold them
     (:func:`~xscale.parallel.pipeline_checkpoint.merged_view`)."""
@@ -128,7 +118,7 @@ class SharedParameterGrads:
     shards.
     """
 
-    def __init__(self, stages: list[PipelineStageModule], stage_indices: list[int], stage_ranks: list[int],
+    def __init__(self, stages: list[Transformer], stage_indices: list[int], stage_ranks: list[int],
                  shared: list[SharedParameter], group: dist.ProcessGroup) -> None:
         self.stages, self.stage_indices, self.group = stages, stage_indices, group
         self.shared = [entry for entry in shared if len(set(entry.stages)) > 1]
@@ -154,8 +144,8 @@ class SharedParameterGrads:
         return left_out
 
     def renamed_copies(self) -> dict[str, str]:
-        """This rank's copies held under another name than the single-process one (``output.weight``,
-        ``decoder_embedding.*``; canonical names) -> that name."""
+        """This rank's copies held under another name than the single-process one (a tied ``output.weight``;
+        canonical names) -> that name."""
         shared_ids = {id(param) for entry in self.shared for param in self.copies(entry)}
         renamed = {}
         for stage in self.stages:

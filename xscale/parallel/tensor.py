@@ -34,7 +34,6 @@ is the rank's slice of the heads; block-sparse cores mask the gathered blocks at
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -56,7 +55,7 @@ from xscale.models.transformer import Stack, Transformer
 from xscale.parallel.head_sharded import shard_head_state
 from xscale.parallel.replicated import replicate_parameters
 from xscale.parallel.talking_heads import gather_heads
-from xscale.parallel.vocab_parallel import VocabParallelEmbedding, vocab_sharded_loss_sum
+from xscale.parallel.vocab_parallel import VocabParallelEmbedding
 
 # The hooks through which a position encoding computes (it has no forward).
 POSITION_METHODS = ("embed", "rotate", "bias")
@@ -248,15 +247,13 @@ def _parallelize_block(block: TransformerBlock, mesh: DeviceMesh, config: ModelC
 
 
 def _parallelize_embedding(model: Transformer, stacks: list[Stack], mesh: DeviceMesh,
-                           sequence_parallel: bool, prefix: str = "") -> None:
-    """Vocab-parallel embedding; under sequence parallelism its output reaches the blocks as sequence shards.
-    ``prefix``: ``decoder_`` for a pipeline stage's copy of the embedding (the first decoder stage's)."""
-    adds_positions = any(stack.position.adds_to_input for stack in stacks)
+                           sequence_parallel: bool) -> None:
+    """Vocab-parallel embedding; under sequence parallelism its output reaches the blocks as sequence shards."""
+    adds_positions = any(stack.position is not None and stack.position.adds_to_input for stack in stacks)
     scatter_in_embedding = sequence_parallel and not adds_positions
     output = Shard(1) if scatter_in_embedding else Replicate()
-    embedding = VocabParallelEmbedding(getattr(model, f"{prefix}embedding"), mesh, output)
-    setattr(model, f"{prefix}embedding", embedding)
-    norm, dropout = getattr(model, f"{prefix}embedding_norm"), getattr(model, f"{prefix}embedding_dropout")
+    embedding = model.embedding = VocabParallelEmbedding(model.embedding, mesh, output)
+    norm, dropout = model.embedding_norm, model.embedding_dropout
     if sequence_parallel:
         _require_divisible_sequences(embedding, mesh.size())
         if not scatter_in_embedding:
@@ -291,12 +288,11 @@ def apply_tensor_parallel(model: Transformer | nn.Module, tp_mesh: DeviceMesh, *
                           sequence_parallel: bool = False) -> None:
     """Split ``model`` (built on the meta device) in place over the 1-D mesh ``tp_mesh``.
 
-    ``model`` is a Transformer or one pipeline stage cut from it
-    (:class:`~xscale.parallel.pipeline_stages.PipelineStageModule`): the parts it holds (embedding, blocks,
-    final norm, head) are split. Then materialise as usual: ``model.to_empty(device=...); model.tie_weights();
-    init_weights(...)``. Under tensor parallelism ``model(...)`` returns logits as a DTensor sharded on the
-    vocabulary dim; train with :func:`tensor_parallel_loss_sum`. With ``sequence_parallel`` sequence lengths
-    must be multiples of tp.
+    ``model`` is a Transformer or one pipeline stage cut from it (:meth:`Transformer.keep_layers`): the parts it
+    holds (embedding, blocks, final norm, head) are split. Then materialise as usual: ``model.to_empty(device=...);
+    model.tie_weights(); init_weights(...)``. Under tensor parallelism ``model(...)`` returns logits as a DTensor
+    sharded on the vocabulary dim; :func:`xscale.parallel.loss.token_loss_sum` computes the loss from the shards.
+    With ``sequence_parallel`` sequence lengths must be multiples of tp.
     """
     if tp_mesh.ndim != 1:
         raise ConfigError(f"apply_tensor_parallel needs the 1-D tp mesh (e.g. mesh['tp']), got a {tp_mesh.ndim}-D "
@@ -309,12 +305,11 @@ def apply_tensor_parallel(model: Transformer | nn.Module, tp_mesh: DeviceMesh, *
     stacks = [stack for stack in (getattr(model, "stack", None), getattr(model, "decoder", None)) if stack is not None]
     if embedding is not None:
         _parallelize_embedding(model, stacks, tp_mesh, sequence_parallel)
-    if getattr(model, "decoder_embedding", None) is not None:
-        _parallelize_embedding(model, stacks, tp_mesh, sequence_parallel, prefix="decoder_")
     for stack in stacks:
         # The full sequence reaches position tables on every rank; T5's table is read per head.
-        replicate_parameters(stack.position, tp_mesh, sum_gradients=stack.position.biases_logits,
-                             methods=POSITION_METHODS)
+        if stack.position is not None:
+            replicate_parameters(stack.position, tp_mesh, sum_gradients=stack.position.biases_logits,
+                                 methods=POSITION_METHODS)
         for block in stack.layers.values():
             _parallelize_block(block, tp_mesh, config, sequence_parallel)
         _parallelize_norm(stack.final_norm, tp_mesh, sequence_parallel)
@@ -327,15 +322,3 @@ def apply_tensor_parallel(model: Transformer | nn.Module, tp_mesh: DeviceMesh, *
             input_layouts=_stream(sequence_parallel), output_layouts=Shard(-1), use_local_output=False))
     if embedding is not None and output is not None:
         model.tie_weights()  # the output projection had its own copy of the shared weight sharded
-
-
-def tensor_parallel_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Sum of token cross-entropies over labels != -100, like ``model_loss_sum``, on a tensor-parallel model.
-
-    Each rank computes logits for its vocabulary shard only (through the model's head transform and output
-    bias) and :func:`vocab_parallel_cross_entropy_sum` (our autograd Function; not DTensor's loss_parallel)
-    combines max, sum-exp and target logit by all-reduce; the full (B, T, vocab) logits are never gathered.
-    Every tp rank returns the same value.
-    """
-    hidden = model.hidden_states(batch["input_ids"], batch.get("decoder_input_ids"))
-    return vocab_sharded_loss_sum(model.logits(hidden), batch["labels"])

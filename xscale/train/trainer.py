@@ -23,12 +23,12 @@ from xscale.launcher.cpu_allocator import keep_freed_memory
 from xscale.launcher.env import detect_world, init_distributed, local_device
 from xscale.launcher.parent_death import exit_with_launcher
 from xscale.launcher.preemption import PreemptionHandler
-from xscale.models.dropout import DropoutPosition
 from xscale.models.init import canonical_name
 from xscale.models.parameters import count_parameters
 from xscale.ops import set_kernel_backend
 from xscale.parallel.checks import resolve_dims
 from xscale.parallel.parallelize import build_engine
+from xscale.runtime import StepContext
 from xscale.train.checkpoint import Checkpointer, CheckpointError
 from xscale.train.metrics import MetricsLogger, flops_per_token, measure_matmul_peak, peak_memory_bytes
 from xscale.train.run_lock import RunLock, RunLocked
@@ -182,19 +182,19 @@ class Trainer:
             losses.append(float(self.engine.eval_loss(self._load(self.eval_dataset, indices))))
         return sum(losses) / len(losses) if losses else float("nan")
 
-    def dropout_position(self) -> DropoutPosition:
+    def step_context(self) -> StepContext:
         """Where this rank's batch sits in the step's global batch (its microbatches as :meth:`_load` reads them):
         dropout masks follow the step and each sample's place, not the layout."""
         micro = self.local_batch_size // self.engine.microbatches_per_batch(self.local_batch_size)
-        return DropoutPosition(self.config.train.seed, self.step, first_sample=self.dp_rank * micro,
-                               microbatch_stride=self.dp_size * micro)
+        return StepContext(self.config.train.seed, self.step, first_sample=self.dp_rank * micro,
+                           microbatch_stride=self.dp_size * micro)
 
     # ------------------------------------------------------------------ loop
     def train_step(self) -> dict[str, float]:
         batch = self.next_batch()
         tokens = batch["input_ids"].numel() * self.dp_size
         start = time.perf_counter()
-        loss = self.engine.train_step(batch, self.dropout_position())
+        loss = self.engine.train_step(batch, self.step_context())
         grad_norm = self.engine.clip_grad_norm(self.config.train.grad_clip)
         if math.isfinite(float(loss)) and math.isfinite(float(grad_norm)):  # both global: every rank agrees
             self.engine.optimizer_step(self.optimizer)

@@ -17,11 +17,11 @@ from xscale.config import AttentionConfig, ModelConfig
 from xscale.models import build_model
 from xscale.models.attention import patterns as P
 from xscale.models.attention.core import AttentionCore
-from xscale.models.dropout import DropoutPosition, dropout_position
 from xscale.models.registry import ATTENTION
+from xscale.runtime import StepContext
 
 P_DROP = 0.3
-POSITION = DropoutPosition(seed=5, step=2)
+POSITION = StepContext(seed=5, step=2)
 HEADS, LENGTH = 4, 37
 
 # The cores that drew attention dropout from torch's RNG before (F.dropout, SDPA's dropout_p), and dense.
@@ -58,9 +58,8 @@ def _head_shard(core: AttentionCore, rank: int, heads: int) -> AttentionCore:
     return shard
 
 
-def _run(core: AttentionCore, q, k, v, causal: bool, position: DropoutPosition = POSITION) -> torch.Tensor:
-    with dropout_position(position):
-        return core(q, k, v, causal=causal)
+def _run(core: AttentionCore, q, k, v, causal: bool, position: StepContext = POSITION) -> torch.Tensor:
+    return core(q, k, v, causal=causal, context=position)
 
 
 @pytest.mark.parametrize("kind,causal,options", CASES, ids=[f"{k}-{'causal' if c else 'bidir'}" for k, c, _ in CASES])
@@ -72,7 +71,7 @@ def test_head_and_batch_slices_draw_the_whole_mask(kind: str, causal: bool, opti
         plain = core.eval()(q, k, v, causal=causal)
     core.train()
     assert not torch.allclose(whole, plain, atol=1e-3), "attention dropout must change the output"
-    other_step = _run(core, q, k, v, causal, DropoutPosition(seed=5, step=3))
+    other_step = _run(core, q, k, v, causal, StepContext(seed=5, step=3))
     assert not torch.allclose(whole, other_step, atol=1e-3), "the mask must change with the step"
 
     half = HEADS // 2
@@ -86,7 +85,7 @@ def test_head_and_batch_slices_draw_the_whole_mask(kind: str, causal: bool, opti
         for got, want in zip(torch.autograd.grad(out, parts, grad[:, heads]), whole_grads):
             torch.testing.assert_close(got, want[:, heads], atol=1e-12, rtol=1e-12)
     # data parallelism (or a microbatch): rows 1, 2 of the global batch
-    rows = _run(core, *(x[1:3] for x in (q, k, v)), causal, DropoutPosition(seed=5, step=2, first_sample=1))
+    rows = _run(core, *(x[1:3] for x in (q, k, v)), causal, StepContext(seed=5, step=2, first_sample=1))
     torch.testing.assert_close(rows, whole[1:3], atol=1e-12, rtol=1e-12)
 
 
@@ -104,8 +103,7 @@ def test_block_sparse_drops_what_dense_attention_would(kind: str, causal: bool, 
     keys, values = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     scores = (q @ keys.transpose(-1, -2) / 4).masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    with dropout_position(POSITION):
-        keep = core.dropout.keep_mask(probs.shape, probs.device)
+    keep = core.dropout.keep_mask(probs.shape, probs.device, POSITION)
     torch.testing.assert_close(out, (probs * keep / (1 - P_DROP)) @ values, atol=1e-10, rtol=1e-10)
 
 
@@ -129,8 +127,7 @@ def test_no_core_draws_attention_dropout_from_torchs_rng(kind: str, family: str)
     outputs = []
     for seed in (1, 2):
         torch.manual_seed(seed)
-        with dropout_position(POSITION):
-            outputs.append(model(tokens))
+        outputs.append(model(tokens, context=POSITION))
     assert ATTENTION.get(kind).rng_dropout or torch.equal(outputs[0], outputs[1])
 
 
@@ -153,5 +150,5 @@ def test_routing_attention_drops_by_global_position(causal: bool) -> None:
     for first in range(4):  # each sample alone, as a data-parallel rank or a microbatch of one would hold it
         rows = slice(first, first + 1)
         out = _run(copy.deepcopy(fresh), *(x[rows] for x in (q, k, v)), causal,
-                   DropoutPosition(seed=5, step=2, first_sample=first))
+                   StepContext(seed=5, step=2, first_sample=first))
         torch.testing.assert_close(out, whole[rows], atol=1e-12, rtol=1e-12)

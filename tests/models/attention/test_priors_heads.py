@@ -3,6 +3,7 @@ they reach, RealFormer's scores between blocks, and the adaptive-span penalty.""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -12,7 +13,6 @@ from tests.models.attention.conftest import dense_reference, make_core, random_q
 from xscale.config import AttentionConfig, ConfigError, ModelConfig
 from xscale.models import build_model
 from xscale.models.attention.priors import adaptive_span_metrics
-from xscale.models.transformer import run_blocks
 
 LENGTH = 45
 
@@ -53,19 +53,19 @@ def _model(kind: str, **overrides) -> torch.nn.Module:
 def test_realformer_scores_travel_between_blocks_and_split_like_a_pipeline(family: str) -> None:
     realformer, dense = _model("realformer", family=family), _model("dense", family=family)
     tokens = torch.randint(0, 64, (2, 21), generator=torch.Generator().manual_seed(0))
-    x = realformer.embed(tokens)
-    blocks = realformer.stack.blocks()
-    position = realformer.stack.position
-    whole, scores = run_blocks(blocks, x, position)
-    assert scores.shape == (2, 2, 21, 21)
-    # Two pipeline stages: the first sends (x, scores), the second resumes from them.
-    middle, middle_scores = run_blocks(blocks[:2], x, position)
-    split, split_scores = run_blocks(blocks[2:], middle, position, scores=middle_scores)
-    torch.testing.assert_close(split, whole, atol=0, rtol=0)
-    torch.testing.assert_close(split_scores, scores, atol=0, rtol=0)
+    whole = realformer(tokens)
+    # Two pipeline stages cut from the model: the first sends (x, scores), the second resumes from them.
+    first, second = copy.deepcopy(realformer), copy.deepcopy(realformer)
+    first.keep_layers([0, 1])
+    second.keep_layers([2, 3])
+    sent = first(tokens)
+    assert isinstance(sent, tuple) and sent[1].shape == (2, 2, 21, 21)
+    torch.testing.assert_close(second(*sent), whole, atol=0, rtol=0)
     # Same weights (same parameter names): block 0 equals dense attention, the rest do not.
+    x = realformer.embedding(tokens)
+    first_real = realformer.stack.blocks()[0](x, realformer.stack.position)[0]
     first_dense = dense.stack.blocks()[0](x, dense.stack.position)
-    torch.testing.assert_close(run_blocks(blocks[:1], x, position)[0], first_dense, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(first_real, first_dense, atol=1e-12, rtol=1e-12)
     assert not torch.allclose(realformer(tokens), dense(tokens))
 
 
@@ -75,7 +75,7 @@ def test_realformer_mixed_with_other_layers_and_encoder_decoder() -> None:
     tokens = torch.randint(0, 64, (2, 13))
     assert torch.isfinite(build_model(mixed)(tokens)).all()
     t5_like = _model("realformer", family="encoder_decoder", position="t5_bias", n_decoder_layers=2)
-    assert t5_like(tokens, tokens).shape == (2, 13, 64)
+    assert t5_like(tokens, decoder_input_ids=tokens).shape == (2, 13, 64)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -12,7 +12,7 @@ from xscale.config import AttentionConfig, ModelConfig
 from xscale.data.datasets import TaskDataset, collate
 from xscale.data.tasks import CopyTask
 from xscale.models import build_model
-from xscale.parallel.engine import model_loss_sum
+from xscale.parallel.loss import model_loss_sum
 
 LENGTH, SYMBOLS, BATCH, STEPS = 8, 8, 16, 200
 SEQ_LEN = 2 * LENGTH + 2  # <s> x_1..x_8 <sep> x_1..x_8 (the last token is predicted, not input)

@@ -8,8 +8,9 @@ import torch.nn.functional as F
 
 from xscale.config import ConfigError, ModelConfig, MoEConfig
 from xscale.models import build_model
-from xscale.models.moe import build_moe, collect_moe_metrics, moe_layers, routing_token_ids
+from xscale.models.moe import build_moe, collect_moe_metrics, moe_layers
 from xscale.models.moe.hash_router import hash_expert
+from xscale.runtime import StepContext
 from xscale.validate import config_from_dict
 
 
@@ -143,7 +144,7 @@ def test_hash_layers_get_token_ids_from_the_model():
     config.n_decoder_layers = 1
     model = build_model(config, seed=1)
     input_ids, decoder_input_ids = torch.randint(0, 50, (2, 8)), torch.randint(0, 50, (2, 5))
-    model(input_ids, decoder_input_ids)
+    model(input_ids, decoder_input_ids=decoder_input_ids)
     metrics = collect_moe_metrics(model)
     for layer, ids in ((0, input_ids), (1, input_ids), (2, decoder_input_ids)):
         expected = hash_expert(ids.reshape(-1), 4).bincount(minlength=4).tolist()
@@ -154,14 +155,13 @@ def test_hash_layers_get_token_ids_from_the_model():
 def test_a_bare_hash_layer_routes_the_ids_it_is_given():
     layer = build_moe(model_config(router="hash", dropless=True), 0)
     x = torch.randn(2, 3, 8)
-    with pytest.raises(ValueError, match="routing_token_ids"):
+    with pytest.raises(ValueError, match=r"StepContext\(token_ids=input_ids\)"):
         layer(x)
     ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
-    with routing_token_ids(ids):
-        layer(x)
+    layer(x, StepContext(token_ids=ids))
     assert layer.metrics["tokens_per_expert"].tolist() == hash_expert(ids.reshape(-1), 4).bincount(minlength=4).tolist()
-    with routing_token_ids(ids[:1]), pytest.raises(ValueError, match="3 token ids for 6 tokens"):
-        layer(x)
+    with pytest.raises(ValueError, match="3 token ids for 6 tokens"):
+        layer(x, StepContext(token_ids=ids[:1]))
 
 
 @pytest.mark.parametrize("moe,message", [

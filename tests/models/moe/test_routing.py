@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from xscale.config import ModelConfig, MoEConfig
-from xscale.models.dropout import DropoutPosition, dropout_position, uniform_draws
+from xscale.models.dropout import uniform_draws
 from xscale.models.moe.expert_choice import ExpertChoiceRouter
 from xscale.models.moe.hash_router import HASH_MULTIPLIER, HashRouter, hash_expert
 from xscale.models.moe.routers import GShardRouter, SwitchRouter
 from xscale.models.moe.routing import LocalTokens, expert_capacity, token_choice_routing
+from xscale.runtime import StepContext
 
 
 def route(experts, gates, *, capacity_factor, drop_policy="position", num_experts=2, dispatched=None):
@@ -112,16 +113,14 @@ def test_jitter_scales_the_router_input_by_uniform_noise_while_training():
     with torch.no_grad():
         router.weight.normal_()
     x = torch.randn(2, 5, 2)
-    position = DropoutPosition(seed=4, step=2, first_sample=6)
-    with dropout_position(position):
-        logits = router.router_logits(x)
-        noise = uniform_draws(123, x.shape, x.device)
+    position = StepContext(seed=4, step=2, first_sample=6)
+    logits = router.router_logits(x, position)
+    noise = uniform_draws(123, x.shape, x.device, position)
     expected = (x * (0.8 + 0.4 * noise)).reshape(-1, 2) @ router.weight.t()
     torch.testing.assert_close(logits, expected)
     assert not torch.allclose(logits, x.reshape(-1, 2) @ router.weight.t())
     router.eval()
-    with dropout_position(position):
-        torch.testing.assert_close(router.router_logits(x), x.reshape(-1, 2) @ router.weight.t())
+    torch.testing.assert_close(router.router_logits(x, position), x.reshape(-1, 2) @ router.weight.t())
 
 
 def test_expert_choice_is_perfectly_balanced():
@@ -141,7 +140,7 @@ def test_hash_routing_is_a_fixed_function_of_the_token_id():
     expected = [((i * HASH_MULTIPLIER) % 2**32 >> 16) % 8 for i in ids.tolist()]
     assert hash_expert(ids, 8).tolist() == expected
     router = HashRouter(config(num_experts=8, router="hash", dropless=True), 0)
-    routing = router(torch.zeros(6, 2), LocalTokens(), ids)
+    routing = router(torch.zeros(6, 2), LocalTokens(), StepContext(token_ids=ids))
     got = dict(zip(routing.token_index.tolist(), routing.expert_index.tolist()))
     assert [got[t] for t in range(6)] == expected
     assert hash_expert(torch.arange(1000), 8).bincount().min() > 80  # spreads ids over all experts

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from xscale.models.attention.patterns import Pattern
 from xscale.models.dropout import Dropout
+from xscale.runtime import StepContext
 
 
 @dataclasses.dataclass
@@ -106,7 +107,7 @@ def build_plan(pattern: Pattern, length: int, block: int, causal: bool, n_heads:
 
 
 def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, block: int, *,
-                           dropout: Dropout | None = None) -> Tensor:
+                           dropout: Dropout | None = None, context: StepContext | None = None) -> Tensor:
     """q (B, H, T, hd), k/v (B, Hkv, T, hd) -> (B, H, T, hd); a query with no allowed key outputs zeros.
 
     ``dropout`` (on the probabilities, when training): its ``shard_index`` says which slice of the heads q holds
@@ -141,7 +142,7 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, blo
         if dropout is not None and dropout.training and dropout.p > 0:
             first = dropout.shard_index * n_heads * length  # this rank's first head, as query_index counts
             index = ((group.query_index + first)[:, :, None] * length + group.key_position[:, None, :])
-            probs = dropout.at(probs, index.view(probs.shape[1:]))
+            probs = dropout.at(probs, index.view(probs.shape[1:]), context)
         outputs.append(torch.matmul(probs, values).view(batch, n_rows, block, head_dim))
     if not outputs:
         return q.new_zeros(batch, n_heads, length, head_dim)

@@ -23,6 +23,7 @@ from xscale.models.attention.core import AttentionCore, expand_kv
 from xscale.models.attention.sparse import require, require_positive
 from xscale.models.registry import ATTENTION
 from xscale.models.traits import ParallelTraits
+from xscale.runtime import StepContext
 
 
 @dataclasses.dataclass
@@ -57,17 +58,18 @@ class MemoryCompressedAttention(AttentionCore):
         blocks = blocks_of(x, self.options.compression)
         return linear(blocks.flatten(-2).to(linear.weight.dtype)).to(x.dtype)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None, context: StepContext | None = None) -> Tensor:
         heads = q.shape[1]
         scale = q.shape[-1] ** -0.5
         keys = expand_kv(self.compress(k, self.key_compression), heads)
         values = expand_kv(self.compress(v, self.value_compression), heads)
         if not causal:
-            return self.attend(q, keys, values)  # dropout on the probabilities over the slots (B, H, T, T/c)
+            return self.attend(q, keys, values, context=context)  # dropout on the probabilities over the slots (B, H, T, T/c)
         require(q.shape[2] == k.shape[2], "causal memory_compressed attention is self-attention (equal lengths)")
-        return self._causal(q, expand_kv(k, heads), expand_kv(v, heads), keys, values, scale)
+        return self._causal(q, expand_kv(k, heads), expand_kv(v, heads), keys, values, scale, context)
 
-    def _causal(self, q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
+    def _causal(self, q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, scale: float,
+                context: StepContext | None = None) -> Tensor:
         c, length = self.options.compression, q.shape[2]
         n_slots = keys.shape[2]
         position = torch.arange(length, device=q.device)
@@ -79,7 +81,7 @@ class MemoryCompressedAttention(AttentionCore):
         own_past = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
         local = local.masked_fill(~own_past, float("-inf")).flatten(2, 3)[:, :, :length]  # (B, H, T, c)
         # (B, H, T, n_slots + c): each query's slots, then its own block's keys (dropped by that coordinate)
-        probs = self.dropout(torch.softmax(torch.cat([compressed, local], dim=-1), dim=-1))
+        probs = self.dropout(torch.softmax(torch.cat([compressed, local], dim=-1), dim=-1), context)
         from_slots = probs[..., :n_slots] @ values
         local_probs = F.pad(probs[..., n_slots:], (0, 0, 0, n_slots * c - length)).view(*local.shape[:2], n_slots, c, c)
         from_block = (local_probs @ v_blocks).flatten(2, 3)[:, :, :length]

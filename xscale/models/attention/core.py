@@ -10,7 +10,7 @@ run it and how; a core that declares none is refused by tensor and context paral
 A core that reads no queries (or keys) says so in ``uses_queries`` / ``uses_keys``: the module then builds no
 projection for them and passes a (B, H, T, 0) placeholder that only carries the shape.
 A core with ``carries_scores`` (RealFormer) also takes ``previous_scores`` and returns ``(out, scores)``:
-the scores travel from block to block beside the hidden state (:func:`xscale.models.transformer.run_blocks`).
+the scores travel from block to block beside the hidden state (:class:`xscale.models.transformer.Stack`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from xscale.config import ConfigError, ModelConfig, _from_dict
 from xscale.models.dropout import Dropout
 from xscale.models.registry import ATTENTION
 from xscale.models.traits import NO_TRAITS, ParallelTraits
+from xscale.runtime import StepContext
 
 
 @dataclasses.dataclass
@@ -57,10 +58,10 @@ class AttentionCore(nn.Module):
         self.options = options
         self.uses_queries = True
         self.uses_keys = True
-        self.dropout = Dropout(model.attention_dropout)  # on attention probabilities
+        self.dropout = Dropout(model.attention_dropout, token_dim=2)  # on probabilities (B, H, Tq, Tk)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, context: StepContext | None = None) -> torch.Tensor:
         raise NotImplementedError
 
     @property
@@ -68,8 +69,8 @@ class AttentionCore(nn.Module):
         """Training with attention dropout (then probabilities must be formed where ``self.dropout`` sees them)."""
         return self.training and self.dropout.p > 0
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               mask: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+               context: StepContext | None = None) -> torch.Tensor:
         """dropout(softmax(Q K^T / sqrt(d) + mask)) V for q (B, H, Tq, d), k/v (B, H, Tk, d), mask broadcasting to
         (B, H, Tq, Tk). SDPA when nothing is dropped; else the probabilities are formed explicitly and masked by
         (sample, global head, query, key) like every dropout here (SDPA's fused dropout draws from each rank's RNG,
@@ -78,7 +79,7 @@ class AttentionCore(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
         probs = torch.softmax(scores if mask is None else scores + mask, dim=-1)
-        return self.dropout(probs) @ v
+        return self.dropout(probs, context) @ v
 
 
 def expand_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:

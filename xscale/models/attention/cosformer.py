@@ -27,6 +27,7 @@ from xscale.models.attention.linear import kernelized_attention
 from xscale.models.attention.sparse import require, require_positive
 from xscale.models.registry import ATTENTION
 from xscale.models.traits import ParallelTraits
+from xscale.runtime import StepContext
 
 
 @dataclasses.dataclass
@@ -52,7 +53,7 @@ class CosFormerAttention(AttentionCore):
     Options = CosFormerOptions
     parallel_traits = ParallelTraits(tp="split_heads")
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None, context: StepContext | None = None) -> Tensor:
         max_length = self.model_config.max_seq_len
         require(q.shape[2] == k.shape[2] or not causal, "causal cosformer attention needs equal query and key lengths")
         require(max(q.shape[2], k.shape[2]) <= max_length,

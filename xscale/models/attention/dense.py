@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from xscale.models.attention.core import AttentionCore, expand_kv
 from xscale.models.registry import ATTENTION
 from xscale.models.traits import ParallelTraits
+from xscale.runtime import StepContext
 
 
 def causal_bias(q_len: int, k_len: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -30,7 +31,7 @@ class DenseAttention(AttentionCore):
     parallel_traits = ParallelTraits(tp="split_heads", cp=True)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, context: StepContext | None = None) -> torch.Tensor:
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
         mask = None if bias is None else bias.to(q.dtype)
         if causal and (mask is not None or self.drops_probabilities):
@@ -39,7 +40,7 @@ class DenseAttention(AttentionCore):
         if self.drops_probabilities:
             scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
             probs = torch.softmax(scores if mask is None else scores + mask, dim=-1)
-            return self.dropout(probs) @ v
+            return self.dropout(probs, context) @ v
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal and q.shape[2] > 1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

@@ -20,6 +20,7 @@ from xscale.models.attention.core import AttentionCore, check_heads, expand_kv
 from xscale.models.attention.sparse import require, require_positive
 from xscale.models.registry import ATTENTION
 from xscale.models.traits import ParallelTraits
+from xscale.runtime import StepContext
 
 
 def pool(k: Tensor, v: Tensor, points: Tensor) -> tuple[Tensor, Tensor]:
@@ -38,10 +39,11 @@ class PooledAttention(AttentionCore):
         super().__init__(model, layer_index, options)
         self.points = nn.Parameter(torch.empty(model.n_heads, n_points, model.head_dim))
 
-    def pooled(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def pooled(self, q: Tensor, k: Tensor, v: Tensor, context: StepContext | None = None) -> Tensor:
         check_heads(self, self.points, q.shape[1])
         # Attention dropout on the queries' probabilities over the m pooled slots (B, H, Tq, m), not on the pool.
-        return self.attend(q, *pool(expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1]), self.points))
+        keys, values = pool(expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1]), self.points)
+        return self.attend(q, keys, values, context=context)
 
 
 @dataclasses.dataclass
@@ -60,7 +62,7 @@ class InducingPointAttention(PooledAttention):
     def __init__(self, model: ModelConfig, layer_index: int, options: InducingOptions) -> None:
         super().__init__(model, layer_index, options, options.inducing_points)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None, context: StepContext | None = None) -> Tensor:
         require(not causal, "inducing-point attention cannot be causally masked (the points pool every "
                             "position); use an encoder, or 'luna' for a causal packed attention")
-        return self.pooled(q, k, v)
+        return self.pooled(q, k, v, context)

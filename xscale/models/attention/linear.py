@@ -17,6 +17,7 @@ from xscale.models.attention.core import AttentionCore, expand_kv
 from xscale.models.attention.sparse import require, require_positive
 from xscale.models.registry import ATTENTION
 from xscale.models.traits import ParallelTraits
+from xscale.runtime import StepContext
 
 
 def kernelized_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, *, causal: bool, chunk: int,
@@ -67,7 +68,7 @@ class LinearAttention(AttentionCore):
     Options = LinearOptions
     parallel_traits = ParallelTraits(tp="split_heads")
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None, context: StepContext | None = None) -> Tensor:
         require(q.shape[2] == k.shape[2] or not causal, "causal linear attention needs equal query and key lengths")
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
         return kernelized_attention(F.elu(q) + 1, F.elu(k) + 1, v, causal=causal, chunk=self.options.chunk)

@@ -16,6 +16,7 @@ from xscale.models.attention.core import AttentionCore, expand_kv
 from xscale.models.attention.sparse import require, require_positive
 from xscale.models.registry import ATTENTION
 from xscale.models.traits import ParallelTraits
+from xscale.runtime import StepContext
 
 
 @dataclasses.dataclass
@@ -42,7 +43,7 @@ class LinformerAttention(AttentionCore):
         if not options.share_projections:
             self.value_projection = nn.Parameter(torch.randn(shape) / options.projected_length**0.5)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None, context: StepContext | None = None) -> Tensor:
         length = k.shape[2]
         require(not causal, "linformer cannot be causally masked (E, F mix the whole sequence); use an encoder")
         if length > self.key_projection.shape[1]:
@@ -52,7 +53,7 @@ class LinformerAttention(AttentionCore):
         value_projection = key_projection if self.options.share_projections else self.value_projection[:, :length]
         k = key_projection.to(k.dtype) @ expand_kv(k, q.shape[1])  # (B, H, k, hd)
         v = value_projection.to(v.dtype) @ expand_kv(v, q.shape[1])
-        return self.attend(q, k, v)  # dropout on the probabilities over the projected slots (B, H, T, k)
+        return self.attend(q, k, v, context=context)  # dropout on the probabilities over the projected slots (B, H, T, k)
 
 
 def segment_means(x: Tensor, n_segments: int) -> Tensor:
@@ -92,7 +93,7 @@ class NystromAttention(AttentionCore):
     causal_capable = False
     parallel_traits = ParallelTraits(tp="split_heads")
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None, context: StepContext | None = None) -> Tensor:
         require(not causal, "nystrom cannot be causally masked (landmarks average the future); use an encoder")
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
         scale = q.shape[-1] ** -0.5

@@ -21,6 +21,7 @@ from xscale.models.attention.core import AttentionCore, expand_kv
 from xscale.models.attention.sparse import layer_seed, require, require_positive
 from xscale.models.registry import ATTENTION
 from xscale.models.traits import ParallelTraits
+from xscale.runtime import StepContext
 
 SELF_LOGIT = -1e5  # Reformer's value for attending to oneself
 
@@ -125,7 +126,7 @@ class LSHAttention(AttentionCore):
         rotated = x @ self.rotations[round_index].to(x.dtype)
         return torch.cat([rotated, -rotated], dim=-1).argmax(-1)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None, context: StepContext | None = None) -> Tensor:
         require(q.shape[2] == k.shape[2], "lsh attention is self-attention with shared queries and keys")
         v = expand_kv(v, q.shape[1])
         outputs, logsumexps = [], []

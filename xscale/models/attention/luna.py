@@ -28,6 +28,7 @@ from xscale.models.attention.core import check_heads, expand_kv
 from xscale.models.attention.inducing import PooledAttention
 from xscale.models.attention.sparse import require, require_positive
 from xscale.models.registry import ATTENTION
+from xscale.runtime import StepContext
 
 
 def _pack_and_unpack_chunk(q: Tensor, k: Tensor, v: Tensor, points: Tensor, running_max: Tensor,
@@ -94,9 +95,9 @@ class LunaAttention(PooledAttention):
     def __init__(self, model: ModelConfig, layer_index: int, options: LunaOptions) -> None:
         super().__init__(model, layer_index, options, options.packed_length)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None, context: StepContext | None = None) -> Tensor:
         if not causal:
-            return self.pooled(q, k, v)
+            return self.pooled(q, k, v, context)
         require(q.shape[2] == k.shape[2], "causal luna attention is self-attention (equal query and key lengths)")
         check_heads(self, self.points, q.shape[1])
         return causal_packed_attention(q, expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1]), self.points,

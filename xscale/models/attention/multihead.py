@@ -14,6 +14,7 @@ from torch import nn
 from xscale.config import ModelConfig
 from xscale.models.attention.core import build_core
 from xscale.models.position import PositionEncoding
+from xscale.runtime import StepContext
 
 
 class Attention(nn.Module):
@@ -45,8 +46,8 @@ class Attention(nn.Module):
         return x.new_empty(x.shape[0], n_heads, x.shape[1], 0)
 
     def forward(self, x: torch.Tensor, position: PositionEncoding | None = None,
-                memory: torch.Tensor | None = None,
-                scores: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                memory: torch.Tensor | None = None, scores: torch.Tensor | None = None,
+                context: StepContext | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x: (B, T, D); memory: (B, S, D) encoder output for cross-attention; ``scores``: the previous
         layer's pre-softmax scores for a ``carries_scores`` core, which then returns ``(out, scores)``."""
         source = memory if self.cross else x
@@ -60,14 +61,14 @@ class Attention(nn.Module):
         bias = None
         if position is not None and not self.cross:
             if position.rotates_qk and core.uses_queries and core.uses_keys:
-                q, k = position.rotate(q, k)
+                q, k = position.rotate(q, k, context)
             if position.biases_logits:
                 heads = slice(self.head_offset, self.head_offset + q.shape[1])
-                bias = position.bias(q.shape[2], k.shape[2], heads).to(v.device)
+                bias = position.bias(q.shape[2], k.shape[2], heads, context).to(v.device)
         if core.carries_scores:
-            out, scores = core(q, k, v, causal=self.causal, bias=bias, previous_scores=scores)
+            out, scores = core(q, k, v, causal=self.causal, bias=bias, previous_scores=scores, context=context)
             return self._merge(out), scores
-        return self._merge(core(q, k, v, causal=self.causal, bias=bias))
+        return self._merge(core(q, k, v, causal=self.causal, bias=bias, context=context))
 
     def _merge(self, out: torch.Tensor) -> torch.Tensor:
         batch, _, length, _ = out.shape

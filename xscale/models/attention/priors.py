@@ -23,6 +23,7 @@ from xscale.models.attention.sparse import require, require_positive
 from xscale.models.moe.layer import AttachAuxiliaryLoss
 from xscale.models.registry import ATTENTION
 from xscale.models.traits import ParallelTraits
+from xscale.runtime import StepContext
 
 
 def signed_distance(q_len: int, k_len: int, device: torch.device) -> Tensor:
@@ -32,14 +33,14 @@ def signed_distance(q_len: int, k_len: int, device: torch.device) -> Tensor:
 
 
 def attend_with_logit_bias(core: AttentionCore, q: Tensor, k: Tensor, v: Tensor, logit_bias: Tensor, *,
-                           causal: bool) -> Tensor:
+                           causal: bool, context: StepContext | None = None) -> Tensor:
     """softmax(QK^T / sqrt(d) + logit_bias (+ causal mask)) V through ``core.attend`` (SDPA unless dropping
     probabilities); logit_bias broadcasts to (B, H, Tq, Tk)."""
     k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     mask = logit_bias.to(q.dtype)
     if causal:
         mask = mask + causal_bias(q.shape[2], k.shape[2], q.device, q.dtype)
-    return core.attend(q, k, v, mask)
+    return core.attend(q, k, v, mask, context)
 
 
 @dataclasses.dataclass
@@ -71,12 +72,12 @@ class GaussianPriorAttention(AttentionCore):
         distance = signed_distance(q_len, k_len, self.log_sigma_offset.device).to(self.log_sigma_offset.dtype)
         return -(distance**2)[None] / (2 * self.sigma()[:, None, None] ** 2)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None, context: StepContext | None = None) -> Tensor:
         check_heads(self, self.log_sigma_offset, q.shape[1])
         logit_bias = self.prior(q.shape[2], k.shape[2])
         if bias is not None:
             logit_bias = logit_bias + bias
-        return attend_with_logit_bias(self, q, k, v, logit_bias, causal=causal)
+        return attend_with_logit_bias(self, q, k, v, logit_bias, causal=causal, context=context)
 
 
 @dataclasses.dataclass
@@ -133,13 +134,13 @@ class AdaptiveSpanAttention(AttentionCore):
         ramp = self.options.ramp
         return ((ramp + self.span()[:, None, None] - distance[None]) / ramp).clamp(0, 1)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None, context: StepContext | None = None) -> Tensor:
         check_heads(self, self.span_fraction, q.shape[1])
         mask = self.soft_mask(q.shape[2], k.shape[2], causal)
         # m * exp(s) / sum(m * exp(s)) == softmax(s + log m): the mask enters as a logit bias.
         log_mask = torch.where(mask > 0, mask.clamp_min(torch.finfo(mask.dtype).tiny).log(), float("-inf"))
         logit_bias = log_mask if bias is None else log_mask + bias
-        out = attend_with_logit_bias(self, q, k, v, logit_bias, causal=causal)
+        out = attend_with_logit_bias(self, q, k, v, logit_bias, causal=causal, context=context)
         if self.options.span_loss > 0 and torch.is_grad_enabled() and self.span_fraction.requires_grad:
             out = AttachAuxiliaryLoss.apply(out, self.aux_loss_scale * self.span_penalty())
         return out

@@ -22,6 +22,7 @@ from xscale.models.attention.linear import kernelized_attention
 from xscale.models.attention.sparse import layer_seed, require, require_non_negative, require_positive
 from xscale.models.registry import ATTENTION
 from xscale.models.traits import ParallelTraits
+from xscale.runtime import StepContext
 
 
 def gaussian_projection(n_features: int, dim: int, generator: torch.Generator, orthogonal: bool) -> Tensor:
@@ -78,7 +79,7 @@ class RandomFeatureAttention(AttentionCore):
     def features(self, x: Tensor, is_query: bool, causal: bool) -> Tensor:
         raise NotImplementedError
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None, context: StepContext | None = None) -> Tensor:
         require(q.shape[2] == k.shape[2] or not causal, "causal random-feature attention needs equal lengths")
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
         dtype = torch.promote_types(q.dtype, torch.float32)

@@ -4,7 +4,7 @@ scores to its own, S_l = Q_l K_l^T / sqrt(d) + S_{l-1}, and attends with softmax
 The carried S_l holds neither the position bias (added again by every layer, so ALiBi does not accumulate)
 nor the causal mask (re-applied by every layer). S_0 = 0, so the first layer is plain dense attention. The
 scores are per head, so tensor parallelism splits them with the heads; between pipeline stages they travel
-beside the hidden state (:func:`xscale.models.transformer.run_blocks`).
+beside the hidden state (:class:`xscale.models.transformer.Stack`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from xscale.models.attention.core import AttentionCore, expand_kv
 from xscale.models.attention.dense import causal_bias
 from xscale.models.registry import ATTENTION
 from xscale.models.traits import ParallelTraits
+from xscale.runtime import StepContext
 
 
 @ATTENTION.register("realformer", "residual_attention")
@@ -26,7 +27,7 @@ class RealFormerAttention(AttentionCore):
     carries_scores = True
     parallel_traits = ParallelTraits(tp="split_heads")
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None,
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None, context: StepContext | None = None,
                 previous_scores: Tensor | None = None) -> tuple[Tensor, Tensor]:
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
         scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
@@ -42,5 +43,5 @@ class RealFormerAttention(AttentionCore):
         if causal:
             logits = logits + causal_bias(q.shape[2], k.shape[2], q.device, q.dtype)
         probs = torch.softmax(logits, dim=-1)
-        probs = self.dropout(probs)
+        probs = self.dropout(probs, context)
         return probs @ v, scores

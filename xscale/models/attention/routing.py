@@ -8,9 +8,9 @@ means in place of sums, so the step does not grow with the batch). A training fo
 and applies them at the start of the next training forward, never inside backward: activation checkpointing
 re-runs a forward during backward, and that rerun must route with the centroids the original forward used.
 Where other forwards (which move the centroids) run between a forward and its backward, as in a pipeline
-schedule, the recomputation finds them moved: a forward run inside a store (``_ROUTED``, a scoped value that
-activation checkpointing enters afresh around each checkpointed forward, :func:`~xscale.models.scoped.
-recomputation_scopes`) keeps the centroids it routed with there, and a rerun inside the same store routes with those.
+schedule, the recomputation finds them moved: a training forward keeps the centroids it routed with in its
+context's memo (:class:`~xscale.runtime.StepContext`), and the recomputation, which activation checkpointing runs
+with the same arguments, routes with those.
 
 Balancing (ours): balancing clusters by letting each take its top-w tokens would let a later token push an
 earlier one out of its cluster, which a decoder must not allow. Instead a query sees at most ``window`` keys of
@@ -35,8 +35,8 @@ from xscale.config import ModelConfig
 from xscale.models.attention.core import AttentionCore, check_heads, expand_kv
 from xscale.models.attention.sparse import layer_seed, require, require_positive
 from xscale.models.registry import ATTENTION
-from xscale.models.scoped import ScopedValue
 from xscale.models.traits import ParallelTraits
+from xscale.runtime import StepContext
 
 
 @dataclasses.dataclass
@@ -84,12 +84,6 @@ def blocked(x: Tensor, size: int, fill: int | float) -> Tensor:
         filler = x.new_full((*x.shape[:2], pad, *x.shape[3:]), fill)
         x = torch.cat([x, filler], dim=2)
     return x.view(*x.shape[:2], -1, size, *x.shape[3:])
-
-
-# Training forwards inside a store keep the centroids they route with in it (by core); forwards replayed inside
-# backward route with the stored ones (a core not in the store uses its current centroids). Activation
-# checkpointing enters a fresh store around each checkpointed forward and its recomputation.
-_ROUTED: ScopedValue[dict[int, Tensor]] = ScopedValue(recomputation="store")
 
 
 def local_statistics(statistics: Tensor) -> Tensor:
@@ -143,21 +137,23 @@ class RoutingAttention(AttentionCore):
         self.centroids.copy_(torch.where(counts > 0, moved, self.centroids.float()).to(self.centroids.dtype))
         self.pending_statistics.zero_()
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None, context: StepContext | None = None) -> Tensor:
         require(q.shape[2] == k.shape[2], "routing attention is self-attention (equal query and key lengths)")
         check_heads(self, self.centroids, q.shape[1])
         learning = self.training and torch._C._current_graph_task_id() == -1  # -1: not replayed inside backward
-        store = _ROUTED.current
+        # Training forwards keep the centroids they route with in the context's memo (by core and depth); forwards
+        # replayed inside backward route with those (a core not in the memo uses its current centroids).
+        memo, key = (None, None) if context is None else (context.memo, ("routing", id(self), context.depth))
         centroids = None
         if learning:
             self.apply_statistics()
-            if store is not None:
-                store[id(self)] = self.centroids.clone()
-        elif self.training and store is not None:  # a recomputation: route as the forward it repeats did
-            centroids = store.get(id(self))
+            if memo is not None:
+                memo[key] = self.centroids.clone()
+        elif self.training and memo is not None:  # a recomputation: route as the forward it repeats did
+            centroids = memo.get(key)
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
         query_cluster, key_cluster = self.assign(q, centroids), self.assign(k, centroids)
-        out = self.attend(q, k, v, query_cluster, key_cluster, causal)
+        out = self.attend(q, k, v, query_cluster, key_cluster, causal, context)
         if learning:
             self.record_statistics(q.detach(), k.detach(), query_cluster, key_cluster)
         return out
@@ -175,7 +171,7 @@ class RoutingAttention(AttentionCore):
         return rows * length + keys
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, query_cluster: Tensor, key_cluster: Tensor,
-               causal: bool) -> Tensor:
+               causal: bool, context: StepContext | None = None) -> Tensor:
         """Queries sorted by (cluster, position) in blocks of ``window``: a block's runs of key slots overlap, so
         it gathers their union once (width W, about 2 windows unless clusters hold far more keys than queries)
         and masks each query to its own run."""
@@ -200,8 +196,8 @@ class RoutingAttention(AttentionCore):
                             self_score.masked_fill(self_in_run, float("-inf"))], dim=-1)
         probs = torch.softmax(logits, dim=-1)
         if self.training and self.dropout.p > 0:
-            probs = self.dropout.at_each(probs, self.probability_positions(blocked(query_order, size, 0),
-                                                                           key_positions, length))
+            positions = self.probability_positions(blocked(query_order, size, 0), key_positions, length)
+            probs = self.dropout.at_each(probs, positions, context)
         out = probs[..., :-1] @ gather_positions(v, key_positions) + probs[..., -1:] * own_values
         out = out.flatten(2, 3)[:, :, :length]  # sorted query order
         return torch.empty_like(out).scatter_(2, query_order[..., None].expand_as(out), out)

@@ -28,6 +28,7 @@ from xscale.models.attention.core import AttentionCore, expand_kv
 from xscale.models.attention.sparse import require, require_positive
 from xscale.models.registry import ATTENTION
 from xscale.models.traits import ParallelTraits
+from xscale.runtime import StepContext
 
 
 @dataclasses.dataclass
@@ -84,7 +85,7 @@ class SinkhornAttention(AttentionCore):
         weights = torch.softmax(log_scores.masked_fill(~past, float("-inf")), dim=-1)
         return torch.where(past, weights, 0.0)  # row 0 (no past) is all zero, not NaN
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None, context: StepContext | None = None) -> Tensor:
         length, block = q.shape[2], self.options.block_size
         require(k.shape[2] == length, "sinkhorn attention is self-attention (equal query and key lengths)")
         if length > self.max_blocks * block:
@@ -108,6 +109,6 @@ class SinkhornAttention(AttentionCore):
         log_mass = torch.where(mass > 0, mass.clamp_min(1e-30).log(), float("-inf"))
         sorted_logits = sorted_logits + log_mass[..., None, :]
         probs = torch.softmax(torch.cat([own, sorted_logits], dim=-1), dim=-1)
-        probs = self.dropout(probs)
+        probs = self.dropout(probs, context)
         out = probs[..., :block] @ v_blocks + probs[..., block:] @ sorted_values
         return out.flatten(2, 3)[:, :, :length]

@@ -19,6 +19,7 @@ from xscale.models.attention.block_sparse import BlockPlan, block_sparse_attenti
 from xscale.models.attention.core import AttentionCore
 from xscale.models.registry import ATTENTION
 from xscale.models.traits import ParallelTraits
+from xscale.runtime import StepContext
 
 
 def require(condition: bool, message: str) -> None:
@@ -60,12 +61,13 @@ class PatternAttention(AttentionCore):
                                           n_kv_heads, device, dtype)
         return self._plans[key]
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None, context: StepContext | None = None) -> Tensor:
         if q.shape[2] != k.shape[2]:
             raise ValueError(f"position-sparse attention is self-attention: query length {q.shape[2]} "
                              f"!= key length {k.shape[2]}")
         plan = self.plan(q.shape[2], causal, q.shape[1], k.shape[1], q.device, q.dtype)
-        return block_sparse_attention(q, k, v, plan, self.options.block_size, dropout=self.dropout)
+        return block_sparse_attention(q, k, v, plan, self.options.block_size, dropout=self.dropout,
+                                      context=context)
 
 
 @dataclasses.dataclass

@@ -24,6 +24,7 @@ from xscale.models.attention.dense import causal_bias
 from xscale.models.attention.sparse import require, require_positive
 from xscale.models.registry import ATTENTION
 from xscale.models.traits import ParallelTraits
+from xscale.runtime import StepContext
 
 MODES = ("dense", "random", "factorized")
 
@@ -78,7 +79,7 @@ class SynthesizerAttention(AttentionCore):
         check_heads(self, self.random_left, q.shape[1])
         return (self.random_left[:, :q_len] @ self.random_right[:, :k_len].transpose(-1, -2))[None]
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None, context: StepContext | None = None) -> Tensor:
         limit = self.model_config.max_seq_len
         if max(q.shape[2], v.shape[2]) > limit:
             raise ValueError(f"synthesizer was built for at most model.max_seq_len={limit} tokens and got "
@@ -90,5 +91,5 @@ class SynthesizerAttention(AttentionCore):
         if causal:
             logits = logits + causal_bias(q.shape[2], v.shape[2], v.device, v.dtype)
         weights = torch.softmax(logits, dim=-1)
-        weights = self.dropout(weights)
+        weights = self.dropout(weights, context)
         return weights @ v

@@ -19,6 +19,7 @@ from xscale.models.attention.core import AttentionCore, check_heads, expand_kv
 from xscale.models.attention.dense import causal_bias
 from xscale.models.registry import ATTENTION
 from xscale.models.traits import ParallelTraits
+from xscale.runtime import StepContext
 
 
 @ATTENTION.register("talking_heads")
@@ -49,10 +50,11 @@ class TalkingHeadsAttention(AttentionCore):
             logits = logits + causal_bias(q.shape[2], k.shape[2], q.device, q.dtype)
         return torch.softmax(logits, dim=-1)
 
-    def attend_heads(self, weights: Tensor, v: Tensor, heads: slice = slice(None)) -> Tensor:
+    def attend_heads(self, weights: Tensor, v: Tensor, heads: slice = slice(None),
+                     context: StepContext | None = None) -> Tensor:
         """out_g = dropout(W'_g) V_g for the output heads g in ``heads``, from every head's W and their v."""
-        mixed = self.dropout(self._mix(weights, self.post_softmax_mix_delta, heads))
+        mixed = self.dropout(self._mix(weights, self.post_softmax_mix_delta, heads), context)
         return mixed @ expand_kv(v, mixed.shape[1])
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None) -> Tensor:
-        return self.attend_heads(self.softmax_weights(q, k, causal=causal, bias=bias), v, self.output_heads)
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None, context: StepContext | None = None) -> Tensor:
+        return self.attend_heads(self.softmax_weights(q, k, causal=causal, bias=bias), v, self.output_heads, context)

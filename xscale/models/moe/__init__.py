@@ -9,7 +9,5 @@ from xscale.models.moe.layer import (
     collect_moe_metrics,
     moe_layers,
 )
-from xscale.models.moe.token_ids import current_routing_token_ids, routing_token_ids
 
-__all__ = ["AttachAuxiliaryLoss", "MoELayer", "build_moe", "check_moe_config", "collect_moe_metrics",
-           "current_routing_token_ids", "moe_layers", "routing_token_ids"]
+__all__ = ["AttachAuxiliaryLoss", "MoELayer", "build_moe", "check_moe_config", "collect_moe_metrics", "moe_layers"]

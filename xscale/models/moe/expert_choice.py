@@ -15,6 +15,7 @@ from xscale.config import ConfigError, ModelConfig
 from xscale.models.moe.routers import LearnedRouter
 from xscale.models.moe.routing import LocalTokens, Routing, router_probabilities, router_z_loss
 from xscale.models.registry import ROUTER
+from xscale.runtime import StepContext
 
 
 @ROUTER.register("expert_choice")
@@ -30,8 +31,8 @@ class ExpertChoiceRouter(LearnedRouter):
         if self.dropless:
             raise ConfigError("router=expert_choice has a fixed capacity per expert; set model.moe.dropless=false")
 
-    def forward(self, x: torch.Tensor, group: LocalTokens, token_ids: torch.Tensor | None = None) -> Routing:
-        scores, log_normaliser = router_probabilities(self.router_logits(x))  # affinities S = softmax(X W)
+    def forward(self, x: torch.Tensor, group: LocalTokens, context: StepContext | None = None) -> Routing:
+        scores, log_normaliser = router_probabilities(self.router_logits(x, context))  # affinities S = softmax(X W)
         everyone, offset = group.gather(scores.detach())
         group_tokens, n = everyone.shape[0], scores.shape[0]
         factor = self.capacity_factor if self.training else self.eval_capacity_factor

@@ -8,6 +8,7 @@ from torch import nn
 from xscale.config import ModelConfig
 from xscale.models.moe.routing import LocalTokens, Routing, token_choice_routing
 from xscale.models.registry import ROUTER
+from xscale.runtime import StepContext
 
 # Knuth's multiplicative hash: the high bits of id * 2654435761 mod 2^32 spread consecutive ids.
 HASH_MULTIPLIER = 2654435761
@@ -33,10 +34,11 @@ class HashRouter(nn.Module):
         self.dropless = moe.dropless
         self.drop_policy = moe.drop_policy
 
-    def forward(self, x: torch.Tensor, group: LocalTokens, token_ids: torch.Tensor | None = None) -> Routing:
+    def forward(self, x: torch.Tensor, group: LocalTokens, context: StepContext | None = None) -> Routing:
+        token_ids = None if context is None else context.token_ids
         if token_ids is None:
-            raise ValueError("the hash router needs the token ids of the tokens it routes: the Transformer sets them; "
-                             "around a bare MoE layer use `with xscale.models.moe.routing_token_ids(input_ids):`")
+            raise ValueError("the hash router needs the token ids of the tokens it routes: the Transformer passes them "
+                             "in its StepContext; call a bare MoE layer as layer(x, StepContext(token_ids=input_ids))")
         token_ids, tokens = token_ids.reshape(-1), x.numel() // x.shape[-1]
         if token_ids.numel() != tokens:
             raise ValueError(f"hash router: {token_ids.numel()} token ids for {tokens} tokens; set the ids of "

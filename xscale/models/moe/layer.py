@@ -15,10 +15,10 @@ from xscale.config import ConfigError, ModelConfig
 from xscale.models.ffn import build_ffn
 from xscale.models.moe.experts import StackedExperts
 from xscale.models.moe.routing import LocalTokens
-from xscale.models.moe.token_ids import current_routing_token_ids
 from xscale.models.registry import ROUTER
 from xscale.models.traits import ParallelTraits
 from xscale.ops.moe_permute import assignment_of_token, combine_by_gate, gather_tokens
+from xscale.runtime import StepContext
 
 
 class AttachAuxiliaryLoss(torch.autograd.Function):
@@ -48,8 +48,8 @@ class LocalDispatch:
 class MoELayer(nn.Module):
     """Mixture-of-Experts FFN (Shazeer et al. 2017; GShard; Switch): router + E stacked FFN experts.
 
-    A hash router reads the token ids of the sequence the layer sees from :func:`routing_token_ids`, which the
-    model sets around each stack. Attributes set from outside, explicitly:
+    A hash router reads the token ids of the sequence the layer sees from the forward's context
+    (``StepContext.token_ids``), which the model sets for each stack. Attributes set from outside, explicitly:
       ``token_group`` / ``dispatch``: replaced by :func:`xscale.parallel.expert.apply_expert_parallel`.
       ``aux_loss_scale``: the weight of this forward's auxiliary losses. A routing group is the tokens one
         forward routes together (one microbatch on one device; under expert parallelism, that microbatch on
@@ -81,9 +81,9 @@ class MoELayer(nn.Module):
         self.aux_loss_scale = 1.0
         self.metrics: dict[str, torch.Tensor] = {}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context: StepContext | None = None) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
-        routing = self.router(x, self.token_group, current_routing_token_ids())
+        routing = self.router(x, self.token_group, context)
         assignment = assignment_of_token(routing.token_index, tokens.shape[0]) if routing.one_per_token else None
         outputs_by_expert = self.dispatch(gather_tokens(tokens, routing.token_index, assignment),
                                           routing.local_tokens_per_expert, self.experts)

@@ -10,6 +10,7 @@ from xscale.config import ConfigError, ModelConfig
 from xscale.models.dropout import uniform_draws
 from xscale.models.moe.routing import LocalTokens, Routing, router_probabilities, token_choice_routing
 from xscale.models.registry import ROUTER
+from xscale.runtime import StepContext
 
 SAMPLING_STREAM = 0x5EC0  # GShard's second-expert draws: another stream of the router's site than its jitter
 ROUTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -43,13 +44,13 @@ class LearnedRouter(nn.Module):
         if not self.weight.is_meta:
             nn.init.normal_(self.weight, std=0.1 * config.init_std)  # small router init (Switch sec. 2.4)
 
-    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+    def router_logits(self, x: torch.Tensor, context: StepContext | None = None) -> torch.Tensor:
         """Logits [n, E] of the n tokens of x [..., d], in the router dtype; multiplicative jitter on the input,
         uniform in [1 - jitter, 1 + jitter], while training (Switch, sec. 2.4)."""
         with torch.autocast(x.device.type, enabled=False):
             x = x.to(self.router_dtype)
             if self.training and self.jitter > 0:
-                noise = uniform_draws(self.site, x.shape, x.device).to(x.dtype)
+                noise = uniform_draws(self.site, x.shape, x.device, context).to(x.dtype)
                 x = x * (noise * (2.0 * self.jitter) + (1.0 - self.jitter))
             return F.linear(x.reshape(-1, x.shape[-1]), self.weight.to(self.router_dtype))
 
@@ -77,8 +78,8 @@ class SwitchRouter(LearnedRouter):
             raise ConfigError(f"the switch router sends each token to 1 expert; set model.moe.top_k=1 "
                               f"(got {self.top_k}) or use router=gshard for top-2")
 
-    def forward(self, x: torch.Tensor, group: LocalTokens, token_ids: torch.Tensor | None = None) -> Routing:
-        probs, log_normaliser = router_probabilities(self.router_logits(x))
+    def forward(self, x: torch.Tensor, group: LocalTokens, context: StepContext | None = None) -> Routing:
+        probs, log_normaliser = router_probabilities(self.router_logits(x, context))
         gate, expert_index = probs.max(dim=-1, keepdim=True)
         return self.route(expert_index, gate, torch.ones_like(expert_index, dtype=torch.bool), probs, log_normaliser,
                           group)
@@ -101,12 +102,12 @@ class GShardRouter(LearnedRouter):
                               f"{', '.join(self.POLICIES)}")
         self.second_expert_policy = config.moe.second_expert_policy
 
-    def forward(self, x: torch.Tensor, group: LocalTokens, token_ids: torch.Tensor | None = None) -> Routing:
-        probs, log_normaliser = router_probabilities(self.router_logits(x))
+    def forward(self, x: torch.Tensor, group: LocalTokens, context: StepContext | None = None) -> Routing:
+        probs, log_normaliser = router_probabilities(self.router_logits(x, context))
         top_probs, expert_index = probs.topk(2, dim=-1)
         gate = top_probs / top_probs.sum(dim=-1, keepdim=True)
         dispatched = torch.ones_like(expert_index, dtype=torch.bool)
         if self.second_expert_policy == "sampling" and self.training:
-            draws = uniform_draws(self.site ^ SAMPLING_STREAM, x.shape[:-1], x.device).reshape(-1)
+            draws = uniform_draws(self.site ^ SAMPLING_STREAM, x.shape[:-1], x.device, context).reshape(-1)
             dispatched[:, 1] = draws < 2.0 * gate[:, 1].detach()
         return self.route(expert_index, gate, dispatched, probs, log_normaliser, group)

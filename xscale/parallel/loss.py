@@ -1,0 +1,47 @@
+"""The one training loss of every layout: the sum of token cross-entropies over labelled tokens.
+
+Engines divide it by the global count of labelled tokens, so sums over microbatches, data-parallel and
+context-parallel ranks and pipeline microbatches give the single-process mean. The output projection is applied
+here, fused with the cross-entropy so the (tokens x vocabulary) logits never exist (chunked in PyTorch, or the
+Triton kernel); under tensor parallelism, where the projection is split by vocabulary, each rank computes its
+vocabulary shard's logits and :func:`~xscale.parallel.vocab_parallel.vocab_sharded_loss_sum` combines them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from xscale.ops import cross_entropy_sum, linear_cross_entropy_sum
+from xscale.parallel.vocab_parallel import vocab_sharded_loss_sum
+from xscale.runtime import StepContext
+
+Batch = dict[str, torch.Tensor]
+
+
+def split_by_vocabulary(output: nn.Module) -> bool:
+    """Whether tensor parallelism split ``output``'s rows (the vocabulary) over a ``tp`` mesh dimension."""
+    weight = output.weight
+    if not isinstance(weight, DTensor):
+        return False
+    names = weight.device_mesh.mesh_dim_names or ()
+    return any(name == "tp" and placement.is_shard(0) for name, placement in zip(names, weight.placements))
+
+
+def token_loss_sum(hidden: torch.Tensor, output: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+    """Sum over labels != -100 of the cross-entropy of ``output(hidden)`` (the hidden states the output projection
+    reads: ``Transformer.forward(..., project=False)``)."""
+    if split_by_vocabulary(output):
+        return vocab_sharded_loss_sum(output(hidden), labels)
+    if output.bias is None:
+        return linear_cross_entropy_sum(hidden, output.weight, labels)
+    return cross_entropy_sum(output(hidden), labels)
+
+
+def model_loss_sum(model: nn.Module, batch: Batch, context: StepContext | None = None) -> torch.Tensor:
+    """:func:`token_loss_sum` of ``model`` on ``batch`` (input_ids, labels, and decoder_input_ids for an
+    encoder-decoder model) at ``context``."""
+    hidden = model(batch["input_ids"], decoder_input_ids=batch.get("decoder_input_ids"), context=context,
+                   project=False)
+    return token_loss_sum(hidden, model.output, batch["labels"])

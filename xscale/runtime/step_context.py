@@ -1,0 +1,79 @@
+"""StepContext: where the batch in flight sits in the run, passed to the model's forward as an argument.
+
+Everything a component draws or reads per batch comes from it, never from process-global state:
+- dropout masks and router noise are functions of (seed, step, global sample row, element coordinates)
+  (:mod:`xscale.models.dropout`), so every layout draws the same numbers for the same token;
+- hash-routed MoE layers read ``token_ids``, the ids of the sequence their stack sees (Roller et al. 2021);
+- a block shared across depths (ALBERT, Lan et al. 2020) runs at ``depth``, where it draws its own masks;
+- under context parallelism ``sequence`` says which global token positions this rank holds;
+- ``memo`` lets a forward leave what its recomputation must reuse (routing attention's centroids): activation
+  checkpointing re-runs a forward with the same arguments, so the recomputation finds the same memo.
+
+Without a context (``None``, plain PyTorch use) masks come from torch's generator, as ``nn.Dropout``'s do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import torch
+
+
+class SequenceLayout(Protocol):
+    """Which global positions of each sequence a rank holds (context parallelism's slicing)."""
+
+    def global_size(self, local_size: int) -> int: ...
+
+    def coordinates(self, local_size: int, device: torch.device) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """One forward's place in the run (immutable; derive with :meth:`microbatch`, :meth:`at_depth`, ...)."""
+
+    seed: int | None = None  # None: draws from torch's generator (like nn.Dropout)
+    step: int = 0
+    first_sample: int = 0  # row of the step's global batch that this batch's row 0 is
+    microbatch_stride: int = 0  # rows of the global batch from one microbatch of this batch to the next (0: its rows)
+    token_ids: torch.Tensor | None = None  # (B, T) ids of the tokens the current stack sees
+    depth: int | None = None  # the depth a shared block runs at (None: blocks are not shared)
+    sequence: SequenceLayout | None = None  # the global positions held under context parallelism (None: all)
+    memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def positioned(self) -> bool:
+        """Whether draws are functions of the position in the run (else of torch's generator)."""
+        return self.seed is not None
+
+    def microbatch(self, index: int, rows: int) -> StepContext:
+        """Microbatch ``index`` (``rows`` rows, contiguous in the global batch) of this batch, with a memo of its own."""
+        stride = self.microbatch_stride or rows
+        return replace(self, first_sample=self.first_sample + index * stride, microbatch_stride=0, memo={})
+
+    def at_depth(self, depth: int | None) -> StepContext:
+        return self if depth == self.depth else replace(self, depth=depth)
+
+    def with_token_ids(self, token_ids: torch.Tensor | None) -> StepContext:
+        return replace(self, token_ids=token_ids)
+
+    def with_sequence(self, sequence: SequenceLayout | None) -> StepContext:
+        return replace(self, sequence=sequence)
+
+    def positions(self, local_size: int, device: torch.device) -> torch.Tensor:
+        """The global positions (int64) of the ``local_size`` tokens of each sequence held here."""
+        if self.sequence is None:
+            return torch.arange(local_size, device=device)
+        return self.sequence.coordinates(local_size, device).to(torch.int64)
+
+    def sequence_length(self, local_size: int) -> int:
+        """The whole sequence's length when ``local_size`` tokens of it are held here."""
+        return local_size if self.sequence is None else self.sequence.global_size(local_size)
+
+
+def positions_of(context: StepContext | None, local_size: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(local_size, device=device) if context is None else context.positions(local_size, device)
+
+
+def sequence_length_of(context: StepContext | None, local_size: int) -> int:
+    return local_size if context is None else context.sequence_length(local_size)
