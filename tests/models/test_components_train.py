@@ -117,3 +117,17 @@ def test_weights_depend_only_on_seed_and_name():
         assert torch.equal(pa, pb), name
         if "norm" not in name:
             assert not torch.equal(pa, pc), name
+
+
+def test_use_kernels_sets_the_backend_of_every_fused_op_caller():
+    from xscale.models.ffn import GatedMLP
+    from xscale.models.norm import RMSNorm
+    from xscale.models.position import RotaryPosition
+
+    model = build_model(ModelConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, max_seq_len=8), seed=0)
+    callers = [m for m in model.modules() if isinstance(m, (RMSNorm, GatedMLP, RotaryPosition))]
+    assert callers and all(m.kernels == "auto" for m in callers)
+    model.use_kernels("torch")
+    assert model.kernels == "torch" and all(m.kernels == "torch" for m in callers)
+    with pytest.raises(ValueError, match="not one of auto, triton, apex, torch"):
+        model.use_kernels("cuda")

@@ -11,12 +11,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from xscale.ops import get_kernel_backend, set_kernel_backend  # noqa: E402
-
 
 @pytest.fixture(autouse=True)
-def _restore_backend_and_seed():
-    before = get_kernel_backend()
+def _seed():
     torch.manual_seed(0)
-    yield
-    set_kernel_backend(before)

@@ -15,9 +15,8 @@ TOLERANCE = 1e-5
 def _both_backends(fn, *inputs):
     results = {}
     for backend in ("torch", "triton"):
-        ops.set_kernel_backend(backend)
         leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
-        out = fn(*leaves)
+        out = fn(*leaves, backend=backend)
         out_sum = sum((o.float() * torch.linspace(-1, 1, o.numel()).view_as(o)).sum() for o in
                       (out if isinstance(out, tuple) else (out,)))
         grads = torch.autograd.grad(out_sum, [t for t in leaves if t.requires_grad])
@@ -39,15 +38,17 @@ def test_op_parity(op):
     weight = torch.randn(20, requires_grad=True)
     angles = torch.randn(9, 10)
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    labels = torch.arange(54).view(2, 27) % 37
     cases = {
-        "rms_norm": (lambda x, w: ops.rms_norm(x, w, 1e-5), x, weight),
-        "rms_norm_residual": (lambda x, r, w: ops.rms_norm_residual(x, r, w, 1e-5), x, other, weight),
-        "layer_norm": (lambda x, w: ops.layer_norm(x, w, None, 1e-5), x, weight),
-        "layer_norm_residual": (lambda x, r, w, b: ops.layer_norm_residual(x, r, w, b, 1e-5), x, other, weight,
-                                torch.randn(20, requires_grad=True)),
-        "apply_rope": (lambda x: ops.apply_rope(x, cos, sin), x),
-        "gated_activation": (lambda g, u: ops.gated_activation(g, u, "silu"), x, other),
-        "linear_cross_entropy_sum": (lambda h, w: ops.linear_cross_entropy_sum(h, w, torch.arange(54).view(2, 27) % 37),
+        "rms_norm": (lambda x, w, backend: ops.rms_norm(x, w, 1e-5, backend=backend), x, weight),
+        "rms_norm_residual": (lambda x, r, w, backend: ops.rms_norm_residual(x, r, w, 1e-5, backend=backend),
+                              x, other, weight),
+        "layer_norm": (lambda x, w, backend: ops.layer_norm(x, w, None, 1e-5, backend=backend), x, weight),
+        "layer_norm_residual": (lambda x, r, w, b, backend: ops.layer_norm_residual(x, r, w, b, 1e-5, backend=backend),
+                                x, other, weight, torch.randn(20, requires_grad=True)),
+        "apply_rope": (lambda x, backend: ops.apply_rope(x, cos, sin, backend=backend), x),
+        "gated_activation": (lambda g, u, backend: ops.gated_activation(g, u, "silu", backend=backend), x, other),
+        "linear_cross_entropy_sum": (lambda h, w, backend: ops.linear_cross_entropy_sum(h, w, labels, backend=backend),
                                      torch.randn(2, 27, 20, requires_grad=True),
                                      torch.randn(37, 20, requires_grad=True)),
     }
@@ -58,9 +59,10 @@ def test_op_parity(op):
 def test_moe_permute_parity():
     expert_ids = torch.randn(11, 6).topk(2, dim=-1).indices
 
-    def permute_then_unpermute(tokens, gates):
-        permuted, plan = ops.moe_permute(tokens, expert_ids, 6)
-        return permuted, ops.moe_unpermute(permuted * torch.linspace(0.5, 2, permuted.shape[0])[:, None], plan, gates)
+    def permute_then_unpermute(tokens, gates, backend):
+        permuted, plan = ops.moe_permute(tokens, expert_ids, 6, backend=backend)
+        scaled = permuted * torch.linspace(0.5, 2, permuted.shape[0])[:, None]
+        return permuted, ops.moe_unpermute(scaled, plan, gates, backend=backend)
 
     _assert_same(*_both_backends(permute_then_unpermute, torch.randn(11, 19, requires_grad=True),
                                  torch.rand(11, 2, requires_grad=True)))
@@ -73,25 +75,29 @@ def test_block_sparse_attention_parity_with_grouped_kv_heads():
     layout = ops.build_layout(index, torch.tensor([1, 2, 2], dtype=torch.int32), 16, 40, 40)
     assert layout.mask.shape == (1, n_blocks, n_blocks)
 
-    def attend(q, k, v):
-        return ops.block_sparse_attention(q, k, v, layout, causal=True, scale=0.2)
+    def attend(q, k, v, backend):
+        return ops.block_sparse_attention(q, k, v, layout, causal=True, scale=0.2, backend=backend)
 
     _assert_same(*_both_backends(attend, torch.randn(1, 4, 40, 16, requires_grad=True),
                                  torch.randn(1, 2, 40, 16, requires_grad=True),
                                  torch.randn(1, 2, 40, 16, requires_grad=True)))
 
 
-def test_llama_style_train_step_parity():
-    """A 2-layer RMSNorm + RoPE + SwiGLU decoder: one train step's loss and gradients match across backends."""
+def test_llama_style_train_step_parity(monkeypatch):
+    """A 2-layer RMSNorm + RoPE + SwiGLU decoder: one train step's loss and gradients match across backends, and
+    ``use_kernels("triton")`` really runs the kernels (norm, rope, gated activation, the fused loss)."""
+    used = []
+    kernel_module = ops.functional.kernel_module
+    monkeypatch.setattr(ops.functional, "kernel_module", lambda name: used.append(name) or kernel_module(name))
     config = ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=2, max_seq_len=16)
     batch = {"input_ids": torch.randint(0, 61, (2, 12)), "labels": torch.randint(0, 61, (2, 12))}
     batch["labels"][0, :4] = -100
     results = {}
     for backend in ("torch", "triton"):
-        ops.set_kernel_backend(backend)
-        model = build_model(config, seed=3)
+        model = build_model(config, seed=3).use_kernels(backend)
         loss = Engine(model, micro_batch_size=1).train_step(batch)
         results[backend] = loss, {name: p.grad.clone() for name, p in model.named_parameters()}
+    assert {"norm", "rope", "gated", "cross_entropy"} <= set(used)
     (loss_ref, grads_ref), (loss_fused, grads_fused) = results["torch"], results["triton"]
     assert abs(loss_ref.item() - loss_fused.item()) <= TOLERANCE * loss_ref.item()
     for name, grad in grads_ref.items():

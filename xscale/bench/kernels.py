@@ -59,6 +59,7 @@ class Case:
     fused: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]
     apex_has_op: bool = False
     extra: list[torch.Tensor] = field(default_factory=list)
+    backend: str = "auto"  # train.kernels for the fused column
 
 
 def glu_hidden(hidden: int) -> int:
@@ -86,6 +87,7 @@ def build_cases(args: argparse.Namespace, device: torch.device, dtype: torch.dty
         return randn(hidden, scale=0.1, shift=1.0, like=torch.float32)  # float32, as autocast keeps parameters
 
     tokens, hidden, vocab, eps = args.tokens, args.hidden, args.vocab, 1e-5
+    backend = args.backend
     head_dim = hidden // args.heads
     ffn = glu_hidden(hidden)
     batch = max(1, tokens // args.seq)
@@ -103,54 +105,57 @@ def build_cases(args: argparse.Namespace, device: torch.device, dtype: torch.dty
         return unpermute_reference(permute_reference(x, plan) * expert_scale, plan, gates)
 
     def moe_permute_and_scale(x: torch.Tensor) -> tuple[torch.Tensor, Permutation]:
-        permuted, plan = ops.moe_permute(x, expert_ids, args.experts)
+        permuted, plan = ops.moe_permute(x, expert_ids, args.experts, backend=backend)
         return permuted * expert_scale, plan  # the permuted rows die here, as in the reference's expression
 
     def moe_fused(x: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
         scaled, plan = moe_permute_and_scale(x)
-        return ops.moe_unpermute(scaled, plan, gates)
+        return ops.moe_unpermute(scaled, plan, gates, backend=backend)
 
     attention_shape = (1, args.heads, args.attention_seq, head_dim)
-    return [
+    cases = [
         Case("rms_norm", f"{tokens}x{hidden}", [randn(tokens, hidden), norm_weight()],
-             lambda x, w: reference.rms_norm(x, w, eps), lambda x, w: ops.rms_norm(x, w, eps), apex_has_op=True),
+             lambda x, w: reference.rms_norm(x, w, eps), lambda x, w: ops.rms_norm(x, w, eps, backend=backend), apex_has_op=True),
         Case("rms_norm_residual", f"{tokens}x{hidden}",
              [randn(tokens, hidden), randn(tokens, hidden), norm_weight()],
              lambda x, r, w: reference.rms_norm_residual(x, r, w, eps),
-             lambda x, r, w: ops.rms_norm_residual(x, r, w, eps), apex_has_op=True),
+             lambda x, r, w: ops.rms_norm_residual(x, r, w, eps, backend=backend), apex_has_op=True),
         Case("layer_norm_residual", f"{tokens}x{hidden}",
              [randn(tokens, hidden), randn(tokens, hidden), norm_weight(), randn(hidden, like=torch.float32)],
              lambda x, r, w, b: reference.layer_norm_residual(x, r, w, b, eps),
-             lambda x, r, w, b: ops.layer_norm_residual(x, r, w, b, eps), apex_has_op=True),
+             lambda x, r, w, b: ops.layer_norm_residual(x, r, w, b, eps, backend=backend), apex_has_op=True),
         Case("swiglu", f"{tokens}x{ffn}", [randn(tokens, ffn), randn(tokens, ffn)],
-             lambda g, u: reference.gated_activation(g, u, "silu"), lambda g, u: ops.gated_activation(g, u, "silu")),
+             lambda g, u: reference.gated_activation(g, u, "silu"), lambda g, u: ops.gated_activation(g, u, "silu", backend=backend)),
         Case("geglu", f"{tokens}x{ffn}", [randn(tokens, ffn), randn(tokens, ffn)],
-             lambda g, u: reference.gated_activation(g, u, "gelu"), lambda g, u: ops.gated_activation(g, u, "gelu")),
+             lambda g, u: reference.gated_activation(g, u, "gelu"), lambda g, u: ops.gated_activation(g, u, "gelu", backend=backend)),
         Case("rope", f"{batch}x{args.heads}x{args.seq}x{head_dim}", [randn(batch, args.heads, args.seq, head_dim)],
-             lambda x: reference.apply_rope(x, cos, sin), lambda x: ops.apply_rope(x, cos, sin), extra=[cos, sin]),
+             lambda x: reference.apply_rope(x, cos, sin), lambda x: ops.apply_rope(x, cos, sin, backend=backend), extra=[cos, sin]),
         Case("linear_cross_entropy", f"{tokens}x{hidden} vocab {vocab}",
              [randn(tokens, hidden), randn(vocab, hidden, scale=0.05)],
              lambda h, w: reference.linear_cross_entropy_sum(h, w, labels),
-             lambda h, w: ops.linear_cross_entropy_sum(h, w, labels)),
+             lambda h, w: ops.linear_cross_entropy_sum(h, w, labels, backend=backend)),
         Case("moe_permute", f"{tokens}x{hidden} top{args.top_k}/{args.experts}",
              [randn(tokens, hidden), torch.rand(tokens, args.top_k, generator=generator).to(device).requires_grad_()],
              moe_reference, moe_fused),
         Case("block_sparse_attention", f"{'x'.join(map(str, attention_shape))} local/{args.block}",
              [randn(*attention_shape), randn(*attention_shape), randn(*attention_shape)],
              lambda q, k, v: block_sparse_attention_reference(q, k, v, layout, True),
-             lambda q, k, v: ops.block_sparse_attention(q, k, v, layout, causal=True)),
+             lambda q, k, v: ops.block_sparse_attention(q, k, v, layout, causal=True, backend=backend)),
     ]
+    for case in cases:
+        case.backend = backend
+    return cases
 
 
 def path_of(case: Case) -> str:
-    """What the fused column runs on these tensors under the current ``train.kernels`` setting."""
-    backend = dispatch.choose_backend(tuple(case.leaves + case.extra), apex_has_op=case.apex_has_op)
+    """What the fused column runs on these tensors under the case's ``train.kernels`` setting."""
+    backend = dispatch.choose_backend(tuple(case.leaves + case.extra), case.backend, apex_has_op=case.apex_has_op)
     if backend == "triton":
         return "triton" if case.leaves[0].is_cuda else "triton (interpreter)"
     if backend == "apex":
         return "apex"
     own_torch_path = {"linear_cross_entropy": "torch chunked", "block_sparse_attention": "torch gathered"}
-    if case.name in own_torch_path and dispatch.get_kernel_backend() != "torch":
+    if case.name in own_torch_path and case.backend != "torch":
         return own_torch_path[case.name]
     return "torch (= reference)"
 
@@ -331,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    ops.set_kernel_backend(args.backend)
+    ops.check_backend(args.backend)
     cases = build_cases(args, device, dtype)
     wanted = [case.name for case in cases] if args.ops == "all" else args.ops.split(",")
     unknown = sorted(set(wanted) - {case.name for case in cases})

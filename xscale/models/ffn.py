@@ -51,6 +51,7 @@ class GatedMLP(nn.Module):
 
     activation = "silu"
     parallel_traits = ParallelTraits(tp="split_hidden", column_parallel=("w_gate", "w_up"), row_parallel=("w_down",))
+    kernels = "auto"  # the fused-op backend (Transformer.use_kernels)
 
     def __init__(self, d_model: int, hidden: int, bias: bool = False, dropout: float = 0.0) -> None:
         super().__init__()
@@ -60,7 +61,8 @@ class GatedMLP(nn.Module):
         self.dropout = Dropout(dropout)
 
     def forward(self, x: torch.Tensor, context: StepContext | None = None) -> torch.Tensor:
-        return self.dropout(self.w_down(gated_activation(self.w_gate(x), self.w_up(x), self.activation)), context)
+        hidden = gated_activation(self.w_gate(x), self.w_up(x), self.activation, self.kernels)
+        return self.dropout(self.w_down(hidden), context)
 
 
 @FFN.register("swiglu")

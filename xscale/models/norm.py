@@ -21,13 +21,15 @@ class LayerNorm(nn.LayerNorm):
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * g, computed in float32."""
 
+    kernels = "auto"  # the fused-op backend (Transformer.use_kernels)
+
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.kernels)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)

@@ -127,6 +127,7 @@ class RotaryPosition(PositionEncoding):
 
     parallel_traits = ParallelTraits(tp="replicated", cp=True)
     rotates_qk = True
+    kernels = "auto"  # the fused-op backend (Transformer.use_kernels)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -147,9 +148,11 @@ class RotaryPosition(PositionEncoding):
             positions = context.positions(q.shape[-2], q.device)
             cos, sin = self._cos_sin(context.sequence_length(q.shape[-2]), q.device)
             cos, sin = cos[positions], sin[positions]
-            return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            return apply_rope(q, cos, sin, self.kernels), apply_rope(k, cos, sin, self.kernels)
         cos, sin = self._cos_sin(max(q.shape[-2], k.shape[-2]), q.device)
-        return apply_rope(q, cos[: q.shape[-2]], sin[: q.shape[-2]]), apply_rope(k, cos[: k.shape[-2]], sin[: k.shape[-2]])
+        q_len, k_len = q.shape[-2], k.shape[-2]
+        return (apply_rope(q, cos[:q_len], sin[:q_len], self.kernels),
+                apply_rope(k, cos[:k_len], sin[:k_len], self.kernels))
 
 
 def alibi_slopes(n_heads: int) -> torch.Tensor:

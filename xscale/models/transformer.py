@@ -23,6 +23,7 @@ from xscale.models.block import TransformerBlock
 from xscale.models.dropout import Dropout, name_dropout_sites
 from xscale.models.norm import build_norm
 from xscale.models.position import PositionEncoding, TappedPosition, build_position
+from xscale.ops import check_backend
 from xscale.ops.reference import ACTIVATIONS
 from xscale.runtime import StepContext
 
@@ -121,6 +122,8 @@ class Stack(nn.Module):
 
 
 class Transformer(nn.Module):
+    kernels = "auto"  # the fused-op backend of its modules and of the loss that reads it (use_kernels)
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -146,6 +149,16 @@ class Transformer(nn.Module):
         pipeline stage holding the projection but not the embedding keeps its own copy (``output.weight``)."""
         if self.config.tie_embeddings and self.embedding is not None and self.output is not None:
             self.output.weight = self.embedding.weight
+
+    def use_kernels(self, backend: str) -> Transformer:
+        """Run the fused ops (norms, RoPE, gated activations, the loss) through ``backend`` (``train.kernels``:
+        auto | triton | apex | torch; :mod:`xscale.ops.dispatch`): set on every module that calls one, as
+        :meth:`nn.Module.train` sets the mode."""
+        check_backend(backend)
+        for module in self.modules():
+            if hasattr(module, "kernels"):
+                module.kernels = backend
+        return self
 
     @property
     def layer_count(self) -> int:

@@ -1,12 +1,12 @@
 """The Python face of every fused op.
 
 Each op here dispatches to a Triton kernel (``kernels/xscale_kernels``), to apex when importable,
-or to the PyTorch reference, according to :func:`set_kernel_backend` (``train.kernels``); see
+or to the PyTorch reference, according to its ``backend`` argument (``train.kernels``); see
 ``xscale/ops/dispatch.py`` for the rules and ``kernels/README.md`` for where each op lives.
 """
 
 from xscale.ops.block_sparse_attention import BlockLayout, build_layout
-from xscale.ops.dispatch import get_kernel_backend, set_kernel_backend
+from xscale.ops.dispatch import BACKENDS, check_backend
 from xscale.ops.functional import (
     apply_rope,
     block_sparse_attention,
@@ -23,14 +23,15 @@ from xscale.ops.functional import (
 from xscale.ops.moe_permute import Permutation
 
 __all__ = [
+    "BACKENDS",
     "BlockLayout",
     "Permutation",
     "apply_rope",
     "block_sparse_attention",
     "build_layout",
+    "check_backend",
     "cross_entropy_sum",
     "gated_activation",
-    "get_kernel_backend",
     "layer_norm",
     "layer_norm_residual",
     "linear_cross_entropy_sum",
@@ -38,5 +39,4 @@ __all__ = [
     "moe_unpermute",
     "rms_norm",
     "rms_norm_residual",
-    "set_kernel_backend",
 ]

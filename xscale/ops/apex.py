@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import torch
 
-from xscale.ops.dispatch import apex_importable, get_kernel_backend
+from xscale.ops.dispatch import apex_importable, check_backend
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -24,11 +24,11 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def adamw(params: Iterable[torch.nn.Parameter], lr: float, betas: tuple[float, float] = (0.9, 0.999),
-          eps: float = 1e-8, weight_decay: float = 0.0) -> torch.optim.Optimizer:
+          eps: float = 1e-8, weight_decay: float = 0.0, backend: str = "auto") -> torch.optim.Optimizer:
     """apex FusedAdam (AdamW mode) on CUDA when train.kernels allows apex and it imports; else torch AdamW."""
     params = list(params)
     on_cuda = bool(params) and all(p.is_cuda for p in params)
-    backend = get_kernel_backend()
+    check_backend(backend)
     if backend == "apex" and not apex_importable():
         raise RuntimeError("train.kernels is 'apex' but NVIDIA apex is not importable; use auto or torch")
     if backend in ("apex", "auto") and on_cuda and apex_importable():

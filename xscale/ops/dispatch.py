@@ -1,5 +1,8 @@
 """Choice of kernel backend for the fused ops (``train.kernels``): auto | triton | apex | torch.
 
+Every op takes the backend as an argument (``backend=``); a model's modules hold the one they pass
+(``Transformer.use_kernels``). There is no process-wide setting.
+
 - ``torch``: the PyTorch references (``xscale.ops.reference`` and the ``*_reference`` functions), unfused.
 - ``triton``: the Triton kernels (``kernels/xscale_kernels``). CUDA tensors, or CPU tensors with
   ``TRITON_INTERPRET=1`` set before the kernel modules are imported (the interpreter); anything else is an error.
@@ -23,18 +26,13 @@ from types import ModuleType
 import torch
 
 BACKENDS = ("auto", "triton", "apex", "torch")
-_backend = "auto"
 
 
-def set_kernel_backend(name: str) -> None:
-    global _backend
+def check_backend(name: str) -> str:
+    """``name`` if it is a backend, else a ValueError naming the choices."""
     if name not in BACKENDS:
         raise ValueError(f"kernel backend '{name}' is not one of {', '.join(BACKENDS)} (train.kernels)")
-    _backend = name
-
-
-def get_kernel_backend() -> str:
-    return _backend
+    return name
 
 
 def triton_interpreting() -> bool:
@@ -59,12 +57,13 @@ def is_distributed(tensor: torch.Tensor) -> bool:
     return type(tensor).__name__ == "DTensor"
 
 
-def choose_backend(tensors: tuple[torch.Tensor, ...], apex_has_op: bool = False) -> str:
-    """'triton', 'apex' or 'torch' for an op on these tensors under the current setting."""
-    if _backend == "torch" or any(is_distributed(t) for t in tensors):
+def choose_backend(tensors: tuple[torch.Tensor, ...], backend: str = "auto", apex_has_op: bool = False) -> str:
+    """'triton', 'apex' or 'torch' for an op on these tensors under the setting ``backend``."""
+    check_backend(backend)
+    if backend == "torch" or any(is_distributed(t) for t in tensors):
         return "torch"
     on_cuda = all(t.is_cuda for t in tensors)
-    if _backend == "triton":
+    if backend == "triton":
         if not triton_importable():
             raise RuntimeError("train.kernels is 'triton' but triton is not installed: `pip install triton`, "
                                "or set train.kernels to auto or torch")
@@ -73,7 +72,7 @@ def choose_backend(tensors: tuple[torch.Tensor, ...], apex_has_op: bool = False)
                                "or TRITON_INTERPRET=1 in the environment (set before xscale_kernels is imported) "
                                "to run the kernels in Triton's CPU interpreter; or use train.kernels auto/torch")
         return "triton"
-    if _backend == "apex":
+    if backend == "apex":
         if not apex_importable():
             raise RuntimeError("train.kernels is 'apex' but NVIDIA apex is not importable (it ships in NGC "
                                "containers; PyPI's 'apex' is another project); use train.kernels auto or torch")

@@ -13,13 +13,13 @@ from xscale.ops.block_sparse_attention import (
     build_layout,
 )
 from xscale.ops.chunked_cross_entropy import chunked_linear_cross_entropy_sum
-from xscale.ops.dispatch import choose_backend, get_kernel_backend, is_distributed, kernel_module
+from xscale.ops.dispatch import choose_backend, is_distributed, kernel_module
 from xscale.ops.moe_permute import Permutation, permute_reference, plan_permutation, unpermute_reference
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "auto") -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) * weight."""
-    backend = choose_backend((x, weight), apex_has_op=True)
+    backend = choose_backend((x, weight), backend, apex_has_op=True)
     if backend == "triton":
         return kernel_module("norm").residual_norm(x, None, weight, None, eps, is_rms=True)
     if backend == "apex":
@@ -28,9 +28,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rms_norm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      eps: float, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) in one pass."""
-    backend = choose_backend((x, residual, weight), apex_has_op=True)
+    backend = choose_backend((x, residual, weight), backend, apex_has_op=True)
     if backend == "triton":
         return kernel_module("norm").residual_norm(x, residual, weight, None, eps, is_rms=True)
     if backend == "apex":
@@ -39,8 +39,9 @@ def rms_norm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
     return reference.rms_norm_residual(x, residual, weight, eps)
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
-    backend = choose_backend((x, weight), apex_has_op=True)
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+               backend: str = "auto") -> torch.Tensor:
+    backend = choose_backend((x, weight), backend, apex_has_op=True)
     if backend == "triton":
         return kernel_module("norm").residual_norm(x, None, weight, bias, eps, is_rms=False)
     if backend == "apex":
@@ -49,9 +50,9 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def layer_norm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        eps: float, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """(layer_norm(x + residual), x + residual) in one pass."""
-    backend = choose_backend((x, residual, weight), apex_has_op=True)
+    backend = choose_backend((x, residual, weight), backend, apex_has_op=True)
     if backend == "triton":
         return kernel_module("norm").residual_norm(x, residual, weight, bias, eps, is_rms=False)
     if backend == "apex":
@@ -60,21 +61,21 @@ def layer_norm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     return reference.layer_norm_residual(x, residual, weight, bias, eps)
 
 
-def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str, backend: str = "auto") -> torch.Tensor:
     """act(gate) * up: SwiGLU (silu), GeGLU (gelu, gelu_tanh), ReGLU (relu)."""
-    if choose_backend((gate, up)) == "triton":
+    if choose_backend((gate, up), backend) == "triton":
         return kernel_module("gated").gated_activation(gate, up, activation)
     return reference.gated_activation(gate, up, activation)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """x * cos + rotate_half(x) * sin; the kernel takes cos/sin of shape ([1, ...,] T, head_dim).
 
     The kernel passes no gradient to cos/sin (position tables); other table shapes use the reference.
     """
     table = (x.shape[-2], x.shape[-1])
     kernel_shape = tuple(cos.shape[-2:]) == table and cos.numel() == table[0] * table[1] and sin.shape == cos.shape
-    if kernel_shape and choose_backend((x, cos, sin)) == "triton":
+    if kernel_shape and choose_backend((x, cos, sin), backend) == "triton":
         return kernel_module("rope").apply_rope(x, cos, sin)
     return reference.apply_rope(x, cos, sin)
 
@@ -85,31 +86,31 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                             chunk_tokens: int | None = None) -> torch.Tensor:
+                             chunk_tokens: int | None = None, backend: str = "auto") -> torch.Tensor:
     """cross_entropy_sum(hidden @ weight^T, labels) without materialising the logits (except under 'torch')."""
-    backend = choose_backend((hidden, weight))
-    if backend == "triton":
+    if choose_backend((hidden, weight), backend) == "triton":
         return kernel_module("cross_entropy").linear_cross_entropy_sum(hidden, weight, labels, chunk_tokens)
-    if get_kernel_backend() == "torch" or is_distributed(hidden) or is_distributed(weight):
+    if backend == "torch" or is_distributed(hidden) or is_distributed(weight):
         return reference.linear_cross_entropy_sum(hidden, weight, labels)  # the chunked Function takes plain tensors
     return chunked_linear_cross_entropy_sum(hidden, weight, labels, chunk_tokens=chunk_tokens)
 
 
-def moe_permute(tokens: torch.Tensor, expert_ids: torch.Tensor,
-                num_experts: int) -> tuple[torch.Tensor, Permutation]:
+def moe_permute(tokens: torch.Tensor, expert_ids: torch.Tensor, num_experts: int,
+                backend: str = "auto") -> tuple[torch.Tensor, Permutation]:
     """tokens (N, d), expert_ids (N, k) -> (N*k, d) rows grouped by expert (stable), and the plan to undo it."""
     plan = plan_permutation(expert_ids, num_experts)
-    if choose_backend((tokens,)) == "triton":
+    if choose_backend((tokens,), backend) == "triton":
         return kernel_module("moe_permute").Permute.apply(tokens, plan.token_of, plan.position), plan
     return permute_reference(tokens, plan), plan
 
 
-def moe_unpermute(expert_out: torch.Tensor, plan: Permutation, gate_weights: torch.Tensor) -> torch.Tensor:
+def moe_unpermute(expert_out: torch.Tensor, plan: Permutation, gate_weights: torch.Tensor,
+                  backend: str = "auto") -> torch.Tensor:
     """(N*k, d) expert outputs -> (N, d): y[t] = sum_j gate_weights[t, j] * expert_out[plan.position[t, j]]."""
     if gate_weights.shape != plan.position.shape:
         raise ValueError(f"gate_weights {tuple(gate_weights.shape)} must be (tokens, top_k) "
                          f"= {tuple(plan.position.shape)}")
-    if choose_backend((expert_out, gate_weights)) == "triton":
+    if choose_backend((expert_out, gate_weights), backend) == "triton":
         return kernel_module("moe_permute").Unpermute.apply(expert_out, plan.position, plan.token_of,
                                                             plan.pair_of, gate_weights)
     return unpermute_reference(expert_out, plan, gate_weights)
@@ -118,7 +119,7 @@ def moe_unpermute(expert_out: torch.Tensor, plan: Permutation, gate_weights: tor
 def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout | None = None, *,
                            block_index: torch.Tensor | None = None, block_count: torch.Tensor | None = None,
                            block_size: int | None = None, causal: bool = False,
-                           scale: float | None = None) -> torch.Tensor:
+                           scale: float | None = None, backend: str = "auto") -> torch.Tensor:
     """q (B, H, Tq, hd), k/v (B, Hkv, Tk, hd) -> (B, H, Tq, hd) over a block layout (see block_sparse_attention.py).
 
     Pass a prebuilt ``layout`` (``build_layout``, reusable across layers and steps) or the raw tables.
@@ -134,10 +135,10 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, la
         k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
     if layout.mask.shape[0] not in (1, q.shape[1]):
         raise ValueError(f"a per-head layout has {layout.mask.shape[0]} heads but q has {q.shape[1]}")
-    if choose_backend((q, k, v)) == "triton":
+    if choose_backend((q, k, v), backend) == "triton":
         return kernel_module("block_sparse_attention").BlockSparseAttention.apply(
             q, k, v, layout.index, layout.count, layout.transposed_index, layout.transposed_count,
             layout.block_size, causal, scale)
-    if get_kernel_backend() == "torch" or is_distributed(q):
+    if backend == "torch" or is_distributed(q):
         return block_sparse_attention_reference(q, k, v, layout, causal, scale)
     return block_sparse_attention_gathered(q, k, v, layout, causal, scale)

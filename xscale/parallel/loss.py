@@ -29,13 +29,13 @@ def split_by_vocabulary(output: nn.Module) -> bool:
     return any(name == "tp" and placement.is_shard(0) for name, placement in zip(names, weight.placements))
 
 
-def token_loss_sum(hidden: torch.Tensor, output: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+def token_loss_sum(hidden: torch.Tensor, output: nn.Module, labels: torch.Tensor, kernels: str = "auto") -> torch.Tensor:
     """Sum over labels != -100 of the cross-entropy of ``output(hidden)`` (the hidden states the output projection
-    reads: ``Transformer.forward(..., project=False)``)."""
+    reads: ``Transformer.forward(..., project=False)``); ``kernels``: the fused op's backend."""
     if split_by_vocabulary(output):
         return vocab_sharded_loss_sum(output(hidden), labels)
     if output.bias is None:
-        return linear_cross_entropy_sum(hidden, output.weight, labels)
+        return linear_cross_entropy_sum(hidden, output.weight, labels, backend=kernels)
     return cross_entropy_sum(output(hidden), labels)
 
 
@@ -44,4 +44,4 @@ def model_loss_sum(model: nn.Module, batch: Batch, context: StepContext | None =
     encoder-decoder model) at ``context``."""
     hidden = model(batch["input_ids"], decoder_input_ids=batch.get("decoder_input_ids"), context=context,
                    project=False)
-    return token_loss_sum(hidden, model.output, batch["labels"])
+    return token_loss_sum(hidden, model.output, batch["labels"], model.kernels)

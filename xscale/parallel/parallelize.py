@@ -85,14 +85,14 @@ def build_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh | None, de
     seed = config.train.seed
     autocast = torch.bfloat16 if config.train.precision == "bf16" else None
     if mesh is None or dims.world_size == 1:
-        model = build_model(config.model, device, seed=seed)
+        model = build_model(config.model, device, seed=seed).use_kernels(config.train.kernels)
         apply_activation_checkpointing(_stacks(model), config.parallel.activation_checkpointing)
         _compile_blocks(model, config)
         return Engine(model, micro_batch_size(config, dims), autocast)
     if dims.pp > 1:
         return _build_pipeline_engine(config, dims, mesh, device, autocast)
 
-    model = build_model(config.model, materialize=False)
+    model = build_model(config.model, materialize=False).use_kernels(config.train.kernels)
     loss_fn = model_loss_sum
     if dims.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=config.parallel.sequence_parallel)
@@ -152,7 +152,7 @@ def _build_pipeline_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh,
         apply_activation_checkpointing(_stacks(stage), config.parallel.activation_checkpointing)
         _compile_blocks(stage, config)
 
-    model = build_model(config.model, materialize=False)
+    model = build_model(config.model, materialize=False).use_kernels(config.train.kernels)
     engine = PipelineEngine.from_config(config, model, mesh["pp"], device, parallelize_stage)
     if dims.ep > 1:  # the stages are materialised with the single-process init; keep this rank's experts
         for stage in engine.model_parts:

@@ -407,7 +407,8 @@ class PipelineEngine(Engine):
 
     # ------------------------------------------------------------------ schedule
     def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return token_loss_sum(hidden, self.stages[-1].output, labels).float() / self._token_count
+        last = self.stages[-1]
+        return token_loss_sum(hidden, last.output, labels, last.kernels).float() / self._token_count
 
     def _schedule(self, batch: Batch, training: bool):
         rows = batch["input_ids"].shape[0]

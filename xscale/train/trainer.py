@@ -25,7 +25,6 @@ from xscale.launcher.parent_death import exit_with_launcher
 from xscale.launcher.preemption import PreemptionHandler
 from xscale.models.init import canonical_name
 from xscale.models.parameters import count_parameters
-from xscale.ops import set_kernel_backend
 from xscale.parallel.checks import resolve_dims
 from xscale.parallel.parallelize import build_engine
 from xscale.runtime import StepContext
@@ -59,7 +58,6 @@ class Trainer:
         else:
             keep_freed_memory()  # activations and gradients re-allocated every step stop page-faulting
         torch.manual_seed(train.seed)
-        set_kernel_backend(train.kernels)
         if train_dataset is None:
             train_dataset, eval_dataset = build_datasets(config)[:2]
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
