@@ -18,8 +18,9 @@ POSITION = StepContext(seed=1, step=3)
 def mask(p: float = 0.1, shape=SHAPE, position=POSITION, shard_index: int = 0,
          site: int = 7) -> torch.Tensor:
     dropout = Dropout(p)
-    dropout.site, dropout.shard_index = site, shard_index
-    return dropout.keep_mask(torch.Size(shape), torch.device("cpu"), position)
+    dropout.site = site  # shard_index: this rank's slice of the tokens under sequence parallelism (of 2)
+    context = position.with_tensor_parallel(shard_index, 2, sequence_parallel=True) if shard_index else position
+    return dropout.keep_mask(torch.Size(shape), torch.device("cpu"), context)
 
 
 @pytest.mark.parametrize("p", [0.01, 0.1, 0.5, 0.9])

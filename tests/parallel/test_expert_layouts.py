@@ -34,6 +34,7 @@ from xscale.parity import (
     train_losses,
     world_size_of,
 )
+from xscale.runtime import StepContext
 from xscale.validate import load_config
 
 # tiny-switch at test size: d_model 32, 2 layers (both MoE), 4 experts, capacity 1.0 so tokens get dropped.
@@ -141,11 +142,11 @@ def test_auxiliary_losses_are_the_mean_over_microbatches():
 
     routings = {layer.layer_index: [] for layer in moe_layers(manual_model)}
     for layer in moe_layers(manual_model):
-        layer.aux_loss_scale = 0.0  # the explicit sum below replaces the layer's own auxiliary gradient
         layer.router.register_forward_hook(
             lambda module, args, routing, index=layer.layer_index: routings[index].append(routing))
-    loss = sum(model_loss_sum(manual_model, {k: v[rows] for k, v in batch.items()}) / batch["labels"].numel()
-               for rows in (slice(0, 4), slice(4, 8)))
+    unweighted = StepContext(moe_loss_scale=0.0)  # the explicit sum below replaces the layers' own auxiliary terms
+    loss = sum(model_loss_sum(manual_model, {k: v[rows] for k, v in batch.items()}, unweighted)
+               / batch["labels"].numel() for rows in (slice(0, 4), slice(4, 8)))
     assert [len(found) for found in routings.values()] == [2, 2]  # 2 layers x 2 microbatches
     auxiliary = sum(0.5 * r.aux_loss + 0.1 * r.z_loss for found in routings.values() for r in found)
     (loss + auxiliary / 2).backward()
@@ -154,7 +155,6 @@ def test_auxiliary_losses_are_the_mean_over_microbatches():
 
     for layer in moe_layers(engine_model):  # the step's statistics: tokens summed, the rest averaged
         first, second = routings[layer.layer_index]
-        assert layer.aux_loss_scale == 0.5
         torch.testing.assert_close(layer.metrics["tokens_per_expert"],
                                    (first.tokens_per_expert + second.tokens_per_expert).float())
         for name in ("dropped_fraction", "aux_loss", "z_loss"):

@@ -30,7 +30,8 @@ from xscale.models.init import init_weights
 from xscale.models.registry import ATTENTION
 from xscale.models.traits import ParallelTraits
 from xscale.parallel.loss import model_loss_sum
-from xscale.parallel.tensor import apply_tensor_parallel, check_tensor_parallel
+from xscale.parallel.tensor import apply_tensor_parallel, check_tensor_parallel, tensor_parallel_context
+from xscale.runtime import StepContext
 
 WORLD = 2
 SEED = 3
@@ -271,6 +272,11 @@ def compare_gradients(single: torch.nn.Module, parallel: torch.nn.Module, step: 
     return problems
 
 
+def split_context(mesh: DeviceMesh, sequence_parallel: bool) -> StepContext:
+    """The context a tensor-parallel forward is run with (the engines build it per microbatch)."""
+    return tensor_parallel_context(mesh, sequence_parallel)(StepContext())
+
+
 def check_parity(mesh: DeviceMesh, config: ModelConfig, sequence_parallel: bool, steps: int = 3) -> list[str]:
     """Loss, gradients and AdamW steps of the tp model against one process; returns the mismatches."""
     torch.manual_seed(0)
@@ -283,7 +289,7 @@ def check_parity(mesh: DeviceMesh, config: ModelConfig, sequence_parallel: bool,
     for step in range(steps):
         expected = model_loss_sum(single, batch) / tokens
         expected.backward()
-        loss = model_loss_sum(parallel, batch) / tokens
+        loss = model_loss_sum(parallel, batch, split_context(mesh, sequence_parallel)) / tokens
         loss.backward()
         if not torch.isclose(loss.detach(), expected.detach(), rtol=LOSS_RTOL, atol=0):
             problems.append(f"step {step}: loss {loss.item():.8f} != single process {expected.item():.8f}")
@@ -304,7 +310,7 @@ def check_replicas_agree_under_dropout(mesh: DeviceMesh, config: ModelConfig, se
     """With dropout, the copies of replicated parameters get the same gradient on every tp rank."""
     torch.manual_seed(0)  # the trainer seeds every rank alike
     parallel = tensor_parallel_model(config, mesh, sequence_parallel)
-    loss = model_loss_sum(parallel, make_batch(config))
+    loss = model_loss_sum(parallel, make_batch(config), split_context(mesh, sequence_parallel))
     loss.backward()
     problems = []
     for name, param in parallel.named_parameters():
@@ -324,7 +330,7 @@ def check_sequence_parallel_needs_divisible_lengths(mesh: DeviceMesh, config: Mo
     parallel = tensor_parallel_model(config, mesh, sequence_parallel=True)
     batch = {key: value[:, :-1] for key, value in make_batch(config).items()}
     try:
-        model_loss_sum(parallel, batch)
+        model_loss_sum(parallel, batch, split_context(mesh, True))
     except ValueError as error:
         return [] if "multiple of 2" in str(error) else [f"unexpected message: {error}"]
     return [f"a sequence of {LENGTH - 1} tokens was not refused"]
@@ -458,7 +464,8 @@ def fsdp_over_tensor_parallel(rank: int, case: str) -> None:
     rows = slice(BATCH * mesh["dp"].get_local_rank(), BATCH * (mesh["dp"].get_local_rank() + 1))
     expected = model_loss_sum(single, batch) / tokens
     expected.backward()
-    loss = model_loss_sum(model, {key: value[rows] for key, value in batch.items()}) / tokens
+    local = {key: value[rows] for key, value in batch.items()}
+    loss = model_loss_sum(model, local, split_context(mesh["tp"], sequence_parallel)) / tokens
     loss.backward()
     total = loss.detach().clone()
     dist.all_reduce(total, group=mesh["dp"].get_group())

@@ -9,11 +9,11 @@ drop the same elements, and a resumed run drops what the uninterrupted one would
 
 The model stays plain PyTorch: each call takes the forward's :class:`~xscale.runtime.StepContext` (the engine builds
 one per microbatch); without one the per-sample keys come from torch's RNG and the module behaves like ``nn.Dropout``.
-Parallel plans say where a rank's slice of dim 1 (tokens under sequence parallelism, heads under tensor
-parallelism) sits by setting ``shard_index``; a rank holding some positions of each sequence (context
-parallelism's token chunks) finds them in the context (``StepContext.sequence``), along the dim the module
-declares as its tokens' (``token_dim``: 1 for (B, T, D) activations, 2 for (B, H, Tq, Tk) attention
-probabilities). Everything else is global already.
+Each module declares the dim of its tensors that holds the (query) tokens (``token_dim``: 1 for (B, T, D)
+activations, 2 for (B, H, Tq, Tk) attention probabilities, whose dim 1 holds heads). The context says which slice a
+rank holds: under tensor parallelism slice ``tensor_rank`` of the heads (probabilities) and, with sequence
+parallelism, of the tokens (activations); under context parallelism the global positions of its tokens
+(``StepContext.sequence``). Everything else is global already.
 """
 
 from __future__ import annotations
@@ -85,7 +85,6 @@ class Dropout(nn.Module):
         self.p = p
         self.token_dim = token_dim  # the dim of the tensors it drops that holds the (query) tokens
         self.site = 0  # set from the module's name by name_dropout_sites
-        self.shard_index = 0  # this rank's slice of dim 1 (equal slices), set by parallel plans
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
@@ -120,8 +119,17 @@ class Dropout(nn.Module):
 
     def keep_mask(self, shape: torch.Size, device: torch.device, context: StepContext | None = None) -> torch.Tensor:
         """Bool tensor of ``shape`` (batch first), True where an element is kept."""
-        return _element_hashes(self.site, shape, device, context, self.shard_index, self.token_dim) >= \
+        return _element_hashes(self.site, shape, device, context, self.shard_index(context), self.token_dim) >= \
             round(self.p * 2**64) - 2**63
+
+    def shard_index(self, context: StepContext | None) -> int:
+        """Which of equal slices of dim 1 this rank holds: its heads of attention probabilities under tensor
+        parallelism, its tokens of the residual stream under sequence parallelism."""
+        if context is None or context.tensor_size == 1:
+            return 0
+        if self.token_dim == 2:
+            return context.tensor_rank
+        return context.tensor_rank if context.sequence_parallel else 0
 
 
 @torch.compiler.disable  # eager: compiled, it would recompile every step (and inductor folds without wrapping)

@@ -9,7 +9,7 @@ Tensor parallelism (``tp``; Megatron-LM, Shoeybi et al. 2019) gives rank r the h
   * ``head_state``: as ``split_heads``, and the state its ``per_head_state`` names (dim 0 = heads) is split by
     head (:mod:`xscale.parallel.head_sharded`);
   * ``gather_heads``: output heads read every head's logits (talking heads); each rank gathers all heads' q and k
-    and the core computes the output heads the plan sets in its ``output_heads`` (a slice of the global heads);
+    and the core computes the output heads its context names (``StepContext.heads_held``: a slice of the global heads);
   * ``split_hidden``: a feed-forward network whose ``column_parallel`` linears are split by output features and
     whose ``row_parallel`` linears by input features (one all-reduce per sub-layer);
   * ``replicated``: every rank runs the whole module on the whole sequence (MoE layers, position encodings); the
@@ -19,8 +19,9 @@ Tensor parallelism (``tp``; Megatron-LM, Shoeybi et al. 2019) gives rank r the h
 ``cp``: context parallelism (:mod:`xscale.parallel.context`) serves it: an attention core that is exact with K/V
 all-gathered over the cp ranks and the causal mask passed as an additive bias over global positions (it takes a bias
 and reads no position of its own); a position encoding whose hooks that plan evaluates at global positions.
-``dp_statistics``: the core keeps running statistics of the tokens it sees; the data-parallel plan sets its
-``reduce_statistics`` to a sum over the data-parallel ranks, so every replica moves them alike.
+``dp_statistics``: the core keeps running statistics of the tokens it sees, which it sums over the data-parallel
+ranks with its context's ``sum_over_replicas`` (the data-parallel plan provides it), so every replica moves them
+alike.
 """
 
 from __future__ import annotations

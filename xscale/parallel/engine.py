@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -38,6 +39,12 @@ from xscale.runtime import StepContext
 from xscale.train.optim import build_optimizer
 
 LossFunction = Callable[[nn.Module, Batch, StepContext | None], torch.Tensor]
+# What the layout adds to every forward's context (tensor parallelism: the rank's heads; identity on one device).
+Placement = Callable[[StepContext], StepContext]
+
+
+def unplaced(context: StepContext) -> StepContext:
+    return context
 # Optimizer state flattened to ``state.<name>.<key>`` / ``param_groups.<name>.<key>``: nested param groups are
 # saved by group index, which collides when ranks hold different parameters (pipeline stages).
 STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -58,8 +65,10 @@ class Engine:
     """
 
     def __init__(self, model: nn.Module, micro_batch_size: int, autocast_dtype: torch.dtype | None = None, *,
-                 loss_fn: LossFunction = model_loss_sum, data_parallel: DataParallel | None = None) -> None:
+                 loss_fn: LossFunction = model_loss_sum, data_parallel: DataParallel | None = None,
+                 place: Placement = unplaced) -> None:
         self.model = model
+        self.place = place
         self.micro_batch_size = micro_batch_size
         self.autocast_dtype = autocast_dtype
         self.loss_fn = loss_fn
@@ -121,12 +130,13 @@ class Engine:
         tokens = self.global_token_count(batch).clamp_min(1)
         total = torch.zeros((), dtype=torch.float32, device=self._device())
         micros = split_microbatches(batch, self.micro_batch_size)
-        self.routing_groups.begin_step(len(micros))
+        moe_loss_scale = self.routing_groups.begin_step(len(micros))
         begin_training_step(self.model_parts, len(micros) * self.data_parallel_replicas)
         for index, micro in enumerate(micros):
             if self.distributed:
                 self.data_parallel.requires_gradient_sync(index == len(micros) - 1)
-            micro_context = context and context.microbatch(index, self.micro_batch_size)
+            micro_context = context.microbatch(index, self.micro_batch_size) if context is not None else StepContext()
+            micro_context = replace(self.place(micro_context), moe_loss_scale=moe_loss_scale)
             with self._autocast():
                 loss = self.loss_fn(self.model, micro, micro_context) / tokens
             loss.backward()
@@ -144,7 +154,7 @@ class Engine:
         total = torch.zeros((), dtype=torch.float32, device=self._device())
         for micro in split_microbatches(batch, self.micro_batch_size):
             with self._autocast():
-                total += (self.loss_fn(self.model, micro, None) / tokens).float()
+                total += (self.loss_fn(self.model, micro, self.place(StepContext())) / tokens).float()
         return self.reduce_loss(total)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:

@@ -13,26 +13,26 @@ stage the pipeline engine has materialised).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from xscale.config import Config
 from xscale.models import build_model
-from xscale.models.attention import AttentionCore
 from xscale.models.init import canonical_name, init_weights
 from xscale.models.moe import moe_layers
-from xscale.models.traits import traits_of
 from xscale.parallel.activation import apply_activation_checkpointing
 from xscale.parallel.context import apply_context_parallel, context_parallel_loss_sum
 from xscale.parallel.data import DataParallel, NamedParameter, ReplicatedDataParallel, ZeroDataParallel
 from xscale.parallel.dims import ParallelDims
-from xscale.parallel.engine import Engine
+from xscale.parallel.engine import Engine, Placement, unplaced
 from xscale.parallel.expert import apply_expert_parallel
 from xscale.parallel.fsdp import FullyShardedDataParallel, apply_fsdp
 from xscale.parallel.loss import model_loss_sum
 from xscale.parallel.pipeline import PipelineEngine
-from xscale.parallel.tensor import apply_tensor_parallel
+from xscale.parallel.tensor import apply_tensor_parallel, tensor_parallel_context
 
 
 def _stacks(model: nn.Module) -> list[nn.Module]:
@@ -45,22 +45,25 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     return [block for stack in _stacks(model) for block in stack.layers.values()]
 
 
-def _share_statistics(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims) -> None:
+def replica_statistics(mesh: DeviceMesh, dims: ParallelDims) -> Placement:
     """Cores that keep running statistics of the tokens they see (``dp_statistics`` in their parallel_traits:
-    routing attention's k-means sums) sum them over the data-parallel ranks, so every rank moves them alike (as
-    one device would on the whole batch). Over dp only: a tp rank holds the statistics of its own heads
-    (:mod:`xscale.parallel.head_sharded`)."""
+    routing attention's k-means sums) sum them over the data-parallel ranks with the context's
+    ``sum_over_replicas``, so every rank moves them alike (as one device would on the whole batch). Over dp only: a
+    tp rank holds the statistics of its own heads (:mod:`xscale.parallel.head_sharded`)."""
     if dims.dp == 1:
-        return
+        return unplaced
     group = mesh["dp"].get_group()
 
     def all_reduce(statistics: torch.Tensor) -> torch.Tensor:
         torch.distributed.all_reduce(statistics, group=group)
         return statistics
 
-    for module in model.modules():
-        if isinstance(module, AttentionCore) and traits_of(module).dp_statistics:
-            module.reduce_statistics = all_reduce
+    return lambda context: replace(context, sum_over_replicas=all_reduce)
+
+
+def _then(first: Placement, second: Placement) -> Placement:
+    return lambda context: second(first(context))
+
 
 def _compile_blocks(model: nn.Module, config: Config) -> None:
     """``train.compile``: compile each block's forward in place (after activation checkpointing, before FSDP, as
@@ -93,9 +96,10 @@ def build_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh | None, de
         return _build_pipeline_engine(config, dims, mesh, device, autocast)
 
     model = build_model(config.model, materialize=False).use_kernels(config.train.kernels)
-    loss_fn = model_loss_sum
+    loss_fn, place = model_loss_sum, unplaced
     if dims.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=config.parallel.sequence_parallel)
+        place = tensor_parallel_context(mesh["tp"], config.parallel.sequence_parallel)
     if dims.ep > 1:
         # Expert parallelism slices materialised experts, so the slices are rows of the single-process init.
         _materialize(model, config, device)
@@ -109,8 +113,9 @@ def build_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh | None, de
     if dims.ep == 1:
         _materialize(model, config, device)
     data_parallel = make_data_parallel([model])
-    _share_statistics(model, mesh, dims)
-    return Engine(model, micro_batch_size(config, dims), autocast, loss_fn=loss_fn, data_parallel=data_parallel)
+    place = _then(place, replica_statistics(mesh, dims))
+    return Engine(model, micro_batch_size(config, dims), autocast, loss_fn=loss_fn, data_parallel=data_parallel,
+                  place=place)
 
 
 def _materialize(model: nn.Module, config: Config, device: torch.device) -> None:
@@ -153,12 +158,12 @@ def _build_pipeline_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh,
         _compile_blocks(stage, config)
 
     model = build_model(config.model, materialize=False).use_kernels(config.train.kernels)
-    engine = PipelineEngine.from_config(config, model, mesh["pp"], device, parallelize_stage)
+    place = tensor_parallel_context(mesh["tp"], config.parallel.sequence_parallel) if dims.tp > 1 else unplaced
+    place = _then(place, replica_statistics(mesh, dims))  # each stage's cores over the stage's dp replicas
+    engine = PipelineEngine.from_config(config, model, mesh["pp"], device, parallelize_stage, place)
     if dims.ep > 1:  # the stages are materialised with the single-process init; keep this rank's experts
         for stage in engine.model_parts:
             if moe_layers(stage):
                 apply_expert_parallel(stage, mesh["ep"])
     engine.data_parallel = _data_parallel(engine.model_parts, dims, mesh, autocast)(engine.model_parts)
-    for stage in engine.model_parts:  # each stage's cores sum their statistics over the stage's dp replicas
-        _share_statistics(stage, mesh, dims)
     return engine

@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,7 @@ from xscale.config import Config, ConfigError, ModelConfig
 from xscale.models.init import canonical_name
 from xscale.models.training_step import begin_training_step
 from xscale.models.transformer import Transformer
-from xscale.parallel.engine import STATE_DICT_OPTIONS, Batch, Engine
+from xscale.parallel.engine import STATE_DICT_OPTIONS, Batch, Engine, Placement, unplaced
 from xscale.parallel.expert_state import globalize_expert_state, localize_expert_state
 from xscale.parallel.grad_norm import clip_gradients
 from xscale.parallel.loss import token_loss_sum
@@ -296,7 +296,7 @@ class MicrobatchStage(QuietMetadataStage):
         def part(ids: torch.Tensor) -> torch.Tensor | None:
             return ids[index * rows:(index + 1) * rows] if ids.numel() else None
 
-        context = engine.step_context.microbatch(index, rows) if engine.step_context else StepContext()
+        context = engine.place(engine.step_context.microbatch(index, rows) if engine.step_context else StepContext())
         return {"decoder_input_ids": part(engine.step_decoder_input_ids),
                 "context": context.with_token_ids(part(engine.step_input_ids)), "project": False}
 
@@ -338,7 +338,7 @@ class PipelineEngine(Engine):
                  microbatches: int, schedule: str = "1f1b", stages_per_rank: int = 1,
                  device: torch.device | str = "cpu", seed: int = 0, pp_split: list[int] | None = None,
                  autocast_dtype: torch.dtype | None = None,
-                 parallelize_stage: Callable[[Transformer], None] | None = None) -> None:
+                 parallelize_stage: Callable[[Transformer], None] | None = None, place: Placement = unplaced) -> None:
         self.group = _pp_group(pp)
         self.pp_size, self.pp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         if self.pp_size < 2:
@@ -377,18 +377,19 @@ class PipelineEngine(Engine):
         # step, it wraps every compute action of the schedules (COMPUTE_ACTIONS of each stage, and the loss).
         self.wrap_compute: Callable[[Callable], Callable] | None = None
         # micro_batch_size is unused: the schedule cuts each batch into ``microbatches`` equal parts.
-        super().__init__(self.stages[0], micro_batch_size=0, autocast_dtype=autocast_dtype)
+        super().__init__(self.stages[0], micro_batch_size=0, autocast_dtype=autocast_dtype, place=place)
 
     @classmethod
     def from_config(cls, config: Config, meta_model: Transformer, pp: DeviceMesh | dist.ProcessGroup,
                     device: torch.device | str = "cpu",
-                    parallelize_stage: Callable[[Transformer], None] | None = None) -> PipelineEngine:
+                    parallelize_stage: Callable[[Transformer], None] | None = None,
+                    place: Placement = unplaced) -> PipelineEngine:
         parallel = config.parallel
         autocast = torch.bfloat16 if config.train.precision == "bf16" else None
         # ParallelDims.from_config has resolved an unset count against the batch; here only the schedule's floor.
         return cls(config.model, meta_model, pp, resolve_microbatches(config), parallel.pp_schedule,
                    parallel.pp_stages_per_rank, device, config.train.seed, parallel.pp_split, autocast,
-                   parallelize_stage)
+                   parallelize_stage, place)
 
     @property
     def model_parts(self) -> list[nn.Module]:
@@ -466,9 +467,9 @@ class PipelineEngine(Engine):
         for stage in self.stages:
             stage.train()
         self.shared.begin()
-        self.routing_groups.begin_step(self.microbatches)
+        moe_loss_scale = self.routing_groups.begin_step(self.microbatches)
         begin_training_step(self.stages, self.microbatches * self.data_parallel_replicas)
-        self.step_context = context
+        self.step_context = replace(context or StepContext(), moe_loss_scale=moe_loss_scale)
         try:
             total = self._run(batch, training=True)
         finally:

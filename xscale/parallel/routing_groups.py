@@ -6,7 +6,7 @@ of k microbatches on dp data-parallel ranks has G = k x dp / ep of them, in ever
 micro_batch_size = one group's sequences routes exactly the same groups.
 
 - Auxiliary losses (Switch eq. 4, ST-MoE eq. 5) count as their mean over the G groups: each forward's are weighted
-  1/G (``MoELayer.aux_loss_scale``), and gradients sum over microbatches and ranks. Under ep the ranks of a group
+  1/G (``StepContext.moe_loss_scale``, which the engine gives every forward of the step), and gradients sum over microbatches and ranks. Under ep the ranks of a group
   each back-propagate their share of the group's losses (:mod:`xscale.models.moe.routing`), so a group counts once.
 - Statistics reported for the step: tokens per expert summed over the G groups; dropped fraction, aux and z losses
   averaged over them. A forward hook adds each forward's group values (identical on the group's ep ranks); the
@@ -71,14 +71,13 @@ class RoutingGroups:
         finally:
             self._recording = recording
 
-    def begin_step(self, microbatches: int) -> None:
-        """Weight the auxiliary losses of each of the step's forwards by 1/G and start recording statistics."""
+    def begin_step(self, microbatches: int) -> float:
+        """Start recording statistics; returns 1/G, the weight of each forward's auxiliary losses."""
         self.groups = microbatches * self.groups_per_microbatch
-        for layer in self.layers:
-            layer.aux_loss_scale = 1.0 / self.groups
         self._sums = [None] * len(self.layers)
         self._forwards = [0] * len(self.layers)
         self._recording = True
+        return 1.0 / self.groups
 
     def end_step(self) -> None:
         """Replace each layer's ``metrics`` by the step's (collective over the routing groups when distributed)."""

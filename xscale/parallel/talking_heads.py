@@ -7,7 +7,7 @@ head split cannot compute from its own heads. Here each rank:
   * all-gathers q and k over tp after its column-parallel projections (sequence parallel or not, they already
     hold the whole sequence): (B, T, H d) and (B, T, H_kv d), not T^2-sized; with one kv head (MQA) k is
     replicated already and only q is gathered;
-  * computes J, J' = J P_l (+ position bias for all H heads: ``head_offset`` is 0) and W = softmax(J') for every
+  * computes J, J' = J P_l (+ position bias for all H heads: the context's heads are every head) and W = softmax(J') for every
     head, then only its own output heads' columns W'_g = sum_h W_h P_w[h, g], g in [r H/tp, (r + 1) H/tp), and
     out_g = W'_g V_g with its own v (not gathered); the row-parallel output projection follows as usual.
 
@@ -62,13 +62,11 @@ def _gather_output(linear: nn.Linear, group: dist.ProcessGroup) -> None:
     linear.register_forward_hook(lambda module, args, out: GatherHeads.apply(out, group))
 
 
-def gather_heads(attention: Attention, mesh: DeviceMesh, n_heads: int, gather_keys: bool) -> None:
+def gather_heads(attention: Attention, mesh: DeviceMesh, gather_keys: bool) -> None:
     """After the Megatron split of ``attention`` (q, k, v column-parallel; ``gather_keys``: k is split, not
     replicated), gather q and k to every head and let the core (``tp="gather_heads"``) compute this rank's
-    output heads, which it reads from its ``output_heads``."""
-    group, local = mesh.get_group(), n_heads // mesh.size()
+    output heads, which it reads from the forward's context (``StepContext.heads_held``)."""
+    group = mesh.get_group()
     _gather_output(attention.wq, group)
     if gather_keys:
         _gather_output(attention.wk, group)
-    attention.head_offset = 0  # the core sees every head: position biases for all of them
-    attention.core.output_heads = slice(mesh.get_local_rank() * local, (mesh.get_local_rank() + 1) * local)

@@ -26,13 +26,16 @@ pooling points, routing centroids) is split by head like q/k/v (:mod:`xscale.par
 Every parameter is a DTensor on the tp mesh and every gradient comes back with its parameter's placements.
 
 Dropout masks are functions of each element's global coordinates (:mod:`xscale.models.dropout`), so
-replicated activations get the same mask on every rank; under sequence parallelism each dropout is told which
-slice of the tokens this rank holds, and draws that slice of the single device's mask; attention cores see the
-whole sequence and drop the probabilities (B, H, Tq, Tk) of their global heads (their dropout's ``shard_index``
-is the rank's slice of the heads; block-sparse cores mask the gathered blocks at the same global positions).
+replicated activations get the same mask on every rank. The split model is run with a context saying which heads
+(and, under sequence parallelism, which tokens of the residual stream) this rank holds
+(:func:`tensor_parallel_context`): dropouts draw that slice of the single device's mask, attention cores drop the
+probabilities (B, H, Tq, Tk) of their global heads (block-sparse cores mask the gathered blocks at the same global
+positions), and per-head position biases (ALiBi, T5) take the rank's heads.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -48,7 +51,6 @@ from torch.distributed.tensor.parallel import (
 from xscale.config import ConfigError, ModelConfig
 from xscale.models.attention import Attention, AttentionCore
 from xscale.models.block import Residual, TransformerBlock
-from xscale.models.dropout import Dropout
 from xscale.models.registry import ATTENTION, FFN
 from xscale.models.traits import traits_of
 from xscale.models.transformer import Stack, Transformer
@@ -56,6 +58,7 @@ from xscale.parallel.head_sharded import shard_head_state
 from xscale.parallel.replicated import replicate_parameters
 from xscale.parallel.talking_heads import gather_heads
 from xscale.parallel.vocab_parallel import VocabParallelEmbedding
+from xscale.runtime import StepContext
 
 # The hooks through which a position encoding computes (it has no forward).
 POSITION_METHODS = ("embed", "rotate", "bias")
@@ -176,9 +179,6 @@ def _parallelize_attention(attention: Attention, mesh: DeviceMesh, config: Model
                            sequence_parallel: bool) -> None:
     stream = _stream(sequence_parallel)
     tp = mesh.size()
-    attention.local_heads = config.n_heads // tp
-    attention.head_offset = mesh.get_local_rank() * attention.local_heads
-    attention.core.dropout.shard_index = mesh.get_local_rank()  # probabilities (B, H, Tq, Tk): heads on dim 1
     plan: dict[str, ColwiseParallel | RowwiseParallel] = {
         "wq": ColwiseParallel(),
         "wo": RowwiseParallel(output_layouts=stream),
@@ -191,7 +191,7 @@ def _parallelize_attention(attention: Attention, mesh: DeviceMesh, config: Model
             _replicated_projection(getattr(attention, name), mesh)
     parallelize_module(attention, mesh, plan)
     if traits_of(attention.core).tp == "gather_heads":  # every rank gathers all heads' q and k
-        gather_heads(attention, mesh, config.n_heads, gather_keys=config.kv_heads % tp == 0)
+        gather_heads(attention, mesh, gather_keys=config.kv_heads % tp == 0)
     # One DTensor input for q, k, v: their input gradients are summed before the one collective.
     inputs = (stream, None, stream) if attention.cross else (stream, None)
     desired = (Replicate(), None, Replicate()) if attention.cross else (Replicate(), None)
@@ -274,16 +274,6 @@ def _require_divisible_sequences(embedding: nn.Module, tp: int) -> None:
     embedding.register_forward_pre_hook(check)
 
 
-def _place_sequence_shard_dropout(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Under sequence parallelism the residual stream's dropouts (embedding, sub-layer outputs) hold tokens
-    [rank * T/tp, (rank + 1) * T/tp): dim 1's shard ``rank`` of the single device's tensor."""
-    in_attention = {id(inner) for module in model.modules() if isinstance(module, Attention)
-                    for inner in module.modules()}  # attention cores see the whole sequence
-    for module in model.modules():
-        if isinstance(module, Dropout) and id(module) not in in_attention:
-            module.shard_index = mesh.get_local_rank()
-
-
 def apply_tensor_parallel(model: Transformer | nn.Module, tp_mesh: DeviceMesh, *,
                           sequence_parallel: bool = False) -> None:
     """Split ``model`` (built on the meta device) in place over the 1-D mesh ``tp_mesh``.
@@ -313,8 +303,6 @@ def apply_tensor_parallel(model: Transformer | nn.Module, tp_mesh: DeviceMesh, *
         for block in stack.layers.values():
             _parallelize_block(block, tp_mesh, config, sequence_parallel)
         _parallelize_norm(stack.final_norm, tp_mesh, sequence_parallel)
-    if sequence_parallel:
-        _place_sequence_shard_dropout(model, tp_mesh)
     if getattr(model, "head_transform", None) is not None:
         replicate_parameters(model.head_transform, tp_mesh, sum_gradients=sequence_parallel)
     if output is not None:
@@ -322,3 +310,10 @@ def apply_tensor_parallel(model: Transformer | nn.Module, tp_mesh: DeviceMesh, *
             input_layouts=_stream(sequence_parallel), output_layouts=Shard(-1), use_local_output=False))
     if embedding is not None and output is not None:
         model.tie_weights()  # the output projection had its own copy of the shared weight sharded
+
+
+def tensor_parallel_context(tp_mesh: DeviceMesh, sequence_parallel: bool) -> Callable[[StepContext], StepContext]:
+    """What a forward of the split model must be told (the engines apply it to every microbatch's context): which
+    heads this rank computes, and with sequence parallelism which tokens of the residual stream it holds."""
+    rank, size = tp_mesh.get_local_rank(), tp_mesh.size()
+    return lambda context: context.with_tensor_parallel(rank, size, sequence_parallel)

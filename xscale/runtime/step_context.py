@@ -5,7 +5,11 @@ Everything a component draws or reads per batch comes from it, never from proces
   (:mod:`xscale.models.dropout`), so every layout draws the same numbers for the same token;
 - hash-routed MoE layers read ``token_ids``, the ids of the sequence their stack sees (Roller et al. 2021);
 - a block shared across depths (ALBERT, Lan et al. 2020) runs at ``depth``, where it draws its own masks;
-- under context parallelism ``sequence`` says which global token positions this rank holds;
+- under context parallelism ``sequence`` says which global token positions this rank holds; under tensor
+  parallelism ``tensor_rank`` / ``tensor_size`` which slice of the heads (and, with sequence parallelism, of the
+  residual stream's tokens) it holds;
+- MoE layers weight their auxiliary losses by ``moe_loss_scale`` (1/G over a step's G routing groups), and cores
+  keeping running statistics sum them over the data-parallel replicas with ``sum_over_replicas``;
 - ``memo`` lets a forward leave what its recomputation must reuse (routing attention's centroids): activation
   checkpointing re-runs a forward with the same arguments, so the recomputation finds the same memo.
 
@@ -14,6 +18,7 @@ Without a context (``None``, plain PyTorch use) masks come from torch's generato
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -39,6 +44,12 @@ class StepContext:
     token_ids: torch.Tensor | None = None  # (B, T) ids of the tokens the current stack sees
     depth: int | None = None  # the depth a shared block runs at (None: blocks are not shared)
     sequence: SequenceLayout | None = None  # the global positions held under context parallelism (None: all)
+    tensor_rank: int = 0  # this rank's slice of the heads: [rank * H / size, (rank + 1) * H / size)
+    tensor_size: int = 1
+    sequence_parallel: bool = False  # the residual stream holds slice tensor_rank of the tokens (dim 1)
+    moe_loss_scale: float = 1.0  # weight of this forward's MoE auxiliary losses: 1 / routing groups per step
+    # In-place sum of running statistics over the data-parallel replicas (None: one replica).
+    sum_over_replicas: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False, repr=False)
     memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -59,6 +70,14 @@ class StepContext:
 
     def with_sequence(self, sequence: SequenceLayout | None) -> StepContext:
         return replace(self, sequence=sequence)
+
+    def with_tensor_parallel(self, rank: int, size: int, sequence_parallel: bool = False) -> StepContext:
+        return replace(self, tensor_rank=rank, tensor_size=size, sequence_parallel=sequence_parallel)
+
+    def heads_held(self, n_heads: int) -> slice:
+        """The global heads whose rows this rank computes, of ``n_heads``."""
+        local = n_heads // self.tensor_size
+        return slice(self.tensor_rank * local, (self.tensor_rank + 1) * local)
 
     def positions(self, local_size: int, device: torch.device) -> torch.Tensor:
         """The global positions (int64) of the ``local_size`` tokens of each sequence held here."""

@@ -54,7 +54,6 @@ def _head_shard(core: AttentionCore, rank: int, heads: int) -> AttentionCore:
     shard = copy.deepcopy(core)
     for name in shard.per_head_state:
         setattr(shard, name, nn.Parameter(getattr(core, name)[rank * heads:(rank + 1) * heads].detach().clone()))
-    shard.dropout.shard_index = rank
     return shard
 
 
@@ -80,7 +79,7 @@ def test_head_and_batch_slices_draw_the_whole_mask(kind: str, causal: bool, opti
     for rank in range(2):  # tensor parallelism: each rank its heads, numbered from shard_index * half
         heads = slice(rank * half, (rank + 1) * half)
         parts = tuple(x[:, heads].detach().requires_grad_() for x in (q, k, v))
-        out = _run(_head_shard(core, rank, half), *parts, causal)
+        out = _run(_head_shard(core, rank, half), *parts, causal, POSITION.with_tensor_parallel(rank, 2))
         torch.testing.assert_close(out, whole[:, heads], atol=1e-12, rtol=1e-12)
         for got, want in zip(torch.autograd.grad(out, parts, grad[:, heads]), whole_grads):
             torch.testing.assert_close(got, want[:, heads], atol=1e-12, rtol=1e-12)
@@ -145,7 +144,8 @@ def test_routing_attention_drops_by_global_position(causal: bool) -> None:
     half = HEADS // 2
     for rank in range(2):
         heads = slice(rank * half, (rank + 1) * half)
-        out = _run(_head_shard(fresh, rank, half), *(x[:, heads] for x in (q, k, v)), causal)
+        out = _run(_head_shard(fresh, rank, half), *(x[:, heads] for x in (q, k, v)), causal,
+                   POSITION.with_tensor_parallel(rank, 2))
         torch.testing.assert_close(out, whole[:, heads], atol=1e-12, rtol=1e-12)
     for first in range(4):  # each sample alone, as a data-parallel rank or a microbatch of one would hold it
         rows = slice(first, first + 1)

@@ -110,7 +110,7 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, blo
                            dropout: Dropout | None = None, context: StepContext | None = None) -> Tensor:
     """q (B, H, T, hd), k/v (B, Hkv, T, hd) -> (B, H, T, hd); a query with no allowed key outputs zeros.
 
-    ``dropout`` (on the probabilities, when training): its ``shard_index`` says which slice of the heads q holds
+    ``dropout`` (on the probabilities, when training): the context says which slice of the heads q holds
     (tensor parallelism), so that head h here is head shard_index * H + h of the whole model.
     """
     batch, n_heads, length, head_dim = q.shape
@@ -140,7 +140,7 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, blo
         if not group.every_query_has_key:
             probs = torch.where(group.has_key.view(*probs.shape[1:-1], 1), probs, 0.0)
         if dropout is not None and dropout.training and dropout.p > 0:
-            first = dropout.shard_index * n_heads * length  # this rank's first head, as query_index counts
+            first = dropout.shard_index(context) * n_heads * length  # this rank's first head, as query_index counts
             index = ((group.query_index + first)[:, :, None] * length + group.key_position[:, None, :])
             probs = dropout.at(probs, index.view(probs.shape[1:]), context)
         outputs.append(torch.matmul(probs, values).view(batch, n_rows, block, head_dim))

@@ -2,8 +2,8 @@
 
 MHA, GQA and MQA differ only in ``n_kv_heads`` (Ainslie et al. 2023; Shazeer 2019).
 Heads are inferred from the projection widths, so a tensor-parallel plan that shards
-``wq/wk/wv`` column-wise and ``wo`` row-wise needs no change here; it sets ``head_offset``
-so that per-head position biases (ALiBi, T5) pick this rank's heads.
+``wq/wk/wv`` column-wise and ``wo`` row-wise needs no change here; the forward's context says which heads
+this rank holds, so that per-head position biases (ALiBi, T5) pick them.
 """
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ class Attention(nn.Module):
             self.wk = nn.Linear(d, config.kv_heads * hd, bias=config.bias)
         self.wv = nn.Linear(d, config.kv_heads * hd, bias=config.bias)
         self.wo = nn.Linear(config.n_heads * hd, d, bias=config.bias)
-        self.head_offset = 0  # first global head held here (set by tensor parallelism)
-        self.local_heads = config.n_heads  # query heads held here (set by tensor parallelism)
+        self.n_heads = config.n_heads
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
@@ -53,7 +52,8 @@ class Attention(nn.Module):
         source = memory if self.cross else x
         v = self._heads(self.wv(source))
         core = self.core
-        q = self._heads(self.wq(x)) if core.uses_queries else self._placeholder(x, self.local_heads)
+        local_heads = self.n_heads // (1 if context is None else context.tensor_size)
+        q = self._heads(self.wq(x)) if core.uses_queries else self._placeholder(x, local_heads)
         if core.shares_qk:
             k = q
         else:
@@ -63,12 +63,22 @@ class Attention(nn.Module):
             if position.rotates_qk and core.uses_queries and core.uses_keys:
                 q, k = position.rotate(q, k, context)
             if position.biases_logits:
-                heads = slice(self.head_offset, self.head_offset + q.shape[1])
-                bias = position.bias(q.shape[2], k.shape[2], heads, context).to(v.device)
+                bias = position.bias(q.shape[2], k.shape[2], self._heads_held(q.shape[1], context), context)
+                bias = bias.to(v.device)
         if core.carries_scores:
             out, scores = core(q, k, v, causal=self.causal, bias=bias, previous_scores=scores, context=context)
             return self._merge(out), scores
         return self._merge(core(q, k, v, causal=self.causal, bias=bias, context=context))
+
+    def _heads_held(self, heads: int, context: StepContext | None) -> slice:
+        """The global heads of the ``heads`` query heads computed here (all, or a tensor-parallel rank's)."""
+        if heads == self.n_heads:
+            return slice(None)
+        if context is None or context.tensor_size == 1:
+            raise ValueError(f"this attention computes {heads} of {self.n_heads} heads (a tensor-parallel split) but "
+                             "its StepContext does not say which: pass the context the engine builds, or "
+                             "StepContext().with_tensor_parallel(rank, size)")
+        return context.heads_held(self.n_heads)
 
     def _merge(self, out: torch.Tensor) -> torch.Tensor:
         batch, _, length, _ = out.shape

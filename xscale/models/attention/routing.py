@@ -17,15 +17,14 @@ earlier one out of its cluster, which a decoder must not allow. Instead a query 
 its cluster, the nearest by position (causal: the ``window`` latest at or before it). It always sees its own key, so no row is empty. Cost T * w.
 With one cluster and a window of T this is dense attention exactly.
 
-``reduce_statistics`` (identity) sums the EMA statistics over data-parallel ranks; a data-parallel plan sets
-it to an all-reduce over the dp group so that every rank holds the same centroids (never over tp: there each rank
-holds the centroids and statistics of its own heads).
+The context's ``sum_over_replicas`` sums the EMA statistics over data-parallel ranks (an all-reduce over the dp
+group that the data-parallel plan puts there), so every rank holds the same centroids (never over tp: there each
+rank holds the centroids and statistics of its own heads).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -86,11 +85,6 @@ def blocked(x: Tensor, size: int, fill: int | float) -> Tensor:
     return x.view(*x.shape[:2], -1, size, *x.shape[3:])
 
 
-def local_statistics(statistics: Tensor) -> Tensor:
-    """One process: the statistics are already global."""
-    return statistics
-
-
 @ATTENTION.register("routing")
 class RoutingAttention(AttentionCore):
     Options = RoutingOptions
@@ -102,7 +96,6 @@ class RoutingAttention(AttentionCore):
         self.register_buffer("centroids", torch.empty(model.n_heads, options.clusters, model.head_dim))
         # Per cluster: sum of the unit vectors assigned in the last training forward, then their count.
         self.register_buffer("pending_statistics", torch.zeros(model.n_heads, options.clusters, model.head_dim + 1))
-        self.reduce_statistics: Callable[[Tensor], Tensor] = local_statistics
         if self.centroids.device.type != "meta":
             self.reset_buffers()
 
@@ -120,12 +113,15 @@ class RoutingAttention(AttentionCore):
         return (F.normalize(x.detach(), dim=-1) @ centroids.to(x.dtype).transpose(-1, -2)[None]).argmax(-1)
 
     @torch.no_grad()
-    def record_statistics(self, q: Tensor, k: Tensor, query_cluster: Tensor, key_cluster: Tensor) -> None:
+    def record_statistics(self, q: Tensor, k: Tensor, query_cluster: Tensor, key_cluster: Tensor,
+                          context: StepContext | None = None) -> None:
         units = torch.cat([F.normalize(q, dim=-1), F.normalize(k, dim=-1)], dim=2).float()  # (B, H, Tq + Tk, d)
         members = F.one_hot(torch.cat([query_cluster, key_cluster], dim=2), self.options.clusters).float()
         sums = torch.einsum("bhtc,bhtd->hcd", members, units)
         counts = members.sum(dim=(0, 2))  # (H, k)
-        statistics = self.reduce_statistics(torch.cat([sums, counts[..., None]], dim=-1))
+        statistics = torch.cat([sums, counts[..., None]], dim=-1)
+        if context is not None and context.sum_over_replicas is not None:
+            statistics = context.sum_over_replicas(statistics)
         self.pending_statistics.copy_(statistics.to(self.pending_statistics.dtype))
 
     @torch.no_grad()
@@ -155,16 +151,17 @@ class RoutingAttention(AttentionCore):
         query_cluster, key_cluster = self.assign(q, centroids), self.assign(k, centroids)
         out = self.attend(q, k, v, query_cluster, key_cluster, causal, context)
         if learning:
-            self.record_statistics(q.detach(), k.detach(), query_cluster, key_cluster)
+            self.record_statistics(q.detach(), k.detach(), query_cluster, key_cluster, context)
         return out
 
-    def probability_positions(self, block_queries: Tensor, key_positions: Tensor, length: int) -> Tensor:
+    def probability_positions(self, block_queries: Tensor, key_positions: Tensor, length: int,
+                              context: StepContext | None = None) -> Tensor:
         """(B, H, n, C, W + 1) flat position of each gathered probability in the whole (H_all, T, T) matrix:
         (global head, query, key), the last slot being the query's own key. Slots of the window W (the widest
         run of the samples and heads in flight) are not positions, so masks drawn at them would change with the
-        layout; ``dropout.shard_index`` says which slice of the heads this rank holds (tensor parallelism)."""
+        layout; the context says which slice of the heads this rank holds (tensor parallelism)."""
         n_heads, block = block_queries.shape[1], block_queries.shape[-1]
-        heads = torch.arange(n_heads, device=key_positions.device) + self.dropout.shard_index * n_heads
+        heads = torch.arange(n_heads, device=key_positions.device) + self.dropout.shard_index(context) * n_heads
         rows = (heads.view(-1, 1, 1) * length + block_queries)[..., None]  # (B, H, n, C, 1)
         keys = torch.cat([key_positions[..., None, :].expand(*key_positions.shape[:3], block, -1),
                           block_queries[..., None]], dim=-1)
@@ -196,7 +193,7 @@ class RoutingAttention(AttentionCore):
                             self_score.masked_fill(self_in_run, float("-inf"))], dim=-1)
         probs = torch.softmax(logits, dim=-1)
         if self.training and self.dropout.p > 0:
-            positions = self.probability_positions(blocked(query_order, size, 0), key_positions, length)
+            positions = self.probability_positions(blocked(query_order, size, 0), key_positions, length, context)
             probs = self.dropout.at_each(probs, positions, context)
         out = probs[..., :-1] @ gather_positions(v, key_positions) + probs[..., -1:] * own_values
         out = out.flatten(2, 3)[:, :, :length]  # sorted query order

@@ -5,7 +5,7 @@ softmax and their weights after it.
   out_g = W'_g V_g.
 P = I + Delta with Delta learned and near 0 at initialisation, so the layer starts as dense attention. It mixes
 heads (``mixes_heads``): a rank holding some heads cannot compute their output from them alone; tensor
-parallelism (``tp="gather_heads"``) gives the core every head's queries and keys and sets ``output_heads`` to its
+parallelism (``tp="gather_heads"``) gives the core every head's queries and keys and has it compute the heads its context names (``StepContext.heads_held``), its
 own output heads (:mod:`xscale.parallel.talking_heads`). Cost T^2 per head.
 """
 
@@ -32,7 +32,6 @@ class TalkingHeadsAttention(AttentionCore):
         super().__init__(model, layer_index, options)
         self.pre_softmax_mix_delta = nn.Parameter(torch.zeros(model.n_heads, model.n_heads))
         self.post_softmax_mix_delta = nn.Parameter(torch.zeros(model.n_heads, model.n_heads))
-        self.output_heads = slice(None)  # the output heads g this core computes (all of them on one device)
 
     @staticmethod
     def _mix(x: Tensor, delta: Tensor, heads: slice = slice(None)) -> Tensor:
@@ -57,4 +56,6 @@ class TalkingHeadsAttention(AttentionCore):
         return mixed @ expand_kv(v, mixed.shape[1])
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None, context: StepContext | None = None) -> Tensor:
-        return self.attend_heads(self.softmax_weights(q, k, causal=causal, bias=bias), v, self.output_heads, context)
+        # The output heads g this core computes: all of them on one device, a tensor-parallel rank's slice.
+        heads = slice(None) if context is None else context.heads_held(q.shape[1])
+        return self.attend_heads(self.softmax_weights(q, k, causal=causal, bias=bias), v, heads, context)

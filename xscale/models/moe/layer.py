@@ -49,12 +49,12 @@ class MoELayer(nn.Module):
     """Mixture-of-Experts FFN (Shazeer et al. 2017; GShard; Switch): router + E stacked FFN experts.
 
     A hash router reads the token ids of the sequence the layer sees from the forward's context
-    (``StepContext.token_ids``), which the model sets for each stack. Attributes set from outside, explicitly:
-      ``token_group`` / ``dispatch``: replaced by :func:`xscale.parallel.expert.apply_expert_parallel`.
-      ``aux_loss_scale``: the weight of this forward's auxiliary losses. A routing group is the tokens one
-        forward routes together (one microbatch on one device; under expert parallelism, that microbatch on
-        every rank of the ep group). An engine that sums gradients over the G routing groups of a step sets
-        1/G, so the auxiliary losses are the mean over the step's routing groups (1.0: one group).
+    (``StepContext.token_ids``), which the model sets for each stack. Its collaborators ``token_group`` and
+    ``dispatch`` are replaced by :func:`xscale.parallel.expert.apply_expert_parallel`.
+    The context's ``moe_loss_scale`` is the weight of this forward's auxiliary losses. A routing group is the
+    tokens one forward routes together (one microbatch on one device; under expert parallelism, that microbatch on
+    every rank of the ep group). An engine that sums gradients over the G routing groups of a step passes 1/G, so
+    the auxiliary losses are the mean over the step's routing groups (1.0: one group).
     After each forward, ``metrics`` holds detached tensors over the forward's routing group: tokens_per_expert,
     dropped_fraction, aux_loss, z_loss (unscaled); an engine replaces them with the whole step's after its
     backward (:mod:`xscale.parallel.routing_groups`). :meth:`layer_metrics` gives them as floats.
@@ -78,7 +78,6 @@ class MoELayer(nn.Module):
         )
         self.token_group = LocalTokens()
         self.dispatch = LocalDispatch()
-        self.aux_loss_scale = 1.0
         self.metrics: dict[str, torch.Tensor] = {}
 
     def forward(self, x: torch.Tensor, context: StepContext | None = None) -> torch.Tensor:
@@ -92,7 +91,8 @@ class MoELayer(nn.Module):
         if self.shared_expert is not None:
             output = output + self.shared_expert(tokens)
         self._record(routing)
-        aux = self.aux_loss_scale * (self.aux_loss_coef * routing.aux_loss + self.z_loss_coef * routing.z_loss)
+        scale = 1.0 if context is None else context.moe_loss_scale
+        aux = scale * (self.aux_loss_coef * routing.aux_loss + self.z_loss_coef * routing.z_loss)
         if torch.is_grad_enabled() and aux.requires_grad:
             output = AttachAuxiliaryLoss.apply(output, aux)
         return output.view_as(x)
