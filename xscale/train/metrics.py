@@ -112,6 +112,14 @@ class MetricsLogger:
         elif step % self.log_every == 0 or step == self.total_steps or step == 1:
             print(line, flush=True)
 
+    def flush(self) -> None:
+        """Put everything logged so far on disk: TensorBoard buffers events for up to two minutes."""
+        if not self.enabled:
+            return
+        self._jsonl.flush()
+        if self.writer is not None:
+            self.writer.flush()
+
     def _format(self, step: int, s: dict[str, float], eta: float) -> str:
         parts = [f"step {step}/{self.total_steps}"]
         if "train/loss" in s:

@@ -123,6 +123,7 @@ class Trainer:
         meta = {"config": self.config.to_dict(), "sampler": self.sampler.state_dict(),
                 "world_size": self.world_size, "layout": self.dims.describe(), "num_params": self.num_params,
                 "parent": self.parent}
+        self.metrics.flush()  # the curve up to a checkpoint is on disk before it
         self.checkpointer.save(self.step, self.state(), meta)
 
     def resume(self) -> bool:
