@@ -63,6 +63,8 @@ class JobRequest:
 
 
 TIME_PATTERN = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+# Slurm writes <log dir>/<job name>-<id>.out (and xscale the script next to it): one plain file-name word only.
+JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def time_limit_seconds(text: str) -> int:
@@ -147,6 +149,10 @@ def check_partition(partition: str | None, partitions: tuple[list[str], str | No
 
 
 def check_request(request: JobRequest, config: Config) -> None:
+    if not JOB_NAME.match(request.job_name):
+        raise SubmitError(f"--job-name / launch.job_name {request.job_name!r} is not a plain name: use up to 128 "
+                          "letters, digits, '.', '_' and '-' (a letter or digit first); the job's log and script "
+                          "are written as <log dir>/<job name>-...")
     if request.nodes < 1:
         raise SubmitError(f"--nodes must be at least 1, got {request.nodes}")
     if request.gpus_per_node < 0:
