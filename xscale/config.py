@@ -543,7 +543,7 @@ RANGES: dict[str, tuple[str, typing.Callable[[float], bool]]] = {
     "model.moe.every": ("at least 1", _positive),
     # The same words as xscale.parallel.checks.resolve_dims, which needs the world size for the rest.
     **{f"parallel.{name}": (">= 1", _positive)
-       for name in ("dp_replicate", "tp", "pp", "ep", "cp", "pp_stages_per_rank", "microbatches")},
+       for name in ("dp_replicate", "tp", "pp", "ep", "cp", "pp_stages_per_rank")},
     "parallel.dp_shard": (">= 1, or -1 for what the world size leaves", lambda value: value == -1 or value >= 1),
     "parallel.zero_stage": ("0 (DDP), 1, 2 or 3 (FSDP2)", lambda value: value in (0, 1, 2, 3)),
     "train.micro_batch_size": ("positive", _positive),

@@ -1,6 +1,7 @@
-"""Every field of every config section, set through the CLI's override path to each of seven bad values: either a
-ConfigError whose message names the field, or a value the allow-list below documents as valid. Nothing else escapes
-(no TypeError, ZeroDivisionError, OverflowError from deep code) and nothing hangs."""
+"""Every field of every config section, set through the CLI's override path to each of seven bad values and run
+through what ``xscale train`` checks before building anything (the config, then the layout for a world of one):
+either a ConfigError whose message names the field, or a value the allow-list below documents as valid. Nothing
+else escapes (no TypeError, ZeroDivisionError, OverflowError from deep code) and nothing hangs."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from xscale.config import Config, ConfigError
+from xscale.parallel.checks import resolve_dims
 from xscale.validate import load_config_from_cli
 
 # mutation -> the override's YAML text; "wrong_type" depends on the field (see wrong_type()).
@@ -112,7 +114,7 @@ def outcome(base: list[str], field: str, text: str) -> str | None:
     went wrong."""
     try:
         with time_limit(5):
-            load_config_from_cli(None, [*base, f"{field}={text}"])
+            resolve_dims(load_config_from_cli(None, [*base, f"{field}={text}"]), 1)
     except ConfigError as error:
         return None if field in str(error) else f"refused without naming {field}: {error}"
     except Exception as error:  # any other exception is what this test looks for
