@@ -67,3 +67,11 @@ def test_each_checkpoint_has_the_tensorboard_curve_up_to_it_on_disk(tmp_path, sl
     trainer.checkpointer.save = save_and_look
     trainer.fit()
     assert on_disk == {2: [1, 2], 4: [1, 2, 3, 4]}
+
+
+def test_flush_after_close_is_harmless(tmp_path):
+    """A checkpoint saved after the run's end (e.g. by a caller of Trainer.save) flushes a closed logger."""
+    logger = MetricsLogger(tmp_path, enabled=True, total_steps=1, log_every=1, tensorboard=True, progress=False)
+    logger.log(1, {"train/loss": 1.0})
+    logger.close(plot=False)
+    logger.flush()

@@ -114,7 +114,7 @@ class MetricsLogger:
 
     def flush(self) -> None:
         """Put everything logged so far on disk: TensorBoard buffers events for up to two minutes."""
-        if not self.enabled:
+        if not self.enabled or self._jsonl.closed:  # closed: everything is on disk already
             return
         self._jsonl.flush()
         if self.writer is not None:
@@ -146,6 +146,7 @@ class MetricsLogger:
             self.progress.stop()
         if self.writer is not None:
             self.writer.close()
+            self.writer = None
         self._jsonl.close()
         return self.plot() if plot else None
 
