@@ -16,6 +16,8 @@
 #   --node-rank R         this node's index; node 0 hosts the rendezvous [NODE_RANK; in Slurm: SLURM_NODEID]
 #   --master ADDR[:PORT]  node 0's address [MASTER_ADDR, MASTER_PORT (29500); in Slurm: the first node's NodeAddr]
 #   --rdzv-id ID          rendezvous id, the same on every node [RDZV_ID; default xscale-$SLURM_JOB_ID or xscale]
+#   --max-restarts N      restart the workers up to N times after one fails; they resume from the latest
+#                         checkpoint [MAX_RESTARTS; default 0]
 #   --module M            run `python -m M CONFIG ...` instead of `-m xscale train` (e.g. xscale.launcher.smoke)
 #   --python PY           interpreter [PYTHON; default python3]
 #   --print               print the command (shell-quoted) instead of running it
@@ -53,6 +55,7 @@ node_rank=${NODE_RANK:-}
 master_addr=${MASTER_ADDR:-}
 master_port=${MASTER_PORT:-}
 rdzv_id=${RDZV_ID:-}
+max_restarts=${MAX_RESTARTS:-0}
 module=xscale
 python=${PYTHON:-python3}
 print_only=0
@@ -68,6 +71,7 @@ while [ $# -gt 0 ]; do
             [ "$master" != "$master_addr" ] && master_port=${master#*:}
             shift 2 ;;
         --rdzv-id) rdzv_id=${2:?--rdzv-id needs a value}; shift 2 ;;
+        --max-restarts) max_restarts=${2:?--max-restarts needs a value}; shift 2 ;;
         --module) module=${2:?--module needs a value}; shift 2 ;;
         --python) python=${2:?--python needs a value}; shift 2 ;;
         --print) print_only=1; shift ;;
@@ -98,15 +102,15 @@ if [ -z "$nproc" ] || [ "$nproc" = 0 ]; then
     nproc=$(gpu_count)
     [ "$nproc" -gt 0 ] || nproc=1
 fi
-for number in "$nnodes" "$nproc" "$node_rank"; do
-    [[ "$number" =~ ^[0-9]+$ ]] || die "--nnodes, --nproc-per-node and --node-rank take integers, got '$number'"
+for number in "$nnodes" "$nproc" "$node_rank" "$max_restarts"; do
+    [[ "$number" =~ ^[0-9]+$ ]] || die "--nnodes, --nproc-per-node, --node-rank and --max-restarts take integers, got '$number'"
 done
 if [ "$nnodes" -lt 1 ] || [ "$nproc" -lt 1 ]; then
     die "--nnodes and --nproc-per-node must be at least 1"
 fi
 [ "$node_rank" -lt "$nnodes" ] || die "--node-rank $node_rank is outside $nnodes nodes (0..$((nnodes - 1)))"
 
-command=("$python" -m torch.distributed.run "--nproc-per-node=$nproc")
+command=("$python" -m torch.distributed.run "--nproc-per-node=$nproc" "--max-restarts=$max_restarts")
 if [ "$nnodes" = 1 ]; then
     command+=(--standalone)
 else
@@ -114,7 +118,7 @@ else
     is_host=0
     [ "$node_rank" = 0 ] && is_host=1
     command+=("--nnodes=$nnodes" --rdzv-backend=c10d "--rdzv-endpoint=$master_addr:${master_port:-29500}"
-              "--rdzv-id=$rdzv_id" "--rdzv-conf=is_host=$is_host" --max-restarts=0)
+              "--rdzv-id=$rdzv_id" "--rdzv-conf=is_host=$is_host")
 fi
 if [ "$module" = xscale ]; then
     command+=(-m xscale train "$@")

@@ -165,6 +165,8 @@ class TrainConfig:
     grad_clip: float = 1.0  # 0 disables
     on_nonfinite: str = "stop"  # a NaN/Inf loss or gradient norm: stop (no checkpoint of it) | skip the update
     max_skipped: int = 3  # on_nonfinite=skip: stop after this many non-finite steps in a row
+    spike_factor: float = 3.0  # warn when a loss exceeds this x the median of the last spike_window losses; 0: off
+    spike_window: int = 50
     watchdog: bool = True  # a step over step_timeout_s ends the job (exit 3) naming the hung rank, with stacks
     step_timeout_s: float = 0.0  # 0: auto, 10x the median step after 5 steps, at least 60 s
     precision: str = "fp32"  # fp32 | bf16
@@ -212,6 +214,8 @@ class LaunchConfig:
     time: str = "01:00:00"
     job_name: str = "xscale"
     requeue_signal_seconds: int = 120
+    max_restarts: int = 0  # torchrun restarts failed workers this many times; they resume from latest
+    max_requeues: int = 0  # Slurm requeues a job that exits non-zero while SLURM_RESTART_COUNT is below this
     extra_sbatch: list[str] = field(default_factory=list)
 
 
@@ -229,6 +233,8 @@ class Config:
 
 
 # --------------------------------------------------------------------------- building from dicts
+
+INT_LIMIT = 2**63
 
 
 def closest(name: str, choices: typing.Iterable[str]) -> str:
@@ -283,11 +289,13 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
                 pass
         raise ConfigError(f"{where}: expected a number, got {value!r}")
     if annotation is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
         if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        if not -INT_LIMIT <= value < INT_LIMIT:  # torch and numpy hold these as int64
+            raise ConfigError(f"{where}={value:.3g} is out of range; integers must lie in [-2^63, 2^63)")
+        return value
     if annotation is str:
         if isinstance(value, str):
             return value
@@ -387,12 +395,22 @@ CHOICES = {
     "train.kernels": ("auto", "triton", "apex", "torch"),
     "train.on_nonfinite": ("stop", "skip"),
     "checkpoint.verify": ("full", "size", "none"),
+    "model.moe.drop_policy": ("probs", "position"),
+    "model.moe.router_dtype": ("float32", "bfloat16", "float16", "float64"),
+    "model.moe.second_expert_policy": ("sampling", "all"),
+    "data.dataset": ("stdlib_text", "text", "indexed", "copy", "assoc_recall", "listops"),
 }
 
 
+def _value(config: Config, dotted: str) -> Any:
+    node: Any = config
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
 def _check_choice(config: Config, dotted: str) -> None:
-    section, key = dotted.split(".")
-    value = getattr(getattr(config, section), key)
+    value = _value(config, dotted)
     allowed = CHOICES[dotted]
     if value not in allowed:
         raise ConfigError(f"{dotted}='{value}' is not one of {', '.join(allowed)}{closest(str(value), allowed)}")
@@ -407,6 +425,7 @@ def resolve_objective(config: Config) -> str:
 def check_values(config: Config) -> None:
     """Refuse values that cannot run (choices, ranges, family vs objective); the checks that need the component
     registries live in :mod:`xscale.validate`."""
+    _check_filled(config)
     for dotted in CHOICES:
         _check_choice(config, dotted)
     model, train = config.model, config.train
@@ -452,12 +471,26 @@ def check_values(config: Config) -> None:
             f"train.objective={objective} needs model.family={expected}, got {model.family}; "
             f"set train.objective=auto to pick the family's objective"
         )
-    _check_moe_values(config)
     _check_ranges(config)
-    if not train.output_dir.strip():
-        raise ConfigError("train.output_dir is empty; name the folder the run writes to (e.g. runs/my-run)")
+    _check_moe_values(config)
     if config.checkpoint.keep < 1:
         raise ConfigError(f"checkpoint.keep must be at least 1, got {config.checkpoint.keep}")
+
+
+def _check_filled(node: Any, where: str = "") -> None:
+    """Every float finite and every string non-empty, in every section: no setting means NaN, inf or ''."""
+    for item in dataclasses.fields(node):
+        dotted = f"{where}.{item.name}" if where else item.name
+        value = getattr(node, item.name)
+        if dataclasses.is_dataclass(value):
+            _check_filled(value, dotted)
+        elif isinstance(value, float) and not math.isfinite(value):
+            rule = f"; {dotted} must be {RANGES[dotted][0]}" if dotted in RANGES else ""
+            raise ConfigError(f"{dotted}={value} is not a finite number{rule}")
+        elif isinstance(value, str) and not value.strip():
+            raise ConfigError(f"{dotted} is empty; give a value, or leave the key out for its default")
+        elif isinstance(value, list) and any(isinstance(each, str) and not each.strip() for each in value):
+            raise ConfigError(f"{dotted}={value!r} holds an empty string; remove it")
 
 
 def _positive(value: float) -> bool:
@@ -470,6 +503,9 @@ def _non_negative(value: float) -> bool:
 
 def _fraction(value: float) -> bool:
     return 0 <= value < 1
+
+
+YEAR_S = 365 * 24 * 3600
 
 
 # Numeric fields and the range each must lie in (an unset optional field is not checked; NaN and the infinities
@@ -490,18 +526,44 @@ RANGES: dict[str, tuple[str, typing.Callable[[float], bool]]] = {
     "train.eval_batches": ("positive", _positive),
     "train.log_every": ("positive", _positive),
     "train.max_skipped": ("positive", _positive),
-    "train.step_timeout_s": (">= 0 (0: auto)", _non_negative),
-    "parallel.timeout_s": ("positive", _positive),
+    "train.step_timeout_s": (f">= 0 (0: auto) and at most a year ({YEAR_S})", lambda value: 0 <= value <= YEAR_S),
+    "parallel.timeout_s": (f"positive and at most a year ({YEAR_S})", lambda value: 0 < value <= YEAR_S),
     "train.peak_flops": ("positive", _positive),
     "data.eval_fraction": ("in [0, 1)", _fraction),
     "checkpoint.every": (">= 0 (0: only at the end)", _non_negative),
+    "model.n_decoder_layers": ("positive", _positive),
+    "model.moe.num_experts": (">= 0 (0: a dense FFN)", _non_negative),
+    "model.moe.top_k": ("at least 1", _positive),
+    "model.moe.capacity_factor": ("positive", _positive),
+    "model.moe.eval_capacity_factor": ("positive", _positive),
+    "model.moe.min_capacity": (">= 0", _non_negative),
+    "model.moe.aux_loss_coef": (">= 0", _non_negative),
+    "model.moe.z_loss_coef": (">= 0", _non_negative),
+    "model.moe.jitter": ("in [0, 1) (inputs scaled by 1 +- jitter)", _fraction),
+    "model.moe.every": ("at least 1", _positive),
+    # The same words as xscale.parallel.checks.resolve_dims, which needs the world size for the rest.
+    **{f"parallel.{name}": (">= 1", _positive)
+       for name in ("dp_replicate", "tp", "pp", "ep", "cp", "pp_stages_per_rank")},
+    "parallel.dp_shard": (">= 1, or -1 for what the world size leaves", lambda value: value == -1 or value >= 1),
+    "parallel.zero_stage": ("0 (DDP), 1, 2 or 3 (FSDP2)", lambda value: value in (0, 1, 2, 3)),
+    "train.micro_batch_size": ("positive", _positive),
+    "train.seed": (">= 0", _non_negative),
+    "train.spike_factor": ("0 (off) or above 1", lambda value: value == 0 or value > 1),
+    "train.spike_window": ("positive", _positive),
+    "data.tokenizer_vocab_size": ("positive", _positive),
+    "data.num_samples": (">= 0 (0: the task's default)", _non_negative),
+    "launch.nodes": ("at least 1", _positive),
+    "launch.gpus_per_node": (">= 0 (0: CPU processes)", _non_negative),
+    "launch.nproc_per_node": ("at least 1", _positive),
+    "launch.requeue_signal_seconds": ("in [0, 65535] (Slurm's limit)", lambda value: 0 <= value <= 65535),
+    "launch.max_restarts": (">= 0", _non_negative),
+    "launch.max_requeues": (">= 0", _non_negative),
 }
 
 
 def _check_ranges(config: Config) -> None:
     for dotted, (rule, holds) in RANGES.items():
-        section, key = dotted.split(".")
-        value = getattr(getattr(config, section), key)
+        value = _value(config, dotted)
         if value is None:
             continue
         if not math.isfinite(value):
@@ -511,14 +573,14 @@ def _check_ranges(config: Config) -> None:
 
 
 def _check_moe_values(config: Config) -> None:
+    """What only an MoE model (``num_experts`` > 0) needs; each value's own range is in :data:`RANGES`."""
     moe = config.model.moe
     if moe.num_experts == 0:
         return
-    if moe.num_experts < 0:
-        raise ConfigError(f"model.moe.num_experts must be >= 0, got {moe.num_experts}")
-    if not 1 <= moe.top_k <= moe.num_experts:
+    if moe.top_k > moe.num_experts:
         raise ConfigError(f"model.moe.top_k={moe.top_k} must be in [1, num_experts={moe.num_experts}]")
-    if moe.capacity_factor <= 0 or moe.eval_capacity_factor <= 0:
-        raise ConfigError("model.moe.capacity_factor and eval_capacity_factor must be positive")
-    if moe.every < 1:
-        raise ConfigError(f"model.moe.every must be >= 1, got {moe.every}")
+    for name in ("capacity_factor", "eval_capacity_factor"):
+        if not moe.dropless and getattr(moe, name) > moe.num_experts:  # capacity would exceed every token
+            raise ConfigError(f"model.moe.{name}={getattr(moe, name):g} exceeds model.moe.num_experts="
+                              f"{moe.num_experts}, where no token is dropped already; lower it, or set "
+                              "model.moe.dropless=true for no capacity limit")

@@ -41,10 +41,11 @@ def validate(config: Config) -> None:
     check_registered("position", model.position, "model.position")
     check_registered("norm", model.norm, "model.norm")
     check_registered("ffn", model.ffn, "model.ffn")
-    for index in range(max(model.n_layers, model.decoder_layers)):
-        check_registered("attention", model.attention.kind_for_layer(index), "model.attention.kind")
+    for kind in dict.fromkeys(model.attention.per_layer or [model.attention.kind]):
+        where = "model.attention.per_layer" if model.attention.per_layer else "model.attention.kind"
+        check_registered("attention", kind, where)
+    check_registered("router", model.moe.router, "model.moe.router")  # a typo is refused even while MoE is off
     if model.moe.num_experts:
-        check_registered("router", model.moe.router, "model.moe.router")
         check_moe_config(model, config.parallel.ep)
 
 

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import subprocess
 import sys
 
 import pytest
+import torch.distributed as dist
 
 from xscale.launcher.env import (
     LaunchError,
     World,
+    _attempt_store,
     detect_world,
     expand_tasks_per_node,
     slurm_node_address,
@@ -208,3 +211,21 @@ def test_init_distributed_from_a_slurm_step(tmp_path):
     results = sorted(line for out in outputs for line in out.splitlines() if line.startswith("RESULT"))
     assert results == ["RESULT slurm 0 2 gloo 3.0", "RESULT slurm 1 2 gloo 3.0"], outputs
     assert "xscale world: launcher=slurm world_size=2" in outputs[0]
+
+
+def test_each_torchrun_attempt_meets_under_its_own_store_prefix(monkeypatch):
+    """A restarted worker group must not read the failed attempt's keys (a dead peer's gloo address)."""
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert _attempt_store(None) is None  # not under torchrun: plain env://
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(agent.port), "RANK": "0", "WORLD_SIZE": "1",
+                       "TORCHELASTIC_USE_AGENT_STORE": "True"}.items():
+        monkeypatch.setenv(key, value)
+    stores = []
+    for attempt in ("0", "1"):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
+        stores.append(_attempt_store(datetime.timedelta(seconds=10)))
+    stores[0].set("default_pg/rank_1", "the dead worker's address")
+    assert not stores[1].check(["default_pg/rank_1"])
+    stores[1].set("default_pg/rank_1", "the new worker's address")
+    assert stores[0].get("default_pg/rank_1") == b"the dead worker's address"

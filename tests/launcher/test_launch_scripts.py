@@ -29,7 +29,7 @@ def clean_environ(tmp_path: Path, **extra: str) -> dict[str, str]:
     """This environment without any launcher's variables, with tmp_path/tools first on PATH."""
     environ = {key: value for key, value in os.environ.items()
                if not key.startswith(("SLURM_", "MASTER_", "NNODES", "NPROC_PER_NODE", "NODE_RANK", "RDZV_ID",
-                                      "MPIRUN", "PYTHON"))}
+                                      "MPIRUN", "PYTHON", "MAX_RESTARTS", "XSCALE_MAX_REQUEUES"))}
     environ["PATH"] = f"{tmp_path / 'tools'}:{environ['PATH']}"
     environ.update(extra)
     return environ
@@ -65,7 +65,7 @@ def test_shellcheck_clean(script):
 
 def test_torchrun_one_node_keeps_every_argument_whole(tmp_path):
     argv = printed("torchrun.sh", "--nproc-per-node", "2", AWKWARD, "train.steps=30", tmp_path=tmp_path)
-    assert argv == ["python3", "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
+    assert argv == ["python3", "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=0", "--standalone",
                     "-m", "xscale", "train", AWKWARD, "train.steps=30"]
     assert not list(tmp_path.rglob("PWNED"))
 
@@ -75,9 +75,9 @@ def test_torchrun_several_nodes_rendezvous_on_node_zero(tmp_path):
               "xscale.launcher.smoke", "c.yaml"]
     node0 = printed("torchrun.sh", "--node-rank", "0", *common, tmp_path=tmp_path)
     node1 = printed("torchrun.sh", *common, tmp_path=tmp_path, NODE_RANK="1", PYTHON="/opt/py/bin/python")
-    assert node0 == ["python3", "-m", "torch.distributed.run", "--nproc-per-node=4", "--nnodes=2",
+    assert node0 == ["python3", "-m", "torch.distributed.run", "--nproc-per-node=4", "--max-restarts=0", "--nnodes=2",
                      "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:29400", "--rdzv-id=xscale",
-                     "--rdzv-conf=is_host=1", "--max-restarts=0", "-m", "xscale.launcher.smoke", "c.yaml"]
+                     "--rdzv-conf=is_host=1", "-m", "xscale.launcher.smoke", "c.yaml"]
     assert node1[0] == "/opt/py/bin/python" and "--rdzv-conf=is_host=0" in node1
 
 
@@ -93,9 +93,15 @@ esac
                    SLURM_NODEID="1", SLURM_JOB_NODELIST="node[1-2]", SLURM_GPUS_ON_NODE="8",
                    SLURM_RESTART_COUNT="1")
     port = 20000 + (321 * 16 + 1) % 20000
-    assert argv[3:10] == ["--nproc-per-node=8", "--nnodes=2", "--rdzv-backend=c10d",
-                          f"--rdzv-endpoint=10.3.0.7:{port}", "--rdzv-id=xscale-321", "--rdzv-conf=is_host=0",
-                          "--max-restarts=0"]
+    assert argv[3:10] == ["--nproc-per-node=8", "--max-restarts=0", "--nnodes=2", "--rdzv-backend=c10d",
+                          f"--rdzv-endpoint=10.3.0.7:{port}", "--rdzv-id=xscale-321", "--rdzv-conf=is_host=0"]
+
+
+@pytest.mark.parametrize("argv,environ", [(["--max-restarts", "3"], {}), ([], {"MAX_RESTARTS": "3"})])
+def test_torchrun_max_restarts_reaches_torchrun(tmp_path, argv, environ):
+    for nodes in (["--nproc-per-node", "2"], ["--nnodes", "2", "--master", "h:1"]):
+        command = printed("torchrun.sh", *nodes, *argv, "c.yaml", tmp_path=tmp_path, **environ)
+        assert command.count("--max-restarts=3") == 1 and "--max-restarts=0" not in command
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -103,6 +109,7 @@ esac
     (["--nnodes", "2", "c.yaml"], "2 nodes need node 0's address"),
     (["--nnodes", "2", "--node-rank", "2", "--master", "h", "c.yaml"], "--node-rank 2 is outside 2 nodes"),
     (["--nproc-per-node", "two", "c.yaml"], "take integers, got 'two'"),
+    (["--max-restarts", "-1", "c.yaml"], "take integers, got '-1'"),
     (["--frobnicate", "c.yaml"], "unknown option --frobnicate"),
 ])
 def test_torchrun_refusals(tmp_path, argv, message):
@@ -161,8 +168,8 @@ def test_sbatch_template_runs_torchrun_on_each_node(tmp_path):
                             cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     argv = (tmp_path / "argv").read_text().split("\0")[:-1]
-    assert argv == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone", "-m", "xscale", "train",
-                    AWKWARD, "train.steps=3"]
+    assert argv == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=0", "--standalone", "-m",
+                    "xscale", "train", AWKWARD, "train.steps=3"]
     calls = (tmp_path / "calls.log").read_text()
     assert calls.startswith("srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash")
     assert "scontrol requeue" not in calls
@@ -184,3 +191,27 @@ def test_sbatch_template_usr1_stops_the_trainer_and_requeues(tmp_path):
     assert "USR1 received" in output
     assert (tmp_path / "calls.log").read_text().splitlines()[-1] == "scontrol requeue 55"
     assert not list(tmp_path.glob(".xscale-*")), "stop/requeue files must not survive into the requeued job"
+
+
+@pytest.mark.parametrize("restart_count,requeued", [(None, True), ("1", True), ("2", False)])
+def test_sbatch_template_requeues_a_failed_step_up_to_max_requeues(tmp_path, restart_count, requeued):
+    """The step fails (torchrun exits 1 after its own --max-restarts): requeued while SLURM_RESTART_COUNT < 2."""
+    environ = sbatch_environ(tmp_path, "exit 1\n")
+    environ["XSCALE_MAX_REQUEUES"] = "2"
+    if restart_count is not None:
+        environ["SLURM_RESTART_COUNT"] = restart_count
+    result = subprocess.run(["bash", str(LAUNCH / "slurm.sbatch"), "--max-restarts", "1", "c.yaml"], env=environ,
+                            cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    argv = (tmp_path / "argv").read_text().split("\0")[:-1]
+    assert "--max-restarts=1" in argv
+    calls = (tmp_path / "calls.log").read_text()
+    assert ("scontrol requeue 55" in calls) == requeued, result.stdout
+    assert result.returncode == (0 if requeued else 1), result.stdout + result.stderr
+
+
+def test_sbatch_template_never_requeues_a_successful_step(tmp_path):
+    environ = sbatch_environ(tmp_path, "exit 0\n")
+    environ["XSCALE_MAX_REQUEUES"] = "5"
+    result = subprocess.run(["bash", str(LAUNCH / "slurm.sbatch"), "c.yaml"], env=environ, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "scontrol requeue" not in (tmp_path / "calls.log").read_text()

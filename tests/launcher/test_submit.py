@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import stat
 import subprocess
 from pathlib import Path
@@ -43,8 +44,10 @@ def write_tool(folder: Path, name: str, body: str) -> None:
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
 
 
-def run_job_script(script: str, tmp_path: Path, node_id: str = "0", requeue: bool = False) -> tuple[list[str], str]:
-    """Execute the job script with fake srun/scontrol/getent/python; return the python argv and the calls log."""
+def run_job_script(script: str, tmp_path: Path, node_id: str = "0", requeue: bool = False, status: int = 0,
+                   restart_count: str | None = None, expect: int = 0) -> tuple[list[str], str]:
+    """Execute the job script with fake srun/scontrol/getent/python (which exits ``status``); return the python argv
+    and the calls log."""
     tools = tmp_path / "tools"
     tools.mkdir(exist_ok=True)
     log = tmp_path / "calls.log"
@@ -59,15 +62,17 @@ esac
 """)
     write_tool(tools, "getent", "exit 2\n")
     requeue_line = 'touch "$XSCALE_REQUEUE_FILE"\n' if requeue else ""
-    write_tool(tools, "fake-python", f'printf "%s\\0" "$@" > {argv_file}\n{requeue_line}')
+    write_tool(tools, "fake-python", f'printf "%s\\0" "$@" > {argv_file}\n{requeue_line}exit {status}\n')
     script = script.replace(shlex.quote(str(Path(submit.sys.executable))), str(tools / "fake-python"))
     environ = dict(os.environ, PATH=f"{tools}:{os.environ['PATH']}", SLURM_JOB_ID="321",
                    SLURM_JOB_NODELIST="gpu[07-08]", SLURM_NODEID=node_id)
     environ.pop("SLURM_RESTART_COUNT", None)
+    if restart_count is not None:
+        environ["SLURM_RESTART_COUNT"] = restart_count
     (tmp_path / "runs/default/slurm").mkdir(parents=True, exist_ok=True)  # sbatch needs the log folder
     result = subprocess.run(["bash", "-c", script], env=environ, cwd=tmp_path, capture_output=True, text=True,
                             timeout=60)
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.returncode == expect, result.stdout + result.stderr
     return argv_file.read_text().split("\0")[:-1], log.read_text()
 
 
@@ -143,6 +148,9 @@ def test_layout_defaults_come_from_the_config(capsys, monkeypatch, tmp_path):
     (["--time", "soon"], "not a Slurm time"),
     (["--gpus-per-node", "-1"], "--gpus-per-node must be >= 0"),
     (["model.n_heads=3"], "n_heads"),
+    (["--launcher", "srun", "--max-restarts", "1"], "--max-restarts needs --launcher torchrun"),
+    (["--max-requeues", "-1"], "--max-requeues must be >= 0"),
+    (["launch.max_restarts=-2"], "launch.max_restarts must be >= 0"),
 ])
 def test_bad_requests_fail_before_sbatch(capsys, monkeypatch, tmp_path, argv, message):
     config = tmp_path / "c.yaml"
@@ -191,3 +199,42 @@ def test_time_limit_formats(text, seconds):
 def test_time_limit_rejects_zero():
     with pytest.raises(SubmitError):
         time_limit_seconds("0")
+
+
+def test_max_restarts_reach_torchrun_and_max_requeues_the_batch_shell(capsys, monkeypatch, tmp_path, awkward_config):
+    script = dry_run(capsys, monkeypatch, tmp_path, str(awkward_config), "--nodes", "2", "--nproc-per-node", "2",
+                     "--max-restarts", "2", "--max-requeues", "3")
+    assert "XSCALE_MAX_REQUEUES=3" in script.splitlines()
+    argv, calls = run_job_script(script, tmp_path)
+    assert "--max-restarts=2" in argv and "--max-restarts=0" not in argv
+    assert "scontrol requeue" not in calls  # the step succeeded
+
+
+@pytest.mark.parametrize("restart_count,requeued", [(None, True), ("2", True), ("3", False)])
+def test_a_failed_step_is_requeued_while_the_restart_count_is_below_max_requeues(
+        capsys, monkeypatch, tmp_path, awkward_config, restart_count, requeued):
+    script = dry_run(capsys, monkeypatch, tmp_path, str(awkward_config), "--nodes", "2", "--nproc-per-node", "2",
+                     "--max-requeues", "3")
+    _, calls = run_job_script(script, tmp_path, status=1, restart_count=restart_count, expect=0 if requeued else 1)
+    assert ("scontrol requeue 321" in calls) == requeued
+
+
+def test_restarts_and_requeues_default_to_the_launch_section(capsys, monkeypatch, tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text(TINY + "launch:\n  max_restarts: 4\n  max_requeues: 1\n")
+    script = dry_run(capsys, monkeypatch, tmp_path, str(config), "--nodes", "2", "--nproc-per-node", "2")
+    assert "--max-restarts=4" in script and "XSCALE_MAX_REQUEUES=1" in script.splitlines()
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "srun"])
+def test_the_generated_script_is_shellcheck_clean(capsys, monkeypatch, tmp_path, launcher):
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (apt-get install shellcheck; .ci/run installs it)")
+    config = tmp_path / "c.yaml"  # a plain path: shellcheck rightly notes a quoted '$(' in the awkward one
+    config.write_text(TINY)
+    script = dry_run(capsys, monkeypatch, tmp_path, str(config), "--nodes", "2", "--nproc-per-node", "2",
+                     "--launcher", launcher, "--max-requeues", "2")
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    result = subprocess.run(["shellcheck", "--shell=bash", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout

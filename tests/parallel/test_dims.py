@@ -44,9 +44,8 @@ REFUSED = [
 
 @pytest.mark.parametrize("overrides,world_size,message", REFUSED, ids=[r[2] for r in REFUSED])
 def test_impossible_layouts_are_refused(overrides, world_size, message):
-    config = load_config(None, [*BASE, *overrides])
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        resolve_dims(config, world_size)
+        resolve_dims(load_config(None, [*BASE, *overrides]), world_size)  # degrees < 1 are refused while loading
 
 
 def test_trainer_refuses_before_any_process_group(monkeypatch, tmp_path):

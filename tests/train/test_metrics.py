@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import json
+import time
+
+import pytest
 
 from xscale.train.metrics import MetricsLogger
+from xscale.train.trainer import Trainer
+from xscale.validate import load_config
 
 
 def test_each_logged_step_is_on_disk_before_the_logger_closes(tmp_path):
@@ -13,3 +18,60 @@ def test_each_logged_step_is_on_disk_before_the_logger_closes(tmp_path):
         logger.log(step, {"train/loss": 4.0 - step})
         lines = (tmp_path / "metrics.jsonl").read_text().splitlines()  # read while the logger still holds the file
         assert [json.loads(line)["step"] for line in lines] == list(range(1, step + 1))
+
+
+def tensorboard_steps(folder) -> list[int]:
+    """The steps of train/loss in the TensorBoard events on disk now."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder)).Reload()
+    return [event.step for event in events.Scalars("train/loss")] if "train/loss" in events.Tags()["scalars"] else []
+
+
+@pytest.fixture
+def slow_disk(monkeypatch):
+    """Each TensorBoard record takes 10 ms to write (a network file system): unflushed events are not on disk yet."""
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    write = RecordWriter.write
+
+    def slow_write(self, data):
+        time.sleep(0.01)
+        write(self, data)
+
+    monkeypatch.setattr(RecordWriter, "write", slow_write)
+
+
+def test_flush_puts_the_tensorboard_events_on_disk(tmp_path, slow_disk):
+    logger = MetricsLogger(tmp_path, enabled=True, total_steps=3, log_every=100, tensorboard=True, progress=False)
+    for step in (1, 2):
+        logger.log(step, {"train/loss": 4.0 - step})
+    logger.flush()
+    assert tensorboard_steps(tmp_path / "tensorboard") == [1, 2]
+    logger.close(plot=False)
+
+
+def test_each_checkpoint_has_the_tensorboard_curve_up_to_it_on_disk(tmp_path, slow_disk):
+    config = load_config(None, [
+        "model.vocab_size=48", "model.d_model=32", "model.n_layers=1", "model.n_heads=4", "train.steps=4",
+        "train.global_batch_size=4", "train.seq_len=16", "train.log_every=100", "train.tensorboard=true",
+        "train.plot=false", "train.progress=false", "train.peak_flops=1e12", "data.dataset=copy",
+        "data.num_samples=64", "data.eval_fraction=0.0", "checkpoint.every=2", f"train.output_dir={tmp_path}"])
+    trainer = Trainer(config)
+    save, on_disk = trainer.checkpointer.save, {}
+
+    def save_and_look(step, state, meta):
+        on_disk[step] = tensorboard_steps(tmp_path / "tensorboard")  # what a crash during this save would leave
+        return save(step, state, meta)
+
+    trainer.checkpointer.save = save_and_look
+    trainer.fit()
+    assert on_disk == {2: [1, 2], 4: [1, 2, 3, 4]}
+
+
+def test_flush_after_close_is_harmless(tmp_path):
+    """A checkpoint saved after the run's end (e.g. by a caller of Trainer.save) flushes a closed logger."""
+    logger = MetricsLogger(tmp_path, enabled=True, total_steps=1, log_every=1, tensorboard=True, progress=False)
+    logger.log(1, {"train/loss": 1.0})
+    logger.close(plot=False)
+    logger.flush()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 from torch.utils.data import Dataset
@@ -85,7 +87,8 @@ def build_tokenizer(config: Config, documents: list[str] | None = None) -> Token
     again), cached under <output_dir>/tokenizer/ and reused."""
     data = config.data
     if data.tokenizer:
-        return Tokenizer.load(data.tokenizer)
+        with _user_file("data.tokenizer"):
+            return Tokenizer.load(data.tokenizer)
     if data.dataset == "indexed":
         raise ConfigError("data.dataset='indexed' holds tokens already: set data.tokenizer to the .model "
                           "they were made with")
@@ -102,6 +105,17 @@ def build_tokenizer(config: Config, documents: list[str] | None = None) -> Token
     return tokenizer
 
 
+@contextlib.contextmanager
+def _user_file(key: str) -> Iterator[None]:
+    """A missing, unreadable or corrupt file a config key names, as one ConfigError naming the key."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except (OSError, ValueError, ImportError) as error:
+        raise ConfigError(f"{key}: {error}") from error
+
+
 def _documents(config: Config):
     if config.data.dataset == "stdlib_text":
         return stdlib_documents()
@@ -116,11 +130,18 @@ def _text_datasets(config: Config, objective: str, seq_len: int, seed: int) -> t
     if data.dataset == "indexed":
         if not data.path:
             raise ConfigError("data.dataset='indexed' needs data.path: the .bin/.idx prefix")
-        stream = IndexedTokens(data.path)
+        with _user_file("data.path"):
+            stream = IndexedTokens(data.path)
         tokenizer = build_tokenizer(config) if data.tokenizer or objective != "clm" else None
-        vocab_size = max(stream.max_token() + 1, tokenizer.vocab_size if tokenizer else 0)
+        with _user_file("data.path"):
+            vocab_size = max(stream.max_token(tokenizer.vocab_size if tokenizer else None) + 1,
+                             tokenizer.vocab_size if tokenizer else 0)
     else:
-        documents = list(_documents(config))
+        with _user_file("data.path"):
+            documents = list(_documents(config))
+        if not documents:
+            raise ConfigError(f"data.path={data.path} holds no text (empty or blank files); point data.path at a "
+                              ".txt/.jsonl file or folder with text")
         tokenizer = build_tokenizer(config, documents)
         stream = ArrayTokens(tokenize_documents(documents, tokenizer))
         vocab_size = tokenizer.vocab_size

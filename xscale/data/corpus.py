@@ -94,15 +94,29 @@ def text_documents(path: str | Path) -> Iterator[str]:
     else:
         raise FileNotFoundError(f"text corpus {path} does not exist; set data.path to a .txt/.jsonl file or a folder")
     for file in files:
-        if file.suffix == ".jsonl":
-            with file.open(encoding="utf-8") as lines:
-                for number, line in enumerate(lines, 1):
-                    if line.strip():
-                        yield _jsonl_text(line, file, number)
-        else:
-            text = file.read_text(encoding="utf-8")
-            if text.strip():
-                yield text
+        try:
+            yield from _file_documents(file)
+        except UnicodeDecodeError as error:
+            raise _not_text(file, f"undecodable byte at offset {error.start}") from None
+
+
+def _not_text(file: Path, why: str) -> ValueError:
+    return ValueError(f"{file} is not UTF-8 text ({why}); data.dataset=text reads .txt/.jsonl text, token files "
+                      "(.bin/.idx) are data.dataset=indexed")
+
+
+def _file_documents(file: Path) -> Iterator[str]:
+    if file.suffix == ".jsonl":
+        with file.open(encoding="utf-8") as lines:
+            for number, line in enumerate(lines, 1):
+                if line.strip():
+                    yield _jsonl_text(line, file, number)
+    else:
+        text = file.read_text(encoding="utf-8")
+        if "\x00" in text:  # valid UTF-8 but binary: e.g. small token ids stored as integers
+            raise _not_text(file, f"a NUL byte at offset {text.encode('utf-8').index(0)}")
+        if text.strip():
+            yield text
 
 
 def _jsonl_text(line: str, file: Path, number: int) -> str:

@@ -101,10 +101,19 @@ class IndexedTokens:
     def __len__(self) -> int:
         return int(self.starts[-1])
 
-    def max_token(self, chunk: int = 1 << 24) -> int:
-        """The largest token id in the file (the vocabulary the model needs is at least this + 1)."""
-        tokens = np.memmap(self.dataset.path_prefix + ".bin", dtype=self.dataset.index.dtype, mode="r")
-        return max((int(tokens[start:start + chunk].max()) for start in range(0, len(tokens), chunk)), default=-1)
+    def max_token(self, vocab_size: int | None = None, chunk: int = 1 << 24) -> int:
+        """The largest token id in the file (the vocabulary the model needs is at least this + 1), after checking
+        that no id is negative or, with ``vocab_size``, outside the tokenizer's vocabulary."""
+        prefix = self.dataset.path_prefix
+        tokens = np.memmap(prefix + ".bin", dtype=self.dataset.index.dtype, mode="r")
+        pieces = [tokens[start:start + chunk] for start in range(0, len(tokens), chunk)]
+        low = min((int(piece.min()) for piece in pieces), default=0)
+        high = max((int(piece.max()) for piece in pieces), default=-1)
+        if low < 0 or (vocab_size is not None and high >= vocab_size):
+            bad, limit = (low, "negative") if low < 0 else (high, f"outside the tokenizer's {vocab_size} tokens")
+            raise IndexedDataError(f"{prefix}.bin holds token id {bad}, {limit}: the file is corrupt or was made "
+                                   f"with another tokenizer; {_rebuild_hint(prefix)}")
+        return high
 
     def read(self, start: int, stop: int) -> np.ndarray:
         pieces = []

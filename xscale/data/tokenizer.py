@@ -89,11 +89,13 @@ class Tokenizer:
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer model {path} does not exist; {_how_to_make(path)}")
         processor = spm.SentencePieceProcessor()
+        content = path.read_bytes()
         try:
-            processor.load_from_serialized_proto(path.read_bytes())
-        except (RuntimeError, OSError) as error:
-            raise ValueError(f"tokenizer model {path} is not a SentencePiece model ({error}); "
-                             f"{_how_to_make(path)}") from error
+            processor.load_from_serialized_proto(content)
+        except RuntimeError:
+            kind = " (a Hugging Face tokenizer.json?)" if content.lstrip()[:1] == b"{" else ""
+            raise ValueError(f"tokenizer model {path} is not a SentencePiece .model file{kind}; "
+                             f"{_how_to_make(path)}") from None
         if processor.get_piece_size() == 0:
             raise ValueError(f"tokenizer model {path} is empty; {_how_to_make(path)}")
         return cls(processor, str(path))

@@ -347,10 +347,28 @@ def init_distributed(
     backend = resolve_backend(backend, device)
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
+    store = _attempt_store(timeout)
     dist.init_process_group(
-        backend=backend, init_method="env://", rank=world.rank, world_size=world.world_size, timeout=timeout,
+        backend=backend, init_method=None if store else "env://", store=store, rank=world.rank,
+        world_size=world.world_size, timeout=timeout,
         device_id=device if device.type != "cpu" and backend != "gloo" else None,
     )
     if verbose and world.rank == 0:
         print(f"{world.describe()} backend={backend} device={device.type}", flush=True)
     return world
+
+
+def _attempt_store(timeout: datetime.timedelta | None) -> Any:
+    """Under torchrun, the env:// store with a prefix per restart attempt (None elsewhere).
+
+    A restarted worker group meets in the agent's store again, where the failed attempt's keys remain (gloo's
+    listening addresses, NCCL's unique id, the watchdog's heartbeats): without the prefix a fast rank of the new
+    attempt reads a dead peer's address and the restart fails ("connectFullMesh failed ... Connection refused")."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        return None
+    import torch.distributed as dist
+    from torch.distributed.constants import default_pg_timeout
+
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout or default_pg_timeout))
+    return dist.PrefixStore(f"xscale/attempt_{attempt}", store)

@@ -4,7 +4,9 @@ Inside the job every node runs torchrun with c10d rendezvous on the head node (`
 the default), or srun starts one task per rank (``--launcher srun``). The job asks for
 ``--signal=B:USR1@N --requeue --open-mode=append``: the batch shell traps USR1 and creates
 ``$XSCALE_STOP_FILE``; the trainer sees it through ``PreemptionHandler.should_stop()``, checkpoints and
-requeues the job, which then resumes from ``latest``. Every user-supplied word is shell-quoted.
+requeues the job, which then resumes from ``latest``. A failure is retried too: torchrun restarts the workers
+``--max-restarts`` times, then the batch shell requeues the job while ``SLURM_RESTART_COUNT`` is below
+``--max-requeues``. Every user-supplied word is shell-quoted.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class JobRequest:
     job_name: str = "xscale"
     launcher: str = "torchrun"  # torchrun | srun
     signal_seconds: int = 120
+    max_restarts: int = 0  # torchrun restarts of failed workers (torchrun launcher only)
+    max_requeues: int = 0  # requeues of a job whose step failed, counted by SLURM_RESTART_COUNT
     log_dir: Path = Path("runs/default/slurm")
     workdir: Path = Path(".")
     python: str = sys.executable
@@ -63,6 +67,8 @@ class JobRequest:
 
 
 TIME_PATTERN = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+# Slurm writes <log dir>/<job name>-<id>.out (and xscale the script next to it): one plain file-name word only.
+JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def time_limit_seconds(text: str) -> int:
@@ -147,6 +153,10 @@ def check_partition(partition: str | None, partitions: tuple[list[str], str | No
 
 
 def check_request(request: JobRequest, config: Config) -> None:
+    if not JOB_NAME.match(request.job_name):
+        raise SubmitError(f"--job-name / launch.job_name {request.job_name!r} is not a plain name: use up to 128 "
+                          "letters, digits, '.', '_' and '-' (a letter or digit first); the job's log and script "
+                          "are written as <log dir>/<job name>-...")
     if request.nodes < 1:
         raise SubmitError(f"--nodes must be at least 1, got {request.nodes}")
     if request.gpus_per_node < 0:
@@ -162,6 +172,12 @@ def check_request(request: JobRequest, config: Config) -> None:
         raise SubmitError(f"--cpus-per-task must be at least 1, got {request.cpus_per_task}")
     if request.launcher not in ("torchrun", "srun"):
         raise SubmitError(f"--launcher must be torchrun or srun, got {request.launcher!r}")
+    for flag, value in (("--max-restarts", request.max_restarts), ("--max-requeues", request.max_requeues)):
+        if value < 0:
+            raise SubmitError(f"{flag} must be >= 0, got {value}")
+    if request.max_restarts and request.launcher != "torchrun":
+        raise SubmitError("--max-restarts needs --launcher torchrun (srun does not restart ranks); use "
+                          "--max-requeues to requeue the failed job instead")
     limit = time_limit_seconds(request.time)
     if request.signal_seconds < 0 or request.signal_seconds >= limit:
         raise SubmitError(
@@ -218,8 +234,37 @@ if [ -e "$XSCALE_REQUEUE_FILE" ]; then
     rm -f "$XSCALE_REQUEUE_FILE"
     scontrol requeue "$SLURM_JOB_ID" && exit 0
 fi
+RESTARTS=${SLURM_RESTART_COUNT:-0}
+if [ "$STATUS" -ne 0 ] && [ "$RESTARTS" -lt "$XSCALE_MAX_REQUEUES" ]; then
+    echo "xscale: the job step failed; requeue $((RESTARTS + 1)) of $XSCALE_MAX_REQUEUES: scontrol requeue $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID" && exit 0
+fi
 exit "$STATUS"
 """
+
+
+def _requeue_lines(request: JobRequest) -> list[str]:
+    """The stop and requeue files, the signal traps, and how many failures are requeued."""
+    stop_file = shlex.quote(str(request.log_dir)) + '/".xscale-stop-$SLURM_JOB_ID"'
+    requeue_file = shlex.quote(str(request.log_dir)) + '/".xscale-requeue-$SLURM_JOB_ID"'
+    return [
+        "# Preemption: Slurm sends USR1 to this shell (--signal=B:USR1@N) N seconds before the time limit.",
+        "# The trainer polls the stop file (PreemptionHandler), checkpoints, leaves the requeue file and exits 0;",
+        "# this shell then requeues the job, which resumes from the latest checkpoint.",
+        f"export XSCALE_STOP_FILE={stop_file}",
+        f"export XSCALE_REQUEUE_FILE={requeue_file}",
+        'rm -f "$XSCALE_STOP_FILE" "$XSCALE_REQUEUE_FILE"',
+        "# shellcheck disable=SC2317  # called by the traps below",
+        "request_stop() {",
+        '    echo "xscale: $1 received: the trainer checkpoints, requeues and exits"',
+        '    touch "$XSCALE_STOP_FILE"',
+        "}",
+        "trap 'request_stop USR1' USR1",
+        "trap 'request_stop TERM' TERM",
+        "# Failures: a job step that exits non-zero is requeued (resuming from latest) while SLURM_RESTART_COUNT,",
+        "# which counts every requeue (preemptions too), is below this.",
+        f"XSCALE_MAX_REQUEUES={int(request.max_requeues)}",
+    ]
 
 
 def render_script(request: JobRequest) -> str:
@@ -253,8 +298,6 @@ def render_script(request: JobRequest) -> str:
     for option in options:
         if "\n" in option:
             raise SubmitError(f"sbatch option {option!r} spans several lines")
-    stop_file = shlex.quote(str(log_dir)) + '/".xscale-stop-$SLURM_JOB_ID"'
-    requeue_file = shlex.quote(str(log_dir)) + '/".xscale-requeue-$SLURM_JOB_ID"'
     lines = [
         "#!/bin/bash",
         f"# Generated by `xscale submit` on {datetime.datetime.now().isoformat(timespec='seconds')}; "
@@ -265,18 +308,7 @@ def render_script(request: JobRequest) -> str:
         f"echo \"xscale: job $SLURM_JOB_ID (restart ${{SLURM_RESTART_COUNT:-0}}) on $SLURM_JOB_NODELIST: "
         f"{request.nodes} nodes x {request.nproc_per_node} processes = world {request.world_size}\"",
         "",
-        "# Preemption: Slurm sends USR1 to this shell (--signal=B:USR1@N) N seconds before the time limit.",
-        "# The trainer polls the stop file (PreemptionHandler), checkpoints, leaves the requeue file and exits 0;",
-        "# this shell then requeues the job, which resumes from the latest checkpoint.",
-        f"export XSCALE_STOP_FILE={stop_file}",
-        f"export XSCALE_REQUEUE_FILE={requeue_file}",
-        'rm -f "$XSCALE_STOP_FILE" "$XSCALE_REQUEUE_FILE"',
-        "request_stop() {",
-        '    echo "xscale: $1 received: the trainer checkpoints, requeues and exits"',
-        '    touch "$XSCALE_STOP_FILE"',
-        "}",
-        "trap 'request_stop USR1' USR1",
-        "trap 'request_stop TERM' TERM",
+        *_requeue_lines(request),
         "",
         HEAD_NODE_LINES,
     ]
@@ -285,10 +317,11 @@ def render_script(request: JobRequest) -> str:
             f"--nnodes={request.nodes}",
             f"--nproc-per-node={request.nproc_per_node}",
             "--rdzv-backend=c10d",
-            "--max-restarts=0",
+            f"--max-restarts={int(request.max_restarts)}",
         ]
         lines += [
             "# One torchrun agent per node; node 0 hosts the c10d rendezvous store (is_host=1).",
+            "# shellcheck disable=SC2016  # the single-quoted command expands on each node",
             f"srun --ntasks-per-node=1{step_cpus} --kill-on-bad-exit=1 bash -c " + TORCHRUN_NODE_COMMAND + " \\",
             f"    {shlex.quote(request.python)} {_quote(torchrun_options)} \\",
             '    --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="xscale-$SLURM_JOB_ID" \\',
@@ -328,6 +361,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--signal-seconds", type=int,
                         help="seconds before the time limit that USR1 asks for save-and-requeue "
                              "(launch.requeue_signal_seconds)")
+    parser.add_argument("--max-restarts", type=int,
+                        help="torchrun restarts failed workers up to N times; they resume from the latest "
+                             "checkpoint (launch.max_restarts)")
+    parser.add_argument("--max-requeues", type=int,
+                        help="requeue the job after a failed step while SLURM_RESTART_COUNT < N (launch.max_requeues)")
     parser.add_argument("--log-dir", help="where Slurm writes the job output (default: <train.output_dir>/slurm)")
     parser.add_argument("--sbatch-arg", action="append", default=[],
                         help="extra sbatch option, repeatable, e.g. --sbatch-arg=--exclusive")
@@ -360,6 +398,8 @@ def request_from_args(args: argparse.Namespace, config: Config, workdir: Path) -
         job_name=str(_pick(args.job_name, launch.job_name)),
         launcher=args.launcher,
         signal_seconds=int(_pick(args.signal_seconds, launch.requeue_signal_seconds)),
+        max_restarts=int(_pick(args.max_restarts, launch.max_restarts)),
+        max_requeues=int(_pick(args.max_requeues, launch.max_requeues)),
         log_dir=(workdir / log_dir).resolve(),
         workdir=workdir.resolve(),
         python=args.python,

@@ -112,6 +112,14 @@ class MetricsLogger:
         elif step % self.log_every == 0 or step == self.total_steps or step == 1:
             print(line, flush=True)
 
+    def flush(self) -> None:
+        """Put everything logged so far on disk: TensorBoard buffers events for up to two minutes."""
+        if not self.enabled or self._jsonl.closed:  # closed: everything is on disk already
+            return
+        self._jsonl.flush()
+        if self.writer is not None:
+            self.writer.flush()
+
     def _format(self, step: int, s: dict[str, float], eta: float) -> str:
         parts = [f"step {step}/{self.total_steps}"]
         if "train/loss" in s:
@@ -138,6 +146,7 @@ class MetricsLogger:
             self.progress.stop()
         if self.writer is not None:
             self.writer.close()
+            self.writer = None
         self._jsonl.close()
         return self.plot() if plot else None
 

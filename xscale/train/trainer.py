@@ -32,6 +32,7 @@ from xscale.train.checkpoint import Checkpointer, CheckpointError
 from xscale.train.metrics import MetricsLogger, flops_per_token, measure_matmul_peak, peak_memory_bytes
 from xscale.train.run_lock import RunLock, RunLocked
 from xscale.train.schedule import lr_factor
+from xscale.train.spikes import LossSpikeDetector
 from xscale.train.watchdog import StepWatchdog
 
 LOCK_REFRESH_S = 60.0
@@ -87,6 +88,7 @@ class Trainer:
         self.preemption = PreemptionHandler()
         self.stop_requested = False
         self.skipped_steps = self.skipped_in_a_row = 0  # updates dropped for a non-finite loss or gradient norm
+        self.spikes = LossSpikeDetector(train.spike_factor, train.spike_window, announce=self.rank == 0)
 
     def _lock_output_dir(self, output_dir: Path) -> RunLock:
         """Rank 0 takes the output directory's lock; every rank raises the same RunLocked if another job holds it."""
@@ -119,6 +121,7 @@ class Trainer:
         meta = {"config": self.config.to_dict(), "sampler": self.sampler.state_dict(),
                 "world_size": self.world_size, "layout": self.dims.describe(), "num_params": self.num_params,
                 "parent": self.parent}
+        self.metrics.flush()  # the curve up to a checkpoint is on disk before it
         self.checkpointer.save(self.step, self.state(), meta)
 
     def resume(self) -> bool:
@@ -206,6 +209,8 @@ class Trainer:
         tokens_per_second = tokens / elapsed
         scalars = {"train/loss": float(loss), "train/lr": lr, "train/grad_norm": float(grad_norm),
                    "train/skipped_steps": self.skipped_steps,
+                   "train/loss_spike": self.spikes.observe(self.step, float(loss),
+                                                           lambda: self.sampler.batch_indices(self.step - 1)),
                    "perf/tokens_per_second": tokens_per_second, "perf/step_seconds": elapsed,
                    "perf/memory_gb": peak_memory_bytes(self.device) / 2**30}
         if self.peak_flops:
