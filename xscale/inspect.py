@@ -15,7 +15,7 @@ from xscale.parallel.checks import resolve_dims
 from xscale.parallel.dims import rank_coordinates
 from xscale.parallel.memory import predicted_pipeline_state_bytes, predicted_state_bytes
 from xscale.parallel.pipeline import SCHEDULES, ideal_bubble, split_layers, stage_to_rank
-from xscale.parallel.pipeline_stages import pipeline_layers
+from xscale.parallel.pipeline.stages import pipeline_layers
 from xscale.train.metrics import flops_per_token
 from xscale.validate import load_config_from_cli
 

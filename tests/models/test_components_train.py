@@ -6,7 +6,8 @@ import torch
 from xscale.config import AttentionConfig, ModelConfig, MoEConfig
 from xscale.models import build_model
 from xscale.models.registry import FFN, NORM, POSITION, ROUTER
-from xscale.parallel.engine import Engine
+from xscale.parallel.model import ParallelModel
+from xscale.train.step import forward_backward_step
 
 VOCAB, LENGTH, BATCH = 32, 16, 8
 
@@ -79,11 +80,11 @@ def test_component_trains(name):
     options = dict(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=LENGTH) | CASES[name]
     config = ModelConfig(**options)
     model = build_model(config, seed=1)
-    engine = Engine(model, micro_batch_size=BATCH)
+    engine = ParallelModel([model], micro_batch_size=BATCH)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(40):
-        losses.append(float(engine.train_step(_batch(config.family, step))))
+        losses.append(float(forward_backward_step(engine, _batch(config.family, step))))
         optimizer.step()
         optimizer.zero_grad()
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
@@ -102,7 +103,7 @@ def test_gradient_accumulation_equals_one_big_batch():
     grads = []
     for micro in (BATCH, 2):
         model = build_model(config, seed=3)
-        loss = Engine(model, micro_batch_size=micro).train_step(batch)
+        loss = forward_backward_step(ParallelModel([model], micro_batch_size=micro), batch)
         grads.append((loss, [p.grad.clone() for p in model.parameters()]))
     torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-6, atol=1e-6)
     for a, b in zip(grads[0][1], grads[1][1]):

@@ -11,7 +11,8 @@ from xscale.config import AttentionConfig, ModelConfig
 from xscale.models import build_model
 from xscale.models.attention.random_features import RandomFeatureAttention
 from xscale.models.training_step import begin_training_step
-from xscale.parallel.engine import Engine
+from xscale.parallel.model import ParallelModel
+from xscale.train.step import forward_backward_step
 
 VOCAB, LENGTH, BATCH = 32, 12, 8
 
@@ -38,7 +39,7 @@ def test_adaptive_span_penalty_counts_once_per_step_whatever_the_microbatches():
     losses, grads = [], []
     for micro in (BATCH, 2):
         copied = copy.deepcopy(model)
-        losses.append(Engine(copied, micro_batch_size=micro).train_step(_batch(0)))
+        losses.append(forward_backward_step(ParallelModel([copied], micro_batch_size=micro), _batch(0)))
         grads.append({name: p.grad.clone() for name, p in copied.named_parameters()})
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=1e-6)
     for name, grad in grads[0].items():
@@ -46,7 +47,7 @@ def test_adaptive_span_penalty_counts_once_per_step_whatever_the_microbatches():
 
     penalty_only = copy.deepcopy(model)  # the CE term's gradient removed: labels all ignored
     batch = dict(_batch(0), labels=torch.full((BATCH, LENGTH), -100))
-    Engine(penalty_only, micro_batch_size=2).train_step(batch)
+    forward_backward_step(ParallelModel([penalty_only], micro_batch_size=2), batch)
     for name, parameter in penalty_only.named_parameters():
         if name.endswith("span_fraction"):
             torch.testing.assert_close(parameter.grad, torch.tensor([0.8, 0.8, 0.0, 0.8]), msg=name)
@@ -63,11 +64,11 @@ def test_random_features_redraw_every_n_optimizer_steps_whatever_the_microbatche
         runs = []
         for micro in (BATCH, 2):
             model = _model(kind, features=16, redraw_every=2)
-            engine = Engine(model, micro_batch_size=micro)
+            engine = ParallelModel([model], micro_batch_size=micro)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
             draws, losses = [], []
             for step in range(5):
-                losses.append(float(engine.train_step(_batch(step))))
+                losses.append(float(forward_backward_step(engine, _batch(step))))
                 draws.append(_projections(model))
                 optimizer.step()
                 optimizer.zero_grad()

@@ -6,7 +6,8 @@ import torch
 from xscale import ops
 from xscale.config import ModelConfig
 from xscale.models import build_model
-from xscale.parallel.engine import Engine
+from xscale.parallel.model import ParallelModel
+from xscale.train.step import forward_backward_step
 
 # fp32 kernels vs fp32 PyTorch: same math, other summation order
 TOLERANCE = 1e-5
@@ -95,7 +96,7 @@ def test_llama_style_train_step_parity(monkeypatch):
     results = {}
     for backend in ("torch", "triton"):
         model = build_model(config, seed=3).use_kernels(backend)
-        loss = Engine(model, micro_batch_size=1).train_step(batch)
+        loss = forward_backward_step(ParallelModel([model], micro_batch_size=1), batch)
         results[backend] = loss, {name: p.grad.clone() for name, p in model.named_parameters()}
     assert {"norm", "rope", "gated", "cross_entropy"} <= set(used)
     (loss_ref, grads_ref), (loss_fused, grads_fused) = results["torch"], results["triton"]

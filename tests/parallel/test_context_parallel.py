@@ -54,7 +54,7 @@ def _check_layout(rank: int, load_balance: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from xscale.models import build_model
-    from xscale.parallel.context import apply_context_parallel, context_parallel_loss_sum
+    from xscale.parallel.context import apply_context_parallel
     from xscale.parallel.loss import model_loss_sum
 
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("cp",))  # one group per layout: fine on 2 ranks
@@ -73,8 +73,10 @@ def _check_layout(rank: int, load_balance: bool) -> None:
         model = build_model(config.model, "cpu", seed=SEED).train()
         layout = apply_context_parallel(model, mesh, load_balance=load_balance)
         positions = layout.positions_of(rank, SEQ, torch.device("cpu"))
-        local_loss, local_hidden, local_grads = _run(model, context_parallel_loss_sum(layout, model_loss_sum),
-                                                     batch, tokens, ids[:, positions], layout)
+        def local_loss_sum(model, batch, context, layout=layout):  # the trainer's step under cp
+            return model_loss_sum(model, layout.shard_batch(batch), context.with_sequence(layout))
+
+        local_loss, local_hidden, local_grads = _run(model, local_loss_sum, batch, tokens, ids[:, positions], layout)
         torch.testing.assert_close(local_hidden, hidden[:, positions], rtol=1e-5, atol=1e-5,
                                    msg=lambda m, case=case: f"{case} hidden states: {m}")
         dist.all_reduce(local_loss, group=mesh.get_group())

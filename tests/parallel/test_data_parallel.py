@@ -54,12 +54,13 @@ MEMORY = ["model.vocab_size=256", "model.d_model=64", "model.n_layers=2", "model
 
 def _measure(config):
     from xscale.parallel.memory import measured_state_bytes
+    from xscale.train.step import forward_backward_step
     from xscale.train.trainer import Trainer
 
     trainer = Trainer(config)
     trainer.train_step()  # creates the optimizer state
-    trainer.engine.train_step(trainer.next_batch())  # gradients of the next step, before its optimizer step
-    return {"measured": measured_state_bytes(trainer.engine, trainer.optimizer), "params": trainer.num_params}
+    forward_backward_step(trainer.model, trainer.next_batch())  # gradients of the next step, before its optimizer step
+    return {"measured": measured_state_bytes(trainer.model, trainer.optimizer), "params": trainer.num_params}
 
 
 def _check_memory(world_size, stage, tmp_path, layout=()):

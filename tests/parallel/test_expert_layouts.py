@@ -23,9 +23,9 @@ from xscale.models import build_model
 from xscale.models.moe import moe_layers
 from xscale.models.parameters import count_parameters
 from xscale.parallel.checks import resolve_dims
-from xscale.parallel.engine import Engine
 from xscale.parallel.loss import model_loss_sum
 from xscale.parallel.memory import predicted_state_bytes
+from xscale.parallel.model import ParallelModel
 from xscale.parity import (
     PARITY_SETTINGS,
     layout_overrides,
@@ -35,6 +35,7 @@ from xscale.parity import (
     world_size_of,
 )
 from xscale.runtime import StepContext
+from xscale.train.step import forward_backward_step
 from xscale.validate import load_config
 
 # tiny-switch at test size: d_model 32, 2 layers (both MoE), 4 experts, capacity 1.0 so tokens get dropped.
@@ -138,7 +139,7 @@ def test_auxiliary_losses_are_the_mean_over_microbatches():
     manual_model = copy.deepcopy(engine_model)
     ids = torch.randint(0, 48, (8, 16))
     batch = {"input_ids": ids, "labels": ids.roll(-1, dims=1)}
-    Engine(engine_model, micro_batch_size=4).train_step(batch)
+    forward_backward_step(ParallelModel([engine_model], micro_batch_size=4), batch)
 
     routings = {layer.layer_index: [] for layer in moe_layers(manual_model)}
     for layer in moe_layers(manual_model):
@@ -170,8 +171,8 @@ def _measure_state_bytes(config) -> dict:
 
     trainer = Trainer(config)
     trainer.train_step()  # creates the optimizer state
-    trainer.engine.train_step(trainer.next_batch())  # gradients of the next step, before its optimizer step
-    return {"measured": measured_state_bytes(trainer.engine, trainer.optimizer)}
+    forward_backward_step(trainer.model, trainer.next_batch())  # gradients of the next step, before its optimizer step
+    return {"measured": measured_state_bytes(trainer.model, trainer.optimizer)}
 
 
 def _check_expert_memory(dp_shard: int, ep: int, stage: int, tmp_path: Path, tp: int = 1) -> None:

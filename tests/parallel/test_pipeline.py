@@ -1,6 +1,6 @@
 """Pipeline parallelism (pp=2, gloo): every schedule gives the single-process loss and gradients.
 
-Each spawned case compares the pipeline with :class:`Engine` on one process running the same model
+Each spawned case compares the pipeline with the trainer's step on one process running the same model
 on the same batch: the loss (relative 1e-5), every parameter (exactly: same init) and every gradient
 (1e-5 absolute), for a decoder (RoPE, SwiGLU, RMSNorm, GQA, tied embeddings, fused linear CE) and a
 BERT-style encoder (learned positions, post-LN, embedding norm, MLM head with bias, tied, labels
@@ -30,9 +30,10 @@ from xscale.config import (
 )
 from xscale.models import build_model
 from xscale.models.init import canonical_name
-from xscale.parallel.engine import Engine
-from xscale.parallel.pipeline import PipelineEngine
+from xscale.parallel.model import ParallelModel
+from xscale.parallel.pipeline import PipelineSchedule
 from xscale.train.optim import build_optimizer
+from xscale.train.step import clip_gradient_norm, evaluation_loss, forward_backward_step
 
 SEED = 7
 LOSS_TOLERANCE = {"rtol": 1e-5, "atol": 0.0}
@@ -88,39 +89,49 @@ def make_batch(config: ModelConfig, rows: int = 4, seq: int = 16, seed: int = 0)
     return batch
 
 
+def pipeline_model(config: ModelConfig, microbatches: int, schedule: str, stages_per_rank: int = 1, *,
+                   seed: int = SEED, pp_split: list[int] | None = None, autocast_dtype: torch.dtype | None = None,
+                   **kwargs) -> ParallelModel:
+    """This rank's stages of ``config`` over the whole world (pp = world size), without data parallelism."""
+    pipeline = PipelineSchedule.for_model(config, build_model(config, materialize=False), dist.group.WORLD,
+                                          microbatches, schedule, stages_per_rank, seed=seed, pp_split=pp_split,
+                                          **kwargs)
+    return ParallelModel(pipeline.stages, micro_batch_size=0, autocast_dtype=autocast_dtype, pipeline=pipeline)
+
+
 def single_process_names(config: ModelConfig) -> set[str]:
     """Parameter names of the 1-process model, the tied output projection included."""
     return set(build_model(config, materialize=False).state_dict())
 
 
-def gathered_names(engine: PipelineEngine) -> set[str]:
-    names = [name for stage in engine.stages for name, _ in stage.named_parameters(remove_duplicate=False)]
+def gathered_names(engine: ParallelModel) -> set[str]:
+    names = [name for stage in engine.pipeline.stages for name, _ in stage.named_parameters(remove_duplicate=False)]
     everyone: list[list[str]] = [[] for _ in range(WORLD)]
-    dist.all_gather_object(everyone, names, group=engine.group)
-    shared = {entry.name for entry in engine.shared.shared}  # a copy on several stages (T5's table)
+    dist.all_gather_object(everyone, names, group=engine.pipeline.group)
+    shared = {entry.name for entry in engine.pipeline.shared.shared}  # a copy on several stages (T5's table)
     flat = [name for names in everyone for name in names]
     unshared = [name for name in flat if name not in shared]
     assert len(unshared) == len(set(unshared)), "a parameter is held by two stages"
     return {name for name in flat}
 
 
-def assert_copies_equal(engine: PipelineEngine) -> None:
+def assert_copies_equal(engine: ParallelModel) -> None:
     """Every copy of a shared parameter (tied embedding ends, T5 table) is bitwise the same on every pp rank."""
-    for entry in engine.shared.shared:
-        copies = engine.shared.copies(entry)
+    for entry in engine.pipeline.shared.shared:
+        copies = engine.pipeline.shared.copies(entry)
         mine = copies[0].detach().clone() if copies else None
         everyone: list = [None] * WORLD
-        dist.all_gather_object(everyone, mine, group=engine.group)
+        dist.all_gather_object(everyone, mine, group=engine.pipeline.group)
         held = [copy_ for copy_ in everyone if copy_ is not None] + [c.detach() for c in copies]
         assert all(torch.equal(held[0], other) for other in held), f"the copies of {entry.name} drifted apart"
 
 
-def assert_matches_single(engine: PipelineEngine, single: torch.nn.Module) -> None:
+def assert_matches_single(engine: ParallelModel, single: torch.nn.Module) -> None:
     """Every parameter this rank holds equals the single-process one, and so does its gradient."""
     reference = dict(single.named_parameters())
     if single.config.tie_embeddings:
         reference["output.weight"] = single.embedding.weight
-    for stage in engine.stages:
+    for stage in engine.pipeline.stages:
         for name, param in stage.named_parameters():
             name = canonical_name(name)  # activation checkpointing wraps blocks
             assert torch.equal(param.detach(), reference[name].detach()), f"{name}: initial weights differ"
@@ -141,24 +152,24 @@ def check_case(config: ModelConfig, schedule: str, stages_per_rank: int, microba
                autocast_dtype: torch.dtype | None = None) -> None:
     batch = make_batch(config)
     single = build_model(config, seed=SEED)
-    reference = Engine(single, micro_batch_size=reference_micro_batch, autocast_dtype=autocast_dtype)
-    expected_loss = reference.train_step(batch)
-    expected_eval = reference.eval_loss(batch)
+    reference = ParallelModel([single], micro_batch_size=reference_micro_batch, autocast_dtype=autocast_dtype)
+    expected_loss = forward_backward_step(reference, batch)
+    expected_eval = evaluation_loss(reference, batch)
 
-    engine = PipelineEngine(config, build_model(config, materialize=False), dist.group.WORLD, microbatches,
-                            schedule, stages_per_rank, seed=SEED, pp_split=pp_split, autocast_dtype=autocast_dtype)
+    engine = pipeline_model(config, microbatches, schedule, stages_per_rank, pp_split=pp_split,
+                            autocast_dtype=autocast_dtype)
     tolerance = LOSS_TOLERANCE if autocast_dtype is None else {"rtol": 1e-2, "atol": 0.0}
-    torch.testing.assert_close(engine.train_step(batch), expected_loss, **tolerance)
+    torch.testing.assert_close(forward_backward_step(engine, batch), expected_loss, **tolerance)
     # A second step without zero_grad accumulates, as on one process.
-    reference.train_step(batch)
-    engine.train_step(batch)
+    forward_backward_step(reference, batch)
+    forward_backward_step(engine, batch)
     if autocast_dtype is None:
         assert_matches_single(engine, single)
     assert gathered_names(engine) == single_process_names(config)
     if autocast_dtype is None:
         assert_copies_equal(engine)
-    torch.testing.assert_close(engine.eval_loss(batch), expected_eval, **tolerance)
-    assert engine.last_step_seconds > 0
+    torch.testing.assert_close(evaluation_loss(engine, batch), expected_eval, **tolerance)
+    assert engine.pipeline.last_step_seconds > 0
 
 
 def check_schedules(rank: int) -> None:
@@ -225,13 +236,13 @@ def train_config() -> TrainConfig:
 def single_process_run(config: ModelConfig, steps: int, max_norm: float):
     """The reference: ``steps`` AdamW steps with clipping on one process; (model, optimizer, losses, norms)."""
     model = build_model(config, seed=SEED)
-    engine = Engine(model, micro_batch_size=4)
+    engine = ParallelModel([model], micro_batch_size=4)
     optimizer = build_optimizer(engine.parameters(), train_config())
     losses, norms = [], []
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
-        losses.append(engine.train_step(make_batch(config, seed=step)))
-        norms.append(engine.clip_grad_norm(max_norm))
+        losses.append(forward_backward_step(engine, make_batch(config, seed=step)))
+        norms.append(clip_gradient_norm(engine, max_norm))
         optimizer.step()
     return model, optimizer, losses, norms
 
@@ -255,49 +266,49 @@ def check_training_and_checkpoint(rank: int, schedule: str, stages_per_rank: int
     layout = Config(model=config, train=TrainConfig(seed=SEED),
                     parallel=ParallelConfig(pp=WORLD, pp_schedule=schedule, pp_stages_per_rank=stages_per_rank,
                                             microbatches=2))
-    engine = PipelineEngine.from_config(layout, build_model(config, materialize=False), dist.group.WORLD)
+    pipeline = PipelineSchedule(layout, build_model(config, materialize=False), dist.group.WORLD)
+    engine = ParallelModel(pipeline.stages, micro_batch_size=0, pipeline=pipeline)
     optimizer = build_optimizer(engine.parameters(), train_config())
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
-        loss = engine.train_step(make_batch(config, seed=step))
+        loss = forward_backward_step(engine, make_batch(config, seed=step))
         torch.testing.assert_close(loss, expected_losses[step], **LOSS_TOLERANCE)
-        torch.testing.assert_close(engine.clip_grad_norm(max_norm), expected_norms[step], **LOSS_TOLERANCE)
+        torch.testing.assert_close(clip_gradient_norm(engine, max_norm), expected_norms[step], **LOSS_TOLERANCE)
         optimizer.step()
     reference = dict(single.named_parameters())
     reference["output.weight"] = single.embedding.weight
-    for stage in engine.stages:
+    for stage in engine.pipeline.stages:
         for name, param in stage.named_parameters():
             torch.testing.assert_close(param.detach(), reference[name].detach(),
                                        **WEIGHT_TOLERANCE, msg=name)
     assert_copies_equal(engine)
 
     dcp.save(engine.state_dict(optimizer), checkpoint_id=f"{folder}/pipeline")
-    values = {name: param.detach().clone() for stage in engine.stages for name, param in stage.named_parameters()}
+    values = {name: param.detach().clone() for stage in engine.pipeline.stages for name, param in stage.named_parameters()}
     moments = {name: optimizer.state[param]["exp_avg_sq"].clone()
-               for stage in engine.stages for name, param in stage.named_parameters()}
+               for stage in engine.pipeline.stages for name, param in stage.named_parameters()}
     torch.save({"values": values, "moments": moments}, f"{folder}/rank{rank}.pt")
 
     # Resume from the single-process checkpoint into a fresh pipeline: exactly its weights and moments.
-    fresh = PipelineEngine(config, build_model(config, materialize=False), dist.group.WORLD, 2, schedule,
-                           stages_per_rank, seed=SEED + 1)
+    fresh = pipeline_model(config, 2, schedule, stages_per_rank, seed=SEED + 1)
     fresh_optimizer = build_optimizer(fresh.parameters(), train_config())
     state = fresh.state_dict(fresh_optimizer)
     dcp.load(state, checkpoint_id=f"{folder}/single")
     fresh.load_state_dict(state, fresh_optimizer)
     saved = torch.load(f"{folder}/single.pt")
-    for stage in fresh.stages:
+    for stage in fresh.pipeline.stages:
         for name, param in stage.named_parameters():
             source = "embedding.weight" if name == "output.weight" else name
             assert torch.equal(param.detach(), saved["values"][source]), name
             assert torch.equal(fresh_optimizer.state[param]["exp_avg_sq"], saved["moments"][source]), name
-    for entry in fresh.shared.shared:
-        moments_of = [fresh_optimizer.state[param]["exp_avg"].data_ptr() for param in fresh.shared.copies(entry)]
+    for entry in fresh.pipeline.shared.shared:
+        moments_of = [fresh_optimizer.state[param]["exp_avg"].data_ptr() for param in fresh.pipeline.shared.copies(entry)]
         assert len(set(moments_of)) == len(moments_of), f"copies of {entry.name} must not share optimizer state"
 
 
 def save_single_process_checkpoint(config: ModelConfig, steps: int, folder: Path) -> None:
     model, optimizer, _, _ = single_process_run(config, steps, 0.5)
-    dcp.save(Engine(model, 4).state_dict(optimizer), checkpoint_id=folder / "single")
+    dcp.save(ParallelModel([model], micro_batch_size=4).state_dict(optimizer), checkpoint_id=folder / "single")
     values = {name: param.detach().clone() for name, param in model.named_parameters()}
     moments = {name: optimizer.state[param]["exp_avg_sq"].clone() for name, param in model.named_parameters()}
     torch.save({"values": values, "moments": moments}, folder / "single.pt")
@@ -329,7 +340,7 @@ def test_training_steps_and_checkpoint_match_single_process(tmp_path, schedule, 
     assert checkpoint_keys(tmp_path / "pipeline") == checkpoint_keys(tmp_path / "single")
     model = build_model(config, seed=SEED + 1)
     optimizer = build_optimizer(model.parameters(), train_config())
-    engine = Engine(model, 4)
+    engine = ParallelModel([model], micro_batch_size=4)
     state = engine.state_dict(optimizer)
     dcp.load(state, checkpoint_id=tmp_path / "pipeline")
     engine.load_state_dict(state, optimizer)
@@ -345,8 +356,8 @@ def test_checkpointed_stages_save_under_single_process_names() -> None:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     from xscale.parallel.activation import apply_activation_checkpointing
-    from xscale.parallel.pipeline_checkpoint import merged_view
-    from xscale.parallel.pipeline_stages import build_stage_module
+    from xscale.parallel.pipeline.checkpoint import merged_view
+    from xscale.parallel.pipeline.stages import build_stage_module
 
     config = decoder_config(2)
     meta = build_model(config, materialize=False)
@@ -361,8 +372,8 @@ def test_checkpoint_view_names_activation_checkpointed_stages_like_one_process(m
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     from xscale.parallel.activation import apply_activation_checkpointing
-    from xscale.parallel.pipeline_checkpoint import merged_view
-    from xscale.parallel.pipeline_stages import build_stage_module
+    from xscale.parallel.pipeline.checkpoint import merged_view
+    from xscale.parallel.pipeline.stages import build_stage_module
 
     config = decoder_config(2)
     meta = build_model(config, materialize=False)
@@ -416,18 +427,17 @@ def check_routing(rank: int, schedule: str, stages_per_rank: int, checkpointing:
 
     config, microbatches = routing_config(4), 2
     single = build_model(config, seed=SEED)
-    reference = Engine(single, micro_batch_size=2)
-    engine = PipelineEngine(config, build_model(config, materialize=False), dist.group.WORLD, microbatches,
-                            schedule, stages_per_rank, seed=SEED,
-                            parallelize_stage=lambda stage: apply_activation_checkpointing(
-                                [stage.stack], checkpointing))
+    reference = ParallelModel([single], micro_batch_size=2)
+    engine = pipeline_model(config, microbatches, schedule, stages_per_rank,
+                            parallelize_stage=lambda stage: apply_activation_checkpointing([stage.stack], checkpointing))
     for step in range(3):
         batch = make_batch(config, seed=step)
-        torch.testing.assert_close(engine.train_step(batch), reference.train_step(batch), **LOSS_TOLERANCE,
+        torch.testing.assert_close(forward_backward_step(engine, batch), forward_backward_step(reference, batch),
+                                   **LOSS_TOLERANCE,
                                    msg=f"step {step}")
     assert_matches_single(engine, single)
     expected = centroids_of([single])
-    for name, centroids in centroids_of(engine.stages).items():
+    for name, centroids in centroids_of(engine.pipeline.stages).items():
         torch.testing.assert_close(centroids, expected[name], rtol=0.0, atol=1e-6, msg=name)
 
 

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from xscale.train import trainer as trainer_module
 from xscale.train.spikes import MIN_HISTORY, LossSpikeDetector
 from xscale.train.trainer import Trainer
 from xscale.validate import load_config
@@ -66,13 +67,13 @@ def test_the_trainer_names_the_step_and_the_samples_of_its_batch(tmp_path, capsy
         "train.plot=false", "train.progress=false", "train.peak_flops=1e12", "data.dataset=copy",
         "data.num_samples=64", "data.eval_fraction=0.0", f"train.output_dir={tmp_path}"])
     trainer = Trainer(config)
-    real_step = trainer.engine.train_step
+    real_step = trainer_module.forward_backward_step
 
-    def spike_at_step_11(batch, position):  # the loss reported for step 11 is 100x the real one
-        loss = real_step(batch, position)
+    def spike_at_step_11(model, batch, context):  # the loss reported for step 11 is 100x the real one
+        loss = real_step(model, batch, context)
         return loss * 100 if trainer.step == 10 else loss
 
-    monkeypatch.setattr(trainer.engine, "train_step", spike_at_step_11)
+    monkeypatch.setattr(trainer_module, "forward_backward_step", spike_at_step_11)
     trainer.fit()
     expected = trainer.sampler.batch_indices(10)  # step 11 reads the batch of 0-based step 10
     spikes = [line for line in capsys.readouterr().out.splitlines() if "loss spike" in line]

@@ -24,7 +24,7 @@ def _config(tmp_path, *extra):
 
 
 def _parameters(trainer):
-    return {name: p.detach().clone() for name, p in trainer.engine.model.named_parameters()}
+    return {name: p.detach().clone() for name, p in trainer.model.model.named_parameters()}
 
 
 @pytest.mark.parametrize("forget_rng", [False, True], ids=["rng-restored", "rng-lost"])
@@ -127,7 +127,7 @@ def test_export_writes_one_safetensors_file(tmp_path):
     trainer.fit()
     path = export_safetensors(tmp_path / "checkpoints", tmp_path / "model.safetensors")
     tensors = load_file(str(path))
-    for name, value in trainer.engine.model.state_dict().items():
+    for name, value in trainer.model.model.state_dict().items():
         if name == "output.weight":  # tied to the embedding: stored once
             continue
         assert torch.equal(tensors[name], value), name
@@ -158,7 +158,7 @@ def test_compiled_blocks_train_like_eager_ones(tmp_path):
     eager = Trainer(_config(tmp_path / "eager", "train.steps=3")).fit()["losses"]
     compiled_trainer = Trainer(_config(tmp_path / "compiled", "train.steps=3", "train.compile=true"))
     assert all(hasattr(block, "_compiled_call_impl") and block._compiled_call_impl is not None
-               for block in compiled_trainer.engine.model.stack.layers.values())
+               for block in compiled_trainer.model.model.stack.layers.values())
     compiled = [compiled_trainer.train_step()["train/loss"]]
     graphs = counters["stats"]["unique_graphs"]
     compiled += [compiled_trainer.train_step()["train/loss"] for _ in range(2)]
@@ -193,7 +193,7 @@ def test_a_nonfinite_step_stops_the_run_before_it_is_applied_or_checkpointed(tmp
     trainer = Trainer(_config(tmp_path, *DIVERGING))
     with pytest.raises(NonFiniteTraining, match="is not finite .*train.on_nonfinite=skip"):
         trainer.fit()
-    assert all(torch.isfinite(p).all() for p in trainer.engine.model.parameters())
+    assert all(torch.isfinite(p).all() for p in trainer.model.model.parameters())
     latest = Checkpointer(tmp_path / "checkpoints").latest()
     assert latest is not None and Checkpointer.read_meta(latest)["step"] == trainer.step
 
@@ -205,4 +205,4 @@ def test_nonfinite_steps_are_skipped_until_too_many_in_a_row(tmp_path):
     with pytest.raises(NonFiniteTraining, match=r"3 non-finite steps in a row \(train.max_skipped=2\)"):
         trainer.fit()
     assert trainer.skipped_steps == 3
-    assert all(torch.isfinite(p).all() for p in trainer.engine.model.parameters())
+    assert all(torch.isfinite(p).all() for p in trainer.model.model.parameters())

@@ -7,9 +7,9 @@ single-process run measured in the same invocation.
 
 Bubble (pipeline layouts): the fraction of a rank's schedule step in which it computes nothing. Every
 compute action the schedule runs (each stage's forward, backward and weight backward of a microbatch, and
-the last stage's loss) is timed through :attr:`PipelineEngine.wrap_compute`; the rest of the step (waiting
+the last stage's loss) is timed through :attr:`PipelineSchedule.wrap_compute`; the rest of the step (waiting
 for activations or gradients, sends, receives, bookkeeping) is idle. Per rank and step,
-``bubble = 1 - compute seconds / schedule step seconds`` (``PipelineEngine.last_step_seconds``); the table
+``bubble = 1 - compute seconds / schedule step seconds`` (``PipelineSchedule.last_step_seconds``); the table
 gives the median over the timed steps, averaged over the pp ranks, and the ranks' own values. The theory
 (Huang et al. 2019; Narayanan et al. 2021) assumes equal stages and free communication. Here the last stage
 also holds the output head and the loss, so it computes more than the first: the first rank idles while it
@@ -33,7 +33,7 @@ from pathlib import Path
 
 from xscale.config import Config, ConfigError
 from xscale.parallel.checks import resolve_dims
-from xscale.parallel.pipeline import PipelineEngine, ideal_bubble
+from xscale.parallel.pipeline import ideal_bubble
 from xscale.parity import PARITY_SETTINGS, layout_overrides, run_local, world_size_of
 from xscale.train.trainer import Trainer
 from xscale.validate import load_config_from_cli
@@ -72,10 +72,10 @@ def bubble_fraction(compute_seconds: float, step_seconds: float) -> float:
 def _measure(config: Config, warmup: int, steps: int) -> dict:
     """On every rank: median step seconds (the trainer's whole step) and, in a pipeline, median bubble."""
     trainer = Trainer(config)
-    engine = trainer.engine
+    pipeline = trainer.model.pipeline
     clock = ComputeClock()
-    if isinstance(engine, PipelineEngine):
-        engine.wrap_compute = clock.wrap  # before the first step builds the schedule
+    if pipeline is not None:
+        pipeline.wrap_compute = clock.wrap  # before the first step builds the schedule
     for _ in range(warmup):
         trainer.train_step()
     times, bubbles = [], []
@@ -84,8 +84,8 @@ def _measure(config: Config, warmup: int, steps: int) -> dict:
         start = time.perf_counter()
         trainer.train_step()
         times.append(time.perf_counter() - start)
-        if isinstance(engine, PipelineEngine):
-            bubbles.append(bubble_fraction(clock.seconds, engine.last_step_seconds))
+        if pipeline is not None:
+            bubbles.append(bubble_fraction(clock.seconds, pipeline.last_step_seconds))
     return {"seconds": statistics.median(times), "bubble": statistics.median(bubbles) if bubbles else None}
 
 

@@ -15,8 +15,9 @@ import torch
 
 from xscale.models import build_model
 from xscale.models.convert import gpt2_config, gpt2_state_dict
-from xscale.parallel.engine import Engine
+from xscale.parallel.model import ParallelModel
 from xscale.train.metrics import flops_per_token, measure_matmul_peak
+from xscale.train.step import forward_backward_step
 
 
 def _hf_step(model, optimizer, tokens: torch.Tensor) -> None:
@@ -26,9 +27,9 @@ def _hf_step(model, optimizer, tokens: torch.Tensor) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def _xscale_step(engine: Engine, optimizer, tokens: torch.Tensor) -> None:
+def _xscale_step(model: ParallelModel, optimizer, tokens: torch.Tensor) -> None:
     labels = torch.cat([tokens[:, 1:], torch.full_like(tokens[:, :1], -100)], dim=1)
-    engine.train_step({"input_ids": tokens, "labels": labels})
+    forward_backward_step(model, {"input_ids": tokens, "labels": labels})
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -62,14 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     ours = build_model(config, "cpu")
     ours.load_state_dict(gpt2_state_dict(hf.state_dict(), config))
     ours.train()
-    engine = Engine(ours, micro_batch_size=args.batch)
+    parallel = ParallelModel([ours], micro_batch_size=args.batch)
     hf_optimizer = torch.optim.AdamW(hf.parameters(), lr=1e-4)
     our_optimizer = torch.optim.AdamW(ours.parameters(), lr=1e-4)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq))
     tokens_per_step = args.batch * args.seq
 
     runs = {"huggingface": lambda: _hf_step(hf, hf_optimizer, tokens),
-            "xscale": lambda: _xscale_step(engine, our_optimizer, tokens)}
+            "xscale": lambda: _xscale_step(parallel, our_optimizer, tokens)}
     times: dict[str, list[float]] = {name: [] for name in runs}
     for step in runs.values():  # warm-up
         step()

@@ -2,10 +2,10 @@
 
 Position p in the training stream (p = 0, 1, 2, ... over all epochs) reads sample
 ``permutation_e[p mod N]`` with epoch e = p // N and a permutation seeded by (seed, e). Step s reads
-positions ``origin + s*B .. origin + (s+1)*B - 1`` (B the global batch). When the engine runs k microbatches per
+positions ``origin + s*B .. origin + (s+1)*B - 1`` (B the global batch). When a step runs k microbatches per
 step the batch is cut into k contiguous slices and data-parallel rank r of D takes the r-th contiguous piece
 of each, so microbatch m of all ranks together is the m-th slice (k = 1: rank r takes the r-th slice); an
-expert-parallel routing group is then a contiguous run of samples (:mod:`xscale.parallel.engine`). The state
+expert-parallel routing group is then a contiguous run of samples (:mod:`xscale.parallel.model`). The state
 holds only global quantities (seed, samples consumed, step), so resuming with any number of ranks continues
 with exactly the samples not yet seen.
 """

@@ -7,7 +7,7 @@ coordinates; ``site`` hashes the module's name (and, for a block shared across d
 sequence-parallel ranks holding a slice of the tokens and data-parallel ranks holding a slice of the batch all
 drop the same elements, and a resumed run drops what the uninterrupted one would.
 
-The model stays plain PyTorch: each call takes the forward's :class:`~xscale.runtime.StepContext` (the engine builds
+The model stays plain PyTorch: each call takes the forward's :class:`~xscale.runtime.StepContext` (the trainer's step builds
 one per microbatch); without one the per-sample keys come from torch's RNG and the module behaves like ``nn.Dropout``.
 Each module declares the dim of its tensors that holds the (query) tokens (``token_dim``: 1 for (B, T, D)
 activations, 2 for (B, H, Tq, Tk) attention probabilities, whose dim 1 holds heads). The context says which slice a

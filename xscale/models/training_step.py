@@ -4,7 +4,7 @@ One training step runs the model ``forwards`` times before the optimizer steps: 
 accumulation, pipeline microbatches) on each of its data-parallel replicas, and activation checkpointing
 repeats forwards inside backward. A per-forward count would therefore differ between layouts; a component that
 needs the step (Performer/RFA feature redraws, the adaptive-span penalty counted once per step) defines
-``begin_training_step(forwards)``, which the training engines call once per step before its first forward.
+``begin_training_step(forwards)``, which the trainer's step calls once per step before its first forward.
 """
 
 from __future__ import annotations

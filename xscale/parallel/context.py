@@ -14,9 +14,9 @@ ALiBi and T5 biases (the rows of this rank's queries), and dropout masks: the po
 the same elements.
 
 The model stays single-device PyTorch: this module registers a forward pre-hook on each attention core (it
-gathers K/V and turns ``causal`` into an explicit mask over global positions), and the loss function slices each
-microbatch and runs the model with the slice in its context (:func:`context_parallel_loss_sum`). Each
-rank's token losses are summed and divided by the global token count, so the losses summed over dp x cp and the
+gathers K/V and turns ``causal`` into an explicit mask over global positions); the trainer's step cuts each
+microbatch to the rank's tokens (:meth:`SequenceSlice.shard_batch`) and runs the model with the slice in its
+context. Each rank's token losses are summed and divided by the global token count, so the losses summed over dp x cp and the
 gradients summed over dp x cp (:mod:`xscale.parallel.data`; ZeRO shards over dp_shard x cp) are one process's.
 
 Collectives are plain blocking ones issued in program order (the forward's all-gather, the backward's
@@ -31,8 +31,6 @@ do not split into cp (2cp) equal chunks.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -44,7 +42,6 @@ from xscale.models.registry import ATTENTION, POSITION
 from xscale.models.traits import traits_of
 from xscale.parallel.collectives import all_gather_flat, reduce_scatter_flat
 from xscale.parallel.dims import ParallelDims
-from xscale.runtime import StepContext
 
 TOKENS = 1  # the token dim of the batch's (B, T) ids and labels
 
@@ -83,6 +80,12 @@ class SequenceSlice:
 
     def coordinates(self, local_size: int, device: torch.device) -> torch.Tensor:
         return self.positions_of(self.rank, local_size * self.cp, device)
+
+    def shard_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's tokens of every sequence of ``batch`` (ids and labels: (B, T) -> (B, T/cp))."""
+        positions = self.positions_of(self.rank, batch["input_ids"].shape[TOKENS], batch["input_ids"].device)
+        return {key: value.index_select(TOKENS, positions) if value.dim() > TOKENS else value
+                for key, value in batch.items()}
 
     def global_order(self, length: int, device: torch.device) -> torch.Tensor | None:
         """Index that puts the rank-major gathered tokens in global order (None: they already are)."""
@@ -152,7 +155,7 @@ def _shard_attention_core(core: nn.Module, group: dist.ProcessGroup, layout: Seq
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, *, load_balance: bool = False) -> SequenceSlice:
     """Shard ``model`` (meta or materialised) over the 1-D mesh ``cp_mesh`` in place; returns this rank's slice,
-    which :func:`context_parallel_loss_sum` uses to cut each microbatch."""
+    which cuts each microbatch (``shard_batch``) and goes in every forward's context (``with_sequence``)."""
     if cp_mesh.ndim != 1:
         raise ConfigError(f"apply_context_parallel needs the 1-D cp mesh (e.g. mesh['cp']), got a {cp_mesh.ndim}-D "
                           f"mesh with dimensions {cp_mesh.mesh_dim_names}")
@@ -163,23 +166,6 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, *, load_balanc
         if isinstance(module, Attention):
             _shard_attention_core(module.core, group, layout)
     return layout
-
-
-LossSum = Callable[[nn.Module, dict, StepContext | None], torch.Tensor]
-
-
-def context_parallel_loss_sum(layout: SequenceSlice, loss_sum: LossSum) -> LossSum:
-    """``loss_sum`` on this rank's tokens of the microbatch (the whole sequences every cp rank holds), run with the
-    slice in its context: the sum of its token losses, which the engine divides by the global token count."""
-
-    def local_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor],
-                       context: StepContext | None = None) -> torch.Tensor:
-        positions = layout.positions_of(layout.rank, batch["input_ids"].shape[TOKENS], batch["input_ids"].device)
-        local = {key: value.index_select(TOKENS, positions) if value.dim() > TOKENS else value
-                 for key, value in batch.items()}
-        return loss_sum(model, local, (context or StepContext()).with_sequence(layout))
-
-    return local_loss_sum
 
 
 # ---------------------------------------------------------------------------------------------------- refusals

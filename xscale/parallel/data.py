@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from xscale.parallel.collectives import all_gather_flat, reduce_scatter_flat
+from xscale.parallel.dims import ParallelDims
 from xscale.parallel.grad_norm import GradientPiece
 
 BUCKET_BYTES = 32 * 2**20
@@ -61,19 +62,22 @@ class NamedParameter:
 class DataParallel:
     """Strategy for one layout's data-parallel dimension; this base class is the single-replica case.
 
-    The engine calls :meth:`global_token_count` and :meth:`reduce_loss` each step, :meth:`after_backward` once
+    The trainer's step calls :meth:`global_token_count` and :meth:`reduce_loss` each step, :meth:`after_backward` once
     after the last microbatch, :meth:`optimizer_step` instead of ``optimizer.step()``, and
     :meth:`gradient_pieces` for the global norm.
     """
 
-    def __init__(self, parameters: list[NamedParameter], mesh: DeviceMesh | None = None, stage_replicas: int = 1,
-                 expert_parallel: int = 1, context_parallel: bool = False) -> None:
+    def __init__(self, parameters: list[NamedParameter], mesh: DeviceMesh | None = None,
+                 dims: ParallelDims | None = None) -> None:
+        """``parameters``: this rank's, under single-process names; ``mesh`` and ``dims``: the layout (None: one
+        replica of a model this rank holds whole, or a pipeline's stages without data parallelism)."""
         self.parameters = parameters
         self.mesh = mesh
-        self.stage_replicas = stage_replicas  # ranks of one pipeline stage: world / pp
-        self.expert_parallel = expert_parallel
+        self.stage_replicas = 1 if dims is None else dims.world_size // dims.pp  # ranks of one pipeline stage
+        self.expert_parallel = 1 if dims is None else dims.ep
         # Under context parallelism the ranks of a cp group hold the same samples (tokens are counted over dp) but
         # different tokens of them: losses and gradients are summed over dp x cp, ZeRO shards over dp_shard x cp.
+        context_parallel = dims is not None and dims.cp > 1
         self.reduce_dim = "dp_cp" if context_parallel else "dp"
         self.shard_dim = "dp_shard_cp" if context_parallel else "dp_shard"
 
@@ -219,9 +223,9 @@ class _Partition:
 class ZeroDataParallel(ReplicatedDataParallel):
     """ZeRO-1 (optimizer state partitioned) or ZeRO-2 (+ gradients partitioned) over ``dp_shard``."""
 
-    def __init__(self, parameters: list[NamedParameter], mesh: DeviceMesh, stage: int, stage_replicas: int,
-                 expert_parallel: int = 1, context_parallel: bool = False) -> None:
-        super().__init__(parameters, mesh, stage_replicas, expert_parallel, context_parallel)
+    def __init__(self, parameters: list[NamedParameter], mesh: DeviceMesh, dims: ParallelDims) -> None:
+        super().__init__(parameters, mesh, dims)
+        stage = dims.zero_stage
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel handles stages 1 and 2, got {stage}")
         self.stage = stage

@@ -11,7 +11,7 @@ rank r of an ep group of size P holds rows ``[r * E/P, (r + 1) * E/P)`` of every
 / ``.bias`` [E, ...] (:func:`shard_expert_state_dict` cuts a full state dict; the trainer's checkpoints show
 them in the global shape, :mod:`xscale.parallel.expert_state`). Gradients of expert weights must be reduced
 only over the data-parallel ranks that hold the same experts, those of other weights over every data-parallel
-rank. In the trainer's layouts (:func:`xscale.parallel.parallelize.build_engine`) the ep group is ``mesh["ep"]``,
+rank. In the trainer's layouts (:func:`xscale.parallel.parallelize.parallelize`) the ep group is ``mesh["ep"]``,
 consecutive data-parallel ranks, so one routing group is a contiguous slice of the global batch.
 
 With tensor parallelism on attention (``ep x tp``) the MoE layers are replicated over tp

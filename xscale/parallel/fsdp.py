@@ -50,9 +50,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, param_dty
 class FullyShardedDataParallel(DataParallel):
     """The strategy object for ZeRO-3: FSDP2 reduces gradients itself during backward."""
 
-    def __init__(self, parameters: list[NamedParameter], mesh: DeviceMesh, stage_replicas: int,
-                 fsdp_modules: list[nn.Module], expert_parallel: int = 1, context_parallel: bool = False) -> None:
-        super().__init__(parameters, mesh, stage_replicas, expert_parallel, context_parallel)
+    def __init__(self, parameters: list[NamedParameter], mesh: DeviceMesh, dims: ParallelDims,
+                 fsdp_modules: list[nn.Module]) -> None:
+        super().__init__(parameters, mesh, dims)
         self.fsdp_modules = fsdp_modules
 
     def requires_gradient_sync(self, enabled: bool) -> None:

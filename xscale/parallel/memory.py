@@ -1,4 +1,4 @@
-"""Per-rank bytes of model state: predicted by the ZeRO paper's formulas, and measured on a live engine.
+"""Per-rank bytes of model state: predicted by the ZeRO paper's formulas, and measured on a live model.
 
 ZeRO (Rajbhandari et al. 2020, sec. 5) with Psi parameters over N data-parallel ranks, in fp32 with AdamW
 (4 bytes per value, two moments: K = 8 bytes of optimizer state per parameter; fp32 weights are their own master):
@@ -30,7 +30,7 @@ from xscale.models import build_model
 from xscale.parallel.data import is_expert_parameter, local_tensor
 from xscale.parallel.dims import ParallelDims
 from xscale.parallel.pipeline import SCHEDULES
-from xscale.parallel.pipeline_stages import pipeline_layers, split_layers, stage_to_rank
+from xscale.parallel.pipeline.stages import pipeline_layers, split_layers, stage_to_rank
 
 BYTES_PER_VALUE = 4
 OPTIMIZER_VALUES = 2  # AdamW: exp_avg, exp_avg_sq
@@ -89,10 +89,10 @@ def _unique_bytes(tensors: list[torch.Tensor]) -> int:
     return total
 
 
-def measured_state_bytes(engine, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+def measured_state_bytes(model, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """What this rank holds right after backward (before the optimizer step): parameters, gradients (whole,
     or ZeRO-2 chunks) and optimizer moments."""
-    params = list(engine.parameters())
+    params = list(model.parameters())
     grads = [p.grad for p in params if p.grad is not None]
     grads += [shard.grad for group in optimizer.param_groups for shard in group["params"] if shard.grad is not None]
     moments = [value for state in optimizer.state.values() for value in state.values()

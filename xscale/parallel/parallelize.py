@@ -1,14 +1,15 @@
-"""Apply a layout to a model, in a fixed order, and return the engine that runs its steps.
+"""Apply a layout to a model, in a fixed order: :func:`parallelize` returns the :class:`ParallelModel` that the
+trainer's step runs.
 
 Order (as torchtitan settled on): build on the meta device -> pipeline split -> tensor/sequence parallel ->
 expert parallel -> context parallel -> activation checkpointing -> ZeRO-3 (FSDP2) -> materialise on the device ->
 deterministic init from (seed, canonical parameter name), so every layout starts from the single-device weights.
-Context parallelism (cp > 1) hooks the attention cores and position encodings and slices each microbatch in the
-loss function (:mod:`xscale.parallel.context`); its ranks hold the same parameters, so the data-parallel strategy
+Context parallelism (cp > 1) hooks the attention cores, cuts each microbatch to the rank's tokens and tells every
+forward which global positions they are (:mod:`xscale.parallel.context`); its ranks hold the same parameters, so the data-parallel strategy
 sums gradients over dp x cp and ZeRO shards over dp_shard x cp.
 Expert parallelism (ep > 1) acts on the MoE layers only and slices materialised experts, so under ep the model is
 materialised and initialised just before it (after tensor parallelism's plans on the meta model; under pp, in each
-stage the pipeline engine has materialised).
+stage the pipeline schedule has materialised).
 """
 
 from __future__ import annotations
@@ -21,17 +22,16 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from xscale.config import Config
 from xscale.models import build_model
-from xscale.models.init import canonical_name, init_weights
+from xscale.models.init import init_weights
 from xscale.models.moe import moe_layers
 from xscale.parallel.activation import apply_activation_checkpointing
-from xscale.parallel.context import apply_context_parallel, context_parallel_loss_sum
-from xscale.parallel.data import DataParallel, NamedParameter, ReplicatedDataParallel, ZeroDataParallel
+from xscale.parallel.context import apply_context_parallel
+from xscale.parallel.data import DataParallel, ReplicatedDataParallel, ZeroDataParallel
 from xscale.parallel.dims import ParallelDims
-from xscale.parallel.engine import Engine, Placement, unplaced
 from xscale.parallel.expert import apply_expert_parallel
 from xscale.parallel.fsdp import FullyShardedDataParallel, apply_fsdp
-from xscale.parallel.loss import model_loss_sum
-from xscale.parallel.pipeline import PipelineEngine
+from xscale.parallel.model import ParallelModel, Placement, named_parameters, unplaced, whole_batch
+from xscale.parallel.pipeline import PipelineSchedule
 from xscale.parallel.tensor import apply_tensor_parallel, tensor_parallel_context
 
 
@@ -73,49 +73,47 @@ def _compile_blocks(model: nn.Module, config: Config) -> None:
             block.compile()
 
 
-def named_parameters(model: nn.Module) -> list[NamedParameter]:
-    """Each parameter once, under the name it has in the single-process model."""
-    return [NamedParameter(canonical_name(name), param) for name, param in model.named_parameters()]
-
-
 def micro_batch_size(config: Config, dims: ParallelDims) -> int:
     local = config.train.global_batch_size // dims.dp
     return config.train.micro_batch_size or local
 
 
-def build_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh | None, device: torch.device) -> Engine:
-    """The model of this rank, parallelised, materialised and initialised, inside its step engine."""
-    seed = config.train.seed
+def parallelize(config: Config, dims: ParallelDims, mesh: DeviceMesh | None, device: torch.device) -> ParallelModel:
+    """The model of this rank, parallelised, materialised and initialised, with what its layout does around it."""
     autocast = torch.bfloat16 if config.train.precision == "bf16" else None
     if mesh is None or dims.world_size == 1:
-        model = build_model(config.model, device, seed=seed).use_kernels(config.train.kernels)
+        model = build_model(config.model, device, seed=config.train.seed).use_kernels(config.train.kernels)
         apply_activation_checkpointing(_stacks(model), config.parallel.activation_checkpointing)
         _compile_blocks(model, config)
-        return Engine(model, micro_batch_size(config, dims), autocast)
+        return ParallelModel([model], micro_batch_size=micro_batch_size(config, dims), autocast_dtype=autocast)
     if dims.pp > 1:
-        return _build_pipeline_engine(config, dims, mesh, device, autocast)
+        return _parallelize_pipeline(config, dims, mesh, device, autocast)
 
     model = build_model(config.model, materialize=False).use_kernels(config.train.kernels)
-    loss_fn, place = model_loss_sum, unplaced
+    place, shard_batch = _tensor_parallel_place(config, dims, mesh), whole_batch
     if dims.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=config.parallel.sequence_parallel)
-        place = tensor_parallel_context(mesh["tp"], config.parallel.sequence_parallel)
     if dims.ep > 1:
         # Expert parallelism slices materialised experts, so the slices are rows of the single-process init.
         _materialize(model, config, device)
         apply_expert_parallel(model, mesh["ep"])
     if dims.cp > 1:
         layout = apply_context_parallel(model, mesh["cp"], load_balance=config.parallel.cp_load_balance)
-        loss_fn = context_parallel_loss_sum(layout, loss_fn)
+        place, shard_batch = _then(place, lambda context: context.with_sequence(layout)), layout.shard_batch
     apply_activation_checkpointing(_stacks(model), config.parallel.activation_checkpointing)
     _compile_blocks(model, config)
     make_data_parallel = _data_parallel([model], dims, mesh, autocast)
     if dims.ep == 1:
         _materialize(model, config, device)
-    data_parallel = make_data_parallel([model])
-    place = _then(place, replica_statistics(mesh, dims))
-    return Engine(model, micro_batch_size(config, dims), autocast, loss_fn=loss_fn, data_parallel=data_parallel,
-                  place=place)
+    return ParallelModel([model], make_data_parallel([model]), micro_batch_size=micro_batch_size(config, dims),
+                         autocast_dtype=autocast, place=_then(place, replica_statistics(mesh, dims)),
+                         shard_batch=shard_batch)
+
+
+def _tensor_parallel_place(config: Config, dims: ParallelDims, mesh: DeviceMesh) -> Placement:
+    if dims.tp == 1:
+        return unplaced
+    return tensor_parallel_context(mesh["tp"], config.parallel.sequence_parallel)
 
 
 def _materialize(model: nn.Module, config: Config, device: torch.device) -> None:
@@ -127,29 +125,23 @@ def _materialize(model: nn.Module, config: Config, device: torch.device) -> None
 
 def _data_parallel(parts: list[nn.Module], dims: ParallelDims, mesh: DeviceMesh, autocast: torch.dtype | None):
     """Shard ``parts`` for ZeRO-3 now (meta or materialised); return a factory that builds the strategy over
-    the materialised parts."""
-    stage_replicas = dims.world_size // dims.pp
-    cp = dims.cp > 1  # the cp ranks hold the same parameters: gradients summed over dp x cp
-
-    def parameters(modules: list[nn.Module]) -> list[NamedParameter]:
-        return [entry for module in modules for entry in named_parameters(module)]
-
+    the materialised parts. The cp ranks hold the same parameters: gradients are summed over dp x cp."""
     if dims.zero_stage == 3 and dims.dp_cp > 1:
         for part in parts:
             experts = [layer.experts for layer in moe_layers(part)] if dims.ep > 1 else []
             apply_fsdp(part, mesh, dims, autocast, _blocks(part), expert_modules=experts)
-        return lambda ms: FullyShardedDataParallel(parameters(ms), mesh, stage_replicas, ms, dims.ep, cp)
+        return lambda ms: FullyShardedDataParallel(named_parameters(ms), mesh, dims, ms)
     if dims.zero_stage in (1, 2) and dims.dp_cp > 1:
-        return lambda ms: ZeroDataParallel(parameters(ms), mesh, dims.zero_stage, stage_replicas, dims.ep, cp)
+        return lambda ms: ZeroDataParallel(named_parameters(ms), mesh, dims)
     if dims.dp_cp > 1:
-        return lambda ms: ReplicatedDataParallel(parameters(ms), mesh, stage_replicas, dims.ep, cp)
-    return lambda ms: DataParallel(parameters(ms), mesh, stage_replicas, dims.ep, cp)
+        return lambda ms: ReplicatedDataParallel(named_parameters(ms), mesh, dims)
+    return lambda ms: DataParallel(named_parameters(ms), mesh, dims)
 
 
-def _build_pipeline_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh, device: torch.device,
-                           autocast: torch.dtype | None) -> Engine:
+def _parallelize_pipeline(config: Config, dims: ParallelDims, mesh: DeviceMesh, device: torch.device,
+                          autocast: torch.dtype | None) -> ParallelModel:
     """Stages cut from the meta model, each tensor-parallel over ``tp`` (the first stage's embedding and the last
-    stage's output projection split by vocabulary), activation-checkpointed and compiled before the engine
+    stage's output projection split by vocabulary), activation-checkpointed and compiled before the schedule
     materialises and initialises it; data parallel around them."""
     def parallelize_stage(stage: nn.Module) -> None:
         if dims.tp > 1:
@@ -158,12 +150,14 @@ def _build_pipeline_engine(config: Config, dims: ParallelDims, mesh: DeviceMesh,
         _compile_blocks(stage, config)
 
     model = build_model(config.model, materialize=False).use_kernels(config.train.kernels)
-    place = tensor_parallel_context(mesh["tp"], config.parallel.sequence_parallel) if dims.tp > 1 else unplaced
-    place = _then(place, replica_statistics(mesh, dims))  # each stage's cores over the stage's dp replicas
-    engine = PipelineEngine.from_config(config, model, mesh["pp"], device, parallelize_stage, place)
+    # Each stage's cores sum their running statistics over the stage's dp replicas.
+    place = _then(_tensor_parallel_place(config, dims, mesh), replica_statistics(mesh, dims))
+    pipeline = PipelineSchedule(config, model, mesh["pp"], device=device, place=place,
+                                parallelize_stage=parallelize_stage)
     if dims.ep > 1:  # the stages are materialised with the single-process init; keep this rank's experts
-        for stage in engine.model_parts:
+        for stage in pipeline.stages:
             if moe_layers(stage):
                 apply_expert_parallel(stage, mesh["ep"])
-    engine.data_parallel = _data_parallel(engine.model_parts, dims, mesh, autocast)(engine.model_parts)
-    return engine
+    data_parallel = _data_parallel(pipeline.stages, dims, mesh, autocast)(pipeline.stages)
+    return ParallelModel(pipeline.stages, data_parallel, micro_batch_size=0, autocast_dtype=autocast,
+                         place=place, pipeline=pipeline)

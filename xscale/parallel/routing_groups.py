@@ -6,7 +6,8 @@ of k microbatches on dp data-parallel ranks has G = k x dp / ep of them, in ever
 micro_batch_size = one group's sequences routes exactly the same groups.
 
 - Auxiliary losses (Switch eq. 4, ST-MoE eq. 5) count as their mean over the G groups: each forward's are weighted
-  1/G (``StepContext.moe_loss_scale``, which the engine gives every forward of the step), and gradients sum over microbatches and ranks. Under ep the ranks of a group
+  1/G (``StepContext.moe_loss_scale``, which the step gives every forward), and gradients sum over microbatches
+  and ranks. Under ep the ranks of a group
   each back-propagate their share of the group's losses (:mod:`xscale.models.moe.routing`), so a group counts once.
 - Statistics reported for the step: tokens per expert summed over the G groups; dropped fraction, aux and z losses
   averaged over them. A forward hook adds each forward's group values (identical on the group's ep ranks); the
@@ -35,7 +36,7 @@ def _statistics(layer: MoELayer) -> torch.Tensor:
 
 
 class RoutingGroups:
-    """The MoE layers of this rank's model parts; an engine calls :meth:`begin_step` and :meth:`end_step`
+    """The MoE layers of this rank's model parts; the trainer's step calls :meth:`begin_step` and :meth:`end_step`
     around each training step (every microbatch's forward and backward in between).
 
     ``groups_per_microbatch``: dp / ep (1 on one device). ``sum_over_groups``: in-place sum of a tensor over the

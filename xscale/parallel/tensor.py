@@ -313,7 +313,7 @@ def apply_tensor_parallel(model: Transformer | nn.Module, tp_mesh: DeviceMesh, *
 
 
 def tensor_parallel_context(tp_mesh: DeviceMesh, sequence_parallel: bool) -> Callable[[StepContext], StepContext]:
-    """What a forward of the split model must be told (the engines apply it to every microbatch's context): which
+    """What a forward of the split model must be told (the trainer's step applies it to every microbatch's context): which
     heads this rank computes, and with sequence parallelism which tokens of the residual stream it holds."""
     rank, size = tp_mesh.get_local_rank(), tp_mesh.size()
     return lambda context: context.with_tensor_parallel(rank, size, sequence_parallel)

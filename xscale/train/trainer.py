@@ -1,8 +1,8 @@
 """The training loop. It knows neither the model variant nor the parallel layout.
 
-Each step: the sampler names the global batch, this data-parallel rank loads its slice, the
-engine runs forward and backward (microbatches, pipeline schedule, ZeRO, ... are the engine's
-business), the trainer clips, steps the optimizer and the schedule, logs, evaluates and saves.
+Each step: the sampler names the global batch, this data-parallel rank loads its slice, the step runs its forward
+and backward (:func:`~xscale.train.step.forward_backward_step`: microbatches, or the pipeline schedule the layout
+brings), the trainer clips, steps the optimizer and the schedule, logs, evaluates and saves.
 """
 
 from __future__ import annotations
@@ -26,13 +26,20 @@ from xscale.launcher.preemption import PreemptionHandler
 from xscale.models.init import canonical_name
 from xscale.models.parameters import count_parameters
 from xscale.parallel.checks import resolve_dims
-from xscale.parallel.parallelize import build_engine
+from xscale.parallel.parallelize import parallelize
 from xscale.runtime import StepContext
 from xscale.train.checkpoint import Checkpointer, CheckpointError
 from xscale.train.metrics import MetricsLogger, flops_per_token, measure_matmul_peak, peak_memory_bytes
 from xscale.train.run_lock import RunLock, RunLocked
 from xscale.train.schedule import lr_factor
 from xscale.train.spikes import LossSpikeDetector
+from xscale.train.step import (
+    clip_gradient_norm,
+    evaluation_loss,
+    forward_backward_step,
+    model_optimizer,
+    optimizer_step,
+)
 from xscale.train.watchdog import StepWatchdog
 
 LOCK_REFRESH_S = 60.0
@@ -67,9 +74,9 @@ class Trainer:
         self.dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
         self.dp_size = self.dims.dp
         self.local_batch_size = train.global_batch_size // self.dp_size
-        self.engine = build_engine(config, self.dims, self.mesh, self.device)
+        self.model = parallelize(config, self.dims, self.mesh, self.device)
         self.num_params = count_parameters(config).total
-        self.optimizer = self.engine.build_optimizer(train)
+        self.optimizer = model_optimizer(self.model, train)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, train))
         self.sampler = GlobalSampler(len(train_dataset), train.global_batch_size, seed=train.seed)
         self.step = 0
@@ -115,7 +122,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
     def state(self) -> dict[str, Any]:
-        return self.engine.state_dict(self.optimizer)
+        return self.model.state_dict(self.optimizer)
 
     def save(self) -> None:
         meta = {"config": self.config.to_dict(), "sampler": self.sampler.state_dict(),
@@ -136,7 +143,7 @@ class Trainer:
             raise CheckpointError(f"checkpoint.resume={choice}: {path} does not exist")
         state = self.state()
         meta = self.checkpointer.load(path, state)
-        self.engine.load_state_dict(state, self.optimizer)
+        self.model.load_state_dict(state, self.optimizer)
         self.step = int(meta["step"])
         self.sampler.load_state_dict(meta["sampler"])
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -153,7 +160,7 @@ class Trainer:
     def layer_metrics(self) -> dict[str, float]:
         """Per-layer statistics of every layer of the model (rank 0 logs them; later pipeline stages send theirs)."""
         metrics: dict[str, float] = {}
-        for module in self.engine.model_parts:
+        for module in self.model.parts:
             metrics.update(_collect_layer_metrics(module))
         if self.dims.pp > 1:
             stages: list[dict[str, float] | None] = [None] * self.dims.pp
@@ -163,7 +170,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ data
     def _load(self, dataset: Any, indices: list[int]) -> dict[str, torch.Tensor]:
-        microbatches = self.engine.microbatches_per_batch(len(indices) // self.dp_size)
+        microbatches = self.model.microbatches_per_batch(len(indices) // self.dp_size)
         local = GlobalSampler.shard(indices, self.dp_rank, self.dp_size, microbatches)
         batch = collate([dataset[i] for i in local])
         return {key: value.to(self.device) for key, value in batch.items()}
@@ -180,13 +187,13 @@ class Trainer:
             indices = list(range(start, min(start + size, len(self.eval_dataset))))
             if len(indices) < size:
                 break
-            losses.append(float(self.engine.eval_loss(self._load(self.eval_dataset, indices))))
+            losses.append(float(evaluation_loss(self.model, self._load(self.eval_dataset, indices))))
         return sum(losses) / len(losses) if losses else float("nan")
 
     def step_context(self) -> StepContext:
         """Where this rank's batch sits in the step's global batch (its microbatches as :meth:`_load` reads them):
         dropout masks follow the step and each sample's place, not the layout."""
-        micro = self.local_batch_size // self.engine.microbatches_per_batch(self.local_batch_size)
+        micro = self.local_batch_size // self.model.microbatches_per_batch(self.local_batch_size)
         return StepContext(self.config.train.seed, self.step, first_sample=self.dp_rank * micro,
                            microbatch_stride=self.dp_size * micro)
 
@@ -195,10 +202,10 @@ class Trainer:
         batch = self.next_batch()
         tokens = batch["input_ids"].numel() * self.dp_size
         start = time.perf_counter()
-        loss = self.engine.train_step(batch, self.step_context())
-        grad_norm = self.engine.clip_grad_norm(self.config.train.grad_clip)
+        loss = forward_backward_step(self.model, batch, self.step_context())
+        grad_norm = clip_gradient_norm(self.model, self.config.train.grad_clip)
         if math.isfinite(float(loss)) and math.isfinite(float(grad_norm)):  # both global: every rank agrees
-            self.engine.optimizer_step(self.optimizer)
+            optimizer_step(self.model, self.optimizer)
             self.skipped_in_a_row = 0
         else:
             self._drop_nonfinite_update(float(loss), float(grad_norm))
@@ -232,7 +239,7 @@ class Trainer:
                 "Resume from the last checkpoint with a lower train.lr or a train.grad_clip, or set "
                 "train.on_nonfinite=skip to drop such steps")
         self.optimizer.zero_grad(set_to_none=True)
-        for param in self.engine.parameters():
+        for param in self.model.parameters():
             param.grad = None
         if self.rank == 0:
             print(f"xscale: {what} is not finite; update skipped ({self.skipped_in_a_row} in a row)", flush=True)

@@ -9,7 +9,8 @@ import torch
 
 from xscale.models import build_model
 from xscale.models.moe import collect_moe_metrics
-from xscale.parallel.engine import Engine
+from xscale.parallel.model import ParallelModel
+from xscale.train.step import forward_backward_step
 from xscale.validate import load_config
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
@@ -29,7 +30,7 @@ def test_tiny_switch_learns_a_repeating_sequence():
     config = load_config(CONFIGS / "tiny-switch.yaml", ["model.n_layers=2", "train.seq_len=32"])
     torch.manual_seed(0)
     model = build_model(config.model, seed=config.train.seed)
-    engine = Engine(model, micro_batch_size=4)
+    engine = ParallelModel([model], micro_batch_size=4)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.train.lr)
     pattern = torch.randint(0, config.model.vocab_size, (40,))
     starts = torch.randint(0, 8, (4,))
@@ -38,7 +39,7 @@ def test_tiny_switch_learns_a_repeating_sequence():
     losses = []
     for _ in range(12):
         optimizer.zero_grad()
-        losses.append(engine.train_step(batch).item())
+        losses.append(forward_backward_step(engine, batch).item())
         optimizer.step()
     assert losses[-1] < 0.5 * losses[0], losses
     metrics = collect_moe_metrics(model)

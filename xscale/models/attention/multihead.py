@@ -76,7 +76,7 @@ class Attention(nn.Module):
             return slice(None)
         if context is None or context.tensor_size == 1:
             raise ValueError(f"this attention computes {heads} of {self.n_heads} heads (a tensor-parallel split) but "
-                             "its StepContext does not say which: pass the context the engine builds, or "
+                             "its StepContext does not say which: pass the context the trainer's step builds, or "
                              "StepContext().with_tensor_parallel(rank, size)")
         return context.heads_held(self.n_heads)
 

@@ -97,7 +97,7 @@ class AdaptiveSpanAttention(AttentionCore):
     """Per-head soft span mask; the span fraction f_h starts near 0 (the paper's initialisation), so every head
     begins as a window of ``ramp`` tokens and grows where the loss pays for it.
 
-    ``aux_loss_scale`` (1.0) scales the penalty each forward attaches; the engines set it to 1 / forwards per step
+    ``aux_loss_scale`` (1.0) scales the penalty each forward attaches; the trainer's step sets it to 1 / forwards per step
     (:meth:`begin_training_step`), so that a step's gradient holds the penalty once, as the paper's loss does,
     whatever its microbatches and data-parallel replicas.
     Encoders use |i - j|; the paper's causal models use i - j >= 0.

@@ -2,7 +2,7 @@
 
 y(x) = sum over x's kept assignments (e, g) of g * FFN_e(x); a token whose every assignment overflowed
 its expert's capacity gets 0 (the residual connection passes it through). The auxiliary losses reach
-the gradients through :class:`AttachAuxiliaryLoss`, so no trainer, engine or pipeline schedule needs to
+the gradients through :class:`AttachAuxiliaryLoss`, so no trainer step or pipeline schedule needs to
 know they exist.
 """
 
@@ -53,10 +53,10 @@ class MoELayer(nn.Module):
     ``dispatch`` are replaced by :func:`xscale.parallel.expert.apply_expert_parallel`.
     The context's ``moe_loss_scale`` is the weight of this forward's auxiliary losses. A routing group is the
     tokens one forward routes together (one microbatch on one device; under expert parallelism, that microbatch on
-    every rank of the ep group). An engine that sums gradients over the G routing groups of a step passes 1/G, so
+    every rank of the ep group). A step that sums gradients over the G routing groups passes 1/G, so
     the auxiliary losses are the mean over the step's routing groups (1.0: one group).
     After each forward, ``metrics`` holds detached tensors over the forward's routing group: tokens_per_expert,
-    dropped_fraction, aux_loss, z_loss (unscaled); an engine replaces them with the whole step's after its
+    dropped_fraction, aux_loss, z_loss (unscaled); the step replaces them with the whole step's after its
     backward (:mod:`xscale.parallel.routing_groups`). :meth:`layer_metrics` gives them as floats.
     """
 

@@ -5,7 +5,7 @@ names, the embedding when it starts a stack, its run of blocks (``stack.layers.<
 and the final norm, head transform and output projection when it ends the last stack; it runs the model's own
 forward. The union of the stages' state dicts is the single-process state dict, so checkpoints move between
 layouts. Parameters that several stages hold (tied embeddings, an encoder-decoder's embedding, T5's position
-table, a shared block) are kept equal by :mod:`~xscale.parallel.pipeline_shared`; the only one held under another
+table, a shared block) are kept equal by :mod:`~xscale.parallel.pipeline.shared`; the only one held under another
 name is a tied output projection on a stage without the embedding (``output.weight``, a copy of
 ``embedding.weight``).
 

@@ -1,7 +1,7 @@
 """Checkpoints of a pipeline rank under the single-process names.
 
 :func:`merged_view` shows this rank's stages as one module with the single-process parameter names, which DCP's
-state-dict functions walk. Two kinds of copy (:mod:`~xscale.parallel.pipeline_shared`) need renaming so that a
+state-dict functions walk. Two kinds of copy (:mod:`~xscale.parallel.pipeline.shared`) need renaming so that a
 checkpoint has one entry per single-process name and resumes on any layout: a module that two stages of this rank
 both hold under the same name (T5's position table) appears in the view a second time under an alias, dropped on
 save and re-added on load (:func:`drop_aliases`, :func:`add_aliases`); a copy held under another name
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from xscale.models.init import canonical_name
-from xscale.parallel.pipeline_stages import TIED_COPY
+from xscale.parallel.pipeline.stages import TIED_COPY
 
 # Where merged_view puts a second copy of a shared module held by this rank (two stages of one rank).
 SHARED_ALIAS = "_pipeline_copy"

@@ -24,14 +24,14 @@ from torch.distributed.tensor import DTensor
 from xscale.models.init import canonical_name
 from xscale.models.transformer import Transformer
 from xscale.parallel.data import local_tensor
-from xscale.parallel.pipeline_stages import TIED_SOURCE, holds_tied_copy, source_name
+from xscale.parallel.pipeline.stages import TIED_SOURCE, holds_tied_copy, source_name
 
 
 @dataclass(frozen=True)
 class SharedParameter:
     """A single-process parameter of which several stages hold a copy. ``find`` returns a holding stage's copies
     (two when one stage both embeds the decoder's tokens and holds the tied output); it is called at each use,
-    since ZeRO-3 (``fully_shard``) replaces a module's parameters after the engine is built."""
+    since ZeRO-3 (``fully_shard``) replaces a module's parameters after the stages are built."""
 
     name: str  # the single-process name (checkpoints, the initial value)
     stages: tuple[int, ...]  # the stages holding a copy
@@ -62,7 +62,7 @@ def _named_copies(stage: Transformer, name: str) -> list[nn.Parameter]:
 
 def shared_parameters(model: Transformer, layers: list[list[int]]) -> list[SharedParameter]:
     """The parameters held by more than one of the stages cut from ``model`` (``layers``: each stage's layer
-    indices, as :func:`~xscale.parallel.pipeline_stages.split_layers` gives them)."""
+    indices, as :func:`~xscale.parallel.pipeline.stages.split_layers` gives them)."""
     config, num_stages = model.config, len(layers)
     decoder_start = [stage for stage, held in enumerate(layers) if config.n_layers in held]  # encoder-decoder
     embedding = {0, *decoder_start} | ({num_stages - 1} if config.tie_embeddings else set())
@@ -91,7 +91,7 @@ def shared_parameters(model: Transformer, layers: list[list[int]]) -> list[Share
 def shared_block_modules(stages: list[Transformer]) -> set[str]:
     """The single-process paths of every module of a shared block (``model.share_layers``) these stages hold,
     buffers-only ones included: two stages of one rank may both hold them
-    (:func:`~xscale.parallel.pipeline_checkpoint.merged_view`)."""
+    (:func:`~xscale.parallel.pipeline.checkpoint.merged_view`)."""
     paths = set()
     for stage in stages:
         if stage.config.share_layers:

@@ -1,0 +1,289 @@
+"""The pipeline schedule of one rank: its stages, and the forwards and backwards of a step run through them.
+
+The contract is the trainer's step's (:mod:`xscale.train.step`): the loss summed on every pp rank and the
+gradients left are the single-process model's on the whole batch. Each microbatch's loss is its token
+cross-entropy SUM over the global count of labelled tokens, and the schedule is told not to rescale
+(``scale_grads=False``), so gradients add up to the global mean.
+
+Every stage runs the model's own forward (:mod:`~xscale.parallel.pipeline.stages`) with, as keywords, the
+microbatch's :class:`~xscale.runtime.StepContext` (its dropout position, token ids and this rank's place in the
+layout) and ``decoder_input_ids``, which the first decoder stage of an encoder-decoder model embeds (every pp rank
+has the batch). Under tensor parallelism (each stage split over ``tp`` before it is initialised) what one stage
+sends the next is a plain local tensor: the microbatch's full hidden states, or under sequence parallelism this tp
+rank's sequence shard (B/m, T/tp, D), always to the same tp rank of the next stage, so PipelineStage infers the
+shapes from the first microbatch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+
+from xscale.config import Config, ConfigError, ModelConfig
+from xscale.models.init import canonical_name
+from xscale.models.transformer import Transformer
+from xscale.parallel.loss import token_loss_sum
+from xscale.parallel.model import Batch, Placement, unplaced
+from xscale.parallel.pipeline.checkpoint import (
+    add_aliases,
+    copies_to_sources,
+    drop_aliases,
+    merged_view,
+    sources_to_copies,
+)
+from xscale.parallel.pipeline.schedules import SCHEDULES, check_pipeline, resolve_microbatches
+from xscale.parallel.pipeline.shared import SharedParameterGrads, shared_block_modules, shared_parameters
+from xscale.parallel.pipeline.stages import (
+    build_stage_module,
+    is_first,
+    is_last,
+    pipeline_layers,
+    split_layers,
+    stage_to_rank,
+    whole_backward,
+)
+from xscale.parallel.routing_groups import RoutingGroups
+from xscale.runtime import StepContext
+
+# The PipelineStage methods that compute (everything else a schedule does is communication or bookkeeping).
+COMPUTE_ACTIONS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+
+class QuietMetadataStage(PipelineStage):
+    """A PipelineStage whose metadata-inference forward records no MoE routing statistics and leaves the stage's
+    buffers as they were (routing attention's centroids and pending statistics): before its first step torch runs
+    each stage once on the first microbatch (later stages: on uninitialised placeholders)."""
+
+    def __init__(self, *args, pause_statistics: Callable[[], AbstractContextManager], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.pause_statistics = pause_statistics
+
+    def _prepare_forward_infra(self, *args, **kwargs):
+        buffers = [(buffer, buffer.clone()) for buffer in self.submod.buffers()]
+        try:
+            with self.pause_statistics():
+                return super()._prepare_forward_infra(*args, **kwargs)
+        finally:
+            with torch.no_grad():
+                for buffer, value in buffers:
+                    buffer.copy_(value)
+
+
+class MicrobatchStage(QuietMetadataStage):
+    """A stage whose forward of microbatch k, whatever order the schedule runs microbatches in, gets that
+    microbatch's context (dropout masks of its rows in the global batch, :mod:`xscale.models.dropout`; its token
+    ids for hash routing) and ``decoder_input_ids`` as keywords of the model's forward."""
+
+    schedule: PipelineSchedule
+    _chunk = 0
+
+    def _chunk_kwargs(self, index: int) -> dict:
+        schedule = self.schedule
+        rows = schedule.rows_per_microbatch
+
+        def part(ids: torch.Tensor) -> torch.Tensor | None:
+            return ids[index * rows:(index + 1) * rows] if ids.numel() else None
+
+        context = schedule.place(schedule.step_context.microbatch(index, rows))
+        return {"decoder_input_ids": part(schedule.step_decoder_input_ids),
+                "context": context.with_token_ids(part(schedule.step_input_ids)), "project": False}
+
+    def _prepare_forward_infra(self, num_microbatches: int, args, kwargs=None, has_backward: bool = False):
+        # torch's shape inference runs the first microbatch
+        return super()._prepare_forward_infra(num_microbatches, args, {**(kwargs or {}), **self._chunk_kwargs(0)},
+                                              has_backward=has_backward)
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+        self._chunk = fwd_chunk_id
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def forward_maybe_with_nosync(self, *args, **kwargs):
+        return super().forward_maybe_with_nosync(*args, **kwargs, **self._chunk_kwargs(self._chunk))
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        """A stage that embeds tokens midway (the first decoder stage, after the first stage) runs its whole
+        backward in the input half of a split backward (zero bubble). torch finds the weight half's subgraphs
+        from the stage's inputs, which the embedding's path does not pass through: the parameters on it would
+        share unfreed subgraphs, as on the first stage, which torch also runs whole. So does a stage running a
+        shared block (``model.share_layers``) at several depths: the weight half would start from each depth's use
+        of a weight and run back through the earlier depths' graph, which the first parameter group frees."""
+        if whole_backward(self.submod) and backward_type in ("input", "weight"):
+            if backward_type == "weight":
+                return (), None
+            backward_type = "full"
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+
+def pp_group(pp: DeviceMesh | dist.ProcessGroup) -> dist.ProcessGroup:
+    if isinstance(pp, DeviceMesh):
+        if pp.ndim == 1:
+            return pp.get_group()
+        if "pp" not in (pp.mesh_dim_names or ()):
+            raise ConfigError(f"pipeline parallelism needs a mesh dimension named 'pp'; this mesh has "
+                              f"{pp.mesh_dim_names}")
+        return pp["pp"].get_group()
+    return pp
+
+
+class PipelineSchedule:
+    """This rank's stages over the ``pp`` group, and :meth:`step` / :meth:`evaluate` running a batch through
+    them. Every pp rank calls them with the same batch (this data-parallel rank's share): the first stage reads
+    ``input_ids``, the last ``labels``. Data parallelism wraps :attr:`stages` from outside; this class does none."""
+
+    def __init__(self, config: Config, meta_model: Transformer, pp: DeviceMesh | dist.ProcessGroup, *,
+                 device: torch.device | str = "cpu", place: Placement = unplaced,
+                 parallelize_stage: Callable[[Transformer], None] | None = None) -> None:
+        self.group = pp_group(pp)
+        self.pp_size, self.pp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        if self.pp_size < 2:
+            raise ConfigError(f"a pipeline needs a pp group of 2 or more ranks, got {self.pp_size}")
+        parallel = config.parallel
+        check_pipeline(config)
+        self.spec = SCHEDULES[parallel.pp_schedule]
+        # ParallelDims.from_config has resolved an unset count against the batch; here only the schedule's floor.
+        self.microbatches = resolve_microbatches(config)
+        self.device, self.place = torch.device(device), place
+        self.num_stages = self.pp_size * parallel.pp_stages_per_rank
+        self.stage_ranks = stage_to_rank(self.num_stages, self.pp_size, self.spec.placement)
+        self.stage_indices = [s for s in range(self.num_stages) if self.stage_ranks[s] == self.pp_rank]
+        layers = split_layers(pipeline_layers(config.model), self.num_stages, parallel.pp_split)
+        self.stages = [build_stage_module(meta_model, layers[index], device=self.device, seed=config.train.seed,
+                                          parallelize=parallelize_stage) for index in self.stage_indices]
+        self.last_rank = self.stage_ranks[-1]
+        # The tied embedding's ends, an encoder-decoder's embedding and a logit-bias position table (T5) live on
+        # several stages.
+        self.shared = SharedParameterGrads(self.stages, self.stage_indices, self.stage_ranks,
+                                           shared_parameters(meta_model, layers), self.group)
+        self._schedules: dict[tuple, object] = {}
+        self.step_context = StepContext()  # the running step's (each microbatch's is derived from it)
+        self.rows_per_microbatch = 0
+        self.step_input_ids = torch.empty(0, dtype=torch.long)  # the batch's, while a step or an evaluation runs
+        self.step_decoder_input_ids = torch.empty(0, dtype=torch.long)
+        self._token_count = torch.ones((), device=self.device)
+        self.last_step_seconds = 0.0
+        # Optional instrumentation (``xscale bench parallel`` times the compute with it): set before the first
+        # step, it wraps every compute action of the schedules (COMPUTE_ACTIONS of each stage, and the loss).
+        self.wrap_compute: Callable[[Callable], Callable] | None = None
+
+    @classmethod
+    def for_model(cls, model_config: ModelConfig, meta_model: Transformer, pp: DeviceMesh | dist.ProcessGroup,
+                  microbatches: int, schedule: str = "1f1b", stages_per_rank: int = 1, seed: int = 0,
+                  pp_split: list[int] | None = None, **kwargs) -> PipelineSchedule:
+        """A pipeline of ``model_config`` over the whole ``pp`` group, settings given one by one."""
+        config = Config(model=model_config)
+        config.parallel.pp = dist.get_world_size(pp_group(pp))
+        config.parallel.pp_schedule, config.parallel.pp_stages_per_rank = schedule, stages_per_rank
+        config.parallel.pp_split, config.parallel.microbatches = pp_split, microbatches
+        config.train.seed = seed
+        return cls(config, meta_model, pp, **kwargs)
+
+    @property
+    def holds_first(self) -> bool:
+        return is_first(self.stages[0])
+
+    @property
+    def holds_last(self) -> bool:
+        return is_last(self.stages[-1])
+
+    def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        last = self.stages[-1]
+        return token_loss_sum(hidden, last.output, labels, last.kernels).float() / self._token_count
+
+    def _schedule(self, batch: Batch, training: bool, routing_groups: RoutingGroups):
+        rows = batch["input_ids"].shape[0]
+        if rows % self.microbatches:
+            raise ConfigError(f"a batch of {rows} sequences does not split into parallel.microbatches="
+                              f"{self.microbatches}; use a batch that is a multiple of {self.microbatches}")
+        # Stages learn their activation shapes on first use, so each input shape gets its own.
+        decoder_shape = tuple(batch["decoder_input_ids"].shape[1:]) if "decoder_input_ids" in batch else ()
+        key = (training, rows, *batch["input_ids"].shape[1:], decoder_shape)
+        if key not in self._schedules:
+            stages = [MicrobatchStage(module, index, self.num_stages, self.device, group=self.group,
+                                      pause_statistics=routing_groups.paused)
+                      for module, index in zip(self.stages, self.stage_indices)]
+            loss_fn = self._loss
+            for stage in stages:
+                stage.schedule = self
+                if self.wrap_compute is not None:
+                    for name in COMPUTE_ACTIONS:
+                        setattr(stage, name, self.wrap_compute(getattr(stage, name)))
+            if self.wrap_compute is not None:
+                loss_fn = self.wrap_compute(loss_fn)
+            kwargs = {"n_microbatches": self.microbatches, "loss_fn": loss_fn, "scale_grads": False}
+            cls = self.spec.cls if training else (self.spec.eval_cls or self.spec.cls)
+            self._schedules[key] = cls(stages[0], **kwargs) if self.spec.single_stage else cls(stages, **kwargs)
+        return self._schedules[key]
+
+    def _run(self, batch: Batch, tokens: torch.Tensor, training: bool, routing_groups: RoutingGroups) -> torch.Tensor:
+        self._token_count = tokens.to(self.device, torch.float32)
+        schedule = self._schedule(batch, training, routing_groups)
+        if self.stages[0].seq2seq and "decoder_input_ids" not in batch:
+            raise ValueError("an encoder-decoder model needs decoder_input_ids in the batch")
+        self.step_input_ids = batch["input_ids"]
+        self.step_decoder_input_ids = batch.get("decoder_input_ids", torch.empty(0, dtype=torch.long))
+        self.rows_per_microbatch = batch["input_ids"].shape[0] // self.microbatches
+        args = (batch["input_ids"],) if self.holds_first else ()
+        target = batch["labels"] if self.holds_last else None
+        losses: list[torch.Tensor] = []
+        start = time.perf_counter()
+        if training:
+            schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        else:
+            schedule.eval(*args, target=target, losses=losses, return_outputs=False)
+        self.last_step_seconds = time.perf_counter() - start
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for loss in losses:
+            total += loss.detach().float()
+        dist.broadcast(total, group=self.group, group_src=self.last_rank)
+        return total
+
+    def step(self, batch: Batch, context: StepContext, tokens: torch.Tensor,
+             routing_groups: RoutingGroups) -> torch.Tensor:
+        """Forward and backward of every microbatch through the schedule (``tokens``: the global count of labelled
+        tokens); returns the sum of the microbatches' losses, the same on every pp rank."""
+        self.shared.begin()
+        self.step_context = context
+        try:
+            total = self._run(batch, tokens, training=True, routing_groups=routing_groups)
+        finally:
+            self.step_context = StepContext()
+        self.shared.finish()
+        return total
+
+    @torch.no_grad()
+    def evaluate(self, batch: Batch, tokens: torch.Tensor, routing_groups: RoutingGroups) -> torch.Tensor:
+        return self._run(batch, tokens, training=False, routing_groups=routing_groups)
+
+    # ------------------------------------------------------------------ checkpoint names
+    def state_view(self) -> nn.Module:
+        """This rank's stages under single-process names (:func:`merged_view`), shared modules aliased."""
+        shared = {entry.name.rsplit(".", 1)[0] for entry in self.shared.shared} | shared_block_modules(self.stages)
+        return merged_view(self.stages, shared)
+
+    def _renamed_copies(self) -> tuple[dict[str, str], set[str]]:
+        """The copies this rank holds under another name (-> their single-process name), and the names of its
+        other parameters (canonical)."""
+        copies = self.shared.renamed_copies()
+        names = {canonical_name(name) for stage in self.stages for name, _ in stage.named_parameters()}
+        return copies, names - set(copies)
+
+    def to_single_process_names(self, state: dict) -> dict:
+        """The state of :meth:`state_view` with single-process keys (:mod:`~xscale.parallel.pipeline.checkpoint`):
+        the second copies of a module two stages of this rank hold dropped, a copy under another name saved under
+        its source's name."""
+        model_state, optimizer_state = drop_aliases(state["model"]), drop_aliases(state["optimizer"])
+        copies_to_sources(model_state, optimizer_state, *self._renamed_copies())
+        return {"model": model_state, "optimizer": optimizer_state}
+
+    def from_single_process_names(self, state: dict, view: nn.Module) -> dict:
+        """The inverse of :meth:`to_single_process_names` for ``view``."""
+        model_state, optimizer_state = sources_to_copies(state["model"], state["optimizer"], *self._renamed_copies())
+        return {"model": add_aliases(model_state, view),
+                "optimizer": add_aliases(optimizer_state, view, flat_optimizer=True)}

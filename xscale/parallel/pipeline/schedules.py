@@ -1,0 +1,200 @@
+"""Pipeline schedules (``parallel.pp_schedule``) and everything that can be refused before a stage is built.
+
+Schedules come from ``torch.distributed.pipelining``:
+  gpipe             all forwards, then all backwards (Huang et al. 2019)
+  1f1b              one forward, one backward in steady state (PipeDream-Flush, Narayanan et al. 2021)
+  interleaved_1f1b  several stages per rank, looped placement (Narayanan et al. 2021, sec. 2.2)
+  zero_bubble       ZB-V: two stages per rank in a V, backward split into input and weight halves
+                    that fill the bubble (Qi et al. 2024, sec. 6)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.pipelining import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
+
+from xscale.config import Config, ConfigError, ModelConfig
+from xscale.parallel.pipeline.stages import pipeline_layers, split_layers
+
+
+class ForwardOnlyZBV(ScheduleZBVZeroBubble):
+    """ZB-V's action list without its backward half, for evaluation.
+
+    torch 2.13's runtime passes gradients between the two same-rank stages of the V even when the
+    schedule runs forward only (``eval``), and fails with "can't steal_bwd_input if this stage doesn't
+    have backward"; keeping only the forward actions and their sends/receives avoids it.
+    """
+
+    FORWARD_ACTIONS = ("F", "SEND_F", "RECV_F", "UNSHARD", "RESHARD")
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.pipeline_order_with_comms = {
+            rank: [action for action in actions if action.computation_type.value in self.FORWARD_ACTIONS]
+            for rank, actions in self.pipeline_order_with_comms.items()
+        }
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """A schedule name's class, how its stages sit on the ranks, and what it demands."""
+
+    cls: type
+    placement: str  # loop: stage s on rank s % pp; v: down the ranks and back up
+    min_stages_per_rank: int
+    max_stages_per_rank: int | None
+    # 1F1B-style schedules start a backward before all forwards are in: every stage needs a microbatch.
+    needs_microbatch_per_stage: bool
+    eval_cls: type | None = None
+
+    @property
+    def single_stage(self) -> bool:
+        return self.max_stages_per_rank == 1
+
+    def accepts(self, stages_per_rank: int) -> bool:
+        return self.min_stages_per_rank <= stages_per_rank <= (self.max_stages_per_rank or stages_per_rank)
+
+    def stages_rule(self) -> str:
+        if self.max_stages_per_rank == self.min_stages_per_rank:
+            return f"exactly {self.min_stages_per_rank}"
+        return f"{self.min_stages_per_rank} or more"
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {
+    "gpipe": ScheduleSpec(ScheduleGPipe, "loop", 1, 1, needs_microbatch_per_stage=False),
+    "1f1b": ScheduleSpec(Schedule1F1B, "loop", 1, 1, needs_microbatch_per_stage=True),
+    "interleaved_1f1b": ScheduleSpec(ScheduleInterleaved1F1B, "loop", 2, None, needs_microbatch_per_stage=True),
+    "zero_bubble": ScheduleSpec(ScheduleZBVZeroBubble, "v", 2, 2, needs_microbatch_per_stage=True,
+                                eval_cls=ForwardOnlyZBV),
+}
+
+
+def check_pipeline(config: Config, data_parallel: int | None = None) -> None:
+    """Refuse what cannot pipeline, before anything is built; each message says what to change.
+
+    ``data_parallel``: the data-parallel degree when the caller knows it (else it is read from
+    ``parallel.dp_replicate * parallel.dp_shard`` when dp_shard is fixed).
+    """
+    model, parallel, train = config.model, config.parallel, config.train
+    if parallel.pp < 1:
+        raise ConfigError(f"parallel.pp must be >= 1, got {parallel.pp}")
+    if parallel.pp == 1:
+        return
+    layer_count = pipeline_layers(model)
+    # A shared stack's one block is built as its first layer.
+    shared_blocks = [0, model.n_layers] if model.family == "encoder_decoder" else [0]
+    if model.share_layers and any(model.attention.kind_for_layer(index) == "routing" for index in shared_blocks):
+        raise ConfigError("routing attention in a shared block (model.share_layers) moves its k-means centroids at "
+                          "every depth, which pipeline stages holding copies of the block would each see only part "
+                          "of; set model.share_layers=false or parallel.pp=1 with routing attention")
+    spec = SCHEDULES.get(parallel.pp_schedule)
+    if spec is None:
+        raise ConfigError(f"parallel.pp_schedule='{parallel.pp_schedule}' is not one of {', '.join(SCHEDULES)}")
+    stages_per_rank = parallel.pp_stages_per_rank
+    if not spec.accepts(stages_per_rank):
+        hint = ("use parallel.pp_schedule=interleaved_1f1b or zero_bubble for several stages per rank"
+                if stages_per_rank > 1 else "set parallel.pp_stages_per_rank=2, or use gpipe or 1f1b")
+        raise ConfigError(f"parallel.pp_schedule={parallel.pp_schedule} needs {spec.stages_rule()} stages per rank, "
+                          f"got parallel.pp_stages_per_rank={stages_per_rank}; {hint}")
+    num_stages = parallel.pp * stages_per_rank
+    split_layers(layer_count, num_stages, parallel.pp_split, layer_count_name(model))
+    if data_parallel is None and parallel.dp_shard != -1:
+        data_parallel = parallel.dp_replicate * parallel.dp_shard
+    microbatches = resolve_microbatches(config, data_parallel)
+    check_microbatches(parallel.pp_schedule, parallel.pp, stages_per_rank, microbatches)
+    if data_parallel is not None:
+        if train.global_batch_size % data_parallel:
+            raise ConfigError(f"train.global_batch_size={train.global_batch_size} does not split over "
+                              f"{data_parallel} data-parallel ranks; make it a multiple of {data_parallel}")
+        local = train.global_batch_size // data_parallel
+        if local % microbatches:
+            raise ConfigError(
+                f"each data-parallel rank's batch of {local} sequences (train.global_batch_size / data "
+                f"parallel) does not split into parallel.microbatches={microbatches}; pick "
+                f"microbatches from {[m for m in range(1, local + 1) if local % m == 0]}"
+            )
+        micro = train.micro_batch_size
+        if micro is not None and micro != local // microbatches:
+            raise ConfigError(
+                f"train.micro_batch_size={micro} disagrees with the pipeline's microbatches of "
+                f"{local // microbatches} sequences ({local} / parallel.microbatches); leave "
+                f"train.micro_batch_size unset under pipeline parallelism"
+            )
+
+
+def layer_count_name(model: ModelConfig) -> str:
+    """How messages name the layer count a pipeline splits."""
+    if model.family == "encoder_decoder":
+        return f"model.n_layers + the decoder's layers ({model.n_layers} + {model.decoder_layers})"
+    return "model.n_layers"
+
+
+def microbatch_problem(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> str | None:
+    """Why ``schedule`` cannot run ``microbatches`` per step (None: it can)."""
+    if microbatches < 1:
+        return f"parallel.microbatches must be >= 1, got {microbatches}"
+    spec = SCHEDULES[schedule]
+    if spec.needs_microbatch_per_stage and microbatches < pp:
+        return (f"parallel.pp_schedule={schedule} needs at least parallel.pp={pp} microbatches, got "
+                f"parallel.microbatches={microbatches}; raise it (more also shrinks the bubble)")
+    if spec.placement == "loop" and stages_per_rank > 1:
+        # torch's interleaved 1F1B runs max(1, m // pp) rounds of equal size (ScheduleInterleaved1F1B).
+        rounds = max(1, microbatches // pp)
+        if microbatches % rounds:
+            return (f"parallel.pp_schedule={schedule} runs microbatches in rounds of parallel.pp={pp}; "
+                    f"parallel.microbatches={microbatches} is not a whole number of rounds, use a multiple of {pp}")
+    return None
+
+
+def check_microbatches(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> None:
+    """The microbatch counts a schedule can run."""
+    problem = microbatch_problem(schedule, pp, stages_per_rank, microbatches)
+    if problem:
+        raise ConfigError(problem)
+
+
+def resolve_microbatches(config: Config, data_parallel: int | None = None) -> int:
+    """``parallel.microbatches`` as set, or when unset (None, "auto") the fewest microbatches the schedule runs
+    that split each data-parallel rank's batch (``train.global_batch_size / data_parallel``) evenly.
+
+    The floor is what :func:`check_microbatches` accepts: 1 for gpipe and without a pipeline, parallel.pp for the
+    1F1B-style schedules (each stage of the pp group needs a microbatch before the first backward). With ``data_parallel`` unknown (or not dividing the batch, which
+    :func:`check_pipeline` refuses) the floor is returned. A set value is returned unchanged, to be validated as given.
+    """
+    parallel, train = config.parallel, config.train
+    if parallel.microbatches is not None:
+        return parallel.microbatches
+    if parallel.pp <= 1 or parallel.pp_schedule not in SCHEDULES:
+        return 1
+    schedule, pp, stages_per_rank = parallel.pp_schedule, parallel.pp, parallel.pp_stages_per_rank
+
+    def runs(count: int) -> bool:
+        return microbatch_problem(schedule, pp, stages_per_rank, count) is None
+
+    floor = next(count for count in range(1, pp + 1) if runs(count))  # pp always runs (one round)
+    if data_parallel is None or data_parallel < 1 or train.global_batch_size % data_parallel:
+        return floor
+    local = train.global_batch_size // data_parallel
+    divisors = [count for count in range(1, local + 1) if local % count == 0]
+    fitting = [count for count in divisors if runs(count)]
+    if not fitting:
+        raise ConfigError(
+            f"parallel.microbatches is unset (auto) and no count fits: parallel.pp_schedule={schedule} needs at least "
+            f"{floor} microbatches, but each data-parallel rank's batch of {local} sequences "
+            f"(train.global_batch_size={train.global_batch_size} / {data_parallel} data-parallel ranks) splits only "
+            f"into {divisors}; set train.global_batch_size to a multiple of {data_parallel * floor}"
+            + (", or parallel.pp_schedule=gpipe" if schedule != "gpipe" else ""))
+    return fitting[0]
+
+
+def ideal_bubble(pp: int, microbatches: int) -> float:
+    """GPipe's and 1F1B's bubble with equal stages and free communication: (p-1)/(m+p-1) (Huang et al. 2019)."""
+    return (pp - 1) / (microbatches + pp - 1)
+
+

@@ -1,0 +1,104 @@
+"""One optimizer step's forward and backward, under any layout.
+
+The contract, which the parity tests check: the loss returned and the gradients left are those of the
+single-process model on the whole global batch, where the loss is the mean token cross-entropy over every labelled
+token of the global batch, plus the MoE auxiliary losses averaged over the step's routing groups. Each microbatch's
+summed token loss is divided by the global count of labelled tokens, so the gradients summed over microbatches and
+data-parallel ranks are the global mean's. The layout (:class:`~xscale.parallel.model.ParallelModel`) adds what it
+must: gradient sums after the last backward, this rank's place in every forward's context, its share of the tokens,
+or, under pipeline parallelism, the schedule that runs every microbatch through the stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from xscale.config import TrainConfig
+from xscale.models.training_step import begin_training_step
+from xscale.parallel.grad_norm import clip_gradients
+from xscale.parallel.loss import model_loss_sum
+from xscale.parallel.model import Batch, ParallelModel
+from xscale.runtime import StepContext
+from xscale.train.optim import build_optimizer
+
+
+def split_microbatches(batch: Batch, micro_batch_size: int) -> list[Batch]:
+    size = batch["input_ids"].shape[0]
+    return [{key: value[start:start + micro_batch_size] for key, value in batch.items()}
+            for start in range(0, size, micro_batch_size)]
+
+
+def global_token_count(model: ParallelModel, batch: Batch) -> torch.Tensor:
+    """Labelled tokens in the global batch (summed over the data-parallel ranks), at least 1."""
+    return model.data_parallel.global_token_count((batch["labels"] != -100).sum()).clamp_min(1)
+
+
+def forward_backward_step(model: ParallelModel, batch: Batch, context: StepContext | None = None) -> torch.Tensor:
+    """Forward and backward of this rank's batch (its share of the global batch); returns the global-batch mean
+    loss (detached, on the CPU). ``context``: where the batch sits in the run (step, first global sample), so each
+    microbatch draws the dropout masks of its rows in the global batch, as on one device."""
+    for part in model.parts:
+        part.train()
+    tokens = global_token_count(model, batch)
+    microbatches = model.microbatches_per_batch(batch["input_ids"].shape[0])
+    moe_loss_scale = model.routing_groups.begin_step(microbatches)
+    begin_training_step(model.parts, microbatches * model.data_parallel.replicas)
+    context = replace(context if context is not None else StepContext(), moe_loss_scale=moe_loss_scale)
+    if model.pipeline is not None:
+        with model.autocast():
+            total = model.pipeline.step(batch, context, tokens, model.routing_groups)
+    else:
+        total = torch.zeros((), dtype=torch.float32, device=model.device)
+        micros = split_microbatches(batch, model.micro_batch_size)
+        for index, micro in enumerate(micros):
+            model.data_parallel.requires_gradient_sync(index == len(micros) - 1)
+            micro_context = model.place(context.microbatch(index, model.micro_batch_size))
+            with model.autocast():
+                loss = model_loss_sum(model.model, model.shard_batch(micro), micro_context) / tokens
+            loss.backward()
+            total += loss.detach().float()
+    model.data_parallel.after_backward()
+    model.routing_groups.end_step()
+    return model.data_parallel.reduce_loss(total).cpu()
+
+
+@torch.no_grad()
+def evaluation_loss(model: ParallelModel, batch: Batch) -> torch.Tensor:
+    """The global-batch mean token loss of ``batch`` in evaluation mode (no dropout)."""
+    for part in model.parts:
+        part.eval()
+    tokens = global_token_count(model, batch)
+    with model.autocast():
+        if model.pipeline is not None:
+            total = model.pipeline.evaluate(batch, tokens, model.routing_groups)
+        else:
+            total = torch.zeros((), dtype=torch.float32, device=model.device)
+            for micro in split_microbatches(batch, model.micro_batch_size):
+                total += (model_loss_sum(model.model, model.shard_batch(micro), model.place(StepContext()))
+                          / tokens).float()
+    return model.data_parallel.reduce_loss(total).cpu()
+
+
+def clip_gradient_norm(model: ParallelModel, max_norm: float) -> torch.Tensor:
+    """Clip to ``max_norm`` (0: only measure) and return the global gradient norm (every distinct gradient element
+    of the whole model once, over every rank: :mod:`xscale.parallel.grad_norm`)."""
+    if model.data_parallel.mesh is not None or model.pipeline is not None:  # pieces spread over ranks
+        return clip_gradients(model.gradient_pieces(), max_norm)
+    params = [p for p in model.parameters() if p.grad is not None]
+    if max_norm > 0:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+    return torch.nn.utils.get_total_norm([p.grad for p in params])
+
+
+def model_optimizer(model: ParallelModel, train: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW over what this rank updates: whole parameters, DTensor shards or ZeRO chunks."""
+    params = model.data_parallel.optimizer_parameters()
+    source_ndim = {id(shard): entry.param.ndim for shard, entry in zip(params, model.data_parallel.parameters)}
+    return build_optimizer(params, train, source_ndim)
+
+
+def optimizer_step(model: ParallelModel, optimizer: torch.optim.Optimizer) -> None:
+    """Step and zero the gradients (ZeRO: each rank its chunk, then the updated chunks gathered)."""
+    model.data_parallel.optimizer_step(optimizer)
