@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "xscale"
 
-COMMANDS = ("xscale.cli", "xscale.inspect", "xscale.parity", "xscale.export", "xscale.bench", "xscale.tools")
+COMMANDS = ("xscale.cli", "xscale.tools")
 ABOVE_MODELS = ("xscale.parallel", "xscale.train", "xscale.launcher", "xscale.validate", *COMMANDS)
 # Modules of xscale.models that parallel/ may import: base classes, traits and protocols, not components.
 MODEL_INTERFACES = ("xscale.models", "xscale.models.attention", "xscale.models.attention.core",

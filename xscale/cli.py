@@ -9,12 +9,12 @@ import sys
 # command -> (module, function, one-line help); modules load lazily so `xscale --help` is instant.
 COMMANDS = {
     "train": ("xscale.train.cli", "main", "train a model: xscale train [CONFIG] [section.key=value ...]"),
-    "inspect": ("xscale.inspect", "main", "parameters, FLOPs per token and per-rank memory of a config"),
-    "export": ("xscale.export", "main", "write a checkpoint's weights to one safetensors file"),
-    "bench": ("xscale.bench", "main", "benchmarks: train | attention | kernels | moe | parallel | dropout"),
+    "inspect": ("xscale.tools.inspect", "main", "parameters, FLOPs per token and per-rank memory of a config"),
+    "export": ("xscale.tools.export", "main", "write a checkpoint's weights to one safetensors file"),
+    "bench": ("xscale.tools.bench", "main", "benchmarks: train | attention | kernels | moe | parallel | dropout"),
     "data": ("xscale.data.cli", "main", "data tools: tokenizer | preprocess"),
     "submit": ("xscale.launcher.submit", "main", "render and submit a Slurm job"),
-    "parity": ("xscale.parity", "main", "compare loss curves across parallel layouts"),
+    "parity": ("xscale.tools.parity", "main", "compare loss curves across parallel layouts"),
 }
 
 

@@ -11,7 +11,7 @@ import torch
 from xscale.config import ModelConfig
 from xscale.models import build_model
 from xscale.models.norm import ScaleNorm
-from xscale.parity import run_local
+from xscale.tools.parity import run_local
 from xscale.train.checkpoint import CheckpointError, check_fingerprint
 
 

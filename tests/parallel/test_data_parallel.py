@@ -8,7 +8,7 @@ from parity_models import DECODER, DROPOUT, ENCODER, assert_parity
 from xscale.parallel.checks import resolve_dims
 from xscale.parallel.dims import rank_coordinates
 from xscale.parallel.memory import predicted_pipeline_state_bytes, predicted_state_bytes
-from xscale.parity import run_local
+from xscale.tools.parity import run_local
 from xscale.validate import load_config
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from xscale.config import ConfigError
-from xscale.inspect import main as inspect_main
 from xscale.parallel.checks import resolve_dims
 from xscale.parallel.dims import rank_coordinates
 from xscale.parallel.memory import (
@@ -13,6 +12,7 @@ from xscale.parallel.memory import (
     predicted_pipeline_state_bytes,
     predicted_state_bytes,
 )
+from xscale.tools.inspect import main as inspect_main
 from xscale.validate import load_config
 
 BASE = ["model.vocab_size=64", "model.d_model=32", "model.n_layers=4", "model.n_heads=4", "train.global_batch_size=8",

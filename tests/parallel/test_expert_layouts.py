@@ -26,7 +26,8 @@ from xscale.parallel.checks import resolve_dims
 from xscale.parallel.loss import model_loss_sum
 from xscale.parallel.memory import predicted_state_bytes
 from xscale.parallel.model import ParallelModel
-from xscale.parity import (
+from xscale.runtime import StepContext
+from xscale.tools.parity import (
     PARITY_SETTINGS,
     layout_overrides,
     max_relative_difference,
@@ -34,7 +35,6 @@ from xscale.parity import (
     train_losses,
     world_size_of,
 )
-from xscale.runtime import StepContext
 from xscale.train.step import forward_backward_step
 from xscale.validate import load_config
 

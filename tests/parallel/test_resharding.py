@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from xscale.parity import PARITY_SETTINGS, layout_overrides, run_local, world_size_of
+from xscale.tools.parity import PARITY_SETTINGS, layout_overrides, run_local, world_size_of
 from xscale.validate import load_config
 
 SAMPLES, GLOBAL_BATCH, STEPS = 64, 8, 8  # 8 steps of 8 = one epoch

@@ -92,12 +92,12 @@ PARITY_CASES = {
     "realformer-alibi": (dict(attention_model("realformer", "decoder"), position="alibi"), False),
     "realformer-encoder-sp": (attention_model("realformer", "encoder"), True),
     "realformer-t5-sp": (dict(T5, attention=AttentionConfig(kind="realformer")), True),
-    # Heads mixed: every rank gathers all heads' q and k (xscale/parallel/talking_heads.py).
+    # Heads mixed: every rank gathers all heads' q and k (xscale/parallel/tensor/talking_heads.py).
     "talking-heads-alibi": (dict(attention_model("talking_heads", "decoder"), position="alibi"), False),
     "talking-heads-gqa-rope-sp": (dict(DECODER, attention=AttentionConfig(kind="talking_heads")), True),
     "talking-heads-mqa-encoder": (dict(attention_model("talking_heads", "encoder"), n_kv_heads=1), False),
     "talking-heads-t5-sp": (dict(T5, attention=AttentionConfig(kind="talking_heads")), True),
-    # Per-head state split by head (xscale/parallel/head_sharded.py); buffers compared too.
+    # Per-head state split by head (xscale/parallel/tensor/head_sharded.py); buffers compared too.
     "gaussian": (attention_model("gaussian", "decoder", sigma=3.0), False),
     "gaussian-prior-alibi-sp": (dict(attention_model("gaussian_prior", "encoder"), position="alibi"), True),
     "adaptive-span": (attention_model("adaptive_span", "decoder", max_span=8, ramp=4, span_loss=0.01), False),

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import xscale.train.checkpoint as checkpoint_module
-from xscale.export import export_safetensors
+from xscale.tools.export import export_safetensors
 from xscale.train.checkpoint import Checkpointer, CheckpointError
 from xscale.train.trainer import Trainer
 from xscale.validate import load_config

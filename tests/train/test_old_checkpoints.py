@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from xscale.parity import PARITY_SETTINGS, train_losses
+from xscale.tools.parity import PARITY_SETTINGS, train_losses
 from xscale.validate import load_config
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "checkpoints"

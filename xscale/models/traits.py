@@ -7,7 +7,7 @@ Tensor parallelism (``tp``; Megatron-LM, Shoeybi et al. 2019) gives rank r the h
   * ``split_heads``: the heads are independent; the core runs its single-device code on its H/tp heads (any
     parameters it has are shared by the heads: replicated, gradients summed over tp);
   * ``head_state``: as ``split_heads``, and the state its ``per_head_state`` names (dim 0 = heads) is split by
-    head (:mod:`xscale.parallel.head_sharded`);
+    head (:mod:`xscale.parallel.tensor.head_sharded`);
   * ``gather_heads``: output heads read every head's logits (talking heads); each rank gathers all heads' q and k
     and the core computes the output heads its context names (``StepContext.heads_held``: a slice of the global heads);
   * ``split_hidden``: a feed-forward network whose ``column_parallel`` linears are split by output features and

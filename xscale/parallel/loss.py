@@ -4,7 +4,7 @@ Engines divide it by the global count of labelled tokens, so sums over microbatc
 context-parallel ranks and pipeline microbatches give the single-process mean. The output projection is applied
 here, fused with the cross-entropy so the (tokens x vocabulary) logits never exist (chunked in PyTorch, or the
 Triton kernel); under tensor parallelism, where the projection is split by vocabulary, each rank computes its
-vocabulary shard's logits and :func:`~xscale.parallel.vocab_parallel.vocab_sharded_loss_sum` combines them.
+vocabulary shard's logits and :func:`~xscale.parallel.tensor.vocab_parallel.vocab_sharded_loss_sum` combines them.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from xscale.ops import cross_entropy_sum, linear_cross_entropy_sum
-from xscale.parallel.vocab_parallel import vocab_sharded_loss_sum
+from xscale.parallel.tensor.vocab_parallel import vocab_sharded_loss_sum
 from xscale.runtime import StepContext
 
 Batch = dict[str, torch.Tensor]

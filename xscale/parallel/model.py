@@ -10,7 +10,7 @@ and the state-dict adapter below, which names model and optimizer state in singl
 stage's copies under their source's name), so DCP reshards checkpoints between layouts.
 
 A routing group is the tokens one forward routes together: one microbatch on one rank, gathered over the ep group
-under expert parallelism. A step has G = microbatches x (dp / ep) of them (:mod:`xscale.parallel.routing_groups`).
+under expert parallelism. A step has G = microbatches x (dp / ep) of them (:mod:`xscale.parallel.expert.routing_groups`).
 The single process routes one microbatch at a time, so its routing matches a layout's when its micro_batch_size
 equals the sequences of one routing group; the data split follows the microbatches
 (:meth:`GlobalSampler.shard <xscale.data.sampler.GlobalSampler.shard>`).
@@ -35,9 +35,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from xscale.models.init import canonical_name
 from xscale.parallel.data import DataParallel, NamedParameter
-from xscale.parallel.expert_state import globalize_expert_state, localize_expert_state
-from xscale.parallel.grad_norm import GradientPiece
-from xscale.parallel.routing_groups import RoutingGroups
+from xscale.parallel.data.grad_norm import GradientPiece
+from xscale.parallel.expert.routing_groups import RoutingGroups
+from xscale.parallel.expert.state import globalize_expert_state, localize_expert_state
 from xscale.runtime import StepContext
 
 Batch = dict[str, torch.Tensor]
@@ -119,7 +119,7 @@ class ParallelModel:
 
     def state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         """Model and optimizer state keyed by canonical parameter names, in single-process shapes (expert tensors
-        included: :mod:`xscale.parallel.expert_state`), so DCP reshards them to any layout."""
+        included: :mod:`xscale.parallel.expert.state`), so DCP reshards them to any layout."""
         view = self._view()
         custom = self.data_parallel.optimizer_state_dict(optimizer)
         if custom is not None:

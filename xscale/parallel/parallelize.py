@@ -27,9 +27,9 @@ from xscale.models.moe import moe_layers
 from xscale.parallel.activation import apply_activation_checkpointing
 from xscale.parallel.context import apply_context_parallel
 from xscale.parallel.data import DataParallel, ReplicatedDataParallel, ZeroDataParallel
+from xscale.parallel.data.fsdp import FullyShardedDataParallel, apply_fsdp
 from xscale.parallel.dims import ParallelDims
 from xscale.parallel.expert import apply_expert_parallel
-from xscale.parallel.fsdp import FullyShardedDataParallel, apply_fsdp
 from xscale.parallel.model import ParallelModel, Placement, named_parameters, unplaced, whole_batch
 from xscale.parallel.pipeline import PipelineSchedule
 from xscale.parallel.tensor import apply_tensor_parallel, tensor_parallel_context
@@ -49,7 +49,7 @@ def replica_statistics(mesh: DeviceMesh, dims: ParallelDims) -> Placement:
     """Cores that keep running statistics of the tokens they see (``dp_statistics`` in their parallel_traits:
     routing attention's k-means sums) sum them over the data-parallel ranks with the context's
     ``sum_over_replicas``, so every rank moves them alike (as one device would on the whole batch). Over dp only: a
-    tp rank holds the statistics of its own heads (:mod:`xscale.parallel.head_sharded`)."""
+    tp rank holds the statistics of its own heads (:mod:`xscale.parallel.tensor.head_sharded`)."""
     if dims.dp == 1:
         return unplaced
     group = mesh["dp"].get_group()

@@ -17,7 +17,7 @@ import torch
 
 from xscale.config import TrainConfig
 from xscale.models.training_step import begin_training_step
-from xscale.parallel.grad_norm import clip_gradients
+from xscale.parallel.data.grad_norm import clip_gradients
 from xscale.parallel.loss import model_loss_sum
 from xscale.parallel.model import Batch, ParallelModel
 from xscale.runtime import StepContext
@@ -83,7 +83,7 @@ def evaluation_loss(model: ParallelModel, batch: Batch) -> torch.Tensor:
 
 def clip_gradient_norm(model: ParallelModel, max_norm: float) -> torch.Tensor:
     """Clip to ``max_norm`` (0: only measure) and return the global gradient norm (every distinct gradient element
-    of the whole model once, over every rank: :mod:`xscale.parallel.grad_norm`)."""
+    of the whole model once, over every rank: :mod:`xscale.parallel.data.grad_norm`)."""
     if model.data_parallel.mesh is not None or model.pipeline is not None:  # pieces spread over ranks
         return clip_gradients(model.gradient_pieces(), max_norm)
     params = [p for p in model.parameters() if p.grad is not None]

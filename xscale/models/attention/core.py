@@ -4,7 +4,7 @@ Projections, positions and head bookkeeping live in :class:`xscale.models.attent
 a *core* only mixes values: ``core(q, k, v, causal=..., bias=...)`` with q (B, H, Tq, hd) and
 k, v (B, Hkv, Tk, hd), H a multiple of Hkv (GQA/MQA), returning (B, H, Tq, hd).
 Tensor parallelism splits heads, so a core must treat heads independently (or own per-head state
-that the TP plan slices: ``per_head_state`` names it, dim 0 = heads; :mod:`xscale.parallel.head_sharded`);
+that the TP plan slices: ``per_head_state`` names it, dim 0 = heads; :mod:`xscale.parallel.tensor.head_sharded`);
 ``mixes_heads`` cores cannot be split. Its ``parallel_traits`` (:mod:`xscale.models.traits`) say which plans may
 run it and how; a core that declares none is refused by tensor and context parallelism.
 A core that reads no queries (or keys) says so in ``uses_queries`` / ``uses_keys``: the module then builds no

@@ -6,7 +6,7 @@ softmax and their weights after it.
 P = I + Delta with Delta learned and near 0 at initialisation, so the layer starts as dense attention. It mixes
 heads (``mixes_heads``): a rank holding some heads cannot compute their output from them alone; tensor
 parallelism (``tp="gather_heads"``) gives the core every head's queries and keys and has it compute the heads its context names (``StepContext.heads_held``), its
-own output heads (:mod:`xscale.parallel.talking_heads`). Cost T^2 per head.
+own output heads (:mod:`xscale.parallel.tensor.talking_heads`). Cost T^2 per head.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ class MoELayer(nn.Module):
     the auxiliary losses are the mean over the step's routing groups (1.0: one group).
     After each forward, ``metrics`` holds detached tensors over the forward's routing group: tokens_per_expert,
     dropped_fraction, aux_loss, z_loss (unscaled); the step replaces them with the whole step's after its
-    backward (:mod:`xscale.parallel.routing_groups`). :meth:`layer_metrics` gives them as floats.
+    backward (:mod:`xscale.parallel.expert.routing_groups`). :meth:`layer_metrics` gives them as floats.
     """
 
     # Tensor parallelism replicates the layer: every tp rank routes the whole sequence (the experts, which an

@@ -29,6 +29,7 @@ from torch.distributed.pipelining import PipelineStage
 from xscale.config import Config, ConfigError, ModelConfig
 from xscale.models.init import canonical_name
 from xscale.models.transformer import Transformer
+from xscale.parallel.expert.routing_groups import RoutingGroups
 from xscale.parallel.loss import token_loss_sum
 from xscale.parallel.model import Batch, Placement, unplaced
 from xscale.parallel.pipeline.checkpoint import (
@@ -49,7 +50,6 @@ from xscale.parallel.pipeline.stages import (
     stage_to_rank,
     whole_backward,
 )
-from xscale.parallel.routing_groups import RoutingGroups
 from xscale.runtime import StepContext
 
 # The PipelineStage methods that compute (everything else a schedule does is communication or bookkeeping).

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from xscale.bench import moe as bench
+from xscale.tools.bench import moe as bench
 
 TINY = ["--tokens", "64", "--d-model", "16", "--hidden", "32", "--experts", "4", "--rounds", "1"]
 

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate
 LOCAL_NAMES = "_tensor_parallel_local_parameters"
 GRADIENT_GROUP = "_tensor_parallel_gradient_group"
 # Set on each module whose parameters/buffers are sharded DTensors used as their local shards
-# (:mod:`xscale.parallel.head_sharded`): their names.
+# (:mod:`xscale.parallel.tensor.head_sharded`): their names.
 SHARDED_NAMES = "_tensor_parallel_sharded_state"
 
 

@@ -4,7 +4,7 @@ Each block is split the Megatron way: q/k/v projections column-wise (every rank 
 n_kv_heads/tp kv heads), the attention output projection row-wise; FFN input projections column-wise, the
 output projection row-wise; so each sub-layer costs one all-reduce forward and one backward. The embedding
 is split by vocabulary and the output projection by vocabulary too, so the loss is vocab-parallel
-(:mod:`xscale.parallel.vocab_parallel`); tied weights stay tied (both are sharded on the vocabulary dim).
+(:mod:`xscale.parallel.tensor.vocab_parallel`); tied weights stay tied (both are sharded on the vocabulary dim).
 
 Sequence parallelism replaces each all-reduce by a reduce-scatter (after a row-wise projection) and an
 all-gather (before a column-wise one): between sub-layers the residual stream, norms, dropout and BERT's
@@ -18,11 +18,11 @@ Between modules activations are plain local tensors (the whole sequence, or this
 appear only at the boundaries of the split projections. What is not split: MoE layers are replicated over
 tp (every tp rank routes the full sequence, under sequence parallelism gathered first), as are norms,
 position tables and BERT's head transform; their parameters are Replicate DTensors read as local tensors
-(:mod:`xscale.parallel.replicated`). With n_kv_heads=1 (MQA) the k/v projections are replicated likewise.
+(:mod:`xscale.parallel.tensor.replicated`). With n_kv_heads=1 (MQA) the k/v projections are replicated likewise.
 Talking-heads attention mixes heads: each rank gathers every head's q and k and computes its own output heads
-(:mod:`xscale.parallel.talking_heads`, which states the extra cost).
+(:mod:`xscale.parallel.tensor.talking_heads`, which states the extra cost).
 An attention core's per-head state (its ``per_head_state``: Gaussian/adaptive-span widths, Synthesizer weights,
-pooling points, routing centroids) is split by head like q/k/v (:mod:`xscale.parallel.head_sharded`).
+pooling points, routing centroids) is split by head like q/k/v (:mod:`xscale.parallel.tensor.head_sharded`).
 Every parameter is a DTensor on the tp mesh and every gradient comes back with its parameter's placements.
 
 Dropout masks are functions of each element's global coordinates (:mod:`xscale.models.dropout`), so
@@ -54,10 +54,10 @@ from xscale.models.block import Residual, TransformerBlock
 from xscale.models.registry import ATTENTION, FFN
 from xscale.models.traits import traits_of
 from xscale.models.transformer import Stack, Transformer
-from xscale.parallel.head_sharded import shard_head_state
-from xscale.parallel.replicated import replicate_parameters
-from xscale.parallel.talking_heads import gather_heads
-from xscale.parallel.vocab_parallel import VocabParallelEmbedding
+from xscale.parallel.tensor.head_sharded import shard_head_state
+from xscale.parallel.tensor.replicated import replicate_parameters
+from xscale.parallel.tensor.talking_heads import gather_heads
+from xscale.parallel.tensor.vocab_parallel import VocabParallelEmbedding
 from xscale.runtime import StepContext
 
 # The hooks through which a position encoding computes (it has no forward).

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from xscale.parallel.data import DataParallel, NamedParameter
+from xscale.parallel.data.strategies import DataParallel, NamedParameter
 from xscale.parallel.dims import ParallelDims
 
 

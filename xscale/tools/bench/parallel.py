@@ -34,7 +34,7 @@ from pathlib import Path
 from xscale.config import Config, ConfigError
 from xscale.parallel.checks import resolve_dims
 from xscale.parallel.pipeline import ideal_bubble
-from xscale.parity import PARITY_SETTINGS, layout_overrides, run_local, world_size_of
+from xscale.tools.parity import PARITY_SETTINGS, layout_overrides, run_local, world_size_of
 from xscale.train.trainer import Trainer
 from xscale.validate import load_config_from_cli
 

@@ -9,7 +9,7 @@ ZeRO-1/2 partition each parameter's flattened local tensor into equal chunks ove
 its "parameter" is a view into the model parameter's storage, so fp32 training keeps no extra master copy and the
 per-rank bytes are the paper's: params 4Psi, grads 4Psi (ZeRO-1) or 4Psi/N (ZeRO-2), Adam moments 8Psi/N.
 Stage 1 all-reduces whole gradients and reads its chunk; stage 2 reduce-scatters them and frees the whole gradient.
-After the step every rank all-gathers the updated chunks. ZeRO-3 is FSDP2 (:mod:`xscale.parallel.fsdp`).
+After the step every rank all-gathers the updated chunks. ZeRO-3 is FSDP2 (:mod:`xscale.parallel.data.fsdp`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from xscale.parallel.collectives import all_gather_flat, reduce_scatter_flat
+from xscale.parallel.data.grad_norm import GradientPiece
 from xscale.parallel.dims import ParallelDims
-from xscale.parallel.grad_norm import GradientPiece
 
 BUCKET_BYTES = 32 * 2**20
 

@@ -9,7 +9,7 @@ over the tokens of the whole ep group, so outputs and gradients equal one device
 Checkpoints: parameter names do not change. Expert weights keep their leading expert dimension, now local:
 rank r of an ep group of size P holds rows ``[r * E/P, (r + 1) * E/P)`` of every full ``...experts.<proj>.weight``
 / ``.bias`` [E, ...] (:func:`shard_expert_state_dict` cuts a full state dict; the trainer's checkpoints show
-them in the global shape, :mod:`xscale.parallel.expert_state`). Gradients of expert weights must be reduced
+them in the global shape, :mod:`xscale.parallel.expert.state`). Gradients of expert weights must be reduced
 only over the data-parallel ranks that hold the same experts, those of other weights over every data-parallel
 rank. In the trainer's layouts (:func:`xscale.parallel.parallelize.parallelize`) the ep group is ``mesh["ep"]``,
 consecutive data-parallel ranks, so one routing group is a contiguous slice of the global batch.

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from xscale.bench import attention as bench
+from xscale.tools.bench import attention as bench
 
 TINY = ["--lengths", "64", "--long-lengths", "128", "--variants", "local,linear", "--repeats", "1",
         "--d-model", "32", "--heads", "2"]

@@ -17,5 +17,5 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # What the trainer does on CPU, for every workload of the run alike (XSCALE_SYSTEM_MALLOC=1: leave malloc).
     keep_freed_memory()
-    module = importlib.import_module(f"xscale.bench.{argv[0]}")
+    module = importlib.import_module(f"xscale.tools.bench.{argv[0]}")
     return int(module.main(argv[1:]) or 0)

@@ -8,9 +8,9 @@ import csv
 import pytest
 import torch
 
-from xscale.bench import kernels as bench
 from xscale.ops import reference
 from xscale.ops.chunked_cross_entropy import chunked_linear_cross_entropy_sum
+from xscale.tools.bench import kernels as bench
 
 TINY = ["--tokens", "48", "--hidden", "32", "--heads", "2", "--vocab", "300", "--seq", "16", "--attention-seq", "32",
         "--block", "16", "--experts", "4", "--repeats", "1", "--device", "cpu"]

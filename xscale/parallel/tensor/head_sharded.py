@@ -7,7 +7,7 @@ their pending k-means statistics. :func:`shard_head_state` makes each of those p
 ``Shard(0)`` DTensor on the tp mesh, so a rank stores only its heads' rows, checkpoints see the full-size tensor
 (and reshard it to another layout), and ``init_weights`` slices the single-process initial value.
 
-While the core computes (``forward``, inside :func:`xscale.parallel.replicated.local_parameters`) each slot holds
+While the core computes (``forward``, inside :func:`xscale.parallel.tensor.replicated.local_parameters`) each slot holds
 the local shard, so the core's single-device code sees its H/tp heads: a parameter's gradient comes back as
 this rank's shard (no communication: no other rank uses these heads), and in-place buffer updates (routing's
 centroids) land in the DTensor's local storage. ``reset_buffers`` runs on full-size buffers (the single
@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from xscale.models.init import _copy_into
-from xscale.parallel.replicated import SHARDED_NAMES, computing_within, local_parameters
+from xscale.parallel.tensor.replicated import SHARDED_NAMES, computing_within, local_parameters
 
 
 @contextlib.contextmanager
@@ -57,7 +57,7 @@ def _shard(tensor: torch.Tensor, mesh: DeviceMesh) -> DTensor:
 def shard_head_state(core: nn.Module, mesh: DeviceMesh) -> None:
     """The parameters and buffers ``type(core).per_head_state`` names become ``Shard(0)`` DTensors on the 1-D
     ``mesh``, used as local shards by ``forward``; ``reset_buffers`` fills the full-size buffers. Call it before
-    :func:`~xscale.parallel.replicated.replicate_parameters` on the core (which leaves DTensors alone)."""
+    :func:`~xscale.parallel.tensor.replicated.replicate_parameters` on the core (which leaves DTensors alone)."""
     names = []
     for name in getattr(type(core), "per_head_state", ()):
         state = getattr(core, name, None)

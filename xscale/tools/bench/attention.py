@@ -1,7 +1,7 @@
 """Efficient-attention benchmark: forward + backward time and memory of every core against naive softmax
 attention (T x T materialised, Long Range Arena's "vanilla") and torch SDPA, measured in the same process.
 
-    python -m xscale.bench.attention --out docs/bench/attention        # T = 1K..16K, 32K for linear memory
+    python -m xscale.tools.bench.attention --out docs/bench/attention        # T = 1K..16K, 32K for linear memory
 
 Per length, every variant runs once to warm up (this builds its cached sparsity plan), then every case
 (baselines and variants) once under the allocator profiler for memory, then ``--repeats`` timed rounds that
