@@ -131,7 +131,8 @@ def test_the_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-@pytest.mark.parametrize("module", ["xscale.config", "xscale.parallel.dims", "xscale.runtime.step_context"])
+@pytest.mark.parametrize("module", ["xscale.config", "xscale.parallel.dims", "xscale.runtime.step_context",
+                                    "xscale.runtime.hooks"])
 def test_the_lowest_modules_import_nothing_of_xscale(module):
     assert GRAPH[module] == set()
 

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from xscale.runtime import StepContext
+from xscale.runtime.hooks import DrawsNoise
 
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: splitmix64's stream increment
@@ -180,5 +181,5 @@ def name_dropout_sites(model: nn.Module) -> None:
     """Give each module of ``model`` that draws by position (a :class:`Dropout`, an MoE router: those with a
     ``site`` attribute) the id of its name, the same in every layout."""
     for name, module in model.named_modules():
-        if isinstance(module, Dropout) or hasattr(module, "site"):
+        if isinstance(module, Dropout | DrawsNoise):
             module.site = site_id(name)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from xscale.config import ModelConfig
+from xscale.runtime.hooks import ResetsBuffers
 
 # Output projections of residual branches: std scaled by 1/sqrt(2 * layers) (GPT-2, Radford et al. 2019).
 RESIDUAL_OUTPUTS = ("wo.weight", "w_out.weight", "w_down.weight")
@@ -64,7 +65,7 @@ def init_weights(model: nn.Module, config: ModelConfig, seed: int, names: dict[i
         canonical = names.get(id(param), canonical_name(name)) if names else canonical_name(name)
         _copy_into(param, initial_value(canonical, param.shape, config, seed))
     for module in model.modules():
-        if hasattr(module, "reset_buffers"):
+        if isinstance(module, ResetsBuffers):
             module.reset_buffers()
 
 

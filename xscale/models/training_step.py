@@ -13,6 +13,8 @@ from collections.abc import Iterable
 
 from torch import nn
 
+from xscale.runtime.hooks import PerStepComponent
+
 
 def begin_training_step(parts: Iterable[nn.Module], forwards: int) -> None:
     """Call ``begin_training_step(forwards)`` once on every module of ``parts`` that defines it (a module shared
@@ -20,7 +22,6 @@ def begin_training_step(parts: Iterable[nn.Module], forwards: int) -> None:
     seen: set[int] = set()
     for part in parts:
         for module in part.modules():
-            hook = getattr(module, "begin_training_step", None)
-            if callable(hook) and id(module) not in seen:
+            if isinstance(module, PerStepComponent) and id(module) not in seen:
                 seen.add(id(module))
-                hook(forwards)
+                module.begin_training_step(forwards)

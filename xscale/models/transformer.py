@@ -26,6 +26,7 @@ from xscale.models.position import PositionEncoding, TappedPosition, build_posit
 from xscale.ops import check_backend
 from xscale.ops.reference import ACTIVATIONS
 from xscale.runtime import StepContext
+from xscale.runtime.hooks import CallsFusedOps
 
 
 class LMHeadTransform(nn.Module):
@@ -156,7 +157,7 @@ class Transformer(nn.Module):
         :meth:`nn.Module.train` sets the mode."""
         check_backend(backend)
         for module in self.modules():
-            if hasattr(module, "kernels"):
+            if isinstance(module, CallsFusedOps):
                 module.kernels = backend
         return self
 

@@ -28,6 +28,7 @@ from xscale.models.parameters import count_parameters
 from xscale.parallel.checks import resolve_dims
 from xscale.parallel.parallelize import parallelize
 from xscale.runtime import StepContext
+from xscale.runtime.hooks import ReportsLayerMetrics
 from xscale.train.checkpoint import Checkpointer, CheckpointError
 from xscale.train.metrics import MetricsLogger, flops_per_token, measure_matmul_peak, peak_memory_bytes
 from xscale.train.run_lock import RunLock, RunLocked
@@ -308,8 +309,7 @@ def _collect_layer_metrics(module: torch.nn.Module) -> dict[str, float]:
     """Per-layer statistics that layers record on themselves (MoE load, ...)."""
     metrics: dict[str, float] = {}
     for name, child in module.named_modules():
-        record = getattr(child, "layer_metrics", None)
-        if callable(record):
-            for key, value in record().items():
+        if isinstance(child, ReportsLayerMetrics):
+            for key, value in child.layer_metrics().items():
                 metrics[f"{canonical_name(name)}/{key}"] = value
     return metrics
