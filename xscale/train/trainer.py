@@ -277,20 +277,23 @@ class Trainer:
         watchdog, refreshed = self._watchdog(), time.monotonic()
         with self.preemption, watchdog or _nothing():
             while self.step < train.steps:
+                # The watched span holds every collective of the step, the stop vote included: a rank that stops
+                # between steps leaves the others waiting in that vote.
                 if watchdog is not None:
                     watchdog.begin(self.step + 1)
                 scalars = self.train_step()
+                scalars.update(self.layer_metrics())  # before evaluation, whose forwards overwrite them
+                stopping = self.stop_requested or self.preemption.should_stop()
                 if watchdog is not None:
                     watchdog.end()
                 if time.monotonic() - refreshed > LOCK_REFRESH_S:
                     self.lock.refresh()
                     refreshed = time.monotonic()
                 losses.append(scalars["train/loss"])
-                scalars.update(self.layer_metrics())  # before evaluation, whose forwards overwrite them
-                if train.eval_every and self.step % train.eval_every == 0:
+                if train.eval_every and self.step % train.eval_every == 0 and not stopping:
                     scalars["eval/loss"] = self.evaluate()
                 self.metrics.log(self.step, scalars)
-                if self.stop_requested or self.preemption.should_stop():
+                if stopping:
                     self.stop_requested = True
                     break
                 if every and self.step % every == 0 and self.step < train.steps:
