@@ -2,7 +2,8 @@
 
 import pytest
 
-from xscale.config import Config, ConfigError, parse_override
+from xscale.config import Config, ConfigError
+from xscale.config_loading import parse_override
 from xscale.validate import load_config, load_config_from_cli
 
 BAD_INPUTS = [

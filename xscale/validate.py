@@ -1,6 +1,6 @@
 """A run configuration checked against the component registries, before anything is built.
 
-:mod:`xscale.config` reads YAML and overrides and checks values that need nothing else (choices, ranges);
+:mod:`xscale.config_loading` reads YAML and overrides, :mod:`xscale.config` checks values that need nothing else (choices, ranges);
 here the names a config gives (attention kinds, norms, routers, ...) are looked up in the zoo's registries and
 the MoE layout is checked. The layout's own checks, which need the world size, are
 :func:`xscale.parallel.checks.resolve_dims`.
@@ -11,15 +11,8 @@ from __future__ import annotations
 import typing
 from pathlib import Path
 
-from xscale.config import (
-    Config,
-    ConfigError,
-    check_values,
-    closest,
-    config_from_tree,
-    read_config,
-    split_cli_arguments,
-)
+from xscale.config import Config, ConfigError, check_values, closest
+from xscale.config_loading import config_from_tree, read_config, split_cli_arguments
 from xscale.models.moe import check_moe_config
 from xscale.models.registry import REGISTRIES
 

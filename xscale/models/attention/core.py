@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xscale.config import ConfigError, ModelConfig, _from_dict
+from xscale.config import ConfigError, ModelConfig
+from xscale.config_loading import from_dict
 from xscale.models.dropout import Dropout
 from xscale.models.registry import ATTENTION
 from xscale.models.traits import NO_TRAITS, ParallelTraits
@@ -101,7 +102,7 @@ def build_core(kind: str, model: ModelConfig, layer_index: int, options: dict[st
     """Build the registered core ``kind``, refusing uses the method cannot serve."""
     cls = ATTENTION.get(kind)
     known = {f.name for f in dataclasses.fields(cls.Options)}
-    parsed = _from_dict(cls.Options, {k: v for k, v in options.items() if k in known}, f"model.attention.options[{kind}]")
+    parsed = from_dict(cls.Options, {k: v for k, v in options.items() if k in known}, f"model.attention.options[{kind}]")
     if causal and not cls.causal_capable:
         raise ConfigError(f"attention '{kind}' cannot be causally masked; use it in an encoder (model.family=encoder)")
     if not causal and not cls.bidirectional_capable:
