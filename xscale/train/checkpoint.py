@@ -143,8 +143,11 @@ class Checkpointer:
                 previous.rename(final)
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
-        """Save DCP ``state`` (model/optimizer) and ``meta`` (JSON; written by rank 0) for ``step``."""
+    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any], files: dict[str, Path] | None = None
+             ) -> None:
+        """Save DCP ``state`` (model/optimizer) and ``meta`` (JSON; written by rank 0) for ``step``; ``files``
+        (name inside the checkpoint -> source file, e.g. the tokenizer) are copied in by rank 0 and checksummed
+        with the rest."""
         self.wait()
         final = self.directory / step_dir_name(step)
         staging = self.directory / f".tmp-{step_dir_name(step)}"
@@ -153,6 +156,10 @@ class Checkpointer:
             if staging.exists():
                 shutil.rmtree(staging)
             (staging / "rng").mkdir(parents=True)
+            for name, source in (files or {}).items():
+                with _save_errors(staging):
+                    (staging / name).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(source, staging / name)
         _barrier()
         torch.save(_rng_state(), staging / "rng" / f"rank_{_rank():05d}.pt")
         meta = {**meta, "step": step, "fingerprint": shape_fingerprint(state.get("model", {}))}
