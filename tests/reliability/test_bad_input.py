@@ -104,6 +104,13 @@ CASES = {
     "random bin, no tokenizer": (lambda f: ["data.dataset=indexed", "data.path=" + str(corrupt_pair(
                                      f, "noise2", lambda b, i: b.write_bytes(os.urandom(b.stat().st_size))))],
                                  ["model.vocab_size=512 is smaller than the vocabulary of the data"]),
+    "missing source": (lambda f: ["data.dataset=text", f"data.tokenizer={f['tokenizer']}",
+                                  f"data.sources=[{{path: {f['prefix']}}}, {{path: {f['root']}/nope.txt}}]"],
+                       ["data.sources[1].path=", "nope.txt does not exist"]),
+    "zero source weight": (lambda f: ["data.dataset=text", f"data.sources=[{{path: {f['prefix']}, weight: 0}}]"],
+                           ["data.sources[0].weight must be a positive number, got 0"]),
+    "unknown source kind": (lambda f: ["data.dataset=text", f"data.sources=[{{path: {f['prefix']}, kind: csv}}]"],
+                            ["data.sources[0].kind='csv' is not one of auto, text, jsonl, indexed"]),
 }
 
 
@@ -122,7 +129,7 @@ def test_the_valid_files_train(files, capsys, tmp_path):
                  f"data.path={files['prefix']}", f"data.tokenizer={files['tokenizer']}"]) == 0
 
 
-@pytest.mark.parametrize("case", ["missing text file", "tokenizer.json", "truncated idx"])
+@pytest.mark.parametrize("case", ["missing text file", "tokenizer.json", "truncated idx", "zero source weight"])
 def test_the_command_exits_2_without_a_traceback(case, files, tmp_path):
     overrides, expected = CASES[case]
     result = subprocess.run([sys.executable, "-m", "xscale", "train", *TINY, f"train.output_dir={tmp_path}",

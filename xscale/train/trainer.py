@@ -18,7 +18,14 @@ from typing import Any
 import torch
 
 from xscale.config import Config
-from xscale.data import GlobalSampler, HasSources, SourceTokenCounter, build_datasets, collate, run_tokenizer_file
+from xscale.data import (
+    GlobalSampler,
+    HasSources,
+    SourceTokenCounter,
+    build_datasets,
+    collate,
+    run_tokenizer_file,
+)
 from xscale.data.load_tokenizer import META_KEY as TOKENIZER_META_KEY
 from xscale.data.load_tokenizer import checkpoint_tokenizer_name
 from xscale.launcher.cpu_allocator import keep_freed_memory
