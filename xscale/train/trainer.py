@@ -96,9 +96,13 @@ class Trainer:
         self.parent: str | None = None  # the checkpoint this run resumed from (its lineage, in each meta.json)
         output_dir = Path(train.output_dir)
         self.lock = self._lock_output_dir(output_dir)  # before the checkpointer tidies the directory
+        # Every checkpoint carries the tokenizer (for export and generation), named in its meta.json.
+        tokenizer = run_tokenizer_file(config)
+        self.tokenizer_in_checkpoint = checkpoint_tokenizer_name(tokenizer) if tokenizer else None
         self.checkpointer = Checkpointer(config.checkpoint.dir or output_dir / "checkpoints",
                                          keep=config.checkpoint.keep, async_save=config.checkpoint.async_save,
-                                         verify=config.checkpoint.verify)
+                                         verify=config.checkpoint.verify,
+                                         carry={self.tokenizer_in_checkpoint: tokenizer} if tokenizer else {})
         self.metrics = MetricsLogger(output_dir, enabled=self.rank == 0, total_steps=train.steps,
                                      log_every=train.log_every, tensorboard=train.tensorboard,
                                      progress=train.progress)
@@ -143,13 +147,10 @@ class Trainer:
                 "parent": self.parent}
         if self.source_tokens is not None:
             meta["data_tokens"] = self.source_tokens.state_dict()
-        files = {}
-        tokenizer = run_tokenizer_file(self.config)
-        if tokenizer is not None:  # the checkpoint carries its tokenizer, for export and generation
-            meta[TOKENIZER_META_KEY] = checkpoint_tokenizer_name(tokenizer)
-            files[meta[TOKENIZER_META_KEY]] = tokenizer
+        if self.tokenizer_in_checkpoint:
+            meta[TOKENIZER_META_KEY] = self.tokenizer_in_checkpoint
         self.metrics.flush()  # the curve up to a checkpoint is on disk before it
-        self.checkpointer.save(self.step, self.state(), meta, files=files)
+        self.checkpointer.save(self.step, self.state(), meta)
 
     def resume(self) -> bool:
         """Load the checkpoint named by checkpoint.resume (auto: the latest, if any)."""
