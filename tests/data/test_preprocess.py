@@ -10,7 +10,7 @@ import pytest
 from tests.data.conftest import lines, write_jsonl
 from xscale.data.indexed import IndexedTokens
 from xscale.data.load_tokenizer import load_tokenizer
-from xscale.data.preprocess import tokenize_to_indexed
+from xscale.data.preprocess import CHUNK_DOCUMENTS, tokenize_to_indexed
 
 
 def _files(prefix) -> bytes:
@@ -30,7 +30,8 @@ def test_one_worker_writes_the_documents_in_order_with_eos(tmp_path, hf_tokenize
 
 @pytest.mark.slow  # starts worker processes
 def test_two_workers_write_byte_identical_files(tmp_path, hf_tokenizer):
-    texts = lines(300) + lines(300, shift=3)  # several chunks per worker, so order across workers matters
+    # The first chunk of documents is long and slow, the others short: an unordered pool would finish them first.
+    texts = [" ".join(lines(800, shift=i)) for i in range(CHUNK_DOCUMENTS)] + lines(300) + lines(300, shift=3)
     tokenize_to_indexed(texts, hf_tokenizer, tmp_path / "one", workers=1)
     tokenize_to_indexed(texts, hf_tokenizer, tmp_path / "two", workers=2, progress_total=1)
     assert _files(tmp_path / "one") == _files(tmp_path / "two")
