@@ -180,12 +180,31 @@ class TrainConfig:
 
 
 @dataclass
+class DataSource:
+    """One corpus of a blend: ``weight`` is its share of the training samples (weights are normalised)."""
+
+    path: str = ""  # a .txt/.jsonl file or folder (text, jsonl), or a .bin/.idx prefix (indexed)
+    weight: float = 1.0
+    kind: str = "auto"  # auto (from the path) | text | jsonl | indexed
+    name: str | None = None  # the name in metrics (data/tokens/<name>); None: the file name
+
+
+SOURCE_KINDS = ("auto", "text", "jsonl", "indexed")
+
+
+@dataclass
 class DataConfig:
     dataset: str = "stdlib_text"  # stdlib_text | text | indexed | copy | assoc_recall | listops
     path: str | None = None  # text file/folder (text) or .bin/.idx prefix (indexed)
-    tokenizer: str | None = None  # sentencepiece .model; None: train one on the corpus (cached)
+    # A weighted blend of corpora (replaces dataset/path); eval_sources: held-out corpora for evaluation.
+    sources: list[DataSource] = field(default_factory=list)
+    eval_sources: list[DataSource] = field(default_factory=list)
+    text_field: str = "text"  # the field of a .jsonl line that holds the text
+    # SentencePiece .model, Hugging Face tokenizer.json (or its folder), or a .tiktoken file; None: train a
+    # SentencePiece model on the corpus (cached)
+    tokenizer: str | None = None
     tokenizer_vocab_size: int = 4000
-    num_samples: int = 0  # synthetic tasks: samples per epoch (0: the task's default)
+    num_samples: int = 0  # samples per epoch of a task or a blend (0: the task's default / the sources' windows)
     eval_fraction: float = 0.02
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -329,6 +348,31 @@ def check_values(config: Config) -> None:
     _check_moe_values(config)
     if config.checkpoint.keep < 1:
         raise ConfigError(f"checkpoint.keep must be at least 1, got {config.checkpoint.keep}")
+    _check_sources(config)
+
+
+def _check_sources(config: Config) -> None:
+    """Each entry of data.sources / data.eval_sources: a path, a positive finite weight, a known kind."""
+    for key in ("sources", "eval_sources"):
+        for index, source in enumerate(getattr(config.data, key)):
+            where = f"data.{key}[{index}]"
+            if not source.path.strip():
+                raise ConfigError(f"{where}.path is empty; give the file, folder or .bin/.idx prefix of the corpus")
+            if not (math.isfinite(source.weight) and source.weight > 0):
+                raise ConfigError(f"{where}.weight must be a positive number, got {source.weight}")
+            if source.kind not in SOURCE_KINDS:
+                raise ConfigError(f"{where}.kind='{source.kind}' is not one of {', '.join(SOURCE_KINDS)}"
+                                  f"{closest(source.kind, SOURCE_KINDS)}")
+            if source.name is not None and not source.name.strip():
+                raise ConfigError(f"{where}.name is empty; leave it out for the file name")
+    if config.data.sources and config.data.path:
+        raise ConfigError("data.path and data.sources are both set; put the corpus in data.sources (one entry "
+                          "per corpus) and leave data.path out")
+    if config.data.sources and config.data.dataset in ("copy", "assoc_recall", "listops"):
+        raise ConfigError(f"data.sources holds text corpora but data.dataset='{config.data.dataset}' is a synthetic "
+                          "task; set data.dataset=text (or leave data.sources out)")
+    if config.data.eval_sources and not config.data.sources:
+        raise ConfigError("data.eval_sources needs data.sources (the training corpora) as well")
 
 
 def _check_filled(node: Any, where: str = "") -> None:

@@ -15,7 +15,7 @@ import pytest
 
 from xscale.cli import main
 from xscale.data.indexed import write_indexed
-from xscale.data.tokenizer import Tokenizer
+from xscale.data.sentencepiece_tokenizer import SentencePieceTokenizer
 from xscale.launcher import submit
 
 TINY = ["model.vocab_size=512", "model.d_model=32", "model.n_layers=1", "model.n_heads=4", "train.steps=2",
@@ -32,7 +32,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
     """A tokenizer, a valid .bin/.idx pair made with it, and bad files of every kind."""
     root = tmp_path_factory.mktemp("inputs")
     lines = [" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(12)) for i in range(200)]
-    tokenizer = Tokenizer.train(lines, 400)
+    tokenizer = SentencePieceTokenizer.train(lines, 400)
     model = tokenizer.save(root / "tok.model")
     prefix = write_indexed(root / "tokens", ([tokenizer.eos_id, *tokenizer.encode(line)] for line in lines),
                            tokenizer.vocab_size)
@@ -83,7 +83,7 @@ CASES = {
     "missing tokenizer": (lambda f: [f"data.tokenizer={f['root']}/nope.model"],
                           ["data.tokenizer", "nope.model does not exist", "xscale data tokenizer"]),
     "tokenizer.json": (lambda f: [f"data.tokenizer={f['root']}/tokenizer.json"],
-                       ["data.tokenizer", "is not a SentencePiece .model file (a Hugging Face tokenizer.json?)"]),
+                       ["data.tokenizer", "tokenizer.json is not a Hugging Face tokenizer.json"]),
     "random tokenizer": (lambda f: [f"data.tokenizer={f['root']}/random.model"],
                          ["data.tokenizer", "random.model is not a SentencePiece .model file"]),
     "missing token files": (lambda f: ["data.dataset=indexed", f"data.path={f['root']}/nothing"],
@@ -104,6 +104,13 @@ CASES = {
     "random bin, no tokenizer": (lambda f: ["data.dataset=indexed", "data.path=" + str(corrupt_pair(
                                      f, "noise2", lambda b, i: b.write_bytes(os.urandom(b.stat().st_size))))],
                                  ["model.vocab_size=512 is smaller than the vocabulary of the data"]),
+    "missing source": (lambda f: ["data.dataset=text", f"data.tokenizer={f['tokenizer']}",
+                                  f"data.sources=[{{path: {f['prefix']}}}, {{path: {f['root']}/nope.txt}}]"],
+                       ["data.sources[1].path=", "nope.txt does not exist"]),
+    "zero source weight": (lambda f: ["data.dataset=text", f"data.sources=[{{path: {f['prefix']}, weight: 0}}]"],
+                           ["data.sources[0].weight must be a positive number, got 0"]),
+    "unknown source kind": (lambda f: ["data.dataset=text", f"data.sources=[{{path: {f['prefix']}, kind: csv}}]"],
+                            ["data.sources[0].kind='csv' is not one of auto, text, jsonl, indexed"]),
 }
 
 
@@ -122,7 +129,7 @@ def test_the_valid_files_train(files, capsys, tmp_path):
                  f"data.path={files['prefix']}", f"data.tokenizer={files['tokenizer']}"]) == 0
 
 
-@pytest.mark.parametrize("case", ["missing text file", "tokenizer.json", "truncated idx"])
+@pytest.mark.parametrize("case", ["missing text file", "tokenizer.json", "truncated idx", "zero source weight"])
 def test_the_command_exits_2_without_a_traceback(case, files, tmp_path):
     overrides, expected = CASES[case]
     result = subprocess.run([sys.executable, "-m", "xscale", "train", *TINY, f"train.output_dir={tmp_path}",

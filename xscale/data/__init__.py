@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 from torch.utils.data import Dataset
 
 from xscale.config import Config, ConfigError, resolve_objective
+from xscale.data.blend import BlendedDataset, HasSources, SourceTokenCounter
 from xscale.data.corpus import stdlib_documents, text_documents
 from xscale.data.datasets import (
     ArrayTokens,
@@ -19,12 +22,17 @@ from xscale.data.datasets import (
     text_objective,
     tokenize_documents,
 )
+from xscale.data.fixed_vocab import FixedVocab
 from xscale.data.indexed import IndexedTokens
+from xscale.data.load_tokenizer import load_tokenizer, tokenizer_source_file
 from xscale.data.sampler import GlobalSampler
+from xscale.data.sentencepiece_tokenizer import SentencePieceTokenizer
+from xscale.data.sources import ResolvedSource, resolve_sources, shared_cache_dir, source_kind
 from xscale.data.tasks import AssociativeRecallTask, CopyTask, ListOpsTask
-from xscale.data.tokenizer import FixedVocab, Tokenizer
+from xscale.data.tokenizer import Tokenizer
 
-__all__ = ["build_datasets", "build_tokenizer", "collate", "GlobalSampler", "Tokenizer", "FixedVocab", "DATASETS"]
+__all__ = ["build_datasets", "build_tokenizer", "collate", "GlobalSampler", "Tokenizer", "FixedVocab", "DATASETS",
+           "HasSources", "SourceTokenCounter", "run_tokenizer_file"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +58,8 @@ def build_datasets(config: Config) -> tuple[Dataset, Dataset | None, int]:
         raise ConfigError(f"data.eval_fraction must be in [0, 1), got {data.eval_fraction}")
     if data.dataset in TASKS:
         train, evaluation, vocab_size = _task_datasets(config, objective)
+    elif data.sources:
+        train, evaluation, vocab_size = _blended_datasets(config, objective, seq_len, seed)
     else:
         train, evaluation, vocab_size = _text_datasets(config, objective, seq_len, seed)
     if config.model.vocab_size < vocab_size:
@@ -82,23 +92,39 @@ def _task_datasets(config: Config, objective: str) -> tuple[Dataset, Dataset | N
     return train, evaluation, task.vocab.vocab_size
 
 
+def _trained_tokenizer_file(config: Config) -> Path:
+    corpus = "sources" if config.data.sources else config.data.dataset
+    return Path(config.train.output_dir) / "tokenizer" / f"{corpus}-{config.data.tokenizer_vocab_size}.model"
+
+
+def run_tokenizer_file(config: Config) -> Path | None:
+    """The file of the tokenizer this run uses (``data.tokenizer``, or the one trained on its corpus once it
+    exists); None for the synthetic tasks, whose vocabulary is built in."""
+    if config.data.dataset in TASKS:
+        return None
+    if config.data.tokenizer:
+        return tokenizer_source_file(config.data.tokenizer)
+    trained = _trained_tokenizer_file(config)
+    return trained if trained.is_file() else None
+
+
 def build_tokenizer(config: Config, documents: list[str] | None = None) -> Tokenizer:
-    """``data.tokenizer`` if set; otherwise one trained on the run's corpus (``documents`` if given, else read
-    again), cached under <output_dir>/tokenizer/ and reused."""
+    """``data.tokenizer`` if set (kind by path: :mod:`xscale.data.load_tokenizer`); otherwise a SentencePiece model
+    trained on the run's corpus (``documents`` if given, else read again), cached under <output_dir>/tokenizer/."""
     data = config.data
     if data.tokenizer:
         with _user_file("data.tokenizer"):
-            return Tokenizer.load(data.tokenizer)
-    if data.dataset == "indexed":
-        raise ConfigError("data.dataset='indexed' holds tokens already: set data.tokenizer to the .model "
+            return load_tokenizer(data.tokenizer)
+    if data.dataset == "indexed" and not data.sources:
+        raise ConfigError("data.dataset='indexed' holds tokens already: set data.tokenizer to the tokenizer file "
                           "they were made with")
-    cache = Path(config.train.output_dir) / "tokenizer" / f"{data.dataset}-{data.tokenizer_vocab_size}.model"
+    cache = _trained_tokenizer_file(config)
     if cache.is_file():
-        return Tokenizer.load(cache)
+        return SentencePieceTokenizer.load(cache)
     logger.info("training a %d-token SentencePiece model on %s -> %s", data.tokenizer_vocab_size, data.dataset, cache)
     try:
-        tokenizer = Tokenizer.train(documents if documents is not None else _documents(config),
-                                    data.tokenizer_vocab_size)
+        tokenizer = SentencePieceTokenizer.train(documents if documents is not None else _documents(config),
+                                                 data.tokenizer_vocab_size)
     except ValueError as error:
         raise ConfigError(f"data.tokenizer_vocab_size: {error}") from error
     tokenizer.save(cache)
@@ -117,11 +143,20 @@ def _user_file(key: str) -> Iterator[None]:
 
 
 def _documents(config: Config):
-    if config.data.dataset == "stdlib_text":
+    data = config.data
+    if data.sources:
+        kinds = [source_kind(source, f"data.sources[{i}]") for i, source in enumerate(data.sources)]
+        text = [(source, kind) for source, kind in zip(data.sources, kinds) if kind != "indexed"]
+        if not text:
+            raise ConfigError("data.sources are all indexed (token files): set data.tokenizer to the tokenizer file "
+                              "they were made with")
+        return itertools.chain.from_iterable(text_documents(source.path, data.text_field, jsonl=kind == "jsonl")
+                                             for source, kind in text)
+    if data.dataset == "stdlib_text":
         return stdlib_documents()
-    if not config.data.path:
+    if not data.path:
         raise ConfigError("data.dataset='text' needs data.path: a .txt/.jsonl file or a folder of them")
-    return text_documents(config.data.path)
+    return text_documents(data.path, data.text_field)
 
 
 def _text_datasets(config: Config, objective: str, seq_len: int, seed: int) -> tuple[Dataset, Dataset | None, int]:
@@ -156,3 +191,49 @@ def _text_datasets(config: Config, objective: str, seq_len: int, seed: int) -> t
                                     first_window=windows - eval_windows, num_windows=eval_windows)
                   if eval_windows else None)
     return train, evaluation, vocab_size
+
+
+def _blended_datasets(config: Config, objective: str, seq_len: int, seed: int
+                      ) -> tuple[Dataset, Dataset | None, int]:
+    """``data.sources`` blended by weight; evaluation on ``data.eval_sources`` (blended the same way) or, without
+    them, on the last ``data.eval_fraction`` of each source's windows."""
+    data = config.data
+    options = _options(config, _TEXT_OPTIONS[objective])
+    needs_tokenizer = data.tokenizer or objective != "clm" or any(
+        source_kind(source, f"data.sources[{i}]") != "indexed" for i, source in enumerate(data.sources))
+    tokenizer = build_tokenizer(config) if needs_tokenizer else None
+    tokenizer_file = tokenizer.path if tokenizer is not None else None
+    cache = shared_cache_dir(config.train.output_dir)
+    train_sources = resolve_sources(data.sources, "sources", tokenizer_file, data.text_field, cache)
+    eval_sources = resolve_sources(data.eval_sources, "eval_sources", tokenizer_file, data.text_field, cache)
+    window, transform = text_objective(objective, tokenizer, seq_len, options)
+    vocab_size = tokenizer.vocab_size if tokenizer is not None else 0
+    parts = []
+    for index, source in enumerate(train_sources + eval_sources):
+        with _user_file(source.where):
+            stream = IndexedTokens(source.prefix)
+            vocab_size = max(vocab_size, stream.max_token(tokenizer.vocab_size if tokenizer else None) + 1)
+        windows = PackedTextDataset.count_windows(len(stream), window, seq_len)
+        held_out = 0 if data.eval_sources else round(windows * data.eval_fraction)
+        if windows - held_out < 1:
+            raise ConfigError(f"{source.where}: {len(stream)} tokens hold {windows} windows of {window}, too few to "
+                              "train; use more text or a shorter train.seq_len")
+        source_seed = int(np.random.SeedSequence([seed, index]).generate_state(1)[0])
+        parts.append((PackedTextDataset(stream, window, transform, source_seed, stride=seq_len,
+                                        num_windows=windows - held_out),
+                      PackedTextDataset(stream, window, transform, source_seed, stride=seq_len,
+                                        first_window=windows - held_out, num_windows=held_out) if held_out else None))
+    train_parts = [train for train, _ in parts[:len(train_sources)]]
+    train = _blend(train_parts, train_sources, data.num_samples)
+    if data.eval_sources:
+        evaluation = _blend([whole for whole, _ in parts[len(train_sources):]], eval_sources, 0)
+    else:  # the sources with held-out windows (eval_fraction 0, or sources too small to spare one: none)
+        held = [(held, source) for (_, held), source in zip(parts, train_sources) if held is not None]
+        evaluation = _blend([part for part, _ in held], [source for _, source in held], 0) if held else None
+    return train, evaluation, vocab_size
+
+
+def _blend(datasets: list[Dataset], sources: list[ResolvedSource], size: int) -> BlendedDataset:
+    """A blend of ``size`` samples (0: as many as the sources hold together)."""
+    return BlendedDataset(datasets, [source.weight for source in sources], [source.name for source in sources],
+                          size or sum(len(dataset) for dataset in datasets))

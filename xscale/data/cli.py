@@ -6,8 +6,10 @@ import argparse
 import sys
 
 from xscale.data.corpus import stdlib_documents, text_documents
-from xscale.data.indexed import write_indexed
-from xscale.data.tokenizer import DEFAULT_SENTINELS, Tokenizer
+from xscale.data.load_tokenizer import load_tokenizer, tokenizer_source_file
+from xscale.data.preprocess import input_bytes, tokenize_to_indexed
+from xscale.data.sentencepiece_tokenizer import SentencePieceTokenizer
+from xscale.data.tokenizer import DEFAULT_SENTINELS
 
 STDLIB = "stdlib"
 
@@ -27,8 +29,8 @@ def main_tokenizer(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-type", choices=("unigram", "bpe"), default="unigram")
     args = parser.parse_args(argv)
     try:
-        tokenizer = Tokenizer.train(_documents(args.input), args.vocab_size, num_sentinels=args.sentinels,
-                                    model_type=args.model_type)
+        tokenizer = SentencePieceTokenizer.train(_documents(args.input), args.vocab_size,
+                                                 num_sentinels=args.sentinels, model_type=args.model_type)
     except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -42,27 +44,29 @@ def main_preprocess(argv: list[str] | None = None) -> int:
                                      description="Tokenize text into Megatron's indexed .bin/.idx token files.")
     parser.add_argument("--input", required=True,
                         help=f"a .txt/.jsonl file, a folder of them, or '{STDLIB}' for the standard-library corpus")
-    parser.add_argument("--tokenizer", required=True, help="a SentencePiece .model (see xscale data tokenizer)")
+    parser.add_argument("--tokenizer", required=True,
+                        help="a SentencePiece .model (see xscale data tokenizer), a Hugging Face tokenizer.json (or "
+                             "its folder) or a .tiktoken file")
     parser.add_argument("--output", required=True, help="output prefix; writes PREFIX.bin and PREFIX.idx")
+    parser.add_argument("--workers", type=int, default=1, help="tokenizer processes (the output is the same for any)")
+    parser.add_argument("--text-field", default="text", help="the field of a .jsonl line that holds the text")
     parser.add_argument("--no-eos", action="store_true", help="do not end each document with eos")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    if args.workers < 1:
+        print(f"error: --workers must be at least 1, got {args.workers}", file=sys.stderr)
+        return 2
     try:
-        tokenizer = Tokenizer.load(args.tokenizer)
-        eos = [] if args.no_eos else [tokenizer.eos_id]
-        documents = (tokenizer.encode(text) + eos for text in _documents(args.input))
-        counts = {"documents": 0, "tokens": 0}
-
-        def counted():
-            for document in documents:
-                counts["documents"] += 1
-                counts["tokens"] += len(document)
-                yield document
-
-        prefix = write_indexed(args.output, counted(), tokenizer.vocab_size)
+        tokenizer = tokenizer_source_file(args.tokenizer)
+        load_tokenizer(tokenizer)  # a bad tokenizer is refused before any worker starts
+        documents = stdlib_documents() if args.input == STDLIB else text_documents(args.input, args.text_field)
+        total = None if args.no_progress else (input_bytes(args.input) if args.input != STDLIB else 0) or None
+        counts = tokenize_to_indexed(documents, tokenizer, args.output, workers=args.workers,
+                                     append_eos=not args.no_eos, progress_total=total)
     except (OSError, ValueError, ImportError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(f"wrote {prefix}.bin/.idx: {counts['documents']} documents, {counts['tokens']} tokens")
+    print(f"wrote {args.output}.bin/.idx: {counts['documents']} documents, {counts['tokens']} tokens")
     return 0
 
 

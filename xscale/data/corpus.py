@@ -81,9 +81,10 @@ def stdlib_documents(max_bytes: int = DEFAULT_MAX_BYTES) -> Iterator[str]:
                 return
 
 
-def text_documents(path: str | Path) -> Iterator[str]:
-    """Documents of a user corpus: a ``.txt`` file is one document, a ``.jsonl`` line's ``"text"`` is one
-    (Megatron's preprocessing input); a folder gives those of its .txt/.jsonl files in sorted path order."""
+def text_documents(path: str | Path, text_field: str = "text", jsonl: bool | None = None) -> Iterator[str]:
+    """Documents of a user corpus: a ``.txt`` file is one document, a ``.jsonl`` line's ``text_field`` is one
+    (Megatron's preprocessing input); a folder gives those of its .txt/.jsonl files in sorted path order.
+    ``jsonl`` True/False reads a single file as JSON lines / plain text whatever its suffix."""
     path = Path(path)
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (".txt", ".jsonl"))
@@ -94,8 +95,9 @@ def text_documents(path: str | Path) -> Iterator[str]:
     else:
         raise FileNotFoundError(f"text corpus {path} does not exist; set data.path to a .txt/.jsonl file or a folder")
     for file in files:
+        as_jsonl = file.suffix == ".jsonl" if jsonl is None or path.is_dir() else jsonl
         try:
-            yield from _file_documents(file)
+            yield from _file_documents(file, text_field, as_jsonl)
         except UnicodeDecodeError as error:
             raise _not_text(file, f"undecodable byte at offset {error.start}") from None
 
@@ -105,12 +107,12 @@ def _not_text(file: Path, why: str) -> ValueError:
                       "(.bin/.idx) are data.dataset=indexed")
 
 
-def _file_documents(file: Path) -> Iterator[str]:
-    if file.suffix == ".jsonl":
+def _file_documents(file: Path, text_field: str, jsonl: bool) -> Iterator[str]:
+    if jsonl:
         with file.open(encoding="utf-8") as lines:
             for number, line in enumerate(lines, 1):
                 if line.strip():
-                    yield _jsonl_text(line, file, number)
+                    yield _jsonl_text(line, file, number, text_field)
     else:
         text = file.read_text(encoding="utf-8")
         if "\x00" in text:  # valid UTF-8 but binary: e.g. small token ids stored as integers
@@ -119,12 +121,13 @@ def _file_documents(file: Path) -> Iterator[str]:
             yield text
 
 
-def _jsonl_text(line: str, file: Path, number: int) -> str:
+def _jsonl_text(line: str, file: Path, number: int, text_field: str) -> str:
     try:
         record = json.loads(line)
-        text = record["text"]
+        text = record[text_field]
     except (json.JSONDecodeError, KeyError, TypeError) as error:
-        raise ValueError(f"{file}:{number} is not a JSON object with a \"text\" field ({error})") from error
+        raise ValueError(f"{file}:{number} is not a JSON object with a \"{text_field}\" field ({error}); "
+                         "data.text_field (--text-field) names the field that holds the text") from error
     if not isinstance(text, str):
-        raise ValueError(f"{file}:{number}: \"text\" must be a string")
+        raise ValueError(f"{file}:{number}: \"{text_field}\" must be a string")
     return text

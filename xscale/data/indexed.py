@@ -47,7 +47,7 @@ def write_indexed(prefix: str | os.PathLike, documents: Iterable[Iterable[int]],
     builder = indexed_dataset.IndexedDatasetBuilder(
         prefix + ".bin", dtype=indexed_dataset.DType.optimal_dtype(vocab_size))
     for document in documents:
-        builder.add_item(torch.as_tensor(np.asarray(list(document), dtype=np.int64)))
+        builder.add_item(torch.as_tensor(np.asarray(document, dtype=np.int64)))
         builder.end_document()
     builder.finalize(prefix + ".idx")
     return prefix

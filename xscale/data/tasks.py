@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import statistics
 
-from xscale.data.tokenizer import FixedVocab
+from xscale.data.fixed_vocab import FixedVocab
 
 Example = tuple[list[int], list[int]]
 

@@ -1,24 +1,18 @@
-"""Tokenizers: a SentencePiece subword model (Kudo & Richardson 2018) and a fixed vocabulary for synthetic tasks.
+"""The face every tokenizer shows the data pipeline and the objectives, and the special-token names they share.
 
-Both expose the same face: ``encode``/``decode``, ``vocab_size`` and the special ids the objectives need
-(``pad_id``, ``bos_id``, ``eos_id``, ``unk_id``, ``mask_id``, ``sentinel_ids`` for T5 span corruption).
+Kinds, one file each: SentencePiece (:mod:`xscale.data.sentencepiece_tokenizer`), Hugging Face ``tokenizer.json``
+(:mod:`xscale.data.hf_tokenizer`), tiktoken encodings (:mod:`xscale.data.tiktoken_tokenizer`) and the closed
+vocabulary of the synthetic tasks (:mod:`xscale.data.fixed_vocab`); :mod:`xscale.data.load_tokenizer` picks one
+by path.
 """
 
 from __future__ import annotations
 
-import functools
-import io
-import os
-import tempfile
-from collections.abc import Iterable, Sequence
-from pathlib import Path
-
-import sentencepiece as spm
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 MASK_PIECE = "<mask>"
 DEFAULT_SENTINELS = 100
-# SentencePiece refuses sentences longer than this many bytes; longer lines are cut for training only.
-_MAX_TRAINING_LINE_BYTES = 4000
 
 
 def sentinel_piece(index: int) -> str:
@@ -26,176 +20,39 @@ def sentinel_piece(index: int) -> str:
     return f"<extra_id_{index}>"
 
 
-def _how_to_make(path: str | os.PathLike) -> str:
-    return (f"make one with `xscale data tokenizer --input CORPUS --vocab-size N --output {Path(path).with_suffix('')}` "
-            "or set data.tokenizer: null to train one on the run's corpus")
+@runtime_checkable
+class Tokenizer(Protocol):
+    """Text <-> ids plus the special ids the objectives need (``mask_id`` is None and ``sentinel_ids`` empty when
+    the vocabulary lacks them; the objective that needs them says so)."""
 
-
-class Tokenizer:
-    """A SentencePiece model with pad=0, unk=1, bos=2, eos=3, then ``<mask>`` and ``<extra_id_i>`` sentinels.
-
-    Models trained elsewhere load too; a special token they lack reads as ``None`` (``mask_id``) or an
-    empty ``sentinel_ids``, and the objective that needs it says so.
-    """
-
-    def __init__(self, processor: spm.SentencePieceProcessor, path: str | None = None) -> None:
-        self.processor = processor
-        self.path = path
-        self.sentinel_ids = self._sentinel_ids()
-
-    @classmethod
-    def train(
-        cls,
-        texts: Iterable[str],
-        vocab_size: int,
-        *,
-        num_sentinels: int = DEFAULT_SENTINELS,
-        model_type: str = "unigram",
-        input_sentence_size: int = 200_000,
-    ) -> Tokenizer:
-        """Train on texts held in memory; byte fallback and identity normalisation make decode(encode(s)) == s."""
-        specials = [MASK_PIECE] + [sentinel_piece(i) for i in range(num_sentinels)]
-        minimum = 4 + len(specials) + 256 + 1
-        if vocab_size < minimum:
-            raise ValueError(f"vocab_size={vocab_size} is too small: {len(specials) + 4} special tokens and 256 byte "
-                             f"pieces need at least {minimum}; raise it or lower num_sentinels")
-        model = io.BytesIO()
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=_training_lines(texts),
-            model_writer=model,
-            vocab_size=vocab_size,
-            model_type=model_type,
-            pad_id=0, unk_id=1, bos_id=2, eos_id=3,
-            user_defined_symbols=specials,
-            byte_fallback=True,
-            character_coverage=0.9995,
-            normalization_rule_name="identity",
-            remove_extra_whitespaces=False,
-            split_digits=True,
-            input_sentence_size=input_sentence_size,
-            shuffle_input_sentence=False,
-            hard_vocab_limit=False,
-            num_threads=1,
-            minloglevel=2,
-        )
-        processor = spm.SentencePieceProcessor()
-        processor.load_from_serialized_proto(model.getvalue())
-        return cls(processor)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> Tokenizer:
-        """Load a ``.model`` file; a missing or unreadable file raises an error that says how to make one."""
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"tokenizer model {path} does not exist; {_how_to_make(path)}")
-        processor = spm.SentencePieceProcessor()
-        content = path.read_bytes()
-        try:
-            processor.load_from_serialized_proto(content)
-        except RuntimeError:
-            kind = " (a Hugging Face tokenizer.json?)" if content.lstrip()[:1] == b"{" else ""
-            raise ValueError(f"tokenizer model {path} is not a SentencePiece .model file{kind}; "
-                             f"{_how_to_make(path)}") from None
-        if processor.get_piece_size() == 0:
-            raise ValueError(f"tokenizer model {path} is empty; {_how_to_make(path)}")
-        return cls(processor, str(path))
-
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write the model atomically (concurrent ranks never see a half-written file); returns the path."""
-        path = Path(path)
-        if path.suffix != ".model":
-            path = path.with_name(path.name + ".model")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as handle:
-            handle.write(self.processor.serialized_model_proto())
-        os.replace(handle.name, path)
-        self.path = str(path)
-        return path
+    path: str | None  # the file it was loaded from (copied into every checkpoint), None when built in memory
 
     @property
-    def vocab_size(self) -> int:
-        return self.processor.get_piece_size()
+    def vocab_size(self) -> int: ...
 
     @property
-    def pad_id(self) -> int:
-        return self.processor.pad_id()
+    def pad_id(self) -> int: ...
 
     @property
-    def unk_id(self) -> int:
-        return self.processor.unk_id()
+    def eos_id(self) -> int: ...
 
     @property
-    def bos_id(self) -> int:
-        return self.processor.bos_id()
+    def bos_id(self) -> int | None: ...
 
     @property
-    def eos_id(self) -> int:
-        return self.processor.eos_id()
+    def unk_id(self) -> int | None: ...
 
     @property
-    def mask_id(self) -> int | None:
-        return self._piece_id(MASK_PIECE)
+    def mask_id(self) -> int | None: ...
 
-    @functools.cached_property
+    @property
+    def sentinel_ids(self) -> list[int]: ...
+
+    @property
     def special_ids(self) -> list[int]:
         """Ids that are never masked or drawn as random replacements."""
-        ids = [self.pad_id, self.unk_id, self.bos_id, self.eos_id, self.mask_id, *self.sentinel_ids]
-        ids += [i for i in range(self.vocab_size) if self.processor.is_control(i)]
-        return sorted({i for i in ids if i is not None and i >= 0})
+        ...
 
-    def encode(self, text: str) -> list[int]:
-        return self.processor.encode(text)
+    def encode(self, text: str) -> list[int]: ...
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.processor.decode([int(i) for i in ids])
-
-    def _piece_id(self, piece: str) -> int | None:
-        index = self.processor.piece_to_id(piece)
-        return index if self.processor.id_to_piece(index) == piece else None
-
-    def _sentinel_ids(self) -> list[int]:
-        ids = []
-        while (index := self._piece_id(sentinel_piece(len(ids)))) is not None:
-            ids.append(index)
-        return ids
-
-
-def _training_lines(texts: Iterable[str]) -> Iterable[str]:
-    for text in texts:
-        for line in text.splitlines():
-            encoded = line.encode("utf-8")
-            while len(encoded) > _MAX_TRAINING_LINE_BYTES:
-                yield encoded[:_MAX_TRAINING_LINE_BYTES].decode("utf-8", errors="ignore")
-                encoded = encoded[_MAX_TRAINING_LINE_BYTES:]
-            if encoded.strip():
-                yield encoded.decode("utf-8", errors="ignore")
-
-
-class FixedVocab:
-    """A closed vocabulary (one token per symbol) for the synthetic tasks: specials first, then ``symbols``."""
-
-    SPECIALS = ("<pad>", "<unk>", "<s>", "</s>", MASK_PIECE, "<sep>")
-
-    def __init__(self, symbols: Sequence[str]) -> None:
-        self.pieces = list(self.SPECIALS) + list(symbols)
-        if len(set(self.pieces)) != len(self.pieces):
-            raise ValueError("FixedVocab symbols must be distinct and differ from the special tokens")
-        self.ids = {piece: index for index, piece in enumerate(self.pieces)}
-        self.pad_id, self.unk_id, self.bos_id, self.eos_id, self.mask_id, self.sep_id = range(len(self.SPECIALS))
-        self.sentinel_ids: list[int] = []
-        self.first_symbol_id = len(self.SPECIALS)
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.pieces)
-
-    @property
-    def special_ids(self) -> list[int]:
-        return list(range(self.first_symbol_id))
-
-    def encode(self, text: str) -> list[int]:
-        """Whitespace-separated symbols to ids."""
-        return [self.ids.get(piece, self.unk_id) for piece in text.split()]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return " ".join(self.pieces[int(i)] for i in ids)
+    def decode(self, ids: Sequence[int]) -> str: ...

@@ -118,8 +118,11 @@ def shape_fingerprint(model_state: dict[str, Any]) -> dict[str, list[int]]:
 
 
 class Checkpointer:
-    def __init__(self, directory: str | Path, keep: int = 3, async_save: bool = False, verify: str = "full") -> None:
+    def __init__(self, directory: str | Path, keep: int = 3, async_save: bool = False, verify: str = "full",
+                 carry: dict[str, Path] | None = None) -> None:
+        """``carry``: name inside each checkpoint -> a file copied into every checkpoint (e.g. the tokenizer)."""
         self.directory = Path(directory)
+        self.carry = dict(carry or {})
         self.keep = keep
         self.async_save = async_save
         self.verify = verify
@@ -144,7 +147,8 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
-        """Save DCP ``state`` (model/optimizer) and ``meta`` (JSON; written by rank 0) for ``step``."""
+        """Save DCP ``state`` (model/optimizer) and ``meta`` (JSON; written by rank 0) for ``step``; the ``carry``
+        files are copied in by rank 0 and checksummed with the rest."""
         self.wait()
         final = self.directory / step_dir_name(step)
         staging = self.directory / f".tmp-{step_dir_name(step)}"
@@ -153,6 +157,10 @@ class Checkpointer:
             if staging.exists():
                 shutil.rmtree(staging)
             (staging / "rng").mkdir(parents=True)
+            for name, source in self.carry.items():
+                with _save_errors(staging):
+                    (staging / name).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(source, staging / name)
         _barrier()
         torch.save(_rng_state(), staging / "rng" / f"rank_{_rank():05d}.pt")
         meta = {**meta, "step": step, "fingerprint": shape_fingerprint(state.get("model", {}))}

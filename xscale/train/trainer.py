@@ -18,7 +18,16 @@ from typing import Any
 import torch
 
 from xscale.config import Config
-from xscale.data import GlobalSampler, build_datasets, collate
+from xscale.data import (
+    GlobalSampler,
+    HasSources,
+    SourceTokenCounter,
+    build_datasets,
+    collate,
+    run_tokenizer_file,
+)
+from xscale.data.load_tokenizer import META_KEY as TOKENIZER_META_KEY
+from xscale.data.load_tokenizer import checkpoint_tokenizer_name
 from xscale.launcher.cpu_allocator import keep_freed_memory
 from xscale.launcher.env import detect_world, init_distributed, local_device
 from xscale.launcher.parent_death import exit_with_launcher
@@ -80,13 +89,20 @@ class Trainer:
         self.optimizer = model_optimizer(self.model, train)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, train))
         self.sampler = GlobalSampler(len(train_dataset), train.global_batch_size, seed=train.seed)
+        # Tokens trained on per source of a blend (data/tokens/<name>), continued across resumes.
+        self.source_tokens = (SourceTokenCounter(train_dataset.source_names, train.seq_len)
+                              if isinstance(train_dataset, HasSources) else None)
         self.step = 0
         self.parent: str | None = None  # the checkpoint this run resumed from (its lineage, in each meta.json)
         output_dir = Path(train.output_dir)
         self.lock = self._lock_output_dir(output_dir)  # before the checkpointer tidies the directory
+        # Every checkpoint carries the tokenizer (for export and generation), named in its meta.json.
+        tokenizer = run_tokenizer_file(config)
+        self.tokenizer_in_checkpoint = checkpoint_tokenizer_name(tokenizer) if tokenizer else None
         self.checkpointer = Checkpointer(config.checkpoint.dir or output_dir / "checkpoints",
                                          keep=config.checkpoint.keep, async_save=config.checkpoint.async_save,
-                                         verify=config.checkpoint.verify)
+                                         verify=config.checkpoint.verify,
+                                         carry={self.tokenizer_in_checkpoint: tokenizer} if tokenizer else {})
         self.metrics = MetricsLogger(output_dir, enabled=self.rank == 0, total_steps=train.steps,
                                      log_every=train.log_every, tensorboard=train.tensorboard,
                                      progress=train.progress)
@@ -129,6 +145,10 @@ class Trainer:
         meta = {"config": self.config.to_dict(), "sampler": self.sampler.state_dict(),
                 "world_size": self.world_size, "layout": self.dims.describe(), "num_params": self.num_params,
                 "parent": self.parent}
+        if self.source_tokens is not None:
+            meta["data_tokens"] = self.source_tokens.state_dict()
+        if self.tokenizer_in_checkpoint:
+            meta[TOKENIZER_META_KEY] = self.tokenizer_in_checkpoint
         self.metrics.flush()  # the curve up to a checkpoint is on disk before it
         self.checkpointer.save(self.step, self.state(), meta)
 
@@ -147,6 +167,8 @@ class Trainer:
         self.model.load_state_dict(state, self.optimizer)
         self.step = int(meta["step"])
         self.sampler.load_state_dict(meta["sampler"])
+        if self.source_tokens is not None:
+            self.source_tokens.load_state_dict(meta.get("data_tokens", {}))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, self.config.train), last_epoch=self.step - 1)
         self.parent = str(path)
@@ -177,7 +199,10 @@ class Trainer:
         return {key: value.to(self.device) for key, value in batch.items()}
 
     def next_batch(self) -> dict[str, torch.Tensor]:
-        return self._load(self.train_dataset, self.sampler.batch_indices(self.step))
+        indices = self.sampler.batch_indices(self.step)
+        if self.source_tokens is not None:
+            self.source_tokens.count(self.train_dataset.sources_of(indices))
+        return self._load(self.train_dataset, indices)
 
     def evaluate(self) -> float:
         if self.eval_dataset is None or len(self.eval_dataset) == 0:
@@ -221,6 +246,8 @@ class Trainer:
                                                            lambda: self.sampler.batch_indices(self.step - 1)),
                    "perf/tokens_per_second": tokens_per_second, "perf/step_seconds": elapsed,
                    "perf/memory_gb": peak_memory_bytes(self.device) / 2**30}
+        if self.source_tokens is not None:
+            scalars.update(self.source_tokens.scalars())
         if self.peak_flops:
             scalars["perf/mfu"] = tokens_per_second * self.flops_per_token / (self.peak_flops * self.world_size)
         return scalars
