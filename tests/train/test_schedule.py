@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from xscale.config import ConfigError, TrainConfig
+from xscale.train.checkpoint import Checkpointer
 from xscale.train.schedule import lr_factor, saved_schedule, schedule_change, schedule_parameters
 from xscale.train.trainer import Trainer
 from xscale.validate import load_config
@@ -73,6 +74,8 @@ TINY = ["model.vocab_size=48", "model.d_model=32", "model.n_layers=1", "model.n_
 def test_resuming_with_more_steps_warns_once_and_schedule_steps_keeps_the_curve(tmp_path, capsys):
     Trainer(load_config(None, [*TINY, "train.steps=3", f"train.output_dir={tmp_path}"])).fit()
     capsys.readouterr()
+    meta = Checkpointer.read_meta(tmp_path / "checkpoints" / "step_00000003")
+    assert meta["schedule"] == {"schedule": "cosine", "warmup_steps": 1, "schedule_steps": 3, "min_lr_ratio": 0.1}
     raised = Trainer(load_config(None, [*TINY, "train.steps=5", f"train.output_dir={tmp_path}"]))
     assert raised.resume() and raised.step == 3
     warnings = [line for line in capsys.readouterr().out.splitlines() if "warning" in line]
