@@ -87,4 +87,6 @@ def test_wandb_offline_run_continues_after_resume(tmp_path, monkeypatch):
     offline_runs = sorted(path.name for path in (tmp_path / "wandb").glob("offline-run-*"))
     assert len(offline_runs) == 2 and all(name.endswith(run_id) for name in offline_runs)
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
-    assert isinstance(resumed.metrics.loggers["wandb"], loggers.ScalarLogger)
+    wandb_logger = resumed.metrics.loggers["wandb"]
+    assert isinstance(wandb_logger, loggers.ScalarLogger) and isinstance(wandb_logger, loggers.ResumableLogger)
+    assert not isinstance(resumed.metrics.loggers["jsonl"], loggers.ResumableLogger)

@@ -33,6 +33,15 @@ class ScalarLogger(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class ResumableLogger(Protocol):
+    """A logger whose run a resumed job continues (wandb): its state goes into each checkpoint's meta.json."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 class JsonlLogger:
     """``metrics.jsonl``: one JSON object per logged step, appended across restarts."""
 

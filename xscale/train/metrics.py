@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from xscale.config import ModelConfig
-from xscale.train.loggers import ScalarLogger, build_loggers
+from xscale.train.loggers import ResumableLogger, ScalarLogger, build_loggers
 
 
 def flops_per_token(model: ModelConfig, seq_len: int, num_params: int) -> float:
@@ -83,11 +83,12 @@ class MetricsLogger:
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run's loggers continue from (the wandb run id), kept in each checkpoint's meta.json."""
-        return {name: logger.state_dict() for name, logger in self.loggers.items() if hasattr(logger, "state_dict")}
+        return {name: logger.state_dict() for name, logger in self.loggers.items()
+                if isinstance(logger, ResumableLogger)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name, logger in self.loggers.items():
-            if name in state and hasattr(logger, "load_state_dict"):
+            if name in state and isinstance(logger, ResumableLogger):
                 logger.load_state_dict(state[name])
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
