@@ -1,9 +1,19 @@
-"""The ``xscale`` command: the built-in default run, inspect, and clear failures."""
+"""The ``xscale`` command: the built-in default run, inspect, --version, --print-config, every command's help in
+plain text, and bad input as one line with exit code 2."""
 
+import re
 import subprocess
 import sys
 
-from xscale.cli import main
+import pytest
+
+from tests.reliability.test_bad_input import ENV
+from xscale.cli import COMMANDS, main, version
+from xscale.config_loading import read_config
+from xscale.validate import load_config
+
+# reStructuredText that argparse would print as it is: ``literals`` and :roles:`targets`.
+MARKUP = re.compile(r"``|:[a-z]+:`")
 
 
 def test_default_run_trains_checkpoints_and_plots(tmp_path, capsys):
@@ -48,3 +58,104 @@ def test_bad_config_exits_2_with_the_reason(capsys):
 def test_module_entry_point_runs():
     result = subprocess.run([sys.executable, "-m", "xscale", "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "inspect" in result.stdout
+
+
+def run_xscale(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "xscale", *args], capture_output=True, text=True, timeout=300,
+                          env=ENV, cwd=cwd)
+
+
+def test_version_names_the_package_version(capsys):
+    from importlib.metadata import version as installed
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"xscale {installed('xscale')}" == f"xscale {version()}"
+
+
+def test_version_falls_back_to_the_source_tree(monkeypatch, capsys):
+    import importlib.metadata
+
+    import xscale
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    monkeypatch.setattr(xscale, "__version__", "9.9.9-source")
+    assert main(["-V"]) == 0
+    assert capsys.readouterr().out.strip() == "xscale 9.9.9-source"
+
+
+PRINT_OVERRIDES = ["train.steps=7", "model.attention.per_layer=[local, dense]", "train.loggers=[csv]",
+                   "launch.time='02:00:00'", "train.schedule=wsd", "train.warmup_steps=2", "train.decay_steps=3",
+                   "train.peak_flops=1.5e12"]
+
+
+def test_print_config_reads_back_to_the_same_config(tmp_path, capsys):
+    output_dir = tmp_path / "run"
+    assert main(["train", "--print-config", "configs/tiny-gpt.yaml", *PRINT_OVERRIDES,
+                 f"train.output_dir={output_dir}"]) == 0
+    printed = capsys.readouterr().out
+    assert not output_dir.exists()  # nothing was built or written
+    (tmp_path / "printed.yaml").write_text(printed)
+    expected = load_config("configs/tiny-gpt.yaml", [*PRINT_OVERRIDES, f"train.output_dir={output_dir}"])
+    assert read_config(tmp_path / "printed.yaml") == expected
+    assert main(["train", str(tmp_path / "printed.yaml"), "--print-config"]) == 0  # the flag anywhere
+    assert capsys.readouterr().out == printed
+
+
+def test_print_config_refuses_a_bad_config_in_one_line(capsys):
+    assert main(["train", "--print-config", "train.decay_steps=3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "train.decay_steps=3 applies to train.schedule=wsd only" in err
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_each_command_prints_plain_help(command):
+    result = run_xscale(command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"usage: xscale {command}") and not result.stderr
+    assert not MARKUP.search(result.stdout), result.stdout
+
+
+@pytest.mark.parametrize("argv", [["bench", name] for name in ("train", "attention", "kernels", "moe", "parallel",
+                                                               "dropout")] + [["data", "tokenizer"],
+                                                                             ["data", "preprocess"]])
+def test_each_tool_prints_plain_help(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and out.startswith(f"usage: xscale {' '.join(argv)} ")
+    assert not MARKUP.search(out), out
+
+
+BAD_INPUT = {  # command -> (arguments, what the one stderr line says)
+    "train": (["model.n_heads=7"], "does not divide model.d_model"),
+    "inspect": (["model.n_heads=7"], "does not divide model.d_model"),
+    "export": (["{tmp}/missing", "{tmp}/out.safetensors"], "missing is not a complete xscale checkpoint"),
+    "bench": (["atention"], "unknown benchmark 'atention' (did you mean 'attention'?)"),
+    "data": (["tokenizer", "--input", "{tmp}/missing.txt", "--vocab-size", "1000", "--output", "{tmp}/tok"],
+             "missing.txt does not exist"),
+    "submit": (["{tmp}/missing.yaml", "--dry-run"], "missing.yaml' does not exist"),
+    "parity": (["--layouts", "dp_shard=2", "tpp=2"], "unknown key 'parallel.tpp' (did you mean 'tp'?)"),
+}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_bad_input_is_one_line_and_exit_2(command, tmp_path):
+    arguments, expected = BAD_INPUT[command]
+    result = run_xscale(command, *(argument.format(tmp=tmp_path) for argument in arguments), cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert lines[0].startswith(f"xscale {command}") and expected in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("argv", [["train", "--bogus"], ["export"], ["parity"], ["bench"], ["data"], ["--bogus"]])
+def test_a_usage_error_is_one_line_too(argv, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib
+import importlib.metadata
 import sys
+
+import xscale
+from xscale.command_line import CommandParser
 
 # command -> (module, function, one-line help); modules load lazily so `xscale --help` is instant.
 COMMANDS = {
@@ -18,10 +21,23 @@ COMMANDS = {
 }
 
 
+def version() -> str:
+    """The installed package's version; this source tree's when it is not installed."""
+    try:
+        return importlib.metadata.version("xscale")
+    except importlib.metadata.PackageNotFoundError:
+        return xscale.__version__
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-V", "--version"):
+        print(f"xscale {version()}")
+        return 0
     if not argv or argv[0] in ("-h", "--help"):
-        parser = argparse.ArgumentParser(prog="xscale", description="Distributed training of Transformer variants.")
+        parser = CommandParser(prog="xscale", description="Distributed training of Transformer variants. "
+                               "xscale COMMAND --help describes each command.")
+        parser.add_argument("-V", "--version", action="store_true", help="print the version and exit")
         sub = parser.add_subparsers(title="commands", metavar="COMMAND")
         for name, (_, _, help_text) in COMMANDS.items():
             sub.add_parser(name, help=help_text)

@@ -153,7 +153,11 @@ class TrainConfig:
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
-    schedule: str = "cosine"  # cosine | linear | constant
+    schedule: str = "cosine"  # cosine | linear | constant | wsd (warmup-stable-decay)
+    # The length the decay is defined over; None: train.steps. Set it to keep the curve when train.steps is raised.
+    schedule_steps: int | None = None
+    decay_steps: int | None = None  # wsd: steps of the final decay; None: the last 20% of the schedule
+    decay_shape: str = "linear"  # wsd's decay: linear | cosine | sqrt (1 - sqrt(progress))
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -174,9 +178,19 @@ class TrainConfig:
     kernels: str = "auto"  # auto | triton | apex | torch
     compile: bool = False
     peak_flops: float | None = None  # FLOP/s per device for MFU; None: measured matmul peak
-    tensorboard: bool = True
+    loggers: list[str] = field(default_factory=lambda: ["tensorboard", "jsonl"])  # + csv | wandb
+    tensorboard: bool | None = None  # old switch, still read: false drops tensorboard from loggers, true adds it
     plot: bool = True
     progress: bool = True
+    profile_steps: int = 0  # torch.profiler Chrome traces of this many steps (0: off) in <output_dir>/profile/
+    profile_start: int = 1  # the first profiled step (1-based)
+
+    def logger_names(self) -> list[str]:
+        """``loggers`` with the old ``tensorboard`` switch applied."""
+        names = [name for name in self.loggers if not (self.tensorboard is False and name == "tensorboard")]
+        if self.tensorboard and "tensorboard" not in names:
+            names.insert(0, "tensorboard")
+        return names
 
 
 @dataclass
@@ -263,7 +277,9 @@ CHOICES = {
     "parallel.activation_checkpointing": ("none", "full", "selective"),
     "parallel.backend": ("auto", "gloo", "nccl"),
     "train.objective": ("auto", "clm", "mlm", "span"),
-    "train.schedule": ("cosine", "linear", "constant"),
+    "train.schedule": ("cosine", "linear", "constant", "wsd"),
+    "train.decay_shape": ("linear", "cosine", "sqrt"),
+    "train.loggers": ("tensorboard", "jsonl", "csv", "wandb"),  # a list: each item one of these
     "train.precision": ("fp32", "bf16"),
     "train.kernels": ("auto", "triton", "apex", "torch"),
     "train.on_nonfinite": ("stop", "skip"),
@@ -285,7 +301,13 @@ def _value(config: Config, dotted: str) -> Any:
 def _check_choice(config: Config, dotted: str) -> None:
     value = _value(config, dotted)
     allowed = CHOICES[dotted]
-    if value not in allowed:
+    if isinstance(value, list):
+        for item in value:
+            if item not in allowed:
+                raise ConfigError(f"{dotted}: '{item}' is not one of {', '.join(allowed)}{closest(str(item), allowed)}")
+        if len(set(value)) < len(value):
+            raise ConfigError(f"{dotted}={value} names an entry twice; list each once")
+    elif value not in allowed:
         raise ConfigError(f"{dotted}='{value}' is not one of {', '.join(allowed)}{closest(str(value), allowed)}")
 
 
@@ -337,6 +359,7 @@ def check_values(config: Config) -> None:
         raise ConfigError(f"train.warmup_steps must be >= 0, got {train.warmup_steps}")
     if train.global_batch_size <= 0:
         raise ConfigError(f"train.global_batch_size must be positive, got {train.global_batch_size}")
+    _check_schedule(train)
     objective = resolve_objective(config)
     expected = {"clm": "decoder", "mlm": "encoder", "span": "encoder_decoder"}[objective]
     if model.family != expected:
@@ -373,6 +396,18 @@ def _check_sources(config: Config) -> None:
                           "task; set data.dataset=text (or leave data.sources out)")
     if config.data.eval_sources and not config.data.sources:
         raise ConfigError("data.eval_sources needs data.sources (the training corpora) as well")
+
+
+def _check_schedule(train: TrainConfig) -> None:
+    """The decay must fit in the schedule, and decay_steps means something only for wsd."""
+    if train.decay_steps is not None and train.schedule != "wsd":
+        raise ConfigError(f"train.decay_steps={train.decay_steps} applies to train.schedule=wsd only (got "
+                          f"train.schedule={train.schedule}); remove it or set train.schedule=wsd")
+    length = train.schedule_steps or train.steps
+    if train.schedule == "wsd" and train.decay_steps is not None and train.decay_steps + train.warmup_steps > length:
+        raise ConfigError(f"train.decay_steps={train.decay_steps} plus train.warmup_steps={train.warmup_steps} exceed "
+                          f"the schedule's {length} steps (train.schedule_steps, default train.steps); lower them or "
+                          "raise train.schedule_steps")
 
 
 def _check_filled(node: Any, where: str = "") -> None:
@@ -424,6 +459,10 @@ RANGES: dict[str, tuple[str, typing.Callable[[float], bool]]] = {
     "train.eval_batches": ("positive", _positive),
     "train.log_every": ("positive", _positive),
     "train.max_skipped": ("positive", _positive),
+    "train.schedule_steps": ("positive", _positive),
+    "train.decay_steps": ("positive", _positive),
+    "train.profile_steps": (">= 0 (0: off)", _non_negative),
+    "train.profile_start": ("at least 1 (steps count from 1)", _positive),
     "train.step_timeout_s": (f">= 0 (0: auto) and at most a year ({YEAR_S})", lambda value: 0 <= value <= YEAR_S),
     "parallel.timeout_s": (f"positive and at most a year ({YEAR_S})", lambda value: 0 < value <= YEAR_S),
     "train.peak_flops": ("positive", _positive),

@@ -1,4 +1,5 @@
-"""A :class:`~xscale.config.Config` from YAML and dotted overrides: nested mappings coerced into the typed sections.
+"""A :class:`~xscale.config.Config` from YAML and dotted overrides: nested mappings coerced into the typed sections
+(and back to YAML, :func:`config_to_yaml`).
 
 An unknown key names the closest valid key; a wrong type says what was expected. Values are then checked by
 :func:`xscale.config.check_values` (and against the registries by :mod:`xscale.validate`).
@@ -151,6 +152,12 @@ def split_cli_arguments(config: str | None, overrides: typing.Sequence[str]) -> 
         overrides.insert(0, config)
         config = None
     return config, overrides
+
+
+def config_to_yaml(config: Config) -> str:
+    """Every field of ``config`` as YAML, sections in declaration order: :func:`read_config` reads it back to an
+    equal config (``xscale train --print-config``)."""
+    return yaml.safe_dump(config.to_dict(), sort_keys=False, default_flow_style=False)
 
 
 def config_from_tree(tree: dict[str, Any]) -> Config:

@@ -15,6 +15,7 @@ from xscale.config import Config, ConfigError, check_values, closest
 from xscale.config_loading import config_from_tree, read_config, split_cli_arguments
 from xscale.models.moe import check_moe_config
 from xscale.models.registry import REGISTRIES
+from xscale.train.loggers import check_installed
 
 
 def check_registered(kind: str, name: str, where: str) -> None:
@@ -40,6 +41,7 @@ def validate(config: Config) -> None:
     check_registered("router", model.moe.router, "model.moe.router")  # a typo is refused even while MoE is off
     if model.moe.num_experts:
         check_moe_config(model, config.parallel.ep)
+    check_installed(config.train.logger_names())  # an optional logger's package (wandb), before anything runs
 
 
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:

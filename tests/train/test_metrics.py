@@ -13,7 +13,7 @@ from xscale.validate import load_config
 
 
 def test_each_logged_step_is_on_disk_before_the_logger_closes(tmp_path):
-    logger = MetricsLogger(tmp_path, enabled=True, total_steps=3, log_every=100, tensorboard=False, progress=False)
+    logger = MetricsLogger(tmp_path, enabled=True, total_steps=3, log_every=100, loggers=["jsonl"], progress=False)
     for step in (1, 2):
         logger.log(step, {"train/loss": 4.0 - step})
         lines = (tmp_path / "metrics.jsonl").read_text().splitlines()  # read while the logger still holds the file
@@ -43,7 +43,8 @@ def slow_disk(monkeypatch):
 
 
 def test_flush_puts_the_tensorboard_events_on_disk(tmp_path, slow_disk):
-    logger = MetricsLogger(tmp_path, enabled=True, total_steps=3, log_every=100, tensorboard=True, progress=False)
+    logger = MetricsLogger(tmp_path, enabled=True, total_steps=3, log_every=100, loggers=["tensorboard", "jsonl"],
+                           progress=False)
     for step in (1, 2):
         logger.log(step, {"train/loss": 4.0 - step})
     logger.flush()
@@ -71,7 +72,8 @@ def test_each_checkpoint_has_the_tensorboard_curve_up_to_it_on_disk(tmp_path, sl
 
 def test_flush_after_close_is_harmless(tmp_path):
     """A checkpoint saved after the run's end (e.g. by a caller of Trainer.save) flushes a closed logger."""
-    logger = MetricsLogger(tmp_path, enabled=True, total_steps=1, log_every=1, tensorboard=True, progress=False)
+    logger = MetricsLogger(tmp_path, enabled=True, total_steps=1, log_every=1, loggers=["tensorboard", "jsonl"],
+                           progress=False)
     logger.log(1, {"train/loss": 1.0})
     logger.close(plot=False)
     logger.flush()

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from xscale.command_line import CommandParser
+from xscale.config import closest
 from xscale.data.corpus import stdlib_documents, text_documents
 from xscale.data.load_tokenizer import load_tokenizer, tokenizer_source_file
 from xscale.data.preprocess import input_bytes, tokenize_to_indexed
@@ -19,7 +20,7 @@ def _documents(source: str):
 
 
 def main_tokenizer(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="xscale data tokenizer",
+    parser = CommandParser(prog="xscale data tokenizer",
                                      description="Train a SentencePiece tokenizer with xscale's special tokens.")
     parser.add_argument("--input", required=True,
                         help=f"a .txt/.jsonl file, a folder of them, or '{STDLIB}' for the standard-library corpus")
@@ -32,7 +33,7 @@ def main_tokenizer(argv: list[str] | None = None) -> int:
         tokenizer = SentencePieceTokenizer.train(_documents(args.input), args.vocab_size,
                                                  num_sentinels=args.sentinels, model_type=args.model_type)
     except (OSError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"xscale data tokenizer: {error}", file=sys.stderr)
         return 2
     path = tokenizer.save(args.output)
     print(f"wrote {path} ({tokenizer.vocab_size} tokens)")
@@ -40,7 +41,7 @@ def main_tokenizer(argv: list[str] | None = None) -> int:
 
 
 def main_preprocess(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="xscale data preprocess",
+    parser = CommandParser(prog="xscale data preprocess",
                                      description="Tokenize text into Megatron's indexed .bin/.idx token files.")
     parser.add_argument("--input", required=True,
                         help=f"a .txt/.jsonl file, a folder of them, or '{STDLIB}' for the standard-library corpus")
@@ -64,7 +65,7 @@ def main_preprocess(argv: list[str] | None = None) -> int:
         counts = tokenize_to_indexed(documents, tokenizer, args.output, workers=args.workers,
                                      append_eos=not args.no_eos, progress_total=total)
     except (OSError, ValueError, ImportError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"xscale data preprocess: {error}", file=sys.stderr)
         return 2
     print(f"wrote {args.output}.bin/.idx: {counts['documents']} documents, {counts['tokens']} tokens")
     return 0
@@ -77,12 +78,16 @@ TOOLS = {"tokenizer": (main_tokenizer, "train a SentencePiece tokenizer"),
 def main(argv: list[str] | None = None) -> int:
     """``xscale data TOOL ...``: dispatch to one of :data:`TOOLS`."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: xscale data {" + ",".join(TOOLS) + "} ...\n")
+    if argv and argv[0] in ("-h", "--help"):
+        print("usage: xscale data {" + ",".join(TOOLS) + "} ...  (xscale data TOOL --help for its options)\n")
         for name, (_, help_text) in TOOLS.items():
             print(f"  {name:<12} {help_text}")
-        return 0 if argv else 2
+        return 0
+    if not argv:
+        print(f"xscale data: name a tool: {', '.join(TOOLS)} (see xscale data --help)", file=sys.stderr)
+        return 2
     if argv[0] not in TOOLS:
-        print(f"xscale data: unknown tool '{argv[0]}'; tools: {', '.join(TOOLS)}", file=sys.stderr)
+        print(f"xscale data: unknown tool '{argv[0]}'{closest(argv[0], TOOLS)}; tools: {', '.join(TOOLS)}",
+              file=sys.stderr)
         return 2
     return TOOLS[argv[0]][0](argv[1:])

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from xscale.command_line import CommandParser
 from xscale.config import Config, ConfigError
 from xscale.validate import load_config
 
@@ -341,7 +342,7 @@ def render_script(request: JobRequest) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="xscale submit",
         description="Render a Slurm job for CONFIG (+ overrides) and submit it with sbatch.",
     )

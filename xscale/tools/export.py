@@ -5,10 +5,10 @@ Works without a process group: DCP reads every shard and assembles full tensors.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
+from xscale.command_line import CommandParser
 from xscale.models import build_model
 from xscale.train.checkpoint import (
     Checkpointer,
@@ -54,7 +54,7 @@ def export_safetensors(checkpoint: str | Path, output: str | Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="xscale export", description=__doc__.splitlines()[0])
+    parser = CommandParser(prog="xscale export", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a step directory or a checkpoint root (uses its 'latest')")
     parser.add_argument("output", nargs="?", help="path of the .safetensors file to write")
     parser.add_argument("--output", "-o", dest="output_option", metavar="OUTPUT", help="the same, as an option")

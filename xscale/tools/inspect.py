@@ -6,9 +6,9 @@ parameters, gradients, optimizer state and activations take on one device.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from xscale.command_line import CommandParser
 from xscale.config import Config, ConfigError
 from xscale.models.parameters import ModelCount, count_parameters
 from xscale.parallel.checks import resolve_dims
@@ -182,7 +182,7 @@ def report(config: Config) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="xscale inspect", description=__doc__.splitlines()[0])
+    parser = CommandParser(prog="xscale inspect", description=__doc__.splitlines()[0])
     parser.add_argument("config", nargs="?", help="YAML config; omit for the built-in default")
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--world-size", type=int, default=None,

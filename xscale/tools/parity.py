@@ -12,7 +12,6 @@ masks depended on the layout would be refused, see :func:`check_dropout_comparab
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from xscale.command_line import CommandParser
 from xscale.config import Config, ConfigError
 from xscale.launcher.local import start_local
 from xscale.models.registry import ATTENTION
@@ -146,7 +146,7 @@ def compare_layouts(config_path: str | None, overrides: Sequence[str], layouts: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="xscale parity", description=__doc__.split("\n\n")[0])
+    parser = CommandParser(prog="xscale parity", description=__doc__.split("\n\n")[0])
     parser.add_argument("config", nargs="?", help="YAML config; omit for the built-in default")
     parser.add_argument("overrides", nargs="*", help="dotted overrides applied to every run")
     parser.add_argument("--layouts", nargs="+", required=True, help="e.g. dp_shard=2 tp=2 'pp=2,microbatches=2'")

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from xscale.command_line import CommandParser
 from xscale.config import ConfigError
+from xscale.config_loading import config_to_yaml
 from xscale.train.checkpoint import CheckpointError
 from xscale.train.run_lock import RunLocked
 from xscale.train.trainer import NonFiniteTraining, Trainer
@@ -13,18 +14,24 @@ from xscale.validate import load_config_from_cli
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="xscale train",
         description="Train a model. With no CONFIG, a small decoder on the built-in corpus (no download, CPU ok).",
     )
     parser.add_argument("config", nargs="?", help="YAML config (configs/*.yaml); omit for the built-in default")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=50 model.norm=layernorm")
-    args = parser.parse_args(argv)
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved, validated config as YAML (a file xscale train reads back) and exit "
+                             "without building anything")
+    args = parser.parse_intermixed_args(argv)
     try:
         config = load_config_from_cli(args.config, args.overrides)
     except ConfigError as error:
         print(f"xscale train: invalid configuration: {error}", file=sys.stderr)
         return 2
+    if args.print_config:
+        print(config_to_yaml(config), end="")
+        return 0
     try:
         summary = Trainer(config).fit()
     except (ConfigError, CheckpointError, RunLocked) as error:

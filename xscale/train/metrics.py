@@ -1,13 +1,11 @@
 """What a person wants to see while training: loss, tokens/s, MFU, memory, ETA.
 
-Console lines (and a rich progress bar on a terminal), TensorBoard scalars, and a loss-curve
-PNG at the end. Only rank 0 writes.
+Console lines (and a rich progress bar on a terminal), the scalars to each of ``train.loggers`` (TensorBoard, JSONL,
+CSV, wandb: :mod:`xscale.train.loggers`), and a loss-curve PNG at the end. Only rank 0 writes.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import resource
 import sys
 import time
@@ -17,6 +15,7 @@ from typing import Any
 import torch
 
 from xscale.config import ModelConfig
+from xscale.train.loggers import ResumableLogger, ScalarLogger, build_loggers
 
 
 def flops_per_token(model: ModelConfig, seq_len: int, num_params: int) -> float:
@@ -55,31 +54,25 @@ def format_seconds(seconds: float) -> str:
 
 
 class MetricsLogger:
-    """Collects per-step scalars; prints, writes TensorBoard and a JSONL log, plots at the end."""
+    """Collects per-step scalars; prints them, hands them to the ``train.loggers``
+    (:mod:`xscale.train.loggers`) and plots at the end."""
 
     def __init__(self, output_dir: str | Path, *, enabled: bool, total_steps: int, log_every: int,
-                 tensorboard: bool, progress: bool) -> None:
+                 loggers: list[str], progress: bool, config: dict[str, Any] | None = None) -> None:
         self.output_dir = Path(output_dir)
         self.enabled = enabled
         self.total_steps = total_steps
         self.log_every = max(1, log_every)
         self.history: list[dict[str, Any]] = []
-        self.writer = None
+        self.loggers: dict[str, ScalarLogger] = {}
         self.progress = None
         self._start = time.perf_counter()
         self._first_step: int | None = None
+        self._closed = False
         if not enabled:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        # Line-buffered: every record is on disk once logged, so a crash loses no step of the loss curve.
-        self._jsonl = (self.output_dir / "metrics.jsonl").open("a", buffering=1)
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.writer = SummaryWriter(str(self.output_dir / "tensorboard"))
-            except ImportError:
-                print("tensorboard is not installed: scalars go to metrics.jsonl only", flush=True)
+        self.loggers = build_loggers(loggers, self.output_dir, config or {})
         if progress and sys.stdout.isatty():
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -88,20 +81,26 @@ class MetricsLogger:
             self.progress.start()
             self._task = self.progress.add_task("train", total=total_steps, status="")
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run's loggers continue from (the wandb run id), kept in each checkpoint's meta.json."""
+        return {name: logger.state_dict() for name, logger in self.loggers.items()
+                if isinstance(logger, ResumableLogger)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, logger in self.loggers.items():
+            if name in state and isinstance(logger, ResumableLogger):
+                logger.load_state_dict(state[name])
+
     def log(self, step: int, scalars: dict[str, float]) -> None:
         """Record the scalars of optimizer step ``step`` (1-based)."""
         if self._first_step is None:
             self._first_step = step - 1
             self._start = time.perf_counter()
-        record = {"step": step, **scalars}
-        self.history.append(record)
+        self.history.append({"step": step, **scalars})
         if not self.enabled:
             return
-        self._jsonl.write(json.dumps(record) + "\n")
-        if self.writer is not None:
-            for key, value in scalars.items():
-                if isinstance(value, int | float) and math.isfinite(value):
-                    self.writer.add_scalar(key, value, step)
+        for logger in self.loggers.values():
+            logger.log(step, scalars)
         done = step - self._first_step
         eta = (time.perf_counter() - self._start) / max(1, done) * (self.total_steps - step)
         line = self._format(step, scalars, eta)
@@ -114,11 +113,10 @@ class MetricsLogger:
 
     def flush(self) -> None:
         """Put everything logged so far on disk: TensorBoard buffers events for up to two minutes."""
-        if not self.enabled or self._jsonl.closed:  # closed: everything is on disk already
+        if not self.enabled or self._closed:  # closed: everything is on disk already
             return
-        self._jsonl.flush()
-        if self.writer is not None:
-            self.writer.flush()
+        for logger in self.loggers.values():
+            logger.flush()
 
     def _format(self, step: int, s: dict[str, float], eta: float) -> str:
         parts = [f"step {step}/{self.total_steps}"]
@@ -144,10 +142,10 @@ class MetricsLogger:
             return None
         if self.progress is not None:
             self.progress.stop()
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
-        self._jsonl.close()
+        if not self._closed:
+            for logger in self.loggers.values():
+                logger.close()
+            self._closed = True
         return self.plot() if plot else None
 
     def plot(self) -> Path | None:

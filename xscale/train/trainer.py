@@ -40,8 +40,9 @@ from xscale.runtime import StepContext
 from xscale.runtime.hooks import ReportsLayerMetrics
 from xscale.train.checkpoint import Checkpointer, CheckpointError
 from xscale.train.metrics import MetricsLogger, flops_per_token, measure_matmul_peak, peak_memory_bytes
+from xscale.train.profiling import StepProfiler
 from xscale.train.run_lock import RunLock, RunLocked
-from xscale.train.schedule import lr_factor
+from xscale.train.schedule import lr_factor, saved_schedule, schedule_change, schedule_parameters
 from xscale.train.spikes import LossSpikeDetector
 from xscale.train.step import (
     clip_gradient_norm,
@@ -104,8 +105,10 @@ class Trainer:
                                          verify=config.checkpoint.verify,
                                          carry={self.tokenizer_in_checkpoint: tokenizer} if tokenizer else {})
         self.metrics = MetricsLogger(output_dir, enabled=self.rank == 0, total_steps=train.steps,
-                                     log_every=train.log_every, tensorboard=train.tensorboard,
-                                     progress=train.progress)
+                                     log_every=train.log_every, loggers=train.logger_names(),
+                                     progress=train.progress, config=config.to_dict())
+        self.profiler = StepProfiler(output_dir, rank=self.rank, start=train.profile_start, steps=train.profile_steps,
+                                     device=self.device)
         embedding_params = config.model.vocab_size * config.model.d_model
         self.flops_per_token = flops_per_token(config.model, train.seq_len, self.num_params - embedding_params)
         self.peak_flops = train.peak_flops
@@ -144,7 +147,8 @@ class Trainer:
     def save(self) -> None:
         meta = {"config": self.config.to_dict(), "sampler": self.sampler.state_dict(),
                 "world_size": self.world_size, "layout": self.dims.describe(), "num_params": self.num_params,
-                "parent": self.parent}
+                "parent": self.parent, "schedule": schedule_parameters(self.config.train),
+                "loggers": self.metrics.state_dict()}
         if self.source_tokens is not None:
             meta["data_tokens"] = self.source_tokens.state_dict()
         if self.tokenizer_in_checkpoint:
@@ -172,9 +176,12 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, self.config.train), last_epoch=self.step - 1)
         self.parent = str(path)
+        self.metrics.load_state_dict(meta.get("loggers", {}))
         abandoned = self.checkpointer.set_aside_later_steps(path)
         if self.rank == 0:
             print(f"resumed from {path} at step {self.step}", flush=True)
+            if warning := schedule_change(saved_schedule(meta), self.config.train, self.step):
+                print(warning, flush=True)
             if abandoned is not None:
                 print(f"rolled back: the checkpoints after step {self.step} were moved to {abandoned} (kept, not "
                       "deleted)", flush=True)
@@ -308,7 +315,9 @@ class Trainer:
                 # between steps leaves the others waiting in that vote.
                 if watchdog is not None:
                     watchdog.begin(self.step + 1)
+                self.profiler.before_step(self.step + 1)
                 scalars = self.train_step()
+                self.profiler.after_step(self.step)
                 scalars.update(self.layer_metrics())  # before evaluation, whose forwards overwrite them
                 stopping = self.stop_requested or self.preemption.should_stop()
                 if watchdog is not None:
@@ -325,6 +334,7 @@ class Trainer:
                     break
                 if every and self.step % every == 0 and self.step < train.steps:
                     self.save()
+        self.profiler.stop()
         self.save()
         self.checkpointer.wait()
         return losses

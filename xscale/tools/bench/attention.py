@@ -17,7 +17,6 @@ fp32; causal wherever the variant allows, else bidirectional against bidirection
 
 from __future__ import annotations
 
-import argparse
 import csv
 import os
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from xscale.command_line import CommandParser
 from xscale.config import ModelConfig
 from xscale.models.attention.core import build_core
 from xscale.models.registry import ATTENTION
@@ -343,7 +343,7 @@ def run(lengths: list[int], long_lengths: list[int], variants: list[str], repeat
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = CommandParser(prog="xscale bench attention", description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="1024,2048,4096,8192,16384")
     parser.add_argument("--long-lengths", default="32768", help="extra lengths for the linear-memory variants")
     parser.add_argument("--variants", default=",".join(VARIANTS))

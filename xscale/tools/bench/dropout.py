@@ -5,13 +5,13 @@ there the cost is that of forming the probabilities instead of SDPA's fused kern
 
 from __future__ import annotations
 
-import argparse
 import copy
 import time
 
 import torch
 from torch import nn
 
+from xscale.command_line import CommandParser
 from xscale.config import ModelConfig
 from xscale.models.block import TransformerBlock
 from xscale.models.dropout import Dropout
@@ -52,7 +52,7 @@ def with_torch_dropout(module: nn.Module) -> nn.Module:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = CommandParser(prog="xscale bench dropout", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", type=int, nargs=3, default=[8, 512, 1024], metavar=("B", "T", "D"))
     parser.add_argument("--p", type=float, default=0.1)
     parser.add_argument("--repeats", type=int, default=20)

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from xscale import ops
+from xscale.command_line import CommandParser
 from xscale.ops import dispatch, reference
 from xscale.ops.block_sparse_attention import block_sparse_attention_reference
 from xscale.ops.moe_permute import Permutation, permute_reference, plan_permutation, unpermute_reference
@@ -306,7 +307,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="xscale bench kernels", description=__doc__.splitlines()[0])
+    parser = CommandParser(prog="xscale bench kernels", description=__doc__.splitlines()[0])
     parser.add_argument("--ops", default="all", help="comma-separated subset of the op names, or all")
     parser.add_argument("--backend", default="auto", choices=dispatch.BACKENDS, help="train.kernels for the fused side")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))

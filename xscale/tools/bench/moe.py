@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from xscale.command_line import CommandParser
 from xscale.config import ModelConfig, MoEConfig
 from xscale.launcher.cpu_allocator import keep_freed_memory
 from xscale.launcher.env import free_port
@@ -246,7 +247,7 @@ def report(figures: dict, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="xscale bench moe", description=__doc__.splitlines()[0])
+    parser = CommandParser(prog="xscale bench moe", description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--hidden", type=int, default=1024)

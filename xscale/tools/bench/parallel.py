@@ -22,7 +22,6 @@ CPU measure the scheduler instead), and compare only figures of one invocation.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import statistics
 import sys
@@ -31,6 +30,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from xscale.command_line import CommandParser
 from xscale.config import Config, ConfigError
 from xscale.parallel.checks import resolve_dims
 from xscale.parallel.pipeline import ideal_bubble
@@ -126,7 +126,7 @@ def report(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="xscale bench parallel", description=__doc__.split("\n\n")[0])
+    parser = CommandParser(prog="xscale bench parallel", description=__doc__.split("\n\n")[0])
     parser.add_argument("config", nargs="?", help="YAML config (default: a 4-layer, 256-wide decoder)")
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--layouts", nargs="+", default=list(DEFAULT_LAYOUTS))

@@ -7,12 +7,12 @@ ratio xscale / HF, and each one's MFU against this device's measured matmul peak
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 
+from xscale.command_line import CommandParser
 from xscale.models import build_model
 from xscale.models.convert import gpt2_config, gpt2_state_dict
 from xscale.parallel.model import ParallelModel
@@ -35,7 +35,7 @@ def _xscale_step(model: ParallelModel, optimizer, tokens: torch.Tensor) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="xscale bench train", description=__doc__.splitlines()[0])
+    parser = CommandParser(prog="xscale bench train", description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--heads", type=int, default=12)
