@@ -69,7 +69,7 @@ def _first_loss(config) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp=2", "dp_shard=2"])
+@pytest.mark.parametrize("layout", ["tp=2", "dp_shard=2", "pp=2"])
 def test_first_loss_equals_huggingface_loss_on_two_ranks(tmp_path, layout):
     from xscale.data import GlobalSampler, build_datasets, collate
     from xscale.tools.parity import PARITY_SETTINGS, layout_overrides, run_local

@@ -103,3 +103,35 @@ def test_attention_and_experts_are_refused_too(tmp_path):
         exportable_family(hf_model_config(tmp_path / "hf", {"attention": {"kind": "local"}}))
     with pytest.raises(InteropError, match="model.moe.num_experts=4"):
         exportable_family(hf_model_config(tmp_path / "hf", {"moe": {"num_experts": 4}}))
+
+
+def test_tied_llama_stores_its_head_once_and_reloads(tmp_path):
+    from safetensors import safe_open
+
+    hf = save("llama", tmp_path / "hf", tie_word_embeddings=True)
+    assert hf_model_config(tmp_path / "hf").tie_embeddings
+    export_hf(_checkpoint_from_hf(tmp_path / "hf", tmp_path / "ckpt"), tmp_path / "out")
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as handle:
+        assert "lm_head.weight" not in handle.keys()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    batch = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(batch).logits, hf(batch).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_a_trained_checkpoint_exports_as_llama(tmp_path):
+    from xscale.train.trainer import Trainer
+    from xscale.validate import load_config
+
+    config = load_config(None, ["model.vocab_size=48", "model.d_model=32", "model.n_layers=2", "model.n_heads=4",
+                                "model.n_kv_heads=2", "model.tie_embeddings=false", "train.global_batch_size=4",
+                                "train.seq_len=16", "train.steps=2", "train.tensorboard=false", "train.plot=false",
+                                "train.progress=false", "train.peak_flops=1e12", "data.dataset=copy",
+                                "data.num_samples=32", "data.eval_fraction=0.0", f"train.output_dir={tmp_path}"])
+    trainer = Trainer(config)
+    trainer.fit()
+    export_hf(tmp_path / "checkpoints" / "step_00000002", tmp_path / "out")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    batch = tokens() % 48
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(batch).logits, trainer.model.model.eval()(batch), atol=1e-5, rtol=1e-5)
