@@ -99,6 +99,9 @@ def test_a_variant_without_hf_equivalent_is_refused_naming_it(tmp_path, setting,
 
 def test_attention_and_experts_are_refused_too(tmp_path):
     save("gpt2", tmp_path / "hf")
+    assert exportable_family(hf_model_config(tmp_path / "hf", {"n_kv_heads": 4})).model_type == "gpt2"  # = n_heads
+    with pytest.raises(InteropError, match="model.n_kv_heads=2"):
+        exportable_family(hf_model_config(tmp_path / "hf", {"n_kv_heads": 2}))
     with pytest.raises(InteropError, match="model.attention.kind='local'"):
         exportable_family(hf_model_config(tmp_path / "hf", {"attention": {"kind": "local"}}))
     with pytest.raises(InteropError, match="model.moe.num_experts=4"):

@@ -99,6 +99,8 @@ def setting(model: ModelConfig, dotted: str) -> Any:
     node: Any = model
     for part in dotted.split("."):
         node = getattr(node, part)
+    if dotted == "n_kv_heads" and node == model.n_heads:
+        return None  # as many kv heads as heads: plain multi-head attention, as unset
     return node
 
 
