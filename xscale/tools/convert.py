@@ -54,7 +54,7 @@ def safetensors_to_xscale(args: argparse.Namespace) -> str:
     return f"wrote {write_weights_checkpoint(model, fill, args.output, source=str(args.source))}"
 
 
-TOOLS = {"hf-to-xscale": (hf_to_xscale, "a Hugging Face model folder (GPT-2, Llama, BERT)"),
+TOOLS = {"hf-to-xscale": (hf_to_xscale, "a Hugging Face model folder (GPT-2, Llama, BERT, T5)"),
          "safetensors-to-xscale": (safetensors_to_xscale, "a file written by xscale export (--format xscale)")}
 
 

@@ -8,7 +8,7 @@ from xscale.interop.hf.rules import InteropError
 from xscale.models import build_model
 
 pytest.importorskip("transformers", reason="transformers is a dev dependency (pip install -e .[dev])")
-from hf_models import build, save, tokens  # noqa: E402
+from hf_models import build, hf_logits, save, tokens, xscale_logits  # noqa: E402
 
 
 def _xscale_model(config, state):
@@ -17,14 +17,14 @@ def _xscale_model(config, state):
     return model.eval()
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "bert"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "bert", "t5"])
 def test_imported_logits_equal_huggingface(tmp_path, kind):
     hf = save(kind, tmp_path)
     config, state = load_hf(tmp_path)
     ours = _xscale_model(config, state)
     batch = tokens()
     with torch.no_grad():
-        torch.testing.assert_close(ours(batch), hf(batch).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(xscale_logits(ours, batch), hf_logits(hf, batch), atol=1e-5, rtol=1e-5)
 
 
 def test_llama_keeps_grouped_query_attention_and_an_untied_head(tmp_path):
@@ -44,7 +44,7 @@ def test_in_memory_state_dict_converts_too():
     ours = _xscale_model(config, state_dict_from_hf(hf.state_dict(), config, "llama"))
     batch = tokens()
     with torch.no_grad():
-        torch.testing.assert_close(ours(batch), hf(batch).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(xscale_logits(ours, batch), hf_logits(hf, batch), atol=1e-5, rtol=1e-5)
 
 
 def test_unsupported_hf_settings_are_refused_naming_them(tmp_path):
@@ -53,3 +53,9 @@ def test_unsupported_hf_settings_are_refused_naming_them(tmp_path):
         hf_model_config(tmp_path)
     with pytest.raises(InteropError, match="config.json is missing"):
         hf_model_config(tmp_path / "nowhere")
+
+
+def test_t5_v1_1_unscaled_head_is_refused(tmp_path):
+    save("t5", tmp_path, tie_word_embeddings=False)  # transformers 5: tied, decoder output not scaled
+    with pytest.raises(InteropError, match="scale_decoder_outputs"):
+        hf_model_config(tmp_path)

@@ -15,9 +15,10 @@ from xscale.interop.hf.save import export_hf
 from xscale.models import build_model
 
 transformers = pytest.importorskip("transformers", reason="transformers is a dev dependency (pip install -e .[dev])")
-from hf_models import save, tokens  # noqa: E402
+from hf_models import hf_logits, save, tokens  # noqa: E402
 
-AUTO = {"gpt2": "AutoModelForCausalLM", "llama": "AutoModelForCausalLM", "bert": "AutoModelForMaskedLM"}
+AUTO = {"gpt2": "AutoModelForCausalLM", "llama": "AutoModelForCausalLM", "bert": "AutoModelForMaskedLM",
+        "t5": "AutoModelForSeq2SeqLM"}
 
 
 def _checkpoint_from_hf(hf_dir, out):
@@ -25,7 +26,7 @@ def _checkpoint_from_hf(hf_dir, out):
     return write_weights_checkpoint(model, lambda state: fill_from_hf(state, hf_dir, model), out, source="test")
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "bert"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "bert", "t5"])
 def test_exported_folder_loads_in_transformers_with_the_same_logits(tmp_path, kind):
     hf = save(kind, tmp_path / "hf")
     step_dir = _checkpoint_from_hf(tmp_path / "hf", tmp_path / "ckpt")
@@ -33,10 +34,10 @@ def test_exported_folder_loads_in_transformers_with_the_same_logits(tmp_path, ki
     reloaded = getattr(transformers, AUTO[kind]).from_pretrained(tmp_path / "out").eval()
     batch = tokens()
     with torch.no_grad():
-        torch.testing.assert_close(reloaded(batch).logits, hf(batch).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(hf_logits(reloaded, batch), hf_logits(hf, batch), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "bert"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "bert", "t5"])
 def test_xscale_to_hf_to_xscale_is_the_identity(tmp_path, kind):
     save(kind, tmp_path / "hf")
     config = hf_model_config(tmp_path / "hf")
@@ -74,7 +75,7 @@ def test_shards_with_an_index_when_over_the_size(tmp_path):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     batch = tokens()
     with torch.no_grad():
-        torch.testing.assert_close(reloaded(batch).logits, hf(batch).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(hf_logits(reloaded, batch), hf_logits(hf, batch), atol=1e-5, rtol=1e-5)
 
 
 def test_tokenizer_files_travel_with_the_weights(tmp_path):
@@ -119,7 +120,7 @@ def test_tied_llama_stores_its_head_once_and_reloads(tmp_path):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     batch = tokens()
     with torch.no_grad():
-        torch.testing.assert_close(reloaded(batch).logits, hf(batch).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(hf_logits(reloaded, batch), hf_logits(hf, batch), atol=1e-5, rtol=1e-5)
 
 
 def test_a_trained_checkpoint_exports_as_llama(tmp_path):

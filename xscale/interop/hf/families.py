@@ -11,8 +11,9 @@ from xscale.interop.hf.bert import BERT
 from xscale.interop.hf.gpt2 import GPT2
 from xscale.interop.hf.llama import LLAMA
 from xscale.interop.hf.rules import Family, InteropError
+from xscale.interop.hf.t5 import T5
 
-FAMILIES: dict[str, Family] = {family.model_type: family for family in (GPT2, LLAMA, BERT)}
+FAMILIES: dict[str, Family] = {family.model_type: family for family in (GPT2, LLAMA, BERT, T5)}
 
 
 def read_hf_config(directory: str | Path) -> dict[str, Any]:

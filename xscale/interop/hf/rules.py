@@ -54,6 +54,11 @@ def fused(hf: str, ours: tuple[str, ...], transpose: bool = False) -> Rule:
     return Rule((hf,), ours, split, join)
 
 
+def scaled(hf: str, ours: str, factor: float) -> Rule:
+    """Ours = HF x ``factor`` (exact both ways when ``factor`` is a power of two)."""
+    return Rule((hf,), (ours,), lambda w: (w * factor,), lambda w: (w / factor,))
+
+
 def linear(hf: str, ours: str, bias: bool) -> list[Rule]:
     """A linear layer's weight and (when the model has biases) bias, under the same names on both sides."""
     return [same(f"{hf}.weight", f"{ours}.weight")] + ([same(f"{hf}.bias", f"{ours}.bias")] if bias else [])
@@ -91,7 +96,7 @@ class Family:
 # What every family needs: dense attention in every layer, no experts, one block per depth.
 COMMON_REQUIREMENTS: dict[str, tuple[Any, ...]] = {
     "attention.kind": ("dense",), "attention.per_layer": (None,), "moe.num_experts": (0,),
-    "share_layers": (False,), "n_decoder_layers": (None,),
+    "share_layers": (False,),
 }
 
 
