@@ -22,8 +22,9 @@ RUN = ["train.global_batch_size=4", "train.seq_len=16", "train.steps=2", "train.
 
 def hf_loss(hf, batch: dict[str, torch.Tensor]) -> float:
     """HF's mean token cross-entropy over the batch's labelled tokens (xscale's labels, as the trainer reads them)."""
+    decoder = {"decoder_input_ids": batch["decoder_input_ids"]} if "decoder_input_ids" in batch else {}
     with torch.no_grad():
-        logits = hf(batch["input_ids"]).logits
+        logits = hf(batch["input_ids"], **decoder).logits
     return float(F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100))
 
 
@@ -33,7 +34,7 @@ def _first_loss_and_hf_loss(config, hf) -> tuple[float, float]:
     return trainer.fit()["losses"][0], expected
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "bert"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "bert", "t5"])
 def test_first_loss_equals_huggingface_loss(tmp_path, kind):
     hf = save(kind, tmp_path / "hf")
     config = load_config(None, [*RUN, f"checkpoint.init_from=hf:{tmp_path / 'hf'}", f"train.output_dir={tmp_path}"])
