@@ -1,4 +1,4 @@
-"""The ``xscale`` command: train | inspect | export | bench | data | submit | parity."""
+"""The ``xscale`` command: train | inspect | export | convert | bench | data | submit | parity."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from xscale.command_line import CommandParser
 COMMANDS = {
     "train": ("xscale.train.cli", "main", "train a model: xscale train [CONFIG] [section.key=value ...]"),
     "inspect": ("xscale.tools.inspect", "main", "parameters, FLOPs per token and per-rank memory of a config"),
-    "export": ("xscale.tools.export", "main", "write a checkpoint's weights to one safetensors file"),
+    "export": ("xscale.tools.export", "main", "write a checkpoint's weights: one safetensors file, or --format hf"),
+    "convert": ("xscale.tools.convert", "main", "Hugging Face weights (or an export) into an xscale checkpoint"),
     "bench": ("xscale.tools.bench", "main", "benchmarks: train | attention | kernels | moe | parallel | dropout"),
     "data": ("xscale.data.cli", "main", "data tools: tokenizer | preprocess"),
     "submit": ("xscale.launcher.submit", "main", "render and submit a Slurm job"),

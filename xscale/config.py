@@ -231,6 +231,9 @@ class CheckpointConfig:
     async_save: bool = False
     resume: str = "auto"  # auto (latest if any) | none | a checkpoint directory
     verify: str = "full"  # before loading, check every file against meta.json: full (SHA-256) | size | none
+    # Start from other weights when no checkpoint is resumed: none | hf:DIR (a Hugging Face model folder; the model
+    # section then defaults to its config.json, model.* settings given still apply; xscale.interop.hf)
+    init_from: str = "none"
 
 
 @dataclass
@@ -369,6 +372,9 @@ def check_values(config: Config) -> None:
         )
     _check_ranges(config)
     _check_moe_values(config)
+    init_from = config.checkpoint.init_from
+    if init_from != "none" and not (init_from.startswith("hf:") and init_from[3:].strip()):
+        raise ConfigError(f"checkpoint.init_from='{init_from}' must be none or hf:DIR (a Hugging Face model folder)")
     if config.checkpoint.keep < 1:
         raise ConfigError(f"checkpoint.keep must be at least 1, got {config.checkpoint.keep}")
     _check_sources(config)

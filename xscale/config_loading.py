@@ -122,9 +122,11 @@ def set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
     node[path[-1]] = value
 
 
-def read_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+def read_config(path: str | Path | None = None, overrides: typing.Sequence[str] = (),
+                complete: typing.Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> Config:
     """Read a YAML config (or the built-in default when ``path`` is None) and apply overrides; checks values
-    only (:func:`check_values`). :func:`xscale.validate.load_config` adds the checks against the registries."""
+    only (:func:`check_values`). :func:`xscale.validate.load_config` adds the checks against the registries.
+    ``complete``: fills in what the tree implies before it is checked (the model of ``checkpoint.init_from``)."""
     tree: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -142,7 +144,7 @@ def read_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     for text in overrides:
         keys, value = parse_override(text)
         set_path(tree, keys, value)
-    return config_from_tree(tree)
+    return config_from_tree(complete(tree) if complete is not None else tree)
 
 
 def split_cli_arguments(config: str | None, overrides: typing.Sequence[str]) -> tuple[str | None, list[str]]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from xscale.config import Config, ConfigError, check_values, closest
 from xscale.config_loading import config_from_tree, read_config, split_cli_arguments
+from xscale.interop.hf.families import with_init_model
 from xscale.models.moe import check_moe_config
 from xscale.models.registry import REGISTRIES
 from xscale.train.loggers import check_installed
@@ -46,7 +47,7 @@ def validate(config: Config) -> None:
 
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
     """Read a YAML config (or the built-in default when ``path`` is None), apply overrides, validate."""
-    config = read_config(path, overrides)
+    config = read_config(path, overrides, complete=with_init_model)
     validate(config)
     return config
 

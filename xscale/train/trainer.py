@@ -28,6 +28,9 @@ from xscale.data import (
 )
 from xscale.data.load_tokenizer import META_KEY as TOKENIZER_META_KEY
 from xscale.data.load_tokenizer import checkpoint_tokenizer_name
+from xscale.interop.checkpoint import WEIGHTS_ONLY
+from xscale.interop.hf.load import fill_from_hf
+from xscale.interop.hf.rules import InteropError
 from xscale.launcher.cpu_allocator import keep_freed_memory
 from xscale.launcher.env import detect_world, init_distributed, local_device
 from xscale.launcher.parent_death import exit_with_launcher
@@ -157,16 +160,22 @@ class Trainer:
         self.checkpointer.save(self.step, self.state(), meta)
 
     def resume(self) -> bool:
-        """Load the checkpoint named by checkpoint.resume (auto: the latest, if any)."""
+        """Load the checkpoint named by checkpoint.resume (auto: the latest, if any); with none to resume, start from
+        checkpoint.init_from's weights when it names some."""
         choice = self.config.checkpoint.resume
-        if choice == "none":
-            return False
-        path = self.checkpointer.latest() if choice == "auto" else Path(choice)
+        path = None if choice == "none" else self.checkpointer.latest() if choice == "auto" else Path(choice)
         if path is None:
+            self.initialize_from()
             return False
         if not path.exists():
             raise CheckpointError(f"checkpoint.resume={choice}: {path} does not exist")
         state = self.state()
+        if Checkpointer.read_meta(path, verify="none").get(WEIGHTS_ONLY):
+            self.checkpointer.load(path, {"model": state["model"]})  # the optimizer, schedule and data start fresh
+            self.model.load_state_dict(state, self.optimizer)
+            self._announce(f"started from the weights of {path}")
+            self.parent = str(path)
+            return True
         meta = self.checkpointer.load(path, state)
         self.model.load_state_dict(state, self.optimizer)
         self.step = int(meta["step"])
@@ -178,14 +187,32 @@ class Trainer:
         self.parent = str(path)
         self.metrics.load_state_dict(meta.get("loggers", {}))
         abandoned = self.checkpointer.set_aside_later_steps(path)
-        if self.rank == 0:
-            print(f"resumed from {path} at step {self.step}", flush=True)
-            if warning := schedule_change(saved_schedule(meta), self.config.train, self.step):
-                print(warning, flush=True)
-            if abandoned is not None:
-                print(f"rolled back: the checkpoints after step {self.step} were moved to {abandoned} (kept, not "
-                      "deleted)", flush=True)
+        self._announce(f"resumed from {path} at step {self.step}")
+        if warning := schedule_change(saved_schedule(meta), self.config.train, self.step):
+            self._announce(warning)
+        if abandoned is not None:
+            self._announce(f"rolled back: the checkpoints after step {self.step} were moved to {abandoned} (kept, not "
+                           "deleted)")
         return True
+
+    def initialize_from(self) -> None:
+        """checkpoint.init_from=hf:DIR: copy a Hugging Face model's weights into this rank's part of the model (each
+        tensor converted whole, then sliced to the rank's shard), through the state dict a checkpoint loads into."""
+        source = self.config.checkpoint.init_from
+        if not source.startswith("hf:"):
+            return
+        state = self.state()
+        try:
+            fill_from_hf(state["model"], source[3:], self.config.model)
+        except InteropError as error:
+            raise CheckpointError(f"checkpoint.init_from={source}: {error}") from error
+        self.model.load_state_dict(state, self.optimizer)
+        self.parent = source
+        self._announce(f"initialised from {source}")
+
+    def _announce(self, text: str) -> None:
+        if self.rank == 0:
+            print(text, flush=True)
 
     def layer_metrics(self) -> dict[str, float]:
         """Per-layer statistics of every layer of the model (rank 0 logs them; later pipeline stages send theirs)."""

@@ -13,8 +13,8 @@ import time
 import torch
 
 from xscale.command_line import CommandParser
+from xscale.interop.hf.load import model_config_from_hf, state_dict_from_hf
 from xscale.models import build_model
-from xscale.models.convert import gpt2_config, gpt2_state_dict
 from xscale.parallel.model import ParallelModel
 from xscale.train.metrics import flops_per_token, measure_matmul_peak
 from xscale.train.step import forward_backward_step
@@ -59,9 +59,9 @@ def main(argv: list[str] | None = None) -> int:
                                         attn_pdrop=0.0)
     hf_config._attn_implementation = "sdpa"
     hf = transformers.GPT2LMHeadModel(hf_config).train()
-    config = gpt2_config(hf_config)
+    config = model_config_from_hf(hf_config.to_dict())
     ours = build_model(config, "cpu")
-    ours.load_state_dict(gpt2_state_dict(hf.state_dict(), config))
+    ours.load_state_dict(state_dict_from_hf(hf.state_dict(), config, "gpt2"))
     ours.train()
     parallel = ParallelModel([ours], micro_batch_size=args.batch)
     hf_optimizer = torch.optim.AdamW(hf.parameters(), lr=1e-4)
