@@ -58,9 +58,10 @@ def test_a_core_that_cannot_cache_decodes_by_recomputing():
     result = generate(model, prompt, 8)
     assert not result.cached and result.tokens.shape == (1, 8)
     sequence = torch.cat([prompt, result.tokens], dim=1)
-    with torch.no_grad():  # each token is the argmax of one full forward over the prefix before it
-        expected = model(sequence[:, :-1])[:, prompt.shape[1] - 1:].argmax(-1)
-    assert torch.equal(result.tokens, expected)
+    with torch.no_grad():  # each step's logits are one full forward's over the prefix before it (causal)
+        expected = model(sequence[:, :-1])[:, prompt.shape[1] - 1:]
+    torch.testing.assert_close(result.logits, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(result.tokens, expected.argmax(-1))
     with pytest.raises(ValueError, match="cannot decode from a KV cache"):
         generate(model, prompt, 2, use_cache=True)
 
@@ -94,8 +95,9 @@ def test_refusals_name_what_to_change():
 def test_greedy_generation_matches_huggingface_gpt2():
     transformers = pytest.importorskip("transformers", reason="transformers is a dev dependency")
     torch.manual_seed(0)
+    # initializer_range 0.3 (HF: 0.02) so that attention, not the current token alone, decides the next token
     hf_config = transformers.GPT2Config(vocab_size=97, n_positions=48, n_embd=32, n_layer=2, n_head=4,
-                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.3,
                                         bos_token_id=0, eos_token_id=0, pad_token_id=0)
     hf = transformers.GPT2LMHeadModel(hf_config).eval()
     config = gpt2_config(hf_config)
@@ -103,8 +105,9 @@ def test_greedy_generation_matches_huggingface_gpt2():
     ours.load_state_dict(gpt2_state_dict(hf.state_dict(), config))
     prompt = torch.randint(1, 97, (1, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        expected = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20, min_new_tokens=20,
-                               do_sample=False)[:, prompt.shape[1]:]
-    result = generate(ours, prompt, 20)
-    assert result.cached
-    assert result.tokens.tolist() == expected.tolist()
+        expected = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24,
+                               do_sample=False, output_logits=True, return_dict_in_generate=True)
+    result = generate(ours, prompt, 24, eos_id=0)  # both stop after eos (id 0), here at the 20th token
+    assert result.cached and result.tokens.shape[1] == 20
+    assert result.tokens.tolist() == expected.sequences[:, prompt.shape[1]:].tolist()
+    torch.testing.assert_close(result.logits, torch.stack(expected.logits, dim=1), atol=1e-4, rtol=1e-4)

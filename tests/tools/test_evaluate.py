@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from xscale.cli import main
-from xscale.data import collate
-from xscale.tools.evaluate import evaluate, evaluation_sources
+from xscale.data import build_datasets, collate
+from xscale.tools.evaluate import evaluate
 from xscale.tools.trained import load_trained_model, tokenizer_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +27,8 @@ SUBPROCESS_ENV = {**os.environ,
 def _by_hand(trained, batches: int) -> float:
     config = trained.config
     config.data.tokenizer = str(tokenizer_path(trained))
-    (_, _, dataset), = evaluation_sources(config)
+    train, evaluation, _ = build_datasets(config)
+    dataset = train if config.data.eval_fraction == 0 else evaluation
     size = config.train.global_batch_size
     batch = collate([dataset[i] for i in range(min(len(dataset), size * batches))])
     with torch.no_grad():
