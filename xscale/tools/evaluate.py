@@ -81,7 +81,7 @@ def evaluate(trained: TrainedModel, batches: int) -> list[SourceResult]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="xscale eval", description=__doc__.split("\n\n", 1)[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", help="a step directory or a checkpoint root (uses its 'latest')")
+    parser.add_argument("checkpoint", help="a run directory, a checkpoint root (its latest) or a step directory")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.dataset=text data.path=FILE")
     parser.add_argument("--batches", type=int, default=None, help="batches per source (default: train.eval_batches)")
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")

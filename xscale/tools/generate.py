@@ -4,7 +4,8 @@ Decoding: decoders whose attention is dense (dense / mha / gqa / mqa, any positi
 one token per step; every other attention kind (sparse patterns, linear, low-rank, content-based, RealFormer, ...)
 recomputes the whole prefix at each step (the same tokens, slower). Sampling: greedy with --temperature 0, else
 softmax(logits / temperature) restricted by --top-k then --top-p, drawn from a generator seeded by --seed.
-Stops at the tokenizer's eos or after --max-new-tokens.
+Stops at the tokenizer's eos or after --max-new-tokens. MoE layers route each forward's tokens as one group: with a
+capacity cut (not dropless), recomputing may drop a token that the cache's one-token steps keep.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from xscale.train.checkpoint import CheckpointError
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xscale generate", description=__doc__.split("\n\n", 1)[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", help="a step directory or a checkpoint root (uses its 'latest')")
+    parser.add_argument("checkpoint", help="a run directory, a checkpoint root (its latest) or a step directory")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="text to continue (encoded with the run's tokenizer)")
     prompt.add_argument("--tokens", help="token ids to continue, comma-separated (e.g. 2,17,5); prints ids")
