@@ -1,4 +1,4 @@
-"""The ``xscale`` command: train | inspect | export | convert | bench | data | submit | parity."""
+"""The ``xscale`` command: train | eval | generate | inspect | export | convert | bench | data | submit | parity."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from xscale.command_line import CommandParser
 # command -> (module, function, one-line help); modules load lazily so `xscale --help` is instant.
 COMMANDS = {
     "train": ("xscale.train.cli", "main", "train a model: xscale train [CONFIG] [section.key=value ...]"),
+    "eval": ("xscale.tools.evaluate", "main", "loss and perplexity of a checkpoint on its run's data or other data"),
+    "generate": ("xscale.tools.generate", "main", "continue a prompt with a trained decoder (KV cache, sampling)"),
     "inspect": ("xscale.tools.inspect", "main", "parameters, FLOPs per token and per-rank memory of a config"),
     "export": ("xscale.tools.export", "main", "write a checkpoint's weights: one safetensors file, or --format hf"),
     "convert": ("xscale.tools.convert", "main", "Hugging Face weights (or an export) into an xscale checkpoint"),

@@ -11,7 +11,9 @@ Everything a component draws or reads per batch comes from it, never from proces
 - MoE layers weight their auxiliary losses by ``moe_loss_scale`` (1/G over a step's G routing groups), and cores
   keeping running statistics sum them over the data-parallel replicas with ``sum_over_replicas``;
 - ``memo`` lets a forward leave what its recomputation must reuse (routing attention's centroids): activation
-  checkpointing re-runs a forward with the same arguments, so the recomputation finds the same memo.
+  checkpointing re-runs a forward with the same arguments, so the recomputation finds the same memo;
+- ``kv_cache``: while decoding, the keys and values of the tokens already seen (:mod:`xscale.models.kv_cache`);
+  the forward's tokens then sit after them (``sequence`` is the cache too).
 
 Without a context (``None``, plain PyTorch use) masks come from torch's generator, as ``nn.Dropout``'s do.
 """
@@ -33,6 +35,16 @@ class SequenceLayout(Protocol):
     def coordinates(self, local_size: int, device: torch.device) -> torch.Tensor: ...
 
 
+class KeyValueCache(SequenceLayout, Protocol):
+    """Keys and values of the tokens decoded so far, per attention layer; the forward's tokens come after them."""
+
+    @property
+    def length(self) -> int: ...
+
+    def extend(self, layer: Any, keys: torch.Tensor,
+               values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 @dataclass(frozen=True)
 class StepContext:
     """One forward's place in the run (immutable; derive with :meth:`microbatch`, :meth:`at_depth`, ...)."""
@@ -51,6 +63,7 @@ class StepContext:
     # In-place sum of running statistics over the data-parallel replicas (None: one replica).
     sum_over_replicas: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False, repr=False)
     memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+    kv_cache: KeyValueCache | None = field(default=None, compare=False, repr=False)  # None: no cache (training)
 
     @property
     def positioned(self) -> bool:
@@ -70,6 +83,10 @@ class StepContext:
 
     def with_sequence(self, sequence: SequenceLayout | None) -> StepContext:
         return replace(self, sequence=sequence)
+
+    def with_kv_cache(self, cache: KeyValueCache | None) -> StepContext:
+        """Attention reads and extends ``cache``; positions continue after the cached tokens."""
+        return replace(self, kv_cache=cache, sequence=cache)
 
     def with_tensor_parallel(self, rank: int, size: int, sequence_parallel: bool = False) -> StepContext:
         return replace(self, tensor_rank=rank, tensor_size=size, sequence_parallel=sequence_parallel)

@@ -3,7 +3,8 @@
 MHA, GQA and MQA differ only in ``n_kv_heads`` (Ainslie et al. 2023; Shazeer 2019).
 Heads are inferred from the projection widths, so a tensor-parallel plan that shards
 ``wq/wk/wv`` column-wise and ``wo`` row-wise needs no change here; the forward's context says which heads
-this rank holds, so that per-head position biases (ALiBi, T5) pick them.
+this rank holds, so that per-head position biases (ALiBi, T5) pick them. While decoding, the context's
+``kv_cache`` holds the keys and values of the tokens before this forward's (:mod:`xscale.models.kv_cache`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from torch import nn
 
 from xscale.config import ModelConfig
 from xscale.models.attention.core import build_core
+from xscale.models.attention.dense import causal_bias
+from xscale.models.kv_cache import can_cache
 from xscale.models.position import PositionEncoding
 from xscale.runtime import StepContext
 
@@ -65,10 +68,28 @@ class Attention(nn.Module):
             if position.biases_logits:
                 bias = position.bias(q.shape[2], k.shape[2], self._heads_held(q.shape[1], context), context)
                 bias = bias.to(v.device)
+        causal = self.causal
+        if context is not None and context.kv_cache is not None and not self.cross:
+            k, v, bias = self._extend_from_cache(q, k, v, bias, context)
+            causal = False  # now in the bias, over global positions
         if core.carries_scores:
-            out, scores = core(q, k, v, causal=self.causal, bias=bias, previous_scores=scores, context=context)
+            out, scores = core(q, k, v, causal=causal, bias=bias, previous_scores=scores, context=context)
             return self._merge(out), scores
-        return self._merge(core(q, k, v, causal=self.causal, bias=bias, context=context))
+        return self._merge(core(q, k, v, causal=causal, bias=bias, context=context))
+
+    def _extend_from_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                           context: StepContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The whole prefix's keys and values (the cached ones, then this forward's), and the causal mask of this
+        forward's queries (the last of the prefix) added to ``bias``."""
+        if not can_cache(self.core):
+            raise ValueError(f"attention core {type(self.core).__name__} cannot decode from a KV cache (it does not "
+                             "declare cp in its parallel_traits); decode by recomputing the prefix instead")
+        layer = (self.core.layer_index, context.depth)  # a block shared across depths caches each depth's keys
+        k, v = context.kv_cache.extend(layer, k, v)
+        if self.causal:
+            mask = causal_bias(q.shape[2], k.shape[2], q.device, q.dtype)
+            bias = mask if bias is None else bias + mask
+        return k, v, bias
 
     def _heads_held(self, heads: int, context: StepContext | None) -> slice:
         """The global heads of the ``heads`` query heads computed here (all, or a tensor-parallel rank's)."""
