@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from xscale.config import ConfigError
-from xscale.data.tokenizer import FixedVocab
+from xscale.data.fixed_vocab import FixedVocab
 from xscale.tools.trained import load_tokenizer, load_trained_model, tokenizer_path
 from xscale.train.checkpoint import CheckpointError
 

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from xscale.config import Config, ConfigError
-from xscale.data import TEXT_DATASETS, build_datasets, collate
+from xscale.data import TEXT_DATASETS, BlendedDataset, build_datasets, collate
 from xscale.parallel.model import ParallelModel
 from xscale.tools.trained import TrainedModel, load_trained_model, tokenizer_path
 from xscale.train.checkpoint import CheckpointError
@@ -42,12 +42,15 @@ class SourceResult:
 
 
 def evaluation_sources(config: Config) -> list[tuple[str, str, Dataset]]:
-    """(source name, split, dataset) for every data source of the config (one today: ``data``)."""
+    """(source name, split, dataset) for every data source of the config: each member of a blend
+    (``data.eval_sources``, or the held-out part of each of ``data.sources``) on its own, else the one dataset."""
     train, evaluation, _ = build_datasets(config)
-    name = config.data.path or config.data.dataset
+    split = "eval"
     if evaluation is None or len(evaluation) == 0:
-        return [(name, "all", train)]
-    return [(name, "eval", evaluation)]
+        evaluation, split = train, "all"
+    if isinstance(evaluation, BlendedDataset):
+        return [(name, split, dataset) for name, dataset in zip(evaluation.source_names, evaluation.datasets)]
+    return [(config.data.path or config.data.dataset, split, evaluation)]
 
 
 def evaluate_dataset(model: ParallelModel, dataset: Dataset, batch_size: int, batches: int) -> tuple[float, int, int]:

@@ -16,7 +16,8 @@ import sys
 import torch
 
 from xscale.config import ConfigError
-from xscale.data.tokenizer import FixedVocab, Tokenizer
+from xscale.data.fixed_vocab import FixedVocab
+from xscale.data.tokenizer import Tokenizer
 from xscale.generation import Sampling, generate
 from xscale.generation.decode import check_decoder
 from xscale.tools.trained import TrainedModel, load_tokenizer, load_trained_model

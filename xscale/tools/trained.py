@@ -20,7 +20,9 @@ import torch
 from xscale.config import Config, ConfigError
 from xscale.config_loading import parse_override, set_path
 from xscale.data import TASKS
-from xscale.data.tokenizer import FixedVocab, Tokenizer
+from xscale.data.fixed_vocab import FixedVocab
+from xscale.data.load_tokenizer import load_tokenizer as load_tokenizer_file
+from xscale.data.tokenizer import Tokenizer
 from xscale.models import Transformer, build_model
 from xscale.tools.export import resolve_checkpoint
 from xscale.train.checkpoint import (
@@ -81,7 +83,7 @@ def load_trained_model(checkpoint: str | Path, overrides: typing.Sequence[str] =
 
 
 def tokenizer_path(trained: TrainedModel) -> Path | None:
-    """The SentencePiece model the run used, when it had one (None: a synthetic task's vocabulary)."""
+    """The tokenizer file the run used (its checkpoint copy first), when it had one (None: a synthetic task's vocabulary)."""
     data = trained.config.data
     recorded = trained.meta.get("tokenizer")
     if recorded:
@@ -101,12 +103,12 @@ def tokenizer_path(trained: TrainedModel) -> Path | None:
 
 
 def load_tokenizer(trained: TrainedModel, given: str | None = None) -> Tokenizer | FixedVocab:
-    """``given`` (a .model path), else the tokenizer the run used (:func:`tokenizer_path`)."""
+    """``given`` (a SentencePiece .model, a Hugging Face tokenizer.json or folder, a .tiktoken file), else the tokenizer the run used (:func:`tokenizer_path`)."""
     path = Path(given) if given else tokenizer_path(trained)
     if path is None:
         data = trained.config.data
         return TASKS[data.dataset](trained.config.train.seq_len, **data.options).vocab
     try:
-        return Tokenizer.load(path)
+        return load_tokenizer_file(path)
     except (OSError, ValueError) as error:
         raise ConfigError(f"tokenizer: {error}") from error
