@@ -32,7 +32,10 @@ from xscale.validate import config_from_dict
 
 
 def resolve_checkpoint(path: Path) -> Path:
-    """A step directory, or a checkpoint root whose ``latest`` names one."""
+    """A step directory, a checkpoint root whose ``latest`` names one, or a run's output directory (its
+    ``checkpoints/latest``)."""
+    if not (path / "latest").is_file() and (path / "checkpoints" / "latest").is_file():
+        path = path / "checkpoints"
     if (path / "latest").is_file():
         latest = Checkpointer(path).latest()
         assert latest is not None
@@ -77,7 +80,7 @@ def _size(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = CommandParser(prog="xscale export", description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoint", help="a step directory or a checkpoint root (uses its 'latest')")
+    parser.add_argument("checkpoint", help="a step directory, a checkpoint root or a run directory (uses its 'latest')")
     parser.add_argument("output", nargs="?", help="the .safetensors file (xscale) or the folder (hf) to write")
     parser.add_argument("--output", "-o", dest="output_option", metavar="OUTPUT", help="the same, as an option")
     parser.add_argument("--format", choices=("xscale", "hf"), default="xscale",

@@ -69,8 +69,6 @@ def load_trained_model(checkpoint: str | Path, overrides: typing.Sequence[str] =
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist; give a step directory "
                               "(<output_dir>/checkpoints/step_N) or a checkpoint root holding a 'latest' file")
-    if not (path / "latest").is_file() and (path / "checkpoints" / "latest").is_file():
-        path = path / "checkpoints"  # a run's output directory
     step_dir = resolve_checkpoint(path)
     meta = Checkpointer.read_meta(step_dir, verify="full")
     config = checkpoint_config(meta, overrides)

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from xscale.config import Config
+from xscale.data.load_tokenizer import META_KEY as TOKENIZER_META_KEY
 from xscale.interop.hf.families import exportable_family
 from xscale.interop.hf.load import INDEX, SINGLE
 from xscale.interop.hf.rules import Family, Rule
@@ -30,6 +31,7 @@ DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' save_pretrained default (5 GB)
 # Files a Hugging Face tokenizer is saved as (AutoTokenizer.save_pretrained), copied as they are.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "tokenizer.model", "vocab.txt", "vocab.json", "merges.txt")
+HF_TOKENIZER_NAMES = {".model": "tokenizer.model", ".json": "tokenizer.json"}  # a carried file's name in HF
 TOKENIZER_FOLDER = "tokenizer"  # inside a step directory: the files of the model it came from (xscale convert)
 
 
@@ -95,16 +97,21 @@ def export_hf(step_dir: str | Path, output: str | Path, max_shard_bytes: int = D
 
 
 def copy_tokenizer(config: Config, step_dir: Path, output: Path) -> list[str]:
-    """The run's tokenizer beside the weights: the HF tokenizer files a converted checkpoint carries, or the
-    SentencePiece ``.model`` of ``data.tokenizer`` as ``tokenizer.model``. Returns the names copied."""
+    """The run's tokenizer beside the weights: the tokenizer file the checkpoint carries (a SentencePiece ``.model``
+    as ``tokenizer.model``, a ``tokenizer.json`` as it is), the other HF tokenizer files a converted checkpoint
+    carries, or else the ``.model`` of ``data.tokenizer``. Returns the names copied."""
     copied = []
+    recorded = step_dir / str(Checkpointer.read_meta(step_dir, verify="none").get(TOKENIZER_META_KEY) or "-")
+    if recorded.is_file() and recorded.suffix in HF_TOKENIZER_NAMES:
+        shutil.copyfile(recorded, output / HF_TOKENIZER_NAMES[recorded.suffix])
+        copied.append(HF_TOKENIZER_NAMES[recorded.suffix])
     carried = step_dir / TOKENIZER_FOLDER
-    if carried.is_dir():
-        for name in TOKENIZER_FILES:
-            if (carried / name).is_file():
-                shutil.copyfile(carried / name, output / name)
-                copied.append(name)
-    elif config.data.tokenizer and Path(config.data.tokenizer).is_file():
+    for name in TOKENIZER_FILES:
+        if (carried / name).is_file() and name not in copied:
+            shutil.copyfile(carried / name, output / name)
+            copied.append(name)
+    if not copied and config.data.tokenizer and Path(config.data.tokenizer).suffix == ".model" \
+            and Path(config.data.tokenizer).is_file():
         shutil.copyfile(config.data.tokenizer, output / "tokenizer.model")
         copied.append("tokenizer.model")
     return copied
