@@ -8,8 +8,8 @@ from xscale.config import ModelConfig
 from xscale.config_loading import from_dict
 from xscale.generation import Sampling, decodes_with_cache, generate
 from xscale.generation.decode import check_decoder
+from xscale.interop.hf.load import model_config_from_hf, state_dict_from_hf
 from xscale.models import build_model
-from xscale.models.convert import gpt2_config, gpt2_state_dict
 
 
 def _model(**fields):
@@ -100,9 +100,9 @@ def test_greedy_generation_matches_huggingface_gpt2():
                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.3,
                                         bos_token_id=0, eos_token_id=0, pad_token_id=0)
     hf = transformers.GPT2LMHeadModel(hf_config).eval()
-    config = gpt2_config(hf_config)
+    config = model_config_from_hf(hf_config.to_dict())
     ours = build_model(config, "cpu", seed=0)
-    ours.load_state_dict(gpt2_state_dict(hf.state_dict(), config))
+    ours.load_state_dict(state_dict_from_hf(hf.state_dict(), config, "gpt2"))
     prompt = torch.randint(1, 97, (1, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24,

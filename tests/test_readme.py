@@ -1,0 +1,145 @@
+"""Every command in README.md's code blocks runs, in README order, in one folder (shortened: 2 training steps).
+
+A command either runs here (with the placeholders of :data:`RULES` filled in and training cut to a few steps) or
+names the tests that run it elsewhere (the install lines: ``.ci/run``; multi-node and Slurm lines: the launcher and
+cluster tiers). A new README command without a rule fails :func:`test_every_readme_command_has_a_rule`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+SHORT_TRAINING = ["train.steps=2", "train.warmup_steps=1", "train.log_every=1", "train.eval_every=0",
+                  "train.global_batch_size=4", "train.seq_len=32", "train.plot=false", "train.progress=false"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    pattern: str  # a regular expression the command must match from its start
+    covered_by: tuple[str, ...] = ()  # test files (under the repo root) that run it instead, with a word they hold
+    replace: dict[str, str] = field(default_factory=dict)  # placeholders filled in before running
+
+    def matches(self, command: str) -> bool:
+        return re.match(self.pattern, command) is not None
+
+
+RULES = (
+    Rule(r"python -m pip install ", covered_by=(".ci/run:pip install -e", ".ci/run:python -m pytest -q")),
+    Rule(r"launch/torchrun\.sh --nnodes", covered_by=("tests/launcher/test_launch_scripts.py:--nnodes",
+                                                       "tests/e2e/test_slurm_train.py:torchrun")),
+    Rule(r"sbatch launch/slurm\.sbatch", covered_by=("tests/launcher/test_launch_scripts.py:slurm.sbatch",
+                                                     "tests/e2e/test_slurm_train.py:slurm")),
+    Rule(r"launch/mpirun\.sh", covered_by=("tests/launcher/test_launch_scripts.py:mpirun.sh",
+                                           "tests/e2e/test_mpi_launch.py:mpirun")),
+    Rule(r"launch/torchrun\.sh --nproc-per-node",
+         replace={"--nproc-per-node 8": "--nproc-per-node 2", "CONFIG": "configs/tiny-gpt.yaml", " [overrides]": ""}),
+    Rule(r"xscale submit ", replace={"CONFIG": "configs/tiny-gpt.yaml", " [overrides]": "",
+                                     "--partition P": "--partition ci", "[--dry-run]": "--dry-run"}),
+    Rule(r"(python -c|xscale|torchrun) "),
+    Rule(r"xscale$"),
+)
+
+
+def readme_commands() -> list[str]:
+    """The commands of README.md's bash blocks in order: continuation lines joined, comments dropped."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            if line.strip() and not line.lstrip().startswith("#"):
+                commands.append(re.sub(r"\s+#.*$", "", line).strip())  # no README command holds a quoted '#'
+    return commands
+
+
+def rule_for(command: str) -> Rule | None:
+    return next((rule for rule in RULES if rule.matches(command)), None)
+
+
+def test_every_readme_command_has_a_rule():
+    commands = readme_commands()
+    assert len(commands) > 20, "README.md's bash blocks were not found"
+    missing = [command for command in commands if rule_for(command) is None]
+    assert not missing, f"README commands with no rule in tests/test_readme.py: {missing}"
+
+
+def test_commands_run_elsewhere_are_run_there():
+    for rule in RULES:
+        for place in rule.covered_by:
+            path, word = place.split(":", 1)
+            assert word in (ROOT / path).read_text(), f"{path} no longer runs '{word}' (README rule {rule.pattern})"
+
+
+def shortened(command: str, index: int) -> str:
+    """``command`` with its placeholders filled and any training cut to 2 steps in its own output folder."""
+    for old, new in rule_for(command).replace.items():
+        command = command.replace(old, new)
+    words = shlex.split(command)
+    trains = words[0] == "launch/torchrun.sh" or words[0] in ("xscale", "torchrun") and "train" in words[:6]
+    if trains and "--print-config" not in words:
+        extra = list(SHORT_TRAINING)
+        if words != ["xscale", "train"] and not any(word.startswith("train.output_dir=") for word in words):
+            extra.append(f"train.output_dir=runs/readme-{index}")  # the bare default keeps runs/default: the
+        command += " " + " ".join(extra)                              # evaluation examples read it
+    if words[:2] == ["xscale", "parity"]:
+        command += " --steps 2"
+    return command
+
+
+def write_user_files(folder: Path) -> None:
+    """The files README's examples name as the user's own: a corpus, jsonl documents, a tokenizer.json."""
+    tokenizers = pytest.importorskip("tokenizers", reason="the README's data examples use a tokenizer.json")
+    lines = [f"def function_{i}(value):\n    return value * {i} + len('text {i}')\n" for i in range(300)]
+    (folder / "corpus.txt").write_text("".join(lines))
+    (folder / "other.txt").write_text("".join(reversed(lines)))
+    (folder / "heldout.txt").write_text("".join(lines[::3]))
+    (folder / "docs.jsonl").write_text("".join(json.dumps({"body": line, "id": i}) + "\n" for i, line in enumerate(lines)))
+    (folder / "code.jsonl").write_text("".join(json.dumps({"text": line}) + "\n" for line in lines[::2]))
+    model = tokenizers.models.BPE(unk_token="<unk>")
+    tokenizer = tokenizers.Tokenizer(model)
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<unk>", "<s>", "</s>"])
+    tokenizer.train_from_iterator(lines, trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+
+
+def environment(folder: Path) -> dict[str, str]:
+    """``python``, ``xscale`` and ``torchrun`` on PATH: this interpreter running this checkout; no network."""
+    tools = folder / ".tools"
+    tools.mkdir()
+    for name, arguments in (("xscale", "-m xscale"), ("torchrun", "-m torch.distributed.run"), ("python", "")):
+        (tools / name).write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} {arguments} \"$@\"\n")
+        (tools / name).chmod(0o755)
+    python_path = os.pathsep.join([str(ROOT), str(ROOT / "kernels"), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": python_path,
+            "PYTHON": sys.executable, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.slow
+def test_readme_commands_run_in_order(tmp_path):
+    for name in ("configs", "launch", "README.md"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    write_user_files(tmp_path)
+    env = environment(tmp_path)
+    ran = 0
+    for index, command in enumerate(readme_commands()):
+        if rule_for(command).covered_by:
+            continue
+        runnable = shortened(command, index)
+        result = subprocess.run(["bash", "-c", runnable], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                timeout=600)
+        output = (result.stdout + result.stderr)[-3000:]
+        assert result.returncode == 0, f"README command failed ({result.returncode}): {runnable}\n{output}"
+        assert "Traceback" not in result.stderr, f"{runnable}\n{output}"
+        ran += 1
+    assert ran > 20
+    assert (tmp_path / "hf-llama" / "config.json").is_file() and (tmp_path / "run.yaml").is_file()
