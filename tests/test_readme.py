@@ -61,6 +61,10 @@ def readme_commands() -> list[str]:
     return commands
 
 
+def readme_python_examples() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+
+
 def rule_for(command: str) -> Rule | None:
     return next((rule for rule in RULES if rule.matches(command)), None)
 
@@ -143,3 +147,14 @@ def test_readme_commands_run_in_order(tmp_path):
         ran += 1
     assert ran > 20
     assert (tmp_path / "hf-llama" / "config.json").is_file() and (tmp_path / "run.yaml").is_file()
+
+
+@pytest.mark.slow
+def test_readme_python_examples_run(tmp_path):
+    examples = readme_python_examples()
+    assert examples, "README.md's python blocks were not found"
+    env = environment(tmp_path)
+    for example in examples:
+        result = subprocess.run([sys.executable, "-c", example], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                timeout=600)
+        assert result.returncode == 0, f"README example failed:\n{example}\n{(result.stdout + result.stderr)[-3000:]}"
