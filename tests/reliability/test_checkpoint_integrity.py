@@ -178,3 +178,42 @@ def test_rng_files_load_with_weights_only(run):
     with pytest.raises(CheckpointError, match="rank_00000.pt"):
         Trainer(_config(run, "train.steps=3")).resume()
     assert not (run / "x").exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 1.5 MiB tmpfs (room for one tiny checkpoint and a little more), unmounted afterwards."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1536k", "tmpfs", str(mount_point)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}; the monkeypatched "
+                    "disk-full tests above still run")
+    yield mount_point
+    subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+@pytest.mark.parametrize("free_space_checked", [True, False], ids=["refused-before-writing", "enospc-while-writing"])
+def test_a_full_tmpfs_is_one_line_and_keeps_the_previous_checkpoint(run, small_disk, monkeypatch, free_space_checked):
+    """A real full disk: the save is refused (free-space check) or fails with ENOSPC inside DCP's write; either way
+    one CheckpointError line, no partial directory, and the previous checkpoint loads and verifies."""
+    trainer = Trainer(_config(run, "train.steps=3", f"checkpoint.dir={small_disk / 'checkpoints'}"))
+    trainer.step = 2
+    trainer.save()
+    trainer.checkpointer.wait()
+    free = shutil.disk_usage(small_disk).free
+    (small_disk / "filler").write_bytes(b"\0" * max(free - 4096, 0))  # leave 4 KiB: far less than a checkpoint
+    if not free_space_checked:
+        monkeypatch.setattr(checkpoint_module, "_check_free_space", lambda directory, state: None)
+    trainer.step = 3
+    with pytest.raises(CheckpointError) as error:
+        trainer.save()
+        trainer.checkpointer.wait()
+    message = str(error.value)
+    assert "\n" not in message
+    assert ("not enough free space" in message) if free_space_checked else ("No space left on device" in message)
+    assert not list((small_disk / "checkpoints").glob(".tmp-*"))
+    latest = Checkpointer(small_disk / "checkpoints").latest()
+    assert latest is not None and latest.name == STEP
+    Checkpointer.read_meta(latest, verify="full")

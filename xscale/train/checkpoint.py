@@ -162,9 +162,9 @@ class Checkpointer:
                     (staging / name).parent.mkdir(parents=True, exist_ok=True)
                     shutil.copyfile(source, staging / name)
         _barrier()
-        torch.save(_rng_state(), staging / "rng" / f"rank_{_rank():05d}.pt")
         meta = {**meta, "step": step, "fingerprint": shape_fingerprint(state.get("model", {}))}
         with _save_errors(staging):
+            torch.save(_rng_state(), staging / "rng" / f"rank_{_rank():05d}.pt")
             if self.async_save:
                 future = dcp.async_save(state, checkpoint_id=str(staging))
                 self._pending = (future, staging, final, meta)
@@ -293,11 +293,18 @@ def _save_errors(staging: Path) -> Iterator[None]:
     """A failed write (disk full, permissions, DCP's errors) becomes one clear line; the partial copy is removed."""
     try:
         yield
-    except (OSError, CheckpointException) as error:
+    except (OSError, RuntimeError, CheckpointException) as error:  # torch.save reports a full disk as RuntimeError
         if _rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)
+        cause = _first_line(error)
+        free = shutil.disk_usage(staging.parent).free
+        if free < DISK_FULL_BYTES and "No space left on device" not in cause:
+            cause = f"No space left on device ({free // 1024} KiB free; {cause})"
         raise CheckpointError(f"could not write checkpoint {staging.name} in {staging.parent}: "
-                              f"{_first_line(error)} (the previous checkpoint is intact)") from error
+                              f"{cause} (the previous checkpoint is intact)") from error
+
+
+DISK_FULL_BYTES = 1 << 20  # a write that failed with less than this left on its disk failed for want of space
 
 
 def _first_line(error: BaseException) -> str:
