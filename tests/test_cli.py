@@ -138,6 +138,9 @@ BAD_INPUT = {  # command -> (arguments, what the one stderr line says)
              "missing.txt does not exist"),
     "submit": (["{tmp}/missing.yaml", "--dry-run"], "missing.yaml' does not exist"),
     "parity": (["--layouts", "dp_shard=2", "tpp=2"], "unknown key 'parallel.tpp' (did you mean 'tp'?)"),
+    "eval": (["{tmp}/missing"], "missing does not exist"),
+    "generate": (["{tmp}/missing", "--tokens", "1"], "missing does not exist"),
+    "convert": (["hf-to-xscale", "{tmp}/missing", "{tmp}/out"], "missing is not a Hugging Face model folder"),
 }
 
 

@@ -94,8 +94,8 @@ def shortened(command: str, index: int) -> str:
         if words != ["xscale", "train"] and not any(word.startswith("train.output_dir=") for word in words):
             extra.append(f"train.output_dir=runs/readme-{index}")  # the bare default keeps runs/default: the
         command += " " + " ".join(extra)                              # evaluation examples read it
-    if words[:2] == ["xscale", "parity"]:
-        command += " --steps 2"
+    if words[:2] == ["xscale", "parity"]:  # overrides go before --layouts, which takes the rest
+        command = shlex.join([*words[:3], "train.global_batch_size=4", "train.seq_len=32", *words[3:], "--steps", "2"])
     return command
 
 
@@ -129,6 +129,7 @@ def environment(folder: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # ~30 commands, a few of them 4 and 8 processes
 def test_readme_commands_run_in_order(tmp_path):
     for name in ("configs", "launch", "README.md"):
         (tmp_path / name).symlink_to(ROOT / name)

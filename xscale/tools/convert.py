@@ -13,6 +13,7 @@ import argparse
 import sys
 from typing import Any
 
+from xscale.command_line import CommandParser
 from xscale.config import ConfigError
 from xscale.config_loading import parse_override, set_path
 from xscale.interop.checkpoint import copy_hf_tokenizer, write_weights_checkpoint
@@ -59,7 +60,7 @@ TOOLS = {"hf-to-xscale": (hf_to_xscale, "a Hugging Face model folder (GPT-2, Lla
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="xscale convert", description=__doc__.splitlines()[0])
+    parser = CommandParser(prog="xscale convert", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="tool", required=True, metavar="TOOL")
     for name, (_, help_text) in TOOLS.items():
         tool = sub.add_parser(name, help=help_text)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Dataset
 
+from xscale.command_line import CommandParser
 from xscale.config import Config, ConfigError
 from xscale.data import TEXT_DATASETS, BlendedDataset, build_datasets, collate
 from xscale.parallel.model import ParallelModel
@@ -82,7 +83,7 @@ def evaluate(trained: TrainedModel, batches: int) -> list[SourceResult]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="xscale eval", description=__doc__.split("\n\n", 1)[1],
+    parser = CommandParser(prog="xscale eval", description=__doc__.split("\n\n", 1)[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a run directory, a checkpoint root (its latest) or a step directory")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.dataset=text data.path=FILE")

@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from xscale.command_line import CommandParser
 from xscale.config import ConfigError
 from xscale.data.fixed_vocab import FixedVocab
 from xscale.data.tokenizer import Tokenizer
@@ -24,8 +25,8 @@ from xscale.tools.trained import TrainedModel, load_tokenizer, load_trained_mode
 from xscale.train.checkpoint import CheckpointError
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="xscale generate", description=__doc__.split("\n\n", 1)[1],
+def _parser() -> CommandParser:
+    parser = CommandParser(prog="xscale generate", description=__doc__.split("\n\n", 1)[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a run directory, a checkpoint root (its latest) or a step directory")
     prompt = parser.add_mutually_exclusive_group(required=True)
