@@ -35,7 +35,7 @@ class Rule:
 
 
 RULES = (
-    Rule(r"python -m pip install ", covered_by=(".ci/run:pip install -e", ".ci/run:python -m pytest -q")),
+    Rule(r"python -m pip install ", covered_by=(".ci/run:python -m pip install -q -e", ".ci/run:python -m pytest -q")),
     Rule(r"launch/torchrun\.sh --nnodes", covered_by=("tests/launcher/test_launch_scripts.py:--nnodes",
                                                        "tests/e2e/test_slurm_train.py:torchrun")),
     Rule(r"sbatch launch/slurm\.sbatch", covered_by=("tests/launcher/test_launch_scripts.py:slurm.sbatch",
