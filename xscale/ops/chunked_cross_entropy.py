@@ -48,8 +48,9 @@ class TorchRowLoss:
         # in place: a float32 chunk of logits becomes its own softmax, one (chunk, vocab) buffer in all
         probs = logits.float().sub_(lse.unsqueeze(1)).exp_()
         valid = labels != IGNORE_INDEX
-        rows = torch.arange(labels.shape[0], device=labels.device)
-        probs[rows[valid], labels[valid]] -= 1.0
+        # minus one at each valid label (a scatter, not a boolean index: no data-dependent shapes, so the
+        # step also runs on fake tensors, as ``xscale inspect --measure`` does)
+        probs.scatter_add_(1, labels.clamp(min=0).unsqueeze(1), -valid.to(probs.dtype).unsqueeze(1))
         probs.mul_((valid.float() * grad).unsqueeze(1))
         return probs.to(logits.dtype)
 

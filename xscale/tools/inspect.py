@@ -16,6 +16,7 @@ from xscale.parallel.dims import rank_coordinates
 from xscale.parallel.memory import predicted_pipeline_state_bytes, predicted_state_bytes
 from xscale.parallel.pipeline import SCHEDULES, ideal_bubble, split_layers, stage_to_rank
 from xscale.parallel.pipeline.stages import pipeline_layers
+from xscale.tools.measure import MeasureError, measure_report
 from xscale.train.metrics import flops_per_token
 from xscale.validate import load_config_from_cli
 
@@ -187,7 +188,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--world-size", type=int, default=None,
                         help="processes to plan for (default: the product of the config's degrees)")
+    parser.add_argument("--measure", action="store_true",
+                        help="run one training step on fake tensors and say whether each rank's peak fits")
+    parser.add_argument("--device-memory", type=float, default=None, metavar="GiB",
+                        help="with --measure: each rank's memory (default: the GPU's, or host RAM / processes)")
     args = parser.parse_args(argv)
+    if args.device_memory is not None and not args.device_memory > 0:
+        print(f"xscale inspect: --device-memory {args.device_memory} must be a positive number of GiB", file=sys.stderr)
+        return 2
     try:
         config = load_config_from_cli(args.config, args.overrides)
         text = report(config)
@@ -195,8 +203,13 @@ def main(argv: list[str] | None = None) -> int:
         world_size = args.world_size or (parallel.pp * parallel.dp_replicate * max(parallel.dp_shard, 1) * parallel.tp)
         if world_size > 1:
             text += "\n" + "\n".join(layout_report(config, world_size))
+        if args.measure:
+            text += "\n" + "\n".join(measure_report(config, world_size, args.device_memory))
     except ConfigError as error:
         print(f"xscale inspect: invalid configuration: {error}", file=sys.stderr)
+        return 2
+    except MeasureError as error:
+        print(f"xscale inspect: {error}", file=sys.stderr)
         return 2
     print(text)
     return 0
