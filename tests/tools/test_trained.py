@@ -22,15 +22,19 @@ def test_step_dir_root_and_run_dir_load_the_same_weights(trained_run):
     assert not models[0].model.training
 
 
-def test_the_trained_tokenizer_is_found_beside_a_moved_run(trained_run, tmp_path):
+def test_the_checkpoint_carries_its_tokenizer_and_an_older_one_finds_it_beside_a_moved_run(trained_run, tmp_path):
     moved = tmp_path / "moved"
     shutil.copytree(trained_run, moved)
     trained = load_trained_model(moved)
+    assert tokenizer_path(trained) == trained.step_dir / "tokenizer" / "text-400.model"  # the checkpoint's own copy
+    del trained.meta["tokenizer"]  # as a checkpoint written before checkpoints carried their tokenizer
     assert tokenizer_path(trained) == moved / "tokenizer" / "text-400.model"
     shutil.rmtree(moved / "tokenizer")
     elsewhere = [f"train.output_dir={tmp_path / 'elsewhere'}"]  # the run's own output_dir would still hold it
+    older = load_trained_model(moved, elsewhere)
+    del older.meta["tokenizer"]
     with pytest.raises(ConfigError, match="no tokenizer found .*--tokenizer"):
-        load_tokenizer(load_trained_model(moved, elsewhere))
+        load_tokenizer(older)
 
 
 def test_overrides_apply_and_a_task_run_uses_its_vocabulary(trained_run):

@@ -83,13 +83,13 @@ def load_trained_model(checkpoint: str | Path, overrides: typing.Sequence[str] =
 def tokenizer_path(trained: TrainedModel) -> Path | None:
     """The tokenizer file the run used (its checkpoint copy first), when it had one (None: a synthetic task's vocabulary)."""
     data = trained.config.data
+    if data.dataset in TASKS:
+        return None
     recorded = trained.meta.get("tokenizer")
     if recorded:
         return trained.step_dir / recorded if not Path(recorded).is_absolute() else Path(recorded)
     if data.tokenizer:
         return Path(data.tokenizer)
-    if data.dataset in TASKS:
-        return None
     name = f"{data.dataset}-{data.tokenizer_vocab_size}.model"
     candidates = [run_dir / "tokenizer" / name for run_dir in trained.run_dirs]
     for candidate in candidates:
