@@ -92,9 +92,14 @@ def _task_datasets(config: Config, objective: str) -> tuple[Dataset, Dataset | N
     return train, evaluation, task.vocab.vocab_size
 
 
-def _trained_tokenizer_file(config: Config) -> Path:
+def trained_tokenizer_name(config: Config) -> str:
+    """The file name, under ``<output_dir>/tokenizer/``, of the SentencePiece model trained on the run's corpus."""
     corpus = "sources" if config.data.sources else config.data.dataset
-    return Path(config.train.output_dir) / "tokenizer" / f"{corpus}-{config.data.tokenizer_vocab_size}.model"
+    return f"{corpus}-{config.data.tokenizer_vocab_size}.model"
+
+
+def _trained_tokenizer_file(config: Config) -> Path:
+    return Path(config.train.output_dir) / "tokenizer" / trained_tokenizer_name(config)
 
 
 def run_tokenizer_file(config: Config) -> Path | None:

@@ -19,7 +19,7 @@ import torch
 
 from xscale.config import Config, ConfigError
 from xscale.config_loading import parse_override, set_path
-from xscale.data import TASKS
+from xscale.data import TASKS, trained_tokenizer_name
 from xscale.data.fixed_vocab import FixedVocab
 from xscale.data.load_tokenizer import load_tokenizer as load_tokenizer_file
 from xscale.data.tokenizer import Tokenizer
@@ -90,8 +90,7 @@ def tokenizer_path(trained: TrainedModel) -> Path | None:
         return trained.step_dir / recorded if not Path(recorded).is_absolute() else Path(recorded)
     if data.tokenizer:
         return Path(data.tokenizer)
-    name = f"{data.dataset}-{data.tokenizer_vocab_size}.model"
-    candidates = [run_dir / "tokenizer" / name for run_dir in trained.run_dirs]
+    candidates = [run_dir / "tokenizer" / trained_tokenizer_name(trained.config) for run_dir in trained.run_dirs]
     for candidate in candidates:
         if candidate.is_file():
             return candidate
