@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from xscale.interop.hf.save import export_hf
 from xscale.tools.convert import main as convert
+from xscale.tools.export import resolve_checkpoint
 
 transformers = pytest.importorskip("transformers", reason="transformers is a dev dependency (pip install -e .[dev])")
 sys.path.insert(0, str(Path(__file__).parents[1] / "interop" / "hf"))
@@ -47,3 +49,11 @@ def test_unsupported_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert "config.json is missing" in capsys.readouterr().err
     assert convert(["hf-to-xscale", str(tmp_path / "hf"), str(tmp_path / "other"), "train.steps=3"]) == 2
     assert "only model.* settings" in capsys.readouterr().err
+
+
+def test_hf_export_carries_the_tokenizer_the_checkpoint_holds(trained_run, tmp_path):
+    """A trained run's checkpoint holds its SentencePiece model; the HF folder gets it as tokenizer.model."""
+    step_dir = resolve_checkpoint(trained_run)
+    export_hf(step_dir, tmp_path / "hf")
+    carried = step_dir / "tokenizer" / "text-400.model"
+    assert (tmp_path / "hf" / "tokenizer.model").read_bytes() == carried.read_bytes()

@@ -62,19 +62,19 @@ def _write_shard(step_dir: Path, rules: list[Rule], shapes: dict[str, Any], path
     return list(tensors)
 
 
-def _checked_config(step_dir: Path) -> tuple[Config, Family]:
+def _checked_config(step_dir: Path) -> tuple[Config, Family, dict[str, Any]]:
     meta = Checkpointer.read_meta(step_dir, verify="full")
     config = config_from_dict(meta["config"])
     family = exportable_family(config.model)  # refuses a variant HF cannot express, before anything is written
     meta_model = build_model(config.model, materialize=False)  # shapes only: no memory
     check_fingerprint(meta.get("fingerprint", {}), shape_fingerprint(meta_model.state_dict()), step_dir)
-    return config, family
+    return config, family, meta
 
 
 def export_hf(step_dir: str | Path, output: str | Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """Write checkpoint ``step_dir`` as an HF model folder ``output`` (``from_pretrained`` loads it)."""
     step_dir, output = Path(step_dir), Path(output)
-    config, family = _checked_config(step_dir)
+    config, family, meta = _checked_config(step_dir)
     stored = read_metadata_safely(step_dir / ".metadata").state_dict_metadata
     shapes = {key.removeprefix("model."): (tuple(value.size), value.properties.dtype)
               for key, value in stored.items() if key.startswith("model.") and hasattr(value, "size")}
@@ -92,16 +92,16 @@ def export_hf(step_dir: str | Path, output: str | Path, max_shard_bytes: int = D
     dtype = shapes["embedding.weight"][1]
     hf_config = {**family.config_to_hf(config.model), "dtype": str(dtype).removeprefix("torch.")}
     (output / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
-    copy_tokenizer(config, step_dir, output)
+    copy_tokenizer(config, meta, step_dir, output)
     return output
 
 
-def copy_tokenizer(config: Config, step_dir: Path, output: Path) -> list[str]:
+def copy_tokenizer(config: Config, meta: dict[str, Any], step_dir: Path, output: Path) -> list[str]:
     """The run's tokenizer beside the weights: the tokenizer file the checkpoint carries (a SentencePiece ``.model``
     as ``tokenizer.model``, a ``tokenizer.json`` as it is), the other HF tokenizer files a converted checkpoint
     carries, or else the ``.model`` of ``data.tokenizer``. Returns the names copied."""
     copied = []
-    recorded = step_dir / str(Checkpointer.read_meta(step_dir, verify="none").get(TOKENIZER_META_KEY) or "-")
+    recorded = step_dir / str(meta.get(TOKENIZER_META_KEY) or "-")
     if recorded.is_file() and recorded.suffix in HF_TOKENIZER_NAMES:
         shutil.copyfile(recorded, output / HF_TOKENIZER_NAMES[recorded.suffix])
         copied.append(HF_TOKENIZER_NAMES[recorded.suffix])
