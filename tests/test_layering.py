@@ -173,3 +173,17 @@ def test_no_process_global_state_in_models_and_plans(package):
     found = [f"{path.relative_to(ROOT)}: {what}" for path in (PACKAGE / package).rglob("*.py")
              for pattern, what in FORBIDDEN_STATE.items() if pattern in path.read_text()]
     assert found == []
+
+
+# Plans change a built model as torch's own plans do: they replace parameters and register hooks. They never swap a
+# module's class, rebind a method or write attributes into a module (state the module does not own).
+FORBIDDEN_WRITES = {"__class__ =": "a module's class swapped", "setattr(": "an attribute written into a module",
+                    ".token_group =": "an MoE collaborator replaced", ".dispatch =": "an MoE collaborator replaced",
+                    ".metrics =": "statistics written into a layer", "config.parallel.microbatches =":
+                    "a resolved value written into the caller's config"}
+
+
+def test_plans_write_no_attribute_into_modules():
+    found = [f"{path.relative_to(ROOT)}: {what}" for path in (PACKAGE / "parallel").rglob("*.py")
+             for pattern, what in FORBIDDEN_WRITES.items() if pattern in path.read_text()]
+    assert found == []

@@ -9,6 +9,7 @@ import pytest
 from tests.data.conftest import lines, write_jsonl
 from xscale.config import ConfigError
 from xscale.data import build_datasets
+from xscale.data.datasets import ArrayTokens, PackedTextDataset, tokenize_documents
 from xscale.data.indexed import IndexedTokens
 from xscale.data.load_tokenizer import load_tokenizer
 from xscale.data.preprocess import tokenize_to_indexed
@@ -94,3 +95,24 @@ def test_a_bad_source_is_one_line_naming_its_entry(tmp_path, hf_tokenizer, entry
     with pytest.raises(ConfigError, match=message) as error:
         build_datasets(_config(tmp_path, hf_tokenizer, f"[{{path: {tmp_path / 'ok.txt'}}}, {entry}]"))
     assert "\n" not in str(error.value)
+
+
+def test_a_text_dataset_is_tokenized_into_the_cache_not_into_memory(tmp_path, hf_tokenizer):
+    """data.dataset=text data.path=...: the corpus goes through the same cache as data.sources (read memory-mapped),
+    and its windows are those of the corpus tokenized whole: the same samples as before the cache."""
+    texts = lines(40)
+    (tmp_path / "corpus.txt").write_text("\n".join(texts))
+    config = load_config(None, [*TINY, f"train.output_dir={tmp_path / 'run'}", f"data.tokenizer={hf_tokenizer}",
+                                f"data.path={tmp_path / 'corpus.txt'}", "data.eval_fraction=0.25"])
+    train, evaluation, _ = build_datasets(config)
+    assert isinstance(train.stream, IndexedTokens)
+    assert len(list((tmp_path / "run" / "data_cache").glob("corpus-*.idx"))) == 1
+    whole = ArrayTokens(tokenize_documents(["\n".join(texts)], load_tokenizer(hf_tokenizer)))
+    assert train.stream.read(0, len(train.stream)).tolist() == whole.read(0, len(whole)).tolist()
+    in_memory = PackedTextDataset(whole, train.window_length, train.transform, config.train.seed, stride=8,
+                                  num_windows=len(train))
+    for index in (0, len(train) - 1):
+        assert train[index]["input_ids"].tolist() == in_memory[index]["input_ids"].tolist()
+    assert evaluation is not None and len(evaluation) >= 1
+    build_datasets(config)  # a second build reuses the cache
+    assert len(list((tmp_path / "run" / "data_cache").glob("corpus-*.idx"))) == 1

@@ -14,6 +14,7 @@ from xscale.models import build_model
 from xscale.models.moe import build_moe, collect_moe_metrics
 from xscale.parallel.expert import apply_expert_parallel, shard_expert_state_dict
 from xscale.parallel.loss import model_loss_sum
+from xscale.runtime import StepContext
 
 
 def layer_config(router: str, top_k: int, ffn: str) -> ModelConfig:
@@ -37,10 +38,12 @@ def check_layer(rank: int, router: str, top_k: int, ffn: str) -> None:
 
     parallel = copy.deepcopy(single)
     parallel.zero_grad()
-    apply_expert_parallel(parallel, dist.group.WORLD)
+    place = apply_expert_parallel(parallel, dist.group.WORLD)
     rows = slice(2 * rank, 2 * rank + 2)
     x_local = x[rows].clone().requires_grad_()
-    out_local = parallel(x_local)
+    with pytest.raises(RuntimeError, match="holds 2 of its 4 experts"):
+        parallel(x_local)  # without the exchange in its context the layer has only its own experts
+    out_local = parallel(x_local, context=place(StepContext()))
     (out_local * upstream[rows]).sum().backward()
 
     tolerance = {"rtol": 1e-5, "atol": 1e-6}
@@ -67,7 +70,7 @@ def check_model(rank: int) -> None:
     config = model_config()
     single = build_model(config, seed=5)
     parallel = build_model(config, seed=5)
-    apply_expert_parallel(parallel, dist.group.WORLD)
+    place = apply_expert_parallel(parallel, dist.group.WORLD)
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 64, (2 * WORLD, 12), generator=generator)
     labels = torch.randint(0, 64, (2 * WORLD, 12), generator=generator)
@@ -76,7 +79,7 @@ def check_model(rank: int) -> None:
     loss_single = model_loss_sum(single, {"input_ids": ids, "labels": labels}) / tokens
     loss_single.backward()
     rows = slice(2 * rank, 2 * rank + 2)
-    loss_local = model_loss_sum(parallel, {"input_ids": ids[rows], "labels": labels[rows]}) / tokens
+    loss_local = model_loss_sum(parallel, {"input_ids": ids[rows], "labels": labels[rows]}, place(StepContext())) / tokens
     loss_local.backward()
     total = loss_local.detach().clone()
     dist.all_reduce(total)

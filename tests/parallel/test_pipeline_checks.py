@@ -13,7 +13,7 @@ from xscale.config import (
     ParallelConfig,
     TrainConfig,
 )
-from xscale.parallel.checks import resolve_dims
+from xscale.parallel.checks import resolve_dims, resolve_layout
 from xscale.parallel.pipeline import check_pipeline, resolve_microbatches, split_layers
 from xscale.validate import load_config
 
@@ -155,11 +155,14 @@ TINY = ["model.vocab_size=64", "model.d_model=32", "model.n_layers=4", "model.n_
     ([], 1, 1),
     (["parallel.dp_shard=2"], 2, 1),
 ])
-def test_parallel_dims_write_the_resolved_count_into_the_config(layout, world_size, expected):
+def test_the_resolved_count_is_in_the_dims_and_the_resolved_copy_not_the_given_config(layout, world_size, expected):
     config = load_config(None, [*TINY, *layout])
     assert config.parallel.microbatches is None  # the default: auto
-    resolve_dims(config, world_size)
-    assert config.parallel.microbatches == expected
+    assert resolve_dims(config, world_size).microbatches == expected
+    dims, resolved = resolve_layout(config, world_size)
+    assert dims.microbatches == resolved.parallel.microbatches == expected
+    assert config.parallel.microbatches is None  # the caller's config is left as given
+    assert resolved.model is config.model and resolved.train is config.train
 
 
 @pytest.mark.parametrize("value, message", [
@@ -176,7 +179,7 @@ def test_a_set_microbatch_count_is_validated_as_given(value, message):
     assert str(error.value) == message
     assert config.parallel.microbatches == value  # never replaced
     config = load_config(None, [*TINY, "parallel.pp=2", "parallel.microbatches=8"])
-    resolve_dims(config, 2)
+    assert resolve_dims(config, 2).microbatches == 8
     assert config.parallel.microbatches == 8
 
 

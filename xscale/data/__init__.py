@@ -27,7 +27,7 @@ from xscale.data.indexed import IndexedTokens
 from xscale.data.load_tokenizer import load_tokenizer, tokenizer_source_file
 from xscale.data.sampler import GlobalSampler
 from xscale.data.sentencepiece_tokenizer import SentencePieceTokenizer
-from xscale.data.sources import ResolvedSource, resolve_sources, shared_cache_dir, source_kind
+from xscale.data.sources import ResolvedSource, cached_tokens, resolve_sources, shared_cache_dir, source_kind
 from xscale.data.tasks import AssociativeRecallTask, CopyTask, ListOpsTask
 from xscale.data.tokenizer import Tokenizer
 
@@ -176,12 +176,23 @@ def _text_datasets(config: Config, objective: str, seq_len: int, seed: int) -> t
         with _user_file("data.path"):
             vocab_size = max(stream.max_token(tokenizer.vocab_size if tokenizer else None) + 1,
                              tokenizer.vocab_size if tokenizer else 0)
-    else:
+    elif data.dataset == "text":
+        if not data.path:
+            raise ConfigError("data.dataset='text' needs data.path: a .txt/.jsonl file or a folder of them")
         with _user_file("data.path"):
-            documents = list(_documents(config))
-        if not documents:
-            raise ConfigError(f"data.path={data.path} holds no text (empty or blank files); point data.path at a "
-                              ".txt/.jsonl file or folder with text")
+            if next(iter(_documents(config)), None) is None:
+                raise ConfigError(f"data.path={data.path} holds no text (empty or blank files); point data.path at "
+                                  "a .txt/.jsonl file or folder with text")
+            tokenizer = build_tokenizer(config)  # trained on the documents as a stream when data.tokenizer is unset
+            # Tokenized once into the run's data cache (as data.sources are), read memory-mapped from there.
+            kind = "jsonl" if Path(data.path).suffix == ".jsonl" else "text"
+            prefix = cached_tokens(data.path, kind, Path(data.path.rstrip("/")).name.split(".")[0] or "text",
+                                   tokenizer.path, data.text_field, shared_cache_dir(config.train.output_dir),
+                                   "data.path", path_key="data.path")
+            stream = IndexedTokens(prefix)
+        vocab_size = tokenizer.vocab_size
+    else:  # the built-in corpus (Python's own documentation, a few MB): tokenized in memory
+        documents = list(_documents(config))
         tokenizer = build_tokenizer(config, documents)
         stream = ArrayTokens(tokenize_documents(documents, tokenizer))
         vocab_size = tokenizer.vocab_size

@@ -1,4 +1,5 @@
-"""The corpora of ``data.sources``: each becomes a memory-mapped ``.bin/.idx`` token file and a name.
+"""The corpora of ``data.sources`` (and ``data.dataset=text``'s ``data.path``): each becomes a memory-mapped
+``.bin/.idx`` token file and a name, so training never holds a tokenized corpus in memory.
 
 An ``indexed`` source is read where it lies. A ``text``/``jsonl`` source is tokenized once into
 ``<output_dir>/data_cache/<name>-<key>.bin/.idx``, the key a digest of what the tokens depend on (the input
@@ -73,7 +74,8 @@ def resolve_sources(sources: list[DataSource], key: str, tokenizer_path: str | N
             if tokenizer_path is None:
                 raise ConfigError(f"{where} is {kind}: tokenizing it needs data.tokenizer (a .model, tokenizer.json "
                                   "or .tiktoken file)")
-            prefix = _cached_tokens(source.path, kind, name, tokenizer_path, text_field, cache_dir, where)
+            prefix = cached_tokens(source.path, kind, name, tokenizer_path, text_field, cache_dir, where,
+                                   path_key=f"{where}.path")
         try:
             IndexedTokens(prefix)
         except (OSError, IndexedDataError) as error:
@@ -94,8 +96,10 @@ def cache_key(path: str, kind: str, tokenizer_path: str, text_field: str) -> str
     return digest.hexdigest()[:16]
 
 
-def _cached_tokens(path: str, kind: str, name: str, tokenizer_path: str, text_field: str, cache_dir: Path,
-                   where: str) -> str:
+def cached_tokens(path: str, kind: str, name: str, tokenizer_path: str, text_field: str, cache_dir: Path,
+                  where: str, path_key: str) -> str:
+    """The ``.bin/.idx`` prefix of ``path``'s tokens in ``cache_dir``, tokenized on first use (rank 0 builds).
+    Errors name ``where`` (the config key of the source) and ``path_key`` (the key holding its path)."""
     prefix = str(cache_dir / f"{name}-{cache_key(path, kind, tokenizer_path, text_field)}")
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if distributed and dist.get_rank() != 0:
@@ -106,7 +110,7 @@ def _cached_tokens(path: str, kind: str, name: str, tokenizer_path: str, text_fi
             documents = text_documents(path, text_field, jsonl=kind == "jsonl")
             counts = tokenize_to_indexed(documents, tokenizer_path, prefix)
             if counts["tokens"] == 0:
-                raise ConfigError(f"{where}.path={path} holds no text (empty or blank files)")
+                raise ConfigError(f"{path_key}={path} holds no text (empty or blank files)")
     except (OSError, ValueError, ImportError) as error:
         if isinstance(error, ConfigError):
             raise

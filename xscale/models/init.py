@@ -7,8 +7,10 @@ parallel layout, which is what makes loss parity against one device a meaningful
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -44,7 +46,7 @@ def initial_value(name: str, shape: torch.Size, config: ModelConfig, seed: int) 
 
 
 def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor, distribute_tensor  # models/ runs without torch.distributed
 
     if isinstance(param, DTensor):
         local = distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
@@ -66,7 +68,28 @@ def init_weights(model: nn.Module, config: ModelConfig, seed: int, names: dict[i
         _copy_into(param, initial_value(canonical, param.shape, config, seed))
     for module in model.modules():
         if isinstance(module, ResetsBuffers):
-            module.reset_buffers()
+            with _full_size_buffers(module):
+                module.reset_buffers()
+
+
+@contextlib.contextmanager
+def _full_size_buffers(module: nn.Module) -> Iterator[None]:
+    """Within the block a DTensor buffer of ``module`` (a tensor-parallel core's per-head state) is a full-size
+    plain tensor, so ``reset_buffers`` computes the single process's values; on leaving each rank keeps its rows."""
+    from torch.distributed.tensor import DTensor  # models/ runs without torch.distributed
+
+    swapped: list[tuple[str, torch.Tensor]] = []
+    try:
+        for name, state in list(module._buffers.items()):
+            if isinstance(state, DTensor):
+                module._buffers[name] = torch.empty(state.shape, dtype=state.dtype, device=state.to_local().device)
+                swapped.append((name, state))
+        yield
+        for name, state in swapped:
+            _copy_into(state, module._buffers[name])
+    finally:
+        for name, state in swapped:
+            module._buffers[name] = state
 
 
 def canonical_name(name: str) -> str:

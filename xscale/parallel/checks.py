@@ -4,6 +4,8 @@ and the batch, each dimension's own checks (:mod:`~xscale.parallel.tensor`, :mod
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from xscale.config import Config, ConfigError
@@ -14,8 +16,9 @@ from xscale.parallel.tensor import check_tensor_parallel
 
 
 def resolve_dims(config: Config, world_size: int) -> ParallelDims:
-    """Resolve ``dp_shard=-1`` against ``world_size`` and an unset ``parallel.microbatches`` (written back into
-    ``config``: :func:`~xscale.parallel.pipeline.resolve_microbatches`), and refuse any layout that cannot run."""
+    """Resolve ``dp_shard=-1`` against ``world_size`` and an unset ``parallel.microbatches``
+    (:func:`~xscale.parallel.pipeline.resolve_microbatches`, in ``ParallelDims.microbatches``), and refuse any
+    layout that cannot run. ``config`` is not changed (:func:`resolve_layout` gives the resolved copy)."""
     parallel = config.parallel
     for name in ("dp_replicate", "tp", "pp", "ep", "cp", "microbatches", "pp_stages_per_rank"):
         value = getattr(parallel, name)
@@ -43,9 +46,17 @@ def resolve_dims(config: Config, world_size: int) -> ParallelDims:
             f"processes but {world_size} were launched; "
             f"launch {dims.world_size} (torchrun --nproc-per-node {dims.world_size}) or set parallel.dp_shard=-1")
     check_layout(config, dims)  # the pipeline checks resolve an unset microbatch count the same way
-    # The one place an unset parallel.microbatches becomes a count; every later reader sees the count.
-    parallel.microbatches = resolve_microbatches(config, dims.dp)
-    return dims
+    # The one place an unset parallel.microbatches becomes a count.
+    return dataclasses.replace(dims, microbatches=resolve_microbatches(config, dims.dp))
+
+
+def resolve_layout(config: Config, world_size: int) -> tuple[ParallelDims, Config]:
+    """:func:`resolve_dims`, and a copy of ``config`` whose ``parallel.microbatches`` is the resolved count (what
+    every later reader sees: the pipeline, the step, inspect); ``config`` itself is not changed."""
+    dims = resolve_dims(config, world_size)
+    resolved = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel,
+                                                                        microbatches=dims.microbatches))
+    return dims, resolved
 
 def check_layout(config: Config, dims: ParallelDims) -> None:
     """Every check that needs only the degrees and the config (no process group)."""

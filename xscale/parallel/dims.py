@@ -37,6 +37,7 @@ class ParallelDims:
     ep: int = 1
     zero_stage: int = 0
     cp: int = 1
+    microbatches: int | None = None  # pipeline microbatches per step and dp rank, as resolve_dims resolved them
 
     @property
     def world_size(self) -> int:

@@ -14,6 +14,7 @@ stage the pipeline schedule has materialised).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import replace
 
 import torch
@@ -29,7 +30,7 @@ from xscale.parallel.context import apply_context_parallel
 from xscale.parallel.data import DataParallel, ReplicatedDataParallel, ZeroDataParallel
 from xscale.parallel.data.fsdp import FullyShardedDataParallel, apply_fsdp
 from xscale.parallel.dims import ParallelDims
-from xscale.parallel.expert import apply_expert_parallel
+from xscale.parallel.expert import apply_expert_parallel, expert_parallel_context
 from xscale.parallel.model import ParallelModel, Placement, named_parameters, unplaced, whole_batch
 from xscale.parallel.pipeline import PipelineSchedule
 from xscale.parallel.tensor import apply_tensor_parallel, tensor_parallel_context
@@ -96,7 +97,7 @@ def parallelize(config: Config, dims: ParallelDims, mesh: DeviceMesh | None, dev
     if dims.ep > 1:
         # Expert parallelism slices materialised experts, so the slices are rows of the single-process init.
         _materialize(model, config, device)
-        apply_expert_parallel(model, mesh["ep"])
+        place = _then(place, apply_expert_parallel(model, mesh["ep"]))
     if dims.cp > 1:
         layout = apply_context_parallel(model, mesh["cp"], load_balance=config.parallel.cp_load_balance)
         place, shard_batch = _then(place, lambda context: context.with_sequence(layout)), layout.shard_batch
@@ -152,6 +153,11 @@ def _parallelize_pipeline(config: Config, dims: ParallelDims, mesh: DeviceMesh, 
     model = build_model(config.model, materialize=False).use_kernels(config.train.kernels)
     # Each stage's cores sum their running statistics over the stage's dp replicas.
     place = _then(_tensor_parallel_place(config, dims, mesh), replica_statistics(mesh, dims))
+    if dims.ep > 1:  # every stage's MoE layers exchange tokens over this rank's ep group
+        place = _then(place, expert_parallel_context(mesh["ep"]))
+    if config.parallel.microbatches is None and dims.microbatches is not None:  # resolved against the batch
+        config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel,
+                                                                          microbatches=dims.microbatches))
     pipeline = PipelineSchedule(config, model, mesh["pp"], device=device, place=place,
                                 parallelize_stage=parallelize_stage)
     if dims.ep > 1:  # the stages are materialised with the single-process init; keep this rank's experts

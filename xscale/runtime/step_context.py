@@ -12,6 +12,8 @@ Everything a component draws or reads per batch comes from it, never from proces
   keeping running statistics sum them over the data-parallel replicas with ``sum_over_replicas``;
 - ``memo`` lets a forward leave what its recomputation must reuse (routing attention's centroids): activation
   checkpointing re-runs a forward with the same arguments, so the recomputation finds the same memo;
+- ``experts``: under expert parallelism, the MoE layers' routing group and token exchange (None: one device
+  routes its own tokens through every expert);
 - ``kv_cache``: while decoding, the keys and values of the tokens already seen (:mod:`xscale.models.kv_cache`);
   the forward's tokens then sit after them (``sequence`` is the cache too).
 
@@ -45,6 +47,17 @@ class KeyValueCache(SequenceLayout, Protocol):
                values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+class ExpertExchange(Protocol):
+    """Expert parallelism's routing group and token exchange (:mod:`xscale.parallel.expert`): the routing group is
+    every ep rank's tokens; each rank holds some experts and the tokens go to the rank holding theirs."""
+
+    def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, int]: ...
+
+    def all_reduce(self, value: torch.Tensor) -> torch.Tensor: ...
+
+    def dispatch(self, tokens_by_expert: torch.Tensor, tokens_per_expert: torch.Tensor, experts: Any) -> torch.Tensor: ...
+
+
 @dataclass(frozen=True)
 class StepContext:
     """One forward's place in the run (immutable; derive with :meth:`microbatch`, :meth:`at_depth`, ...)."""
@@ -64,6 +77,7 @@ class StepContext:
     sum_over_replicas: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False, repr=False)
     memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
     kv_cache: KeyValueCache | None = field(default=None, compare=False, repr=False)  # None: no cache (training)
+    experts: ExpertExchange | None = field(default=None, compare=False, repr=False)  # None: every expert is here
 
     @property
     def positioned(self) -> bool:
@@ -87,6 +101,10 @@ class StepContext:
     def with_kv_cache(self, cache: KeyValueCache | None) -> StepContext:
         """Attention reads and extends ``cache``; positions continue after the cached tokens."""
         return replace(self, kv_cache=cache, sequence=cache)
+
+    def with_experts(self, exchange: ExpertExchange | None) -> StepContext:
+        """MoE layers route over ``exchange``'s group and send tokens to the ranks holding their experts."""
+        return replace(self, experts=exchange)
 
     def with_tensor_parallel(self, rank: int, size: int, sequence_parallel: bool = False) -> StepContext:
         return replace(self, tensor_rank=rank, tensor_size=size, sequence_parallel=sequence_parallel)

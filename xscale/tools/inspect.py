@@ -11,7 +11,7 @@ import sys
 from xscale.command_line import CommandParser
 from xscale.config import Config, ConfigError
 from xscale.models.parameters import ModelCount, count_parameters
-from xscale.parallel.checks import resolve_dims
+from xscale.parallel.checks import resolve_layout
 from xscale.parallel.dims import rank_coordinates
 from xscale.parallel.memory import predicted_pipeline_state_bytes, predicted_state_bytes
 from xscale.parallel.pipeline import SCHEDULES, ideal_bubble, split_layers, stage_to_rank
@@ -119,7 +119,7 @@ def _pipeline_line(config: Config, pp: int, auto: bool) -> str:
 def layout_report(config: Config, world_size: int) -> list[str]:
     """The per-rank plan of ``config.parallel`` at ``world_size`` and each rank's predicted state bytes."""
     auto = config.parallel.microbatches is None
-    dims = resolve_dims(config, world_size)  # resolves an unset parallel.microbatches
+    dims, config = resolve_layout(config, world_size)  # a copy with an unset parallel.microbatches resolved
     lines = [f"layout: {dims.describe()}"]
     if dims.pp > 1:
         lines.append(_pipeline_line(config, dims.pp, auto))

@@ -35,7 +35,7 @@ from xscale.config import Config
 from xscale.models import build_model
 from xscale.models.parameters import count_parameters
 from xscale.parallel.activation import apply_activation_checkpointing
-from xscale.parallel.checks import resolve_dims
+from xscale.parallel.checks import resolve_layout
 from xscale.parallel.dims import ParallelDims
 from xscale.parallel.memory import OPTIMIZER_VALUES, predicted_pipeline_state_bytes, predicted_state_bytes
 from xscale.parallel.model import ParallelModel
@@ -148,9 +148,9 @@ def _in_flight(config: Config, pp: int, pp_rank: int) -> int:
 
 def rank_memory(config: Config, world_size: int) -> list[RankMemory]:
     """Each distinct rank's predicted peak at ``world_size``: one per pipeline rank (the others are alike)."""
-    dims = resolve_dims(config, world_size)
+    dims, config = resolve_layout(config, world_size)
     if dims.pp > 1:  # a pipeline micro-batch: the local batch over the microbatches
-        micro = max(1, config.train.global_batch_size // dims.dp // config.parallel.microbatches)
+        micro = max(1, config.train.global_batch_size // dims.dp // dims.microbatches)
     else:
         micro = micro_batch_size(config, dims)
     share = _tensor_parallel_share(config, dims) / dims.cp

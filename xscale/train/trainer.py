@@ -11,7 +11,7 @@ import contextlib
 import datetime
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from xscale.launcher.parent_death import exit_with_launcher
 from xscale.launcher.preemption import PreemptionHandler
 from xscale.models.init import canonical_name
 from xscale.models.parameters import count_parameters
-from xscale.parallel.checks import resolve_dims
+from xscale.parallel.checks import resolve_layout
 from xscale.parallel.parallelize import parallelize
 from xscale.runtime import StepContext
 from xscale.runtime.hooks import ReportsLayerMetrics
@@ -65,11 +65,12 @@ class NonFiniteTraining(RuntimeError):
 
 class Trainer:
     def __init__(self, config: Config, train_dataset: Any = None, eval_dataset: Any = None) -> None:
+        world = detect_world()
+        # The layout is validated against the launched world before any process group exists; the run reads the
+        # resolved copy (an unset parallel.microbatches as its count), the caller's config is left as given.
+        self.dims, config = resolve_layout(config, world.world_size)
         self.config = config
         train = config.train
-        world = detect_world()
-        # The layout is validated against the launched world before any process group exists.
-        self.dims = resolve_dims(config, world.world_size)
         if world.world_size > 1:
             exit_with_launcher()
             init_distributed(config.parallel.backend, timeout=datetime.timedelta(seconds=config.parallel.timeout_s))
@@ -218,7 +219,7 @@ class Trainer:
         """Per-layer statistics of every layer of the model (rank 0 logs them; later pipeline stages send theirs)."""
         metrics: dict[str, float] = {}
         for module in self.model.parts:
-            metrics.update(_collect_layer_metrics(module))
+            metrics.update(_collect_layer_metrics(module, self.model.routing_groups.layer_summary))
         if self.dims.pp > 1:
             stages: list[dict[str, float] | None] = [None] * self.dims.pp
             torch.distributed.all_gather_object(stages, metrics, group=self.mesh["pp"].get_group())
@@ -372,11 +373,14 @@ def _nothing() -> Iterator[None]:
     yield
 
 
-def _collect_layer_metrics(module: torch.nn.Module) -> dict[str, float]:
-    """Per-layer statistics that layers record on themselves (MoE load, ...)."""
+def _collect_layer_metrics(module: torch.nn.Module,
+                           step_summary: Callable[[torch.nn.Module], dict[str, float] | None]) -> dict[str, float]:
+    """Per-layer statistics: the last training step's where ``step_summary`` has them (MoE load over the step's
+    routing groups), else what the layer recorded on its last forward."""
     metrics: dict[str, float] = {}
     for name, child in module.named_modules():
         if isinstance(child, ReportsLayerMetrics):
-            for key, value in child.layer_metrics().items():
+            summary = step_summary(child)
+            for key, value in (child.layer_metrics() if summary is None else summary).items():
                 metrics[f"{canonical_name(name)}/{key}"] = value
     return metrics

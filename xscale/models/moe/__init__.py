@@ -8,6 +8,8 @@ from xscale.models.moe.layer import (
     check_moe_config,
     collect_moe_metrics,
     moe_layers,
+    routing_summary,
 )
 
-__all__ = ["AttachAuxiliaryLoss", "MoELayer", "build_moe", "check_moe_config", "collect_moe_metrics", "moe_layers"]
+__all__ = ["AttachAuxiliaryLoss", "MoELayer", "build_moe", "check_moe_config", "collect_moe_metrics", "moe_layers",
+           "routing_summary"]

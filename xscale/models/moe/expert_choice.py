@@ -13,7 +13,7 @@ import torch
 
 from xscale.config import ConfigError, ModelConfig
 from xscale.models.moe.routers import LearnedRouter
-from xscale.models.moe.routing import LocalTokens, Routing, router_probabilities, router_z_loss
+from xscale.models.moe.routing import Routing, TokenGroup, router_probabilities, router_z_loss
 from xscale.models.registry import ROUTER
 from xscale.runtime import StepContext
 
@@ -31,7 +31,7 @@ class ExpertChoiceRouter(LearnedRouter):
         if self.dropless:
             raise ConfigError("router=expert_choice has a fixed capacity per expert; set model.moe.dropless=false")
 
-    def forward(self, x: torch.Tensor, group: LocalTokens, context: StepContext | None = None) -> Routing:
+    def forward(self, x: torch.Tensor, group: TokenGroup, context: StepContext | None = None) -> Routing:
         scores, log_normaliser = router_probabilities(self.router_logits(x, context))  # affinities S = softmax(X W)
         everyone, offset = group.gather(scores.detach())
         group_tokens, n = everyone.shape[0], scores.shape[0]

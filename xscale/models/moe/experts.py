@@ -41,7 +41,6 @@ class StackedExperts(nn.Module):
     def __init__(self, num_experts: int, ffn_kind: str, d_model: int, hidden: int, bias: bool) -> None:
         super().__init__()
         ffn_class = FFN.get(ffn_kind)
-        self.num_experts = num_experts
         self.activation = ffn_class.activation
         self.gated = issubclass(ffn_class, GatedMLP)
         if self.gated:
@@ -51,6 +50,12 @@ class StackedExperts(nn.Module):
         else:
             self.w_in = StackedLinear(num_experts, d_model, hidden, bias)
             self.w_out = StackedLinear(num_experts, hidden, d_model, bias)
+
+    @property
+    def num_experts(self) -> int:
+        """The experts held here: all of them, or this rank's slice under expert parallelism (the weights' rows)."""
+        first = self.w_gate if self.gated else self.w_in
+        return first.weight.shape[0]
 
     def forward(self, tokens_by_expert: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Tokens [sum(counts), d] sorted by expert, ``counts[i]`` of them for expert i -> outputs, same order.

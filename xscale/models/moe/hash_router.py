@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from xscale.config import ModelConfig
-from xscale.models.moe.routing import LocalTokens, Routing, token_choice_routing
+from xscale.models.moe.routing import Routing, TokenGroup, token_choice_routing
 from xscale.models.registry import ROUTER
 from xscale.runtime import StepContext
 
@@ -34,7 +34,7 @@ class HashRouter(nn.Module):
         self.dropless = moe.dropless
         self.drop_policy = moe.drop_policy
 
-    def forward(self, x: torch.Tensor, group: LocalTokens, context: StepContext | None = None) -> Routing:
+    def forward(self, x: torch.Tensor, group: TokenGroup, context: StepContext | None = None) -> Routing:
         token_ids = None if context is None else context.token_ids
         if token_ids is None:
             raise ValueError("the hash router needs the token ids of the tokens it routes: the Transformer passes them "

@@ -18,7 +18,7 @@ from xscale.models.moe.routing import LocalTokens
 from xscale.models.registry import ROUTER
 from xscale.models.traits import ParallelTraits
 from xscale.ops.moe_permute import assignment_of_token, combine_by_gate, gather_tokens
-from xscale.runtime import StepContext
+from xscale.runtime import ExpertExchange, StepContext
 
 
 class AttachAuxiliaryLoss(torch.autograd.Function):
@@ -37,27 +37,31 @@ class AttachAuxiliaryLoss(torch.autograd.Function):
         return grad_output, torch.ones((), dtype=torch.float32, device=grad_output.device)
 
 
-class LocalDispatch:
-    """All experts on this device: apply them to the expert-sorted tokens directly."""
+class LocalExperts(LocalTokens):
+    """Every expert on this device: the forward's own tokens are the routing group, applied to the experts directly."""
 
-    def __call__(self, tokens_by_expert: torch.Tensor, tokens_per_expert: torch.Tensor,
+    def dispatch(self, tokens_by_expert: torch.Tensor, tokens_per_expert: torch.Tensor,
                  experts: StackedExperts) -> torch.Tensor:
         return experts(tokens_by_expert, tokens_per_expert.tolist())
+
+
+LOCAL_EXPERTS = LocalExperts()
 
 
 class MoELayer(nn.Module):
     """Mixture-of-Experts FFN (Shazeer et al. 2017; GShard; Switch): router + E stacked FFN experts.
 
     A hash router reads the token ids of the sequence the layer sees from the forward's context
-    (``StepContext.token_ids``), which the model sets for each stack. Its collaborators ``token_group`` and
-    ``dispatch`` are replaced by :func:`xscale.parallel.expert.apply_expert_parallel`.
+    (``StepContext.token_ids``), which the model sets for each stack. Under expert parallelism the layer holds some
+    of the experts (:func:`xscale.parallel.expert.apply_expert_parallel`) and the context's ``experts`` exchange
+    routes over the ep group and sends tokens to the ranks holding theirs; without one, every expert is here.
     The context's ``moe_loss_scale`` is the weight of this forward's auxiliary losses. A routing group is the
     tokens one forward routes together (one microbatch on one device; under expert parallelism, that microbatch on
     every rank of the ep group). A step that sums gradients over the G routing groups passes 1/G, so
     the auxiliary losses are the mean over the step's routing groups (1.0: one group).
     After each forward, ``metrics`` holds detached tensors over the forward's routing group: tokens_per_expert,
-    dropped_fraction, aux_loss, z_loss (unscaled); the step replaces them with the whole step's after its
-    backward (:mod:`xscale.parallel.expert.routing_groups`). :meth:`layer_metrics` gives them as floats.
+    dropped_fraction, aux_loss, z_loss (unscaled); :meth:`layer_metrics` gives them as floats. A training step's
+    statistics over all its routing groups come from :class:`xscale.parallel.expert.routing_groups.RoutingGroups`.
     """
 
     # Tensor parallelism replicates the layer: every tp rank routes the whole sequence (the experts, which an
@@ -76,30 +80,40 @@ class MoELayer(nn.Module):
         self.shared_expert = (
             build_ffn(config.ffn, config.d_model, config.ffn_hidden, config.bias, 0.0) if moe.shared_expert else None
         )
-        self.token_group = LocalTokens()
-        self.dispatch = LocalDispatch()
         self.metrics: dict[str, torch.Tensor] = {}
+
+    def _exchange(self, context: StepContext | None) -> ExpertExchange:
+        exchange = None if context is None else context.experts
+        if exchange is not None:
+            return exchange
+        if self.experts.num_experts != self.num_experts:
+            raise RuntimeError(
+                f"MoE layer {self.layer_index} holds {self.experts.num_experts} of its {self.num_experts} experts "
+                "(expert parallelism): run it with the expert-parallel exchange in its context, as the parallel "
+                "model's forward does (xscale.parallel.expert.expert_parallel_context)")
+        return LOCAL_EXPERTS
 
     def forward(self, x: torch.Tensor, context: StepContext | None = None) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
-        routing = self.router(x, self.token_group, context)
+        exchange = self._exchange(context)
+        routing = self.router(x, exchange, context)
         assignment = assignment_of_token(routing.token_index, tokens.shape[0]) if routing.one_per_token else None
-        outputs_by_expert = self.dispatch(gather_tokens(tokens, routing.token_index, assignment),
-                                          routing.local_tokens_per_expert, self.experts)
+        outputs_by_expert = exchange.dispatch(gather_tokens(tokens, routing.token_index, assignment),
+                                              routing.local_tokens_per_expert, self.experts)
         output = combine_by_gate(outputs_by_expert, routing.gate, routing.token_index, tokens.shape[0], tokens.dtype,
                                  assignment)
         if self.shared_expert is not None:
             output = output + self.shared_expert(tokens)
-        self._record(routing)
+        self._record(routing, exchange)
         scale = 1.0 if context is None else context.moe_loss_scale
         aux = scale * (self.aux_loss_coef * routing.aux_loss + self.z_loss_coef * routing.z_loss)
         if torch.is_grad_enabled() and aux.requires_grad:
             output = AttachAuxiliaryLoss.apply(output, aux)
         return output.view_as(x)
 
-    def _record(self, routing) -> None:
+    def _record(self, routing, group: ExpertExchange) -> None:
         losses = torch.stack([routing.aux_loss.detach().float(), routing.z_loss.detach().float()])
-        aux_loss, z_loss = self.token_group.all_reduce(losses)
+        aux_loss, z_loss = group.all_reduce(losses)
         self.metrics = {
             "tokens_per_expert": routing.tokens_per_expert.detach(),
             "dropped_fraction": routing.dropped_fraction.detach(),
@@ -108,20 +122,25 @@ class MoELayer(nn.Module):
         }
 
     def layer_metrics(self) -> dict[str, float]:
-        """The last forward's routing statistics (what the trainer logs per layer): ``dropped_fraction``,
-        ``aux_loss``, ``z_loss``, ``max_load`` (busiest expert / mean) and ``expert{e}_tokens``."""
-        if not self.metrics:
-            return {}
-        load = self.metrics["tokens_per_expert"].float()
-        metrics = {
-            "dropped_fraction": float(self.metrics["dropped_fraction"]),
-            "aux_loss": float(self.metrics["aux_loss"]),
-            "z_loss": float(self.metrics["z_loss"]),
-            "max_load": float(load.max() / load.mean().clamp_min(1e-9)),
-        }
-        for expert, count in enumerate(load.tolist()):
-            metrics[f"expert{expert}_tokens"] = count
-        return metrics
+        """The last forward's routing statistics as floats (:func:`routing_summary`)."""
+        return routing_summary(self.metrics)
+
+
+def routing_summary(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Routing statistics as the trainer logs them per layer: ``dropped_fraction``, ``aux_loss``, ``z_loss``,
+    ``max_load`` (busiest expert / mean) and ``expert{e}_tokens``."""
+    if not metrics:
+        return {}
+    load = metrics["tokens_per_expert"].float()
+    summary = {
+        "dropped_fraction": float(metrics["dropped_fraction"]),
+        "aux_loss": float(metrics["aux_loss"]),
+        "z_loss": float(metrics["z_loss"]),
+        "max_load": float(load.max() / load.mean().clamp_min(1e-9)),
+    }
+    for expert, count in enumerate(load.tolist()):
+        summary[f"expert{expert}_tokens"] = count
+    return summary
 
 
 def check_moe_config(config: ModelConfig, ep: int = 1) -> None:
@@ -165,6 +184,6 @@ def moe_layers(model: nn.Module) -> list[MoELayer]:
 
 
 def collect_moe_metrics(model: nn.Module) -> dict[str, float]:
-    """Per-layer load of the last forward (or training step), keyed ``moe/layer{i}/<name>`` (see :meth:`MoELayer.layer_metrics`)."""
+    """Per-layer load of the last forward, keyed ``moe/layer{i}/<name>`` (see :func:`routing_summary`)."""
     return {f"moe/layer{layer.layer_index}/{name}": value
             for layer in moe_layers(model) for name, value in layer.layer_metrics().items()}

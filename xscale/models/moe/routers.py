@@ -8,7 +8,7 @@ from torch import nn
 
 from xscale.config import ConfigError, ModelConfig
 from xscale.models.dropout import uniform_draws
-from xscale.models.moe.routing import LocalTokens, Routing, router_probabilities, token_choice_routing
+from xscale.models.moe.routing import Routing, TokenGroup, router_probabilities, token_choice_routing
 from xscale.models.registry import ROUTER
 from xscale.runtime import StepContext
 
@@ -60,7 +60,7 @@ class LearnedRouter(nn.Module):
         return self.capacity_factor if self.training else self.eval_capacity_factor
 
     def route(self, expert_index: torch.Tensor, gate: torch.Tensor, dispatched: torch.Tensor,
-              probs: torch.Tensor, log_normaliser: torch.Tensor, group: LocalTokens) -> Routing:
+              probs: torch.Tensor, log_normaliser: torch.Tensor, group: TokenGroup) -> Routing:
         return token_choice_routing(
             expert_index=expert_index, gate=gate, dispatched=dispatched, num_experts=self.num_experts,
             capacity_factor=self.active_capacity_factor(), min_capacity=self.min_capacity,
@@ -78,7 +78,7 @@ class SwitchRouter(LearnedRouter):
             raise ConfigError(f"the switch router sends each token to 1 expert; set model.moe.top_k=1 "
                               f"(got {self.top_k}) or use router=gshard for top-2")
 
-    def forward(self, x: torch.Tensor, group: LocalTokens, context: StepContext | None = None) -> Routing:
+    def forward(self, x: torch.Tensor, group: TokenGroup, context: StepContext | None = None) -> Routing:
         probs, log_normaliser = router_probabilities(self.router_logits(x, context))
         gate, expert_index = probs.max(dim=-1, keepdim=True)
         return self.route(expert_index, gate, torch.ones_like(expert_index, dtype=torch.bool), probs, log_normaliser,
@@ -102,7 +102,7 @@ class GShardRouter(LearnedRouter):
                               f"{', '.join(self.POLICIES)}")
         self.second_expert_policy = config.moe.second_expert_policy
 
-    def forward(self, x: torch.Tensor, group: LocalTokens, context: StepContext | None = None) -> Routing:
+    def forward(self, x: torch.Tensor, group: TokenGroup, context: StepContext | None = None) -> Routing:
         probs, log_normaliser = router_probabilities(self.router_logits(x, context))
         top_probs, expert_index = probs.topk(2, dim=-1)
         gate = top_probs / top_probs.sum(dim=-1, keepdim=True)

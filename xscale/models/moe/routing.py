@@ -14,8 +14,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+
+
+class TokenGroup(Protocol):
+    """The tokens routed together (a routing group): this forward's, or every expert-parallel rank's."""
+
+    def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, int]: ...
+
+    def all_reduce(self, value: torch.Tensor) -> torch.Tensor: ...
 
 
 class LocalTokens:
@@ -99,7 +108,7 @@ def rank_within_expert(expert: torch.Tensor, priority: torch.Tensor | None,
 
 def token_choice_routing(*, expert_index: torch.Tensor, gate: torch.Tensor, dispatched: torch.Tensor,
                          num_experts: int, capacity_factor: float | None, min_capacity: int,
-                         drop_policy: str, group: LocalTokens,
+                         drop_policy: str, group: TokenGroup,
                          probs: torch.Tensor | None, log_normaliser: torch.Tensor | None) -> Routing:
     """Each token picked k experts (``expert_index`` [n, k], ``gate`` [n, k]); cut every expert at capacity.
 

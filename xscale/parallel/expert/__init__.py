@@ -2,6 +2,11 @@
 all-to-all; ``state`` shows checkpoints every expert; ``routing_groups`` counts a step's routing groups for the
 auxiliary losses and the routing statistics."""
 
-from xscale.parallel.expert.plan import apply_expert_parallel, shard_expert_state_dict, shard_range
+from xscale.parallel.expert.plan import (
+    apply_expert_parallel,
+    expert_parallel_context,
+    shard_expert_state_dict,
+    shard_range,
+)
 
-__all__ = ["apply_expert_parallel", "shard_expert_state_dict", "shard_range"]
+__all__ = ["apply_expert_parallel", "expert_parallel_context", "shard_expert_state_dict", "shard_range"]

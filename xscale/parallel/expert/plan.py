@@ -23,6 +23,8 @@ gradient norm (each slice has edp x tp replicas).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -32,6 +34,9 @@ from torch.distributed.tensor import DTensor
 from xscale.config import ConfigError
 from xscale.models.moe import MoELayer, moe_layers
 from xscale.parallel.collectives import all_gather_flat
+from xscale.runtime import StepContext
+
+Placement = Callable[[StepContext], StepContext]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -86,28 +91,25 @@ class ExpertParallelTokens:
         return total
 
 
-class AllToAllDispatch:
-    """Send expert-sorted tokens to the ranks that own their experts, apply the local experts, send back."""
+class ExpertParallelExchange(ExpertParallelTokens):
+    """The MoE layers' :class:`~xscale.runtime.ExpertExchange` over an ep group: route over every rank's tokens;
+    send expert-sorted tokens to the ranks that own their experts, apply the local experts, send the outputs back."""
 
-    def __init__(self, group: dist.ProcessGroup, num_experts: int) -> None:
-        self.group = group
-        self.size = dist.get_world_size(group)
-        self.local_experts = num_experts // self.size
-
-    def __call__(self, tokens_by_expert: torch.Tensor, tokens_per_expert: torch.Tensor,
+    def dispatch(self, tokens_by_expert: torch.Tensor, tokens_per_expert: torch.Tensor,
                  experts: nn.Module) -> torch.Tensor:
+        local_experts = experts.num_experts
         # received[s, l]: tokens rank s sends to my local expert l.
         received = torch.empty_like(tokens_per_expert)
         dist.all_to_all_single(received, tokens_per_expert, group=self.group)
-        received = received.view(self.size, self.local_experts)
-        send_splits = tokens_per_expert.view(self.size, self.local_experts).sum(1).tolist()
+        received = received.view(self.size, local_experts)
+        send_splits = tokens_per_expert.view(self.size, local_experts).sum(1).tolist()
         receive_splits = received.sum(1).tolist()
         arrived = all_to_all(tokens_by_expert, receive_splits, send_splits, self.group)
 
         # Arrivals are grouped by source rank, then expert; the experts want them grouped by expert.
         chunk_rows = torch.arange(arrived.shape[0], device=arrived.device).split(received.reshape(-1).tolist())
-        expert_major = torch.cat([chunk_rows[s * self.local_experts + e]
-                                  for e in range(self.local_experts) for s in range(self.size)])
+        expert_major = torch.cat([chunk_rows[s * local_experts + e]
+                                  for e in range(local_experts) for s in range(self.size)])
         # index_select: its backward is an index_add (advanced indexing's is a slow accumulating index_put)
         outputs = experts(arrived.index_select(0, expert_major), received.sum(0).tolist())
         source_major = torch.empty_like(expert_major)
@@ -146,20 +148,20 @@ def shard_expert_state_dict(state_dict: dict[str, torch.Tensor], num_experts: in
 @torch.no_grad()
 def _shard_experts(layer: MoELayer, first: int, last: int) -> None:
     """Keep experts [first, last); a tensor-parallel (Replicate DTensor) parameter stays one, on its mesh."""
-    experts = layer.experts
-    for module in experts.modules():
+    for module in layer.experts.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if isinstance(param, DTensor):
                 rows = DTensor.from_local(param.to_local()[first:last].clone(), param.device_mesh, param.placements,
                                           run_check=False)
             else:
                 rows = param[first:last].clone()
-            setattr(module, name, nn.Parameter(rows, requires_grad=param.requires_grad))
-    experts.num_experts = last - first
+            module.register_parameter(name, nn.Parameter(rows, requires_grad=param.requires_grad))
 
 
-def apply_expert_parallel(model: nn.Module, ep_group_or_mesh: dist.ProcessGroup | DeviceMesh) -> None:
-    """Keep this rank's experts in every MoE layer of a materialised model and route tokens by all-to-all.
+def apply_expert_parallel(model: nn.Module, ep_group_or_mesh: dist.ProcessGroup | DeviceMesh) -> Placement:
+    """Keep this rank's experts in every MoE layer of a materialised model; returns the placement that gives each
+    forward's context the exchange routing tokens by all-to-all (``ParallelModel(place=...)``; a forward without
+    it is refused).
 
     ``ep_group_or_mesh``: the ep process group, a 1-D mesh, or a mesh with an ``ep`` dimension.
     """
@@ -168,11 +170,15 @@ def apply_expert_parallel(model: nn.Module, ep_group_or_mesh: dist.ProcessGroup 
     layers = moe_layers(model)
     if not layers:
         raise ValueError("apply_expert_parallel: the model has no MoE layer (model.moe.num_experts=0)")
-    tokens = ExpertParallelTokens(group)
     for layer in layers:
         if layer.experts.num_experts != layer.num_experts:
             raise ValueError(f"MoE layer {layer.layer_index} is already expert-parallel")
         first, last = shard_range(layer.num_experts, rank, size)
         _shard_experts(layer, first, last)
-        layer.token_group = tokens
-        layer.dispatch = AllToAllDispatch(group, layer.num_experts)
+    return expert_parallel_context(group)
+
+
+def expert_parallel_context(ep_group_or_mesh: dist.ProcessGroup | DeviceMesh) -> Placement:
+    """What a forward of an expert-parallel model must be told: the ep group's token exchange."""
+    exchange = ExpertParallelExchange(_resolve_group(ep_group_or_mesh))
+    return lambda context: context.with_experts(exchange)

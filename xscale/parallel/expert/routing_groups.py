@@ -11,7 +11,8 @@ micro_batch_size = one group's sequences routes exactly the same groups.
   each back-propagate their share of the group's losses (:mod:`xscale.models.moe.routing`), so a group counts once.
 - Statistics reported for the step: tokens per expert summed over the G groups; dropped fraction, aux and z losses
   averaged over them. A forward hook adds each forward's group values (identical on the group's ep ranks); the
-  sums and forward counts are then summed over the ranks that route different groups (``edp``). Averaging over
+  sums and forward counts are then summed over the ranks that route different groups (``edp``); the step returns
+  them (the trainer logs them), the layers are not written to. Averaging over
   recorded forwards makes activation checkpointing's recomputed forwards (same values, every group alike) harmless.
 """
 
@@ -23,7 +24,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from xscale.models.moe import MoELayer, moe_layers
+from xscale.models.moe import MoELayer, moe_layers, routing_summary
 
 AVERAGED = ("dropped_fraction", "aux_loss", "z_loss")
 
@@ -49,6 +50,7 @@ class RoutingGroups:
         self.groups_per_microbatch = groups_per_microbatch
         self.sum_over_groups = sum_over_groups
         self.groups = 1
+        self.step_metrics: dict[MoELayer, dict[str, torch.Tensor]] = {}
         self._recording = False
         self._sums: list[torch.Tensor | None] = [None] * len(self.layers)
         self._forwards = [0] * len(self.layers)
@@ -80,11 +82,13 @@ class RoutingGroups:
         self._recording = True
         return 1.0 / self.groups
 
-    def end_step(self) -> None:
-        """Replace each layer's ``metrics`` by the step's (collective over the routing groups when distributed)."""
+    def end_step(self) -> dict[MoELayer, dict[str, torch.Tensor]]:
+        """The step's statistics of each layer (collective over the routing groups when distributed), also kept in
+        :attr:`step_metrics` until the next step; the layers' own ``metrics`` stay their last forward's."""
         self._recording = False
+        self.step_metrics = {}
         if not self.layers or any(total is None for total in self._sums):
-            return
+            return self.step_metrics
         sizes = [total.numel() for total in self._sums]
         device = self._sums[0].device
         flat = torch.cat([*self._sums, torch.tensor(self._forwards, dtype=torch.float32, device=device)])
@@ -94,4 +98,11 @@ class RoutingGroups:
         for layer, total, count in zip(self.layers, totals, forwards):
             mean = total / count  # per routing group
             tokens, averaged = mean[:-len(AVERAGED)] * self.groups, mean[-len(AVERAGED):]
-            layer.metrics = {"tokens_per_expert": tokens, **dict(zip(AVERAGED, averaged))}
+            self.step_metrics[layer] = {"tokens_per_expert": tokens, **dict(zip(AVERAGED, averaged))}
+        return self.step_metrics
+
+    def layer_summary(self, layer: nn.Module) -> dict[str, float] | None:
+        """The last step's statistics of ``layer`` as the trainer logs them, or None (not one of the step's layers,
+        or no step recorded yet)."""
+        metrics = self.step_metrics.get(layer)
+        return None if metrics is None else routing_summary(metrics)

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
-from xscale.config import Config, ConfigError, ModelConfig
+from xscale.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from xscale.models.init import canonical_name
 from xscale.models.transformer import Transformer
 from xscale.parallel.expert.routing_groups import RoutingGroups
@@ -81,8 +81,16 @@ class MicrobatchStage(QuietMetadataStage):
     microbatch's context (dropout masks of its rows in the global batch, :mod:`xscale.models.dropout`; its token
     ids for hash routing) and ``decoder_input_ids`` as keywords of the model's forward."""
 
-    schedule: PipelineSchedule
     _chunk = 0
+
+    def __init__(self, *args, schedule: PipelineSchedule,
+                 wrap_compute: Callable[[Callable], Callable] | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.schedule = schedule
+        self.wrap_compute = wrap_compute  # instrumentation around each compute action (COMPUTE_ACTIONS)
+
+    def _compute(self, action: Callable, *args, **kwargs):
+        return (action if self.wrap_compute is None else self.wrap_compute(action))(*args, **kwargs)
 
     def _chunk_kwargs(self, index: int) -> dict:
         schedule = self.schedule
@@ -102,7 +110,13 @@ class MicrobatchStage(QuietMetadataStage):
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
         self._chunk = fwd_chunk_id
-        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        return self._compute(super().forward_one_chunk, fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, *args, **kwargs):
+        return self._compute(super().backward_one_chunk, *args, **kwargs)
+
+    def backward_weight_one_chunk(self, *args, **kwargs):
+        return self._compute(super().backward_weight_one_chunk, *args, **kwargs)
 
     def forward_maybe_with_nosync(self, *args, **kwargs):
         return super().forward_maybe_with_nosync(*args, **kwargs, **self._chunk_kwargs(self._chunk))
@@ -147,7 +161,8 @@ class PipelineSchedule:
         parallel = config.parallel
         check_pipeline(config)
         self.spec = SCHEDULES[parallel.pp_schedule]
-        # ParallelDims.from_config has resolved an unset count against the batch; here only the schedule's floor.
+        # resolve_dims resolves an unset count against the batch (the trainer passes that count); here, unset,
+        # only the schedule's floor.
         self.microbatches = resolve_microbatches(config)
         self.device, self.place = torch.device(device), place
         self.num_stages = self.pp_size * parallel.pp_stages_per_rank
@@ -177,11 +192,9 @@ class PipelineSchedule:
                   microbatches: int, schedule: str = "1f1b", stages_per_rank: int = 1, seed: int = 0,
                   pp_split: list[int] | None = None, **kwargs) -> PipelineSchedule:
         """A pipeline of ``model_config`` over the whole ``pp`` group, settings given one by one."""
-        config = Config(model=model_config)
-        config.parallel.pp = dist.get_world_size(pp_group(pp))
-        config.parallel.pp_schedule, config.parallel.pp_stages_per_rank = schedule, stages_per_rank
-        config.parallel.pp_split, config.parallel.microbatches = pp_split, microbatches
-        config.train.seed = seed
+        parallel = ParallelConfig(pp=dist.get_world_size(pp_group(pp)), pp_schedule=schedule,
+                                  pp_stages_per_rank=stages_per_rank, pp_split=pp_split, microbatches=microbatches)
+        config = Config(model=model_config, parallel=parallel, train=TrainConfig(seed=seed))
         return cls(config, meta_model, pp, **kwargs)
 
     @property
@@ -206,14 +219,10 @@ class PipelineSchedule:
         key = (training, rows, *batch["input_ids"].shape[1:], decoder_shape)
         if key not in self._schedules:
             stages = [MicrobatchStage(module, index, self.num_stages, self.device, group=self.group,
-                                      pause_statistics=routing_groups.paused)
+                                      pause_statistics=routing_groups.paused, schedule=self,
+                                      wrap_compute=self.wrap_compute)
                       for module, index in zip(self.stages, self.stage_indices)]
             loss_fn = self._loss
-            for stage in stages:
-                stage.schedule = self
-                if self.wrap_compute is not None:
-                    for name in COMPUTE_ACTIONS:
-                        setattr(stage, name, self.wrap_compute(getattr(stage, name)))
             if self.wrap_compute is not None:
                 loss_fn = self.wrap_compute(loss_fn)
             kwargs = {"n_microbatches": self.microbatches, "loss_fn": loss_fn, "scale_grads": False}

@@ -7,46 +7,21 @@ their pending k-means statistics. :func:`shard_head_state` makes each of those p
 ``Shard(0)`` DTensor on the tp mesh, so a rank stores only its heads' rows, checkpoints see the full-size tensor
 (and reshard it to another layout), and ``init_weights`` slices the single-process initial value.
 
-While the core computes (``forward``, inside :func:`xscale.parallel.tensor.replicated.local_parameters`) each slot holds
+While the core's forward runs (forward hooks: :class:`xscale.parallel.tensor.replicated.LocalSlots`) each slot holds
 the local shard, so the core's single-device code sees its H/tp heads: a parameter's gradient comes back as
 this rank's shard (no communication: no other rank uses these heads), and in-place buffer updates (routing's
 centroids) land in the DTensor's local storage. ``reset_buffers`` runs on full-size buffers (the single
-process's values) and each rank keeps its rows.
+process's values) and each rank keeps its rows (:func:`xscale.models.init.init_weights`).
 """
 
 from __future__ import annotations
-
-import contextlib
-from collections.abc import Iterator
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from xscale.models.init import _copy_into
-from xscale.parallel.tensor.replicated import SHARDED_NAMES, computing_within, local_parameters
-
-
-@contextlib.contextmanager
-def full_head_state(module: nn.Module) -> Iterator[None]:
-    """Within the block the sharded buffers of ``module`` are full-size plain tensors (all heads); on leaving,
-    each rank's DTensor keeps its rows of what was written."""
-    swapped: list[tuple[str, DTensor]] = []
-    try:
-        for name in module.__dict__.get(SHARDED_NAMES, ()):
-            state = module._buffers.get(name)
-            if isinstance(state, DTensor):
-                local = state.to_local()
-                module._buffers[name] = torch.empty(state.shape, dtype=local.dtype, device=local.device)
-                swapped.append((name, state))
-        yield
-        with torch.no_grad():
-            for name, state in swapped:
-                _copy_into(state, module._buffers[name])
-    finally:
-        for name, state in swapped:
-            module._buffers[name] = state
+from xscale.parallel.tensor.replicated import LocalSlots
 
 
 def _shard(tensor: torch.Tensor, mesh: DeviceMesh) -> DTensor:
@@ -56,9 +31,9 @@ def _shard(tensor: torch.Tensor, mesh: DeviceMesh) -> DTensor:
 
 def shard_head_state(core: nn.Module, mesh: DeviceMesh) -> None:
     """The parameters and buffers ``type(core).per_head_state`` names become ``Shard(0)`` DTensors on the 1-D
-    ``mesh``, used as local shards by ``forward``; ``reset_buffers`` fills the full-size buffers. Call it before
+    ``mesh``, used as local shards by ``forward``. Call it before
     :func:`~xscale.parallel.tensor.replicated.replicate_parameters` on the core (which leaves DTensors alone)."""
-    names = []
+    names, split_before = [], False
     for name in getattr(type(core), "per_head_state", ()):
         state = getattr(core, name, None)
         if state is None:
@@ -69,16 +44,11 @@ def shard_head_state(core: nn.Module, mesh: DeviceMesh) -> None:
                              f"{heads} heads over tp={mesh.size()}")
         names.append(name)
         if isinstance(state, DTensor):
-            continue  # a shared layer's core, split already
+            split_before = True  # a shared layer's core, split (and hooked) already
+            continue
         if name in core._parameters:
             core.register_parameter(name, nn.Parameter(_shard(state, mesh), requires_grad=state.requires_grad))
         else:
             core._buffers[name] = _shard(state, mesh)
-    if not names:
-        return
-    setattr(core, SHARDED_NAMES, tuple(names))
-    if not getattr(type(core), "_computes_with_local_parameters", False):
-        contexts = (("forward", local_parameters),)
-        if hasattr(type(core), "reset_buffers"):
-            contexts += (("reset_buffers", full_head_state),)
-        core.__class__ = computing_within(type(core), contexts, prefix="HeadSharded")
+    if names and not split_before:
+        LocalSlots(core, (), tuple(names), None).register_on(core)

@@ -60,8 +60,6 @@ from xscale.parallel.tensor.talking_heads import gather_heads
 from xscale.parallel.tensor.vocab_parallel import VocabParallelEmbedding
 from xscale.runtime import StepContext
 
-# The hooks through which a position encoding computes (it has no forward).
-POSITION_METHODS = ("embed", "rotate", "bias")
 # How each attention core's heads are split, by the ``tp`` its parallel_traits declare (xscale.models.traits).
 HEAD_SPLITS = {"split_heads": "heads split", "gather_heads": "q and k gathered",
                "head_state": "their per-head state split by head"}
@@ -297,9 +295,10 @@ def apply_tensor_parallel(model: Transformer | nn.Module, tp_mesh: DeviceMesh, *
         _parallelize_embedding(model, stacks, tp_mesh, sequence_parallel)
     for stack in stacks:
         # The full sequence reaches position tables on every rank; T5's table is read per head.
-        if stack.position is not None:
+        if stack.position is not None:  # read by the model's forward (embed) and each attention layer's
+            attentions = tuple(block.attention.sublayer for block in stack.layers.values())
             replicate_parameters(stack.position, tp_mesh, sum_gradients=stack.position.biases_logits,
-                                 methods=POSITION_METHODS)
+                                 used_in=(model, *attentions))
         for block in stack.layers.values():
             _parallelize_block(block, tp_mesh, config, sequence_parallel)
         _parallelize_norm(stack.final_norm, tp_mesh, sequence_parallel)

@@ -4,9 +4,11 @@ Under tensor parallelism every parameter is a DTensor on the tp mesh, so that op
 checkpoints and FSDP see one kind of tensor. Modules that tensor parallelism does not split (norms, MoE
 layers, position tables, Linformer's length projections, MQA's single kv head) keep running their
 single-device code on local tensors: :func:`replicate_parameters` makes their parameters ``Replicate``
-DTensors, and while one of the module's computing methods runs (``forward``; ``embed``/``rotate``/``bias``
-for a position encoding) each parameter slot holds the DTensor's local tensor. Outside those calls the
-slots hold the DTensor parameters, so FSDP, tied weights and checkpoints see the usual module.
+DTensors, and while the module's forward runs (or, for a position encoding, the forward of the model and of each
+attention layer, which call its ``embed`` / ``rotate`` / ``bias``) each parameter slot holds the DTensor's local
+tensor, swapped in and back by forward hooks (:class:`LocalSlots`): no module class or attribute is changed.
+Outside those calls the slots hold the DTensor parameters, so FSDP, tied weights and checkpoints see the usual
+module.
 
 The gradient reaches the DTensor in one of two ways:
   * every tp rank runs the module on the same full input (norms, MoE, learned positions): each rank already
@@ -19,21 +21,11 @@ The gradient reaches the DTensor in one of two ways:
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
-
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
-
-# Set on each module whose parameters were replicated: their names, and the group summing their gradients.
-LOCAL_NAMES = "_tensor_parallel_local_parameters"
-GRADIENT_GROUP = "_tensor_parallel_gradient_group"
-# Set on each module whose parameters/buffers are sharded DTensors used as their local shards
-# (:mod:`xscale.parallel.tensor.head_sharded`): their names.
-SHARDED_NAMES = "_tensor_parallel_sharded_state"
 
 
 class SumGradients(torch.autograd.Function):
@@ -51,74 +43,64 @@ class SumGradients(torch.autograd.Function):
         return grad, None
 
 
-@contextlib.contextmanager
-def local_parameters(module: nn.Module) -> Iterator[None]:
-    """Within the block, the replicated parameters under ``module`` are their local tensors, and so are its
-    sharded parameters and buffers (their gradients keep the shards' placements; in-place updates of a buffer
-    land in the DTensor's local storage)."""
-    swapped: list[tuple[dict, str, torch.Tensor]] = []
-    try:
-        for submodule in module.modules():
-            group = submodule.__dict__.get(GRADIENT_GROUP)
-            for name in submodule.__dict__.get(LOCAL_NAMES, ()):
-                param = submodule._parameters[name]
-                if not isinstance(param, DTensor):
-                    continue  # an enclosing module's call already swapped it
+class LocalSlots:
+    """Swaps a module's DTensor parameters / buffers for their local tensors while the module computes.
+
+    Registered as the module's forward pre-hook and forward hook (``always_call``: restored on errors too), and,
+    for code outside the module that computes with them (a position table read by every attention layer), on the
+    modules whose forward does. ``replicated``: Replicate parameters, taken through *f* when ``group`` is set (each
+    rank's gradient is partial); ``sharded``: Shard(0) parameters and buffers used as this rank's rows (their
+    gradients keep the shards' placements; in-place updates of a buffer land in the DTensor's local storage).
+    A slot that already holds a plain tensor (an enclosing forward swapped it) is left to whoever swapped it.
+    """
+
+    def __init__(self, module: nn.Module, replicated: tuple[str, ...], sharded: tuple[str, ...],
+                 group: dist.ProcessGroup | None) -> None:
+        self.module, self.replicated, self.sharded, self.group = module, replicated, sharded, group
+        self._swapped: list[list[tuple[dict, str, torch.Tensor]]] = []  # a stack: one entry per open forward
+
+    def register_on(self, module: nn.Module) -> None:
+        module.register_forward_pre_hook(self.swap_in)
+        module.register_forward_hook(self.swap_back, always_call=True)
+
+    def swap_in(self, *_) -> None:
+        swapped: list[tuple[dict, str, torch.Tensor]] = []
+        slots = self.module._parameters
+        for name in self.replicated:
+            param = slots[name]
+            if isinstance(param, DTensor):
                 local = param.to_local()
-                submodule._parameters[name] = SumGradients.apply(local, group) if group is not None else local
-                swapped.append((submodule._parameters, name, param))
-            for name in submodule.__dict__.get(SHARDED_NAMES, ()):
-                slots = submodule._parameters if name in submodule._parameters else submodule._buffers
-                state = slots[name]
-                if not isinstance(state, DTensor):
-                    continue
+                slots[name] = SumGradients.apply(local, self.group) if self.group is not None else local
+                swapped.append((slots, name, param))
+        for name in self.sharded:
+            slots = self.module._parameters if name in self.module._parameters else self.module._buffers
+            state = slots[name]
+            if isinstance(state, DTensor):
                 if isinstance(state, nn.Parameter):
                     slots[name] = state.to_local()  # its gradient comes back as this rank's shard
                 else:
                     with torch.no_grad():
                         slots[name] = state.to_local()  # the local storage itself: updates in place persist
                 swapped.append((slots, name, state))
-        yield
-    finally:
-        for slots, name, state in reversed(swapped):
+        self._swapped.append(swapped)
+
+    def swap_back(self, *_) -> None:
+        if not self._swapped:
+            return  # a pre-hook before ours raised, so ours never ran
+        for slots, name, state in reversed(self._swapped.pop()):
             slots[name] = state
 
 
-_CLASSES: dict[tuple[type, tuple], type] = {}
-
-
-def computing_within(cls: type, contexts: tuple[tuple[str, Callable[[nn.Module], contextlib.AbstractContextManager]],
-                                                ...], prefix: str = "Replicated") -> type:
-    """A subclass of ``cls`` whose methods named in ``contexts`` run inside their context (cached per class)."""
-    key = (cls, contexts)
-    if key not in _CLASSES:
-        def wrap(name: str, context):
-            original = getattr(cls, name)
-
-            def method(self, *args, **kwargs):
-                with context(self):
-                    return original(self, *args, **kwargs)
-
-            method.__name__ = method.__qualname__ = name
-            method.__doc__ = original.__doc__
-            return method
-
-        attributes = {name: wrap(name, context) for name, context in contexts}
-        attributes.update(__module__=cls.__module__, _computes_with_local_parameters=True)
-        _CLASSES[key] = type(f"{prefix}{cls.__name__}", (cls,), attributes)
-    return _CLASSES[key]
-
-
 def replicate_parameters(module: nn.Module, mesh: DeviceMesh, *, sum_gradients: bool,
-                         methods: tuple[str, ...] = ("forward",)) -> None:
-    """Every parameter under ``module`` becomes a Replicate DTensor on ``mesh``, used locally by ``methods``.
+                         used_in: tuple[nn.Module, ...] = ()) -> None:
+    """Every parameter under ``module`` becomes a Replicate DTensor on ``mesh``, used as its local tensor while the
+    module (and each of ``used_in``, whose forward calls the module's methods directly) computes.
 
     ``sum_gradients``: each rank's use yields a partial gradient, all-reduced over the mesh's group in
     backward. Parameters that are already DTensors are left alone. On a materialised module every rank must
     hold the same values.
     """
     group = mesh.get_group() if sum_gradients else None
-    replicated_any = False
     for submodule in module.modules():
         names = []
         for name, param in list(submodule._parameters.items()):
@@ -128,8 +110,6 @@ def replicate_parameters(module: nn.Module, mesh: DeviceMesh, *, sum_gradients: 
             submodule.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
             names.append(name)
         if names:
-            setattr(submodule, LOCAL_NAMES, tuple(names))
-            setattr(submodule, GRADIENT_GROUP, group)
-            replicated_any = True
-    if replicated_any and not getattr(type(module), "_computes_with_local_parameters", False):
-        module.__class__ = computing_within(type(module), tuple((name, local_parameters) for name in methods))
+            slots = LocalSlots(submodule, tuple(names), (), group)
+            for user in (module, *used_in):  # the outermost forward swaps; inner ones find local tensors
+                slots.register_on(user)

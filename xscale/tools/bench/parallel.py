@@ -32,7 +32,7 @@ from pathlib import Path
 
 from xscale.command_line import CommandParser
 from xscale.config import Config, ConfigError
-from xscale.parallel.checks import resolve_dims
+from xscale.parallel.checks import resolve_layout
 from xscale.parallel.pipeline import ideal_bubble
 from xscale.tools.parity import PARITY_SETTINGS, layout_overrides, run_local, world_size_of
 from xscale.train.trainer import Trainer
@@ -99,7 +99,7 @@ def measure_layouts(config_path: str | None, overrides: list[str], layouts: list
             config = load_config_from_cli(config_path, [*base, *layout_overrides(layout),
                                                         f"train.output_dir={Path(scratch) / str(index)}"])
             world_size = world_size_of(config)
-            resolve_dims(config, world_size)  # resolves an unset parallel.microbatches
+            _, config = resolve_layout(config, world_size)  # a copy with an unset parallel.microbatches resolved
             ranks = run_local(_measure, world_size, config, warmup, steps)
             bubbles = [rank["bubble"] for rank in ranks if rank["bubble"] is not None]
             parallel = config.parallel
