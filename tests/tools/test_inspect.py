@@ -98,11 +98,3 @@ def test_measure_refuses_what_it_cannot_run_in_one_line(capsys):
     err = capsys.readouterr().err
     assert "--measure cannot run this model on fake tensors" in err and "Traceback" not in err
 
-
-def test_inspect_prints_each_pipeline_stage_predicted_cost(capsys):
-    """pp_split unset: the cost model's split, each stage's cost and its share of the slowest stage's."""
-    assert main(["inspect", *TINY, "model.vocab_size=512", "parallel.pp=2", "parallel.microbatches=2"]) == 0
-    out = capsys.readouterr().out
-    assert "predicted cost per stage (training FLOPs per token; split [1, 1], balanced by the cost model):" in out
-    assert "  stage 0 (pp rank 0, 1 blocks): " in out and "  stage 1 (pp rank 1, 1 blocks): " in out
-    assert "% of the slowest)" in out
