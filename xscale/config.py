@@ -86,6 +86,7 @@ class ModelConfig:
     attention_dropout: float = 0.0
     tie_embeddings: bool = True
     share_layers: bool = False  # ALBERT / Universal Transformer: one block reused across depth
+    reversible: bool = False  # RevNet/Reformer reversible residuals: activations rebuilt from outputs in backward
     lm_head_transform: bool = False  # BERT MLM head: dense + act + norm before the vocab projection
     lm_head_bias: bool = False
     init_std: float = 0.02

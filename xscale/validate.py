@@ -16,6 +16,7 @@ from xscale.config_loading import config_from_tree, read_config, split_cli_argum
 from xscale.interop.hf.families import with_init_model
 from xscale.models.moe import check_moe_config
 from xscale.models.registry import REGISTRIES
+from xscale.models.reversible import check_reversible_config
 from xscale.train.loggers import check_installed
 
 
@@ -42,6 +43,7 @@ def validate(config: Config) -> None:
     check_registered("router", model.moe.router, "model.moe.router")  # a typo is refused even while MoE is off
     if model.moe.num_experts:
         check_moe_config(model, config.parallel.ep)
+    check_reversible_config(model)
     check_installed(config.train.logger_names())  # an optional logger's package (wandb), before anything runs
 
 

@@ -68,6 +68,7 @@ def check_layout(config: Config, dims: ParallelDims) -> None:
     if parallel.sequence_parallel and config.train.seq_len % dims.tp:
         raise ConfigError(f"sequence parallelism splits each sequence over tp={dims.tp} ranks; make "
                           f"train.seq_len={config.train.seq_len} a multiple of {dims.tp}")
+    _check_stack_variants(config, dims)
     if dims.cp > 1:
         check_context_parallel(config, dims)
     if dims.tp > 1:
@@ -78,6 +79,29 @@ def check_layout(config: Config, dims: ParallelDims) -> None:
     if parallel.backend == "nccl":
         if not torch.cuda.is_available():
             raise ConfigError("parallel.backend=nccl needs CUDA GPUs; on CPU use parallel.backend=auto (gloo)")
+
+def _check_stack_variants(config: Config, dims: ParallelDims) -> None:
+    """Layouts a reversible stack (``model.reversible``) cannot take, each with its reason."""
+    if not config.model.reversible:
+        return
+    refused = {
+        "pp": (dims.pp > 1, "a pipeline stage would hold part of the two-half stream and its backward could not "
+                            "rebuild the inputs of blocks held elsewhere"),
+        "tp": (dims.tp > 1, "its backward re-runs the blocks outside the tensor-parallel collectives' graph"),
+        "cp": (dims.cp > 1, "its backward re-runs attention outside the context-parallel exchange's graph"),
+        "zero_stage": (config.parallel.zero_stage == 3,
+                       "FSDP2 gathers a block's parameters in hooks around the block's forward, which the "
+                       "reversible backward's re-run branches go around; ZeRO-1/2 work"),
+        "activation_checkpointing": (config.parallel.activation_checkpointing != "none",
+                                     "it already recomputes every block in backward"),
+    }
+    for name, (applies, reason) in refused.items():
+        if applies:
+            value = getattr(config.parallel, name)
+            fix = {"activation_checkpointing": "none", "zero_stage": "2"}.get(name, "1")
+            raise ConfigError(f"parallel.{name}={value} is refused with model.reversible=true: {reason}; set "
+                              f"parallel.{name}={fix} or model.reversible=false")
+
 
 def _check_batch(config: Config, dims: ParallelDims) -> None:
     train = config.train
