@@ -31,3 +31,22 @@ def test_reversible_takes_data_parallel_and_zero_1_2():
     for zero in (0, 1, 2):
         resolve_dims(load_config_from_cli(None, [*DECODER, *REVERSIBLE, f"parallel.zero_stage={zero}"]), 2)
 
+
+
+ACT = ["model.share_layers=true", "model.act=true"]
+
+
+@pytest.mark.parametrize("layout,world,message", [
+    (["parallel.pp=2"], 2, r"parallel.pp=2 is refused with model.act=true: the depth is dynamic per position"),
+    (["parallel.cp=2"], 2, r"parallel.cp=2 is refused with model.act=true: the ponder cost"),
+    (["parallel.tp=2", "parallel.sequence_parallel=true"], 2,
+     r"parallel.sequence_parallel=true is refused with model.act=true: .* set parallel.sequence_parallel=false"),
+])
+def test_act_refuses_layouts(layout, world, message):
+    config = load_config_from_cli(None, [*DECODER, *ACT, *layout])
+    with pytest.raises(ConfigError, match=message):
+        resolve_dims(config, world)
+
+
+def test_act_takes_data_tensor_parallel_and_zero3():
+    resolve_dims(load_config_from_cli(None, [*DECODER, *ACT, "parallel.tp=2", "parallel.zero_stage=3"]), 4)

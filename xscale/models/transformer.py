@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from xscale.config import ModelConfig
+from xscale.models.act import AdaptiveComputationTime
 from xscale.models.block import TransformerBlock
 from xscale.models.dropout import Dropout, name_dropout_sites
 from xscale.models.norm import build_norm
@@ -34,6 +35,7 @@ from xscale.runtime.hooks import CallsFusedOps
 STACK_VARIANTS = {
     "share_layers": "one block at every depth (ALBERT, Lan et al. 2020)",
     "reversible": "reversible residuals (RevNet, Gomez et al. 2017; Reformer, Kitaev et al. 2020)",
+    "act": "Universal Transformer with Adaptive Computation Time (Dehghani et al. 2019; Graves 2016)",
 }
 
 
@@ -61,7 +63,8 @@ class Stack(nn.Module):
     ``held``: the depths [first, stop) whose blocks this module runs (all of them, or a pipeline stage's run).
     With ``share_layers`` (ALBERT, Lan et al. 2020) one block, ``layers.0``, runs at every held depth and draws
     its own dropout masks at each (the context's ``depth``). With ``reversible`` the blocks run as reversible
-    residuals (:mod:`xscale.models.reversible`).
+    residuals (:mod:`xscale.models.reversible`); with ``act`` the shared block is applied up to ``n_layers``
+    times with per-position halting (:mod:`xscale.models.act`).
     """
 
     def __init__(self, config: ModelConfig, n_layers: int, *, causal: bool, cross: bool, first_index: int) -> None:
@@ -70,6 +73,7 @@ class Stack(nn.Module):
         self.held = (0, n_layers)
         self.share_layers = config.share_layers
         self.reversible = config.reversible
+        self.act = AdaptiveComputationTime(config) if config.act else None
         self.position: PositionEncoding | None = build_position(
             config.position, config.d_model, config.n_heads, config.head_dim, config.max_seq_len, causal,
             config.rope_theta)
@@ -130,6 +134,10 @@ class Stack(nn.Module):
             position = TappedPosition.around(position, x)
         if self.reversible:
             return self._reversible(x, position, context), scores
+        if self.act is not None:
+            block = self.layers["0"]
+            return self.act(x, lambda h, depth: block(h, position, memory, context=context.at_depth(depth)),
+                            len(self.depths)), scores
         for depth, block in zip(self.depths, self.blocks()):
             block_context = context.at_depth(depth) if self.share_layers else context
             if block.carries_scores:
