@@ -86,6 +86,10 @@ class ModelConfig:
     attention_dropout: float = 0.0
     tie_embeddings: bool = True
     share_layers: bool = False  # ALBERT / Universal Transformer: one block reused across depth
+    reversible: bool = False  # RevNet/Reformer reversible residuals: activations rebuilt from outputs in backward
+    act: bool = False  # Universal Transformer + ACT: the shared block applied up to n_layers times, halting per position
+    act_threshold: float = 0.99  # ACT halts a position once its summed halting probability reaches 1 - eps = this
+    ponder_cost: float = 0.01  # ACT's tau: weight of the ponder cost N(t) + R(t) (mean over positions) in the loss
     lm_head_transform: bool = False  # BERT MLM head: dense + act + norm before the vocab projection
     lm_head_bias: bool = False
     init_std: float = 0.02
@@ -454,6 +458,8 @@ RANGES: dict[str, tuple[str, typing.Callable[[float], bool]]] = {
     "model.rope_theta": ("positive", _positive),
     "model.norm_eps": ("positive", _positive),
     "model.init_std": ("positive", _positive),
+    "model.act_threshold": ("in (0, 1) (1 - eps)", lambda value: 0 < value < 1),
+    "model.ponder_cost": (">= 0 (0: no ponder cost)", _non_negative),
     "train.lr": ("positive", _positive),
     "train.min_lr_ratio": ("in [0, 1]", lambda value: 0 <= value <= 1),
     "train.weight_decay": (">= 0", _non_negative),

@@ -23,7 +23,9 @@ def _model(**fields):
     {"position": "sinusoidal"},
     {"position": "t5_bias"},
     {"position": "rope", "share_layers": True},
-], ids=["rope-gqa", "learned", "alibi-mqa", "sinusoidal", "t5_bias", "rope-shared-layers"])
+    {"position": "rope", "share_layers": True, "act": True},
+    {"position": "rope", "reversible": True},
+], ids=["rope-gqa", "learned", "alibi-mqa", "sinusoidal", "t5_bias", "rope-shared-layers", "act", "reversible"])
 def test_pieces_through_the_cache_equal_one_forward(fields):
     model = _model(**fields)
     tokens = torch.randint(0, 61, (2, 13), generator=torch.Generator().manual_seed(0))

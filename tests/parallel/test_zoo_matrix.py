@@ -8,7 +8,9 @@ layout-independent too).
   steps;
 - FFN, norm and position encoding: dp2 x tp2 + ZeRO-3;
 - MoE router: dp4 x ep2 and pp2 x dp2 x ep2 (4 processes each; one routing group of 4 sequences per microbatch,
-  as the single process routes them), with the MoE metrics checked too.
+  as the single process routes them), with the MoE metrics checked too;
+- stack variant (``STACK_VARIANTS``): the layouts it takes (those it refuses are tested in
+  tests/parallel/test_checks_stack_variants.py), with the per-step gradient norms too.
 
 Slow (~10 min). The fast meta-test fails when a registered component has no case here.
 """
@@ -20,6 +22,7 @@ from parity_models import DECODER, ENCODER, assert_parity
 
 from tests.parallel.test_expert_layouts import GSHARD, HASH, SWITCH, TRAINING, assert_layouts_match
 from xscale.models.registry import ATTENTION, FFN, NORM, POSITION, ROUTER
+from xscale.models.transformer import STACK_VARIANTS
 
 DROPOUT = ["model.dropout=0.1", "model.attention_dropout=0.1"]
 ATTENTION_LAYOUT = "pp=2,tp=2,sequence_parallel=true,activation_checkpointing=full,microbatches=2"
@@ -51,6 +54,11 @@ COMPONENT_CASES = {"ffn": ["gelu", "gelu_tanh", "geglu", "reglu", "relu", "swigl
                    "position": ["alibi", "learned", "none", "rope", "sinusoidal", "t5_bias"]}
 ROUTER_CASES = {"switch": SWITCH, "gshard": GSHARD, "hash": HASH,
                 "expert_choice": ["model.family=encoder", "model.moe.router=expert_choice"]}
+# ALBERT sharing's layouts (pipeline, ZeRO-3, tp) are test_layouts.py's test_shared_layers_* cases.
+STACK_CASES = {"share_layers": None,
+               "reversible": (["model.reversible=true"], "dp_replicate=2,zero_stage=2"),
+               "act": (["model.share_layers=true", "model.act=true", "model.n_layers=3", "model.ponder_cost=0.05"],
+                       "dp_shard=2,tp=2,zero_stage=3")}
 
 
 @pytest.mark.parametrize("option,registry", [("attention", ATTENTION), ("ffn", FFN), ("norm", NORM),
@@ -64,6 +72,18 @@ def test_every_registered_component_has_a_matrix_case(option, registry):
         covered = set(ROUTER_CASES) if option == "router" else set(COMPONENT_CASES[option])
         missing = set(registry.names()) - covered
     assert not missing, f"{option}s without a zoo-matrix case: {sorted(missing)}"
+
+
+def test_every_stack_variant_has_a_matrix_case():
+    assert set(STACK_CASES) == set(STACK_VARIANTS), "stack variants without a zoo-matrix case"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", [name for name, case in STACK_CASES.items() if case is not None])
+def test_stack_variant_under_the_layouts_it_takes(variant, tmp_path):
+    overrides, layout = STACK_CASES[variant]
+    assert_parity([*DECODER, *DROPOUT, "train.micro_batch_size=2", *overrides], [layout], tmp_path,
+                  same_grad_norms=True)
 
 
 @pytest.mark.slow

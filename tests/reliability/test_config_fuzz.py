@@ -33,7 +33,7 @@ VALID = {
     # Zero switches a feature off or is the natural lower end of the range.
     **_valid("0 turns the feature off", ("model.dropout", "zero"), ("model.attention_dropout", "zero"),
              ("model.moe.aux_loss_coef", "zero"), ("model.moe.z_loss_coef", "zero"), ("model.moe.jitter", "zero"),
-             ("train.grad_clip", "zero"), ("train.spike_factor", "zero"), ("train.eval_every", "zero"),
+             ("model.ponder_cost", "zero"), ("train.grad_clip", "zero"), ("train.spike_factor", "zero"), ("train.eval_every", "zero"),
              ("train.weight_decay", "zero"), ("train.warmup_steps", "zero"), ("launch.max_restarts", "zero"),
              ("launch.max_requeues", "zero"), ("train.profile_steps", "zero")),
     ("model.moe.num_experts", "zero"): "no experts: a dense FFN (the default)",
@@ -53,7 +53,7 @@ VALID = {
     # Finite, well defined, and no allocation, loop or timer depends on them; a value that makes training diverge
     # is stopped at the first non-finite loss by train.on_nonfinite.
     **_valid("finite and well defined", ("model.rope_theta", "huge"), ("model.norm_eps", "huge"),
-             ("model.init_std", "huge"), ("model.moe.aux_loss_coef", "huge"), ("model.moe.z_loss_coef", "huge"),
+             ("model.init_std", "huge"), ("model.ponder_cost", "huge"), ("model.moe.aux_loss_coef", "huge"), ("model.moe.z_loss_coef", "huge"),
              ("train.lr", "huge"), ("train.weight_decay", "huge"), ("train.eps", "huge"),
              ("train.peak_flops", "huge")),
     ("train.grad_clip", "huge"): "clipping never triggers",

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from xscale.cli import main
+from xscale.tools.inspect import activation_bytes
 from xscale.tools.measure import measured_activation_bytes, rank_memory
 from xscale.validate import load_config
 
@@ -98,3 +99,11 @@ def test_measure_refuses_what_it_cannot_run_in_one_line(capsys):
     err = capsys.readouterr().err
     assert "--measure cannot run this model on fake tensors" in err and "Traceback" not in err
 
+
+def test_inspect_names_the_stack_variants_and_counts_one_reversible_block(capsys):
+    assert main(["inspect", *TINY, "model.reversible=true", "model.share_layers=true"]) == 0
+    assert "stack share_layers + reversible" in capsys.readouterr().out
+    assert main(["inspect", *TINY]) == 0
+    assert "stack plain" in capsys.readouterr().out
+    from_depth = [activation_bytes(_tiny("model.reversible=true", f"model.n_layers={n}"), 2) for n in (2, 8)]
+    assert from_depth[0] == from_depth[1]

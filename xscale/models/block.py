@@ -40,15 +40,25 @@ class Residual(nn.Module):
     def forward(self, x: torch.Tensor, *args, context: StepContext | None = None,
                 **kwargs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The sub-layer may return ``(out, carry)``: the carry passes through untouched beside the result."""
-        out = self.sublayer(x if self.placement == "post" else self.norm(x), *args, context=context, **kwargs)
+        if self.placement != "post":
+            out = self.branch(x, *args, context=context, **kwargs)
+            out, carry = out if isinstance(out, tuple) else (out, None)
+            return x + out if carry is None else (x + out, carry)
+        out = self.sublayer(x, *args, context=context, **kwargs)
         out, carry = out if isinstance(out, tuple) else (out, None)
-        if self.placement == "post":
-            x = self.norm(x + self.dropout(out, context))
-        else:
-            if self.placement == "sandwich":
-                out = self.norm_out(out)
-            x = x + self.dropout(out, context)
+        x = self.norm(x + self.dropout(out, context))
         return x if carry is None else (x, carry)
+
+    def branch(self, x: torch.Tensor, *args, context: StepContext | None = None,
+               **kwargs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """What a pre/sandwich residual adds to ``x``: dropout(f(norm(x))) (sandwich: dropout(norm_out(f(norm(x)))));
+        the reversible stack (:mod:`xscale.models.reversible`) adds it to the other half of the stream."""
+        out = self.sublayer(self.norm(x), *args, context=context, **kwargs)
+        out, carry = out if isinstance(out, tuple) else (out, None)
+        if self.placement == "sandwich":
+            out = self.norm_out(out)
+        out = self.dropout(out, context)
+        return out if carry is None else (out, carry)
 
 
 def build_feed_forward(config: ModelConfig, layer_index: int) -> nn.Module:

@@ -19,14 +19,29 @@ import torch
 from torch import nn
 
 from xscale.config import ModelConfig
+from xscale.models.act import AdaptiveComputationTime
 from xscale.models.block import TransformerBlock
 from xscale.models.dropout import Dropout, name_dropout_sites
 from xscale.models.norm import build_norm
 from xscale.models.position import PositionEncoding, TappedPosition, build_position
+from xscale.models.reversible import reversible_stack
 from xscale.ops import check_backend
 from xscale.ops.reference import ACTIVATIONS
 from xscale.runtime import StepContext
 from xscale.runtime.hooks import CallsFusedOps
+
+# Model options that change how a stack runs its blocks (``xscale inspect`` names those set; the zoo matrix has a case
+# for each): option -> what it is.
+STACK_VARIANTS = {
+    "share_layers": "one block at every depth (ALBERT, Lan et al. 2020)",
+    "reversible": "reversible residuals (RevNet, Gomez et al. 2017; Reformer, Kitaev et al. 2020)",
+    "act": "Universal Transformer with Adaptive Computation Time (Dehghani et al. 2019; Graves 2016)",
+}
+
+
+def stack_variants(config: ModelConfig) -> list[str]:
+    """The :data:`STACK_VARIANTS` options ``config`` sets."""
+    return [name for name in STACK_VARIANTS if getattr(config, name)]
 
 
 class LMHeadTransform(nn.Module):
@@ -47,7 +62,9 @@ class Stack(nn.Module):
 
     ``held``: the depths [first, stop) whose blocks this module runs (all of them, or a pipeline stage's run).
     With ``share_layers`` (ALBERT, Lan et al. 2020) one block, ``layers.0``, runs at every held depth and draws
-    its own dropout masks at each (the context's ``depth``).
+    its own dropout masks at each (the context's ``depth``). With ``reversible`` the blocks run as reversible
+    residuals (:mod:`xscale.models.reversible`); with ``act`` the shared block is applied up to ``n_layers``
+    times with per-position halting (:mod:`xscale.models.act`).
     """
 
     def __init__(self, config: ModelConfig, n_layers: int, *, causal: bool, cross: bool, first_index: int) -> None:
@@ -55,6 +72,8 @@ class Stack(nn.Module):
         self.n_layers = n_layers
         self.held = (0, n_layers)
         self.share_layers = config.share_layers
+        self.reversible = config.reversible
+        self.act = AdaptiveComputationTime(config) if config.act else None
         self.position: PositionEncoding | None = build_position(
             config.position, config.d_model, config.n_heads, config.head_dim, config.max_seq_len, causal,
             config.rope_theta)
@@ -113,6 +132,12 @@ class Stack(nn.Module):
         position = self.position
         if position is not None and not self.starts:
             position = TappedPosition.around(position, x)
+        if self.reversible:
+            return self._reversible(x, position, context), scores
+        if self.act is not None:
+            block = self.layers["0"]
+            return self.act(x, lambda h, depth: block(h, position, memory, context=context.at_depth(depth)),
+                            len(self.depths)), scores
         for depth, block in zip(self.depths, self.blocks()):
             block_context = context.at_depth(depth) if self.share_layers else context
             if block.carries_scores:
@@ -120,6 +145,17 @@ class Stack(nn.Module):
             else:
                 x = block(x, position, memory, context=block_context)
         return x, scores
+
+
+    def _reversible(self, x: torch.Tensor, position: PositionEncoding | None, context: StepContext) -> torch.Tensor:
+        """The held blocks as reversible residuals: F = the attention branch, G = the feed-forward branch."""
+        branches = []
+        for depth, block in zip(self.depths, self.blocks()):
+            block_context = context.at_depth(depth) if self.share_layers else context
+            branches.append((
+                lambda h, block=block, c=block_context: block.attention.branch(h, position, context=c),
+                lambda h, block=block, c=block_context: block.feed_forward.branch(h, context=c)))
+        return reversible_stack(x, branches, list(self.parameters()))
 
 
 class Transformer(nn.Module):

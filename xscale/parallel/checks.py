@@ -79,6 +79,7 @@ def check_layout(config: Config, dims: ParallelDims) -> None:
     if parallel.sequence_parallel and config.train.seq_len % dims.tp:
         raise ConfigError(f"sequence parallelism splits each sequence over tp={dims.tp} ranks; make "
                           f"train.seq_len={config.train.seq_len} a multiple of {dims.tp}")
+    _check_stack_variants(config, dims)
     if dims.cp > 1:
         check_context_parallel(config, dims)
     if dims.tp > 1:
@@ -89,6 +90,42 @@ def check_layout(config: Config, dims: ParallelDims) -> None:
     if parallel.backend == "nccl":
         if not torch.cuda.is_available():
             raise ConfigError("parallel.backend=nccl needs CUDA GPUs; on CPU use parallel.backend=auto (gloo)")
+
+def _check_stack_variants(config: Config, dims: ParallelDims) -> None:
+    """Layouts the reversible stack (``model.reversible``) and ACT (``model.act``) cannot take, with the reasons."""
+    parallel = config.parallel
+    refused = {
+        "reversible": {
+            "pp": (dims.pp > 1, "a pipeline stage would hold part of the two-half stream and its backward could "
+                                "not rebuild the inputs of blocks held elsewhere"),
+            "tp": (dims.tp > 1, "its backward re-runs the blocks outside the tensor-parallel collectives' graph"),
+            "cp": (dims.cp > 1, "its backward re-runs attention outside the context-parallel exchange's graph"),
+            "zero_stage": (parallel.zero_stage == 3,
+                           "FSDP2 gathers a block's parameters in hooks around the block's forward, which the "
+                           "reversible backward's re-run branches go around; ZeRO-1/2 work"),
+            "activation_checkpointing": (parallel.activation_checkpointing != "none",
+                                         "it already recomputes every block in backward"),
+        },
+        "act": {
+            "pp": (dims.pp > 1, "the depth is dynamic per position: every step's state enters the halting-weighted "
+                                "output, so the whole ACT loop must run on one stage"),
+            "cp": (dims.cp > 1, "the ponder cost is a mean over each sequence's positions, which context "
+                                "parallelism splits"),
+            "sequence_parallel": (parallel.sequence_parallel,
+                                  "the ponder cost is a mean over each sequence's positions, which sequence "
+                                  "parallelism splits"),
+        },
+    }
+    fixes = {"activation_checkpointing": "none", "zero_stage": "2", "sequence_parallel": "false"}
+    for variant, layouts in refused.items():
+        if not getattr(config.model, variant):
+            continue
+        for name, (applies, reason) in layouts.items():
+            if applies:
+                value = str(getattr(parallel, name)).lower()
+                raise ConfigError(f"parallel.{name}={value} is refused with model.{variant}=true: {reason}; set "
+                                  f"parallel.{name}={fixes.get(name, '1')} or model.{variant}=false")
+
 
 def _check_batch(config: Config, dims: ParallelDims) -> None:
     train = config.train

@@ -11,6 +11,7 @@ import sys
 from xscale.command_line import CommandParser
 from xscale.config import Config, ConfigError
 from xscale.models.parameters import ModelCount, count_parameters
+from xscale.models.transformer import stack_variants
 from xscale.parallel.checks import resolve_layout
 from xscale.parallel.dims import rank_coordinates
 from xscale.parallel.memory import predicted_pipeline_state_bytes, predicted_state_bytes
@@ -26,6 +27,8 @@ def activation_bytes(config: Config, micro_batch: int) -> float:
     s*b*h*(34 + 5*a*s/h) bytes per layer at 16-bit; doubled for fp32)."""
     model, seq = config.model, config.train.seq_len
     layers = model.n_layers + (model.decoder_layers if model.family == "encoder_decoder" else 0)
+    if model.reversible:
+        layers = 1  # one block's, rebuilt in backward; the stack keeps only its two output halves
     per_layer = seq * micro_batch * model.d_model * (34 + 5 * model.n_heads * seq / model.d_model)
     scale = 1.0 if config.train.precision == "bf16" else 2.0
     if config.parallel.activation_checkpointing == "full":
@@ -168,7 +171,8 @@ def report(config: Config) -> str:
     lines = [
         f"model: {config.model.family}, {config.model.n_layers} layers, d_model {config.model.d_model}, "
         f"{config.model.n_heads} heads ({config.model.kv_heads} kv), ffn {config.model.ffn} {config.model.ffn_hidden}, "
-        f"attention {config.model.attention.kind}, position {config.model.position}",
+        f"attention {config.model.attention.kind}, position {config.model.position}, "
+        f"stack {' + '.join(stack_variants(config.model)) or 'plain'}",
         f"parameters: {count.total:,} ({count.total / 1e6:.2f}M; non-embedding {count.non_embedding:,})",
     ]
     for name, value in sorted(count.per_component.items(), key=lambda kv: -kv[1]):
