@@ -211,7 +211,7 @@ SOURCE_KINDS = ("auto", "text", "jsonl", "indexed")
 
 @dataclass
 class DataConfig:
-    dataset: str = "stdlib_text"  # stdlib_text | text | indexed | copy | assoc_recall | listops | labeled
+    dataset: str = "stdlib_text"  # stdlib_text | text | indexed | copy | assoc_recall | listops | labeled | lra_*
     path: str | None = None  # text file/folder (text) or .bin/.idx prefix (indexed)
     # A weighted blend of corpora (replaces dataset/path); eval_sources: held-out corpora for evaluation.
     sources: list[DataSource] = field(default_factory=list)
@@ -296,8 +296,10 @@ CHOICES = {
     "model.moe.drop_policy": ("probs", "position"),
     "model.moe.router_dtype": ("float32", "bfloat16", "float16", "float64"),
     "model.moe.second_expert_policy": ("sampling", "all"),
-    "data.dataset": ("stdlib_text", "text", "indexed", "copy", "assoc_recall", "listops", "labeled"),
+    "data.dataset": ("stdlib_text", "text", "indexed", "copy", "assoc_recall", "listops", "labeled",
+                     "lra_listops", "lra_retrieval", "lra_pathfinder"),
 }
+CLASSIFICATION_DATASETS = ("labeled", "lra_listops", "lra_retrieval", "lra_pathfinder")
 
 
 def _value(config: Config, dotted: str) -> Any:
@@ -414,16 +416,17 @@ def _check_sources(config: Config) -> None:
 def _check_classify(config: Config) -> None:
     """train.task=classify: an encoder reading labelled examples (data.dataset=labeled) under data parallelism."""
     if config.train.task != "classify":
-        if config.data.dataset == "labeled":
-            raise ConfigError("data.dataset=labeled holds labelled examples for train.task=classify; set "
-                              "train.task=classify (or pick a text dataset)")
+        if config.data.dataset in CLASSIFICATION_DATASETS:
+            raise ConfigError(f"data.dataset={config.data.dataset} holds labelled examples for train.task=classify; "
+                              "set train.task=classify (or pick a text dataset)")
         return
     if config.model.family != "encoder":
         raise ConfigError(f"train.task=classify needs model.family=encoder (bidirectional attention over the padded "
                           f"example), got {config.model.family}")
-    if config.data.dataset != "labeled":
+    if config.data.dataset not in CLASSIFICATION_DATASETS:
         raise ConfigError(f"train.task=classify reads labelled examples: set data.dataset=labeled and data.path to a "
-                          f".jsonl or .tsv file (got data.dataset={config.data.dataset})")
+                          f".jsonl or .tsv file, or data.dataset=lra_listops|lra_retrieval|lra_pathfinder (got "
+                          f"data.dataset={config.data.dataset})")
     parallel = config.parallel
     for name in ("tp", "pp", "cp"):
         if getattr(parallel, name) > 1:

@@ -31,6 +31,7 @@ from xscale.data.labeled import (
     read_labeled_examples,
 )
 from xscale.data.load_tokenizer import load_tokenizer, tokenizer_source_file
+from xscale.data.lra import LRA_TASKS, GeneratedClassificationDataset
 from xscale.data.sampler import GlobalSampler
 from xscale.data.sentencepiece_tokenizer import SentencePieceTokenizer
 from xscale.data.sources import ResolvedSource, resolve_sources, shared_cache_dir, source_kind
@@ -44,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 TASKS = {"copy": CopyTask, "assoc_recall": AssociativeRecallTask, "listops": ListOpsTask}
 TEXT_DATASETS = ("stdlib_text", "text", "indexed")
-DATASETS = TEXT_DATASETS + tuple(TASKS) + ("labeled",)
+DATASETS = TEXT_DATASETS + tuple(TASKS) + ("labeled",) + tuple(f"lra_{name}" for name in LRA_TASKS)
 DEFAULT_TASK_SAMPLES = 100_000
 _TASK_OPTIONS = {
     "copy": ("num_symbols", "length"),
@@ -65,6 +66,8 @@ def build_datasets(config: Config, label_names: list[str] | None = None) -> tupl
         raise ConfigError(f"data.eval_fraction must be in [0, 1), got {data.eval_fraction}")
     if data.dataset == "labeled":
         train, evaluation, vocab_size = _labeled_datasets(config, label_names)
+    elif data.dataset.startswith("lra_"):
+        train, evaluation, vocab_size = _lra_datasets(config)
     elif data.dataset in TASKS:
         train, evaluation, vocab_size = _task_datasets(config, objective)
     elif data.sources:
@@ -132,6 +135,23 @@ def _labeled_datasets(config: Config, label_names: list[str] | None) -> tuple[Da
     return train, evaluation, tokenizer.vocab_size
 
 
+def _lra_datasets(config: Config) -> tuple[Dataset, Dataset | None, int]:
+    """An LRA-style task (:mod:`xscale.data.lra`) for train.task=classify; data.options go to its generator."""
+    data, seq_len, seed = config.data, config.train.seq_len, config.train.seed
+    cls = config.model.pooling == "cls"
+    try:  # the generator writes seq_len - 1 tokens when the class token leads them
+        task = LRA_TASKS[data.dataset.removeprefix("lra_")](seq_len - cls, **data.options)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"data.dataset='{data.dataset}' (data.options {data.options}): {error}") from error
+    class_token = task.vocab.bos_id if cls else None
+    num_samples = data.num_samples or DEFAULT_TASK_SAMPLES
+    train = GeneratedClassificationDataset(task, seq_len, seed, num_samples, class_token=class_token)
+    eval_samples = round(num_samples * data.eval_fraction)
+    evaluation = (GeneratedClassificationDataset(task, seq_len, seed, eval_samples, first_sample=num_samples,
+                                                 class_token=class_token) if eval_samples else None)
+    return train, evaluation, task.vocab.vocab_size
+
+
 def trained_tokenizer_name(config: Config) -> str:
     """The file name, under ``<output_dir>/tokenizer/``, of the SentencePiece model trained on the run's corpus."""
     corpus = "sources" if config.data.sources else config.data.dataset
@@ -145,7 +165,7 @@ def _trained_tokenizer_file(config: Config) -> Path:
 def run_tokenizer_file(config: Config) -> Path | None:
     """The file of the tokenizer this run uses (``data.tokenizer``, or the one trained on its corpus once it
     exists); None for the synthetic tasks, whose vocabulary is built in."""
-    if config.data.dataset in TASKS:
+    if config.data.dataset in TASKS or config.data.dataset.startswith("lra_"):
         return None
     if config.data.tokenizer:
         return tokenizer_source_file(config.data.tokenizer)

@@ -92,11 +92,16 @@ class ClassificationDataset(torch.utils.data.Dataset):
         return len(self.token_ids)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        tokens = self.token_ids[index][:self.seq_len]
-        padding = self.seq_len - len(tokens)
-        return {"input_ids": torch.tensor(tokens + [self.pad_id] * padding, dtype=torch.long),
-                "padding_mask": torch.tensor([True] * len(tokens) + [False] * padding),
-                "labels": torch.tensor(self.classes[index], dtype=torch.long)}
+        return classification_sample(self.token_ids[index], self.classes[index], self.seq_len, self.pad_id)
+
+
+def classification_sample(tokens: list[int], label: int, seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """One example cut to ``seq_len`` and right-padded: input_ids, padding_mask (True at real tokens), labels."""
+    tokens = tokens[:seq_len]
+    padding = seq_len - len(tokens)
+    return {"input_ids": torch.tensor(tokens + [pad_id] * padding, dtype=torch.long),
+            "padding_mask": torch.tensor([True] * len(tokens) + [False] * padding),
+            "labels": torch.tensor(label, dtype=torch.long)}
 
 
 def encode_examples(examples: Sequence[LabeledExample], tokenizer, label_names: list[str],
