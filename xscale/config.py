@@ -93,6 +93,8 @@ class ModelConfig:
     lm_head_transform: bool = False  # BERT MLM head: dense + act + norm before the vocab projection
     lm_head_bias: bool = False
     init_std: float = 0.02
+    num_classes: int = 0  # > 0: a sequence-classification head (train.task=classify fills it from the labels)
+    pooling: str = "cls"  # classification: cls (a class token prepended) | mean (masked mean of the tokens)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
 
@@ -154,6 +156,7 @@ class TrainConfig:
     micro_batch_size: int | None = None  # per rank per forward; None: global / dp (no accumulation)
     seq_len: int = 128
     objective: str = "auto"  # auto | clm | mlm | span
+    task: str = "lm"  # lm (the objective's token loss) | classify (one label per sequence: docs/classification.md)
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
@@ -212,12 +215,13 @@ SOURCE_KINDS = ("auto", "text", "jsonl", "indexed")
 
 @dataclass
 class DataConfig:
-    dataset: str = "stdlib_text"  # stdlib_text | text | indexed | copy | assoc_recall | listops
+    dataset: str = "stdlib_text"  # stdlib_text | text | indexed | copy | assoc_recall | listops | labeled | lra_*
     path: str | None = None  # text file/folder (text) or .bin/.idx prefix (indexed)
     # A weighted blend of corpora (replaces dataset/path); eval_sources: held-out corpora for evaluation.
     sources: list[DataSource] = field(default_factory=list)
     eval_sources: list[DataSource] = field(default_factory=list)
     text_field: str = "text"  # the field of a .jsonl line that holds the text
+    label_field: str = "label"  # train.task=classify: the field of a .jsonl line that holds the label
     # SentencePiece .model, Hugging Face tokenizer.json (or its folder), or a .tiktoken file; None: train a
     # SentencePiece model on the corpus (cached)
     tokenizer: str | None = None
@@ -280,6 +284,8 @@ def closest(name: str, choices: typing.Iterable[str]) -> str:
 CHOICES = {
     "model.family": ("decoder", "encoder", "encoder_decoder"),
     "model.norm_placement": ("pre", "post", "sandwich"),
+    "model.pooling": ("cls", "mean"),
+    "train.task": ("lm", "classify"),
     "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"),
     "parallel.activation_checkpointing": ("none", "full", "selective"),
     "parallel.backend": ("auto", "gloo", "nccl"),
@@ -294,8 +300,10 @@ CHOICES = {
     "model.moe.drop_policy": ("probs", "position"),
     "model.moe.router_dtype": ("float32", "bfloat16", "float16", "float64"),
     "model.moe.second_expert_policy": ("sampling", "all"),
-    "data.dataset": ("stdlib_text", "text", "indexed", "copy", "assoc_recall", "listops"),
+    "data.dataset": ("stdlib_text", "text", "indexed", "copy", "assoc_recall", "listops", "labeled",
+                     "lra_listops", "lra_retrieval", "lra_pathfinder"),
 }
+CLASSIFICATION_DATASETS = ("labeled", "lra_listops", "lra_retrieval", "lra_pathfinder")
 
 
 def _value(config: Config, dotted: str) -> Any:
@@ -376,6 +384,7 @@ def check_values(config: Config) -> None:
         )
     _check_ranges(config)
     _check_moe_values(config)
+    _check_classify(config)
     init_from = config.checkpoint.init_from
     if init_from != "none" and not (init_from.startswith("hf:") and init_from[3:].strip()):
         raise ConfigError(f"checkpoint.init_from='{init_from}' must be none or hf:DIR (a Hugging Face model folder)")
@@ -406,6 +415,27 @@ def _check_sources(config: Config) -> None:
                           "task; set data.dataset=text (or leave data.sources out)")
     if config.data.eval_sources and not config.data.sources:
         raise ConfigError("data.eval_sources needs data.sources (the training corpora) as well")
+
+
+def _check_classify(config: Config) -> None:
+    """train.task=classify: an encoder reading labelled examples (data.dataset=labeled) under data parallelism."""
+    if config.train.task != "classify":
+        if config.data.dataset in CLASSIFICATION_DATASETS:
+            raise ConfigError(f"data.dataset={config.data.dataset} holds labelled examples for train.task=classify; "
+                              "set train.task=classify (or pick a text dataset)")
+        return
+    if config.model.family != "encoder":
+        raise ConfigError(f"train.task=classify needs model.family=encoder (bidirectional attention over the padded "
+                          f"example), got {config.model.family}")
+    if config.data.dataset not in CLASSIFICATION_DATASETS:
+        raise ConfigError(f"train.task=classify reads labelled examples: set data.dataset=labeled and data.path to a "
+                          f".jsonl or .tsv file, or data.dataset=lra_listops|lra_retrieval|lra_pathfinder (got "
+                          f"data.dataset={config.data.dataset})")
+    parallel = config.parallel
+    for name in ("tp", "pp", "cp"):
+        if getattr(parallel, name) > 1:
+            raise ConfigError(f"train.task=classify runs under data parallelism only (ZeRO included); "
+                              f"parallel.{name}={getattr(parallel, name)} is not supported: set parallel.{name}=1")
 
 
 def _check_schedule(train: TrainConfig) -> None:
@@ -460,6 +490,7 @@ RANGES: dict[str, tuple[str, typing.Callable[[float], bool]]] = {
     "model.init_std": ("positive", _positive),
     "model.act_threshold": ("in (0, 1) (1 - eps)", lambda value: 0 < value < 1),
     "model.ponder_cost": (">= 0 (0: no ponder cost)", _non_negative),
+    "model.num_classes": (">= 0 (0: no classification head)", _non_negative),
     "train.lr": ("positive", _positive),
     "train.min_lr_ratio": ("in [0, 1]", lambda value: 0 <= value <= 1),
     "train.weight_decay": (">= 0", _non_negative),

@@ -31,6 +31,16 @@ def check_registered(kind: str, name: str, where: str) -> None:
         )
 
 
+def check_padding_masks(config: Config) -> None:
+    """train.task=classify pads variable-length examples: every attention kind must take a key-padding mask."""
+    attention = REGISTRIES["attention"]
+    able = [name for name in attention.names() if attention.get(name).takes_padding_mask]
+    for kind in dict.fromkeys(config.model.attention.per_layer or [config.model.attention.kind]):
+        if not attention.get(kind).takes_padding_mask:
+            raise ConfigError(f"attention '{kind}' takes no key-padding mask, so it would attend to the padding of "
+                              f"train.task=classify's variable-length examples; use one that does: {', '.join(able)}")
+
+
 def validate(config: Config) -> None:
     """Refuse configurations that cannot run: values (:func:`xscale.config.check_values`), then component names."""
     check_values(config)
@@ -41,6 +51,8 @@ def validate(config: Config) -> None:
     for kind in dict.fromkeys(model.attention.per_layer or [model.attention.kind]):
         where = "model.attention.per_layer" if model.attention.per_layer else "model.attention.kind"
         check_registered("attention", kind, where)
+    if config.train.task == "classify":
+        check_padding_masks(config)
     check_registered("router", model.moe.router, "model.moe.router")  # a typo is refused even while MoE is off
     if model.moe.num_experts:
         check_moe_config(model, config.parallel.ep)

@@ -38,6 +38,7 @@ VALID = {
              ("launch.max_requeues", "zero"), ("train.profile_steps", "zero")),
     ("model.moe.num_experts", "zero"): "no experts: a dense FFN (the default)",
     ("model.moe.min_capacity", "zero"): "no floor under the expert capacity",
+    ("model.num_classes", "zero"): "no classification head (train.task=classify takes the count from the labels)",
     ("parallel.zero_stage", "zero"): "ZeRO stage 0 is plain DDP (the default)",
     ("train.min_lr_ratio", "zero"): "the schedule decays to 0",
     ("train.beta1", "zero"): "Adam without momentum (torch allows [0, 1))",

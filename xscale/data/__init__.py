@@ -24,7 +24,14 @@ from xscale.data.datasets import (
 )
 from xscale.data.fixed_vocab import FixedVocab
 from xscale.data.indexed import IndexedTokens
+from xscale.data.labeled import (
+    ClassificationDataset,
+    encode_examples,
+    label_vocabulary,
+    read_labeled_examples,
+)
 from xscale.data.load_tokenizer import load_tokenizer, tokenizer_source_file
+from xscale.data.lra import LRA_TASKS, GeneratedClassificationDataset
 from xscale.data.sampler import GlobalSampler
 from xscale.data.sentencepiece_tokenizer import SentencePieceTokenizer
 from xscale.data.sources import ResolvedSource, cached_tokens, resolve_sources, shared_cache_dir, source_kind
@@ -38,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 TASKS = {"copy": CopyTask, "assoc_recall": AssociativeRecallTask, "listops": ListOpsTask}
 TEXT_DATASETS = ("stdlib_text", "text", "indexed")
-DATASETS = TEXT_DATASETS + tuple(TASKS)
+DATASETS = TEXT_DATASETS + tuple(TASKS) + ("labeled",) + tuple(f"lra_{name}" for name in LRA_TASKS)
 DEFAULT_TASK_SAMPLES = 100_000
 _TASK_OPTIONS = {
     "copy": ("num_symbols", "length"),
@@ -48,15 +55,20 @@ _TASK_OPTIONS = {
 _TEXT_OPTIONS = {"clm": (), "mlm": ("mask_probability",), "span": ("noise_density", "mean_span_length")}
 
 
-def build_datasets(config: Config) -> tuple[Dataset, Dataset | None, int]:
-    """(train dataset, eval dataset or None when data.eval_fraction is 0, vocabulary size the model needs)."""
+def build_datasets(config: Config, label_names: list[str] | None = None) -> tuple[Dataset, Dataset | None, int]:
+    """(train dataset, eval dataset or None when data.eval_fraction is 0, vocabulary size the model needs).
+    ``label_names``: a trained classifier's classes (None: the labels found in the data)."""
     data, seq_len, seed = config.data, config.train.seq_len, config.train.seed
     objective = resolve_objective(config)
     if data.dataset not in DATASETS:
         raise ConfigError(f"data.dataset='{data.dataset}' is not one of {', '.join(DATASETS)}")
     if not 0.0 <= data.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction must be in [0, 1), got {data.eval_fraction}")
-    if data.dataset in TASKS:
+    if data.dataset == "labeled":
+        train, evaluation, vocab_size = _labeled_datasets(config, label_names)
+    elif data.dataset.startswith("lra_"):
+        train, evaluation, vocab_size = _lra_datasets(config)
+    elif data.dataset in TASKS:
         train, evaluation, vocab_size = _task_datasets(config, objective)
     elif data.sources:
         train, evaluation, vocab_size = _blended_datasets(config, objective, seq_len, seed)
@@ -92,6 +104,54 @@ def _task_datasets(config: Config, objective: str) -> tuple[Dataset, Dataset | N
     return train, evaluation, task.vocab.vocab_size
 
 
+def _labeled_datasets(config: Config, label_names: list[str] | None) -> tuple[Dataset, Dataset | None, int]:
+    """Classification examples of data.path, the last data.eval_fraction of them held out for evaluation."""
+    data = config.data
+    if not data.path:
+        raise ConfigError("data.dataset=labeled needs data.path: a .jsonl ({\"text\": ..., \"label\": ...} per line) "
+                          "or .tsv (label<TAB>text per line) file")
+    _options(config, ())
+    with _user_file("data.path"):
+        examples = read_labeled_examples(data.path, data.text_field, data.label_field)
+    names = label_names or label_vocabulary([label for _, label in examples])
+    if len(names) < 2:
+        raise ConfigError(f"data.path={data.path} holds one label ({names[0]}); classification needs at least two")
+    tokenizer = build_tokenizer(config, [text for text, _ in examples])
+    class_token = tokenizer.bos_id if config.model.pooling == "cls" else None
+    if config.model.pooling == "cls" and class_token is None:
+        raise ConfigError("model.pooling=cls prepends the tokenizer's <s> as the class token, but data.tokenizer has "
+                          "none; use model.pooling=mean or a tokenizer with a bos token")
+    with _user_file("data.path"):
+        token_ids, classes = encode_examples(examples, tokenizer, names, class_token)
+    held_out = round(len(examples) * data.eval_fraction)
+    if len(examples) - held_out < 1:
+        raise ConfigError(f"data.path={data.path} holds {len(examples)} examples, none left to train on after "
+                          f"data.eval_fraction={data.eval_fraction}")
+    kept = len(examples) - held_out
+    pad_id, seq_len = tokenizer.pad_id, config.train.seq_len
+    train = ClassificationDataset(token_ids[:kept], classes[:kept], seq_len, pad_id, names)
+    evaluation = (ClassificationDataset(token_ids[kept:], classes[kept:], seq_len, pad_id, names)
+                  if held_out else None)
+    return train, evaluation, tokenizer.vocab_size
+
+
+def _lra_datasets(config: Config) -> tuple[Dataset, Dataset | None, int]:
+    """An LRA-style task (:mod:`xscale.data.lra`) for train.task=classify; data.options go to its generator."""
+    data, seq_len, seed = config.data, config.train.seq_len, config.train.seed
+    cls = config.model.pooling == "cls"
+    try:  # the generator writes seq_len - 1 tokens when the class token leads them
+        task = LRA_TASKS[data.dataset.removeprefix("lra_")](seq_len - cls, **data.options)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"data.dataset='{data.dataset}' (data.options {data.options}): {error}") from error
+    class_token = task.vocab.bos_id if cls else None
+    num_samples = data.num_samples or DEFAULT_TASK_SAMPLES
+    train = GeneratedClassificationDataset(task, seq_len, seed, num_samples, class_token=class_token)
+    eval_samples = round(num_samples * data.eval_fraction)
+    evaluation = (GeneratedClassificationDataset(task, seq_len, seed, eval_samples, first_sample=num_samples,
+                                                 class_token=class_token) if eval_samples else None)
+    return train, evaluation, task.vocab.vocab_size
+
+
 def trained_tokenizer_name(config: Config) -> str:
     """The file name, under ``<output_dir>/tokenizer/``, of the SentencePiece model trained on the run's corpus."""
     corpus = "sources" if config.data.sources else config.data.dataset
@@ -105,7 +165,7 @@ def _trained_tokenizer_file(config: Config) -> Path:
 def run_tokenizer_file(config: Config) -> Path | None:
     """The file of the tokenizer this run uses (``data.tokenizer``, or the one trained on its corpus once it
     exists); None for the synthetic tasks, whose vocabulary is built in."""
-    if config.data.dataset in TASKS:
+    if config.data.dataset in TASKS or config.data.dataset.startswith("lra_"):
         return None
     if config.data.tokenizer:
         return tokenizer_source_file(config.data.tokenizer)

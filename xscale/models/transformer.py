@@ -21,6 +21,7 @@ from torch import nn
 from xscale.config import ModelConfig
 from xscale.models.act import AdaptiveComputationTime
 from xscale.models.block import TransformerBlock
+from xscale.models.classifier import ClassificationHead
 from xscale.models.dropout import Dropout, name_dropout_sites
 from xscale.models.norm import build_norm
 from xscale.models.position import PositionEncoding, TappedPosition, build_position
@@ -176,8 +177,11 @@ class Transformer(nn.Module):
             Stack(config, config.decoder_layers, causal=True, cross=True, first_index=config.n_layers)
             if self.seq2seq else None
         )
-        self.head_transform = LMHeadTransform(config) if config.lm_head_transform else None
-        self.output = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
+        # A classifier (model.num_classes > 0) maps the pooled sequence to class logits instead of tokens to words.
+        self.classifier = ClassificationHead(config) if config.num_classes else None
+        self.head_transform = LMHeadTransform(config) if config.lm_head_transform and not self.classifier else None
+        self.output = (nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
+                       if self.classifier is None else None)
         self.tie_weights()
         name_dropout_sites(self)
 
@@ -221,8 +225,8 @@ class Transformer(nn.Module):
             self.embedding, self.embedding_norm = None, None
         last = self.decoder if self.seq2seq else self.stack
         if last is None or not last.ends:
-            self.head_transform, self.output = None, None
-        elif self.config.tie_embeddings and self.embedding is None:
+            self.head_transform, self.output, self.classifier = None, None, None
+        elif self.config.tie_embeddings and self.embedding is None and self.output is not None:
             self.output.weight = nn.Parameter(self.output.weight.detach().clone())
 
     def _embed(self, tokens: torch.Tensor, stack: Stack, context: StepContext) -> torch.Tensor:
@@ -252,15 +256,22 @@ class Transformer(nn.Module):
         return outputs[0] if len(outputs) == 1 else outputs
 
     def forward(self, inputs: torch.Tensor, *received: torch.Tensor, decoder_input_ids: torch.Tensor | None = None,
-                context: StepContext | None = None, project: bool = True) -> torch.Tensor | tuple[torch.Tensor, ...]:
+                context: StepContext | None = None, project: bool = True,
+                padding_mask: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Token ids (B, T) -> logits (B, T, vocab) (an encoder-decoder's: of its decoder, fed ``decoder_input_ids``).
 
         ``context``: the batch's place in the run (dropout masks, router noise, hash-routing ids; None: plain
         PyTorch draws). ``project=False`` returns the hidden states the output projection reads (after BERT's head
-        transform), for a loss that fuses the projection. A pipeline stage takes what the previous one sent
+        transform), for a loss that fuses the projection. ``padding_mask`` (B, T), True at real tokens: attention takes
+        no padded key; a classifier (``model.num_classes``) returns class logits (B, classes) pooled over the real
+        tokens. A pipeline stage takes what the previous one sent
         (``inputs``, then ``received``) and returns what it sends on (see the module docstring).
         """
         context = StepContext() if context is None else context
+        if padding_mask is not None:
+            if self.seq2seq:
+                raise ValueError("padding masks serve encoder and decoder stacks; an encoder-decoder takes none")
+            context = context.with_padding_mask(padding_mask.to(torch.bool))
         stack, decoder = self.stack, self.decoder
         memory = None
         if stack is not None:
@@ -277,6 +288,8 @@ class Transformer(nn.Module):
                 return self._send((x,), stack, scores, arrived)
             if stack.final_norm is not None:
                 x = stack.final_norm(x)
+            if self.classifier is not None:
+                return self.classifier(x, context.padding_mask)
             if not self.seq2seq:
                 return self._head(x, project)
             if decoder is None:

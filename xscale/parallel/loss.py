@@ -1,4 +1,5 @@
-"""The one training loss of every layout: the sum of token cross-entropies over labelled tokens.
+"""The one training loss of every layout: the sum of token cross-entropies over labelled tokens (a classifier's:
+of class cross-entropies over its examples, each example one labelled "token").
 
 Engines divide it by the global count of labelled tokens, so sums over microbatches, data-parallel and
 context-parallel ranks and pipeline microbatches give the single-process mean. The output projection is applied
@@ -10,6 +11,7 @@ vocabulary shard's logits and :func:`~xscale.parallel.tensor.vocab_parallel.voca
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -41,7 +43,23 @@ def token_loss_sum(hidden: torch.Tensor, output: nn.Module, labels: torch.Tensor
 
 def model_loss_sum(model: nn.Module, batch: Batch, context: StepContext | None = None) -> torch.Tensor:
     """:func:`token_loss_sum` of ``model`` on ``batch`` (input_ids, labels, and decoder_input_ids for an
-    encoder-decoder model) at ``context``."""
+    encoder-decoder model) at ``context``; for a classifier, :func:`classification_loss_sum`."""
+    if getattr(model, "classifier", None) is not None:
+        return classification_loss_sum(model, batch, context)
     hidden = model(batch["input_ids"], decoder_input_ids=batch.get("decoder_input_ids"), context=context,
                    project=False)
     return token_loss_sum(hidden, model.output, batch["labels"], model.kernels)
+
+
+def classification_loss_sum(model: nn.Module, batch: Batch, context: StepContext | None = None) -> torch.Tensor:
+    """Sum over the batch's examples of the cross-entropy of the class logits; ``batch``: input_ids (B, T),
+    padding_mask (B, T) and one class index per example, labels (B,) (engines divide by the global example count)."""
+    logits = model(batch["input_ids"], context=context, padding_mask=batch.get("padding_mask"))
+    return F.cross_entropy(logits.float(), batch["labels"], reduction="sum", ignore_index=-100)
+
+
+@torch.no_grad()
+def correct_predictions(model: nn.Module, batch: Batch, context: StepContext | None = None) -> torch.Tensor:
+    """How many of a classifier's examples get their label as the top class (the accuracy's numerator)."""
+    logits = model(batch["input_ids"], context=context, padding_mask=batch.get("padding_mask"))
+    return (logits.argmax(dim=-1) == batch["labels"]).sum()

@@ -4,6 +4,7 @@ Everything a component draws or reads per batch comes from it, never from proces
 - dropout masks and router noise are functions of (seed, step, global sample row, element coordinates)
   (:mod:`xscale.models.dropout`), so every layout draws the same numbers for the same token;
 - hash-routed MoE layers read ``token_ids``, the ids of the sequence their stack sees (Roller et al. 2021);
+- ``padding_mask`` marks the real tokens of padded variable-length examples: attention takes no padded key;
 - a block shared across depths (ALBERT, Lan et al. 2020) runs at ``depth``, where it draws its own masks;
 - under context parallelism ``sequence`` says which global token positions this rank holds; under tensor
   parallelism ``tensor_rank`` / ``tensor_size`` which slice of the heads (and, with sequence parallelism, of the
@@ -67,6 +68,7 @@ class StepContext:
     first_sample: int = 0  # row of the step's global batch that this batch's row 0 is
     microbatch_stride: int = 0  # rows of the global batch from one microbatch of this batch to the next (0: its rows)
     token_ids: torch.Tensor | None = None  # (B, T) ids of the tokens the current stack sees
+    padding_mask: torch.Tensor | None = None  # (B, T) bool, True at real tokens, False at padding (None: no padding)
     depth: int | None = None  # the depth a shared block runs at (None: blocks are not shared)
     sequence: SequenceLayout | None = None  # the global positions held under context parallelism (None: all)
     tensor_rank: int = 0  # this rank's slice of the heads: [rank * H / size, (rank + 1) * H / size)
@@ -94,6 +96,10 @@ class StepContext:
 
     def with_token_ids(self, token_ids: torch.Tensor | None) -> StepContext:
         return replace(self, token_ids=token_ids)
+
+    def with_padding_mask(self, padding_mask: torch.Tensor | None) -> StepContext:
+        """Attention takes no keys where ``padding_mask`` (B, T) is False (the padding of variable-length examples)."""
+        return replace(self, padding_mask=padding_mask)
 
     def with_sequence(self, sequence: SequenceLayout | None) -> StepContext:
         return replace(self, sequence=sequence)

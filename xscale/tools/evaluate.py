@@ -3,7 +3,8 @@
 The data is the run's (its saved config), or what the overrides give (``data.dataset=text data.path=FILE``, ...).
 A source is evaluated on the split ``data.eval_fraction`` sets aside; with ``data.eval_fraction=0``, on all of it.
 The loss is the mean token cross-entropy over every labelled token read (the training objective's, without MoE
-auxiliary losses); perplexity = exp(loss). One process; ``--batches N`` batches of ``train.global_batch_size``.
+auxiliary losses); perplexity = exp(loss). A classifier (train.task=classify) reports the mean example loss and the
+accuracy, its labels mapped to classes as in training (the checkpoint's label list). One process; ``--batches N`` batches of ``train.global_batch_size``.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from torch.utils.data import Dataset
 from xscale.command_line import CommandParser
 from xscale.config import Config, ConfigError
 from xscale.data import TEXT_DATASETS, BlendedDataset, build_datasets, collate
+from xscale.data.labeled import LABELS_META_KEY
 from xscale.parallel.model import ParallelModel
 from xscale.tools.trained import TrainedModel, load_trained_model, tokenizer_path
 from xscale.train.checkpoint import CheckpointError
-from xscale.train.step import evaluation_loss
+from xscale.train.step import evaluation_accuracy, evaluation_loss
 
 
 @dataclass
@@ -32,20 +34,24 @@ class SourceResult:
     loss: float
     tokens: int
     batches: int
+    accuracy: float | None = None  # a classifier's (then ``tokens`` counts examples)
 
     @property
     def perplexity(self) -> float:
         return math.exp(self.loss) if self.loss < 700 else math.inf
 
     def line(self) -> str:
+        if self.accuracy is not None:
+            return (f"{self.source} ({self.split}): loss {self.loss:.4f}, accuracy {100 * self.accuracy:.2f}% "
+                    f"over {self.tokens} examples in {self.batches} batches")
         return (f"{self.source} ({self.split}): loss {self.loss:.4f}, perplexity {self.perplexity:.2f} "
                 f"over {self.tokens} tokens in {self.batches} batches")
 
 
-def evaluation_sources(config: Config) -> list[tuple[str, str, Dataset]]:
+def evaluation_sources(config: Config, label_names: list[str] | None = None) -> list[tuple[str, str, Dataset]]:
     """(source name, split, dataset) for every data source of the config: each member of a blend
     (``data.eval_sources``, or the held-out part of each of ``data.sources``) on its own, else the one dataset."""
-    train, evaluation, _ = build_datasets(config)
+    train, evaluation, _ = build_datasets(config, label_names)
     split = "eval"
     if evaluation is None or len(evaluation) == 0:
         evaluation, split = train, "all"
@@ -54,31 +60,38 @@ def evaluation_sources(config: Config) -> list[tuple[str, str, Dataset]]:
     return [(config.data.path or config.data.dataset, split, evaluation)]
 
 
-def evaluate_dataset(model: ParallelModel, dataset: Dataset, batch_size: int, batches: int) -> tuple[float, int, int]:
-    """(mean token loss, labelled tokens, batches read) over the first ``batches`` batches of ``dataset``."""
-    loss_sum, tokens, read = 0.0, 0, 0
+def evaluate_dataset(model: ParallelModel, dataset: Dataset, batch_size: int, batches: int, classify: bool = False
+                     ) -> tuple[float, int, int, float | None]:
+    """(mean token loss, labelled tokens, batches read, accuracy when ``classify``) over the first ``batches``
+    batches of ``dataset``."""
+    loss_sum, tokens, read, correct = 0.0, 0, 0, 0.0
     for start in range(0, min(len(dataset), batch_size * batches), batch_size):
         batch = collate([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
         batch = {key: value.to(model.device) for key, value in batch.items()}
         labelled = int((batch["labels"] != -100).sum())
         loss_sum += float(evaluation_loss(model, batch)) * labelled
+        if classify:
+            correct += float(evaluation_accuracy(model, batch)) * labelled
         tokens, read = tokens + labelled, read + 1
     if tokens == 0:
         raise ConfigError("the evaluation data holds no labelled token; check data.* (or --batches)")
-    return loss_sum / tokens, tokens, read
+    return loss_sum / tokens, tokens, read, correct / tokens if classify else None
 
 
 def evaluate(trained: TrainedModel, batches: int) -> list[SourceResult]:
     config = trained.config
-    if config.data.dataset in TEXT_DATASETS and config.data.dataset != "indexed" and not config.data.tokenizer:
+    reads_text = config.data.dataset in TEXT_DATASETS + ("labeled",) and config.data.dataset != "indexed"
+    if reads_text and not config.data.tokenizer:
         config.data.tokenizer = str(tokenizer_path(trained))  # the run's, never a new one trained here
     train = config.train
     model = ParallelModel([trained.model], micro_batch_size=train.micro_batch_size or train.global_batch_size,
                           autocast_dtype=torch.bfloat16 if train.precision == "bf16" else None)
+    classify = train.task == "classify"
+    label_names = trained.meta.get(LABELS_META_KEY) if classify else None
     results = []
-    for source, split, dataset in evaluation_sources(config):
-        loss, tokens, read = evaluate_dataset(model, dataset, train.global_batch_size, batches)
-        results.append(SourceResult(source, split, loss, tokens, read))
+    for source, split, dataset in evaluation_sources(config, label_names):
+        loss, tokens, read, accuracy = evaluate_dataset(model, dataset, train.global_batch_size, batches, classify)
+        results.append(SourceResult(source, split, loss, tokens, read, accuracy))
     return results
 
 

@@ -124,6 +124,8 @@ class MetricsLogger:
             parts.append(f"loss {s['train/loss']:.4f}")
         if "eval/loss" in s:
             parts.append(f"eval {s['eval/loss']:.4f}")
+        if "eval/accuracy" in s:
+            parts.append(f"acc {100 * s['eval/accuracy']:.1f}%")
         if "train/lr" in s:
             parts.append(f"lr {s['train/lr']:.2e}")
         if "train/grad_norm" in s:

@@ -18,7 +18,7 @@ import torch
 from xscale.config import TrainConfig
 from xscale.models.training_step import begin_training_step
 from xscale.parallel.data.grad_norm import clip_gradients
-from xscale.parallel.loss import model_loss_sum
+from xscale.parallel.loss import correct_predictions, model_loss_sum
 from xscale.parallel.model import Batch, ParallelModel
 from xscale.runtime import StepContext
 from xscale.train.optim import build_optimizer
@@ -79,6 +79,18 @@ def evaluation_loss(model: ParallelModel, batch: Batch) -> torch.Tensor:
                 total += (model_loss_sum(model.model, model.shard_batch(micro), model.place(StepContext()))
                           / tokens).float()
     return model.data_parallel.reduce_loss(total).cpu()
+
+
+@torch.no_grad()
+def evaluation_accuracy(model: ParallelModel, batch: Batch) -> torch.Tensor:
+    """The fraction of the global batch's examples a classifier labels right (its top class), in evaluation mode."""
+    for part in model.parts:
+        part.eval()
+    correct = torch.zeros((), dtype=torch.long, device=model.device)
+    with model.autocast():
+        for micro in split_microbatches(batch, model.micro_batch_size):
+            correct += correct_predictions(model.model, micro, model.place(StepContext()))
+    return (model.data_parallel.global_token_count(correct) / global_token_count(model, batch)).cpu()
 
 
 def clip_gradient_norm(model: ParallelModel, max_norm: float) -> torch.Tensor:

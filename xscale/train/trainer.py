@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from xscale.config import Config
+from xscale.config import Config, ConfigError
 from xscale.data import (
     GlobalSampler,
     HasSources,
@@ -26,6 +26,7 @@ from xscale.data import (
     collate,
     run_tokenizer_file,
 )
+from xscale.data.labeled import LABELS_META_KEY
 from xscale.data.load_tokenizer import META_KEY as TOKENIZER_META_KEY
 from xscale.data.load_tokenizer import checkpoint_tokenizer_name
 from xscale.interop.checkpoint import WEIGHTS_ONLY
@@ -49,6 +50,7 @@ from xscale.train.schedule import lr_factor, saved_schedule, schedule_change, sc
 from xscale.train.spikes import LossSpikeDetector
 from xscale.train.step import (
     clip_gradient_norm,
+    evaluation_accuracy,
     evaluation_loss,
     forward_backward_step,
     model_optimizer,
@@ -84,6 +86,7 @@ class Trainer:
         if train_dataset is None:
             train_dataset, eval_dataset = build_datasets(config)[:2]
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.label_names = self._classes(train_dataset)
 
         self.mesh = self.dims.build_mesh(self.device.type) if self.world_size > 1 else None
         self.dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
@@ -121,6 +124,18 @@ class Trainer:
         self.skipped_steps = self.skipped_in_a_row = 0  # updates dropped for a non-finite loss or gradient norm
         self.spikes = LossSpikeDetector(train.spike_factor, train.spike_window, announce=self.rank == 0)
 
+    def _classes(self, train_dataset: Any) -> list[str] | None:
+        """train.task=classify: the data's labels, whose count sets model.num_classes (None for language models)."""
+        if self.config.train.task != "classify":
+            return None
+        names = list(train_dataset.label_names)
+        model = self.config.model
+        if model.num_classes and model.num_classes != len(names):
+            raise ConfigError(f"model.num_classes={model.num_classes} but the data holds {len(names)} labels; "
+                              "leave model.num_classes out (0) to take the data's")
+        model.num_classes = len(names)
+        return names
+
     def _lock_output_dir(self, output_dir: Path) -> RunLock:
         """Rank 0 takes the output directory's lock; every rank raises the same RunLocked if another job holds it."""
         lock, refusal = RunLock(output_dir), None
@@ -155,6 +170,8 @@ class Trainer:
                 "loggers": self.metrics.state_dict()}
         if self.source_tokens is not None:
             meta["data_tokens"] = self.source_tokens.state_dict()
+        if self.label_names is not None:
+            meta[LABELS_META_KEY] = self.label_names
         if self.tokenizer_in_checkpoint:
             meta[TOKENIZER_META_KEY] = self.tokenizer_in_checkpoint
         self.metrics.flush()  # the curve up to a checkpoint is on disk before it
@@ -239,17 +256,26 @@ class Trainer:
             self.source_tokens.count(self.train_dataset.sources_of(indices))
         return self._load(self.train_dataset, indices)
 
-    def evaluate(self) -> float:
+    def evaluate(self) -> dict[str, float]:
+        """eval/loss over up to train.eval_batches whole batches of the eval split, and eval/accuracy for a
+        classifier (NaN without an eval split)."""
+        classify = self.label_names is not None
         if self.eval_dataset is None or len(self.eval_dataset) == 0:
-            return float("nan")
+            return {"eval/loss": float("nan"), **({"eval/accuracy": float("nan")} if classify else {})}
         size = self.config.train.global_batch_size
-        losses = []
+        losses, accuracies = [], []
         for start in range(0, min(len(self.eval_dataset), size * self.config.train.eval_batches), size):
             indices = list(range(start, min(start + size, len(self.eval_dataset))))
             if len(indices) < size:
                 break
-            losses.append(float(evaluation_loss(self.model, self._load(self.eval_dataset, indices))))
-        return sum(losses) / len(losses) if losses else float("nan")
+            batch = self._load(self.eval_dataset, indices)
+            losses.append(float(evaluation_loss(self.model, batch)))
+            if classify:
+                accuracies.append(float(evaluation_accuracy(self.model, batch)))
+        scalars = {"eval/loss": sum(losses) / len(losses) if losses else float("nan")}
+        if classify:
+            scalars["eval/accuracy"] = sum(accuracies) / len(accuracies) if accuracies else float("nan")
+        return scalars
 
     def step_context(self) -> StepContext:
         """Where this rank's batch sits in the step's global batch (its microbatches as :meth:`_load` reads them):
@@ -355,7 +381,7 @@ class Trainer:
                     refreshed = time.monotonic()
                 losses.append(scalars["train/loss"])
                 if train.eval_every and self.step % train.eval_every == 0 and not stopping:
-                    scalars["eval/loss"] = self.evaluate()
+                    scalars.update(self.evaluate())
                 self.metrics.log(self.step, scalars)
                 if stopping:
                     self.stop_requested = True

@@ -9,6 +9,7 @@ that the TP plan slices: ``per_head_state`` names it, dim 0 = heads; :mod:`xscal
 run it and how; a core that declares none is refused by tensor and context parallelism.
 A core that reads no queries (or keys) says so in ``uses_queries`` / ``uses_keys``: the module then builds no
 projection for them and passes a (B, H, T, 0) placeholder that only carries the shape.
+A core with ``takes_padding_mask`` serves padded batches: the key-padding mask arrives inside ``bias``.
 A core with ``carries_scores`` (RealFormer) also takes ``previous_scores`` and returns ``(out, scores)``:
 the scores travel from block to block beside the hidden state (:class:`xscale.models.transformer.Stack`).
 """
@@ -42,6 +43,9 @@ class AttentionCore(nn.Module):
     causal_capable: ClassVar[bool] = True  # can run with a causal mask (decoders)
     bidirectional_capable: ClassVar[bool] = True  # can run without one (encoders)
     supports_bias: ClassVar[bool] = False  # accepts an additive logit bias (ALiBi, T5)
+    # Takes a key-padding mask (padded batches: train.task=classify), passed as a -inf logit bias (B, 1, 1, Tk) on
+    # the padded keys; the others are refused for padded batches.
+    takes_padding_mask: ClassVar[bool] = False
     shares_qk: ClassVar[bool] = False  # keys are the queries (Reformer)
     mixes_heads: ClassVar[bool] = False  # heads exchange information: tensor parallelism must refuse it
     carries_scores: ClassVar[bool] = False  # takes and returns pre-softmax scores across layers (RealFormer)
@@ -81,6 +85,25 @@ class AttentionCore(nn.Module):
         scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
         probs = torch.softmax(scores if mask is None else scores + mask, dim=-1)
         return self.dropout(probs, context) @ v
+
+
+def padding_bias(padding_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, Tk) True-at-real-tokens mask -> (B, 1, 1, Tk) logit bias: 0 at real keys, -inf at padded ones."""
+    bias = torch.zeros(padding_mask.shape, dtype=dtype, device=padding_mask.device)
+    return bias.masked_fill(~padding_mask, float("-inf"))[:, None, None, :]
+
+
+def check_padding_mask(core: AttentionCore) -> None:
+    """Refuse a padded batch for a core that would attend to the padding."""
+    if not core.takes_padding_mask:
+        raise ValueError(f"attention core {type(core).__name__} takes no key-padding mask, so padded batches "
+                         "(train.task=classify) would attend to the padding; use a core that does "
+                         f"({', '.join(padding_mask_kinds())})")
+
+
+def padding_mask_kinds() -> list[str]:
+    """The registered attention kinds whose cores take a key-padding mask."""
+    return [name for name in ATTENTION.names() if ATTENTION.get(name).takes_padding_mask]
 
 
 def expand_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:

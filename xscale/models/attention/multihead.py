@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from xscale.config import ModelConfig
-from xscale.models.attention.core import build_core
+from xscale.models.attention.core import build_core, check_padding_mask, padding_bias
 from xscale.models.attention.dense import causal_bias
 from xscale.models.kv_cache import can_cache
 from xscale.models.position import PositionEncoding
@@ -68,6 +68,8 @@ class Attention(nn.Module):
             if position.biases_logits:
                 bias = position.bias(q.shape[2], k.shape[2], self._heads_held(q.shape[1], context), context)
                 bias = bias.to(v.device)
+        if context is not None and context.padding_mask is not None:
+            bias = self._with_padding(bias, memory if self.cross else x, context.padding_mask, v.dtype)
         causal = self.causal
         if context is not None and context.kv_cache is not None and not self.cross:
             k, v, bias = self._extend_from_cache(q, k, v, bias, context)
@@ -76,6 +78,16 @@ class Attention(nn.Module):
             out, scores = core(q, k, v, causal=causal, bias=bias, previous_scores=scores, context=context)
             return self._merge(out), scores
         return self._merge(core(q, k, v, causal=causal, bias=bias, context=context))
+
+    def _with_padding(self, bias: torch.Tensor | None, source: torch.Tensor, padding_mask: torch.Tensor,
+                      dtype: torch.dtype) -> torch.Tensor:
+        """``bias`` plus -inf on the padded keys (``padding_mask``: (B, Tk), True at real tokens)."""
+        check_padding_mask(self.core)
+        if padding_mask.shape != source.shape[:2]:
+            raise ValueError(f"the padding mask has shape {tuple(padding_mask.shape)} but the keys' tokens "
+                             f"{tuple(source.shape[:2])}; pass one (batch, length) mask of the input ids")
+        keys = padding_bias(padding_mask, dtype)
+        return keys if bias is None else bias + keys
 
     def _extend_from_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
                            context: StepContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

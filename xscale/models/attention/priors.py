@@ -57,6 +57,7 @@ class GaussianPriorAttention(AttentionCore):
 
     Options = GaussianOptions
     supports_bias = True
+    takes_padding_mask = True  # the padding mask enters as a -inf logit bias on the padded keys
     per_head_state = ("log_sigma_offset",)
     parallel_traits = ParallelTraits(tp="head_state")
 
@@ -105,6 +106,7 @@ class AdaptiveSpanAttention(AttentionCore):
 
     Options = AdaptiveSpanOptions
     supports_bias = True
+    takes_padding_mask = True  # the padding mask enters as a -inf logit bias on the padded keys
     per_head_state = ("span_fraction",)
     parallel_traits = ParallelTraits(tp="head_state")
 

@@ -24,6 +24,7 @@ class RealFormerAttention(AttentionCore):
     """Dense attention with residual scores: T^2 memory per layer for the carried (B, H, T, T) scores."""
 
     supports_bias = True
+    takes_padding_mask = True  # the padding mask enters as a -inf logit bias on the padded keys
     carries_scores = True
     parallel_traits = ParallelTraits(tp="split_heads")
 

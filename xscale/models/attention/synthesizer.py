@@ -44,6 +44,7 @@ class SynthesizerOptions:
 class SynthesizerAttention(AttentionCore):
     Options = SynthesizerOptions
     supports_bias = True
+    takes_padding_mask = True  # the padding mask enters as a -inf logit bias on the padded keys
     per_head_state = ("hidden_weight", "hidden_bias", "output_weight", "output_bias", "random_logits",
                       "random_left", "random_right")
     parallel_traits = ParallelTraits(tp="head_state")

@@ -25,6 +25,7 @@ from xscale.runtime import StepContext
 @ATTENTION.register("talking_heads")
 class TalkingHeadsAttention(AttentionCore):
     supports_bias = True
+    takes_padding_mask = True  # the padding mask enters as a -inf logit bias on the padded keys
     mixes_heads = True
     parallel_traits = ParallelTraits(tp="gather_heads")
 
