@@ -10,7 +10,7 @@ import sys
 
 from xscale.command_line import CommandParser
 from xscale.config import Config, ConfigError
-from xscale.models.parameters import ModelCount, count_parameters
+from xscale.models.parameters import ModelCount, count_parameters, experts_per_token
 from xscale.parallel.checks import resolve_dims
 from xscale.parallel.dims import rank_coordinates
 from xscale.parallel.memory import predicted_pipeline_state_bytes, predicted_state_bytes
@@ -164,7 +164,7 @@ def context_parallel_activation_bytes(config: Config, dims) -> float:
 
 def report(config: Config) -> str:
     count = count_parameters(config)
-    flops = flops_per_token(config.model, config.train.seq_len, count.non_embedding)
+    flops = flops_per_token(config.model, config.train.seq_len, count.active_non_embedding)
     lines = [
         f"model: {config.model.family}, {config.model.n_layers} layers, d_model {config.model.d_model}, "
         f"{config.model.n_heads} heads ({config.model.kv_heads} kv), ffn {config.model.ffn} {config.model.ffn_hidden}, "
@@ -173,7 +173,11 @@ def report(config: Config) -> str:
     ]
     for name, value in sorted(count.per_component.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {name:<48} {value:>14,}")
-    lines.append(f"training FLOPs per token: {flops:.3e} (6N + 12*L*T*d at T={config.train.seq_len})")
+    if count.expert:  # MoE: a token uses its experts' share of the expert weights, not all of them
+        lines.append(f"active per token: {count.active_non_embedding:,.0f} non-embedding parameters "
+                     f"({experts_per_token(config.model.moe):g} of {config.model.moe.num_experts} experts)")
+    lines.append(f"training FLOPs per token: {flops:.3e} (6N + 12*L*T*d, N the non-embedding parameters a token "
+                 f"uses, at T={config.train.seq_len})")
     lines.append("memory on one device:")
     memory = memory_report(config, count)
     for name, value in memory.items():

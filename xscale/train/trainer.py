@@ -89,7 +89,8 @@ class Trainer:
         self.dp_size = self.dims.dp
         self.local_batch_size = train.global_batch_size // self.dp_size
         self.model = parallelize(config, self.dims, self.mesh, self.device)
-        self.num_params = count_parameters(config).total
+        count = count_parameters(config)
+        self.num_params = count.total
         self.optimizer = model_optimizer(self.model, train)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, train))
         self.sampler = GlobalSampler(len(train_dataset), train.global_batch_size, seed=train.seed)
@@ -112,8 +113,7 @@ class Trainer:
                                      progress=train.progress, config=config.to_dict())
         self.profiler = StepProfiler(output_dir, rank=self.rank, start=train.profile_start, steps=train.profile_steps,
                                      device=self.device)
-        embedding_params = config.model.vocab_size * config.model.d_model
-        self.flops_per_token = flops_per_token(config.model, train.seq_len, self.num_params - embedding_params)
+        self.flops_per_token = flops_per_token(config.model, train.seq_len, count.active_non_embedding)
         self.peak_flops = train.peak_flops
         self.preemption = PreemptionHandler()
         self.stop_requested = False
