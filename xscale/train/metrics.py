@@ -26,21 +26,6 @@ def flops_per_token(model: ModelConfig, seq_len: int, num_params: float) -> floa
     return 6.0 * num_params + 12.0 * layers * seq_len * model.d_model
 
 
-def measure_matmul_peak(dtype: torch.dtype = torch.float32, size: int = 1024, device: str = "cpu") -> float:
-    """Achieved FLOP/s of a square matmul on this device: the denominator of MFU when no peak is given."""
-    a = torch.randn(size, size, dtype=dtype, device=device)
-    b = torch.randn(size, size, dtype=dtype, device=device)
-    for _ in range(2):
-        a @ b
-    repeats, start = 0, time.perf_counter()
-    while repeats < 3 or time.perf_counter() - start < 0.3:
-        a @ b
-        repeats += 1
-    if device != "cpu":
-        torch.cuda.synchronize()
-    return 2.0 * size**3 * repeats / (time.perf_counter() - start)
-
-
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak device memory (CUDA) or peak resident set size of this process (CPU)."""
     if device.type == "cuda":
