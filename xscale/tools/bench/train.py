@@ -28,7 +28,7 @@ from xscale.train.peak_flops import peak_flops
 from xscale.train.step import forward_backward_step
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation")
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation")
 
 
 def _hf_step(model, optimizer, tokens: torch.Tensor, autocast_dtype: torch.dtype | None) -> None:
