@@ -141,8 +141,8 @@ def assert_matches_single(engine: ParallelModel, single: torch.nn.Module) -> Non
 
 SCHEDULE_CASES = [  # schedule, stages per rank, microbatches, layers, pp_split
     ("gpipe", 1, 2, 3, [1, 2]),
-    ("1f1b", 1, 2, 3, None),  # 3 layers over 2 stages: [2, 1]
-    ("interleaved_1f1b", 2, 4, 5, None),  # 5 layers over 4 stages: [2, 1, 1, 1]
+    ("1f1b", 1, 2, 3, None),  # 3 layers over 2 stages, split by the cost model: [2, 1]
+    ("interleaved_1f1b", 2, 4, 5, None),  # 5 layers over 4 stages, split by the cost model: [1, 2, 1, 1]
     ("zero_bubble", 2, 4, 5, [1, 1, 2, 1]),  # V placement: both ends of the tied embedding on rank 0
 ]
 

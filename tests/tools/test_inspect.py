@@ -107,3 +107,15 @@ def test_inspect_names_the_stack_variants_and_counts_one_reversible_block(capsys
     assert "stack plain" in capsys.readouterr().out
     from_depth = [activation_bytes(_tiny("model.reversible=true", f"model.n_layers={n}"), 2) for n in (2, 8)]
     assert from_depth[0] == from_depth[1]
+
+
+def test_inspect_prints_each_pipeline_stage_predicted_cost(capsys):
+    """pp_split unset: the cost model's split, each stage's cost and its share of the slowest stage's."""
+    wide_head = [*TINY, "model.n_layers=4", "model.vocab_size=1024", "parallel.pp=2", "parallel.microbatches=2"]
+    assert main(["inspect", *wide_head]) == 0  # the output projection and loss cost more than a block
+    out = capsys.readouterr().out
+    assert "predicted cost per stage (training FLOPs per token; split [3, 1], balanced by the cost model):" in out
+    assert "  stage 0 (pp rank 0, 3 blocks): " in out and "  stage 1 (pp rank 1, 1 blocks): " in out
+    assert "stage 0 (embedding, layers 0-2)" in out and "stage 1 (layer 3, head)" in out
+    assert main(["inspect", *wide_head, "parallel.pp_split=[2,2]"]) == 0
+    assert "split [2, 2], parallel.pp_split" in capsys.readouterr().out

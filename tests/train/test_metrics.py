@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from xscale.data import build_datasets
 from xscale.train.metrics import MetricsLogger
 from xscale.train.trainer import Trainer
 from xscale.validate import load_config
@@ -77,3 +78,33 @@ def test_flush_after_close_is_harmless(tmp_path):
     logger.log(1, {"train/loss": 1.0})
     logger.close(plot=False)
     logger.flush()
+
+
+class SlowDataset:
+    """Each sample takes ``delay`` seconds to read (a slow disk or tokenizer)."""
+
+    def __init__(self, dataset, delay: float) -> None:
+        self.dataset, self.delay = dataset, delay
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        time.sleep(self.delay)
+        return self.dataset[index]
+
+
+def test_step_time_counts_the_wait_for_data(tmp_path):
+    """tokens/s is honest: a step that waits for its batch counts the wait (the first step has nothing read ahead)."""
+    config = load_config(None, [
+        "model.vocab_size=48", "model.d_model=16", "model.n_layers=1", "model.n_heads=2", "train.steps=2",
+        "train.global_batch_size=4", "train.seq_len=8", "train.peak_flops=1e12", "train.progress=false",
+        "data.dataset=copy", "data.num_samples=16", "data.eval_fraction=0.0", f"train.output_dir={tmp_path}"])
+    train_dataset = build_datasets(config)[0]
+    trainer = Trainer(config, SlowDataset(train_dataset, delay=0.05), None)
+    first = trainer.train_step()
+    trainer.prefetcher.close()
+    trainer.lock.release()
+    assert first["perf/data_seconds"] >= 4 * 0.05
+    assert first["perf/step_seconds"] >= first["perf/data_seconds"]
+    assert first["perf/tokens_per_second"] <= 4 * 8 / (4 * 0.05)

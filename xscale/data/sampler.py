@@ -58,9 +58,14 @@ class GlobalSampler:
 
     def batch_indices(self, step: int) -> list[int]:
         """The whole global batch of ``step``; records that the samples up to this batch are consumed."""
+        indices = self.step_indices(step)
+        self.next_step = max(self.next_step, step + 1)
+        return indices
+
+    def step_indices(self, step: int) -> list[int]:
+        """The whole global batch of ``step``, recording nothing (what a loader reads ahead)."""
         if step < 0:
             raise ValueError(f"step must be non-negative, got {step}")
-        self.next_step = max(self.next_step, step + 1)
         return self.indices_at(self.origin + step * self.global_batch_size, self.global_batch_size)
 
     @staticmethod

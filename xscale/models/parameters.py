@@ -4,8 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xscale.config import Config
+from xscale.config import Config, MoEConfig
 from xscale.models import build_model
+
+
+def experts_per_token(moe: MoEConfig) -> float:
+    """Experts a token passes through on average: top_k under token choice (switch, gshard), one under hash
+    routing, capacity_factor under expert choice (each expert takes c * n / E of n tokens; Zhou et al. 2022)."""
+    if moe.router == "expert_choice":
+        return moe.capacity_factor
+    if moe.router == "hash":
+        return 1.0
+    return float(moe.top_k)
 
 
 @dataclass
@@ -14,10 +24,17 @@ class ModelCount:
     embedding: int
     per_component: dict[str, int]
     expert: int = 0  # MoE expert weights (sharded by expert parallelism)
+    active_expert: float = 0.0  # the expert weights one token uses: expert * experts_per_token / num_experts
 
     @property
     def non_embedding(self) -> int:
         return self.total - self.embedding
+
+    @property
+    def active_non_embedding(self) -> float:
+        """The non-embedding parameters one token multiplies by: every dense weight, only its experts' share of the
+        expert weights (the N of 6N for a MoE model)."""
+        return self.non_embedding - self.expert + self.active_expert
 
 
 def count_parameters(config: Config) -> ModelCount:
@@ -31,4 +48,6 @@ def count_parameters(config: Config) -> ModelCount:
         key = parts[0] if parts[0] not in ("stack", "decoder") else ".".join(p for p in parts[:5] if not p.isdigit())
         per_component[key] = per_component.get(key, 0) + param.numel()
     embedding = config.model.vocab_size * config.model.d_model
-    return ModelCount(total, embedding, per_component, expert)
+    moe = config.model.moe
+    active_expert = expert * experts_per_token(moe) / moe.num_experts if moe.num_experts else 0.0
+    return ModelCount(total, embedding, per_component, expert, active_expert)

@@ -30,7 +30,8 @@ from xscale.models import build_model
 from xscale.parallel.data import is_expert_parameter, local_tensor
 from xscale.parallel.dims import ParallelDims
 from xscale.parallel.pipeline import SCHEDULES
-from xscale.parallel.pipeline.stages import pipeline_layers, split_layers, stage_to_rank
+from xscale.parallel.pipeline.cost import stage_layers
+from xscale.parallel.pipeline.stages import stage_to_rank
 
 BYTES_PER_VALUE = 4
 OPTIMIZER_VALUES = 2  # AdamW: exp_avg, exp_avg_sq
@@ -60,7 +61,7 @@ def pipeline_rank_parameters(config: Config, dims: ParallelDims) -> list[tuple[i
     ranks = stage_to_rank(num_stages, dims.pp, SCHEDULES[parallel.pp_schedule].placement)
     meta = build_model(config.model, materialize=False)
     counts = [[0, 0] for _ in range(dims.pp)]
-    for index, layers in enumerate(split_layers(pipeline_layers(config.model), num_stages, parallel.pp_split)):
+    for index, layers in enumerate(stage_layers(config, num_stages)):
         stage = copy.deepcopy(meta)
         stage.keep_layers(layers)
         for name, param in stage.named_parameters():  # a last stage's output.weight is the tied copy

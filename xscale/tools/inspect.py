@@ -10,13 +10,13 @@ import sys
 
 from xscale.command_line import CommandParser
 from xscale.config import Config, ConfigError
-from xscale.models.parameters import ModelCount, count_parameters
+from xscale.models.parameters import ModelCount, count_parameters, experts_per_token
 from xscale.models.transformer import stack_variants
 from xscale.parallel.checks import resolve_layout
 from xscale.parallel.dims import rank_coordinates
 from xscale.parallel.memory import predicted_pipeline_state_bytes, predicted_state_bytes
-from xscale.parallel.pipeline import SCHEDULES, ideal_bubble, split_layers, stage_to_rank
-from xscale.parallel.pipeline.stages import pipeline_layers
+from xscale.parallel.pipeline import SCHEDULES, ideal_bubble, stage_to_rank
+from xscale.parallel.pipeline.cost import pipeline_costs, stage_layers
 from xscale.tools.measure import MeasureError, measure_report
 from xscale.train.metrics import flops_per_token
 from xscale.validate import load_config_from_cli
@@ -74,7 +74,7 @@ def _model_slice(config: Config, dims, at: dict[str, int]) -> str:
     parts, holds_vocabulary = [], True
     if dims.pp > 1:
         num_stages = dims.pp * parallel.pp_stages_per_rank
-        layers = split_layers(pipeline_layers(model), num_stages, parallel.pp_split)
+        layers = stage_layers(config, num_stages)
         ranks = stage_to_rank(num_stages, dims.pp, SCHEDULES[parallel.pp_schedule].placement)
         mine = [stage for stage in range(num_stages) if ranks[stage] == at["pp"]]
         holds_vocabulary = 0 in mine or num_stages - 1 in mine
@@ -119,6 +119,21 @@ def _pipeline_line(config: Config, pp: int, auto: bool) -> str:
             f"bubble (p-1)/(m+p-1) = {ideal_bubble(pp, parallel.microbatches):.3f}")
 
 
+def _stage_cost_lines(config: Config, pp: int) -> list[str]:
+    """Each stage's predicted cost (:mod:`xscale.parallel.pipeline.cost`) and its share of the slowest stage's."""
+    parallel = config.parallel
+    num_stages = pp * parallel.pp_stages_per_rank
+    layers = stage_layers(config, num_stages)
+    costs = pipeline_costs(config).stage_costs(layers)
+    ranks = stage_to_rank(num_stages, pp, SCHEDULES[parallel.pp_schedule].placement)
+    split = "parallel.pp_split" if parallel.pp_split is not None else "balanced by the cost model"
+    lines = [f"predicted cost per stage (training FLOPs per token; split {[len(held) for held in layers]}, {split}):"]
+    for stage, cost in enumerate(costs):
+        lines.append(f"  stage {stage} (pp rank {ranks[stage]}, {len(layers[stage])} blocks): {cost:.3e} "
+                     f"({cost / max(costs):.0%} of the slowest)")
+    return lines
+
+
 def layout_report(config: Config, world_size: int) -> list[str]:
     """The per-rank plan of ``config.parallel`` at ``world_size`` and each rank's predicted state bytes."""
     auto = config.parallel.microbatches is None
@@ -126,6 +141,7 @@ def layout_report(config: Config, world_size: int) -> list[str]:
     lines = [f"layout: {dims.describe()}"]
     if dims.pp > 1:
         lines.append(_pipeline_line(config, dims.pp, auto))
+        lines += _stage_cost_lines(config, dims.pp)
     cp = f" {'cp':>3}" if dims.cp > 1 else ""  # the cp column only in context-parallel layouts
     lines.append(f"  {'rank':>4} {'pp':>3} {'dp':>3}{cp} {'tp':>3} {'ep':>3}  holds")
     shown = list(range(min(world_size, 16)))
@@ -167,7 +183,7 @@ def context_parallel_activation_bytes(config: Config, dims) -> float:
 
 def report(config: Config) -> str:
     count = count_parameters(config)
-    flops = flops_per_token(config.model, config.train.seq_len, count.non_embedding)
+    flops = flops_per_token(config.model, config.train.seq_len, count.active_non_embedding)
     lines = [
         f"model: {config.model.family}, {config.model.n_layers} layers, d_model {config.model.d_model}, "
         f"{config.model.n_heads} heads ({config.model.kv_heads} kv), ffn {config.model.ffn} {config.model.ffn_hidden}, "
@@ -177,7 +193,11 @@ def report(config: Config) -> str:
     ]
     for name, value in sorted(count.per_component.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {name:<48} {value:>14,}")
-    lines.append(f"training FLOPs per token: {flops:.3e} (6N + 12*L*T*d at T={config.train.seq_len})")
+    if count.expert:  # MoE: a token uses its experts' share of the expert weights, not all of them
+        lines.append(f"active per token: {count.active_non_embedding:,.0f} non-embedding parameters "
+                     f"({experts_per_token(config.model.moe):g} of {config.model.moe.num_experts} experts)")
+    lines.append(f"training FLOPs per token: {flops:.3e} (6N + 12*L*T*d, N the non-embedding parameters a token "
+                 f"uses, at T={config.train.seq_len})")
     lines.append("memory on one device:")
     memory = memory_report(config, count)
     for name, value in memory.items():

@@ -18,26 +18,12 @@ from xscale.config import ModelConfig
 from xscale.train.loggers import ResumableLogger, ScalarLogger, build_loggers
 
 
-def flops_per_token(model: ModelConfig, seq_len: int, num_params: int) -> float:
+def flops_per_token(model: ModelConfig, seq_len: int, num_params: float) -> float:
     """Training FLOPs per token: 6N for the matmuls plus 12 * L * T * d for attention scores
-    (Kaplan et al. 2020; Chowdhery et al. 2022, appendix B). N excludes the embedding lookup."""
+    (Kaplan et al. 2020; Chowdhery et al. 2022, appendix B). N: the parameters a token uses, without the embedding
+    lookup (a MoE layer's top-k experts, not all: :attr:`~xscale.models.parameters.ModelCount.active_non_embedding`)."""
     layers = model.n_layers + (model.decoder_layers if model.family == "encoder_decoder" else 0)
     return 6.0 * num_params + 12.0 * layers * seq_len * model.d_model
-
-
-def measure_matmul_peak(dtype: torch.dtype = torch.float32, size: int = 1024, device: str = "cpu") -> float:
-    """Achieved FLOP/s of a square matmul on this device: the denominator of MFU when no peak is given."""
-    a = torch.randn(size, size, dtype=dtype, device=device)
-    b = torch.randn(size, size, dtype=dtype, device=device)
-    for _ in range(2):
-        a @ b
-    repeats, start = 0, time.perf_counter()
-    while repeats < 3 or time.perf_counter() - start < 0.3:
-        a @ b
-        repeats += 1
-    if device != "cpu":
-        torch.cuda.synchronize()
-    return 2.0 * size**3 * repeats / (time.perf_counter() - start)
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -29,6 +29,7 @@ from xscale.data import (
 from xscale.data.labeled import LABELS_META_KEY
 from xscale.data.load_tokenizer import META_KEY as TOKENIZER_META_KEY
 from xscale.data.load_tokenizer import checkpoint_tokenizer_name
+from xscale.data.prefetch import Prefetcher
 from xscale.interop.checkpoint import WEIGHTS_ONLY
 from xscale.interop.hf.load import fill_from_hf
 from xscale.interop.hf.rules import InteropError
@@ -42,8 +43,10 @@ from xscale.parallel.checks import resolve_layout
 from xscale.parallel.parallelize import parallelize
 from xscale.runtime import StepContext
 from xscale.runtime.hooks import ReportsLayerMetrics
+from xscale.train.bf16_support import bf16_warning
 from xscale.train.checkpoint import Checkpointer, CheckpointError
-from xscale.train.metrics import MetricsLogger, flops_per_token, measure_matmul_peak, peak_memory_bytes
+from xscale.train.metrics import MetricsLogger, flops_per_token, peak_memory_bytes
+from xscale.train.peak_flops import peak_flops
 from xscale.train.profiling import StepProfiler
 from xscale.train.run_lock import RunLock, RunLocked
 from xscale.train.schedule import lr_factor, saved_schedule, schedule_change, schedule_parameters
@@ -93,10 +96,13 @@ class Trainer:
         self.dp_size = self.dims.dp
         self.local_batch_size = train.global_batch_size // self.dp_size
         self.model = parallelize(config, self.dims, self.mesh, self.device)
-        self.num_params = count_parameters(config).total
+        count = count_parameters(config)
+        self.num_params = count.total
         self.optimizer = model_optimizer(self.model, train)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, train))
         self.sampler = GlobalSampler(len(train_dataset), train.global_batch_size, seed=train.seed)
+        # The next step's batch loads while this step computes (the sampler's state only moves in next_batch).
+        self.prefetcher = Prefetcher(lambda step: self._load(self.train_dataset, self.sampler.step_indices(step)))
         # Tokens trained on per source of a blend (data/tokens/<name>), continued across resumes.
         self.source_tokens = (SourceTokenCounter(train_dataset.source_names, train.seq_len)
                               if isinstance(train_dataset, HasSources) else None)
@@ -116,8 +122,7 @@ class Trainer:
                                      progress=train.progress, config=config.to_dict())
         self.profiler = StepProfiler(output_dir, rank=self.rank, start=train.profile_start, steps=train.profile_steps,
                                      device=self.device)
-        embedding_params = config.model.vocab_size * config.model.d_model
-        self.flops_per_token = flops_per_token(config.model, train.seq_len, self.num_params - embedding_params)
+        self.flops_per_token = flops_per_token(config.model, train.seq_len, count.active_non_embedding)
         self.peak_flops = train.peak_flops
         self.preemption = PreemptionHandler()
         self.stop_requested = False
@@ -251,10 +256,11 @@ class Trainer:
         return {key: value.to(self.device) for key, value in batch.items()}
 
     def next_batch(self) -> dict[str, torch.Tensor]:
+        """This step's batch (loaded ahead during the previous step when it ran in order); starts the next one's."""
         indices = self.sampler.batch_indices(self.step)
         if self.source_tokens is not None:
             self.source_tokens.count(self.train_dataset.sources_of(indices))
-        return self._load(self.train_dataset, indices)
+        return self.prefetcher.get(self.step, prefetch_next=self.step + 1 < self.config.train.steps)
 
     def evaluate(self) -> dict[str, float]:
         """eval/loss over up to train.eval_batches whole batches of the eval split, and eval/accuracy for a
@@ -286,9 +292,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def train_step(self) -> dict[str, float]:
-        batch = self.next_batch()
-        tokens = batch["input_ids"].numel() * self.dp_size
+        """One optimizer step; its time counts waiting for the batch (perf/data_seconds of it)."""
         start = time.perf_counter()
+        batch = self.next_batch()
+        data_seconds = time.perf_counter() - start
+        tokens = batch["input_ids"].numel() * self.dp_size
         loss = forward_backward_step(self.model, batch, self.step_context())
         grad_norm = clip_gradient_norm(self.model, self.config.train.grad_clip)
         if math.isfinite(float(loss)) and math.isfinite(float(grad_norm)):  # both global: every rank agrees
@@ -306,6 +314,7 @@ class Trainer:
                    "train/loss_spike": self.spikes.observe(self.step, float(loss),
                                                            lambda: self.sampler.batch_indices(self.step - 1)),
                    "perf/tokens_per_second": tokens_per_second, "perf/step_seconds": elapsed,
+                   "perf/data_seconds": data_seconds,
                    "perf/memory_gb": peak_memory_bytes(self.device) / 2**30}
         if self.source_tokens is not None:
             scalars.update(self.source_tokens.scalars())
@@ -338,14 +347,17 @@ class Trainer:
         try:
             return self._fit()
         finally:
+            self.prefetcher.close()
             self.lock.release()
 
     def _fit(self) -> dict[str, Any]:
         train = self.config.train
         self.resume()
-        if self.peak_flops is None and self.rank == 0:
+        if self.peak_flops is None and self.rank == 0:  # the best GEMM rate, cached per device, dtype and torch
             dtype = torch.bfloat16 if train.precision == "bf16" else torch.float32
-            self.peak_flops = measure_matmul_peak(dtype, device=self.device.type)
+            self.peak_flops = peak_flops(dtype, str(self.device))
+        if self.rank == 0 and (warning := bf16_warning(train.precision, self.device.type)):
+            print(warning, flush=True)
         if self.rank == 0:
             print(f"xscale: {self.num_params / 1e6:.2f}M parameters, {self.dims.describe()}, "
                   f"device {self.device.type}, {train.steps} steps of {train.global_batch_size}x{train.seq_len} tokens",

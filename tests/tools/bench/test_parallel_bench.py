@@ -47,6 +47,7 @@ def test_a_pipeline_layout_reports_its_bubble_and_throughput_ratio(capsys):
     # Each rank computed during part of its step, and idled during part: a hook that timed nothing gives 1.0.
     assert len(pipeline["rank_bubbles"]) == 2
     assert all(0.0 < bubble < 1.0 for bubble in pipeline["rank_bubbles"]), pipeline["rank_bubbles"]
+    assert len(pipeline["rank_compute"]) == 2 and all(seconds > 0 for seconds in pipeline["rank_compute"])
     bench.report(rows)
     table = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in table[1:]] == ["single", layout]

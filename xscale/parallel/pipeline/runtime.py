@@ -39,14 +39,13 @@ from xscale.parallel.pipeline.checkpoint import (
     merged_view,
     sources_to_copies,
 )
+from xscale.parallel.pipeline.cost import stage_layers
 from xscale.parallel.pipeline.schedules import SCHEDULES, check_pipeline, resolve_microbatches
 from xscale.parallel.pipeline.shared import SharedParameterGrads, shared_block_modules, shared_parameters
 from xscale.parallel.pipeline.stages import (
     build_stage_module,
     is_first,
     is_last,
-    pipeline_layers,
-    split_layers,
     stage_to_rank,
     whole_backward,
 )
@@ -168,7 +167,7 @@ class PipelineSchedule:
         self.num_stages = self.pp_size * parallel.pp_stages_per_rank
         self.stage_ranks = stage_to_rank(self.num_stages, self.pp_size, self.spec.placement)
         self.stage_indices = [s for s in range(self.num_stages) if self.stage_ranks[s] == self.pp_rank]
-        layers = split_layers(pipeline_layers(config.model), self.num_stages, parallel.pp_split)
+        layers = stage_layers(config, self.num_stages)
         self.stages = [build_stage_module(meta_model, layers[index], device=self.device, seed=config.train.seed,
                                           parallelize=parallelize_stage) for index in self.stage_indices]
         self.last_rank = self.stage_ranks[-1]

@@ -11,10 +11,10 @@ the last stage's loss) is timed through :attr:`PipelineSchedule.wrap_compute`; t
 for activations or gradients, sends, receives, bookkeeping) is idle. Per rank and step,
 ``bubble = 1 - compute seconds / schedule step seconds`` (``PipelineSchedule.last_step_seconds``); the table
 gives the median over the timed steps, averaged over the pp ranks, and the ranks' own values. The theory
-(Huang et al. 2019; Narayanan et al. 2021) assumes equal stages and free communication. Here the last stage
-also holds the output head and the loss, so it computes more than the first: the first rank idles while it
-waits for the last (its bubble stays near 1 - its compute / the last's, whatever m), and the last idles less
-than the theory says. Communication (gloo copies) counts as idle.
+(Huang et al. 2019; Narayanan et al. 2021) assumes equal stages and free communication. The last stage also
+holds the output head and the loss; with ``parallel.pp_split`` unset the blocks are split to balance a cost model
+(:mod:`xscale.parallel.pipeline.cost`), and each rank's compute seconds per step are printed as its check: unequal
+stages show as a rank that idles while it waits for the slower one. Communication (gloo copies) counts as idle.
 
 On a shared machine, run with ``OMP_WAIT_POLICY=PASSIVE`` (spinning OpenMP threads of an oversubscribed
 CPU measure the scheduler instead), and compare only figures of one invocation.
@@ -78,7 +78,7 @@ def _measure(config: Config, warmup: int, steps: int) -> dict:
         pipeline.wrap_compute = clock.wrap  # before the first step builds the schedule
     for _ in range(warmup):
         trainer.train_step()
-    times, bubbles = [], []
+    times, bubbles, computes = [], [], []
     for _ in range(steps):
         clock.seconds = 0.0
         start = time.perf_counter()
@@ -86,7 +86,9 @@ def _measure(config: Config, warmup: int, steps: int) -> dict:
         times.append(time.perf_counter() - start)
         if pipeline is not None:
             bubbles.append(bubble_fraction(clock.seconds, pipeline.last_step_seconds))
-    return {"seconds": statistics.median(times), "bubble": statistics.median(bubbles) if bubbles else None}
+            computes.append(clock.seconds)
+    return {"seconds": statistics.median(times), "bubble": statistics.median(bubbles) if bubbles else None,
+            "compute": statistics.median(computes) if computes else None}
 
 
 def measure_layouts(config_path: str | None, overrides: list[str], layouts: list[str], warmup: int,
@@ -106,7 +108,8 @@ def measure_layouts(config_path: str | None, overrides: list[str], layouts: list
             rows.append({
                 "layout": layout, "procs": world_size, "seconds": ranks[0]["seconds"],
                 "tokens_per_s": config.train.global_batch_size * config.train.seq_len / ranks[0]["seconds"],
-                "rank_bubbles": bubbles, "bubble": statistics.mean(bubbles) if bubbles else None,
+                "rank_bubbles": bubbles, "rank_compute": [rank["compute"] for rank in ranks if rank["compute"] is not None],
+                "bubble": statistics.mean(bubbles) if bubbles else None,
                 "theory": ideal_bubble(parallel.pp, parallel.microbatches) if parallel.pp > 1 else None,
             })
     for row in rows:
@@ -116,11 +119,11 @@ def measure_layouts(config_path: str | None, overrides: list[str], layouts: list
 
 def report(rows: list[dict]) -> None:
     print(f"{'layout':<48} {'procs':>5} {'step s':>8} {'tokens/s':>9} {'vs single':>9} "
-          f"{'bubble':>7} {'(p-1)/(m+p-1)':>13}  per-rank bubble")
+          f"{'bubble':>7} {'(p-1)/(m+p-1)':>13}  per-rank bubble (compute s)")
     for row in rows:
         bubble = f"{row['bubble']:.3f}" if row["bubble"] is not None else "-"
         theory = f"{row['theory']:.3f}" if row["theory"] is not None else "-"
-        ranks = " ".join(f"{value:.3f}" for value in row["rank_bubbles"])
+        ranks = " ".join(f"{value:.3f} ({compute:.3f})" for value, compute in zip(row["rank_bubbles"], row["rank_compute"]))
         print(f"{row['layout']:<48} {row['procs']:>5} {row['seconds']:>8.3f} {row['tokens_per_s']:>9,.0f} "
               f"{row['vs_single']:>8.2f}x {bubble:>7} {theory:>13}  {ranks}")
 

@@ -1,27 +1,39 @@
-"""``xscale bench train``: xscale vs Hugging Face GPT2LMHeadModel, same shape, same machine, one run.
+"""``xscale bench train``: xscale vs Hugging Face GPT2LMHeadModel, same shape, same precision, same machine, one run.
 
-Both models train (forward + backward + AdamW step) on the same random tokens in fp32; the
-benchmark alternates between them so that machine noise hits both, and prints tokens/s, the
-ratio xscale / HF, and each one's MFU against this device's measured matmul peak.
+Both models train (forward + backward + AdamW step) on the same random tokens, in fp32 or under bf16 autocast
+(``--precision``); the benchmark alternates between them so that machine noise hits both, and prints tokens/s, the
+ratio xscale / HF, and each one's MFU against this device's peak (:mod:`xscale.train.peak_flops`: the best of several
+GEMM shapes in that dtype, cached; or ``--peak-flops``). ``--profile``: a torch.profiler breakdown of one xscale step
+(the top ops by self time and the share of the step spent in matrix products).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from xscale.command_line import CommandParser
+from xscale.config import Config
 from xscale.interop.hf.load import model_config_from_hf, state_dict_from_hf
 from xscale.models import build_model
+from xscale.models.parameters import count_parameters
 from xscale.parallel.model import ParallelModel
-from xscale.train.metrics import flops_per_token, measure_matmul_peak
+from xscale.train.bf16_support import bf16_warning
+from xscale.train.metrics import flops_per_token
+from xscale.train.peak_flops import peak_flops
 from xscale.train.step import forward_backward_step
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation")
 
-def _hf_step(model, optimizer, tokens: torch.Tensor) -> None:
-    loss = model(tokens, labels=tokens).loss
+
+def _hf_step(model, optimizer, tokens: torch.Tensor, autocast_dtype: torch.dtype | None) -> None:
+    with torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        loss = model(tokens, labels=tokens).loss
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -34,7 +46,19 @@ def _xscale_step(model: ParallelModel, optimizer, tokens: torch.Tensor) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def profile_breakdown(step: Callable[[], None], top: int = 10) -> tuple[list[tuple[str, float]], float]:
+    """One run of ``step`` under torch.profiler: the ``top`` ops by self CPU time (name, seconds) and the share of
+    all ops' self time spent in matrix products (mm, addmm, bmm, baddbmm)."""
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        step()
+    totals = [(event.key, event.self_cpu_time_total / 1e6) for event in profiler.key_averages()]
+    totals.sort(key=lambda item: -item[1])
+    everything = sum(seconds for _, seconds in totals)
+    gemm = sum(seconds for name, seconds in totals if name in GEMM_OPS)
+    return totals[:top], gemm / everything if everything else 0.0
+
+
+def _arguments(argv: list[str] | None):
     parser = CommandParser(prog="xscale bench train", description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--width", type=int, default=768)
@@ -44,7 +68,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per model (after one warm-up)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--precision", choices=tuple(DTYPES), default="fp32",
+                        help="fp32, or bf16 autocast (fp32 weights) for both models")
+    parser.add_argument("--peak-flops", type=float, default=None,
+                        help="FLOP/s for MFU (default: the measured, cached best GEMM rate in --precision's dtype)")
+    parser.add_argument("--profile", action="store_true", help="print a torch.profiler breakdown of one xscale step")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _arguments(argv)
+    if args.peak_flops is not None and not args.peak_flops > 0:
+        print(f"xscale bench train: --peak-flops {args.peak_flops} must be a positive FLOP/s figure")
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -52,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("xscale bench train needs transformers (pip install -e .[dev])")
         return 2
+    if warning := bf16_warning(args.precision, "cpu"):
+        print(warning)
+    autocast_dtype = DTYPES[args.precision] if args.precision == "bf16" else None
 
     torch.manual_seed(0)
     hf_config = transformers.GPT2Config(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.width,
@@ -63,13 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     ours = build_model(config, "cpu")
     ours.load_state_dict(state_dict_from_hf(hf.state_dict(), config, "gpt2"))
     ours.train()
-    parallel = ParallelModel([ours], micro_batch_size=args.batch)
+    parallel = ParallelModel([ours], micro_batch_size=args.batch, autocast_dtype=autocast_dtype)
     hf_optimizer = torch.optim.AdamW(hf.parameters(), lr=1e-4)
     our_optimizer = torch.optim.AdamW(ours.parameters(), lr=1e-4)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq))
     tokens_per_step = args.batch * args.seq
 
-    runs = {"huggingface": lambda: _hf_step(hf, hf_optimizer, tokens),
+    runs = {"huggingface": lambda: _hf_step(hf, hf_optimizer, tokens, autocast_dtype),
             "xscale": lambda: _xscale_step(parallel, our_optimizer, tokens)}
     times: dict[str, list[float]] = {name: [] for name in runs}
     for step in runs.values():  # warm-up
@@ -80,12 +119,13 @@ def main(argv: list[str] | None = None) -> int:
             step()
             times[name].append(time.perf_counter() - start)
 
-    peak = measure_matmul_peak(torch.float32)
-    num_params = sum(p.numel() for p in ours.parameters()) - args.vocab * args.width
-    flops = flops_per_token(config, args.seq, num_params)
+    peak = args.peak_flops or peak_flops(DTYPES[args.precision], "cpu")
+    count = count_parameters(Config(model=config))
+    flops = flops_per_token(config, args.seq, count.active_non_embedding)
     print(f"GPT-2-shaped: {args.layers} layers, width {args.width}, {args.heads} heads, vocab {args.vocab}, "
-          f"batch {args.batch}x{args.seq}, fp32, {torch.get_num_threads()} threads")
-    print(f"measured fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s")
+          f"batch {args.batch}x{args.seq}, {args.precision}, {torch.get_num_threads()} threads")
+    source = "given" if args.peak_flops else "best of several GEMM shapes, cached"
+    print(f"{args.precision} matmul peak: {peak / 1e9:.1f} GFLOP/s ({source})")
     rates = {}
     for name, samples in times.items():
         median = statistics.median(samples)
@@ -93,4 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:12s} {rates[name]:10.1f} tokens/s  (median step {median:.3f} s over {len(samples)})  "
               f"MFU {rates[name] * flops / peak:.1%}")
     print(f"ratio xscale / huggingface: {rates['xscale'] / rates['huggingface']:.3f}x")
+    if args.profile:
+        top, gemm_share = profile_breakdown(runs["xscale"])
+        print(f"profile of one xscale step: matrix products (mm/addmm/bmm) {gemm_share:.1%} of op self time; top ops:")
+        for name, seconds in top:
+            print(f"  {name:<40} {1e3 * seconds:9.2f} ms")
     return 0

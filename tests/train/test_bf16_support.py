@@ -1,0 +1,35 @@
+"""bf16 on a CPU without AVX512_BF16/AMX is emulated: one warning at the start of a run says so."""
+
+from __future__ import annotations
+
+import pytest
+
+from xscale.train import bf16_support
+from xscale.train.bf16_support import bf16_warning
+
+
+@pytest.fixture
+def cpu(monkeypatch):
+    def set_cpu(capability: str, flags: set[str]):
+        monkeypatch.setattr(bf16_support.torch.backends.cpu, "get_cpu_capability", lambda: capability)
+        monkeypatch.setattr(bf16_support, "cpu_flags", lambda: flags)
+    return set_cpu
+
+
+def test_bf16_on_an_avx2_cpu_warns(cpu):
+    cpu("AVX2", {"avx2", "fma"})
+    warning = bf16_warning("bf16", "cpu")
+    assert warning is not None and "AVX2" in warning and "AVX512_BF16" in warning
+
+
+@pytest.mark.parametrize(("capability", "flags"), [("AVX512", {"avx512f", "avx512_bf16"}), ("AVX512", {"amx_bf16"}),
+                                                   ("AMX", set()), ("AVX512_BF16", set())])
+def test_native_bf16_does_not_warn(cpu, capability, flags):
+    cpu(capability, flags)
+    assert bf16_warning("bf16", "cpu") is None
+
+
+def test_fp32_and_gpus_do_not_warn(cpu):
+    cpu("AVX2", set())
+    assert bf16_warning("fp32", "cpu") is None
+    assert bf16_warning("bf16", "cuda") is None

@@ -1,0 +1,101 @@
+"""The denominator of MFU: the best FLOP/s this device reaches on large matrix products, measured once and cached.
+
+One square product under-states a CPU or GPU whose kernels prefer another aspect ratio, so the peak is the best of
+several large GEMM shapes (Chowdhery et al. 2022, appendix B divide by the hardware's peak; without a datasheet
+figure, the best achieved GEMM rate is the honest stand-in). ``train.peak_flops`` overrides it. The measurement
+takes a few seconds, so it is kept in ``~/.cache/xscale/peak_flops.json`` (``$XDG_CACHE_HOME`` is honoured), keyed by
+torch version, device (CPU model or GPU name), dtype and thread count: any of them changing measures again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+# (m, k, n) of A[m, k] @ B[k, n]: square, tall-skinny and wide products, the shapes of a Transformer's projections.
+GEMM_SHAPES: tuple[tuple[int, int, int], ...] = ((1024, 1024, 1024), (2048, 2048, 2048), (4096, 1024, 1024),
+                                                 (1024, 4096, 1024), (2048, 1024, 4096))
+MIN_SECONDS = 0.2  # each shape runs at least this long (after a warm-up) so one slow call does not decide
+
+GemmTimer = Callable[[tuple[int, int, int], torch.dtype, str], float]
+
+
+def gemm_seconds(shape: tuple[int, int, int], dtype: torch.dtype, device: str) -> float:
+    """Seconds of one ``[m, k] @ [k, n]`` product on ``device``: the mean over repeats lasting ``MIN_SECONDS``."""
+    m, k, n = shape
+    a = torch.randn(m, k, dtype=dtype, device=device)
+    b = torch.randn(k, n, dtype=dtype, device=device)
+    a @ b  # warm-up: kernel selection, page faults
+    synchronize = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    synchronize()
+    repeats, start = 0, time.perf_counter()
+    while repeats < 2 or time.perf_counter() - start < MIN_SECONDS:
+        a @ b
+        repeats += 1
+    synchronize()
+    return (time.perf_counter() - start) / repeats
+
+
+def best_gemm_flops(dtype: torch.dtype, device: str = "cpu", shapes: tuple[tuple[int, int, int], ...] = GEMM_SHAPES,
+                    seconds: GemmTimer = gemm_seconds) -> float:
+    """The highest FLOP/s (2mkn per product) over ``shapes``."""
+    return max(2.0 * m * k * n / seconds((m, k, n), dtype, device) for m, k, n in shapes)
+
+
+def device_name(device: str) -> str:
+    """What the peak depends on besides dtype: the GPU's name, or the CPU model and the threads torch uses."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"{cpu_model()} x{torch.get_num_threads()} threads"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cache_file() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "xscale" / "peak_flops.json"
+
+
+def cache_key(dtype: torch.dtype, device: str) -> str:
+    return f"torch {torch.__version__} | {device_name(device)} | {str(dtype).removeprefix('torch.')}"
+
+
+def peak_flops(dtype: torch.dtype, device: str = "cpu", path: Path | None = None,
+               measure: Callable[[torch.dtype, str], float] = best_gemm_flops) -> float:
+    """This device's peak FLOP/s for ``dtype``: from the cache, or measured (:func:`best_gemm_flops`) and cached.
+    An unreadable cache is measured over; an unwritable one only costs the next run the measurement."""
+    path = path or cache_file()
+    key = cache_key(dtype, device)
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if not isinstance(cached, dict):
+        cached = {}
+    value = cached.get(key)
+    if isinstance(value, (int, float)) and value > 0:
+        return float(value)
+    value = measure(dtype, device)
+    cached[key] = value
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(cached, indent=1, sort_keys=True))
+        temporary.replace(path)  # concurrent runs each write a whole file
+    except OSError:
+        pass
+    return value
