@@ -21,6 +21,10 @@ import torch
 # (m, k, n) of A[m, k] @ B[k, n]: square, tall-skinny and wide products, the shapes of a Transformer's projections.
 GEMM_SHAPES: tuple[tuple[int, int, int], ...] = ((1024, 1024, 1024), (2048, 2048, 2048), (4096, 1024, 1024),
                                                  (1024, 4096, 1024), (2048, 1024, 4096))
+# A CPU reaches its GEMM rate at smaller sizes, and emulated bf16 (no AVX512_BF16/AMX) runs ~15x slower than fp32:
+# products of at most 2 GFLOP keep the one-time measurement to seconds there.
+CPU_GEMM_SHAPES: tuple[tuple[int, int, int], ...] = ((512, 512, 512), (1024, 1024, 1024), (2048, 512, 512),
+                                                     (512, 2048, 512), (1024, 512, 2048))
 MIN_SECONDS = 0.2  # each shape runs at least this long (after a warm-up) so one slow call does not decide
 
 GemmTimer = Callable[[tuple[int, int, int], torch.dtype, str], float]
@@ -35,16 +39,18 @@ def gemm_seconds(shape: tuple[int, int, int], dtype: torch.dtype, device: str) -
     synchronize = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     synchronize()
     repeats, start = 0, time.perf_counter()
-    while repeats < 2 or time.perf_counter() - start < MIN_SECONDS:
+    while repeats < 1 or time.perf_counter() - start < MIN_SECONDS:
         a @ b
         repeats += 1
     synchronize()
     return (time.perf_counter() - start) / repeats
 
 
-def best_gemm_flops(dtype: torch.dtype, device: str = "cpu", shapes: tuple[tuple[int, int, int], ...] = GEMM_SHAPES,
+def best_gemm_flops(dtype: torch.dtype, device: str = "cpu", shapes: tuple[tuple[int, int, int], ...] | None = None,
                     seconds: GemmTimer = gemm_seconds) -> float:
-    """The highest FLOP/s (2mkn per product) over ``shapes``."""
+    """The highest FLOP/s (2mkn per product) over ``shapes`` (default: the device's: GEMM_SHAPES, CPU_GEMM_SHAPES)."""
+    if shapes is None:
+        shapes = CPU_GEMM_SHAPES if device == "cpu" else GEMM_SHAPES
     return max(2.0 * m * k * n / seconds((m, k, n), dtype, device) for m, k, n in shapes)
 
 
