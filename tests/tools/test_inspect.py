@@ -97,3 +97,10 @@ def test_measure_refuses_what_it_cannot_run_in_one_line(capsys):
     assert main(["inspect", *TINY, "model.moe.num_experts=2", "--measure"]) == 2  # data-dependent dispatch
     err = capsys.readouterr().err
     assert "--measure cannot run this model on fake tensors" in err and "Traceback" not in err
+
+
+def test_components_lists_the_relative_positions_and_residual_placements(capsys):
+    assert main(["inspect", "--components"]) == 0
+    lines = {line.split()[0]: line.split(maxsplit=1)[1] for line in capsys.readouterr().out.splitlines()[1:]}
+    assert {"shaw", "xl"} <= set(lines["model.position"].split(", "))
+    assert {"rezero", "deepnorm"} <= set(lines["model.norm_placement"].split(", "))

@@ -1,9 +1,13 @@
 """One Transformer layer: self-attention, optional cross-attention, FFN (or MoE), with residual norms.
 
-Placement (Xiong et al. 2020; Ding et al. 2021 for sandwich):
+Placement (Xiong et al. 2020; Ding et al. 2021 for sandwich; Bachlechner et al. 2020; Wang et al. 2022):
   post:     x = norm(x + f(x))
   pre:      x = x + f(norm(x))
   sandwich: x = x + norm_out(f(norm_in(x)))
+  rezero:   x = x + alpha f(x), alpha a learned scalar initialised to 0, no norm
+  deepnorm: x = norm(alpha x + f(x)), alpha fixed by the depth (:mod:`xscale.models.deepnorm`, with its init)
+These are placements, not norms: they say how the residual and the norm (model.norm) combine, and deepnorm still
+uses model.norm. Only pre and sandwich end a stack with a final norm.
 
 A block whose attention core ``carries_scores`` (RealFormer, He et al. 2020) takes the previous layer's
 pre-softmax scores and returns ``(x, scores)``: the scores ride beside the residual stream, so a pipeline
@@ -17,6 +21,7 @@ from torch import nn
 
 from xscale.config import ModelConfig
 from xscale.models.attention import Attention
+from xscale.models.deepnorm import deepnorm_scales
 from xscale.models.dropout import Dropout
 from xscale.models.ffn import build_ffn
 from xscale.models.moe import build_moe
@@ -24,30 +29,51 @@ from xscale.models.norm import build_norm
 from xscale.models.position import PositionEncoding
 from xscale.runtime import StepContext
 
+# The placements that normalise a sub-layer's input, and so end a stack with a final norm.
+PRE_NORM_PLACEMENTS = ("pre", "sandwich")
+
+
+class ReZeroGain(nn.Module):
+    """alpha, one learned scalar initialised to 0 (Bachlechner et al. 2020, eq. 3); shape [1], not 0-d, as FSDP2
+    (ZeRO-3) refuses 0-d parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rezero_alpha = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rezero_alpha.to(x.dtype) * x
+
 
 class Residual(nn.Module):
-    """A sub-layer with its norm(s), dropout and residual connection, in the configured placement."""
+    """A sub-layer with its norm(s), dropout and residual connection, in the configured placement.
+    ``in_decoder``: the block is in an encoder-decoder's decoder (DeepNorm's alpha differs there)."""
 
-    def __init__(self, config: ModelConfig, sublayer: nn.Module) -> None:
+    def __init__(self, config: ModelConfig, sublayer: nn.Module, in_decoder: bool = False) -> None:
         super().__init__()
         self.placement = config.norm_placement
         self.sublayer = sublayer
-        self.norm = build_norm(config.norm, config.d_model, config.norm_eps)
+        self.norm = None if self.placement == "rezero" else build_norm(config.norm, config.d_model, config.norm_eps)
         if self.placement == "sandwich":
             self.norm_out = build_norm(config.norm, config.d_model, config.norm_eps)
+        if self.placement == "rezero":
+            self.gain = ReZeroGain()
+        self.residual_scale = deepnorm_scales(config, in_decoder)[0] if self.placement == "deepnorm" else 1.0
         self.dropout = Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, *args, context: StepContext | None = None,
                 **kwargs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The sub-layer may return ``(out, carry)``: the carry passes through untouched beside the result."""
-        out = self.sublayer(x if self.placement == "post" else self.norm(x), *args, context=context, **kwargs)
+        normed_input = self.placement in PRE_NORM_PLACEMENTS
+        out = self.sublayer(self.norm(x) if normed_input else x, *args, context=context, **kwargs)
         out, carry = out if isinstance(out, tuple) else (out, None)
-        if self.placement == "post":
-            x = self.norm(x + self.dropout(out, context))
+        if self.placement == "sandwich":
+            out = self.norm_out(out)
+        out = self.dropout(out, context)
+        if self.placement in ("post", "deepnorm"):
+            x = self.norm(self.residual_scale * x + out)
         else:
-            if self.placement == "sandwich":
-                out = self.norm_out(out)
-            x = x + self.dropout(out, context)
+            x = x + (self.gain(out) if self.placement == "rezero" else out)
         return x if carry is None else (x, carry)
 
 
@@ -59,14 +85,16 @@ def build_feed_forward(config: ModelConfig, layer_index: int) -> nn.Module:
 
 class TransformerBlock(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, *, causal: bool, cross: bool = False,
-                 uses_bias: bool = False) -> None:
+                 uses_bias: bool = False, mixes_values: bool = False) -> None:
         super().__init__()
         self.layer_index = layer_index
-        self.attention = Residual(config, Attention(config, layer_index, causal=causal, uses_bias=uses_bias))
+        in_decoder = cross  # an encoder-decoder's decoder (DeepNorm)
+        self.attention = Residual(config, Attention(config, layer_index, causal=causal, uses_bias=uses_bias,
+                                                    mixes_values=mixes_values), in_decoder)
         self.cross_attention = (
-            Residual(config, Attention(config, layer_index, causal=False, cross=True)) if cross else None
+            Residual(config, Attention(config, layer_index, causal=False, cross=True), in_decoder) if cross else None
         )
-        self.feed_forward = Residual(config, build_feed_forward(config, layer_index))
+        self.feed_forward = Residual(config, build_feed_forward(config, layer_index), in_decoder)
         self.carries_scores = self.attention.sublayer.core.carries_scores
 
     def forward(self, x: torch.Tensor, position: PositionEncoding | None = None, memory: torch.Tensor | None = None,

@@ -61,7 +61,7 @@ from xscale.parallel.tensor.vocab_parallel import VocabParallelEmbedding
 from xscale.runtime import StepContext
 
 # The hooks through which a position encoding computes (it has no forward).
-POSITION_METHODS = ("embed", "rotate", "bias")
+POSITION_METHODS = ("embed", "rotate", "bias", "content_bias", "value_term")
 # How each attention core's heads are split, by the ``tp`` its parallel_traits declare (xscale.models.traits).
 HEAD_SPLITS = {"split_heads": "heads split", "gather_heads": "q and k gathered",
                "head_state": "their per-head state split by head"}
@@ -234,6 +234,7 @@ def _parallelize_norm(norm: nn.Module | None, mesh: DeviceMesh, sequence_paralle
 def _parallelize_residual(residual: Residual, mesh: DeviceMesh, sequence_parallel: bool) -> None:
     _parallelize_norm(residual.norm, mesh, sequence_parallel)
     _parallelize_norm(getattr(residual, "norm_out", None), mesh, sequence_parallel)
+    _parallelize_norm(getattr(residual, "gain", None), mesh, sequence_parallel)  # ReZero's alpha, on the stream
 
 
 def _parallelize_block(block: TransformerBlock, mesh: DeviceMesh, config: ModelConfig,
@@ -298,7 +299,8 @@ def apply_tensor_parallel(model: Transformer | nn.Module, tp_mesh: DeviceMesh, *
     for stack in stacks:
         # The full sequence reaches position tables on every rank; T5's table is read per head.
         if stack.position is not None:
-            replicate_parameters(stack.position, tp_mesh, sum_gradients=stack.position.biases_logits,
+            per_head_use = stack.position.biases_logits or stack.position.biases_from_content
+            replicate_parameters(stack.position, tp_mesh, sum_gradients=per_head_use,
                                  methods=POSITION_METHODS)
         for block in stack.layers.values():
             _parallelize_block(block, tp_mesh, config, sequence_parallel)
