@@ -104,9 +104,20 @@ def test_component_under_data_tensor_parallel_and_zero3(option, name, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(PAIRED_CASES))
 def test_paired_components_under_data_tensor_parallel_and_zero3(case, tmp_path):
+    """The gradient norms too: a table every tp rank reads for its own heads needs its partial gradients summed,
+    which the losses alone barely show (AdamW is nearly blind to the gradient's scale)."""
     settings = [f"model.{option}={name}" for option, name in PAIRED_CASES[case].items()]
     overrides = [*DECODER, *DROPOUT, "train.micro_batch_size=2", "model.max_seq_len=16", *settings]
-    assert_parity(overrides, [COMPONENT_LAYOUT], tmp_path)
+    assert_parity(overrides, [COMPONENT_LAYOUT], tmp_path, same_grad_norms=True)
+
+
+@pytest.mark.slow
+def test_relative_positions_and_rezero_under_zero_bubble_pipeline(tmp_path):
+    """Shaw's tables, read by every block of the stack, are held by both stages of each rank (their gradients
+    summed) and reach the split backward of zero bubble's input and weight halves."""
+    settings = [f"model.{option}={name}" for option, name in PAIRED_CASES["shaw-rezero"].items()]
+    overrides = [*DECODER, *DROPOUT, "model.n_layers=4", *settings]
+    assert_parity(overrides, ["pp=2,microbatches=2,pp_schedule=zero_bubble,pp_stages_per_rank=2"], tmp_path)
 
 
 @pytest.mark.slow
