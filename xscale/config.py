@@ -77,7 +77,7 @@ class ModelConfig:
     position: str = "rope"  # sinusoidal | learned | rope | alibi | t5_bias | none
     rope_theta: float = 10000.0
     norm: str = "rmsnorm"  # layernorm | rmsnorm
-    norm_placement: str = "pre"  # pre | post | sandwich
+    norm_placement: str = "pre"  # pre | post | sandwich | rezero | deepnorm
     norm_eps: float = 1e-5
     embedding_norm: bool = False  # norm after the embeddings (BERT)
     ffn: str = "swiglu"  # relu | gelu | gelu_tanh | swiglu | geglu | reglu
@@ -283,7 +283,7 @@ def closest(name: str, choices: typing.Iterable[str]) -> str:
 
 CHOICES = {
     "model.family": ("decoder", "encoder", "encoder_decoder"),
-    "model.norm_placement": ("pre", "post", "sandwich"),
+    "model.norm_placement": ("pre", "post", "sandwich", "rezero", "deepnorm"),
     "model.pooling": ("cls", "mean"),
     "train.task": ("lm", "classify"),
     "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"),

@@ -22,10 +22,13 @@ def _model(**fields):
     {"position": "alibi", "n_kv_heads": 1},
     {"position": "sinusoidal"},
     {"position": "t5_bias"},
+    {"position": "shaw", "n_kv_heads": 2},
+    {"position": "xl", "n_kv_heads": 1},
     {"position": "rope", "share_layers": True},
     {"position": "rope", "share_layers": True, "act": True},
     {"position": "rope", "reversible": True},
-], ids=["rope-gqa", "learned", "alibi-mqa", "sinusoidal", "t5_bias", "rope-shared-layers", "act", "reversible"])
+], ids=["rope-gqa", "learned", "alibi-mqa", "sinusoidal", "t5_bias", "shaw-gqa", "xl-mqa", "rope-shared-layers", "act",
+        "reversible"])
 def test_pieces_through_the_cache_equal_one_forward(fields):
     model = _model(**fields)
     tokens = torch.randint(0, 61, (2, 13), generator=torch.Generator().manual_seed(0))

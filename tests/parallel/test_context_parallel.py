@@ -126,6 +126,8 @@ REFUSALS = [
     (["model.family=encoder_decoder"], 2, "not encoder-decoder models.*model.family=decoder"),
     (["train.compile=true"], 2, r"does not combine with train.compile=true .*; set train.compile=false"),
     (["model.attention.kind=linformer"], 2, "attention 'linformer' is not sharded by context parallelism.*dense, gqa, mha, mqa"),
+    (["model.position=shaw"], 2, r"model.position=shaw has no context-parallel plan.*or parallel.cp=1"),
+    (["model.position=xl"], 2, r"model.position=xl has no context-parallel plan.*or parallel.cp=1"),
     (["train.seq_len=15"], 2, "cut.* into cp=2 equal slices; make train.seq_len=15 a multiple of 2"),
     (["train.seq_len=18", "parallel.cp_load_balance=true"], 2,
      r"2 x cp = 4 chunks \(parallel.cp_load_balance=true\); make train.seq_len=18 a multiple of 4"),

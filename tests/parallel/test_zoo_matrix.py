@@ -6,7 +6,7 @@ layout-independent too).
   checkpointing, 2 microbatches (the single process runs the same microbatches: routing attention moves its
   centroids per microbatch); adaptive span with a penalty large enough to show, Performer/RFA redrawing every 3
   steps;
-- FFN, norm and position encoding: dp2 x tp2 + ZeRO-3;
+- FFN, norm, position encoding and residual placement: dp2 x tp2 + ZeRO-3 (the newer ones two to a case);
 - MoE router: dp4 x ep2 and pp2 x dp2 x ep2 (4 processes each; one routing group of 4 sequences per microbatch,
   as the single process routes them), with the MoE metrics checked too;
 - stack variant (``STACK_VARIANTS``): the layouts it takes (those it refuses are tested in
@@ -21,6 +21,7 @@ import pytest
 from parity_models import DECODER, ENCODER, assert_parity
 
 from tests.parallel.test_expert_layouts import GSHARD, HASH, SWITCH, TRAINING, assert_layouts_match
+from xscale.config import CHOICES
 from xscale.models.registry import ATTENTION, FFN, NORM, POSITION, ROUTER
 from xscale.models.transformer import STACK_VARIANTS
 
@@ -52,6 +53,14 @@ ATTENTION_CASES = _attention_kinds()
 COMPONENT_CASES = {"ffn": ["gelu", "gelu_tanh", "geglu", "reglu", "relu", "swiglu"],
                    "norm": ["layernorm", "rmsnorm", "scalenorm"],
                    "position": ["alibi", "learned", "none", "rope", "sinusoidal", "t5_bias"]}
+# Components run in pairs, two to a case (one relative position with one residual placement), to keep the slow tier
+# short; they count as covered like COMPONENT_CASES.
+PAIRED_CASES = {"shaw-rezero": {"position": "shaw", "norm_placement": "rezero"},
+                "xl-deepnorm": {"position": "xl", "norm_placement": "deepnorm", "norm": "layernorm"}}
+# Residual placements checked under tensor parallelism elsewhere (pre: every case here runs it, the default).
+PLACEMENTS_ELSEWHERE = {"pre": "the default of every case here",
+                        "post": "test_tensor_parallel.py's BERT cases and parity_models.py's encoder",
+                        "sandwich": "test_tensor_parallel.py's decoder-untied-sandwich-bias-sp"}
 ROUTER_CASES = {"switch": SWITCH, "gshard": GSHARD, "hash": HASH,
                 "expert_choice": ["model.family=encoder", "model.moe.router=expert_choice"]}
 # ALBERT sharing's layouts (pipeline, ZeRO-3, tp) are test_layouts.py's test_shared_layers_* cases.
@@ -70,6 +79,7 @@ def test_every_registered_component_has_a_matrix_case(option, registry):
         missing = {name for name in registry.names() if registry.get(name) not in covered}
     else:
         covered = set(ROUTER_CASES) if option == "router" else set(COMPONENT_CASES[option])
+        covered |= {case[option] for case in PAIRED_CASES.values() if option in case}
         missing = set(registry.names()) - covered
     assert not missing, f"{option}s without a zoo-matrix case: {sorted(missing)}"
 
@@ -84,6 +94,13 @@ def test_stack_variant_under_the_layouts_it_takes(variant, tmp_path):
     overrides, layout = STACK_CASES[variant]
     assert_parity([*DECODER, *DROPOUT, "train.micro_batch_size=2", *overrides], [layout], tmp_path,
                   same_grad_norms=True)
+
+
+def test_every_norm_placement_has_a_matrix_case():
+    """model.norm_placement is a choice, not a registry: each value is run here or named with where it is run."""
+    covered = {case["norm_placement"] for case in PAIRED_CASES.values() if "norm_placement" in case}
+    missing = set(CHOICES["model.norm_placement"]) - covered - set(PLACEMENTS_ELSEWHERE)
+    assert not missing, f"norm placements without a zoo-matrix case: {sorted(missing)}"
 
 
 @pytest.mark.slow
@@ -102,6 +119,25 @@ def test_attention_under_pipeline_tensor_sequence_parallel_and_recomputation(kin
 def test_component_under_data_tensor_parallel_and_zero3(option, name, tmp_path):
     overrides = [*DECODER, *DROPOUT, "train.micro_batch_size=2", "model.max_seq_len=16", f"model.{option}={name}"]
     assert_parity(overrides, [COMPONENT_LAYOUT], tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(PAIRED_CASES))
+def test_paired_components_under_data_tensor_parallel_and_zero3(case, tmp_path):
+    """The gradient norms too: a table every tp rank reads for its own heads needs its partial gradients summed,
+    which the losses alone barely show (AdamW is nearly blind to the gradient's scale)."""
+    settings = [f"model.{option}={name}" for option, name in PAIRED_CASES[case].items()]
+    overrides = [*DECODER, *DROPOUT, "train.micro_batch_size=2", "model.max_seq_len=16", *settings]
+    assert_parity(overrides, [COMPONENT_LAYOUT], tmp_path, same_grad_norms=True)
+
+
+@pytest.mark.slow
+def test_relative_positions_and_rezero_under_zero_bubble_pipeline(tmp_path):
+    """Shaw's tables, read by every block of the stack, are held by both stages of each rank (their gradients
+    summed) and reach the split backward of zero bubble's input and weight halves."""
+    settings = [f"model.{option}={name}" for option, name in PAIRED_CASES["shaw-rezero"].items()]
+    overrides = [*DECODER, *DROPOUT, "model.n_layers=4", *settings]
+    assert_parity(overrides, ["pp=2,microbatches=2,pp_schedule=zero_bubble,pp_stages_per_rank=2"], tmp_path)
 
 
 @pytest.mark.slow

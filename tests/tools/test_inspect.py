@@ -119,3 +119,10 @@ def test_inspect_prints_each_pipeline_stage_predicted_cost(capsys):
     assert "stage 0 (embedding, layers 0-2)" in out and "stage 1 (layer 3, head)" in out
     assert main(["inspect", *wide_head, "parallel.pp_split=[2,2]"]) == 0
     assert "split [2, 2], parallel.pp_split" in capsys.readouterr().out
+
+
+def test_components_lists_the_relative_positions_and_residual_placements(capsys):
+    assert main(["inspect", "--components"]) == 0
+    lines = {line.split()[0]: line.split(maxsplit=1)[1] for line in capsys.readouterr().out.splitlines()[1:]}
+    assert {"shaw", "xl"} <= set(lines["model.position"].split(", "))
+    assert {"rezero", "deepnorm"} <= set(lines["model.norm_placement"].split(", "))

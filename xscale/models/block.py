@@ -1,9 +1,13 @@
 """One Transformer layer: self-attention, optional cross-attention, FFN (or MoE), with residual norms.
 
-Placement (Xiong et al. 2020; Ding et al. 2021 for sandwich):
+Placement (Xiong et al. 2020; Ding et al. 2021 for sandwich; Bachlechner et al. 2020; Wang et al. 2022):
   post:     x = norm(x + f(x))
   pre:      x = x + f(norm(x))
   sandwich: x = x + norm_out(f(norm_in(x)))
+  rezero:   x = x + alpha f(x), alpha a learned scalar initialised to 0, no norm
+  deepnorm: x = norm(alpha x + f(x)), alpha fixed by the depth (:mod:`xscale.models.deepnorm`, with its init)
+These are placements, not norms: they say how the residual and the norm (model.norm) combine, and deepnorm still
+uses model.norm. Only pre and sandwich end a stack with a final norm.
 
 A block whose attention core ``carries_scores`` (RealFormer, He et al. 2020) takes the previous layer's
 pre-softmax scores and returns ``(x, scores)``: the scores ride beside the residual stream, so a pipeline
@@ -17,6 +21,7 @@ from torch import nn
 
 from xscale.config import ModelConfig
 from xscale.models.attention import Attention
+from xscale.models.deepnorm import deepnorm_scales
 from xscale.models.dropout import Dropout
 from xscale.models.ffn import build_ffn
 from xscale.models.moe import build_moe
@@ -24,40 +29,63 @@ from xscale.models.norm import build_norm
 from xscale.models.position import PositionEncoding
 from xscale.runtime import StepContext
 
+# The placements that normalise a sub-layer's input, and so end a stack with a final norm.
+PRE_NORM_PLACEMENTS = ("pre", "sandwich")
+
+
+class ReZeroGain(nn.Module):
+    """alpha, one learned scalar initialised to 0 (Bachlechner et al. 2020, eq. 3); shape [1], not 0-d, as FSDP2
+    (ZeRO-3) refuses 0-d parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rezero_alpha = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rezero_alpha.to(x.dtype) * x
+
 
 class Residual(nn.Module):
-    """A sub-layer with its norm(s), dropout and residual connection, in the configured placement."""
+    """A sub-layer with its norm(s), dropout and residual connection, in the configured placement.
+    ``in_decoder``: the block is in an encoder-decoder's decoder (DeepNorm's alpha differs there)."""
 
-    def __init__(self, config: ModelConfig, sublayer: nn.Module) -> None:
+    def __init__(self, config: ModelConfig, sublayer: nn.Module, in_decoder: bool = False) -> None:
         super().__init__()
         self.placement = config.norm_placement
         self.sublayer = sublayer
-        self.norm = build_norm(config.norm, config.d_model, config.norm_eps)
+        self.norm = None if self.placement == "rezero" else build_norm(config.norm, config.d_model, config.norm_eps)
         if self.placement == "sandwich":
             self.norm_out = build_norm(config.norm, config.d_model, config.norm_eps)
+        if self.placement == "rezero":
+            self.gain = ReZeroGain()
+        self.residual_scale = deepnorm_scales(config, in_decoder)[0] if self.placement == "deepnorm" else 1.0
         self.dropout = Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, *args, context: StepContext | None = None,
                 **kwargs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The sub-layer may return ``(out, carry)``: the carry passes through untouched beside the result."""
-        if self.placement != "post":
+        if self.placement not in ("post", "deepnorm"):
             out = self.branch(x, *args, context=context, **kwargs)
             out, carry = out if isinstance(out, tuple) else (out, None)
             return x + out if carry is None else (x + out, carry)
         out = self.sublayer(x, *args, context=context, **kwargs)
         out, carry = out if isinstance(out, tuple) else (out, None)
-        x = self.norm(x + self.dropout(out, context))
+        x = self.norm(self.residual_scale * x + self.dropout(out, context))
         return x if carry is None else (x, carry)
 
     def branch(self, x: torch.Tensor, *args, context: StepContext | None = None,
                **kwargs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """What a pre/sandwich residual adds to ``x``: dropout(f(norm(x))) (sandwich: dropout(norm_out(f(norm(x)))));
-        the reversible stack (:mod:`xscale.models.reversible`) adds it to the other half of the stream."""
-        out = self.sublayer(self.norm(x), *args, context=context, **kwargs)
+        """What a pre/sandwich/rezero residual adds to ``x``: dropout(f(norm(x))) (sandwich: dropout(norm_out(f(norm(x)))),
+        rezero: alpha dropout(f(x))); the reversible stack (:mod:`xscale.models.reversible`) adds it to the other half
+        of the stream."""
+        out = self.sublayer(self.norm(x) if self.placement in PRE_NORM_PLACEMENTS else x, *args, context=context,
+                            **kwargs)
         out, carry = out if isinstance(out, tuple) else (out, None)
         if self.placement == "sandwich":
             out = self.norm_out(out)
         out = self.dropout(out, context)
+        if self.placement == "rezero":
+            out = self.gain(out)
         return out if carry is None else (out, carry)
 
 
@@ -69,14 +97,16 @@ def build_feed_forward(config: ModelConfig, layer_index: int) -> nn.Module:
 
 class TransformerBlock(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, *, causal: bool, cross: bool = False,
-                 uses_bias: bool = False) -> None:
+                 uses_bias: bool = False, mixes_values: bool = False) -> None:
         super().__init__()
         self.layer_index = layer_index
-        self.attention = Residual(config, Attention(config, layer_index, causal=causal, uses_bias=uses_bias))
+        in_decoder = cross  # an encoder-decoder's decoder (DeepNorm)
+        self.attention = Residual(config, Attention(config, layer_index, causal=causal, uses_bias=uses_bias,
+                                                    mixes_values=mixes_values), in_decoder)
         self.cross_attention = (
-            Residual(config, Attention(config, layer_index, causal=False, cross=True)) if cross else None
+            Residual(config, Attention(config, layer_index, causal=False, cross=True), in_decoder) if cross else None
         )
-        self.feed_forward = Residual(config, build_feed_forward(config, layer_index))
+        self.feed_forward = Residual(config, build_feed_forward(config, layer_index), in_decoder)
         self.carries_scores = self.attention.sublayer.core.carries_scores
 
     def forward(self, x: torch.Tensor, position: PositionEncoding | None = None, memory: torch.Tensor | None = None,

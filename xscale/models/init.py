@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from xscale.config import ModelConfig
+from xscale.models.deepnorm import deepnorm_init_std
 from xscale.runtime.hooks import ResetsBuffers
 
 # Output projections of residual branches: std scaled by 1/sqrt(2 * layers) (GPT-2, Radford et al. 2019).
@@ -34,10 +35,13 @@ def initial_value(name: str, shape: torch.Size, config: ModelConfig, seed: int) 
         if leaf == "scale":
             return torch.full(shape, math.sqrt(config.d_model))
         return torch.ones(shape) if leaf == "weight" else torch.zeros(shape)
-    if leaf == "bias":
+    if leaf == "bias" or leaf == "rezero_alpha":  # ReZero's alpha starts at 0 (Bachlechner et al. 2020)
         return torch.zeros(shape)
     generator = torch.Generator().manual_seed(parameter_seed(seed, name))
     std = config.init_std
+    deepnorm_std = deepnorm_init_std(name, tuple(shape), config) if config.norm_placement == "deepnorm" else None
+    if deepnorm_std is not None:
+        return torch.randn(shape, generator=generator) * deepnorm_std
     if name.endswith(RESIDUAL_OUTPUTS):
         std = std / math.sqrt(2 * (config.n_layers + (config.decoder_layers if config.family == "encoder_decoder" else 0)))
     if "router" in name:

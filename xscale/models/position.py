@@ -1,4 +1,4 @@
-"""Position encodings: added to the input, rotated into q/k, or added to attention logits.
+"""Position encodings: added to the input, rotated into q/k, added to attention logits, or read with q/k/v.
 
 Every encoding implements the three hooks of :class:`PositionEncoding`; each hook is the identity
 unless the method acts there. One module serves a whole stack (T5 and ALiBi share across layers).
@@ -27,6 +27,8 @@ class PositionEncoding(nn.Module):
     adds_to_input = False
     rotates_qk = False
     biases_logits = False
+    biases_from_content = False  # content_bias reads q and k (Shaw, Transformer-XL)
+    mixes_values = False  # value_term adds to the attention output (Shaw's a^V)
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, max_seq_len: int, causal: bool,
                  rope_theta: float = 10000.0) -> None:
@@ -47,6 +49,22 @@ class PositionEncoding(nn.Module):
         """Additive logit bias (len(heads), q_len, k_len) for the given heads, or None. Under a context holding part
         of each sequence: the rows of the queries held here against every key of the whole sequence."""
         return None
+
+    def content_bias(self, q: torch.Tensor, k: torch.Tensor, heads: slice,
+                     context: StepContext | None = None) -> torch.Tensor | None:
+        """Additive logit bias (B, len(heads), Tq, Tk) that reads q (B, h, Tq, hd) and k (B, Hkv, Tk, hd), on the
+        scale of q k^T / sqrt(hd). The queries are the last Tq of the Tk positions (a KV cache holds the rest)."""
+        return None
+
+    def value_term(self, probs: torch.Tensor, heads: slice, context: StepContext | None = None) -> torch.Tensor | None:
+        """A term (B, h, Tq, hd) added to probs @ v, from the attention probabilities (B, h, Tq, Tk)."""
+        return None
+
+
+def relative_distances(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
+    """j - i (Tq, Tk) for queries at the last ``q_len`` of ``k_len`` positions (all of them without a KV cache)."""
+    queries = torch.arange(k_len - q_len, k_len, device=device)
+    return torch.arange(k_len, device=device)[None, :] - queries[:, None]
 
 
 def _held(context: StepContext | None) -> bool:

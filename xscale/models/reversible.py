@@ -33,9 +33,9 @@ def check_reversible_config(model: ModelConfig) -> None:
     """Refuse model options the reversible stack cannot invert or replay, each with what to change."""
     if not model.reversible:
         return
-    if model.norm_placement == "post":
-        raise ConfigError("model.reversible=true needs model.norm_placement=pre or sandwich: a post-norm layer "
-                          "norm(x + f(x)) cannot be inverted from its output")
+    if model.norm_placement in ("post", "deepnorm"):
+        raise ConfigError(f"model.reversible=true needs model.norm_placement=pre, sandwich or rezero: a "
+                          f"{model.norm_placement} layer norm(a x + f(x)) cannot be inverted from its output")
     if model.family == "encoder_decoder":
         raise ConfigError("model.reversible=true supports model.family=decoder or encoder (a decoder block's "
                           "cross-attention is a third branch the two-half scheme has no place for)")

@@ -20,7 +20,7 @@ from torch import nn
 
 from xscale.config import ModelConfig
 from xscale.models.act import AdaptiveComputationTime
-from xscale.models.block import TransformerBlock
+from xscale.models.block import PRE_NORM_PLACEMENTS, TransformerBlock
 from xscale.models.classifier import ClassificationHead
 from xscale.models.dropout import Dropout, name_dropout_sites
 from xscale.models.norm import build_norm
@@ -78,14 +78,16 @@ class Stack(nn.Module):
         self.position: PositionEncoding | None = build_position(
             config.position, config.d_model, config.n_heads, config.head_dim, config.max_seq_len, causal,
             config.rope_theta)
-        uses_bias = self.position.biases_logits
+        uses_bias = self.position.biases_logits or self.position.biases_from_content
         built = 1 if config.share_layers else n_layers
         self.layers = nn.ModuleDict({
-            str(i): TransformerBlock(config, first_index + i, causal=causal, cross=cross, uses_bias=uses_bias)
+            str(i): TransformerBlock(config, first_index + i, causal=causal, cross=cross, uses_bias=uses_bias,
+                                     mixes_values=self.position.mixes_values)
             for i in range(built)
         })
         self.final_norm = (
-            build_norm(config.norm, config.d_model, config.norm_eps) if config.norm_placement != "post" else None
+            build_norm(config.norm, config.d_model, config.norm_eps)
+            if config.norm_placement in PRE_NORM_PLACEMENTS else None
         )
         # Depths whose blocks take and pass on RealFormer scores (the whole stack's, kept when a stage is cut).
         self.carrying = tuple(depth for depth, block in zip(range(n_layers), self.blocks()) if block.carries_scores)

@@ -5,3 +5,4 @@ import xscale.models.ffn  # noqa: F401
 import xscale.models.moe  # noqa: F401
 import xscale.models.norm  # noqa: F401
 import xscale.models.position  # noqa: F401
+import xscale.models.positions  # noqa: F401

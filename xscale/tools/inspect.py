@@ -1,16 +1,19 @@
 """``xscale inspect CONFIG``: what a configuration costs before it is launched.
 
 Parameters (built on the meta device: no memory), FLOPs per token, and the memory that
-parameters, gradients, optimizer state and activations take on one device.
+parameters, gradients, optimizer state and activations take on one device. ``--components`` lists every
+registered component and every model choice by name.
 """
 
 from __future__ import annotations
 
 import sys
 
+import xscale.models.zoo  # noqa: F401  (registers every component, for --components)
 from xscale.command_line import CommandParser
-from xscale.config import Config, ConfigError
+from xscale.config import CHOICES, Config, ConfigError
 from xscale.models.parameters import ModelCount, count_parameters, experts_per_token
+from xscale.models.registry import REGISTRIES
 from xscale.models.transformer import stack_variants
 from xscale.parallel.checks import resolve_layout
 from xscale.parallel.dims import rank_coordinates
@@ -206,6 +209,18 @@ def report(config: Config) -> str:
     return "\n".join(lines)
 
 
+def components_report() -> str:
+    """Every registered component (``model.<kind>``; router: ``model.moe.router``) and every ``model.*`` choice."""
+    keys = {"attention": "model.attention.kind", "router": "model.moe.router"}
+    lines = ["components:"]
+    for kind, registry in REGISTRIES.items():
+        lines.append(f"  {keys.get(kind, f'model.{kind}'):<32} {', '.join(registry.names())}")
+    for key, values in CHOICES.items():
+        if key.startswith("model."):
+            lines.append(f"  {key:<32} {', '.join(values)}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = CommandParser(prog="xscale inspect", description=__doc__.splitlines()[0])
     parser.add_argument("config", nargs="?", help="YAML config; omit for the built-in default")
@@ -216,7 +231,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="run one training step on fake tensors and say whether each rank's peak fits")
     parser.add_argument("--device-memory", type=float, default=None, metavar="GiB",
                         help="with --measure: each rank's memory (default: the GPU's, or host RAM / processes)")
+    parser.add_argument("--components", action="store_true",
+                        help="list every registered component and model choice by name, and exit")
     args = parser.parse_args(argv)
+    if args.components:
+        print(components_report())
+        return 0
     if args.device_memory is not None and not args.device_memory > 0:
         print(f"xscale inspect: --device-memory {args.device_memory} must be a positive number of GiB", file=sys.stderr)
         return 2

@@ -49,6 +49,7 @@ class AttentionCore(nn.Module):
     shares_qk: ClassVar[bool] = False  # keys are the queries (Reformer)
     mixes_heads: ClassVar[bool] = False  # heads exchange information: tensor parallelism must refuse it
     carries_scores: ClassVar[bool] = False  # takes and returns pre-softmax scores across layers (RealFormer)
+    exposes_probabilities: ClassVar[bool] = False  # has ``probabilities`` (for a position's value term: Shaw)
     per_head_state: ClassVar[tuple[str, ...]] = ()  # parameters/buffers whose dim 0 is the head (TP slices them)
     # Attention dropout drawn from torch's RNG (SDPA's dropout_p, F.dropout): its masks depend on the layout.
     # Every core here applies ``self.dropout`` to batch-first probabilities, (B, H, Tq, Tk) where tp splits
@@ -121,7 +122,7 @@ def check_heads(core: AttentionCore, state: torch.Tensor, n_heads: int) -> None:
 
 
 def build_core(kind: str, model: ModelConfig, layer_index: int, options: dict[str, Any], causal: bool,
-               uses_bias: bool) -> AttentionCore:
+               uses_bias: bool, mixes_values: bool = False) -> AttentionCore:
     """Build the registered core ``kind``, refusing uses the method cannot serve."""
     cls = ATTENTION.get(kind)
     known = {f.name for f in dataclasses.fields(cls.Options)}
@@ -132,7 +133,12 @@ def build_core(kind: str, model: ModelConfig, layer_index: int, options: dict[st
         raise ConfigError(f"attention '{kind}' is decoder-only; use model.family=decoder")
     if uses_bias and not cls.supports_bias:
         raise ConfigError(
-            f"attention '{kind}' cannot add a logit bias, so model.position=alibi/t5_bias does not combine with it; "
+            f"attention '{kind}' cannot add a logit bias, so model.position={model.position} does not combine with it; "
             f"use model.position=rope, learned or sinusoidal"
+        )
+    if mixes_values and not cls.exposes_probabilities:
+        raise ConfigError(
+            f"attention '{kind}' ({cls.__name__}) does not expose its attention probabilities, which "
+            f"model.position={model.position} adds relative value embeddings with; use model.attention.kind=dense"
         )
     return cls(model, layer_index, parsed)

@@ -29,19 +29,27 @@ class DenseAttention(AttentionCore):
 
     supports_bias = True
     takes_padding_mask = True  # the padding mask enters as a -inf logit bias on the padded keys
+    exposes_probabilities = True
     parallel_traits = ParallelTraits(tp="split_heads", cp=True)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                 bias: torch.Tensor | None = None, context: StepContext | None = None) -> torch.Tensor:
-        k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
-        mask = None if bias is None else bias.to(q.dtype)
-        if causal and (mask is not None or self.drops_probabilities):
-            causal_mask = causal_bias(q.shape[2], k.shape[2], q.device, q.dtype)
-            mask = causal_mask if mask is None else mask + causal_mask
         if self.drops_probabilities:
-            scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
-            probs = torch.softmax(scores if mask is None else scores + mask, dim=-1)
-            return self.dropout(probs, context) @ v
-        if mask is None:
+            return self.probabilities(q, k, causal=causal, bias=bias, context=context) @ expand_kv(v, q.shape[1])
+        k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+        if bias is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal and q.shape[2] > 1)
+        mask = bias.to(q.dtype)
+        if causal:
+            mask = mask + causal_bias(q.shape[2], k.shape[2], q.device, q.dtype)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def probabilities(self, q: torch.Tensor, k: torch.Tensor, *, causal: bool, bias: torch.Tensor | None = None,
+                      context: StepContext | None = None) -> torch.Tensor:
+        """dropout(softmax(Q K^T / sqrt(d) + bias)), (B, H, Tq, Tk): the weights the forward applies to V."""
+        scores = q @ expand_kv(k, q.shape[1]).transpose(-1, -2) * q.shape[-1] ** -0.5
+        if bias is not None:
+            scores = scores + bias.to(q.dtype)
+        if causal:
+            scores = scores + causal_bias(q.shape[2], k.shape[2], q.device, q.dtype)
+        return self.dropout(torch.softmax(scores, dim=-1), context)

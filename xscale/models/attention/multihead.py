@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from xscale.config import ModelConfig
-from xscale.models.attention.core import build_core, check_padding_mask, padding_bias
+from xscale.models.attention.core import build_core, check_padding_mask, expand_kv, padding_bias
 from xscale.models.attention.dense import causal_bias
 from xscale.models.kv_cache import can_cache
 from xscale.models.position import PositionEncoding
@@ -22,7 +22,7 @@ from xscale.runtime import StepContext
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, *, causal: bool, cross: bool = False,
-                 uses_bias: bool = False) -> None:
+                 uses_bias: bool = False, mixes_values: bool = False) -> None:
         super().__init__()
         d, hd = config.d_model, config.head_dim
         self.head_dim = hd
@@ -30,7 +30,7 @@ class Attention(nn.Module):
         self.cross = cross
         kind = "dense" if cross else config.attention.kind_for_layer(layer_index)
         self.core = build_core(kind, config, layer_index, config.attention.options, self.causal,
-                               uses_bias and not cross)
+                               uses_bias and not cross, mixes_values and not cross)
         if self.core.uses_queries:
             self.wq = nn.Linear(d, config.n_heads * hd, bias=config.bias)
         if self.core.uses_keys and not self.core.shares_qk:
@@ -74,6 +74,14 @@ class Attention(nn.Module):
         if context is not None and context.kv_cache is not None and not self.cross:
             k, v, bias = self._extend_from_cache(q, k, v, bias, context)
             causal = False  # now in the bias, over global positions
+        if position is not None and not self.cross and position.biases_from_content:
+            heads = self._heads_held(q.shape[1], context)
+            content = position.content_bias(q, k, heads, context)
+            bias = content if bias is None else bias + content
+            if position.mixes_values:
+                probs = core.probabilities(q, k, causal=causal, bias=bias, context=context)
+                out = probs @ expand_kv(v, q.shape[1]) + position.value_term(probs, heads, context)
+                return self._merge(out)
         if core.carries_scores:
             out, scores = core(q, k, v, causal=causal, bias=bias, previous_scores=scores, context=context)
             return self._merge(out), scores

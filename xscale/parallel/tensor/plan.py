@@ -232,6 +232,7 @@ def _parallelize_norm(norm: nn.Module | None, mesh: DeviceMesh, sequence_paralle
 def _parallelize_residual(residual: Residual, mesh: DeviceMesh, sequence_parallel: bool) -> None:
     _parallelize_norm(residual.norm, mesh, sequence_parallel)
     _parallelize_norm(getattr(residual, "norm_out", None), mesh, sequence_parallel)
+    _parallelize_norm(getattr(residual, "gain", None), mesh, sequence_parallel)  # ReZero's alpha, on the stream
 
 
 def _parallelize_block(block: TransformerBlock, mesh: DeviceMesh, config: ModelConfig,
@@ -297,8 +298,8 @@ def apply_tensor_parallel(model: Transformer | nn.Module, tp_mesh: DeviceMesh, *
         # The full sequence reaches position tables on every rank; T5's table is read per head.
         if stack.position is not None:  # read by the model's forward (embed) and each attention layer's
             attentions = tuple(block.attention.sublayer for block in stack.layers.values())
-            replicate_parameters(stack.position, tp_mesh, sum_gradients=stack.position.biases_logits,
-                                 used_in=(model, *attentions))
+            per_head_use = stack.position.biases_logits or stack.position.biases_from_content
+            replicate_parameters(stack.position, tp_mesh, sum_gradients=per_head_use, used_in=(model, *attentions))
         for block in stack.layers.values():
             _parallelize_block(block, tp_mesh, config, sequence_parallel)
         _parallelize_norm(stack.final_norm, tp_mesh, sequence_parallel)

@@ -1,0 +1,4 @@
+"""Relative position encodings that read the queries, keys or values (each registers itself in POSITION)."""
+
+import xscale.models.positions.shaw  # noqa: F401
+import xscale.models.positions.xl  # noqa: F401
