@@ -115,7 +115,7 @@ def test_activation_memory_is_flat_in_depth():
 
 @pytest.mark.parametrize("overrides,message", [
     (["model.norm_placement=post"], "model.norm_placement=pre, sandwich or rezero"),
-    (["model.norm_placement=deepnorm"], "a deepnorm layer norm(a x + f(x)) cannot be inverted"),
+    (["model.norm_placement=deepnorm"], "a deepnorm layer"),
     (["model.family=encoder_decoder"], "model.family=decoder or encoder"),
     (["model.moe.num_experts=2"], "MoE"),
     (["model.attention.kind=realformer"], "realformer"),
