@@ -143,6 +143,7 @@ class ParallelConfig:
     pp_split: list[int] | None = None  # blocks per stage; None: as even as possible
     microbatches: int | None = None  # pipeline microbatches per step and dp rank; None (null): auto (see above)
     zero_stage: int = 0  # 0 DDP | 1 optimizer state | 2 + gradients | 3 + parameters (FSDP2)
+    bucket_mb: float = 4.0  # DDP / ZeRO-1/2: gradient MiB per collective, started during the last backward
     sequence_parallel: bool = False
     activation_checkpointing: str = "none"  # none | full | selective
     backend: str = "auto"  # auto | gloo | nccl
@@ -507,6 +508,7 @@ RANGES: dict[str, tuple[str, typing.Callable[[float], bool]]] = {
     "train.profile_steps": (">= 0 (0: off)", _non_negative),
     "train.profile_start": ("at least 1 (steps count from 1)", _positive),
     "train.step_timeout_s": (f">= 0 (0: auto) and at most a year ({YEAR_S})", lambda value: 0 <= value <= YEAR_S),
+    "parallel.bucket_mb": ("positive and at most 4096", lambda value: 0 < value <= 4096),
     "parallel.timeout_s": (f"positive and at most a year ({YEAR_S})", lambda value: 0 < value <= YEAR_S),
     "train.peak_flops": ("positive", _positive),
     "data.eval_fraction": ("in [0, 1)", _fraction),

@@ -19,6 +19,8 @@ def all_gather_flat(output: torch.Tensor, chunk: torch.Tensor, group: dist.Proce
     _all_gather(output, chunk, group=group)
 
 
-def reduce_scatter_flat(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
-    """``output`` := this rank's slice of the sum of every rank's ``full`` (slices in rank order)."""
-    _reduce_scatter(output, full, group=group)
+def reduce_scatter_flat(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None = None,
+                        async_op: bool = False) -> dist.Work | None:
+    """``output`` := this rank's slice of the sum of every rank's ``full`` (slices in rank order); with ``async_op``
+    the collective runs in the background and the returned work is waited on before ``output`` is read."""
+    return _reduce_scatter(output, full, group=group, async_op=async_op)

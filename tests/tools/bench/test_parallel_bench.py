@@ -10,6 +10,7 @@ import pytest
 
 from xscale.parallel.pipeline import ideal_bubble
 from xscale.tools.bench import parallel as bench
+from xscale.validate import load_config
 
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1", "train.global_batch_size=4",
         "train.seq_len=16", "data.num_samples=64"]
@@ -52,3 +53,29 @@ def test_a_pipeline_layout_reports_its_bubble_and_throughput_ratio(capsys):
     table = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in table[1:]] == ["single", layout]
     assert f"{pipeline['bubble']:.3f}" in table[2] and "0.333" in table[2]
+
+
+def test_each_pure_data_parallel_layout_has_its_torch_peer():
+    def peer(*overrides):
+        return bench.peer_of(load_config(None, [*TINY, *overrides]))
+
+    assert peer("parallel.dp_shard=2") == "torch-ddp"
+    assert peer("parallel.dp_shard=2", "parallel.zero_stage=2") == "torch-ddp"
+    assert peer("parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.zero_stage=1") == "torch-ddp"
+    assert peer("parallel.dp_shard=2", "parallel.zero_stage=3") == "fsdp2"
+    assert peer("parallel.dp_shard=1") is None  # one process: nothing to compare
+    assert peer("parallel.dp_shard=1", "parallel.tp=2") is None
+    assert peer("parallel.dp_shard=2", "parallel.pp=2", "parallel.microbatches=2") is None
+
+
+@pytest.mark.slow  # three sets of fresh processes
+def test_data_parallel_layouts_report_their_peers_in_the_same_run(capsys):
+    rows = bench.measure_layouts(None, TINY, ["dp_shard=2", "dp_shard=2,zero_stage=3"], warmup=1, steps=2)
+    single, ddp, zero3 = rows
+    assert single["peer"] is None and single["vs_peer"] is None
+    assert (ddp["peer"], zero3["peer"]) == ("torch-ddp", "fsdp2")
+    for row in (ddp, zero3):
+        assert math.isfinite(row["vs_peer"]) and row["vs_peer"] > 0 and row["peer_tokens_per_s"] > 0
+    bench.report(rows)
+    table = capsys.readouterr().out.splitlines()
+    assert "xscale/peer" in table[0] and f"{zero3['vs_peer']:.2f}x" in table[3] and "fsdp2" in table[3]

@@ -9,13 +9,14 @@ ZeRO-1/2 partition each parameter's flattened local tensor into equal chunks ove
 its "parameter" is a view into the model parameter's storage, so fp32 training keeps no extra master copy and the
 per-rank bytes are the paper's: params 4Psi, grads 4Psi (ZeRO-1) or 4Psi/N (ZeRO-2), Adam moments 8Psi/N.
 Stage 1 all-reduces whole gradients and reads its chunk; stage 2 reduce-scatters them and frees the whole gradient.
+Both start their buckets during the last microbatch's backward (:mod:`xscale.parallel.data.buckets`).
 After the step every rank all-gathers the updated chunks. ZeRO-3 is FSDP2 (:mod:`xscale.parallel.data.fsdp`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from xscale.parallel.collectives import all_gather_flat, reduce_scatter_flat
+from xscale.parallel.collectives import all_gather_flat
+from xscale.parallel.data.buckets import BucketGroups, GradientBuckets
 from xscale.parallel.data.grad_norm import GradientPiece
 from xscale.parallel.dims import ParallelDims
 
@@ -159,47 +161,40 @@ class DataParallel:
         raise NotImplementedError
 
 
-def _buckets(tensors: list[torch.Tensor], bucket_bytes: int) -> Iterator[list[torch.Tensor]]:
-    """Consecutive runs of same-dtype tensors of at most ``bucket_bytes`` (one tensor may exceed it alone)."""
-    bucket: list[torch.Tensor] = []
-    size = 0
-    for tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and (size + nbytes > bucket_bytes or tensor.dtype != bucket[0].dtype):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(tensor)
-        size += nbytes
-    if bucket:
-        yield bucket
-
-
-@torch.no_grad()
-def all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup,
-                    bucket_bytes: int = BUCKET_BYTES) -> None:
-    """Sum ``tensors`` in place over ``group`` with one all-reduce per flat bucket."""
-    for bucket in _buckets(tensors, bucket_bytes):
-        flat = torch.cat([t.reshape(-1) for t in bucket])
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        for tensor in bucket:
-            tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
-            offset += tensor.numel()
-
-
 class ReplicatedDataParallel(DataParallel):
-    """DDP semantics (ZeRO-0): whole parameters and optimizer state on every rank, gradients all-reduced."""
+    """DDP semantics (ZeRO-0): whole parameters and optimizer state on every rank, gradients all-reduced in buckets
+    that start during the last microbatch's backward (:mod:`xscale.parallel.data.buckets`)."""
+
+    keeps_full_gradients = True
+
+    def __init__(self, parameters: list[NamedParameter], mesh: DeviceMesh, dims: ParallelDims,
+                 bucket_bytes: int = BUCKET_BYTES, on_bucket_start: Callable[[int], None] | None = None) -> None:
+        """``bucket_bytes``: the most gradient bytes one collective carries; ``on_bucket_start``: called with each
+        bucket's index as its collective starts (tests record the order)."""
+        super().__init__(parameters, mesh, dims)
+        self.buckets = GradientBuckets(self._bucket_parameters(), bucket_bytes, self.keeps_full_gradients,
+                                       on_bucket_start)
+
+    def _bucket_parameters(self) -> list[tuple[nn.Parameter, BucketGroups]]:
+        """Each trained parameter with the group its gradient is summed over (none if that group is one rank)."""
+        bucketed = []
+        for entry in self.parameters:
+            expert = is_expert_parameter(entry.name) and self.expert_parallel > 1
+            dimension = "edp" if expert else self.reduce_dim
+            if entry.param.requires_grad and self.mesh[dimension].size() > 1:
+                bucketed.append((entry.param, BucketGroups(None, 1, self.mesh[dimension].get_group(), dimension)))
+        return bucketed
+
+    def requires_gradient_sync(self, enabled: bool) -> None:
+        self.buckets.sync = enabled
 
     def after_backward(self) -> None:
-        by_group: dict[str, list[torch.Tensor]] = {}
-        for entry in self.parameters:
-            if entry.param.grad is not None:
-                expert = is_expert_parameter(entry.name) and self.expert_parallel > 1
-                dimension = "edp" if expert else self.reduce_dim
-                if self.mesh[dimension].size() > 1:
-                    by_group.setdefault(dimension, []).append(local_tensor(entry.param.grad))
-        for dimension, grads in by_group.items():
-            all_reduce_flat(grads, self.mesh[dimension].get_group())
+        self.buckets.finish()
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.buckets.release()
 
 
 @dataclass
@@ -223,13 +218,28 @@ class _Partition:
 class ZeroDataParallel(ReplicatedDataParallel):
     """ZeRO-1 (optimizer state partitioned) or ZeRO-2 (+ gradients partitioned) over ``dp_shard``."""
 
-    def __init__(self, parameters: list[NamedParameter], mesh: DeviceMesh, dims: ParallelDims) -> None:
-        super().__init__(parameters, mesh, dims)
+    def __init__(self, parameters: list[NamedParameter], mesh: DeviceMesh, dims: ParallelDims,
+                 bucket_bytes: int = BUCKET_BYTES, on_bucket_start: Callable[[int], None] | None = None) -> None:
         stage = dims.zero_stage
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel handles stages 1 and 2, got {stage}")
         self.stage = stage
-        self.partitions = [self._partition(entry) for entry in parameters]
+        self.keeps_full_gradients = stage == 1
+        self.partitions: list[_Partition] = []
+        super().__init__(parameters, mesh, dims, bucket_bytes, on_bucket_start)
+        if not self.partitions:
+            self.partitions = [self._partition(entry) for entry in parameters]
+        self.partition_of = {id(part.entry.param): part for part in self.partitions}
+
+    def _bucket_parameters(self) -> list[tuple[nn.Parameter, BucketGroups]]:
+        """Stage 1: whole gradients all-reduced (as DDP); stage 2: reduce-scattered over the sharding group, then
+        all-reduced over ``dp_replicate``."""
+        if self.stage == 1:
+            return super()._bucket_parameters()
+        self.partitions = [self._partition(entry) for entry in self.parameters]
+        return [(part.entry.param, BucketGroups(part.shard_group, part.shard_size, part.replicate_group,
+                                                is_expert_parameter(part.entry.name)))
+                for part in self.partitions if part.entry.param.requires_grad]
 
     def _groups(self, name: str) -> tuple[DeviceMesh, DeviceMesh]:
         expert = is_expert_parameter(name) and self.expert_parallel > 1
@@ -251,29 +261,16 @@ class ZeroDataParallel(ReplicatedDataParallel):
 
     @torch.no_grad()
     def after_backward(self) -> None:
+        outputs = self.buckets.finish()
         if self.stage == 1:
-            super().after_backward()
             for part in self.partitions:
                 grad = part.entry.param.grad
                 part.shard.grad = None if grad is None else local_tensor(grad).reshape(-1)[part.start:part.stop]
             return
-        for part in self.partitions:
-            grad = part.entry.param.grad
-            if grad is None:
-                part.shard.grad = None
-                continue
-            flat = local_tensor(grad).reshape(-1)
-            if part.shard_group is None:
-                reduced = flat.clone()
-            else:
-                padded = flat.new_zeros(part.chunk * part.shard_size)
-                padded[: flat.numel()] = flat
-                reduced = flat.new_empty(part.chunk)
-                reduce_scatter_flat(reduced, padded, group=part.shard_group)
-            if part.replicate_group is not None:
-                dist.all_reduce(reduced, group=part.replicate_group)
-            part.shard.grad = reduced[: part.stop - part.start]
-            part.entry.param.grad = None  # ZeRO-2 keeps only this rank's gradient chunk
+        for bucket, reduced in zip(self.buckets.buckets, outputs):  # ZeRO-2 keeps only this rank's chunks
+            for slot in bucket.slots:
+                part = self.partition_of[id(slot.param)]
+                part.shard.grad = reduced[slot.column:slot.column + part.stop - part.start]
 
     def gradient_pieces(self, uncounted: Collection[int] = ()) -> list[GradientPiece]:
         pieces = []

@@ -16,6 +16,10 @@ holds the output head and the loss; with ``parallel.pp_split`` unset the blocks 
 (:mod:`xscale.parallel.pipeline.cost`), and each rank's compute seconds per step are printed as its check: unequal
 stages show as a rank that idles while it waits for the slower one. Communication (gloo copies) counts as idle.
 
+Peers (:mod:`xscale.tools.bench.peers`): each pure data-parallel layout also times torch's
+``DistributedDataParallel`` (DDP, ZeRO-1/2) or FSDP2 ``fully_shard`` (ZeRO-3) in the same processes, on the
+same model and batches, its steps interleaved with xscale's; ``xscale/peer`` is the ratio of their tokens/s.
+
 On a shared machine, run with ``OMP_WAIT_POLICY=PASSIVE`` (spinning OpenMP threads of an oversubscribed
 CPU measure the scheduler instead), and compare only figures of one invocation.
 """
@@ -34,6 +38,7 @@ from xscale.command_line import CommandParser
 from xscale.config import Config, ConfigError
 from xscale.parallel.checks import resolve_layout
 from xscale.parallel.pipeline import ideal_bubble
+from xscale.tools.bench.peers import build_peer, peer_for
 from xscale.tools.parity import PARITY_SETTINGS, layout_overrides, run_local, world_size_of
 from xscale.train.trainer import Trainer
 from xscale.validate import load_config_from_cli
@@ -69,31 +74,59 @@ def bubble_fraction(compute_seconds: float, step_seconds: float) -> float:
     return 1.0 - compute_seconds / step_seconds
 
 
-def _measure(config: Config, warmup: int, steps: int) -> dict:
-    """On every rank: median step seconds (the trainer's whole step) and, in a pipeline, median bubble."""
+def peer_of(config: Config) -> str | None:
+    """The torch peer a layout is timed against: pure data parallelism only (no tp, pp, cp or ep)."""
+    parallel = config.parallel
+    if parallel.tp * parallel.pp * parallel.cp * parallel.ep > 1 or parallel.dp_replicate * parallel.dp_shard <= 1:
+        return None
+    return peer_for(parallel.zero_stage)
+
+
+def _timed(action: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    action()
+    return time.perf_counter() - start
+
+
+def _measure(config: Config, warmup: int, steps: int, peer: str | None) -> dict:
+    """On every rank: median step seconds (the trainer's whole step), in a pipeline the median bubble, and with a
+    ``peer`` its median step seconds on the same batches, the two steps interleaved (which goes first alternates)."""
     trainer = Trainer(config)
     pipeline = trainer.model.pipeline
     clock = ComputeClock()
     if pipeline is not None:
         pipeline.wrap_compute = clock.wrap  # before the first step builds the schedule
-    for _ in range(warmup):
-        trainer.train_step()
-    times, bubbles, computes = [], [], []
-    for _ in range(steps):
+    peer_step = None
+    if peer is not None:
+        dp = trainer.mesh["dp"]
+        peer_step = build_peer(peer, config, dp.get_group(), dp, trainer.device, trainer.model.micro_batch_size)
+    times, peer_times, bubbles, computes = [], [], [], []
+    for index in range(warmup + steps):
         clock.seconds = 0.0
-        start = time.perf_counter()
-        trainer.train_step()
-        times.append(time.perf_counter() - start)
+        batch = trainer.next_batch()  # the batch the trainer's step reads next: the peer trains on it too
+        ours = functools.partial(_timed, trainer.train_step)
+        theirs = functools.partial(_timed, functools.partial(peer_step, batch)) if peer_step else None
+        if theirs is not None and index % 2:
+            peer_seconds, seconds = theirs(), ours()
+        else:
+            seconds, peer_seconds = ours(), theirs() if theirs is not None else None
+        if index < warmup:
+            continue
+        times.append(seconds)
+        if peer_seconds is not None:
+            peer_times.append(peer_seconds)
         if pipeline is not None:
             bubbles.append(bubble_fraction(clock.seconds, pipeline.last_step_seconds))
             computes.append(clock.seconds)
     return {"seconds": statistics.median(times), "bubble": statistics.median(bubbles) if bubbles else None,
-            "compute": statistics.median(computes) if computes else None}
+            "compute": statistics.median(computes) if computes else None,
+            "peer_seconds": statistics.median(peer_times) if peer_times else None}
 
 
 def measure_layouts(config_path: str | None, overrides: list[str], layouts: list[str], warmup: int,
-                    steps: int) -> list[dict]:
-    """One row per layout ("single" first): procs, step seconds, tokens/s, ratio to single, bubbles."""
+                    steps: int, peers: bool = True) -> list[dict]:
+    """One row per layout ("single" first): procs, step seconds, tokens/s, ratio to single, bubbles, and (``peers``)
+    the torch peer's tokens/s and xscale / peer."""
     base = ([] if config_path else MODEL) + [*overrides, *PARITY_SETTINGS, "train.steps=1000"]
     rows = []
     with tempfile.TemporaryDirectory(prefix="xscale-bench-parallel-") as scratch:
@@ -102,7 +135,8 @@ def measure_layouts(config_path: str | None, overrides: list[str], layouts: list
                                                         f"train.output_dir={Path(scratch) / str(index)}"])
             world_size = world_size_of(config)
             _, config = resolve_layout(config, world_size)  # a copy with an unset parallel.microbatches resolved
-            ranks = run_local(_measure, world_size, config, warmup, steps)
+            peer = peer_of(config) if peers else None
+            ranks = run_local(_measure, world_size, config, warmup, steps, peer)
             bubbles = [rank["bubble"] for rank in ranks if rank["bubble"] is not None]
             parallel = config.parallel
             rows.append({
@@ -112,20 +146,27 @@ def measure_layouts(config_path: str | None, overrides: list[str], layouts: list
                 "bubble": statistics.mean(bubbles) if bubbles else None,
                 "theory": ideal_bubble(parallel.pp, parallel.microbatches) if parallel.pp > 1 else None,
             })
+            tokens = config.train.global_batch_size * config.train.seq_len
+            peer_seconds = ranks[0]["peer_seconds"]
+            rows[-1].update({"peer": peer, "peer_tokens_per_s": tokens / peer_seconds if peer_seconds else None,
+                             "vs_peer": peer_seconds / ranks[0]["seconds"] if peer_seconds else None})
     for row in rows:
         row["vs_single"] = rows[0]["seconds"] / row["seconds"]
     return rows
 
 
 def report(rows: list[dict]) -> None:
-    print(f"{'layout':<48} {'procs':>5} {'step s':>8} {'tokens/s':>9} {'vs single':>9} "
-          f"{'bubble':>7} {'(p-1)/(m+p-1)':>13}  per-rank bubble (compute s)")
+    print(f"{'layout':<48} {'procs':>5} {'step s':>8} {'tokens/s':>9} {'vs single':>9} {'peer':>9} "
+          f"{'peer tok/s':>10} {'xscale/peer':>11} {'bubble':>7} {'(p-1)/(m+p-1)':>13}  per-rank bubble (compute s)")
     for row in rows:
         bubble = f"{row['bubble']:.3f}" if row["bubble"] is not None else "-"
         theory = f"{row['theory']:.3f}" if row["theory"] is not None else "-"
         ranks = " ".join(f"{value:.3f} ({compute:.3f})" for value, compute in zip(row["rank_bubbles"], row["rank_compute"]))
+        peer = row["peer"] or "-"
+        peer_tokens = f"{row['peer_tokens_per_s']:,.0f}" if row["peer_tokens_per_s"] else "-"
+        vs_peer = f"{row['vs_peer']:.2f}x" if row["vs_peer"] else "-"
         print(f"{row['layout']:<48} {row['procs']:>5} {row['seconds']:>8.3f} {row['tokens_per_s']:>9,.0f} "
-              f"{row['vs_single']:>8.2f}x {bubble:>7} {theory:>13}  {ranks}")
+              f"{row['vs_single']:>8.2f}x {peer:>9} {peer_tokens:>10} {vs_peer:>11} {bubble:>7} {theory:>13}  {ranks}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,9 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layouts", nargs="+", default=list(DEFAULT_LAYOUTS))
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--no-peers", dest="peers", action="store_false",
+                        help="skip torch DDP / FSDP2 on the data-parallel layouts")
     args = parser.parse_args(argv)
     try:
-        rows = measure_layouts(args.config, args.overrides, args.layouts, args.warmup, args.steps)
+        rows = measure_layouts(args.config, args.overrides, args.layouts, args.warmup, args.steps, args.peers)
     except ConfigError as error:
         print(f"xscale bench parallel: {error}", file=sys.stderr)
         return 2
