@@ -63,3 +63,16 @@ def test_crossover_is_the_length_from_which_the_variant_stays_faster() -> None:
     assert bench.crossover(rows, "a", True, "sdpa") == "4096"
     assert bench.crossover(rows, "b", True, "sdpa") == "> 8192 (faster only at 1024, 4096)"
     assert bench.crossover(rows, "a", True, "naive") == "n/a"
+
+
+def test_lean_memory_target_compares_with_sdpa_at_the_same_length() -> None:
+    def row(variant, length, peak):
+        return {"variant": variant, "causal": True, "length": length, "peak_mib": peak, "seconds": None,
+                "vs_naive": None, "vs_sdpa": None}
+
+    rows = [row("sdpa", 16384, 160.0), row("local", 16384, 150.0), row("linear", 16384, 170.0),
+            row("sdpa", 8192, 80.0), row("local", 8192, 90.0)]
+    lines = bench.target_lines(rows, ["sdpa", "local", "linear"])
+    assert "- local peak at T=16384: 150 MiB vs SDPA's 160 MiB (target <= SDPA's): met" in lines
+    assert "- linear peak at T=16384: 170 MiB vs SDPA's 160 MiB (target <= SDPA's): MISSED" in lines
+    assert not any("T=8192" in line for line in lines)

@@ -106,13 +106,157 @@ def build_plan(pattern: Pattern, length: int, block: int, causal: bool, n_heads:
     return BlockPlan(groups, n_blocks, int(counts.sum()), inverse)
 
 
+# Elements of a score tile (query rows x key columns) the memory-lean path forms at once: ~4 MiB in fp32.
+TILE_ELEMENTS = 1 << 20
+
+
 def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, block: int, *,
                            dropout: Dropout | None = None, context: StepContext | None = None) -> Tensor:
     """q (B, H, T, hd), k/v (B, Hkv, T, hd) -> (B, H, T, hd); a query with no allowed key outputs zeros.
 
-    ``dropout`` (on the probabilities, when training): the context says which slice of the heads q holds
+    Runs :class:`OnlineBlockSparse` (saves only the output and the row log-sum-exp). ``dropout`` (on the
+    probabilities, when training) takes the gathering path: the context says which slice of the heads q holds
     (tensor parallelism), so that head h here is head shard_index * H + h of the whole model.
     """
+    if dropout is not None and dropout.training and dropout.p > 0:
+        return gathered_block_sparse_attention(q, k, v, plan, block, dropout=dropout, context=context)
+    length, padded = q.shape[2], plan.n_blocks * block
+    if padded != length:
+        pad = (0, 0, 0, padded - length)
+        q, k, v = F.pad(q, pad), F.pad(k, pad), F.pad(v, pad)
+    out = OnlineBlockSparse.apply(q, k, v, plan, block)
+    return out[:, :, :length] if padded != length else out
+
+
+def _tiles(group: RowGroup, block: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """(first row, end row, [(first slot, end slot), ...]) of the group: score tiles of about TILE_ELEMENTS."""
+    n_rows, width = group.key_blocks.shape
+    span = max(1, min(width, TILE_ELEMENTS // (block * block)))
+    rows = max(1, TILE_ELEMENTS // (block * span * block))
+    spans = [(s, min(s + span, width)) for s in range(0, width, span)]
+    return [(r, min(r + rows, n_rows), spans) for r in range(0, n_rows, rows)]
+
+
+def _tile(group: RowGroup, blocks: tuple[Tensor, Tensor, Tensor], rows: tuple[int, int], slots: tuple[int, int],
+          scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Queries (B, r, block, hd) scaled, keys and values (B, r, s * block, hd) and scores (B, r, block, s * block)
+    of ``rows`` x ``slots`` of the group, the token rule's bias added."""
+    q_blocks, k_blocks, v_blocks = q_blocks_of(group, blocks[0], rows), blocks[1], blocks[2]
+    n_rows, block, head_dim = rows[1] - rows[0], q_blocks.shape[2], q_blocks.shape[3]
+    flat = group.key_blocks[rows[0]:rows[1], slots[0]:slots[1]].flatten()
+    keys = k_blocks.index_select(1, flat).view(k_blocks.shape[0], n_rows, -1, head_dim)
+    values = v_blocks.index_select(1, flat).view(v_blocks.shape[0], n_rows, -1, head_dim)
+    queries = q_blocks * scale
+    bias_rows = torch.arange(rows[0], rows[1], device=flat.device) % group.bias.shape[0]
+    bias = group.bias[:, :, slots[0] * block:slots[1] * block].index_select(0, bias_rows)
+    scores = torch.matmul(queries, keys.transpose(-1, -2)).add_(bias.to(queries.dtype))
+    return queries, keys, values, scores
+
+
+def q_blocks_of(group: RowGroup, q_blocks: Tensor, rows: tuple[int, int]) -> Tensor:
+    """The group's query blocks ``rows[0]:rows[1]`` (B, r, block, hd)."""
+    if group.first_row is not None:
+        return q_blocks.narrow(1, group.first_row + rows[0], rows[1] - rows[0])
+    return q_blocks.index_select(1, group.rows[rows[0]:rows[1]])
+
+
+def _write_rows(target: Tensor, group: RowGroup, rows: tuple[int, int], value: Tensor) -> None:
+    if group.first_row is not None:
+        target.narrow(1, group.first_row + rows[0], rows[1] - rows[0]).copy_(value)
+    else:
+        target.index_copy_(1, group.rows[rows[0]:rows[1]], value)
+
+
+class OnlineBlockSparse(torch.autograd.Function):
+    """Block-sparse softmax attention that saves only q, k, v, the output and each row's log-sum-exp
+    (FlashAttention, Dao et al. 2022, alg. 1-2, over a block layout): the forward keeps a running max and sum
+    over tiles of the layout's key blocks; the backward recomputes each tile's probabilities P and uses
+    dS = P * (dP - rowsum(dO * O)). Memory beyond q, k, v, their gradients and the output: a few score tiles."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, block: int) -> Tensor:
+        batch, n_heads, padded, head_dim = q.shape
+        blocks = (q.view(batch, -1, block, head_dim), k.view(batch, -1, block, head_dim),
+                  v.view(batch, -1, block, head_dim))
+        out = q.new_zeros(blocks[0].shape)
+        log_sum_exp = q.new_zeros(batch, blocks[0].shape[1], block, 1)
+        scale = head_dim**-0.5
+        for group in plan.groups:
+            for rows in _tiles(group, block):
+                _forward_rows(group, blocks, rows, scale, out, log_sum_exp)
+        ctx.save_for_backward(q, k, v, out, log_sum_exp)
+        ctx.plan, ctx.block = plan, block
+        return out.view(batch, n_heads, padded, head_dim)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        q, k, v, out, log_sum_exp = ctx.saved_tensors
+        plan, block = ctx.plan, ctx.block
+        batch, _, _, head_dim = q.shape
+        blocks = (q.view(batch, -1, block, head_dim), k.view(batch, -1, block, head_dim),
+                  v.view(batch, -1, block, head_dim))
+        grad_out = grad_out.contiguous().view(out.shape)
+        grads = (torch.zeros_like(blocks[0]), torch.zeros_like(blocks[1]), torch.zeros_like(blocks[2]))
+        scale = head_dim**-0.5
+        for group in plan.groups:
+            for rows in _tiles(group, block):
+                _backward_rows(group, blocks, rows, scale, (out, log_sum_exp, grad_out), grads)
+        return grads[0].view(q.shape), grads[1].view(k.shape), grads[2].view(v.shape), None, None
+
+
+def _forward_rows(group: RowGroup, blocks: tuple[Tensor, Tensor, Tensor], tile: tuple, scale: float,
+                  out: Tensor, log_sum_exp: Tensor) -> None:
+    """Online softmax of one row range over its spans of key blocks; writes its output and log-sum-exp rows."""
+    first, end, spans = tile
+    running_max = running_sum = acc = None
+    for slots in spans:
+        _, _, values, scores = _tile(group, blocks, (first, end), slots, scale)
+        tile_max = scores.amax(-1, keepdim=True)
+        new_max = tile_max if running_max is None else torch.maximum(running_max, tile_max)
+        new_max = new_max.masked_fill(new_max == float("-inf"), 0.0)  # a row with no key here yet
+        probs = torch.exp(scores.sub_(new_max))
+        if running_max is None:
+            running_sum, acc = probs.sum(-1, keepdim=True), torch.matmul(probs, values)
+        else:
+            correction = torch.exp(running_max - new_max)
+            running_sum = running_sum * correction + probs.sum(-1, keepdim=True)
+            acc = acc * correction + torch.matmul(probs, values)
+        running_max = new_max
+    result = acc / running_sum
+    if not group.every_query_has_key:
+        result = result * group.has_key[first:end]
+    _write_rows(out, group, (first, end), result)
+    _write_rows(log_sum_exp, group, (first, end), running_max + torch.log(running_sum))
+
+
+def _backward_rows(group: RowGroup, blocks: tuple[Tensor, Tensor, Tensor], tile: tuple, scale: float,
+                   saved: tuple[Tensor, Tensor, Tensor], grads: tuple[Tensor, Tensor, Tensor]) -> None:
+    """Gradients of one row range: recomputed P per span, dV += P^T dO, dS = P (dP - rowsum(dO O)), dQ, dK."""
+    first, end, spans = tile
+    out, log_sum_exp, grad_out = (q_blocks_of(group, x, (first, end)) for x in saved)
+    delta = (grad_out * out).sum(-1, keepdim=True)
+    grad_q = None
+    for slots in spans:
+        queries, keys, values, scores = _tile(group, blocks, (first, end), slots, scale)
+        probs = torch.exp(scores.sub_(log_sum_exp))
+        if not group.every_query_has_key:
+            probs = probs * group.has_key[first:end]
+        flat = group.key_blocks[first:end, slots[0]:slots[1]].flatten()
+        head_dim = keys.shape[-1]
+        grad_v = torch.matmul(probs.transpose(-1, -2), grad_out)
+        grads[2].index_add_(1, flat, grad_v.view(grad_v.shape[0], -1, blocks[2].shape[2], head_dim))
+        grad_scores = probs.mul_(torch.matmul(grad_out, values.transpose(-1, -2)).sub_(delta))
+        grad_k = torch.matmul(grad_scores.transpose(-1, -2), queries)
+        grads[1].index_add_(1, flat, grad_k.view(grad_k.shape[0], -1, blocks[1].shape[2], head_dim))
+        part = torch.matmul(grad_scores, keys)
+        grad_q = part if grad_q is None else grad_q.add_(part)
+    _write_rows(grads[0], group, (first, end), grad_q.mul_(scale))
+
+
+def gathered_block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, block: int, *,
+                                    dropout: Dropout | None = None, context: StepContext | None = None) -> Tensor:
+    """The reference path: each group's key blocks gathered at once, autograd through the gathers (its saved
+    probabilities grow with the layout's non-zero blocks); the path dropout takes."""
     batch, n_heads, length, head_dim = q.shape
     n_kv_heads, padded = k.shape[1], plan.n_blocks * block
     if padded != length:

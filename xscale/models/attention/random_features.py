@@ -18,7 +18,7 @@ from torch import Tensor
 
 from xscale.config import ModelConfig
 from xscale.models.attention.core import AttentionCore, expand_kv
-from xscale.models.attention.linear import kernelized_attention
+from xscale.models.attention.linear import kernel_attention
 from xscale.models.attention.sparse import layer_seed, require, require_non_negative, require_positive
 from xscale.models.registry import ATTENTION
 from xscale.models.traits import ParallelTraits
@@ -83,9 +83,8 @@ class RandomFeatureAttention(AttentionCore):
         require(q.shape[2] == k.shape[2] or not causal, "causal random-feature attention needs equal lengths")
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
         dtype = torch.promote_types(q.dtype, torch.float32)
-        phi_q = self.features(q.to(dtype), True, causal)
-        phi_k = self.features(k.to(dtype), False, causal)
-        out = kernelized_attention(phi_q, phi_k, v.to(dtype), causal=causal, chunk=self.options.chunk)
+        out = kernel_attention(q.to(dtype), k.to(dtype), v.to(dtype), lambda x: self.features(x, True, causal),
+                               lambda x: self.features(x, False, causal), causal=causal, chunk=self.options.chunk)
         return out.to(q.dtype)
 
 
