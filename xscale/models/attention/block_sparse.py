@@ -124,7 +124,8 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, blo
     if padded != length:
         pad = (0, 0, 0, padded - length)
         q, k, v = F.pad(q, pad), F.pad(k, pad), F.pad(v, pad)
-    out = OnlineBlockSparse.apply(q, k, v, plan, block)
+    # contiguous: the blocks are views of q, k, v (rotated or head-sliced ones arrive strided)
+    out = OnlineBlockSparse.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, block)
     return out[:, :, :length] if padded != length else out
 
 
