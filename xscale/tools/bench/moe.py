@@ -45,6 +45,7 @@ from xscale.launcher.env import free_port
 from xscale.models.ffn import build_ffn
 from xscale.models.moe import build_moe
 from xscale.parallel.expert import apply_expert_parallel
+from xscale.runtime import StepContext
 
 
 class _DeepSpeedExpert(nn.Module):
@@ -64,9 +65,11 @@ def layer_config(args: argparse.Namespace) -> ModelConfig:
         min_capacity=4, drop_policy="position"))
 
 
-def _step(module: nn.Module, x: torch.Tensor, upstream: torch.Tensor) -> Callable[[], None]:
+def _step(module: nn.Module, x: torch.Tensor, upstream: torch.Tensor,
+          context: StepContext | None = None) -> Callable[[], None]:
+    """One forward + backward; ``context``: an expert-parallel layer's (its ep group's token exchange)."""
     def run() -> None:
-        out = module(x)
+        out = module(x) if context is None else module(x, context=context)
         out = out[0] if isinstance(out, tuple) else out
         (out * upstream).sum().backward()
         module.zero_grad(set_to_none=True)
@@ -185,8 +188,8 @@ def _ep_worker(rank: int, port: int, args: argparse.Namespace, results) -> None:
         upstream = torch.randn(tokens, args.d_model)
         if deepspeed_available():
             runs["deepspeed_moe"] = _step(_deepspeed_layer(ours, args, ep_size=2, ep_rank=rank), x, upstream)
-        apply_expert_parallel(ours, dist.group.WORLD)
-        runs["xscale_moe"] = _step(ours, x, upstream)
+        place = apply_expert_parallel(ours, dist.group.WORLD)
+        runs["xscale_moe"] = _step(ours, x, upstream, place(StepContext()))
         seconds = time_alternating(runs, args.rounds, sync=dist.barrier)
         if rank == 0:
             results.update(seconds)
