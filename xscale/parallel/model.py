@@ -38,11 +38,10 @@ from xscale.parallel.data import DataParallel, NamedParameter
 from xscale.parallel.data.grad_norm import GradientPiece
 from xscale.parallel.expert.routing_groups import RoutingGroups
 from xscale.parallel.expert.state import globalize_expert_state, localize_expert_state
-from xscale.runtime import StepContext
+from xscale.runtime import Placement, StepContext
 
 Batch = dict[str, torch.Tensor]
 # What the layout adds to every forward's context (tensor parallelism: the rank's heads; identity on one device).
-Placement = Callable[[StepContext], StepContext]
 # Optimizer state flattened to ``state.<name>.<key>`` / ``param_groups.<name>.<key>``: nested param groups are
 # saved by group index, which collides when ranks hold different parameters (pipeline stages).
 STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)

@@ -48,13 +48,21 @@ class KeyValueCache(SequenceLayout, Protocol):
                values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-class ExpertExchange(Protocol):
+class TokenGroup(Protocol):
+    """The tokens an MoE layer routes together (a routing group): this forward's, or every expert-parallel rank's."""
+
+    def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Rows of every member in member order, and the index of this member's first row."""
+        ...
+
+    def all_reduce(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum over the members (detached)."""
+        ...
+
+
+class ExpertExchange(TokenGroup, Protocol):
     """Expert parallelism's routing group and token exchange (:mod:`xscale.parallel.expert`): the routing group is
     every ep rank's tokens; each rank holds some experts and the tokens go to the rank holding theirs."""
-
-    def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, int]: ...
-
-    def all_reduce(self, value: torch.Tensor) -> torch.Tensor: ...
 
     def dispatch(self, tokens_by_expert: torch.Tensor, tokens_per_expert: torch.Tensor, experts: Any) -> torch.Tensor: ...
 
@@ -129,6 +137,10 @@ class StepContext:
     def sequence_length(self, local_size: int) -> int:
         """The whole sequence's length when ``local_size`` tokens of it are held here."""
         return local_size if self.sequence is None else self.sequence.global_size(local_size)
+
+
+# What a parallel layout tells each forward (which heads, tokens, experts this rank holds): context -> context.
+Placement = Callable[[StepContext], StepContext]
 
 
 def positions_of(context: StepContext | None, local_size: int, device: torch.device) -> torch.Tensor:

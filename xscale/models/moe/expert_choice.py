@@ -13,9 +13,9 @@ import torch
 
 from xscale.config import ConfigError, ModelConfig
 from xscale.models.moe.routers import LearnedRouter
-from xscale.models.moe.routing import Routing, TokenGroup, router_probabilities, router_z_loss
+from xscale.models.moe.routing import Routing, router_probabilities, router_z_loss
 from xscale.models.registry import ROUTER
-from xscale.runtime import StepContext
+from xscale.runtime import StepContext, TokenGroup
 
 
 @ROUTER.register("expert_choice")

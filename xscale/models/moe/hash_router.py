@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 from xscale.config import ModelConfig
-from xscale.models.moe.routing import Routing, TokenGroup, token_choice_routing
+from xscale.models.moe.routing import Routing, token_choice_routing
 from xscale.models.registry import ROUTER
-from xscale.runtime import StepContext
+from xscale.runtime import StepContext, TokenGroup
 
 # Knuth's multiplicative hash: the high bits of id * 2654435761 mod 2^32 spread consecutive ids.
 HASH_MULTIPLIER = 2654435761

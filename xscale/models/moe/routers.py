@@ -8,9 +8,9 @@ from torch import nn
 
 from xscale.config import ConfigError, ModelConfig
 from xscale.models.dropout import uniform_draws
-from xscale.models.moe.routing import Routing, TokenGroup, router_probabilities, token_choice_routing
+from xscale.models.moe.routing import Routing, router_probabilities, token_choice_routing
 from xscale.models.registry import ROUTER
-from xscale.runtime import StepContext
+from xscale.runtime import StepContext, TokenGroup
 
 SAMPLING_STREAM = 0x5EC0  # GShard's second-expert draws: another stream of the router's site than its jitter
 ROUTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,

@@ -14,17 +14,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-
-class TokenGroup(Protocol):
-    """The tokens routed together (a routing group): this forward's, or every expert-parallel rank's."""
-
-    def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, int]: ...
-
-    def all_reduce(self, value: torch.Tensor) -> torch.Tensor: ...
+from xscale.runtime import TokenGroup
 
 
 class LocalTokens:

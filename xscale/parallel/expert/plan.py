@@ -23,8 +23,6 @@ gradient norm (each slice has edp x tp replicas).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -34,9 +32,7 @@ from torch.distributed.tensor import DTensor
 from xscale.config import ConfigError
 from xscale.models.moe import MoELayer, moe_layers
 from xscale.parallel.collectives import all_gather_flat
-from xscale.runtime import StepContext
-
-Placement = Callable[[StepContext], StepContext]
+from xscale.runtime import Placement
 
 
 class _AllToAll(torch.autograd.Function):

@@ -51,10 +51,8 @@ from xscale.parallel.pipeline.stages import (
 )
 from xscale.runtime import StepContext
 
+
 # The PipelineStage methods that compute (everything else a schedule does is communication or bookkeeping).
-COMPUTE_ACTIONS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
-
-
 class QuietMetadataStage(PipelineStage):
     """A PipelineStage whose metadata-inference forward records no MoE routing statistics and leaves the stage's
     buffers as they were (routing attention's centroids and pending statistics): before its first step torch runs
@@ -86,7 +84,7 @@ class MicrobatchStage(QuietMetadataStage):
                  wrap_compute: Callable[[Callable], Callable] | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.schedule = schedule
-        self.wrap_compute = wrap_compute  # instrumentation around each compute action (COMPUTE_ACTIONS)
+        self.wrap_compute = wrap_compute  # instrumentation around each compute action (forward, backward, backward weight)
 
     def _compute(self, action: Callable, *args, **kwargs):
         return (action if self.wrap_compute is None else self.wrap_compute(action))(*args, **kwargs)
@@ -183,7 +181,7 @@ class PipelineSchedule:
         self._token_count = torch.ones((), device=self.device)
         self.last_step_seconds = 0.0
         # Optional instrumentation (``xscale bench parallel`` times the compute with it): set before the first
-        # step, it wraps every compute action of the schedules (COMPUTE_ACTIONS of each stage, and the loss).
+        # step, it wraps every compute action of the schedules (each stage's forward and backward chunks, and the loss).
         self.wrap_compute: Callable[[Callable], Callable] | None = None
 
     @classmethod
