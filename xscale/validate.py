@@ -13,6 +13,7 @@ from pathlib import Path
 
 from xscale.config import Config, ConfigError, check_values, closest
 from xscale.config_loading import config_from_tree, read_config, split_cli_arguments
+from xscale.data.lra import PAD_AS_CONTENT
 from xscale.interop.hf.families import with_init_model
 from xscale.models.act import check_act_config
 from xscale.models.moe import check_moe_config
@@ -32,13 +33,17 @@ def check_registered(kind: str, name: str, where: str) -> None:
 
 
 def check_padding_masks(config: Config) -> None:
-    """train.task=classify pads variable-length examples: every attention kind must take a key-padding mask."""
+    """train.task=classify pads variable-length examples: every attention kind must take a key-padding mask
+    (unless a generated task reads its pads as content: ``data.options.pad_as_content``)."""
+    if config.data.dataset.startswith("lra_") and config.data.options.get(PAD_AS_CONTENT) is True:
+        return
     attention = REGISTRIES["attention"]
     able = [name for name in attention.names() if attention.get(name).takes_padding_mask]
     for kind in dict.fromkeys(config.model.attention.per_layer or [config.model.attention.kind]):
         if not attention.get(kind).takes_padding_mask:
             raise ConfigError(f"attention '{kind}' takes no key-padding mask, so it would attend to the padding of "
-                              f"train.task=classify's variable-length examples; use one that does: {', '.join(able)}")
+                              f"train.task=classify's variable-length examples; use one that does: {', '.join(able)} (or, for "
+                              f"the generated lra_* tasks, data.options.{PAD_AS_CONTENT}=true)")
 
 
 def validate(config: Config) -> None:

@@ -31,7 +31,7 @@ from xscale.data.labeled import (
     read_labeled_examples,
 )
 from xscale.data.load_tokenizer import load_tokenizer, tokenizer_source_file
-from xscale.data.lra import LRA_TASKS, GeneratedClassificationDataset
+from xscale.data.lra import LRA_TASKS, PAD_AS_CONTENT, GeneratedClassificationDataset
 from xscale.data.sampler import GlobalSampler
 from xscale.data.sentencepiece_tokenizer import SentencePieceTokenizer
 from xscale.data.sources import ResolvedSource, cached_tokens, resolve_sources, shared_cache_dir, source_kind
@@ -139,16 +139,22 @@ def _lra_datasets(config: Config) -> tuple[Dataset, Dataset | None, int]:
     """An LRA-style task (:mod:`xscale.data.lra`) for train.task=classify; data.options go to its generator."""
     data, seq_len, seed = config.data, config.train.seq_len, config.train.seed
     cls = config.model.pooling == "cls"
+    options = dict(data.options)
+    pad_as_content = options.pop(PAD_AS_CONTENT, False)
+    if not isinstance(pad_as_content, bool):
+        raise ConfigError(f"data.options.{PAD_AS_CONTENT} must be true or false, got {pad_as_content!r}")
     try:  # the generator writes seq_len - 1 tokens when the class token leads them
-        task = LRA_TASKS[data.dataset.removeprefix("lra_")](seq_len - cls, **data.options)
+        task = LRA_TASKS[data.dataset.removeprefix("lra_")](seq_len - cls, **options)
     except (TypeError, ValueError) as error:
         raise ConfigError(f"data.dataset='{data.dataset}' (data.options {data.options}): {error}") from error
     class_token = task.vocab.bos_id if cls else None
     num_samples = data.num_samples or DEFAULT_TASK_SAMPLES
-    train = GeneratedClassificationDataset(task, seq_len, seed, num_samples, class_token=class_token)
+    train = GeneratedClassificationDataset(task, seq_len, seed, num_samples, class_token=class_token,
+                                           pad_as_content=pad_as_content)
     eval_samples = round(num_samples * data.eval_fraction)
     evaluation = (GeneratedClassificationDataset(task, seq_len, seed, eval_samples, first_sample=num_samples,
-                                                 class_token=class_token) if eval_samples else None)
+                                                 class_token=class_token, pad_as_content=pad_as_content)
+                  if eval_samples else None)
     return train, evaluation, task.vocab.vocab_size
 
 

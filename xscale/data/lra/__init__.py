@@ -4,6 +4,10 @@ Each task turns a seeded ``random.Random`` into one example ``(tokens, label)`` 
 (labels are class indices): ListOps (:class:`xscale.data.tasks.ListOpsTask`, the answer digit as the class), a
 byte-level matching task standing in for LRA's AAN retrieval (:mod:`.retrieval`) and Pathfinder's dashed curves
 (:mod:`.pathfinder`). Sample i of a split is a function of (seed, i) alone (``xscale.data.datasets.sample_rng``).
+
+With ``pad_as_content`` the pad tokens are read like any other (no ``padding_mask``), as a fixed-length input:
+attention kinds that take no key-padding mask can then learn the task too (``xscale bench lra`` compares every
+kind this way, with the same input for each).
 """
 
 from __future__ import annotations
@@ -35,19 +39,22 @@ class ListOpsClassification:
         return prompt, answer[0] - self.first_digit
 
 
+PAD_AS_CONTENT = "pad_as_content"  # the data.options key: the model reads the pads (no padding mask)
 LRA_TASKS = {"listops": ListOpsClassification, "retrieval": RetrievalTask, "pathfinder": PathfinderTask}
 
 
 class GeneratedClassificationDataset(torch.utils.data.Dataset):
     """``num_samples`` examples of an LRA task; sample i uses the RNG of global index first_sample + i, led by
-    ``class_token`` (if any) and padded to ``seq_len`` like :class:`xscale.data.labeled.ClassificationDataset`."""
+    ``class_token`` (if any) and padded to ``seq_len`` like :class:`xscale.data.labeled.ClassificationDataset`
+    (with ``pad_as_content``: without the padding mask, so the model reads the pads)."""
 
     def __init__(self, task, seq_len: int, seed: int, num_samples: int, first_sample: int = 0,
-                 class_token: int | None = None) -> None:
+                 class_token: int | None = None, pad_as_content: bool = False) -> None:
         if num_samples <= 0:
             raise ValueError(f"num_samples must be positive, got {num_samples}")
         self.task, self.seq_len, self.seed = task, seq_len, seed
         self.num_samples, self.first_sample, self.class_token = num_samples, first_sample, class_token
+        self.pad_as_content = pad_as_content
         self.label_names = [str(index) for index in range(task.num_classes)]
 
     def __len__(self) -> int:
@@ -58,8 +65,11 @@ class GeneratedClassificationDataset(torch.utils.data.Dataset):
             raise IndexError(f"sample {index} out of range for {self.num_samples} samples")
         tokens, label = self.task.example(sample_rng(self.seed, self.first_sample + index))
         lead = [] if self.class_token is None else [self.class_token]
-        return classification_sample(lead + tokens, label, self.seq_len, self.task.vocab.pad_id)
+        sample = classification_sample(lead + tokens, label, self.seq_len, self.task.vocab.pad_id)
+        if self.pad_as_content:
+            del sample["padding_mask"]
+        return sample
 
 
-__all__ = ["LRA_TASKS", "GeneratedClassificationDataset", "ListOpsClassification", "PathfinderTask",
+__all__ = ["LRA_TASKS", "PAD_AS_CONTENT", "GeneratedClassificationDataset", "ListOpsClassification", "PathfinderTask",
            "RetrievalTask"]
