@@ -16,6 +16,7 @@ from xscale.config_loading import config_from_tree, read_config, split_cli_argum
 from xscale.interop.hf.families import with_init_model
 from xscale.models.act import check_act_config
 from xscale.models.moe import check_moe_config
+from xscale.models.objectives import check_bart_config
 from xscale.models.patch_embedding import check_patch_config
 from xscale.models.registry import REGISTRIES
 from xscale.models.reversible import check_reversible_config
@@ -60,6 +61,7 @@ def validate(config: Config) -> None:
     check_reversible_config(model)
     check_act_config(model)
     check_patch_config(config)
+    check_bart_config(config)
     check_installed(config.train.logger_names())  # an optional logger's package (wandb), before anything runs
 
 

@@ -5,7 +5,6 @@ it well above the majority class, the layouts it cannot take are refused by name
 import json
 
 import pytest
-import torch
 
 from xscale.cli import main
 from xscale.config import ConfigError
@@ -18,15 +17,6 @@ VIT = ["model.family=encoder", "train.task=classify", "data.dataset=images_shape
 RUN = ["train.global_batch_size=32", "train.warmup_steps=5", "train.lr=3e-3", "train.weight_decay=0.0",
        "train.loggers=[jsonl]", "train.plot=false", "train.progress=false", "train.watchdog=false",
        "train.peak_flops=1e12"]
-
-
-@pytest.fixture
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine two threads contend and the run takes ten times as long."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_a_tiny_vit_learns_the_shapes_well_above_the_majority_class(tmp_path, one_thread):

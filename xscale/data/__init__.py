@@ -53,7 +53,8 @@ _TASK_OPTIONS = {
     "assoc_recall": ("num_keys", "num_values", "pairs"),
     "listops": ("max_depth", "max_args", "min_length", "max_length"),
 }
-_TEXT_OPTIONS = {"clm": (), "mlm": ("mask_probability",), "span": ("noise_density", "mean_span_length")}
+_TEXT_OPTIONS = {"clm": (), "mlm": ("mask_probability",), "span": ("noise_density", "mean_span_length"),
+                 "bart": ("mask_ratio", "poisson_lambda")}
 
 
 def build_datasets(config: Config, label_names: list[str] | None = None) -> tuple[Dataset, Dataset | None, int]:
