@@ -1,5 +1,5 @@
 """train.objective=bart end to end: a tiny encoder-decoder's loss falls on a corpus of short sentences; the
-layouts span corruption takes (pipeline, tensor parallelism; slow) give the one-process losses; task data refused."""
+pipeline (slow) gives the one-process losses; task data refused."""
 
 import json
 import random
@@ -56,10 +56,12 @@ def test_bart_needs_text_and_an_encoder_decoder():
 
 
 @pytest.mark.slow
-def test_bart_under_pipeline_and_tensor_parallelism_matches_one_process(corpus, tmp_path):
+def test_bart_under_pipeline_parallelism_matches_one_process(corpus, tmp_path):
+    """A pipeline of 2 stages (the memory crosses from the encoder's stage to the decoder's) with dropout, in
+    microbatches; the model is span corruption's (its tp, ZeRO and pp cases are test_layouts.py's), only the batches
+    differ, and they are the same samples on every rank."""
     overrides = [*BART, f"data.path={corpus['data']}", f"data.tokenizer={corpus['tokenizer']}",
                  "model.dropout=0.1", "train.micro_batch_size=4"]
-    reference, results = compare_layouts(None, overrides, ["pp=2,microbatches=2", "tp=2"], 5, tmp_path)
+    reference, results = compare_layouts(None, overrides, ["pp=2,microbatches=2"], 4, tmp_path)
     assert reference[-1] < reference[0], f"the reference run must train: {reference}"
-    for result in results:
-        assert len(result.losses) == 5 and result.passed(1e-5), (reference, result)
+    assert len(results[0].losses) == 4 and results[0].passed(1e-5), (reference, results[0])
