@@ -10,6 +10,7 @@ import pytest
 from xscale.cli import main
 from xscale.config import ConfigError
 from xscale.data.sentencepiece_tokenizer import SentencePieceTokenizer
+from xscale.parallel.checks import resolve_dims
 from xscale.tools.parity import compare_layouts
 from xscale.validate import load_config_from_cli
 
@@ -53,6 +54,13 @@ def test_bart_needs_text_and_an_encoder_decoder():
     with pytest.raises(ConfigError, match="data.options.mask_ratio=0.9"):
         load_config_from_cli(None, ["model.family=encoder_decoder", "train.objective=bart",
                                     "data.options={mask_ratio: 0.9}"])
+
+
+def test_context_parallelism_is_refused_by_name(corpus):
+    """As for span corruption: context parallelism shards one stack's sequence, not an encoder-decoder's two."""
+    config = load_config_from_cli(None, [*BART, f"data.path={corpus['data']}", "parallel.cp=2"])
+    with pytest.raises(ConfigError, match="parallel.cp.*not encoder-decoder models.*model.family=decoder"):
+        resolve_dims(config, 2)
 
 
 @pytest.mark.slow

@@ -38,6 +38,7 @@ def test_model_parallel_layouts_are_refused_by_name(layout):
     (["train.seq_len=16"], "train.seq_len=16 must be the patch count plus the class token.*train.seq_len=17"),
     (["model.patch_size=3"], "model.patch_size=3 does not divide model.image_size=16"),
     (["model.input=tokens"], "data.dataset=images_shapes .* and model.input=patches go together"),
+    (["model.moe.num_experts=2", "model.moe.router=hash"], "model.moe.router=hash routes by token id"),
 ])
 def test_inconsistent_image_settings_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
