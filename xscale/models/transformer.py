@@ -171,8 +171,8 @@ class Transformer(nn.Module):
         self.seq2seq = config.family == "encoder_decoder"
         # model.input=patches: images read as a class token and their patches (ViT), classified, never decoded.
         self.reads_pixels = config.input == "patches"
-        if self.reads_pixels and (self.seq2seq or not config.num_classes):
-            raise ValueError("model.input=patches serves an encoder classifier (model.num_classes > 0)")
+        if self.reads_pixels and self.seq2seq:
+            raise ValueError("model.input=patches serves an encoder (a classifier), not an encoder-decoder")
         self.embedding = (PatchEmbedding(config) if self.reads_pixels
                           else nn.Embedding(config.vocab_size, config.d_model))
         self.embedding_norm = (
@@ -196,7 +196,7 @@ class Transformer(nn.Module):
     def tie_weights(self) -> None:
         """Share the embedding matrix with the output projection (Press & Wolf 2017); re-run after to_empty. A
         pipeline stage holding the projection but not the embedding keeps its own copy (``output.weight``)."""
-        if self.config.tie_embeddings and self.embedding is not None and self.output is not None:
+        if self.config.tie_embeddings and not self.reads_pixels and self.embedding is not None and self.output is not None:
             self.output.weight = self.embedding.weight
 
     def use_kernels(self, backend: str) -> Transformer:
