@@ -95,6 +95,10 @@ class ModelConfig:
     init_std: float = 0.02
     num_classes: int = 0  # > 0: a sequence-classification head (train.task=classify fills it from the labels)
     pooling: str = "cls"  # classification: cls (a class token prepended) | mean (masked mean of the tokens)
+    input: str = "tokens"  # tokens (ids) | patches (ViT: images cut into patch_size^2 patches, docs/classification.md)
+    image_size: int = 16  # model.input=patches: image_size x image_size images of image_channels channels
+    image_channels: int = 3
+    patch_size: int = 4
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
 
@@ -156,7 +160,7 @@ class TrainConfig:
     global_batch_size: int = 16  # sequences per optimizer step, over all data-parallel ranks
     micro_batch_size: int | None = None  # per rank per forward; None: global / dp (no accumulation)
     seq_len: int = 128
-    objective: str = "auto"  # auto | clm | mlm | span
+    objective: str = "auto"  # auto | clm | mlm | span | bart (BART denoising: docs/variants.md)
     task: str = "lm"  # lm (the objective's token loss) | classify (one label per sequence: docs/classification.md)
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
@@ -286,11 +290,12 @@ CHOICES = {
     "model.family": ("decoder", "encoder", "encoder_decoder"),
     "model.norm_placement": ("pre", "post", "sandwich", "rezero", "deepnorm"),
     "model.pooling": ("cls", "mean"),
+    "model.input": ("tokens", "patches"),
     "train.task": ("lm", "classify"),
     "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"),
     "parallel.activation_checkpointing": ("none", "full", "selective"),
     "parallel.backend": ("auto", "gloo", "nccl"),
-    "train.objective": ("auto", "clm", "mlm", "span"),
+    "train.objective": ("auto", "clm", "mlm", "span", "bart"),
     "train.schedule": ("cosine", "linear", "constant", "wsd"),
     "train.decay_shape": ("linear", "cosine", "sqrt"),
     "train.loggers": ("tensorboard", "jsonl", "csv", "wandb"),  # a list: each item one of these
@@ -302,9 +307,9 @@ CHOICES = {
     "model.moe.router_dtype": ("float32", "bfloat16", "float16", "float64"),
     "model.moe.second_expert_policy": ("sampling", "all"),
     "data.dataset": ("stdlib_text", "text", "indexed", "copy", "assoc_recall", "listops", "labeled",
-                     "lra_listops", "lra_retrieval", "lra_pathfinder"),
+                     "lra_listops", "lra_retrieval", "lra_pathfinder", "images_shapes"),
 }
-CLASSIFICATION_DATASETS = ("labeled", "lra_listops", "lra_retrieval", "lra_pathfinder")
+CLASSIFICATION_DATASETS = ("labeled", "lra_listops", "lra_retrieval", "lra_pathfinder", "images_shapes")
 
 
 def _value(config: Config, dotted: str) -> Any:
@@ -377,7 +382,7 @@ def check_values(config: Config) -> None:
         raise ConfigError(f"train.global_batch_size must be positive, got {train.global_batch_size}")
     _check_schedule(train)
     objective = resolve_objective(config)
-    expected = {"clm": "decoder", "mlm": "encoder", "span": "encoder_decoder"}[objective]
+    expected = {"clm": "decoder", "mlm": "encoder", "span": "encoder_decoder", "bart": "encoder_decoder"}[objective]
     if model.family != expected:
         raise ConfigError(
             f"train.objective={objective} needs model.family={expected}, got {model.family}; "
@@ -430,7 +435,7 @@ def _check_classify(config: Config) -> None:
                           f"example), got {config.model.family}")
     if config.data.dataset not in CLASSIFICATION_DATASETS:
         raise ConfigError(f"train.task=classify reads labelled examples: set data.dataset=labeled and data.path to a "
-                          f".jsonl or .tsv file, or data.dataset=lra_listops|lra_retrieval|lra_pathfinder (got "
+                          f".jsonl or .tsv file, or data.dataset=lra_listops|lra_retrieval|lra_pathfinder|images_shapes (got "
                           f"data.dataset={config.data.dataset})")
     parallel = config.parallel
     for name in ("tp", "pp", "cp"):
@@ -492,6 +497,7 @@ RANGES: dict[str, tuple[str, typing.Callable[[float], bool]]] = {
     "model.act_threshold": ("in (0, 1) (1 - eps)", lambda value: 0 < value < 1),
     "model.ponder_cost": (">= 0 (0: no ponder cost)", _non_negative),
     "model.num_classes": (">= 0 (0: no classification head)", _non_negative),
+    **{f"model.{name}": ("positive", _positive) for name in ("image_size", "image_channels", "patch_size")},
     "train.lr": ("positive", _positive),
     "train.min_lr_ratio": ("in [0, 1]", lambda value: 0 <= value <= 1),
     "train.weight_decay": (">= 0", _non_negative),

@@ -17,6 +17,8 @@ from xscale.data.lra import PAD_AS_CONTENT
 from xscale.interop.hf.families import with_init_model
 from xscale.models.act import check_act_config
 from xscale.models.moe import check_moe_config
+from xscale.models.objectives import check_bart_config
+from xscale.models.patch_embedding import check_patch_config
 from xscale.models.registry import REGISTRIES
 from xscale.models.reversible import check_reversible_config
 from xscale.train.loggers import check_installed
@@ -63,6 +65,8 @@ def validate(config: Config) -> None:
         check_moe_config(model, config.parallel.ep)
     check_reversible_config(model)
     check_act_config(model)
+    check_patch_config(config)
+    check_bart_config(config)
     check_installed(config.train.logger_names())  # an optional logger's package (wandb), before anything runs
 
 

@@ -17,6 +17,8 @@ Slow (~10 min). The fast meta-test fails when a registered component has no case
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from parity_models import DECODER, ENCODER, assert_parity
 
@@ -146,3 +148,25 @@ def test_relative_positions_and_rezero_under_zero_bubble_pipeline(tmp_path):
 def test_router_under_expert_parallel(router, layout, tmp_path):
     """One routing group of 4 sequences per microbatch in both layouts: the single process routes 4 at a time."""
     assert_layouts_match([*TRAINING, *ROUTER_CASES[router], *DROPOUT], 4, [layout], tmp_path)
+
+
+# Inputs and objectives are choices, not registries: each value names the test that runs it under the layouts it
+# takes (file, test function); the layouts it refuses are refused by name there too.
+CHOICE_CASES = {
+    "model.input": {"tokens": ("tests/parallel/test_zoo_matrix.py", "test_component_under_data_tensor_parallel"),
+                    "patches": ("tests/train/test_vit.py", "test_data_parallel_zero3_vit_matches_one_process")},
+    "train.objective": {
+        "auto": ("tests/parallel/test_layouts.py", "test_decoder_tensor_sequence_and_pipeline_parallel"),
+        "clm": ("tests/parallel/test_layouts.py", "test_decoder_tensor_sequence_and_pipeline_parallel"),
+        "mlm": ("tests/parallel/test_layouts.py", "test_encoder_tensor_and_pipeline_parallel"),
+        "span": ("tests/parallel/test_layouts.py", "test_encoder_decoder_pipeline_x_tensor_parallel"),
+        "bart": ("tests/train/test_bart.py", "test_bart_under_pipeline_parallelism_matches_one_process")},
+}
+
+
+@pytest.mark.parametrize("key", list(CHOICE_CASES))
+def test_every_input_and_objective_has_a_parity_case(key):
+    assert set(CHOICE_CASES[key]) == set(CHOICES[key]), f"{key} values without a parity case"
+    root = Path(__file__).resolve().parents[2]
+    for value, (path, test) in CHOICE_CASES[key].items():
+        assert f"def {test}" in (root / path).read_text(), f"{key}={value}: {path} has no {test}"

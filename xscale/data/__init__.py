@@ -31,7 +31,13 @@ from xscale.data.labeled import (
     read_labeled_examples,
 )
 from xscale.data.load_tokenizer import load_tokenizer, tokenizer_source_file
-from xscale.data.lra import LRA_TASKS, PAD_AS_CONTENT, GeneratedClassificationDataset
+from xscale.data.lra import (
+    LRA_TASKS,
+    PAD_AS_CONTENT,
+    GeneratedClassificationDataset,
+    GeneratedImageDataset,
+    ShapesTask,
+)
 from xscale.data.sampler import GlobalSampler
 from xscale.data.sentencepiece_tokenizer import SentencePieceTokenizer
 from xscale.data.sources import ResolvedSource, cached_tokens, resolve_sources, shared_cache_dir, source_kind
@@ -45,14 +51,16 @@ logger = logging.getLogger(__name__)
 
 TASKS = {"copy": CopyTask, "assoc_recall": AssociativeRecallTask, "listops": ListOpsTask}
 TEXT_DATASETS = ("stdlib_text", "text", "indexed")
-DATASETS = TEXT_DATASETS + tuple(TASKS) + ("labeled",) + tuple(f"lra_{name}" for name in LRA_TASKS)
+IMAGE_DATASETS = ("images_shapes",)
+DATASETS = TEXT_DATASETS + tuple(TASKS) + ("labeled",) + tuple(f"lra_{name}" for name in LRA_TASKS) + IMAGE_DATASETS
 DEFAULT_TASK_SAMPLES = 100_000
 _TASK_OPTIONS = {
     "copy": ("num_symbols", "length"),
     "assoc_recall": ("num_keys", "num_values", "pairs"),
     "listops": ("max_depth", "max_args", "min_length", "max_length"),
 }
-_TEXT_OPTIONS = {"clm": (), "mlm": ("mask_probability",), "span": ("noise_density", "mean_span_length")}
+_TEXT_OPTIONS = {"clm": (), "mlm": ("mask_probability",), "span": ("noise_density", "mean_span_length"),
+                 "bart": ("mask_ratio", "poisson_lambda")}
 
 
 def build_datasets(config: Config, label_names: list[str] | None = None) -> tuple[Dataset, Dataset | None, int]:
@@ -68,6 +76,8 @@ def build_datasets(config: Config, label_names: list[str] | None = None) -> tupl
         train, evaluation, vocab_size = _labeled_datasets(config, label_names)
     elif data.dataset.startswith("lra_"):
         train, evaluation, vocab_size = _lra_datasets(config)
+    elif data.dataset in IMAGE_DATASETS:
+        train, evaluation, vocab_size = _image_datasets(config)
     elif data.dataset in TASKS:
         train, evaluation, vocab_size = _task_datasets(config, objective)
     elif data.sources:
@@ -158,6 +168,22 @@ def _lra_datasets(config: Config) -> tuple[Dataset, Dataset | None, int]:
     return train, evaluation, task.vocab.vocab_size
 
 
+def _image_datasets(config: Config) -> tuple[Dataset, Dataset | None, int]:
+    """data.dataset=images_shapes (:mod:`xscale.data.lra.shapes`), images of model.image_size and image_channels;
+    data.options: ``noise`` (the pixel noise's standard deviation). No vocabulary: 0."""
+    data, model = config.data, config.model
+    try:
+        task = ShapesTask(model.image_size, model.image_channels, **_options(config, ("noise",)))
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"data.dataset='{data.dataset}' (data.options {data.options}): {error}") from error
+    num_samples = data.num_samples or DEFAULT_TASK_SAMPLES
+    train = GeneratedImageDataset(task, config.train.seed, num_samples)
+    eval_samples = round(num_samples * data.eval_fraction)
+    evaluation = (GeneratedImageDataset(task, config.train.seed, eval_samples, first_sample=num_samples)
+                  if eval_samples else None)
+    return train, evaluation, 0
+
+
 def trained_tokenizer_name(config: Config) -> str:
     """The file name, under ``<output_dir>/tokenizer/``, of the SentencePiece model trained on the run's corpus."""
     corpus = "sources" if config.data.sources else config.data.dataset
@@ -171,7 +197,7 @@ def _trained_tokenizer_file(config: Config) -> Path:
 def run_tokenizer_file(config: Config) -> Path | None:
     """The file of the tokenizer this run uses (``data.tokenizer``, or the one trained on its corpus once it
     exists); None for the synthetic tasks, whose vocabulary is built in."""
-    if config.data.dataset in TASKS or config.data.dataset.startswith("lra_"):
+    if config.data.dataset in (*TASKS, *IMAGE_DATASETS) or config.data.dataset.startswith("lra_"):
         return None
     if config.data.tokenizer:
         return tokenizer_source_file(config.data.tokenizer)

@@ -15,11 +15,11 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from xscale.models.objectives import IGNORE_INDEX, causal_lm, masked_lm, span_corruption
+from xscale.models.objectives import IGNORE_INDEX, bart_denoising, causal_lm, masked_lm, span_corruption
 
 Sample = dict[str, torch.Tensor]
 WindowTransform = Callable[[torch.Tensor, torch.Generator], Sample]
-OBJECTIVES = ("clm", "mlm", "span")
+OBJECTIVES = ("clm", "mlm", "span")  # of the synthetic tasks' examples; text windows take "bart" as well
 
 
 class TokenStream(Protocol):
@@ -84,7 +84,24 @@ def text_objective(objective: str, tokenizer, seq_len: int, options: dict | None
         return seq_len, lambda window, generator: span_corruption(
             window, generator, sentinel_ids=tokenizer.sentinel_ids, eos_id=tokenizer.eos_id,
             decoder_start_id=tokenizer.pad_id, noise_density=density, mean_span_length=mean_span)
-    raise ValueError(f"objective '{objective}' is not one of {', '.join(OBJECTIVES)}")
+    if objective == "bart":
+        ratio, rate = float(options.get("mask_ratio", 0.3)), float(options.get("poisson_lambda", 3.0))
+        if not (0 < ratio <= 0.5 and rate >= 0):
+            raise ValueError(f"BART's data.options mask_ratio={ratio} must be in (0, 0.5] and poisson_lambda={rate} "
+                             ">= 0")
+        ends = sentence_end_ids(tokenizer)
+        return seq_len, lambda window, generator: bart_denoising(
+            window, generator, mask_id=tokenizer.mask_id, pad_id=tokenizer.pad_id, decoder_start_id=tokenizer.pad_id,
+            sentence_end_ids=ends, mask_ratio=ratio, poisson_lambda=rate)
+    raise ValueError(f"objective '{objective}' is not one of {', '.join((*OBJECTIVES, 'bart'))}")
+
+
+def sentence_end_ids(tokenizer) -> list[int]:
+    """BART's sentence boundaries: eos (a document's end) and the pieces that read "." (a full stop) alone or after
+    a word or a space (a subword tokenizer may have one piece for each)."""
+    last_pieces = {ids[-1] for ids in (tokenizer.encode(text) for text in (".", " .", "end.")) if ids}
+    full_stops = [piece for piece in last_pieces if tokenizer.decode([piece]).strip() == "."]
+    return sorted({tokenizer.eos_id, *full_stops})
 
 
 class PackedTextDataset(torch.utils.data.Dataset):

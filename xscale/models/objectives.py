@@ -1,5 +1,6 @@
 """Pre-training objectives as maps from a token window to a model batch: causal LM (GPT), masked LM with
-BERT's 80/10/10 rule (Devlin et al. 2019, sec. 3.1) and T5 span corruption (Raffel et al. 2020, sec. 3.1.4).
+BERT's 80/10/10 rule (Devlin et al. 2019, sec. 3.1), T5 span corruption (Raffel et al. 2020, sec. 3.1.4) and BART
+denoising, sentence permutation plus text infilling (Lewis et al. 2020, sec. 2.2).
 
 Labels use -100 for positions that carry no loss. Every random choice comes from the ``generator`` the
 caller passes, so a dataset seeded by (seed, global sample index) gives the same sample on any rank.
@@ -10,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from xscale.config import Config, ConfigError
 
 IGNORE_INDEX = -100
 
@@ -133,3 +136,92 @@ def span_corruption(
     labels = torch.cat([torch.stack(target), eos]) if target else eos
     decoder_input_ids = torch.cat([torch.tensor([decoder_start_id], dtype=tokens.dtype), labels[:-1]])
     return {"input_ids": input_ids, "labels": labels, "decoder_input_ids": decoder_input_ids}
+
+
+def sentence_permutation(tokens: torch.Tensor, generator: torch.Generator, *, sentence_end_ids: Sequence[int]
+                         ) -> torch.Tensor:
+    """BART's sentence permutation (Lewis et al. 2020, sec. 2.2): the window split into sentences, each ending at
+    a sentence-end token (the last may run to the window's end without one), shuffled into a random order."""
+    ends = torch.isin(tokens, torch.tensor(list(sentence_end_ids), dtype=tokens.dtype))
+    stops = [stop for stop in (torch.nonzero(ends).flatten() + 1).tolist() if stop < len(tokens)] + [len(tokens)]
+    starts = [0, *stops[:-1]]
+    sentences = [tokens[start:stop] for start, stop in zip(starts, stops)]
+    order = torch.randperm(len(sentences), generator=generator).tolist()
+    return torch.cat([sentences[index] for index in order])
+
+
+def infilling_spans(length: int, generator: torch.Generator, mask_ratio: float = 0.3, poisson_lambda: float = 3.0
+                    ) -> list[tuple[int, int]]:
+    """(start, length) of BART's text-infilling spans over a window of ``length``, by start, disjoint and apart.
+
+    Span lengths are drawn from Poisson(lambda) until they cover round(mask_ratio * length) tokens (the last cut to
+    that count); zero-length spans stay (each inserts a mask), except that spans are at most as many as the masked
+    tokens, so the corrupted input never outgrows the window. The spans go into distinct gaps between the kept
+    tokens (gap g: just before kept token g), uniformly, so no two spans touch.
+    """
+    target = min(round(mask_ratio * length), length)
+    lengths: list[int] = []
+    rate = torch.tensor([float(poisson_lambda)])
+    while sum(lengths) < target:
+        lengths.append(min(int(torch.poisson(rate, generator=generator)), target - sum(lengths)))
+    while len(lengths) > max(target, 1) and 0 in lengths:
+        del lengths[len(lengths) - 1 - lengths[::-1].index(0)]  # the last zero-length span
+    kept = length - target
+    gaps = torch.randperm(kept + 1, generator=generator)[:len(lengths)].sort().values.tolist()
+    spans, masked_before = [], 0
+    for gap, span_length in zip(gaps, lengths):
+        spans.append((gap + masked_before, span_length))
+        masked_before += span_length
+    return spans
+
+
+def text_infilling(tokens: torch.Tensor, spans: list[tuple[int, int]], mask_id: int) -> torch.Tensor:
+    """BART's text infilling: each (start, length) span replaced by ONE mask token (a zero-length span inserts one)."""
+    pieces, position = [], 0
+    mask = torch.tensor([mask_id], dtype=tokens.dtype)
+    for start, span_length in spans:
+        pieces += [tokens[position:start], mask]
+        position = start + span_length
+    pieces.append(tokens[position:])
+    return torch.cat(pieces)
+
+
+def bart_denoising(
+    tokens: torch.Tensor,
+    generator: torch.Generator,
+    *,
+    mask_id: int | None,
+    pad_id: int,
+    decoder_start_id: int,
+    sentence_end_ids: Sequence[int],
+    mask_ratio: float = 0.3,
+    poisson_lambda: float = 3.0,
+) -> dict[str, torch.Tensor]:
+    """BART (Lewis et al. 2020, sec. 2.2): sentence permutation, then text infilling; the decoder rebuilds the window.
+
+    input_ids = the corrupted window right-padded with ``pad_id`` to the window's length (one shape per batch);
+    labels = the original window, every token of it; decoder_input_ids = labels shifted right behind
+    ``decoder_start_id`` (teacher forcing).
+    """
+    if mask_id is None:
+        raise ValueError("BART denoising needs a <mask> token; use a tokenizer trained by xscale (xscale data tokenizer)")
+    permuted = sentence_permutation(tokens, generator, sentence_end_ids=sentence_end_ids)
+    corrupted = text_infilling(permuted, infilling_spans(len(tokens), generator, mask_ratio, poisson_lambda), mask_id)
+    padding = torch.full((len(tokens) - len(corrupted),), pad_id, dtype=tokens.dtype)
+    decoder_input_ids = torch.cat([torch.tensor([decoder_start_id], dtype=tokens.dtype), tokens[:-1]])
+    return {"input_ids": torch.cat([corrupted, padding]), "labels": tokens.clone(), "decoder_input_ids": decoder_input_ids}
+
+
+def check_bart_config(config: Config) -> None:
+    """train.objective=bart corrupts windows of text (not the synthetic tasks' examples), with its options in range."""
+    if config.train.objective != "bart":
+        return
+    data = config.data
+    if data.dataset not in ("stdlib_text", "text", "indexed") and not data.sources:
+        raise ConfigError(f"train.objective=bart corrupts windows of text: set data.dataset=stdlib_text, text or "
+                          f"indexed (or data.sources), not data.dataset={data.dataset}")
+    ratio, rate = data.options.get("mask_ratio", 0.3), data.options.get("poisson_lambda", 3.0)
+    if not (isinstance(ratio, (int, float)) and 0 < ratio <= 0.5):
+        raise ConfigError(f"data.options.mask_ratio={ratio!r} (BART's masked fraction) must be in (0, 0.5]")
+    if not (isinstance(rate, (int, float)) and 0 <= rate <= 64):
+        raise ConfigError(f"data.options.poisson_lambda={rate!r} (BART's mean span length) must be in [0, 64]")

@@ -47,7 +47,9 @@ def count_parameters(config: Config) -> ModelCount:
         parts = name.split(".")
         key = parts[0] if parts[0] not in ("stack", "decoder") else ".".join(p for p in parts[:5] if not p.isdigit())
         per_component[key] = per_component.get(key, 0) + param.numel()
-    embedding = config.model.vocab_size * config.model.d_model
+    # The token table (a patch-embedding classifier's: its projection and class token, model.input=patches).
+    embedding = (config.model.vocab_size * config.model.d_model if config.model.input == "tokens"
+                 else per_component["embedding"])
     moe = config.model.moe
     active_expert = expert * experts_per_token(moe) / moe.num_experts if moe.num_experts else 0.0
     return ModelCount(total, embedding, per_component, expert, active_expert)

@@ -24,6 +24,7 @@ from xscale.models.block import PRE_NORM_PLACEMENTS, TransformerBlock
 from xscale.models.classifier import ClassificationHead
 from xscale.models.dropout import Dropout, name_dropout_sites
 from xscale.models.norm import build_norm
+from xscale.models.patch_embedding import PatchEmbedding
 from xscale.models.position import PositionEncoding, TappedPosition, build_position
 from xscale.models.reversible import reversible_stack
 from xscale.ops import check_backend
@@ -168,7 +169,12 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.seq2seq = config.family == "encoder_decoder"
-        self.embedding = nn.Embedding(config.vocab_size, config.d_model)
+        # model.input=patches: images read as a class token and their patches (ViT), classified, never decoded.
+        self.reads_pixels = config.input == "patches"
+        if self.reads_pixels and self.seq2seq:
+            raise ValueError("model.input=patches serves an encoder (a classifier), not an encoder-decoder")
+        self.embedding = (PatchEmbedding(config) if self.reads_pixels
+                          else nn.Embedding(config.vocab_size, config.d_model))
         self.embedding_norm = (
             build_norm(config.norm, config.d_model, config.norm_eps) if config.embedding_norm else None
         )
@@ -190,7 +196,7 @@ class Transformer(nn.Module):
     def tie_weights(self) -> None:
         """Share the embedding matrix with the output projection (Press & Wolf 2017); re-run after to_empty. A
         pipeline stage holding the projection but not the embedding keeps its own copy (``output.weight``)."""
-        if self.config.tie_embeddings and self.embedding is not None and self.output is not None:
+        if self.config.tie_embeddings and not self.reads_pixels and self.embedding is not None and self.output is not None:
             self.output.weight = self.embedding.weight
 
     def use_kernels(self, backend: str) -> Transformer:
@@ -232,6 +238,7 @@ class Transformer(nn.Module):
             self.output.weight = nn.Parameter(self.output.weight.detach().clone())
 
     def _embed(self, tokens: torch.Tensor, stack: Stack, context: StepContext) -> torch.Tensor:
+        """Token ids (B, T), or pixels (B, C, H, W) read as a class token and T - 1 patches, -> (B, T, D)."""
         if self.embedding is None:
             raise ValueError("this pipeline stage starts a stack but holds no embedding")
         x = self.embedding(tokens)
@@ -260,7 +267,8 @@ class Transformer(nn.Module):
     def forward(self, inputs: torch.Tensor, *received: torch.Tensor, decoder_input_ids: torch.Tensor | None = None,
                 context: StepContext | None = None, project: bool = True,
                 padding_mask: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """Token ids (B, T) -> logits (B, T, vocab) (an encoder-decoder's: of its decoder, fed ``decoder_input_ids``).
+        """Token ids (B, T) -> logits (B, T, vocab) (an encoder-decoder's: of its decoder, fed ``decoder_input_ids``);
+        with ``model.input=patches``, pixels (B, C, H, W) -> class logits.
 
         ``context``: the batch's place in the run (dropout masks, router noise, hash-routing ids; None: plain
         PyTorch draws). ``project=False`` returns the hidden states the output projection reads (after BERT's head
@@ -281,7 +289,8 @@ class Transformer(nn.Module):
                 if received:
                     raise TypeError("Transformer.forward takes the token ids and, by keyword, decoder_input_ids= "
                                     f"(got {len(received)} more positional tensors)")
-                x, scores, context = self._embed(inputs, stack, context), None, context.with_token_ids(inputs)
+                x, scores = self._embed(inputs, stack, context), None
+                context = context if self.reads_pixels else context.with_token_ids(inputs)
             else:
                 x, scores = inputs, (received[-1] if stack.scores_cross(stack.held[0]) else None)
             arrived = scores

@@ -22,6 +22,19 @@ from xscale.runtime import StepContext
 Batch = dict[str, torch.Tensor]
 
 
+def model_inputs(batch: Batch) -> torch.Tensor:
+    """What the model's forward reads: ``pixels`` (B, C, H, W) for a patch-embedding classifier (model.input=patches,
+    an image batch carries no ``input_ids``), else ``input_ids`` (B, T). Row b of every key is example b."""
+    return batch["pixels"] if "pixels" in batch else batch["input_ids"]
+
+
+def positions_read(batch: Batch, seq_len: int) -> int:
+    """Sequence positions the model reads for ``batch`` (throughput's tokens): its token ids, or ``seq_len`` (class
+    token and patches) per image."""
+    inputs = model_inputs(batch)
+    return inputs.shape[0] * seq_len if "pixels" in batch else inputs.numel()
+
+
 def split_by_vocabulary(output: nn.Module) -> bool:
     """Whether tensor parallelism split ``output``'s rows (the vocabulary) over a ``tp`` mesh dimension."""
     weight = output.weight
@@ -52,14 +65,15 @@ def model_loss_sum(model: nn.Module, batch: Batch, context: StepContext | None =
 
 
 def classification_loss_sum(model: nn.Module, batch: Batch, context: StepContext | None = None) -> torch.Tensor:
-    """Sum over the batch's examples of the cross-entropy of the class logits; ``batch``: input_ids (B, T),
-    padding_mask (B, T) and one class index per example, labels (B,) (engines divide by the global example count)."""
-    logits = model(batch["input_ids"], context=context, padding_mask=batch.get("padding_mask"))
+    """Sum over the batch's examples of the cross-entropy of the class logits; ``batch``: input_ids (B, T) and
+    padding_mask (B, T), or pixels (B, C, H, W), and one class index per example, labels (B,) (engines divide by the
+    global example count)."""
+    logits = model(model_inputs(batch), context=context, padding_mask=batch.get("padding_mask"))
     return F.cross_entropy(logits.float(), batch["labels"], reduction="sum", ignore_index=-100)
 
 
 @torch.no_grad()
 def correct_predictions(model: nn.Module, batch: Batch, context: StepContext | None = None) -> torch.Tensor:
     """How many of a classifier's examples get their label as the top class (the accuracy's numerator)."""
-    logits = model(batch["input_ids"], context=context, padding_mask=batch.get("padding_mask"))
+    logits = model(model_inputs(batch), context=context, padding_mask=batch.get("padding_mask"))
     return (logits.argmax(dim=-1) == batch["labels"]).sum()

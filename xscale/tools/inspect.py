@@ -210,13 +210,14 @@ def report(config: Config) -> str:
 
 
 def components_report() -> str:
-    """Every registered component (``model.<kind>``; router: ``model.moe.router``) and every ``model.*`` choice."""
+    """Every registered component (``model.<kind>``; router: ``model.moe.router``), every ``model.*`` choice and the
+    objectives and tasks (``train.objective``, ``train.task``)."""
     keys = {"attention": "model.attention.kind", "router": "model.moe.router"}
     lines = ["components:"]
     for kind, registry in REGISTRIES.items():
         lines.append(f"  {keys.get(kind, f'model.{kind}'):<32} {', '.join(registry.names())}")
     for key, values in CHOICES.items():
-        if key.startswith("model."):
+        if key.startswith("model.") or key in ("train.objective", "train.task"):
             lines.append(f"  {key:<32} {', '.join(values)}")
     return "\n".join(lines)
 

@@ -18,14 +18,14 @@ import torch
 from xscale.config import TrainConfig
 from xscale.models.training_step import begin_training_step
 from xscale.parallel.data.grad_norm import clip_gradients
-from xscale.parallel.loss import correct_predictions, model_loss_sum
+from xscale.parallel.loss import correct_predictions, model_inputs, model_loss_sum
 from xscale.parallel.model import Batch, ParallelModel
 from xscale.runtime import StepContext
 from xscale.train.optim import build_optimizer
 
 
 def split_microbatches(batch: Batch, micro_batch_size: int) -> list[Batch]:
-    size = batch["input_ids"].shape[0]
+    size = model_inputs(batch).shape[0]
     return [{key: value[start:start + micro_batch_size] for key, value in batch.items()}
             for start in range(0, size, micro_batch_size)]
 
@@ -42,7 +42,7 @@ def forward_backward_step(model: ParallelModel, batch: Batch, context: StepConte
     for part in model.parts:
         part.train()
     tokens = global_token_count(model, batch)
-    microbatches = model.microbatches_per_batch(batch["input_ids"].shape[0])
+    microbatches = model.microbatches_per_batch(model_inputs(batch).shape[0])
     moe_loss_scale = model.routing_groups.begin_step(microbatches)
     begin_training_step(model.parts, microbatches * model.data_parallel.replicas)
     context = replace(context if context is not None else StepContext(), moe_loss_scale=moe_loss_scale)

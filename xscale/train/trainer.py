@@ -40,6 +40,7 @@ from xscale.launcher.preemption import PreemptionHandler
 from xscale.models.init import canonical_name
 from xscale.models.parameters import count_parameters
 from xscale.parallel.checks import resolve_layout
+from xscale.parallel.loss import positions_read
 from xscale.parallel.parallelize import parallelize
 from xscale.runtime import StepContext
 from xscale.runtime.hooks import ReportsLayerMetrics
@@ -296,7 +297,7 @@ class Trainer:
         start = time.perf_counter()
         batch = self.next_batch()
         data_seconds = time.perf_counter() - start
-        tokens = batch["input_ids"].numel() * self.dp_size
+        tokens = positions_read(batch, self.config.train.seq_len) * self.dp_size
         loss = forward_backward_step(self.model, batch, self.step_context())
         grad_norm = clip_gradient_norm(self.model, self.config.train.grad_clip)
         if math.isfinite(float(loss)) and math.isfinite(float(grad_norm)):  # both global: every rank agrees

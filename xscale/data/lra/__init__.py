@@ -21,6 +21,7 @@ from xscale.data.fixed_vocab import FixedVocab
 from xscale.data.labeled import classification_sample
 from xscale.data.lra.pathfinder import PathfinderTask
 from xscale.data.lra.retrieval import RetrievalTask
+from xscale.data.lra.shapes import ShapesTask
 from xscale.data.tasks import ListOpsTask
 
 
@@ -71,5 +72,25 @@ class GeneratedClassificationDataset(torch.utils.data.Dataset):
         return sample
 
 
-__all__ = ["LRA_TASKS", "PAD_AS_CONTENT", "GeneratedClassificationDataset", "ListOpsClassification", "PathfinderTask",
-           "RetrievalTask"]
+class GeneratedImageDataset(torch.utils.data.Dataset):
+    """``num_samples`` images of ``task`` (:class:`ShapesTask`): sample i is ``{"pixels": (C, H, W), "labels": ()}``
+    from the RNG of global index first_sample + i; no padding (every image has one shape)."""
+
+    def __init__(self, task: ShapesTask, seed: int, num_samples: int, first_sample: int = 0) -> None:
+        if num_samples <= 0:
+            raise ValueError(f"num_samples must be positive, got {num_samples}")
+        self.task, self.seed, self.num_samples, self.first_sample = task, seed, num_samples, first_sample
+        self.label_names = list(task.label_names)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"sample {index} out of range for {self.num_samples} samples")
+        pixels, label = self.task.example(sample_rng(self.seed, self.first_sample + index))
+        return {"pixels": pixels, "labels": torch.tensor(label, dtype=torch.long)}
+
+
+__all__ = ["LRA_TASKS", "PAD_AS_CONTENT", "GeneratedClassificationDataset", "GeneratedImageDataset", "ListOpsClassification",
+           "PathfinderTask", "RetrievalTask", "ShapesTask"]
