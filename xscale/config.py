@@ -90,6 +90,7 @@ class ModelConfig:
     act: bool = False  # Universal Transformer + ACT: the shared block applied up to n_layers times, halting per position
     act_threshold: float = 0.99  # ACT halts a position once its summed halting probability reaches 1 - eps = this
     ponder_cost: float = 0.01  # ACT's tau: weight of the ponder cost N(t) + R(t) (mean over positions) in the loss
+    funnel: list[int] = field(default_factory=list)  # Funnel-Transformer block groups, e.g. [2, 2]; [] off
     lm_head_transform: bool = False  # BERT MLM head: dense + act + norm before the vocab projection
     lm_head_bias: bool = False
     init_std: float = 0.02

@@ -23,6 +23,7 @@ from xscale.models.act import AdaptiveComputationTime
 from xscale.models.block import PRE_NORM_PLACEMENTS, TransformerBlock
 from xscale.models.classifier import ClassificationHead
 from xscale.models.dropout import Dropout, name_dropout_sites
+from xscale.models.funnel import Funnel
 from xscale.models.norm import build_norm
 from xscale.models.position import PositionEncoding, TappedPosition, build_position
 from xscale.models.reversible import reversible_stack
@@ -37,6 +38,7 @@ STACK_VARIANTS = {
     "share_layers": "one block at every depth (ALBERT, Lan et al. 2020)",
     "reversible": "reversible residuals (RevNet, Gomez et al. 2017; Reformer, Kitaev et al. 2020)",
     "act": "Universal Transformer with Adaptive Computation Time (Dehghani et al. 2019; Graves 2016)",
+    "funnel": "sequence pooled between block groups (Funnel-Transformer, Dai et al. 2020)",
 }
 
 
@@ -75,6 +77,7 @@ class Stack(nn.Module):
         self.share_layers = config.share_layers
         self.reversible = config.reversible
         self.act = AdaptiveComputationTime(config) if config.act else None
+        self.funnel = Funnel(config) if config.funnel and not causal else None
         self.position: PositionEncoding | None = build_position(
             config.position, config.d_model, config.n_heads, config.head_dim, config.max_seq_len, causal,
             config.rope_theta)
@@ -137,6 +140,8 @@ class Stack(nn.Module):
             position = TappedPosition.around(position, x)
         if self.reversible:
             return self._reversible(x, position, context), scores
+        if self.funnel is not None:
+            return self.funnel(x, self.blocks(), position, context), scores
         if self.act is not None:
             block = self.layers["0"]
             return self.act(x, lambda h, depth: block(h, position, memory, context=context.at_depth(depth)),
@@ -291,7 +296,8 @@ class Transformer(nn.Module):
             if stack.final_norm is not None:
                 x = stack.final_norm(x)
             if self.classifier is not None:
-                return self.classifier(x, context.padding_mask)
+                mask = context.padding_mask if stack.funnel is None else stack.funnel.output_mask(context.padding_mask)
+                return self.classifier(x, mask)
             if not self.seq2seq:
                 return self._head(x, project)
             if decoder is None:
