@@ -15,6 +15,7 @@ from xscale.config import Config, ConfigError, check_values, closest
 from xscale.config_loading import config_from_tree, read_config, split_cli_arguments
 from xscale.interop.hf.families import with_init_model
 from xscale.models.act import check_act_config
+from xscale.models.early_exit import check_early_exit_config
 from xscale.models.funnel import check_funnel_config
 from xscale.models.moe import check_moe_config
 from xscale.models.registry import REGISTRIES
@@ -60,6 +61,7 @@ def validate(config: Config) -> None:
     check_reversible_config(model)
     check_act_config(model)
     check_funnel_config(model)
+    check_early_exit_config(model, config.train.task)
     check_installed(config.train.logger_names())  # an optional logger's package (wandb), before anything runs
 
 
