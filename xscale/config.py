@@ -90,6 +90,10 @@ class ModelConfig:
     act: bool = False  # Universal Transformer + ACT: the shared block applied up to n_layers times, halting per position
     act_threshold: float = 0.99  # ACT halts a position once its summed halting probability reaches 1 - eps = this
     ponder_cost: float = 0.01  # ACT's tau: weight of the ponder cost N(t) + R(t) (mean over positions) in the loss
+    funnel: list[int] = field(default_factory=list)  # Funnel-Transformer block groups, e.g. [2, 2]; [] off
+    early_exit: bool = False  # classify: an exit classifier after every layer, trained jointly (DeeBERT / PABEE)
+    exit_entropy: float = 0.1  # early exit: leave at the first layer whose prediction entropy (nats) is below this
+    exit_patience: int = 0  # early exit: > 0: leave once the prediction held for this many layers (PABEE) instead
     lm_head_transform: bool = False  # BERT MLM head: dense + act + norm before the vocab projection
     lm_head_bias: bool = False
     init_std: float = 0.02
@@ -498,6 +502,8 @@ RANGES: dict[str, tuple[str, typing.Callable[[float], bool]]] = {
     "model.ponder_cost": (">= 0 (0: no ponder cost)", _non_negative),
     "model.num_classes": (">= 0 (0: no classification head)", _non_negative),
     **{f"model.{name}": ("positive", _positive) for name in ("image_size", "image_channels", "patch_size")},
+    "model.exit_entropy": (">= 0 (0: no early exit)", _non_negative),
+    "model.exit_patience": (">= 0 (0: the entropy rule)", _non_negative),
     "train.lr": ("positive", _positive),
     "train.min_lr_ratio": ("in [0, 1]", lambda value: 0 <= value <= 1),
     "train.weight_decay": (">= 0", _non_negative),

@@ -16,6 +16,8 @@ from xscale.config_loading import config_from_tree, read_config, split_cli_argum
 from xscale.data.lra import PAD_AS_CONTENT
 from xscale.interop.hf.families import with_init_model
 from xscale.models.act import check_act_config
+from xscale.models.early_exit import check_early_exit_config
+from xscale.models.funnel import check_funnel_config
 from xscale.models.moe import check_moe_config
 from xscale.models.objectives import check_bart_config
 from xscale.models.patch_embedding import check_patch_config
@@ -67,6 +69,8 @@ def validate(config: Config) -> None:
     check_act_config(model)
     check_patch_config(config)
     check_bart_config(config)
+    check_funnel_config(model)
+    check_early_exit_config(model, config.train.task)
     check_installed(config.train.logger_names())  # an optional logger's package (wandb), before anything runs
 
 

@@ -69,7 +69,14 @@ ROUTER_CASES = {"switch": SWITCH, "gshard": GSHARD, "hash": HASH,
 STACK_CASES = {"share_layers": None,
                "reversible": (["model.reversible=true"], "dp_replicate=2,zero_stage=2"),
                "act": (["model.share_layers=true", "model.act=true", "model.n_layers=3", "model.ponder_cost=0.05"],
-                       "dp_shard=2,tp=2,zero_stage=3")}
+                       "dp_shard=2,tp=2,zero_stage=3"),
+               "funnel": (["model.family=encoder", "model.position=learned", "model.max_seq_len=16",
+                           "model.funnel=[1,1]"], "dp_shard=2,zero_stage=3"),
+               # Classification runs under data parallelism only (tp/pp/cp refused for train.task=classify).
+               "early_exit": (["model.family=encoder", "model.position=learned", "model.max_seq_len=16",
+                               "train.task=classify", "data.dataset=lra_retrieval", "model.vocab_size=272",
+                               "model.pooling=mean",
+                               "model.early_exit=true"], "dp_shard=2,zero_stage=3")}
 
 
 @pytest.mark.parametrize("option,registry", [("attention", ATTENTION), ("ffn", FFN), ("norm", NORM),

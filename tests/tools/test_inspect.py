@@ -126,6 +126,7 @@ def test_components_lists_the_relative_positions_and_residual_placements(capsys)
     lines = {line.split()[0]: line.split(maxsplit=1)[1] for line in capsys.readouterr().out.splitlines()[1:]}
     assert {"shaw", "xl"} <= set(lines["model.position"].split(", "))
     assert {"rezero", "deepnorm"} <= set(lines["model.norm_placement"].split(", "))
+    assert {"funnel", "early_exit"} <= set(lines["model.<stack"].split(maxsplit=1)[1].split(", "))
 
 
 def test_components_lists_patch_inputs_and_the_bart_objective(capsys):

@@ -110,10 +110,15 @@ class TransformerBlock(nn.Module):
         self.carries_scores = self.attention.sublayer.core.carries_scores
 
     def forward(self, x: torch.Tensor, position: PositionEncoding | None = None, memory: torch.Tensor | None = None,
-                scores: torch.Tensor | None = None,
-                context: StepContext | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Returns x, or ``(x, scores)`` when ``carries_scores`` (``scores``: None before the first such block)."""
-        if self.carries_scores:
+                scores: torch.Tensor | None = None, context: StepContext | None = None,
+                keys: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Returns x, or ``(x, scores)`` when ``carries_scores`` (``scores``: None before the first such block).
+        ``keys``: the sequence self-attention takes its keys and values from when ``x`` is a pooled one (Funnel-
+        Transformer, :mod:`xscale.models.funnel`), normalised as the placement normalises ``x``."""
+        if keys is not None:
+            keys = self.attention.norm(keys) if self.attention.placement in PRE_NORM_PLACEMENTS else keys
+            x = self.attention(x, position, keys, context=context)
+        elif self.carries_scores:
             x, scores = self.attention(x, position, scores=scores, context=context)
         else:
             x = self.attention(x, position, context=context)

@@ -23,6 +23,8 @@ from xscale.models.act import AdaptiveComputationTime
 from xscale.models.block import PRE_NORM_PLACEMENTS, TransformerBlock
 from xscale.models.classifier import ClassificationHead
 from xscale.models.dropout import Dropout, name_dropout_sites
+from xscale.models.early_exit import LayerExits
+from xscale.models.funnel import Funnel
 from xscale.models.norm import build_norm
 from xscale.models.patch_embedding import PatchEmbedding
 from xscale.models.position import PositionEncoding, TappedPosition, build_position
@@ -38,6 +40,8 @@ STACK_VARIANTS = {
     "share_layers": "one block at every depth (ALBERT, Lan et al. 2020)",
     "reversible": "reversible residuals (RevNet, Gomez et al. 2017; Reformer, Kitaev et al. 2020)",
     "act": "Universal Transformer with Adaptive Computation Time (Dehghani et al. 2019; Graves 2016)",
+    "funnel": "sequence pooled between block groups (Funnel-Transformer, Dai et al. 2020)",
+    "early_exit": "a classifier after every layer, exits per example (DeeBERT, Xin et al. 2020; PABEE, Zhou et al. 2020)",
 }
 
 
@@ -76,6 +80,7 @@ class Stack(nn.Module):
         self.share_layers = config.share_layers
         self.reversible = config.reversible
         self.act = AdaptiveComputationTime(config) if config.act else None
+        self.funnel = Funnel(config) if config.funnel and not causal else None
         self.position: PositionEncoding | None = build_position(
             config.position, config.d_model, config.n_heads, config.head_dim, config.max_seq_len, causal,
             config.rope_theta)
@@ -130,14 +135,18 @@ class Stack(nn.Module):
             self.position = None
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None, scores: torch.Tensor | None,
-                context: StepContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+                context: StepContext,
+                layer_states: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Apply the held blocks in order; returns (x, scores), ``scores`` being the RealFormer scores that
-        ``carries_scores`` blocks pass on (other blocks leave them as they are)."""
+        ``carries_scores`` blocks pass on (other blocks leave them as they are). ``layer_states``: a list that
+        receives each block's output (early exit; the plain loop)."""
         position = self.position
         if position is not None and not self.starts:
             position = TappedPosition.around(position, x)
         if self.reversible:
             return self._reversible(x, position, context), scores
+        if self.funnel is not None:
+            return self.funnel(x, self.blocks(), position, context), scores
         if self.act is not None:
             block = self.layers["0"]
             return self.act(x, lambda h, depth: block(h, position, memory, context=context.at_depth(depth)),
@@ -148,6 +157,8 @@ class Stack(nn.Module):
                 x, scores = block(x, position, memory, scores=scores, context=block_context)
             else:
                 x = block(x, position, memory, context=block_context)
+            if layer_states is not None:
+                layer_states.append(x)
         return x, scores
 
 
@@ -187,6 +198,7 @@ class Transformer(nn.Module):
         )
         # A classifier (model.num_classes > 0) maps the pooled sequence to class logits instead of tokens to words.
         self.classifier = ClassificationHead(config) if config.num_classes else None
+        self.exits = LayerExits(config) if config.early_exit and self.classifier is not None else None
         self.head_transform = LMHeadTransform(config) if config.lm_head_transform and not self.classifier else None
         self.output = (nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
                        if self.classifier is None else None)
@@ -233,7 +245,7 @@ class Transformer(nn.Module):
             self.embedding, self.embedding_norm = None, None
         last = self.decoder if self.seq2seq else self.stack
         if last is None or not last.ends:
-            self.head_transform, self.output, self.classifier = None, None, None
+            self.head_transform, self.output, self.classifier, self.exits = None, None, None, None
         elif self.config.tie_embeddings and self.embedding is None and self.output is not None:
             self.output.weight = nn.Parameter(self.output.weight.detach().clone())
 
@@ -274,7 +286,7 @@ class Transformer(nn.Module):
         PyTorch draws). ``project=False`` returns the hidden states the output projection reads (after BERT's head
         transform), for a loss that fuses the projection. ``padding_mask`` (B, T), True at real tokens: attention takes
         no padded key; a classifier (``model.num_classes``) returns class logits (B, classes) pooled over the real
-        tokens. A pipeline stage takes what the previous one sent
+        tokens, with ``model.early_exit`` every layer's (layers, B, classes). A pipeline stage takes what the previous one sent
         (``inputs``, then ``received``) and returns what it sends on (see the module docstring).
         """
         context = StepContext() if context is None else context
@@ -294,13 +306,18 @@ class Transformer(nn.Module):
             else:
                 x, scores = inputs, (received[-1] if stack.scores_cross(stack.held[0]) else None)
             arrived = scores
-            x, scores = stack(x, None, scores, context)
+            layer_states = [] if self.exits is not None else None
+            x, scores = stack(x, None, scores, context, layer_states)
             if not stack.ends:
                 return self._send((x,), stack, scores, arrived)
             if stack.final_norm is not None:
                 x = stack.final_norm(x)
             if self.classifier is not None:
-                return self.classifier(x, context.padding_mask)
+                mask = context.padding_mask if stack.funnel is None else stack.funnel.output_mask(context.padding_mask)
+                logits = self.classifier(x, mask)
+                if self.exits is not None:  # every layer's exit, (layers, B, classes)
+                    return self.exits(layer_states[:-1], stack.final_norm, mask, logits)
+                return logits
             if not self.seq2seq:
                 return self._head(x, project)
             if decoder is None:

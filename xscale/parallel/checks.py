@@ -92,7 +92,8 @@ def check_layout(config: Config, dims: ParallelDims) -> None:
             raise ConfigError("parallel.backend=nccl needs CUDA GPUs; on CPU use parallel.backend=auto (gloo)")
 
 def _check_stack_variants(config: Config, dims: ParallelDims) -> None:
-    """Layouts the reversible stack (``model.reversible``) and ACT (``model.act``) cannot take, with the reasons."""
+    """Layouts the reversible stack (``model.reversible``), ACT (``model.act``) and the funnel (``model.funnel``)
+    cannot take, with the reasons."""
     parallel = config.parallel
     refused = {
         "reversible": {
@@ -115,6 +116,13 @@ def _check_stack_variants(config: Config, dims: ParallelDims) -> None:
                                   "the ponder cost is a mean over each sequence's positions, which sequence "
                                   "parallelism splits"),
         },
+        "funnel": {
+            "pp": (dims.pp > 1, "the up-sampling adds the first group's output to the last group's, across stages"),
+            "tp": (dims.tp > 1, "its pooled-query attention is not in the tensor-parallel plan"),
+            "cp": (dims.cp > 1, "strided pooling would mix windows that context parallelism splits over ranks"),
+            "sequence_parallel": (parallel.sequence_parallel,
+                                  "strided pooling would mix windows that sequence parallelism splits over ranks"),
+        },
     }
     fixes = {"activation_checkpointing": "none", "zero_stage": "2", "sequence_parallel": "false"}
     for variant, layouts in refused.items():
@@ -123,8 +131,10 @@ def _check_stack_variants(config: Config, dims: ParallelDims) -> None:
         for name, (applies, reason) in layouts.items():
             if applies:
                 value = str(getattr(parallel, name)).lower()
-                raise ConfigError(f"parallel.{name}={value} is refused with model.{variant}=true: {reason}; set "
-                                  f"parallel.{name}={fixes.get(name, '1')} or model.{variant}=false")
+                setting = f"model.{variant}={str(getattr(config.model, variant)).lower()}"
+                off = "[]" if variant == "funnel" else "false"
+                raise ConfigError(f"parallel.{name}={value} is refused with {setting}: {reason}; set "
+                                  f"parallel.{name}={fixes.get(name, '1')} or model.{variant}={off}")
 
 
 def _check_batch(config: Config, dims: ParallelDims) -> None:

@@ -67,13 +67,28 @@ def model_loss_sum(model: nn.Module, batch: Batch, context: StepContext | None =
 def classification_loss_sum(model: nn.Module, batch: Batch, context: StepContext | None = None) -> torch.Tensor:
     """Sum over the batch's examples of the cross-entropy of the class logits; ``batch``: input_ids (B, T) and
     padding_mask (B, T), or pixels (B, C, H, W), and one class index per example, labels (B,) (engines divide by the
-    global example count)."""
+    global example count). With early exit (logits of every layer), the weighted average of the layers' losses
+    (PABEE's)."""
     logits = model(model_inputs(batch), context=context, padding_mask=batch.get("padding_mask"))
+    if logits.dim() == 3:
+        return model.exits.loss_sum(logits, batch["labels"])
     return F.cross_entropy(logits.float(), batch["labels"], reduction="sum", ignore_index=-100)
 
 
 @torch.no_grad()
 def correct_predictions(model: nn.Module, batch: Batch, context: StepContext | None = None) -> torch.Tensor:
-    """How many of a classifier's examples get their label as the top class (the accuracy's numerator)."""
+    """How many of a classifier's examples get their label as the top class (the accuracy's numerator); with early
+    exit, the class of each example's exit layer."""
     logits = model(model_inputs(batch), context=context, padding_mask=batch.get("padding_mask"))
+    if logits.dim() == 3:
+        return (model.exits.predict(logits)[0] == batch["labels"]).sum()
     return (logits.argmax(dim=-1) == batch["labels"]).sum()
+
+
+@torch.no_grad()
+def exit_counts(model: nn.Module, batch: Batch, context: StepContext | None = None) -> torch.Tensor:
+    """An early-exit classifier's [examples right at full depth, sum of the 1-based exit layers] over ``batch``."""
+    logits = model(model_inputs(batch), context=context, padding_mask=batch.get("padding_mask"))
+    layers = model.exits.predict(logits)[1]
+    full_depth = (logits[-1].argmax(dim=-1) == batch["labels"]).sum()
+    return torch.stack([full_depth, (layers + 1).sum()])

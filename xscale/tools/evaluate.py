@@ -24,7 +24,7 @@ from xscale.data.labeled import LABELS_META_KEY
 from xscale.parallel.model import ParallelModel
 from xscale.tools.trained import TrainedModel, load_trained_model, tokenizer_path
 from xscale.train.checkpoint import CheckpointError
-from xscale.train.step import evaluation_accuracy, evaluation_loss
+from xscale.train.step import evaluation_accuracy, evaluation_exit_metrics, evaluation_loss
 
 
 @dataclass
@@ -34,13 +34,19 @@ class SourceResult:
     loss: float
     tokens: int
     batches: int
-    accuracy: float | None = None  # a classifier's (then ``tokens`` counts examples)
+    accuracy: float | None = None  # a classifier's (then ``tokens`` counts examples); early exit: at the exits
+    accuracy_full_depth: float | None = None  # early exit (model.early_exit): every example read to the last layer
+    mean_exit_layer: float | None = None  # early exit: the mean 1-based layer the examples leave at
 
     @property
     def perplexity(self) -> float:
         return math.exp(self.loss) if self.loss < 700 else math.inf
 
     def line(self) -> str:
+        if self.mean_exit_layer is not None:
+            return (f"{self.source} ({self.split}): loss {self.loss:.4f}, accuracy {100 * self.accuracy:.2f}% "
+                    f"(full depth {100 * self.accuracy_full_depth:.2f}%), mean exit layer "
+                    f"{self.mean_exit_layer:.2f}, over {self.tokens} examples in {self.batches} batches")
         if self.accuracy is not None:
             return (f"{self.source} ({self.split}): loss {self.loss:.4f}, accuracy {100 * self.accuracy:.2f}% "
                     f"over {self.tokens} examples in {self.batches} batches")
@@ -60,11 +66,13 @@ def evaluation_sources(config: Config, label_names: list[str] | None = None) -> 
     return [(config.data.path or config.data.dataset, split, evaluation)]
 
 
-def evaluate_dataset(model: ParallelModel, dataset: Dataset, batch_size: int, batches: int, classify: bool = False
-                     ) -> tuple[float, int, int, float | None]:
+def evaluate_dataset(model: ParallelModel, dataset: Dataset, batch_size: int, batches: int, classify: bool = False,
+                     exits: dict[str, float] | None = None) -> tuple[float, int, int, float | None]:
     """(mean token loss, labelled tokens, batches read, accuracy when ``classify``) over the first ``batches``
-    batches of ``dataset``."""
+    batches of ``dataset``; ``exits``: a dict that receives an early-exit model's accuracy_full_depth and
+    mean_exit_layer."""
     loss_sum, tokens, read, correct = 0.0, 0, 0, 0.0
+    exit_sums = dict.fromkeys(("accuracy_full_depth", "mean_exit_layer"), 0.0)
     for start in range(0, min(len(dataset), batch_size * batches), batch_size):
         batch = collate([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
         batch = {key: value.to(model.device) for key, value in batch.items()}
@@ -72,9 +80,14 @@ def evaluate_dataset(model: ParallelModel, dataset: Dataset, batch_size: int, ba
         loss_sum += float(evaluation_loss(model, batch)) * labelled
         if classify:
             correct += float(evaluation_accuracy(model, batch)) * labelled
+        if exits is not None:
+            for name, value in evaluation_exit_metrics(model, batch).items():
+                exit_sums[name] += value * labelled
         tokens, read = tokens + labelled, read + 1
     if tokens == 0:
         raise ConfigError("the evaluation data holds no labelled token; check data.* (or --batches)")
+    if exits is not None:
+        exits.update({name: value / tokens for name, value in exit_sums.items()})
     return loss_sum / tokens, tokens, read, correct / tokens if classify else None
 
 
@@ -90,8 +103,10 @@ def evaluate(trained: TrainedModel, batches: int) -> list[SourceResult]:
     label_names = trained.meta.get(LABELS_META_KEY) if classify else None
     results = []
     for source, split, dataset in evaluation_sources(config, label_names):
-        loss, tokens, read, accuracy = evaluate_dataset(model, dataset, train.global_batch_size, batches, classify)
-        results.append(SourceResult(source, split, loss, tokens, read, accuracy))
+        exits = {} if classify and config.model.early_exit else None
+        loss, tokens, read, accuracy = evaluate_dataset(model, dataset, train.global_batch_size, batches, classify,
+                                                        exits)
+        results.append(SourceResult(source, split, loss, tokens, read, accuracy, **(exits or {})))
     return results
 
 

@@ -14,7 +14,7 @@ from xscale.command_line import CommandParser
 from xscale.config import CHOICES, Config, ConfigError
 from xscale.models.parameters import ModelCount, count_parameters, experts_per_token
 from xscale.models.registry import REGISTRIES
-from xscale.models.transformer import stack_variants
+from xscale.models.transformer import STACK_VARIANTS, stack_variants
 from xscale.parallel.checks import resolve_layout
 from xscale.parallel.dims import rank_coordinates
 from xscale.parallel.memory import predicted_pipeline_state_bytes, predicted_state_bytes
@@ -210,8 +210,9 @@ def report(config: Config) -> str:
 
 
 def components_report() -> str:
-    """Every registered component (``model.<kind>``; router: ``model.moe.router``), every ``model.*`` choice and the
-    objectives and tasks (``train.objective``, ``train.task``)."""
+    """Every registered component (``model.<kind>``; router: ``model.moe.router``), every ``model.*`` choice, the
+    stack options (``model.<option>``: share_layers, reversible, act, funnel, early_exit) and the objectives and tasks
+    (``train.objective``, ``train.task``)."""
     keys = {"attention": "model.attention.kind", "router": "model.moe.router"}
     lines = ["components:"]
     for kind, registry in REGISTRIES.items():
@@ -219,6 +220,7 @@ def components_report() -> str:
     for key, values in CHOICES.items():
         if key.startswith("model.") or key in ("train.objective", "train.task"):
             lines.append(f"  {key:<32} {', '.join(values)}")
+    lines.append(f"  {'model.<stack option>':<32} {', '.join(STACK_VARIANTS)}")
     return "\n".join(lines)
 
 

