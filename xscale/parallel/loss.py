@@ -66,8 +66,8 @@ def model_loss_sum(model: nn.Module, batch: Batch, context: StepContext | None =
 
 def classification_loss_sum(model: nn.Module, batch: Batch, context: StepContext | None = None) -> torch.Tensor:
     """Sum over the batch's examples of the cross-entropy of the class logits; ``batch``: input_ids (B, T) and
-    padding_mask (B, T), or pixels (B, C, H, W), and one class index per example, labels (B,) (engines divide by the
-    global example count). With early exit (logits of every layer), the weighted average of the layers' losses
+    padding_mask (B, T), or pixels (B, C, H, W), and one class index per example, labels (B,) (engines divide by
+    the global example count). With early exit (logits of every layer), the weighted average of the layers' losses
     (PABEE's)."""
     logits = model(model_inputs(batch), context=context, padding_mask=batch.get("padding_mask"))
     if logits.dim() == 3:
