@@ -184,6 +184,8 @@ class TrainConfig:
     log_every: int = 10
     output_dir: str = "runs/default"
     kernels: str = "auto"  # auto | triton | apex | torch
+    # AdamW's update: auto (fused on CUDA, one parameter at a time on CPU) | true (foreach) | false (per parameter)
+    optimizer_foreach: str = "auto"
     compile: bool = False
     peak_flops: float | None = None  # FLOP/s per device for MFU; None: measured matmul peak
     loggers: list[str] = field(default_factory=lambda: ["tensorboard", "jsonl"])  # + csv | wandb
@@ -296,6 +298,7 @@ CHOICES = {
     "train.loggers": ("tensorboard", "jsonl", "csv", "wandb"),  # a list: each item one of these
     "train.precision": ("fp32", "bf16"),
     "train.kernels": ("auto", "triton", "apex", "torch"),
+    "train.optimizer_foreach": ("auto", "true", "false"),
     "train.on_nonfinite": ("stop", "skip"),
     "checkpoint.verify": ("full", "size", "none"),
     "model.moe.drop_policy": ("probs", "position"),
