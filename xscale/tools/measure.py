@@ -37,10 +37,24 @@ from xscale.models.parameters import count_parameters
 from xscale.parallel.activation import apply_activation_checkpointing
 from xscale.parallel.checks import resolve_layout
 from xscale.parallel.dims import ParallelDims
-from xscale.parallel.memory import OPTIMIZER_VALUES, predicted_pipeline_state_bytes, predicted_state_bytes
+from xscale.parallel.memory import (
+    OPTIMIZER_VALUES,
+    PeakTerms,
+    UnitSizes,
+    activation_share,
+    all_gather_bytes,
+    microbatches_in_flight,
+    predicted_pipeline_state_bytes,
+    predicted_state_bytes,
+    step_temporary_bytes,
+    unit_sizes,
+)
 from xscale.parallel.model import ParallelModel
 from xscale.parallel.parallelize import micro_batch_size
-from xscale.train.step import forward_backward_step, model_optimizer, optimizer_step
+from xscale.parallel.pipeline import SCHEDULES
+from xscale.parallel.pipeline.cost import stage_layers
+from xscale.parallel.pipeline.stages import stage_to_rank
+from xscale.train.step import forward_backward_step, model_optimizer
 
 GIB = 1024**3
 
@@ -51,15 +65,23 @@ class MeasureError(ValueError):
 
 @dataclass
 class RankMemory:
-    """One distinct rank's predicted peak: model state (formulas) plus activations and temporaries (measured)."""
+    """One distinct rank's predicted peak: :class:`PeakTerms` (formulas, activations measured on fake tensors)."""
 
     label: str
-    state: dict[str, float]
-    activations: float
+    terms: PeakTerms
+
+    @property
+    def state(self) -> dict[str, float]:
+        return {"parameters": self.terms.parameters, "gradients": self.terms.gradients,
+                "optimizer": self.terms.optimizer}
+
+    @property
+    def activations(self) -> float:
+        return self.terms.activations
 
     @property
     def peak(self) -> float:
-        return sum(self.state.values()) + self.activations
+        return self.terms.peak
 
 
 def _fake_model(config: Config) -> nn.Module:
@@ -116,9 +138,8 @@ def measured_activation_bytes(config: Config, micro_batch: int) -> float:
         tracker = ActivationPeakTracker()
         tracker.track_external(model, optimizer)
         try:
-            with tracker:
+            with tracker:  # the optimizer step's temporaries are a formula of their own (step_temporary_bytes)
                 forward_backward_step(parallel, _batch(config, micro_batch))
-                optimizer_step(parallel, optimizer)
         except (DynamicOutputShapeException, GuardOnDataDependentSymNode) as error:
             raise MeasureError("--measure cannot run this model on fake tensors: an op's output shape depends on "
                                f"the data ({type(error).__name__}; MoE token dispatch is one); "
@@ -126,40 +147,35 @@ def measured_activation_bytes(config: Config, micro_batch: int) -> float:
     return float(tracker.activation_peak)
 
 
-def _replicated_fraction(config: Config) -> float:
-    """Share of a layer's activations that tensor parallelism without sequence parallelism leaves whole on every
-    rank: 10 of s b h (34 + 5 a s / h) (Korthikanti et al. 2022, eq. 2)."""
-    model = config.model
-    return 10 / (34 + 5 * model.n_heads * config.train.seq_len / model.d_model)
-
-
-def _tensor_parallel_share(config: Config, dims: ParallelDims) -> float:
-    if dims.tp == 1 or config.parallel.sequence_parallel:
-        return 1 / dims.tp
-    replicated = _replicated_fraction(config)
-    return replicated + (1 - replicated) / dims.tp
-
-
-def _in_flight(config: Config, pp: int, pp_rank: int) -> int:
-    """Micro-batches whose activations a pipeline rank holds at once (GPipe: all; 1F1B: pp - rank)."""
-    microbatches = config.parallel.microbatches or pp
-    return microbatches if config.parallel.pp_schedule == "gpipe" else min(pp - pp_rank, microbatches)
-
-
 def rank_memory(config: Config, world_size: int) -> list[RankMemory]:
-    """Each distinct rank's predicted peak at ``world_size``: one per pipeline rank (the others are alike)."""
+    """Each distinct rank's predicted peak at ``world_size``: one per pipeline rank (the others are alike); the
+    terms are :mod:`xscale.parallel.memory`'s, the activations measured here on fake tensors."""
     dims, config = resolve_layout(config, world_size)
     if dims.pp > 1:  # a pipeline micro-batch: the local batch over the microbatches
         micro = max(1, config.train.global_batch_size // dims.dp // dims.microbatches)
     else:
         micro = micro_batch_size(config, dims)
-    share = _tensor_parallel_share(config, dims) / dims.cp
-    activations = measured_activation_bytes(config, micro) * share
+    activations = measured_activation_bytes(config, micro) * activation_share(config, dims)
     if dims.pp == 1:
         count = count_parameters(config)
-        return [RankMemory("every rank", predicted_state_bytes(count.total, dims, count.expert), activations)]
-    return [RankMemory(f"pp rank {rank}", state, activations / dims.pp * _in_flight(config, dims.pp, rank))
+        state = predicted_state_bytes(count.total, dims, count.expert)
+        return [_rank("every rank", config, dims, state, activations, unit_sizes(config))]
+    num_stages = dims.pp * config.parallel.pp_stages_per_rank
+    ranks = stage_to_rank(num_stages, dims.pp, SCHEDULES[config.parallel.pp_schedule].placement)
+    layers = stage_layers(config, num_stages)
+    return [_rank(f"pp rank {rank}", config, dims, state,
+                  activations / dims.pp * microbatches_in_flight(config, dims.pp, rank),
+                  unit_sizes(config, [index for stage in range(num_stages) if ranks[stage] == rank
+                                      for index in layers[stage]]))
             for rank, state in enumerate(predicted_pipeline_state_bytes(config, dims))]
+
+
+def _rank(label: str, config: Config, dims: ParallelDims, state: dict[str, float], activations: float,
+          sizes: UnitSizes) -> RankMemory:
+    local = state["optimizer"] / OPTIMIZER_VALUES  # the parameters (pieces) this rank updates
+    temporaries = step_temporary_bytes(config, dims, sizes, local)
+    return RankMemory(label, PeakTerms(**state, activations=activations, all_gather=all_gather_bytes(config, dims, sizes),
+                                       step_temporaries=temporaries))
 
 
 def device_memory_bytes(processes_per_node: int, device_memory_gib: float | None = None) -> tuple[float, str]:
@@ -190,7 +206,9 @@ def measure_report(config: Config, world_size: int, device_memory_gib: float | N
     available, source = device_memory_bytes(world_size, device_memory_gib)
     lines = [f"measured step (fake tensors, MemTracker; device memory {_gib(available)} from {source}):"]
     for rank in rank_memory(config, world_size):
-        state = sum(rank.state.values())
-        lines.append(f"  {rank.label}: model state {_gib(state)} + activations {_gib(rank.activations)} "
-                     f"= peak {_gib(rank.peak)}: {verdict(rank.peak, available)}")
+        terms = rank.terms
+        lines.append(f"  {rank.label}: model state {_gib(terms.model_state)} (parameters {_gib(terms.parameters)}, "
+                     f"gradients {_gib(terms.gradients)}, optimizer {_gib(terms.optimizer)}) + max(activations "
+                     f"{_gib(terms.activations)} + all-gather {_gib(terms.all_gather)}, optimizer-step temporaries "
+                     f"{_gib(terms.step_temporaries)}) = peak {_gib(rank.peak)}: {verdict(rank.peak, available)}")
     return lines
