@@ -27,25 +27,25 @@ def _set_gradients(params: list[torch.nn.Parameter], step: int) -> None:
 def test_auto_is_per_parameter_on_cpu_and_fused_on_cuda():
     assert update_mode("auto", "cpu") == "per_parameter"
     assert update_mode("auto", "cuda") == "fused"
-    assert update_mode("true", "cpu") == "foreach" and update_mode("false", "cuda") == "per_parameter"
+    assert update_mode(True, "cpu") == "foreach" and update_mode(False, "cuda") == "per_parameter"
     optimizer = build_optimizer(_parameters(), TrainConfig())
     assert optimizer.defaults["foreach"] is False and not optimizer.defaults["fused"]
 
 
 def test_per_parameter_update_equals_foreach():
     results = {}
-    for setting in ("true", "false"):
+    for setting in (True, False):
         params = _parameters()
         optimizer = build_optimizer(params, dataclasses.replace(TrainConfig(), optimizer_foreach=setting))
         for step in range(3):
             _set_gradients(params, step)
             optimizer.step()
         results[setting] = params
-    for foreach, single in zip(results["true"], results["false"]):
+    for foreach, single in zip(results[True], results[False]):
         torch.testing.assert_close(single, foreach, rtol=0, atol=1e-7)
 
 
-def _step_temporaries(setting: str) -> tuple[int, int]:
+def _step_temporaries(setting: bool | str) -> tuple[int, int]:
     """Peak bytes the second ``step()`` allocates beyond what lives before and after it (MemTracker, real tensors),
     and the largest parameter's bytes."""
     params = _parameters()
@@ -62,7 +62,7 @@ def _step_temporaries(setting: str) -> tuple[int, int]:
     return peak[total] - current[total], max(p.numel() * p.element_size() for p in params)
 
 
-@pytest.mark.parametrize("setting", ["auto", "false"])
+@pytest.mark.parametrize("setting", ["auto", False])
 def test_step_temporaries_are_bounded_by_the_largest_parameter(setting):
     temporaries, largest = _step_temporaries(setting)
     assert 0 < temporaries <= 4 * largest, (temporaries, largest)
@@ -70,5 +70,5 @@ def test_step_temporaries_are_bounded_by_the_largest_parameter(setting):
 
 def test_foreach_temporaries_grow_with_all_parameters():
     """The contrast that makes the bound above mean something: foreach holds a temporary of every parameter."""
-    temporaries, largest = _step_temporaries("true")
+    temporaries, largest = _step_temporaries(True)
     assert temporaries >= 12 * largest

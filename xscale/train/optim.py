@@ -33,12 +33,12 @@ def parameter_groups(params: Iterable[nn.Parameter], weight_decay: float,
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def update_mode(setting: str, device_type: str) -> str:
-    """``fused``, ``foreach`` or ``per_parameter`` for ``train.optimizer_foreach`` on ``device_type`` (module
-    docstring)."""
-    if setting == "true":
+def update_mode(setting: bool | str, device_type: str) -> str:
+    """``fused``, ``foreach`` or ``per_parameter`` for ``train.optimizer_foreach`` (auto, true or false) on
+    ``device_type`` (module docstring)."""
+    if setting is True:
         return "foreach"
-    if setting == "false":
+    if setting is False:
         return "per_parameter"
     return "fused" if device_type == "cuda" else "per_parameter"
 
