@@ -86,13 +86,16 @@ def predicted_pipeline_state_bytes(config: Config, dims: ParallelDims) -> list[d
 
 @dataclass
 class PeakTerms:
-    """One rank's predicted bytes, term by term; ``peak`` = model state + max(forward/backward, optimizer step)."""
+    """One rank's predicted bytes, term by term. ``peak`` = parameters + optimizer state + the larger of the
+    forward/backward peak (activations + gathered weights + the gradients alive then) and the optimizer step (all
+    gradients + the step's temporaries)."""
 
     parameters: float
     gradients: float
     optimizer: float
     activations: float = 0.0
     all_gather: float = 0.0
+    live_gradients: float | None = None  # gradients alive at the forward/backward peak; None: all of them
     step_temporaries: float = 0.0
 
     @property
@@ -101,7 +104,9 @@ class PeakTerms:
 
     @property
     def peak(self) -> float:
-        return self.model_state + max(self.activations + self.all_gather, self.step_temporaries)
+        live = self.gradients if self.live_gradients is None else self.live_gradients
+        backward = self.activations + self.all_gather + live
+        return self.parameters + self.optimizer + max(backward, self.gradients + self.step_temporaries)
 
 
 @dataclass
@@ -142,6 +147,16 @@ def all_gather_bytes(config: Config, dims: ParallelDims, sizes: UnitSizes) -> fl
     blocks = sizes.blocks if dims.pp > 1 else sorted(sizes.blocks)[-GATHERED_BLOCKS:]
     gathered = sizes.root * (1 - 1 / n) + GATHER_COPIES * sum(blocks)
     return value_bytes * gathered / dims.tp
+
+
+def live_gradient_bytes(dims: ParallelDims, gradients: float, fraction: float, sizes: UnitSizes) -> float:
+    """Gradient bytes alive at the forward/backward peak. DDP and ZeRO-1 keep every gradient in bucket buffers
+    from step to step (:mod:`xscale.parallel.data.buckets`), plus the largest parameter's gradient as autograd made
+    it, before it is copied into its bucket; elsewhere gradients are freed after each step, and the peak comes early
+    in backward, when ``fraction`` of them exist (measured on the fake step)."""
+    if dims.dp_cp > 1 and dims.zero_stage <= 1:
+        return gradients + BYTES_PER_VALUE * sizes.largest / dims.tp
+    return fraction * gradients
 
 
 STEP_TEMPORARIES = {"per_parameter": 3, "foreach": 1, "fused": 0}  # see step_temporary_bytes

@@ -22,6 +22,7 @@ set of two real steps of ``configs/tiny-gpt.yaml`` (tests/tools/test_inspect.py)
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -43,6 +44,7 @@ from xscale.parallel.memory import (
     UnitSizes,
     activation_share,
     all_gather_bytes,
+    live_gradient_bytes,
     microbatches_in_flight,
     predicted_pipeline_state_bytes,
     predicted_state_bytes,
@@ -111,11 +113,13 @@ def _batch(config: Config, rows: int) -> dict[str, torch.Tensor]:
 
 class ActivationPeakTracker(MemTracker):
     """A ``MemTracker`` that also keeps the highest sum, after any op, of what is not model state (activations,
-    temporaries, other): the total peak may fall in the optimizer step, when activations are gone."""
+    temporaries, other), and the highest sum of that and the gradients alive at the time (``joint_peak``), with its
+    two parts: backward frees activations as it makes gradients, so the peak of both is not the sum of their peaks."""
 
     def __init__(self) -> None:
         super().__init__()
         self.activation_peak = 0
+        self.joint_peak = self.activations_at_joint_peak = self.gradient_fraction_at_joint_peak = 0.0
 
     def _update_peak_stats(self, peak_state) -> None:  # called by MemTracker after every op it tracks
         super()._update_peak_stats(peak_state)
@@ -125,11 +129,21 @@ class ActivationPeakTracker(MemTracker):
             moments = min(by_kind.get("Optstate", 0), OPTIMIZER_VALUES * by_kind.get("Parameter", 0))
             current = by_kind["Total"] - moments - sum(by_kind.get(kind, 0) for kind in ("Parameter", "Buffer", "Gradient"))
             self.activation_peak = max(self.activation_peak, current)
+            gradients = by_kind.get("Gradient", 0)
+            if current + gradients > self.joint_peak:
+                self.joint_peak, self.activations_at_joint_peak = current + gradients, current
+                self.gradient_fraction_at_joint_peak = gradients / max(by_kind.get("Parameter", 0), 1)
 
 
 def measured_activation_bytes(config: Config, micro_batch: int) -> float:
     """Peak bytes of activations and temporaries of one training step of ``micro_batch`` sequences of
     ``train.seq_len`` tokens on the single-device model, measured on fake tensors (module docstring)."""
+    return measured_step(config, micro_batch)[0]
+
+
+def measured_step(config: Config, micro_batch: int) -> tuple[float, float]:
+    """At the peak of activations plus gradients of one forward and backward (:class:`ActivationPeakTracker`):
+    the bytes of activations and temporaries, and the share of the parameters that have a gradient by then."""
     autocast = torch.bfloat16 if config.train.precision == "bf16" else None
     with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()):
         model = _fake_model(config)
@@ -144,7 +158,7 @@ def measured_activation_bytes(config: Config, micro_batch: int) -> float:
             raise MeasureError("--measure cannot run this model on fake tensors: an op's output shape depends on "
                                f"the data ({type(error).__name__}; MoE token dispatch is one); "
                                "plan it without --measure") from None
-    return float(tracker.activation_peak)
+    return float(tracker.activations_at_joint_peak), float(tracker.gradient_fraction_at_joint_peak)
 
 
 def rank_memory(config: Config, world_size: int) -> list[RankMemory]:
@@ -155,27 +169,47 @@ def rank_memory(config: Config, world_size: int) -> list[RankMemory]:
         micro = max(1, config.train.global_batch_size // dims.dp // dims.microbatches)
     else:
         micro = micro_batch_size(config, dims)
-    activations = measured_activation_bytes(config, micro) * activation_share(config, dims)
+    full, gradient_fraction = measured_step(config, micro)
     if dims.pp == 1:
         count = count_parameters(config)
         state = predicted_state_bytes(count.total, dims, count.expert)
-        return [_rank("every rank", config, dims, state, activations, unit_sizes(config))]
+        return [_rank("every rank", config, dims, state, full * activation_share(config, dims), unit_sizes(config),
+                      gradient_fraction)]
     num_stages = dims.pp * config.parallel.pp_stages_per_rank
     ranks = stage_to_rank(num_stages, dims.pp, SCHEDULES[config.parallel.pp_schedule].placement)
     layers = stage_layers(config, num_stages)
-    return [_rank(f"pp rank {rank}", config, dims, state,
-                  activations / dims.pp * microbatches_in_flight(config, dims.pp, rank),
-                  unit_sizes(config, [index for stage in range(num_stages) if ranks[stage] == rank
-                                      for index in layers[stage]]))
-            for rank, state in enumerate(predicted_pipeline_state_bytes(config, dims))]
+    per_layer, head = per_layer_and_head(config, micro, full)
+    rows = []
+    for rank, state in enumerate(predicted_pipeline_state_bytes(config, dims)):
+        mine = [stage for stage in range(num_stages) if ranks[stage] == rank]
+        held = [index for stage in mine for index in layers[stage]]
+        per_microbatch = len(held) * per_layer + (head if num_stages - 1 in mine else 0.0)
+        activations = per_microbatch * activation_share(config, dims) * microbatches_in_flight(config, dims.pp, rank)
+        rows.append(_rank(f"pp rank {rank}", config, dims, state, activations, unit_sizes(config, held),
+                          gradient_fraction))
+    return rows
+
+
+def per_layer_and_head(config: Config, micro_batch: int, full: float | None = None) -> tuple[float, float]:
+    """One block's activations and the rest's (embedding, final norm, head and loss: the last pipeline stage's),
+    from fake steps at the model's depth L and at depth 1: A(L) = L a + h. An encoder-decoder is split evenly."""
+    depth = config.model.n_layers
+    full = measured_activation_bytes(config, micro_batch) if full is None else full
+    if depth == 1 or config.model.family == "encoder_decoder":
+        return full / max(depth, 1), 0.0
+    one = measured_activation_bytes(dataclasses.replace(config, model=dataclasses.replace(config.model, n_layers=1)),
+                                    micro_batch)
+    per_layer = (full - one) / (depth - 1)
+    return per_layer, full - depth * per_layer
 
 
 def _rank(label: str, config: Config, dims: ParallelDims, state: dict[str, float], activations: float,
-          sizes: UnitSizes) -> RankMemory:
+          sizes: UnitSizes, gradient_fraction: float) -> RankMemory:
     local = state["optimizer"] / OPTIMIZER_VALUES  # the parameters (pieces) this rank updates
     temporaries = step_temporary_bytes(config, dims, sizes, local)
+    live = live_gradient_bytes(dims, state["gradients"], gradient_fraction, sizes)
     return RankMemory(label, PeakTerms(**state, activations=activations, all_gather=all_gather_bytes(config, dims, sizes),
-                                       step_temporaries=temporaries))
+                                       live_gradients=live, step_temporaries=temporaries))
 
 
 def device_memory_bytes(processes_per_node: int, device_memory_gib: float | None = None) -> tuple[float, str]:
@@ -207,8 +241,10 @@ def measure_report(config: Config, world_size: int, device_memory_gib: float | N
     lines = [f"measured step (fake tensors, MemTracker; device memory {_gib(available)} from {source}):"]
     for rank in rank_memory(config, world_size):
         terms = rank.terms
+        live = terms.gradients if terms.live_gradients is None else terms.live_gradients
         lines.append(f"  {rank.label}: model state {_gib(terms.model_state)} (parameters {_gib(terms.parameters)}, "
-                     f"gradients {_gib(terms.gradients)}, optimizer {_gib(terms.optimizer)}) + max(activations "
-                     f"{_gib(terms.activations)} + all-gather {_gib(terms.all_gather)}, optimizer-step temporaries "
-                     f"{_gib(terms.step_temporaries)}) = peak {_gib(rank.peak)}: {verdict(rank.peak, available)}")
+                     f"gradients {_gib(terms.gradients)}, optimizer {_gib(terms.optimizer)}); peak = parameters + "
+                     f"optimizer + max(activations {_gib(terms.activations)} + all-gather {_gib(terms.all_gather)} "
+                     f"+ live gradients {_gib(live)}, gradients + optimizer-step temporaries "
+                     f"{_gib(terms.step_temporaries)}) = {_gib(rank.peak)}: {verdict(rank.peak, available)}")
     return lines

@@ -5,16 +5,18 @@ formulas, activations from a fake-tensor step, ZeRO-3's gathered weights and the
 (:mod:`xscale.parallel.memory`). Measured, in fresh local processes (one per rank) running ``--steps`` real
 training steps (and with ``--checkpoint`` a save, then a resume in a new Trainer and one more step):
 
-- on CPU, the peak resident set minus the process baseline. Right before the Trainer is built (so before the
-  process group, the model, the optimizer and the data exist) the rank sets glibc's malloc to give every freed
-  block above 64 KiB back to the kernel (:func:`~xscale.launcher.cpu_allocator.return_freed_memory`: the resident
-  set then follows the live tensors), resets the kernel's high-water mark (``5`` to ``/proc/self/clear_refs``)
-  and reads ``VmRSS`` as the baseline; the peak is ``VmHWM`` after the last step. The difference also holds the
-  process group's and the data loader's memory (a few MiB);
+- on CPU, the peak resident set minus the process baseline. First the rank sets glibc's malloc to give every
+  freed block above 64 KiB back to the kernel (:func:`~xscale.launcher.cpu_allocator.return_freed_memory`: the
+  resident set then follows the live tensors) and warms the runtime up (:func:`warm_runtime`: the process group, the
+  datasets, one all-reduce and one AdamW step of a tiny layer, so the thread pools, the collectives' and the
+  kernels' own buffers exist); then, right before the Trainer builds the model, it resets the kernel's high-water
+  mark (``5`` to ``/proc/self/clear_refs``) and reads ``VmRSS`` as the baseline; the peak is ``VmHWM`` after the
+  last step;
 - on CUDA, ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` at the same point.
 
 The model state alone is measured right before each optimizer step (the unique bytes of parameters, gradients and
-AdamW moments: :func:`xscale.parallel.memory.measured_state_bytes`) and compared with the formulas.
+AdamW moments: :func:`xscale.parallel.memory.measured_state_bytes`) and compared with the formulas; ``largest p``
+is the largest parameter this rank holds (under ZeRO-3, half the embedding at dp_shard=2: nothing whole).
 """
 
 from __future__ import annotations
@@ -28,11 +30,15 @@ import torch
 
 from xscale.command_line import CommandParser
 from xscale.config import Config, ConfigError
+from xscale.data import build_datasets
 from xscale.launcher.cpu_allocator import return_freed_memory
+from xscale.launcher.env import init_distributed
 from xscale.parallel.checks import resolve_layout
+from xscale.parallel.data import local_tensor
 from xscale.parallel.memory import measured_state_bytes
 from xscale.tools.measure import MeasureError, rank_memory
 from xscale.tools.parity import PARITY_SETTINGS, run_local, world_size_of
+from xscale.train.optim import build_optimizer
 from xscale.train.trainer import Trainer
 from xscale.validate import load_config_from_cli
 
@@ -83,6 +89,18 @@ def _peak(device_type: str) -> int:
     return torch.cuda.max_memory_allocated() if device_type == "cuda" else _status("VmHWM")
 
 
+def warm_runtime(config: Config) -> None:
+    """What any run allocates before its model exists (module docstring), so the baseline includes it."""
+    init_distributed(config.parallel.backend, verbose=False)
+    build_datasets(config)
+    layer = torch.nn.Linear(64, 64)
+    optimizer = build_optimizer(layer.parameters(), config.train)
+    layer(torch.randn(8, 64)).square().mean().backward()
+    optimizer.step()
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(torch.ones(1024))
+
+
 def _steps(trainer: Trainer, steps: int, states: list[dict[str, int]]) -> None:
     """Train ``steps`` steps, recording the model state measured right before each optimizer step."""
     strategy = trainer.model.data_parallel
@@ -102,9 +120,11 @@ def _measure_rank(config: Config, steps: int, checkpoint: bool) -> dict[str, flo
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if device_type == "cpu":
         return_freed_memory()
+    warm_runtime(config)
     baseline = _reset_peak(device_type)
     states: list[dict[str, int]] = []
     trainer = Trainer(config)
+    largest = max(local_tensor(param).numel() * param.element_size() for param in trainer.model.parameters())
     _steps(trainer, steps, states)
     if checkpoint:  # save, then resume in a new Trainer (the old one gone) and train one more step
         trainer.save()
@@ -118,7 +138,8 @@ def _measure_rank(config: Config, steps: int, checkpoint: bool) -> dict[str, flo
         assert trainer.resume(), "the checkpoint just saved was not found"
         _steps(trainer, 1, states)
     state = max(states, key=lambda entry: sum(entry.values()))
-    return {"peak": float(_peak(device_type) - baseline), "state": float(sum(state.values())), **state}
+    return {"peak": float(_peak(device_type) - baseline), "state": float(sum(state.values())),
+            "largest_parameter": float(largest), **state}
 
 
 def measure_layouts(config_path: str | None, overrides: list[str], layouts: list[str], steps: int,
@@ -151,12 +172,12 @@ def report(rows: list[dict]) -> None:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU, peak RSS over the baseline"
     print(f"memory per rank, MiB ({device}); predicted / measured")
     print(f"{'layout':<28} {'rank':>4} {'pred peak':>10} {'meas peak':>10} {'ratio':>6} {'pred state':>10} "
-          f"{'meas state':>10} {'ratio':>6}  predicted terms: activations, all-gather, step temporaries")
+          f"{'meas state':>10} {'ratio':>6} {'largest p':>9}  predicted terms: activations, all-gather, step temporaries")
     for row in rows:
         terms = row["terms"]
         print(f"{row['layout']:<28} {row['rank']:>4} {_mib(row['predicted']):>10} {_mib(row['peak']):>10} "
               f"{row['predicted'] / row['peak']:>6.3f} {_mib(row['predicted_state']):>10} {_mib(row['state']):>10} "
-              f"{row['predicted_state'] / row['state']:>6.3f}  {_mib(terms.activations)}, {_mib(terms.all_gather)}, "
+              f"{row['predicted_state'] / row['state']:>6.3f} {_mib(row['largest_parameter']):>9}  {_mib(terms.activations)}, {_mib(terms.all_gather)}, "
               f"{_mib(terms.step_temporaries)}")
 
 
