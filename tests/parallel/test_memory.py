@@ -13,6 +13,7 @@ from xscale.parallel.memory import (
     UnitSizes,
     activation_share,
     all_gather_bytes,
+    live_gradient_bytes,
     microbatches_in_flight,
     step_temporary_bytes,
     unit_sizes,
@@ -78,3 +79,16 @@ def test_unit_sizes_split_the_model_into_its_root_and_equal_blocks():
     assert sizes.largest == 32 * 4 * 32  # an FFN matrix (d_ff = 4 d) outgrows the 64-row embedding
     first_stage = unit_sizes(config, [0, 1])
     assert first_stage.blocks == sizes.blocks[:2]
+
+
+def test_live_gradients_are_all_of_them_in_buckets_else_the_measured_share_plus_the_largest():
+    largest = 4 * 640
+    # DDP and ZeRO-1 keep every gradient in their buckets, and autograd's largest gradient before it is copied in
+    assert live_gradient_bytes(ParallelDims(dp_shard=2, zero_stage=1), 1000.0, 0.25, SIZES) == 1000 + largest
+    assert live_gradient_bytes(ParallelDims(dp_shard=2, zero_stage=0), 1000.0, 0.25, SIZES) == 1000 + largest
+    # one process, ZeRO-2/3, tp: freed after each step; the fake step's share at its peak
+    assert live_gradient_bytes(ParallelDims(), 1000.0, 0.25, SIZES) == 250 + largest
+    assert live_gradient_bytes(ParallelDims(dp_shard=2, zero_stage=3), 1000.0, 0.25, SIZES) == 250 + largest
+    assert live_gradient_bytes(ParallelDims(tp=2), 1000.0, 0.0, SIZES) == largest / 2
+    terms = PeakTerms(parameters=100, gradients=100, optimizer=200, activations=150, live_gradients=20)
+    assert terms.peak == 100 + 200 + 150 + 20  # the backward's 170 outweighs the step's 100 + 0

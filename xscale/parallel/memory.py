@@ -151,12 +151,14 @@ def all_gather_bytes(config: Config, dims: ParallelDims, sizes: UnitSizes) -> fl
 
 def live_gradient_bytes(dims: ParallelDims, gradients: float, fraction: float, sizes: UnitSizes) -> float:
     """Gradient bytes alive at the forward/backward peak. DDP and ZeRO-1 keep every gradient in bucket buffers
-    from step to step (:mod:`xscale.parallel.data.buckets`), plus the largest parameter's gradient as autograd made
-    it, before it is copied into its bucket; elsewhere gradients are freed after each step, and the peak comes early
-    in backward, when ``fraction`` of them exist (measured on the fake step)."""
+    from step to step (:mod:`xscale.parallel.data.buckets`); elsewhere gradients are freed after each step and the
+    peak comes early in backward, when ``fraction`` of them exist (measured on the fake step). Either way add the
+    largest parameter's whole gradient (tp divides it) as autograd makes it: the head's, next to the logits'
+    gradient, before it is copied into its bucket or reduce-scattered to this rank's shard."""
+    largest = BYTES_PER_VALUE * sizes.largest / dims.tp
     if dims.dp_cp > 1 and dims.zero_stage <= 1:
-        return gradients + BYTES_PER_VALUE * sizes.largest / dims.tp
-    return fraction * gradients
+        return gradients + largest
+    return fraction * gradients + largest
 
 
 STEP_TEMPORARIES = {"per_parameter": 3, "foreach": 1, "fused": 0}  # see step_temporary_bytes

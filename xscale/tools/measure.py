@@ -141,9 +141,14 @@ def measured_activation_bytes(config: Config, micro_batch: int) -> float:
     return measured_step(config, micro_batch)[0]
 
 
-def measured_step(config: Config, micro_batch: int) -> tuple[float, float]:
+def _activation_peak(config: Config, micro_batch: int) -> float:
+    return measured_step(config, micro_batch)[2]
+
+
+def measured_step(config: Config, micro_batch: int) -> tuple[float, float, float]:
     """At the peak of activations plus gradients of one forward and backward (:class:`ActivationPeakTracker`):
-    the bytes of activations and temporaries, and the share of the parameters that have a gradient by then."""
+    the bytes of activations and temporaries, and the share of the parameters that have a gradient by then; third,
+    the peak of the activations and temporaries alone."""
     autocast = torch.bfloat16 if config.train.precision == "bf16" else None
     with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()):
         model = _fake_model(config)
@@ -158,7 +163,8 @@ def measured_step(config: Config, micro_batch: int) -> tuple[float, float]:
             raise MeasureError("--measure cannot run this model on fake tensors: an op's output shape depends on "
                                f"the data ({type(error).__name__}; MoE token dispatch is one); "
                                "plan it without --measure") from None
-    return float(tracker.activations_at_joint_peak), float(tracker.gradient_fraction_at_joint_peak)
+    return (float(tracker.activations_at_joint_peak), float(tracker.gradient_fraction_at_joint_peak),
+            float(tracker.activation_peak))
 
 
 def rank_memory(config: Config, world_size: int) -> list[RankMemory]:
@@ -169,7 +175,7 @@ def rank_memory(config: Config, world_size: int) -> list[RankMemory]:
         micro = max(1, config.train.global_batch_size // dims.dp // dims.microbatches)
     else:
         micro = micro_batch_size(config, dims)
-    full, gradient_fraction = measured_step(config, micro)
+    full, gradient_fraction, _ = measured_step(config, micro)
     if dims.pp == 1:
         count = count_parameters(config)
         state = predicted_state_bytes(count.total, dims, count.expert)
@@ -191,16 +197,18 @@ def rank_memory(config: Config, world_size: int) -> list[RankMemory]:
 
 
 def per_layer_and_head(config: Config, micro_batch: int, full: float | None = None) -> tuple[float, float]:
-    """One block's activations and the rest's (embedding, final norm, head and loss: the last pipeline stage's),
-    from fake steps at the model's depth L and at depth 1: A(L) = L a + h. An encoder-decoder is split evenly."""
+    """One block's share of ``full`` activations (default: the measured ones) and the rest's (embedding, final
+    norm, head and loss: the last pipeline stage's), split as the activation peaks of fake steps at the model's
+    depth L and at depth 1 are: A(L) = L a + h. An encoder-decoder is split evenly."""
     depth = config.model.n_layers
     full = measured_activation_bytes(config, micro_batch) if full is None else full
     if depth == 1 or config.model.family == "encoder_decoder":
         return full / max(depth, 1), 0.0
-    one = measured_activation_bytes(dataclasses.replace(config, model=dataclasses.replace(config.model, n_layers=1)),
-                                    micro_batch)
-    per_layer = (full - one) / (depth - 1)
-    return per_layer, full - depth * per_layer
+    deep = _activation_peak(config, micro_batch)
+    one = _activation_peak(dataclasses.replace(config, model=dataclasses.replace(config.model, n_layers=1)),
+                           micro_batch)
+    per_layer = min(max(deep - one, 0.0) / (depth - 1) / deep, 1 / depth)  # never a negative head
+    return full * per_layer, full * (1 - depth * per_layer)
 
 
 def _rank(label: str, config: Config, dims: ParallelDims, state: dict[str, float], activations: float,
