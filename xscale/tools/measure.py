@@ -1,21 +1,23 @@
 """``xscale inspect --measure``: does a layout fit, measured before it is launched.
 
-One training step (forward, backward, AdamW step) of one micro-batch of the single-device model runs under
-``FakeTensorMode`` (shapes and dtypes only: nothing is allocated, no GPU, no cluster) while torch's
-``MemTracker`` (``torch.distributed._tools.mem_tracker``) follows every tensor it creates; the peak of what is
-neither a parameter, a gradient nor an optimizer state is the step's activations and temporaries. Each distinct
-rank's share of that (Korthikanti et al. 2022, sec. 4) is added to its model state from the ZeRO formulas
-(:mod:`xscale.parallel.memory`):
+The forward and backward of one micro-batch of the single-device model run under ``FakeTensorMode`` (shapes and
+dtypes only: nothing is allocated, no GPU, no cluster) while torch's ``MemTracker``
+(``torch.distributed._tools.mem_tracker``) follows every tensor it creates; at the peak of activations plus
+gradients it reads the activations and temporaries (what is neither a parameter, a gradient nor an optimizer state)
+and the share of the gradients that exist. Each distinct rank's share of the activations (Korthikanti et al. 2022,
+sec. 4) goes into its :class:`~xscale.parallel.memory.PeakTerms` with the ZeRO model state, ZeRO-3's gathered
+weights, the live gradients and the optimizer step's temporaries (formulas in :mod:`xscale.parallel.memory`):
 
 - tensor parallelism divides every activation by tp under sequence parallelism (eq. 5), and without it all but
   the replicated ``10 s b h`` of the ``s b h (34 + 5 a s / h)`` bytes per layer (eq. 2);
 - context parallelism divides them by cp (each rank's T/cp queries; the gathered K/V it keeps are not counted);
-- a pipeline rank holds its share of the layers for the micro-batches in flight: min(pp - rank, m) under the
-  1F1B schedules, all m under GPipe;
+- a pipeline rank holds its layers' activations (the last stage also the head's: fake steps at depth L and 1
+  split them) for the micro-batches in flight: min(pp - rank, m) under the 1F1B schedules, all m under GPipe;
 - activation checkpointing and bf16 autocast run as configured.
 
-Not counted: ZeRO-3's all-gathered layer weights, the K/V a context-parallel rank gathers, the communication
-buffers, and the runtime's own memory (CUDA context, allocator slack). Models whose step has data-dependent shapes
+Not counted: the K/V a context-parallel rank gathers, tensor- and pipeline-parallel communication buffers, and the
+runtime's own memory (CUDA context, allocator slack); ``xscale bench memory`` measures how far off that leaves each
+layout. Models whose step has data-dependent shapes
 (MoE dispatch) cannot run on fake tensors and are refused. On CPU the prediction is within 2% of the peak resident
 set of two real steps of ``configs/tiny-gpt.yaml`` (tests/tools/test_inspect.py).
 """
