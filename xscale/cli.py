@@ -17,7 +17,7 @@ COMMANDS = {
     "inspect": ("xscale.tools.inspect", "main", "parameters, FLOPs per token and per-rank memory of a config"),
     "export": ("xscale.tools.export", "main", "write a checkpoint's weights: one safetensors file, or --format hf"),
     "convert": ("xscale.tools.convert", "main", "Hugging Face weights (or an export) into an xscale checkpoint"),
-    "bench": ("xscale.tools.bench", "main", "benchmarks: train | attention | kernels | moe | parallel | dropout | lra"),
+    "bench": ("xscale.tools.bench", "main", "benchmarks: train | attention | kernels | moe | parallel | dropout | lra | memory"),
     "data": ("xscale.data.cli", "main", "data tools: tokenizer | preprocess"),
     "submit": ("xscale.launcher.submit", "main", "render and submit a Slurm job"),
     "parity": ("xscale.tools.parity", "main", "compare loss curves across parallel layouts"),

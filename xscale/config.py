@@ -192,6 +192,8 @@ class TrainConfig:
     log_every: int = 10
     output_dir: str = "runs/default"
     kernels: str = "auto"  # auto | triton | apex | torch
+    # AdamW's update: auto (fused on CUDA, one parameter at a time on CPU) | true (foreach) | false (per parameter)
+    optimizer_foreach: bool | str = "auto"
     compile: bool = False
     peak_flops: float | None = None  # FLOP/s per device for MFU; None: measured matmul peak
     loggers: list[str] = field(default_factory=lambda: ["tensorboard", "jsonl"])  # + csv | wandb
@@ -305,6 +307,7 @@ CHOICES = {
     "train.loggers": ("tensorboard", "jsonl", "csv", "wandb"),  # a list: each item one of these
     "train.precision": ("fp32", "bf16"),
     "train.kernels": ("auto", "triton", "apex", "torch"),
+    "train.optimizer_foreach": ("auto", True, False),
     "train.on_nonfinite": ("stop", "skip"),
     "checkpoint.verify": ("full", "size", "none"),
     "model.moe.drop_policy": ("probs", "position"),
@@ -326,6 +329,8 @@ def _value(config: Config, dotted: str) -> Any:
 def _check_choice(config: Config, dotted: str) -> None:
     value = _value(config, dotted)
     allowed = CHOICES[dotted]
+    if isinstance(value, bool) != isinstance(allowed[-1], bool) and not isinstance(value, list):
+        value = str(value)  # True is not 1, and 'true' not True: a bool field's choices end with a bool
     if isinstance(value, list):
         for item in value:
             if item not in allowed:
@@ -333,7 +338,8 @@ def _check_choice(config: Config, dotted: str) -> None:
         if len(set(value)) < len(value):
             raise ConfigError(f"{dotted}={value} names an entry twice; list each once")
     elif value not in allowed:
-        raise ConfigError(f"{dotted}='{value}' is not one of {', '.join(allowed)}{closest(str(value), allowed)}")
+        names = [str(choice).lower() if isinstance(choice, bool) else choice for choice in allowed]
+        raise ConfigError(f"{dotted}='{value}' is not one of {', '.join(names)}{closest(str(value), names)}")
 
 
 def resolve_objective(config: Config) -> str:

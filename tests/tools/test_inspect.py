@@ -11,7 +11,7 @@ import pytest
 
 from xscale.cli import main
 from xscale.tools.inspect import activation_bytes
-from xscale.tools.measure import measured_activation_bytes, rank_memory
+from xscale.tools.measure import measured_activation_bytes, per_layer_and_head, rank_memory
 from xscale.validate import load_config
 
 TINY = ["model.vocab_size=64", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "train.seq_len=32",
@@ -38,9 +38,13 @@ def test_sequence_parallel_ranks_hold_less_activation_than_one_device():
     assert tensor_parallel.activations < without_sp.activations < one.activations
 
 
-def test_pipeline_first_rank_holds_more_microbatches_in_flight():
-    first, last = rank_memory(_tiny("model.n_layers=4", "parallel.pp=2"), 2)
-    assert first.activations == pytest.approx(2 * last.activations)
+def test_pipeline_first_rank_holds_more_microbatches_in_flight_and_the_last_the_head():
+    config = _tiny("model.n_layers=4", "parallel.pp=2")
+    first, last = rank_memory(config, 2)
+    per_layer, head = per_layer_and_head(config, 2)  # 4 sequences over 2 microbatches
+    assert per_layer > 0 and head > 0
+    assert first.activations == pytest.approx(2 * 2 * per_layer)  # 1F1B: 2 microbatches in flight of 2 blocks
+    assert last.activations == pytest.approx(2 * per_layer + head)  # 1 in flight; the head and the loss
 
 
 def test_verdict_flips_when_the_device_memory_is_below_the_prediction(capsys):

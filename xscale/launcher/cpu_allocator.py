@@ -45,3 +45,25 @@ def keep_freed_memory() -> bool:
     _applied = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(libc.mallopt(M_TRIM_THRESHOLD,
                                                                                                NEVER_TRIM))
     return _applied
+
+
+FOLLOW_MMAP_THRESHOLD = 64 << 10
+FOLLOW_TRIM_THRESHOLD = 128 << 10
+
+
+def return_freed_memory() -> bool:
+    """The opposite setting, for measuring: every block above 64 KiB is its own mapping, returned to the kernel when
+    freed, and the heap is trimmed above 128 KiB, so the resident set follows the live tensors
+    (``xscale bench memory``). Returns whether glibc took the setting; keep_freed_memory() is not applied after it
+    in this process (``XSCALE_SYSTEM_MALLOC=1`` is set)."""
+    os.environ["XSCALE_SYSTEM_MALLOC"] = "1"
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        if not hasattr(libc, "gnu_get_libc_version"):
+            return False
+    except OSError:
+        return False
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, FOLLOW_MMAP_THRESHOLD)) and bool(
+        libc.mallopt(M_TRIM_THRESHOLD, FOLLOW_TRIM_THRESHOLD))

@@ -16,12 +16,18 @@ one of the embedding (so the stages hold more than Psi). Under expert parallelis
 parameters are divided by ep x pp instead (experts are replicated over tp) and ZeRO shards them over the edp
 ranks that hold the same experts, N_E = dp / ep, instead of N. Context parallelism (cp) does not divide Psi: its
 ranks hold the same parameters, and ZeRO shards over them too, N = dp x cp.
+
+A rank's peak (:class:`PeakTerms`, ``xscale inspect --measure``, ``xscale bench memory``) adds to the model state
+the largest of two phases: forward/backward (activations, each rank's share by
+:func:`activation_share`, plus ZeRO-3's temporarily gathered weights, :func:`all_gather_bytes`) and the optimizer
+step (:func:`step_temporary_bytes`).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 
@@ -32,6 +38,7 @@ from xscale.parallel.dims import ParallelDims
 from xscale.parallel.pipeline import SCHEDULES
 from xscale.parallel.pipeline.cost import stage_layers
 from xscale.parallel.pipeline.stages import stage_to_rank
+from xscale.train.optim import update_mode
 
 BYTES_PER_VALUE = 4
 OPTIMIZER_VALUES = 2  # AdamW: exp_avg, exp_avg_sq
@@ -75,6 +82,120 @@ def predicted_pipeline_state_bytes(config: Config, dims: ParallelDims) -> list[d
     within_stage = dataclasses.replace(dims, pp=1)
     return [predicted_state_bytes(total, within_stage, expert)
             for total, expert in pipeline_rank_parameters(config, dims)]
+
+
+@dataclass
+class PeakTerms:
+    """One rank's predicted bytes, term by term. ``peak`` = parameters + optimizer state + the larger of the
+    forward/backward peak (activations + gathered weights + the gradients alive then) and the optimizer step (all
+    gradients + the step's temporaries)."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float = 0.0
+    all_gather: float = 0.0
+    live_gradients: float | None = None  # gradients alive at the forward/backward peak; None: all of them
+    step_temporaries: float = 0.0
+
+    @property
+    def model_state(self) -> float:
+        return self.parameters + self.gradients + self.optimizer
+
+    @property
+    def peak(self) -> float:
+        live = self.gradients if self.live_gradients is None else self.live_gradients
+        backward = self.activations + self.all_gather + live
+        return self.parameters + self.optimizer + max(backward, self.gradients + self.step_temporaries)
+
+
+@dataclass
+class UnitSizes:
+    """Parameter counts of one rank's stages before any sharding: ``root`` (embedding, final norms, head: FSDP's
+    root unit) and each block (one FSDP unit each); ``largest`` the largest single parameter."""
+
+    root: int
+    blocks: list[int]
+    largest: int
+
+
+def unit_sizes(config: Config, layers: list[int] | None = None) -> UnitSizes:
+    """:class:`UnitSizes` of the model on the meta device, or of the stage holding ``layers`` (pipeline)."""
+    model = build_model(config.model, materialize=False)
+    if layers is not None:
+        model.keep_layers(layers)
+    stacks = [stack for stack in (getattr(model, "stack", None), getattr(model, "decoder", None)) if stack is not None]
+    blocks = [sum(p.numel() for p in block.parameters()) for stack in stacks for block in stack.layers.values()]
+    total = sum(p.numel() for p in model.parameters())
+    return UnitSizes(total - sum(blocks), blocks, max(p.numel() for p in model.parameters()))
+
+
+GATHERED_BLOCKS = 2  # FSDP2's implicit prefetch: the block that runs and the next one, gathered at once
+GATHER_COPIES = 2  # a gathered unit lives twice while it is copied out of the flat all-gather output
+
+
+def all_gather_bytes(config: Config, dims: ParallelDims, sizes: UnitSizes) -> float:
+    """ZeRO-3's (FSDP2's) temporarily unsharded weights on one rank during forward and backward, in the compute
+    dtype (2 bytes under bf16), 0 without ZeRO-3: the root unit stays gathered from forward to backward
+    (:mod:`xscale.parallel.data.fsdp`) minus the rank's own shard, plus ``GATHERED_BLOCKS`` blocks at once (all of a
+    pipeline stage's blocks: they stay gathered over its microbatches), each counted ``GATHER_COPIES`` times (the
+    flat all-gather output and the unsharded parameters it is copied into), and tensor parallelism divides it all."""
+    if not dims.fsdp:
+        return 0.0
+    value_bytes = 2 if config.train.precision == "bf16" else BYTES_PER_VALUE
+    n = dims.dp_cp
+    blocks = sizes.blocks if dims.pp > 1 else sorted(sizes.blocks)[-GATHERED_BLOCKS:]
+    gathered = sizes.root * (1 - 1 / n) + GATHER_COPIES * sum(blocks)
+    return value_bytes * gathered / dims.tp
+
+
+def live_gradient_bytes(dims: ParallelDims, gradients: float, fraction: float, sizes: UnitSizes) -> float:
+    """Gradient bytes alive at the forward/backward peak. DDP and ZeRO-1 keep every gradient in bucket buffers
+    from step to step (:mod:`xscale.parallel.data.buckets`); elsewhere gradients are freed after each step and the
+    peak comes early in backward, when ``fraction`` of them exist (measured on the fake step). Either way add the
+    largest parameter's whole gradient (tp divides it) as autograd makes it: the head's, next to the logits'
+    gradient, before it is copied into its bucket or reduce-scattered to this rank's shard."""
+    largest = BYTES_PER_VALUE * sizes.largest / dims.tp
+    if dims.dp_cp > 1 and dims.zero_stage <= 1:
+        return gradients + largest
+    return fraction * gradients + largest
+
+
+STEP_TEMPORARIES = {"per_parameter": 3, "foreach": 1, "fused": 0}  # see step_temporary_bytes
+
+
+def step_temporary_bytes(config: Config, dims: ParallelDims, sizes: UnitSizes, local_parameters: float) -> float:
+    """The optimizer step's temporaries on one rank (:mod:`xscale.train.optim`): one parameter at a time, 3 of the
+    largest local piece (``sqrt(v)``, its bias correction and the weight-decay product, each the piece's size;
+    ZeRO-1..3 and tp divide it); ``foreach``, one of every local parameter at once (``local_parameters`` bytes);
+    ``fused``, none."""
+    mode = update_mode(config.train.optimizer_foreach, "cuda" if torch.cuda.is_available() else "cpu")
+    if mode == "foreach":
+        return local_parameters
+    shards = dims.dp_cp if dims.zero_stage >= 1 and dims.dp_cp > 1 else 1
+    return STEP_TEMPORARIES[mode] * BYTES_PER_VALUE * sizes.largest / (shards * dims.tp)
+
+
+def replicated_activation_fraction(config: Config) -> float:
+    """Share of a layer's activations that tensor parallelism without sequence parallelism leaves whole on every
+    rank: 10 of s b h (34 + 5 a s / h) (Korthikanti et al. 2022, eq. 2)."""
+    model = config.model
+    return 10 / (34 + 5 * model.n_heads * config.train.seq_len / model.d_model)
+
+
+def activation_share(config: Config, dims: ParallelDims) -> float:
+    """A rank's share of one device's activations: 1/tp under sequence parallelism (eq. 5), else all but the
+    replicated part divided by tp (eq. 2); context parallelism divides by cp (each rank's T/cp queries)."""
+    if dims.tp == 1 or config.parallel.sequence_parallel:
+        return 1 / dims.tp / dims.cp
+    replicated = replicated_activation_fraction(config)
+    return (replicated + (1 - replicated) / dims.tp) / dims.cp
+
+
+def microbatches_in_flight(config: Config, pp: int, pp_rank: int) -> int:
+    """Micro-batches whose activations a pipeline rank holds at once (GPipe: all; 1F1B: pp - rank)."""
+    microbatches = config.parallel.microbatches or pp
+    return microbatches if config.parallel.pp_schedule == "gpipe" else min(pp - pp_rank, microbatches)
 
 
 def _unique_bytes(tensors: list[torch.Tensor]) -> int:

@@ -1,27 +1,30 @@
 """``xscale inspect --measure``: does a layout fit, measured before it is launched.
 
-One training step (forward, backward, AdamW step) of one micro-batch of the single-device model runs under
-``FakeTensorMode`` (shapes and dtypes only: nothing is allocated, no GPU, no cluster) while torch's
-``MemTracker`` (``torch.distributed._tools.mem_tracker``) follows every tensor it creates; the peak of what is
-neither a parameter, a gradient nor an optimizer state is the step's activations and temporaries. Each distinct
-rank's share of that (Korthikanti et al. 2022, sec. 4) is added to its model state from the ZeRO formulas
-(:mod:`xscale.parallel.memory`):
+The forward and backward of one micro-batch of the single-device model run under ``FakeTensorMode`` (shapes and
+dtypes only: nothing is allocated, no GPU, no cluster) while torch's ``MemTracker``
+(``torch.distributed._tools.mem_tracker``) follows every tensor it creates; at the peak of activations plus
+gradients it reads the activations and temporaries (what is neither a parameter, a gradient nor an optimizer state)
+and the share of the gradients that exist. Each distinct rank's share of the activations (Korthikanti et al. 2022,
+sec. 4) goes into its :class:`~xscale.parallel.memory.PeakTerms` with the ZeRO model state, ZeRO-3's gathered
+weights, the live gradients and the optimizer step's temporaries (formulas in :mod:`xscale.parallel.memory`):
 
 - tensor parallelism divides every activation by tp under sequence parallelism (eq. 5), and without it all but
   the replicated ``10 s b h`` of the ``s b h (34 + 5 a s / h)`` bytes per layer (eq. 2);
 - context parallelism divides them by cp (each rank's T/cp queries; the gathered K/V it keeps are not counted);
-- a pipeline rank holds its share of the layers for the micro-batches in flight: min(pp - rank, m) under the
-  1F1B schedules, all m under GPipe;
+- a pipeline rank holds its layers' activations (the last stage also the head's: fake steps at depth L and 1
+  split them) for the micro-batches in flight: min(pp - rank, m) under the 1F1B schedules, all m under GPipe;
 - activation checkpointing and bf16 autocast run as configured.
 
-Not counted: ZeRO-3's all-gathered layer weights, the K/V a context-parallel rank gathers, the communication
-buffers, and the runtime's own memory (CUDA context, allocator slack). Models whose step has data-dependent shapes
+Not counted: the K/V a context-parallel rank gathers, tensor- and pipeline-parallel communication buffers, and the
+runtime's own memory (CUDA context, allocator slack); ``xscale bench memory`` measures how far off that leaves each
+layout. Models whose step has data-dependent shapes
 (MoE dispatch) cannot run on fake tensors and are refused. On CPU the prediction is within 2% of the peak resident
 set of two real steps of ``configs/tiny-gpt.yaml`` (tests/tools/test_inspect.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -37,10 +40,25 @@ from xscale.models.parameters import count_parameters
 from xscale.parallel.activation import apply_activation_checkpointing
 from xscale.parallel.checks import resolve_layout
 from xscale.parallel.dims import ParallelDims
-from xscale.parallel.memory import OPTIMIZER_VALUES, predicted_pipeline_state_bytes, predicted_state_bytes
+from xscale.parallel.memory import (
+    OPTIMIZER_VALUES,
+    PeakTerms,
+    UnitSizes,
+    activation_share,
+    all_gather_bytes,
+    live_gradient_bytes,
+    microbatches_in_flight,
+    predicted_pipeline_state_bytes,
+    predicted_state_bytes,
+    step_temporary_bytes,
+    unit_sizes,
+)
 from xscale.parallel.model import ParallelModel
 from xscale.parallel.parallelize import micro_batch_size
-from xscale.train.step import forward_backward_step, model_optimizer, optimizer_step
+from xscale.parallel.pipeline import SCHEDULES
+from xscale.parallel.pipeline.cost import stage_layers
+from xscale.parallel.pipeline.stages import stage_to_rank
+from xscale.train.step import forward_backward_step, model_optimizer
 
 GIB = 1024**3
 
@@ -51,15 +69,23 @@ class MeasureError(ValueError):
 
 @dataclass
 class RankMemory:
-    """One distinct rank's predicted peak: model state (formulas) plus activations and temporaries (measured)."""
+    """One distinct rank's predicted peak: :class:`PeakTerms` (formulas, activations measured on fake tensors)."""
 
     label: str
-    state: dict[str, float]
-    activations: float
+    terms: PeakTerms
+
+    @property
+    def state(self) -> dict[str, float]:
+        return {"parameters": self.terms.parameters, "gradients": self.terms.gradients,
+                "optimizer": self.terms.optimizer}
+
+    @property
+    def activations(self) -> float:
+        return self.terms.activations
 
     @property
     def peak(self) -> float:
-        return sum(self.state.values()) + self.activations
+        return self.terms.peak
 
 
 def _fake_model(config: Config) -> nn.Module:
@@ -89,11 +115,13 @@ def _batch(config: Config, rows: int) -> dict[str, torch.Tensor]:
 
 class ActivationPeakTracker(MemTracker):
     """A ``MemTracker`` that also keeps the highest sum, after any op, of what is not model state (activations,
-    temporaries, other): the total peak may fall in the optimizer step, when activations are gone."""
+    temporaries, other), and the highest sum of that and the gradients alive at the time (``joint_peak``), with its
+    two parts: backward frees activations as it makes gradients, so the peak of both is not the sum of their peaks."""
 
     def __init__(self) -> None:
         super().__init__()
         self.activation_peak = 0
+        self.joint_peak = self.activations_at_joint_peak = self.gradient_fraction_at_joint_peak = 0.0
 
     def _update_peak_stats(self, peak_state) -> None:  # called by MemTracker after every op it tracks
         super()._update_peak_stats(peak_state)
@@ -103,11 +131,26 @@ class ActivationPeakTracker(MemTracker):
             moments = min(by_kind.get("Optstate", 0), OPTIMIZER_VALUES * by_kind.get("Parameter", 0))
             current = by_kind["Total"] - moments - sum(by_kind.get(kind, 0) for kind in ("Parameter", "Buffer", "Gradient"))
             self.activation_peak = max(self.activation_peak, current)
+            gradients = by_kind.get("Gradient", 0)
+            if current + gradients > self.joint_peak:
+                self.joint_peak, self.activations_at_joint_peak = current + gradients, current
+                self.gradient_fraction_at_joint_peak = gradients / max(by_kind.get("Parameter", 0), 1)
 
 
 def measured_activation_bytes(config: Config, micro_batch: int) -> float:
     """Peak bytes of activations and temporaries of one training step of ``micro_batch`` sequences of
     ``train.seq_len`` tokens on the single-device model, measured on fake tensors (module docstring)."""
+    return measured_step(config, micro_batch)[0]
+
+
+def _activation_peak(config: Config, micro_batch: int) -> float:
+    return measured_step(config, micro_batch)[2]
+
+
+def measured_step(config: Config, micro_batch: int) -> tuple[float, float, float]:
+    """At the peak of activations plus gradients of one forward and backward (:class:`ActivationPeakTracker`):
+    the bytes of activations and temporaries, and the share of the parameters that have a gradient by then; third,
+    the peak of the activations and temporaries alone."""
     autocast = torch.bfloat16 if config.train.precision == "bf16" else None
     with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()):
         model = _fake_model(config)
@@ -116,50 +159,67 @@ def measured_activation_bytes(config: Config, micro_batch: int) -> float:
         tracker = ActivationPeakTracker()
         tracker.track_external(model, optimizer)
         try:
-            with tracker:
+            with tracker:  # the optimizer step's temporaries are a formula of their own (step_temporary_bytes)
                 forward_backward_step(parallel, _batch(config, micro_batch))
-                optimizer_step(parallel, optimizer)
         except (DynamicOutputShapeException, GuardOnDataDependentSymNode) as error:
             raise MeasureError("--measure cannot run this model on fake tensors: an op's output shape depends on "
                                f"the data ({type(error).__name__}; MoE token dispatch is one); "
                                "plan it without --measure") from None
-    return float(tracker.activation_peak)
-
-
-def _replicated_fraction(config: Config) -> float:
-    """Share of a layer's activations that tensor parallelism without sequence parallelism leaves whole on every
-    rank: 10 of s b h (34 + 5 a s / h) (Korthikanti et al. 2022, eq. 2)."""
-    model = config.model
-    return 10 / (34 + 5 * model.n_heads * config.train.seq_len / model.d_model)
-
-
-def _tensor_parallel_share(config: Config, dims: ParallelDims) -> float:
-    if dims.tp == 1 or config.parallel.sequence_parallel:
-        return 1 / dims.tp
-    replicated = _replicated_fraction(config)
-    return replicated + (1 - replicated) / dims.tp
-
-
-def _in_flight(config: Config, pp: int, pp_rank: int) -> int:
-    """Micro-batches whose activations a pipeline rank holds at once (GPipe: all; 1F1B: pp - rank)."""
-    microbatches = config.parallel.microbatches or pp
-    return microbatches if config.parallel.pp_schedule == "gpipe" else min(pp - pp_rank, microbatches)
+    return (float(tracker.activations_at_joint_peak), float(tracker.gradient_fraction_at_joint_peak),
+            float(tracker.activation_peak))
 
 
 def rank_memory(config: Config, world_size: int) -> list[RankMemory]:
-    """Each distinct rank's predicted peak at ``world_size``: one per pipeline rank (the others are alike)."""
+    """Each distinct rank's predicted peak at ``world_size``: one per pipeline rank (the others are alike); the
+    terms are :mod:`xscale.parallel.memory`'s, the activations measured here on fake tensors."""
     dims, config = resolve_layout(config, world_size)
     if dims.pp > 1:  # a pipeline micro-batch: the local batch over the microbatches
         micro = max(1, config.train.global_batch_size // dims.dp // dims.microbatches)
     else:
         micro = micro_batch_size(config, dims)
-    share = _tensor_parallel_share(config, dims) / dims.cp
-    activations = measured_activation_bytes(config, micro) * share
+    full, gradient_fraction, _ = measured_step(config, micro)
     if dims.pp == 1:
         count = count_parameters(config)
-        return [RankMemory("every rank", predicted_state_bytes(count.total, dims, count.expert), activations)]
-    return [RankMemory(f"pp rank {rank}", state, activations / dims.pp * _in_flight(config, dims.pp, rank))
-            for rank, state in enumerate(predicted_pipeline_state_bytes(config, dims))]
+        state = predicted_state_bytes(count.total, dims, count.expert)
+        return [_rank("every rank", config, dims, state, full * activation_share(config, dims), unit_sizes(config),
+                      gradient_fraction)]
+    num_stages = dims.pp * config.parallel.pp_stages_per_rank
+    ranks = stage_to_rank(num_stages, dims.pp, SCHEDULES[config.parallel.pp_schedule].placement)
+    layers = stage_layers(config, num_stages)
+    per_layer, head = per_layer_and_head(config, micro, full)
+    rows = []
+    for rank, state in enumerate(predicted_pipeline_state_bytes(config, dims)):
+        mine = [stage for stage in range(num_stages) if ranks[stage] == rank]
+        held = [index for stage in mine for index in layers[stage]]
+        per_microbatch = len(held) * per_layer + (head if num_stages - 1 in mine else 0.0)
+        activations = per_microbatch * activation_share(config, dims) * microbatches_in_flight(config, dims.pp, rank)
+        rows.append(_rank(f"pp rank {rank}", config, dims, state, activations, unit_sizes(config, held),
+                          gradient_fraction))
+    return rows
+
+
+def per_layer_and_head(config: Config, micro_batch: int, full: float | None = None) -> tuple[float, float]:
+    """One block's share of ``full`` activations (default: the measured ones) and the rest's (embedding, final
+    norm, head and loss: the last pipeline stage's), split as the activation peaks of fake steps at the model's
+    depth L and at depth 1 are: A(L) = L a + h. An encoder-decoder is split evenly."""
+    depth = config.model.n_layers
+    full = measured_activation_bytes(config, micro_batch) if full is None else full
+    if depth == 1 or config.model.family == "encoder_decoder":
+        return full / max(depth, 1), 0.0
+    deep = _activation_peak(config, micro_batch)
+    one = _activation_peak(dataclasses.replace(config, model=dataclasses.replace(config.model, n_layers=1)),
+                           micro_batch)
+    per_layer = min(max(deep - one, 0.0) / (depth - 1) / deep, 1 / depth)  # never a negative head
+    return full * per_layer, full * (1 - depth * per_layer)
+
+
+def _rank(label: str, config: Config, dims: ParallelDims, state: dict[str, float], activations: float,
+          sizes: UnitSizes, gradient_fraction: float) -> RankMemory:
+    local = state["optimizer"] / OPTIMIZER_VALUES  # the parameters (pieces) this rank updates
+    temporaries = step_temporary_bytes(config, dims, sizes, local)
+    live = live_gradient_bytes(dims, state["gradients"], gradient_fraction, sizes)
+    return RankMemory(label, PeakTerms(**state, activations=activations, all_gather=all_gather_bytes(config, dims, sizes),
+                                       live_gradients=live, step_temporaries=temporaries))
 
 
 def device_memory_bytes(processes_per_node: int, device_memory_gib: float | None = None) -> tuple[float, str]:
@@ -190,7 +250,11 @@ def measure_report(config: Config, world_size: int, device_memory_gib: float | N
     available, source = device_memory_bytes(world_size, device_memory_gib)
     lines = [f"measured step (fake tensors, MemTracker; device memory {_gib(available)} from {source}):"]
     for rank in rank_memory(config, world_size):
-        state = sum(rank.state.values())
-        lines.append(f"  {rank.label}: model state {_gib(state)} + activations {_gib(rank.activations)} "
-                     f"= peak {_gib(rank.peak)}: {verdict(rank.peak, available)}")
+        terms = rank.terms
+        live = terms.gradients if terms.live_gradients is None else terms.live_gradients
+        lines.append(f"  {rank.label}: model state {_gib(terms.model_state)} (parameters {_gib(terms.parameters)}, "
+                     f"gradients {_gib(terms.gradients)}, optimizer {_gib(terms.optimizer)}); peak = parameters + "
+                     f"optimizer + max(activations {_gib(terms.activations)} + all-gather {_gib(terms.all_gather)} "
+                     f"+ live gradients {_gib(live)}, gradients + optimizer-step temporaries "
+                     f"{_gib(terms.step_temporaries)}) = {_gib(rank.peak)}: {verdict(rank.peak, available)}")
     return lines

@@ -1,6 +1,13 @@
 """AdamW with decoupled weight decay on matrices only (Loshchilov & Hutter 2019).
 
 Norm gains, biases and other 1-D parameters are not decayed, as in GPT-2/3 and Megatron.
+
+How the update runs (``train.optimizer_foreach``): torch's ``foreach`` AdamW applies each step of the update to
+all parameters at once, so each of its intermediate results (``exp_avg_sq.sqrt()``, the bias-corrected step) is a
+list of temporaries as large as all of this rank's parameters together; on a machine where the model states
+nearly fill memory that is the difference between fitting and not. ``false`` updates one parameter at a time
+(temporaries bounded by the largest parameter); ``auto`` uses the ``fused`` kernel on CUDA (no temporaries) and the
+per-parameter update elsewhere; ``true`` forces ``foreach``. All three compute the same update.
 """
 
 from __future__ import annotations
@@ -26,8 +33,21 @@ def parameter_groups(params: Iterable[nn.Parameter], weight_decay: float,
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def update_mode(setting: bool | str, device_type: str) -> str:
+    """``fused``, ``foreach`` or ``per_parameter`` for ``train.optimizer_foreach`` (auto, true or false) on
+    ``device_type`` (module docstring)."""
+    if setting is True:
+        return "foreach"
+    if setting is False:
+        return "per_parameter"
+    return "fused" if device_type == "cuda" else "per_parameter"
+
+
 def build_optimizer(params: Iterable[nn.Parameter], train: TrainConfig,
                     source_ndim: dict[int, int] | None = None) -> torch.optim.Optimizer:
-    """AdamW; apex's FusedAdam replaces it on CUDA when apex is importable and kernels allow."""
+    """AdamW, its update run as ``train.optimizer_foreach`` says (module docstring)."""
     groups = parameter_groups(params, train.weight_decay, source_ndim)
-    return torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps, foreach=True)
+    first = next((p for group in groups for p in group["params"]), None)
+    mode = update_mode(train.optimizer_foreach, first.device.type if first is not None else "cpu")
+    return torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps,
+                             foreach=mode == "foreach", fused=True if mode == "fused" else None)

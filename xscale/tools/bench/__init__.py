@@ -15,6 +15,7 @@ BENCHMARKS = {
     "moe": "the MoE layer against DeepSpeed's and a dense FFN",
     "parallel": "training throughput of parallel layouts relative to one process",
     "dropout": "the layout-independent dropout against nn.Dropout",
+    "memory": "each rank's predicted peak memory against the measured one, per layout",
     "lra": "LRA-style accuracy table (ListOps, byte matching, Pathfinder) of every encoder attention kind",
 }
 USAGE = f"usage: xscale bench {{{'|'.join(BENCHMARKS)}}} [options]  (xscale bench NAME --help for its options)"

@@ -1,0 +1,94 @@
+"""Each rank's peak terms (:mod:`xscale.parallel.memory`) against figures worked out by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from xscale.models.parameters import count_parameters
+from xscale.parallel.dims import ParallelDims
+from xscale.parallel.memory import (
+    PeakTerms,
+    UnitSizes,
+    activation_share,
+    all_gather_bytes,
+    live_gradient_bytes,
+    microbatches_in_flight,
+    step_temporary_bytes,
+    unit_sizes,
+)
+from xscale.validate import load_config
+
+BASE = ["model.vocab_size=64", "model.d_model=32", "model.n_layers=3", "model.n_heads=4", "train.seq_len=16",
+        "train.global_batch_size=8"]
+SIZES = UnitSizes(root=1000, blocks=[300, 500, 400], largest=640)
+ZERO3 = ParallelDims(dp_shard=2, zero_stage=3)
+
+
+def _config(*overrides: str):
+    return load_config(None, [*BASE, *overrides])
+
+
+def test_peak_is_the_state_plus_the_larger_phase():
+    terms = PeakTerms(parameters=100, gradients=100, optimizer=200, activations=50, all_gather=30,
+                      step_temporaries=70)
+    assert terms.model_state == 400 and terms.peak == 480  # forward/backward: 50 + 30
+    assert dataclasses.replace(terms, step_temporaries=90).peak == 490  # the optimizer step
+
+
+def test_all_gather_is_the_root_less_its_shard_plus_two_blocks_twice():
+    # fp32: 4 x (1000 x (1 - 1/2) + 2 x (500 + 400)) = 4 x 2300
+    assert all_gather_bytes(_config(), ZERO3, SIZES) == 9200
+    assert all_gather_bytes(_config("train.precision=bf16"), ZERO3, SIZES) == 4600
+    assert all_gather_bytes(_config(), ParallelDims(dp_shard=2, tp=2, zero_stage=3), SIZES) == 4600
+    # a pipeline stage keeps all its blocks gathered: 4 x (500 + 2 x 1200)
+    assert all_gather_bytes(_config(), ParallelDims(pp=2, dp_shard=2, zero_stage=3), SIZES) == 11600
+    for below in (0, 1, 2):  # nothing is gathered without ZeRO-3
+        assert all_gather_bytes(_config(), ParallelDims(dp_shard=2, zero_stage=below), SIZES) == 0
+
+
+def test_step_temporaries_are_three_of_the_largest_local_piece():
+    config = _config()  # optimizer_foreach auto: one parameter at a time on CPU
+    assert step_temporary_bytes(config, ParallelDims(), SIZES, 1e6) == 3 * 4 * 640
+    assert step_temporary_bytes(config, ParallelDims(dp_shard=2, zero_stage=1), SIZES, 1e6) == 3 * 4 * 640 / 2
+    assert step_temporary_bytes(config, ParallelDims(dp_shard=2, zero_stage=0), SIZES, 1e6) == 3 * 4 * 640
+    assert step_temporary_bytes(config, ParallelDims(tp=2), SIZES, 1e6) == 3 * 4 * 640 / 2
+    foreach = _config("train.optimizer_foreach=true")  # a temporary of every local parameter at once
+    assert step_temporary_bytes(foreach, ParallelDims(), SIZES, 12345.0) == 12345.0
+
+
+def test_activation_share_and_microbatches_in_flight():
+    config = _config()
+    assert activation_share(config, ParallelDims()) == 1
+    assert activation_share(_config("parallel.sequence_parallel=true"), ParallelDims(tp=2)) == 0.5
+    replicated = 10 / (34 + 5 * 4 * 16 / 32)  # eq. 2: 10 of 34 + 5as/h stay whole without sequence parallelism
+    assert activation_share(config, ParallelDims(tp=2)) == pytest.approx(replicated + (1 - replicated) / 2)
+    assert activation_share(config, ParallelDims(cp=2)) == 0.5
+    one_f_one_b = _config("parallel.microbatches=4")
+    assert [microbatches_in_flight(one_f_one_b, 2, rank) for rank in (0, 1)] == [2, 1]
+    assert microbatches_in_flight(_config("parallel.microbatches=4", "parallel.pp_schedule=gpipe"), 2, 1) == 4
+
+
+def test_unit_sizes_split_the_model_into_its_root_and_equal_blocks():
+    config = _config("model.tie_embeddings=false")
+    sizes = unit_sizes(config)
+    assert len(sizes.blocks) == 3 and len(set(sizes.blocks)) == 1
+    assert sizes.root + sum(sizes.blocks) == count_parameters(config).total
+    assert sizes.root == 2 * 64 * 32 + 32  # embedding, head and the final norm's gain
+    assert sizes.largest == 32 * 4 * 32  # an FFN matrix (d_ff = 4 d) outgrows the 64-row embedding
+    first_stage = unit_sizes(config, [0, 1])
+    assert first_stage.blocks == sizes.blocks[:2]
+
+
+def test_live_gradients_are_all_of_them_in_buckets_else_the_measured_share_plus_the_largest():
+    largest = 4 * 640
+    # DDP and ZeRO-1 keep every gradient in their buckets, and autograd's largest gradient before it is copied in
+    assert live_gradient_bytes(ParallelDims(dp_shard=2, zero_stage=1), 1000.0, 0.25, SIZES) == 1000 + largest
+    assert live_gradient_bytes(ParallelDims(dp_shard=2, zero_stage=0), 1000.0, 0.25, SIZES) == 1000 + largest
+    # one process, ZeRO-2/3, tp: freed after each step; the fake step's share at its peak
+    assert live_gradient_bytes(ParallelDims(), 1000.0, 0.25, SIZES) == 250 + largest
+    assert live_gradient_bytes(ParallelDims(dp_shard=2, zero_stage=3), 1000.0, 0.25, SIZES) == 250 + largest
+    assert live_gradient_bytes(ParallelDims(tp=2), 1000.0, 0.0, SIZES) == largest / 2
+    terms = PeakTerms(parameters=100, gradients=100, optimizer=200, activations=150, live_gradients=20)
+    assert terms.peak == 100 + 200 + 150 + 20  # the backward's 170 outweighs the step's 100 + 0
