@@ -95,6 +95,7 @@ class ModelConfig:
     init_std: float = 0.02
     num_classes: int = 0  # > 0: a sequence-classification head (train.task=classify fills it from the labels)
     pooling: str = "cls"  # classification: cls (a class token prepended) | mean (masked mean of the tokens)
+    segment_memory: int = 0  # Transformer-XL recurrence: remembered states per layer (0: off; docs/variants.md)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
 
@@ -229,6 +230,7 @@ class DataConfig:
     tokenizer_vocab_size: int = 4000
     num_samples: int = 0  # samples per epoch of a task or a blend (0: the task's default / the sources' windows)
     eval_fraction: float = 0.02
+    order: str = "shuffled"  # shuffled | streams (consecutive windows per batch row: model.segment_memory)
     options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -301,6 +303,7 @@ CHOICES = {
     "model.moe.drop_policy": ("probs", "position"),
     "model.moe.router_dtype": ("float32", "bfloat16", "float16", "float64"),
     "model.moe.second_expert_policy": ("sampling", "all"),
+    "data.order": ("shuffled", "streams"),
     "data.dataset": ("stdlib_text", "text", "indexed", "copy", "assoc_recall", "listops", "labeled",
                      "lra_listops", "lra_retrieval", "lra_pathfinder"),
 }
@@ -492,6 +495,7 @@ RANGES: dict[str, tuple[str, typing.Callable[[float], bool]]] = {
     "model.act_threshold": ("in (0, 1) (1 - eps)", lambda value: 0 < value < 1),
     "model.ponder_cost": (">= 0 (0: no ponder cost)", _non_negative),
     "model.num_classes": (">= 0 (0: no classification head)", _non_negative),
+    "model.segment_memory": (">= 0 (0: no memory)", _non_negative),
     "train.lr": ("positive", _positive),
     "train.min_lr_ratio": ("in [0, 1]", lambda value: 0 <= value <= 1),
     "train.weight_decay": (">= 0", _non_negative),

@@ -18,6 +18,7 @@ from xscale.models.act import check_act_config
 from xscale.models.moe import check_moe_config
 from xscale.models.registry import REGISTRIES
 from xscale.models.reversible import check_reversible_config
+from xscale.models.segment_memory import check_segment_memory_config
 from xscale.train.loggers import check_installed
 
 
@@ -58,6 +59,7 @@ def validate(config: Config) -> None:
         check_moe_config(model, config.parallel.ep)
     check_reversible_config(model)
     check_act_config(model)
+    check_segment_memory_config(config)
     check_installed(config.train.logger_names())  # an optional logger's package (wandb), before anything runs
 
 

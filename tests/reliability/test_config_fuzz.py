@@ -35,7 +35,7 @@ VALID = {
              ("model.moe.aux_loss_coef", "zero"), ("model.moe.z_loss_coef", "zero"), ("model.moe.jitter", "zero"),
              ("model.ponder_cost", "zero"), ("train.grad_clip", "zero"), ("train.spike_factor", "zero"), ("train.eval_every", "zero"),
              ("train.weight_decay", "zero"), ("train.warmup_steps", "zero"), ("launch.max_restarts", "zero"),
-             ("launch.max_requeues", "zero"), ("train.profile_steps", "zero")),
+             ("launch.max_requeues", "zero"), ("train.profile_steps", "zero"), ("model.segment_memory", "zero")),
     ("model.moe.num_experts", "zero"): "no experts: a dense FFN (the default)",
     ("model.moe.min_capacity", "zero"): "no floor under the expert capacity",
     ("model.num_classes", "zero"): "no classification head (train.task=classify takes the count from the labels)",

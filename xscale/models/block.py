@@ -78,8 +78,10 @@ class Residual(nn.Module):
         """What a pre/sandwich/rezero residual adds to ``x``: dropout(f(norm(x))) (sandwich: dropout(norm_out(f(norm(x)))),
         rezero: alpha dropout(f(x))); the reversible stack (:mod:`xscale.models.reversible`) adds it to the other half
         of the stream."""
-        out = self.sublayer(self.norm(x) if self.placement in PRE_NORM_PLACEMENTS else x, *args, context=context,
-                            **kwargs)
+        normed = self.placement in PRE_NORM_PLACEMENTS
+        if normed and kwargs.get("remembered") is not None:  # the memory holds layer inputs: normed as x is
+            kwargs["remembered"] = self.norm(kwargs["remembered"])
+        out = self.sublayer(self.norm(x) if normed else x, *args, context=context, **kwargs)
         out, carry = out if isinstance(out, tuple) else (out, None)
         if self.placement == "sandwich":
             out = self.norm_out(out)
@@ -112,11 +114,16 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, position: PositionEncoding | None = None, memory: torch.Tensor | None = None,
                 scores: torch.Tensor | None = None,
                 context: StepContext | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Returns x, or ``(x, scores)`` when ``carries_scores`` (``scores``: None before the first such block)."""
+        """Returns x, or ``(x, scores)`` when ``carries_scores`` (``scores``: None before the first such block).
+        A context with a ``segment_memory`` gives the self-attention the previous segments' inputs to this layer
+        as extra keys and records this segment's (Transformer-XL: :mod:`xscale.models.segment_memory`)."""
+        remembered = None
+        if context is not None and context.segment_memory is not None:
+            remembered = context.segment_memory.exchange((context.first_sample, self.layer_index), x)
         if self.carries_scores:
-            x, scores = self.attention(x, position, scores=scores, context=context)
+            x, scores = self.attention(x, position, scores=scores, context=context, remembered=remembered)
         else:
-            x = self.attention(x, position, context=context)
+            x = self.attention(x, position, context=context, remembered=remembered)
         if self.cross_attention is not None:
             x = self.cross_attention(x, None, memory, context=context)
         x = self.feed_forward(x, context=context)
