@@ -115,6 +115,8 @@ def test_three_segments_equal_one_window_restricted_to_the_band():
     config = tiny()
     model = Transformer(config).eval()
     init_weights(model, config, seed=1)
+    for parameter in model.stack.position.parameters():  # relative positions that show (u, v start at 0)
+        torch.nn.init.normal_(parameter, std=0.3, generator=torch.Generator().manual_seed(3))
     tokens = torch.randint(0, 64, (2, 3 * T), generator=torch.Generator().manual_seed(2))
     store = SegmentMemory(T)
     context = StepContext().with_segment_memory(store)

@@ -120,10 +120,11 @@ class TransformerBlock(nn.Module):
         remembered = None
         if context is not None and context.segment_memory is not None:
             remembered = context.segment_memory.exchange((context.first_sample, self.layer_index), x)
+        extra = {} if remembered is None else {"remembered": remembered}  # absent, not None, for the tp plan's hooks
         if self.carries_scores:
-            x, scores = self.attention(x, position, scores=scores, context=context, remembered=remembered)
+            x, scores = self.attention(x, position, scores=scores, context=context, **extra)
         else:
-            x = self.attention(x, position, context=context, remembered=remembered)
+            x = self.attention(x, position, context=context, **extra)
         if self.cross_attention is not None:
             x = self.cross_attention(x, None, memory, context=context)
         x = self.feed_forward(x, context=context)
