@@ -126,3 +126,8 @@ def test_components_lists_the_relative_positions_and_residual_placements(capsys)
     lines = {line.split()[0]: line.split(maxsplit=1)[1] for line in capsys.readouterr().out.splitlines()[1:]}
     assert {"shaw", "xl"} <= set(lines["model.position"].split(", "))
     assert {"rezero", "deepnorm"} <= set(lines["model.norm_placement"].split(", "))
+
+
+def test_inspect_names_the_segment_memory(capsys):
+    assert main(["inspect", *TINY, "model.position=xl", "model.segment_memory=32", "data.order=streams"]) == 0
+    assert "position xl, segment memory 32 (Transformer-XL), stack plain" in capsys.readouterr().out
