@@ -96,6 +96,9 @@ class ModelConfig:
     num_classes: int = 0  # > 0: a sequence-classification head (train.task=classify fills it from the labels)
     pooling: str = "cls"  # classification: cls (a class token prepended) | mean (masked mean of the tokens)
     segment_memory: int = 0  # Transformer-XL recurrence: remembered states per layer (0: off; docs/variants.md)
+    compressed_memory: int = 0  # Compressive Transformer: compressed states per layer (0: off), rate c, f_c below
+    compression_rate: int = 2
+    compression: str = "conv"  # conv | mean
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
 
@@ -304,6 +307,7 @@ CHOICES = {
     "model.moe.router_dtype": ("float32", "bfloat16", "float16", "float64"),
     "model.moe.second_expert_policy": ("sampling", "all"),
     "data.order": ("shuffled", "streams"),
+    "model.compression": ("conv", "mean"),
     "data.dataset": ("stdlib_text", "text", "indexed", "copy", "assoc_recall", "listops", "labeled",
                      "lra_listops", "lra_retrieval", "lra_pathfinder"),
 }
@@ -496,6 +500,8 @@ RANGES: dict[str, tuple[str, typing.Callable[[float], bool]]] = {
     "model.ponder_cost": (">= 0 (0: no ponder cost)", _non_negative),
     "model.num_classes": (">= 0 (0: no classification head)", _non_negative),
     "model.segment_memory": (">= 0 (0: no memory)", _non_negative),
+    "model.compressed_memory": (">= 0 (0: no compressed memory)", _non_negative),
+    "model.compression_rate": ("in [1, 64]", lambda value: 1 <= value <= 64),
     "train.lr": ("positive", _positive),
     "train.min_lr_ratio": ("in [0, 1]", lambda value: 0 <= value <= 1),
     "train.weight_decay": (">= 0", _non_negative),

@@ -19,3 +19,13 @@ def test_segment_memory_under_data_zero_and_tensor_parallel(tmp_path):
     corpus.write_text(TEXT)
     assert_parity([*RECURRENT, *DROPOUT, f"data.path={corpus}"], ["dp_shard=2,tp=2,zero_stage=3"],
                   tmp_path / "runs", same_grad_norms=True)
+
+
+@pytest.mark.slow
+def test_compressed_memory_under_data_parallel_and_zero3(tmp_path):
+    """The Compressive Transformer's f_c (a conv per layer, trained by the reconstruction loss) sharded by ZeRO-3."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    compressive = ["model.segment_memory=8", "model.compressed_memory=8", "model.compression_rate=2"]
+    assert_parity([*RECURRENT, *DROPOUT, *compressive, f"data.path={corpus}"], ["dp_shard=2,zero_stage=3"],
+                  tmp_path / "runs", same_grad_norms=True)

@@ -7,7 +7,7 @@ import pytest
 
 from xscale.config import ConfigError
 from xscale.data.datasets import ArrayTokens, PackedTextDataset, causal_lm
-from xscale.train.checkpoint import CheckpointError
+from xscale.train.checkpoint import CheckpointError, load_per_rank
 from xscale.train.trainer import Trainer
 from xscale.validate import load_config
 
@@ -36,12 +36,19 @@ def trainer(tmp_path, *extra: str) -> Trainer:
     return Trainer(load_config(None, [*TINY, f"train.output_dir={tmp_path}", *extra]), *datasets())
 
 
-def test_resume_continues_bitwise_with_the_memory(tmp_path):
-    """4 steps == 2 + resume + 2 (the resume mid-stream, a stream restart after it), losses bit for bit."""
-    full = trainer(tmp_path / "full", "train.steps=4").fit()
-    trainer(tmp_path / "split", "train.steps=2").fit()
-    resumed = trainer(tmp_path / "split", "train.steps=4")
+COMPRESSIVE = ["model.compressed_memory=8", "model.compression_rate=2"]
+
+
+@pytest.mark.parametrize("extra", [[], COMPRESSIVE], ids=["xl", "compressive"])
+def test_resume_continues_bitwise_with_the_memory(tmp_path, extra):
+    """4 steps == 2 + resume + 2 (the resume mid-stream, a stream restart after it), losses bit for bit; with a
+    compressed memory too (filled from step 1, its f_c trained by the reconstruction loss)."""
+    full = trainer(tmp_path / "full", "train.steps=4", *extra).fit()
+    trainer(tmp_path / "split", "train.steps=2", *extra).fit()
+    resumed = trainer(tmp_path / "split", "train.steps=4", *extra)
     assert resumed.fit()["losses"] == full["losses"][2:]
+    saved = load_per_rank(tmp_path / "split" / "checkpoints" / "step_00000002", "segment_memory")
+    assert any(name.endswith("/compressed") for name in saved) == bool(extra)
 
 
 def test_memory_is_reset_when_the_streams_restart(tmp_path):

@@ -21,10 +21,11 @@ from torch import nn
 
 from xscale.config import ModelConfig
 from xscale.models.attention import Attention
+from xscale.models.compressive_memory import MemoryCompression, reconstruction_loss
 from xscale.models.deepnorm import deepnorm_scales
 from xscale.models.dropout import Dropout
 from xscale.models.ffn import build_ffn
-from xscale.models.moe import build_moe
+from xscale.models.moe import AttachAuxiliaryLoss, build_moe
 from xscale.models.norm import build_norm
 from xscale.models.position import PositionEncoding
 from xscale.runtime import StepContext
@@ -110,6 +111,8 @@ class TransformerBlock(nn.Module):
         )
         self.feed_forward = Residual(config, build_feed_forward(config, layer_index), in_decoder)
         self.carries_scores = self.attention.sublayer.core.carries_scores
+        # The Compressive Transformer's f_c for the states leaving this layer's memory (Rae et al. 2020).
+        self.compression = MemoryCompression(config) if config.compressed_memory and not cross else None
 
     def forward(self, x: torch.Tensor, position: PositionEncoding | None = None, memory: torch.Tensor | None = None,
                 scores: torch.Tensor | None = None,
@@ -120,6 +123,8 @@ class TransformerBlock(nn.Module):
         remembered = None
         if context is not None and context.segment_memory is not None:
             remembered = context.segment_memory.exchange((context.first_sample, self.layer_index), x)
+            if self.compression is not None:
+                x = self._compress_leaving(x, context)
         extra = {} if remembered is None else {"remembered": remembered}  # absent, not None, for the tp plan's hooks
         if self.carries_scores:
             x, scores = self.attention(x, position, scores=scores, context=context, **extra)
@@ -129,3 +134,17 @@ class TransformerBlock(nn.Module):
             x = self.cross_attention(x, None, memory, context=context)
         x = self.feed_forward(x, context=context)
         return (x, scores) if self.carries_scores else x
+
+    def _compress_leaving(self, x: torch.Tensor, context: StepContext) -> torch.Tensor:
+        """Compress the states that left the memory into the compressed memory; a learned f_c's
+        attention-reconstruction loss rides on ``x`` (:mod:`xscale.models.compressive_memory`)."""
+        key = (context.first_sample, self.layer_index)
+        leaving = context.segment_memory.leaving(key)
+        if leaving is None:
+            return x
+        compressed = self.compression(leaving)
+        context.segment_memory.record_compressed(key, compressed)
+        if not (self.training and self.compression.learns and torch.is_grad_enabled()):
+            return x
+        loss = reconstruction_loss(self.attention.sublayer, x, leaving, compressed)
+        return AttachAuxiliaryLoss.apply(x, loss * context.moe_loss_scale)

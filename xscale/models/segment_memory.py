@@ -28,15 +28,17 @@ MEMORY_POSITIONS = ("xl",)
 class SegmentMemory:
     """The last ``length`` inputs of every layer, per key (a microbatch's first global row and the layer)."""
 
-    def __init__(self, length: int) -> None:
+    def __init__(self, length: int, compressed_length: int = 0) -> None:
         if length <= 0:
             raise ValueError(f"a segment memory needs a positive length, got {length}")
-        self.length = length
+        self.length, self.compressed_length = length, compressed_length
         self.current: dict[str, torch.Tensor] = {}  # what this step's forwards read
         self.recorded: dict[str, torch.Tensor] = {}  # what they leave for the next step
+        self.left: dict[str, torch.Tensor] = {}  # the states this step's forwards pushed out of the memory
 
     def exchange(self, key: Any, inputs: torch.Tensor) -> torch.Tensor | None:
-        """SG(m) for ``key`` (None at a stream's start); records the last ``length`` of [m ; inputs], detached."""
+        """SG([compressed ; m]) for ``key`` (None at a stream's start); records the last ``length`` of
+        [m ; inputs], detached (the states before them are :meth:`leaving`)."""
         name = str(key)
         remembered = self.current.get(name)
         if remembered is not None and remembered.shape[0] != inputs.shape[0]:
@@ -46,26 +48,48 @@ class SegmentMemory:
             remembered = remembered.detach()  # SG(m): the previous segments get no gradient
         joined = inputs.detach() if remembered is None else torch.cat([remembered, inputs.detach()], dim=1)
         self.recorded[name] = joined[:, -self.length:]
-        return remembered
+        self.left.pop(name, None)
+        if joined.shape[1] > self.length:
+            self.left[name] = joined[:, :-self.length]
+        compressed = self.current.get(f"{name}/compressed")
+        if compressed is None:
+            return remembered
+        self.recorded[f"{name}/compressed"] = compressed.detach()  # kept unless record_compressed adds to it
+        return torch.cat([compressed.detach().to(remembered.dtype), remembered], dim=1)
+
+    def leaving(self, key: Any) -> torch.Tensor | None:
+        """The states the last :meth:`exchange` of ``key`` pushed out of the memory (None: none)."""
+        return self.left.get(str(key))
+
+    def record_compressed(self, key: Any, compressed: torch.Tensor) -> None:
+        """Append ``compressed`` (the leaving states compressed) to the compressed memory, keeping its last
+        ``compressed_length``."""
+        name = f"{key}/compressed"
+        previous = self.current.get(name)
+        joined = compressed.detach() if previous is None else torch.cat([previous, compressed.detach()], dim=1)
+        self.recorded[name] = joined[:, -self.compressed_length:]
 
     def advance(self) -> None:
         """The states recorded by this step's forwards become the memory of the next."""
-        self.current, self.recorded = self.recorded, {}
+        self.current, self.recorded, self.left = self.recorded, {}, {}
 
     def reset(self) -> None:
         """Forget everything (the streams restart)."""
-        self.current, self.recorded = {}, {}
+        self.current, self.recorded, self.left = {}, {}, {}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {name: tensor.detach().cpu().clone() for name, tensor in self.current.items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor], device: torch.device | str = "cpu") -> None:
-        self.current, self.recorded = {name: tensor.to(device) for name, tensor in state.items()}, {}
+        self.current, self.recorded, self.left = {name: tensor.to(device) for name, tensor in state.items()}, {}, {}
 
 
 def check_segment_memory_config(config: Config) -> None:
     """Refuse what segment recurrence cannot run with, each with what to change."""
     model, parallel = config.model, config.parallel
+    if model.compressed_memory and not model.segment_memory:
+        raise ConfigError(f"model.compressed_memory={model.compressed_memory} compresses what leaves the segment "
+                          "memory: set model.segment_memory > 0 (and model.position=xl, data.order=streams)")
     if not model.segment_memory:
         return
     where = f"model.segment_memory={model.segment_memory}"
@@ -93,6 +117,21 @@ def check_segment_memory_config(config: Config) -> None:
         if getattr(parallel, name) > 1:
             raise ConfigError(f"{where} is not supported with parallel.{name}={getattr(parallel, name)}: {reason}; "
                               f"set parallel.{name}=1")
+    if model.compressed_memory:
+        check_compressed_memory(config)
     if parallel.sequence_parallel:
         raise ConfigError(f"{where} is not supported with parallel.sequence_parallel=true (the residual stream "
                           "the memory keeps is split over the tp ranks); set it to false")
+
+
+def check_compressed_memory(config: Config) -> None:
+    """The Compressive Transformer's settings (on top of a segment memory)."""
+    model, rate = config.model, config.model.compression_rate
+    where = f"model.compressed_memory={model.compressed_memory}"
+    if config.train.seq_len % rate or model.segment_memory % rate:
+        raise ConfigError(f"{where}: train.seq_len={config.train.seq_len} and model.segment_memory="
+                          f"{model.segment_memory} must be multiples of model.compression_rate={rate} (the states "
+                          "leaving the memory are compressed c at a time)")
+    if config.parallel.tp > 1:
+        raise ConfigError(f"{where} is not supported with parallel.tp={config.parallel.tp}: the reconstruction "
+                          "loss reads every head's projections; set parallel.tp=1")

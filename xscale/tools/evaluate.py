@@ -113,7 +113,8 @@ def evaluate(trained: TrainedModel, batches: int) -> list[SourceResult]:
         streams = None
         if config.model.segment_memory and isinstance(dataset, PackedTextDataset):
             streams = stream_evaluation(model, lambda rows, dataset=dataset: _load(model, dataset, rows), len(dataset),
-                                        train.global_batch_size, batches, config.model.segment_memory, StepContext())
+                                        train.global_batch_size, batches, config.model.segment_memory, StepContext(),
+                                        config.model.compressed_memory)
         results.append(SourceResult(source, split, loss, tokens, read, accuracy, streams))
     return results
 

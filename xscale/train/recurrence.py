@@ -69,13 +69,14 @@ def load_memory(memory: SegmentMemory, path: Path, meta: dict[str, Any], expecte
 
 
 def stream_evaluation(model: ParallelModel, load: Callable[[list[int]], Batch], num_windows: int, batch_size: int,
-                      segments: int, memory_length: int, context: StepContext) -> dict[str, float]:
+                      segments: int, memory_length: int, context: StepContext,
+                      compressed_length: int = 0) -> dict[str, float]:
     """Walk ``batch_size`` streams of the eval windows segment by segment (up to ``segments``): the mean token
     loss with the memory carried (eval/loss_memory) and, on the same windows, without it (eval/loss_no_memory)."""
     streams = num_windows // batch_size
     if streams == 0:
         return {"eval/loss_memory": math.nan, "eval/loss_no_memory": math.nan}
-    memory = SegmentMemory(memory_length)
+    memory = SegmentMemory(memory_length, compressed_length)
     with_memory, without = [], []
     for step in range(min(streams, segments)):
         batch = load([row * streams + step for row in range(batch_size)])

@@ -111,7 +111,8 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, train))
         self.sampler = build_sampler(config, train_dataset)
         # Transformer-XL: this rank's rows' remembered layer inputs, carried from step to step (xscale.train.recurrence).
-        self.memory = SegmentMemory(config.model.segment_memory) if config.model.segment_memory else None
+        self.memory = (SegmentMemory(config.model.segment_memory, config.model.compressed_memory)
+                       if config.model.segment_memory else None)
         # The next step's batch loads while this step computes (the sampler's state only moves in next_batch).
         self.prefetcher = Prefetcher(lambda step: self._load(self.train_dataset, self.sampler.step_indices(step)))
         # Tokens trained on per source of a blend (data/tokens/<name>), continued across resumes.
@@ -305,7 +306,7 @@ class Trainer:
         if self.memory is not None:
             scalars.update(stream_evaluation(self.model, lambda rows: self._load(self.eval_dataset, rows),
                                              len(self.eval_dataset), size, self.config.train.eval_batches,
-                                             self.memory.length, self.step_context()))
+                                             self.memory.length, self.step_context(), self.memory.compressed_length))
         if classify:
             scalars["eval/accuracy"] = sum(accuracies) / len(accuracies) if accuracies else float("nan")
         return scalars
