@@ -103,6 +103,10 @@ class ModelConfig:
     image_size: int = 16  # model.input=patches: image_size x image_size images of image_channels channels
     image_channels: int = 3
     patch_size: int = 4
+    segment_memory: int = 0  # Transformer-XL recurrence: remembered states per layer (0: off; docs/variants.md)
+    compressed_memory: int = 0  # Compressive Transformer: compressed states per layer (0: off), rate c, f_c below
+    compression_rate: int = 2
+    compression: str = "conv"  # conv | mean
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
 
@@ -239,6 +243,7 @@ class DataConfig:
     tokenizer_vocab_size: int = 4000
     num_samples: int = 0  # samples per epoch of a task or a blend (0: the task's default / the sources' windows)
     eval_fraction: float = 0.02
+    order: str = "shuffled"  # shuffled | streams (consecutive windows per batch row: model.segment_memory)
     options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -313,6 +318,8 @@ CHOICES = {
     "model.moe.drop_policy": ("probs", "position"),
     "model.moe.router_dtype": ("float32", "bfloat16", "float16", "float64"),
     "model.moe.second_expert_policy": ("sampling", "all"),
+    "data.order": ("shuffled", "streams"),
+    "model.compression": ("conv", "mean"),
     "data.dataset": ("stdlib_text", "text", "indexed", "copy", "assoc_recall", "listops", "labeled",
                      "lra_listops", "lra_retrieval", "lra_pathfinder", "images_shapes"),
 }
@@ -510,6 +517,9 @@ RANGES: dict[str, tuple[str, typing.Callable[[float], bool]]] = {
     **{f"model.{name}": ("positive", _positive) for name in ("image_size", "image_channels", "patch_size")},
     "model.exit_entropy": (">= 0 (0: no early exit)", _non_negative),
     "model.exit_patience": (">= 0 (0: the entropy rule)", _non_negative),
+    "model.segment_memory": (">= 0 (0: no memory)", _non_negative),
+    "model.compressed_memory": (">= 0 (0: no compressed memory)", _non_negative),
+    "model.compression_rate": ("in [1, 64]", lambda value: 1 <= value <= 64),
     "train.lr": ("positive", _positive),
     "train.min_lr_ratio": ("in [0, 1]", lambda value: 0 <= value <= 1),
     "train.weight_decay": (">= 0", _non_negative),

@@ -23,6 +23,7 @@ from xscale.models.objectives import check_bart_config
 from xscale.models.patch_embedding import check_patch_config
 from xscale.models.registry import REGISTRIES
 from xscale.models.reversible import check_reversible_config
+from xscale.models.segment_memory import check_segment_memory_config
 from xscale.train.loggers import check_installed
 
 
@@ -71,6 +72,7 @@ def validate(config: Config) -> None:
     check_bart_config(config)
     check_funnel_config(model)
     check_early_exit_config(model, config.train.task)
+    check_segment_memory_config(config)
     check_installed(config.train.logger_names())  # an optional logger's package (wandb), before anything runs
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.tools.conftest import TINY_RUN, WORDS
 from xscale.cli import main
 from xscale.data import build_datasets, collate
 from xscale.tools.evaluate import evaluate
@@ -74,3 +75,19 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, trained_run, capsys):
         assert main(arguments) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and expected in err, err
+
+
+def test_eval_of_a_recurrent_model_reports_perplexity_with_and_without_the_memory(tmp_path, capsys):
+    """model.segment_memory: the split walked as streams, segment by segment, with the memory and without it."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(" ".join(WORDS[(i + j) % len(WORDS)] for j in range(12)) for i in range(300)))
+    run = tmp_path / "run"
+    recurrent = ["model.position=xl", "model.segment_memory=16", "data.order=streams", "train.steps=2"]
+    assert main(["train", *TINY_RUN, *recurrent, f"data.path={corpus}", f"train.output_dir={run}"]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(run), "--batches", "3"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    found = re.search(r"perplexity ([0-9.]+) with the memory, ([0-9.]+) without \(loss ([0-9.]+) vs ([0-9.]+)\)", line)
+    assert found, line
+    assert float(found[1]) != float(found[2])
+    assert abs(float(found[1]) - math.exp(float(found[3]))) < 0.01 * float(found[1])

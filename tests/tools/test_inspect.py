@@ -137,3 +137,8 @@ def test_components_lists_patch_inputs_and_the_bart_objective(capsys):
     assert main(["inspect", "--components"]) == 0
     lines = {line.split()[0]: line.split(maxsplit=1)[1] for line in capsys.readouterr().out.splitlines()[1:]}
     assert lines["model.input"] == "tokens, patches" and "bart" in lines["train.objective"].split(", ")
+
+
+def test_inspect_names_the_segment_memory(capsys):
+    assert main(["inspect", *TINY, "model.position=xl", "model.segment_memory=32", "data.order=streams"]) == 0
+    assert "position xl, segment memory 32 (Transformer-XL), stack plain" in capsys.readouterr().out

@@ -38,13 +38,13 @@ from xscale.data.lra import (
     GeneratedImageDataset,
     ShapesTask,
 )
-from xscale.data.sampler import GlobalSampler
+from xscale.data.sampler import GlobalSampler, StreamSampler
 from xscale.data.sentencepiece_tokenizer import SentencePieceTokenizer
 from xscale.data.sources import ResolvedSource, cached_tokens, resolve_sources, shared_cache_dir, source_kind
 from xscale.data.tasks import AssociativeRecallTask, CopyTask, ListOpsTask
 from xscale.data.tokenizer import Tokenizer
 
-__all__ = ["build_datasets", "build_tokenizer", "collate", "GlobalSampler", "Tokenizer", "FixedVocab", "DATASETS",
+__all__ = ["build_datasets", "build_tokenizer", "collate", "GlobalSampler", "StreamSampler", "Tokenizer", "FixedVocab", "DATASETS",
            "HasSources", "SourceTokenCounter", "run_tokenizer_file"]
 
 logger = logging.getLogger(__name__)

@@ -105,3 +105,44 @@ class GlobalSampler:
         self._epoch_cache = None
         self.next_step = int(state["step"])
         self.origin = int(state["consumed_samples"]) - self.next_step * self.global_batch_size
+
+
+class StreamSampler(GlobalSampler):
+    """Transformer-XL's data order (Dai et al. 2019): the windows cut into B = global batch streams of
+    L = N // B consecutive windows; row b of step s reads window b * L + s mod L.
+
+    Row b is the same global row at every step, so :meth:`GlobalSampler.shard` keeps each stream on its
+    data-parallel rank and local row, and a model carrying a memory from step to step (``model.segment_memory``)
+    reads the next segment of the same text. Every L steps all streams restart at their first window
+    (:meth:`starts_streams`); the N mod B windows left over are never read.
+    """
+
+    def __init__(self, num_samples: int, global_batch_size: int, seed: int) -> None:
+        super().__init__(num_samples, global_batch_size, seed, shuffle=False)
+        self.stream_length = num_samples // global_batch_size
+        if self.stream_length == 0:
+            raise ValueError(f"data.order=streams cuts {num_samples} windows into train.global_batch_size="
+                             f"{global_batch_size} streams: too few windows; use more text or a smaller batch")
+
+    def step_indices(self, step: int) -> list[int]:
+        if step < 0:
+            raise ValueError(f"step must be non-negative, got {step}")
+        offset = step % self.stream_length
+        return [row * self.stream_length + offset for row in range(self.global_batch_size)]
+
+    def starts_streams(self, step: int) -> bool:
+        """Whether ``step`` reads the first window of every stream (a memory carried so far must be dropped)."""
+        return step % self.stream_length == 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "order": "streams", "global_batch_size": self.global_batch_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue after the saved step; the streams are those of the same global batch size."""
+        if state.get("order") != "streams" or int(state.get("global_batch_size", -1)) != self.global_batch_size:
+            raise ValueError(f"the checkpoint's data order is {state.get('order', 'shuffled')} over global batches "
+                             f"of {state.get('global_batch_size', '?')}; data.order=streams resumes only with the "
+                             f"same streams: keep data.order=streams and train.global_batch_size="
+                             f"{state.get('global_batch_size', '?')}")
+        super().load_state_dict(state)
+        self.origin = 0

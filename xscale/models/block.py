@@ -21,10 +21,11 @@ from torch import nn
 
 from xscale.config import ModelConfig
 from xscale.models.attention import Attention
+from xscale.models.compressive_memory import MemoryCompression, reconstruction_loss
 from xscale.models.deepnorm import deepnorm_scales
 from xscale.models.dropout import Dropout
 from xscale.models.ffn import build_ffn
-from xscale.models.moe import build_moe
+from xscale.models.moe import AttachAuxiliaryLoss, build_moe
 from xscale.models.norm import build_norm
 from xscale.models.position import PositionEncoding
 from xscale.runtime import StepContext
@@ -78,8 +79,10 @@ class Residual(nn.Module):
         """What a pre/sandwich/rezero residual adds to ``x``: dropout(f(norm(x))) (sandwich: dropout(norm_out(f(norm(x)))),
         rezero: alpha dropout(f(x))); the reversible stack (:mod:`xscale.models.reversible`) adds it to the other half
         of the stream."""
-        out = self.sublayer(self.norm(x) if self.placement in PRE_NORM_PLACEMENTS else x, *args, context=context,
-                            **kwargs)
+        normed = self.placement in PRE_NORM_PLACEMENTS
+        if normed and kwargs.get("remembered") is not None:  # the memory holds layer inputs: normed as x is
+            kwargs["remembered"] = self.norm(kwargs["remembered"])
+        out = self.sublayer(self.norm(x) if normed else x, *args, context=context, **kwargs)
         out, carry = out if isinstance(out, tuple) else (out, None)
         if self.placement == "sandwich":
             out = self.norm_out(out)
@@ -108,21 +111,45 @@ class TransformerBlock(nn.Module):
         )
         self.feed_forward = Residual(config, build_feed_forward(config, layer_index), in_decoder)
         self.carries_scores = self.attention.sublayer.core.carries_scores
+        # The Compressive Transformer's f_c for the states leaving this layer's memory (Rae et al. 2020).
+        self.compression = MemoryCompression(config) if config.compressed_memory and not cross else None
 
     def forward(self, x: torch.Tensor, position: PositionEncoding | None = None, memory: torch.Tensor | None = None,
                 scores: torch.Tensor | None = None, context: StepContext | None = None,
                 keys: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Returns x, or ``(x, scores)`` when ``carries_scores`` (``scores``: None before the first such block).
         ``keys``: the sequence self-attention takes its keys and values from when ``x`` is a pooled one (Funnel-
-        Transformer, :mod:`xscale.models.funnel`), normalised as the placement normalises ``x``."""
+        Transformer, :mod:`xscale.models.funnel`), normalised as the placement normalises ``x``.
+        A context with a ``segment_memory`` gives the self-attention the previous segments' inputs to this layer
+        as extra keys and records this segment's (Transformer-XL: :mod:`xscale.models.segment_memory`)."""
+        remembered = None
+        if context is not None and context.segment_memory is not None:
+            remembered = context.segment_memory.exchange((context.first_sample, self.layer_index), x)
+            if self.compression is not None:
+                x = self._compress_leaving(x, context)
+        extra = {} if remembered is None else {"remembered": remembered}  # absent, not None, for the tp plan's hooks
         if keys is not None:
             keys = self.attention.norm(keys) if self.attention.placement in PRE_NORM_PLACEMENTS else keys
             x = self.attention(x, position, keys, context=context)
         elif self.carries_scores:
-            x, scores = self.attention(x, position, scores=scores, context=context)
+            x, scores = self.attention(x, position, scores=scores, context=context, **extra)
         else:
-            x = self.attention(x, position, context=context)
+            x = self.attention(x, position, context=context, **extra)
         if self.cross_attention is not None:
             x = self.cross_attention(x, None, memory, context=context)
         x = self.feed_forward(x, context=context)
         return (x, scores) if self.carries_scores else x
+
+    def _compress_leaving(self, x: torch.Tensor, context: StepContext) -> torch.Tensor:
+        """Compress the states that left the memory into the compressed memory; a learned f_c's
+        attention-reconstruction loss rides on ``x`` (:mod:`xscale.models.compressive_memory`)."""
+        key = (context.first_sample, self.layer_index)
+        leaving = context.segment_memory.leaving(key)
+        if leaving is None:
+            return x
+        compressed = self.compression(leaving)
+        context.segment_memory.record_compressed(key, compressed)
+        if not (self.training and self.compression.learns and torch.is_grad_enabled()):
+            return x
+        loss = reconstruction_loss(self.attention.sublayer, x, leaving, compressed)
+        return AttachAuxiliaryLoss.apply(x, loss * context.moe_loss_scale)

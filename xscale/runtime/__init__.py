@@ -5,9 +5,10 @@ from xscale.runtime.step_context import (
     ExpertExchange,
     KeyValueCache,
     Placement,
+    RecurrentMemory,
     SequenceLayout,
     StepContext,
     TokenGroup,
 )
 
-__all__ = ["ExpertExchange", "KeyValueCache", "Placement", "SequenceLayout", "StepContext", "TokenGroup"]
+__all__ = ["ExpertExchange", "KeyValueCache", "Placement", "RecurrentMemory", "SequenceLayout", "StepContext", "TokenGroup"]

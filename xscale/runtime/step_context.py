@@ -16,7 +16,10 @@ Everything a component draws or reads per batch comes from it, never from proces
 - ``experts``: under expert parallelism, the MoE layers' routing group and token exchange (None: one device
   routes its own tokens through every expert);
 - ``kv_cache``: while decoding, the keys and values of the tokens already seen (:mod:`xscale.models.kv_cache`);
-  the forward's tokens then sit after them (``sequence`` is the cache too).
+  the forward's tokens then sit after them (``sequence`` is the cache too);
+- ``segment_memory``: Transformer-XL's memory (Dai et al. 2019, sec. 3.2), the hidden states each layer saw in
+  the previous segments of the same streams (:mod:`xscale.models.segment_memory`); the caller keeps it between
+  forwards, the layers only read the previous states and record the new ones.
 
 Without a context (``None``, plain PyTorch use) masks come from torch's generator, as ``nn.Dropout``'s do.
 """
@@ -46,6 +49,14 @@ class KeyValueCache(SequenceLayout, Protocol):
 
     def extend(self, layer: Any, keys: torch.Tensor,
                values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class RecurrentMemory(Protocol):
+    """Per layer, the previous segments' inputs to that layer (stop-gradient), and the new ones this forward leaves."""
+
+    def exchange(self, key: Any, inputs: torch.Tensor) -> torch.Tensor | None:
+        """The remembered states (B, M, D) for ``key`` (None at a stream's start); records ``inputs`` (B, T, D)."""
+        ...
 
 
 class TokenGroup(Protocol):
@@ -88,6 +99,7 @@ class StepContext:
     memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
     kv_cache: KeyValueCache | None = field(default=None, compare=False, repr=False)  # None: no cache (training)
     experts: ExpertExchange | None = field(default=None, compare=False, repr=False)  # None: every expert is here
+    segment_memory: RecurrentMemory | None = field(default=None, compare=False, repr=False)  # None: no recurrence
 
     @property
     def positioned(self) -> bool:
@@ -115,6 +127,10 @@ class StepContext:
     def with_kv_cache(self, cache: KeyValueCache | None) -> StepContext:
         """Attention reads and extends ``cache``; positions continue after the cached tokens."""
         return replace(self, kv_cache=cache, sequence=cache)
+
+    def with_segment_memory(self, memory: RecurrentMemory | None) -> StepContext:
+        """Every layer attends over ``memory``'s remembered states before this forward's (Transformer-XL)."""
+        return replace(self, segment_memory=memory)
 
     def with_experts(self, exchange: ExpertExchange | None) -> StepContext:
         """MoE layers route over ``exchange``'s group and send tokens to the ranks holding their experts."""

@@ -5,6 +5,9 @@ A source is evaluated on the split ``data.eval_fraction`` sets aside; with ``dat
 The loss is the mean token cross-entropy over every labelled token read (the training objective's, without MoE
 auxiliary losses); perplexity = exp(loss). A classifier (train.task=classify) reports the mean example loss and the
 accuracy, its labels mapped to classes as in training (the checkpoint's label list). One process; ``--batches N`` batches of ``train.global_batch_size``.
+A model with a segment memory (``model.segment_memory``, Transformer-XL) also walks train.global_batch_size streams
+of the split segment by segment (``--batches`` segments), carrying the memory, and reports that loss beside the
+loss of the same windows without it.
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ from torch.utils.data import Dataset
 
 from xscale.command_line import CommandParser
 from xscale.config import Config, ConfigError
-from xscale.data import TEXT_DATASETS, BlendedDataset, build_datasets, collate
+from xscale.data import TEXT_DATASETS, BlendedDataset, PackedTextDataset, build_datasets, collate
 from xscale.data.labeled import LABELS_META_KEY
 from xscale.parallel.model import ParallelModel
+from xscale.runtime import StepContext
 from xscale.tools.trained import TrainedModel, load_trained_model, tokenizer_path
 from xscale.train.checkpoint import CheckpointError
+from xscale.train.recurrence import stream_evaluation
 from xscale.train.step import evaluation_accuracy, evaluation_exit_metrics, evaluation_loss
 
 
@@ -37,6 +42,7 @@ class SourceResult:
     accuracy: float | None = None  # a classifier's (then ``tokens`` counts examples); early exit: at the exits
     accuracy_full_depth: float | None = None  # early exit (model.early_exit): every example read to the last layer
     mean_exit_layer: float | None = None  # early exit: the mean 1-based layer the examples leave at
+    streams: dict[str, float] | None = None  # model.segment_memory: eval/loss_memory and eval/loss_no_memory
 
     @property
     def perplexity(self) -> float:
@@ -50,8 +56,17 @@ class SourceResult:
         if self.accuracy is not None:
             return (f"{self.source} ({self.split}): loss {self.loss:.4f}, accuracy {100 * self.accuracy:.2f}% "
                     f"over {self.tokens} examples in {self.batches} batches")
-        return (f"{self.source} ({self.split}): loss {self.loss:.4f}, perplexity {self.perplexity:.2f} "
+        line = (f"{self.source} ({self.split}): loss {self.loss:.4f}, perplexity {self.perplexity:.2f} "
                 f"over {self.tokens} tokens in {self.batches} batches")
+        if self.streams is not None:
+            with_memory, without = self.streams["eval/loss_memory"], self.streams["eval/loss_no_memory"]
+            line += (f"; streamed segment by segment: perplexity {_perplexity(with_memory):.2f} with the memory, "
+                     f"{_perplexity(without):.2f} without (loss {with_memory:.4f} vs {without:.4f})")
+        return line
+
+
+def _perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else math.inf
 
 
 def evaluation_sources(config: Config, label_names: list[str] | None = None) -> list[tuple[str, str, Dataset]]:
@@ -91,6 +106,10 @@ def evaluate_dataset(model: ParallelModel, dataset: Dataset, batch_size: int, ba
     return loss_sum / tokens, tokens, read, correct / tokens if classify else None
 
 
+def _load(model: ParallelModel, dataset: Dataset, rows: list[int]) -> dict[str, torch.Tensor]:
+    return {key: value.to(model.device) for key, value in collate([dataset[i] for i in rows]).items()}
+
+
 def evaluate(trained: TrainedModel, batches: int) -> list[SourceResult]:
     config = trained.config
     reads_text = config.data.dataset in TEXT_DATASETS + ("labeled",) and config.data.dataset != "indexed"
@@ -106,7 +125,12 @@ def evaluate(trained: TrainedModel, batches: int) -> list[SourceResult]:
         exits = {} if classify and config.model.early_exit else None
         loss, tokens, read, accuracy = evaluate_dataset(model, dataset, train.global_batch_size, batches, classify,
                                                         exits)
-        results.append(SourceResult(source, split, loss, tokens, read, accuracy, **(exits or {})))
+        streams = None
+        if config.model.segment_memory and isinstance(dataset, PackedTextDataset):
+            streams = stream_evaluation(model, lambda rows, dataset=dataset: _load(model, dataset, rows), len(dataset),
+                                        train.global_batch_size, batches, config.model.segment_memory, StepContext(),
+                                        config.model.compressed_memory)
+        results.append(SourceResult(source, split, loss, tokens, read, accuracy, streams=streams, **(exits or {})))
     return results
 
 

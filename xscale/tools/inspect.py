@@ -187,10 +187,11 @@ def context_parallel_activation_bytes(config: Config, dims) -> float:
 def report(config: Config) -> str:
     count = count_parameters(config)
     flops = flops_per_token(config.model, config.train.seq_len, count.active_non_embedding)
+    memory = f"segment memory {config.model.segment_memory} (Transformer-XL), " if config.model.segment_memory else ""
     lines = [
         f"model: {config.model.family}, {config.model.n_layers} layers, d_model {config.model.d_model}, "
         f"{config.model.n_heads} heads ({config.model.kv_heads} kv), ffn {config.model.ffn} {config.model.ffn_hidden}, "
-        f"attention {config.model.attention.kind}, position {config.model.position}, "
+        f"attention {config.model.attention.kind}, position {config.model.position}, {memory}"
         f"stack {' + '.join(stack_variants(config.model)) or 'plain'}",
         f"parameters: {count.total:,} ({count.total / 1e6:.2f}M; non-embedding {count.non_embedding:,})",
     ]

@@ -49,7 +49,8 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 STEP_PREFIX = "step_"
 META = "meta.json"
 FREE_SPACE_MARGIN = 1.1  # a save needs the state's bytes plus DCP's metadata and the RNG files
-__all__ = ["Checkpointer", "CheckpointError", "VERIFY_CHOICES", "check_fingerprint", "shape_fingerprint"]
+__all__ = ["Checkpointer", "CheckpointError", "VERIFY_CHOICES", "check_fingerprint", "load_per_rank",
+           "shape_fingerprint"]
 
 
 def _distributed() -> bool:
@@ -146,9 +147,11 @@ class Checkpointer:
                 previous.rename(final)
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
+    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any],
+             per_rank: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
         """Save DCP ``state`` (model/optimizer) and ``meta`` (JSON; written by rank 0) for ``step``; the ``carry``
-        files are copied in by rank 0 and checksummed with the rest."""
+        files are copied in by rank 0 and checksummed with the rest. ``per_rank``: name -> tensors this rank alone
+        holds (a recurrent memory), saved as ``<name>/rank_N.pt`` beside the RNG states."""
         self.wait()
         final = self.directory / step_dir_name(step)
         staging = self.directory / f".tmp-{step_dir_name(step)}"
@@ -165,6 +168,9 @@ class Checkpointer:
         meta = {**meta, "step": step, "fingerprint": shape_fingerprint(state.get("model", {}))}
         with _save_errors(staging):
             torch.save(_rng_state(), staging / "rng" / f"rank_{_rank():05d}.pt")
+            for name, tensors in (per_rank or {}).items():
+                (staging / name).mkdir(exist_ok=True)
+                torch.save(tensors, staging / name / f"rank_{_rank():05d}.pt")
             if self.async_save:
                 future = dcp.async_save(state, checkpoint_id=str(staging))
                 self._pending = (future, staging, final, meta)
@@ -272,6 +278,18 @@ class Checkpointer:
                 raise CheckpointError(f"{rng_file} is not an RNG state saved by xscale ({_first_line(error)}); it was "
                                       "not loaded (weights_only=True)") from error
         return meta
+
+
+def load_per_rank(path: str | Path, name: str) -> dict[str, torch.Tensor] | None:
+    """This rank's ``per_rank`` tensors ``name`` of a checkpoint (None if it has none), read with weights_only."""
+    file = Path(path) / name / f"rank_{_rank():05d}.pt"
+    if not file.is_file():
+        return None
+    try:
+        return torch.load(file, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
+        raise CheckpointError(f"{file} is not a tensor file saved by xscale ({_first_line(error)}); it was not "
+                              "loaded (weights_only=True)") from error
 
 
 def load_state(state: dict[str, Any], path: Path) -> None:

@@ -65,8 +65,9 @@ def forward_backward_step(model: ParallelModel, batch: Batch, context: StepConte
 
 
 @torch.no_grad()
-def evaluation_loss(model: ParallelModel, batch: Batch) -> torch.Tensor:
-    """The global-batch mean token loss of ``batch`` in evaluation mode (no dropout)."""
+def evaluation_loss(model: ParallelModel, batch: Batch, context: StepContext | None = None) -> torch.Tensor:
+    """The global-batch mean token loss of ``batch`` in evaluation mode (no dropout); ``context``: where the batch
+    sits (its rows' first global sample, a segment memory), microbatch by microbatch as in training."""
     for part in model.parts:
         part.eval()
     tokens = global_token_count(model, batch)
@@ -75,9 +76,10 @@ def evaluation_loss(model: ParallelModel, batch: Batch) -> torch.Tensor:
             total = model.pipeline.evaluate(batch, tokens, model.routing_groups)
         else:
             total = torch.zeros((), dtype=torch.float32, device=model.device)
-            for micro in split_microbatches(batch, model.micro_batch_size):
-                total += (model_loss_sum(model.model, model.shard_batch(micro), model.place(StepContext()))
-                          / tokens).float()
+            base = StepContext() if context is None else context
+            for index, micro in enumerate(split_microbatches(batch, model.micro_batch_size)):
+                micro_context = model.place(base.microbatch(index, model.micro_batch_size) if context is not None else base)
+                total += (model_loss_sum(model.model, model.shard_batch(micro), micro_context) / tokens).float()
     return model.data_parallel.reduce_loss(total).cpu()
 
 

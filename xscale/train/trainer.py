@@ -39,6 +39,7 @@ from xscale.launcher.parent_death import exit_with_launcher
 from xscale.launcher.preemption import PreemptionHandler
 from xscale.models.init import canonical_name
 from xscale.models.parameters import count_parameters
+from xscale.models.segment_memory import SegmentMemory
 from xscale.parallel.checks import resolve_layout
 from xscale.parallel.loss import positions_read
 from xscale.parallel.parallelize import parallelize
@@ -49,6 +50,14 @@ from xscale.train.checkpoint import Checkpointer, CheckpointError
 from xscale.train.metrics import MetricsLogger, flops_per_token, peak_memory_bytes
 from xscale.train.peak_flops import peak_flops
 from xscale.train.profiling import StepProfiler
+from xscale.train.recurrence import (
+    MEMORY_FILES,
+    MEMORY_META_KEY,
+    build_sampler,
+    load_memory,
+    memory_meta,
+    stream_evaluation,
+)
 from xscale.train.run_lock import RunLock, RunLocked
 from xscale.train.schedule import lr_factor, saved_schedule, schedule_change, schedule_parameters
 from xscale.train.spikes import LossSpikeDetector
@@ -102,7 +111,10 @@ class Trainer:
         self.num_params = count.total
         self.optimizer = model_optimizer(self.model, train)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, train))
-        self.sampler = GlobalSampler(len(train_dataset), train.global_batch_size, seed=train.seed)
+        self.sampler = build_sampler(config, train_dataset)
+        # Transformer-XL: this rank's rows' remembered layer inputs, carried from step to step (xscale.train.recurrence).
+        self.memory = (SegmentMemory(config.model.segment_memory, config.model.compressed_memory)
+                       if config.model.segment_memory else None)
         # The next step's batch loads while this step computes (the sampler's state only moves in next_batch).
         self.prefetcher = Prefetcher(lambda step: self._load(self.train_dataset, self.sampler.step_indices(step)))
         # Tokens trained on per source of a blend (data/tokens/<name>), continued across resumes.
@@ -181,8 +193,15 @@ class Trainer:
             meta[LABELS_META_KEY] = self.label_names
         if self.tokenizer_in_checkpoint:
             meta[TOKENIZER_META_KEY] = self.tokenizer_in_checkpoint
+        per_rank = None
+        if self.memory is not None:
+            meta[MEMORY_META_KEY] = self._memory_meta()
+            per_rank = {MEMORY_FILES: self.memory.state_dict()}
         self.metrics.flush()  # the curve up to a checkpoint is on disk before it
-        self.checkpointer.save(self.step, self.state(), meta)
+        self.checkpointer.save(self.step, self.state(), meta, per_rank)
+
+    def _memory_meta(self) -> dict[str, Any]:
+        return memory_meta(self.dims.describe(), self.world_size, self.local_batch_size, self.model.micro_batch_size)
 
     def resume(self) -> bool:
         """Load the checkpoint named by checkpoint.resume (auto: the latest, if any); with none to resume, start from
@@ -204,7 +223,12 @@ class Trainer:
         meta = self.checkpointer.load(path, state)
         self.model.load_state_dict(state, self.optimizer)
         self.step = int(meta["step"])
-        self.sampler.load_state_dict(meta["sampler"])
+        try:
+            self.sampler.load_state_dict(meta["sampler"])
+        except ValueError as error:
+            raise CheckpointError(f"{path}: {error}") from error
+        if self.memory is not None:
+            load_memory(self.memory, path, meta, self._memory_meta(), self.device)
         if self.source_tokens is not None:
             self.source_tokens.load_state_dict(meta.get("data_tokens", {}))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -287,6 +311,10 @@ class Trainer:
         scalars = {"eval/loss": sum(losses) / len(losses) if losses else float("nan")}
         for name in ("accuracy_full_depth", "mean_exit_layer") if exit_metrics else ():
             scalars[f"eval/{name}"] = sum(metrics[name] for metrics in exit_metrics) / len(exit_metrics)
+        if self.memory is not None:
+            scalars.update(stream_evaluation(self.model, lambda rows: self._load(self.eval_dataset, rows),
+                                             len(self.eval_dataset), size, self.config.train.eval_batches,
+                                             self.memory.length, self.step_context(), self.memory.compressed_length))
         if classify:
             scalars["eval/accuracy"] = sum(accuracies) / len(accuracies) if accuracies else float("nan")
         return scalars
@@ -298,6 +326,14 @@ class Trainer:
         return StepContext(self.config.train.seed, self.step, first_sample=self.dp_rank * micro,
                            microbatch_stride=self.dp_size * micro)
 
+    def _carry_memory(self, context: StepContext) -> StepContext:
+        """The step's context with the segment memory (dropped first when the streams restart at this step)."""
+        if self.memory is None:
+            return context
+        if self.sampler.starts_streams(self.step):
+            self.memory.reset()
+        return context.with_segment_memory(self.memory)
+
     # ------------------------------------------------------------------ loop
     def train_step(self) -> dict[str, float]:
         """One optimizer step; its time counts waiting for the batch (perf/data_seconds of it)."""
@@ -305,7 +341,9 @@ class Trainer:
         batch = self.next_batch()
         data_seconds = time.perf_counter() - start
         tokens = positions_read(batch, self.config.train.seq_len) * self.dp_size
-        loss = forward_backward_step(self.model, batch, self.step_context())
+        loss = forward_backward_step(self.model, batch, self._carry_memory(self.step_context()))
+        if self.memory is not None:
+            self.memory.advance()
         grad_norm = clip_gradient_norm(self.model, self.config.train.grad_clip)
         if math.isfinite(float(loss)) and math.isfinite(float(grad_norm)):  # both global: every rank agrees
             optimizer_step(self.model, self.optimizer)

@@ -49,6 +49,8 @@ class AttentionCore(nn.Module):
     shares_qk: ClassVar[bool] = False  # keys are the queries (Reformer)
     mixes_heads: ClassVar[bool] = False  # heads exchange information: tensor parallelism must refuse it
     carries_scores: ClassVar[bool] = False  # takes and returns pre-softmax scores across layers (RealFormer)
+    # Takes more keys than queries, the queries the last Tq, causal mask in ``bias`` (Transformer-XL's memory).
+    attends_to_memory: ClassVar[bool] = False
     exposes_probabilities: ClassVar[bool] = False  # has ``probabilities`` (for a position's value term: Shaw)
     per_head_state: ClassVar[tuple[str, ...]] = ()  # parameters/buffers whose dim 0 is the head (TP slices them)
     # Attention dropout drawn from torch's RNG (SDPA's dropout_p, F.dropout): its masks depend on the layout.

@@ -30,6 +30,7 @@ class DenseAttention(AttentionCore):
     supports_bias = True
     takes_padding_mask = True  # the padding mask enters as a -inf logit bias on the padded keys
     exposes_probabilities = True
+    attends_to_memory = True
     parallel_traits = ParallelTraits(tp="split_heads", cp=True)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,

@@ -5,6 +5,8 @@ Heads are inferred from the projection widths, so a tensor-parallel plan that sh
 ``wq/wk/wv`` column-wise and ``wo`` row-wise needs no change here; the forward's context says which heads
 this rank holds, so that per-head position biases (ALiBi, T5) pick them. While decoding, the context's
 ``kv_cache`` holds the keys and values of the tokens before this forward's (:mod:`xscale.models.kv_cache`).
+With ``remembered`` (Transformer-XL's memory, :mod:`xscale.models.segment_memory`) the keys and values are read
+from [memory ; x] and the causal mask is shifted by the memory's length.
 """
 
 from __future__ import annotations
@@ -49,12 +51,16 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, position: PositionEncoding | None = None,
                 memory: torch.Tensor | None = None, scores: torch.Tensor | None = None,
-                context: StepContext | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                context: StepContext | None = None,
+                remembered: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x: (B, T, D); memory: (B, S, D) encoder output for cross-attention, or for self-attention the keys' and
         values' sequence when the queries are a pooled one (Funnel-Transformer, :mod:`xscale.models.funnel`);
         ``scores``: the previous layer's pre-softmax scores for a ``carries_scores`` core, which then returns
-        ``(out, scores)``."""
+        ``(out, scores)``; ``remembered``: (B, M, D) the previous segments' inputs to this layer (stop-gradient),
+        extra keys (Transformer-XL, :mod:`xscale.models.segment_memory`)."""
         source = x if memory is None else memory
+        if remembered is not None:
+            source = torch.cat([remembered.to(x.dtype), source], dim=1)
         v = self._heads(self.wv(source))
         core = self.core
         local_heads = self.n_heads // (1 if context is None else context.tensor_size)
@@ -73,6 +79,8 @@ class Attention(nn.Module):
         if context is not None and context.padding_mask is not None:
             bias = self._with_padding(bias, source, context.padding_mask, v.dtype)
         causal = self.causal
+        if remembered is not None:
+            bias, causal = self._shift_causal_mask(q, k, bias, context), False
         if context is not None and context.kv_cache is not None and not self.cross:
             k, v, bias = self._extend_from_cache(q, k, v, bias, context)
             causal = False  # now in the bias, over global positions
@@ -98,6 +106,18 @@ class Attention(nn.Module):
                              f"{tuple(source.shape[:2])}; pass one (batch, length) mask of the input ids")
         keys = padding_bias(padding_mask, dtype)
         return keys if bias is None else bias + keys
+
+    def _shift_causal_mask(self, q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None,
+                           context: StepContext | None) -> torch.Tensor | None:
+        """``bias`` plus the causal mask of queries that follow M remembered keys: query i sees keys j <= i + M."""
+        if not self.core.attends_to_memory:
+            raise ValueError(f"attention core {type(self.core).__name__} cannot take a segment memory as extra keys")
+        if context is not None and context.kv_cache is not None:
+            raise ValueError("a segment memory and a KV cache do not combine; decode without the memory")
+        if not self.causal:
+            return bias
+        mask = causal_bias(q.shape[2], k.shape[2], q.device, q.dtype)
+        return mask if bias is None else bias + mask
 
     def _extend_from_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
                            context: StepContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

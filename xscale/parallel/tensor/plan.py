@@ -193,7 +193,11 @@ def _parallelize_attention(attention: Attention, mesh: DeviceMesh, config: Model
     # One DTensor input for q, k, v: their input gradients are summed before the one collective.
     inputs = (stream, None, stream) if attention.cross else (stream, None)
     desired = (Replicate(), None, Replicate()) if attention.cross else (Replicate(), None)
-    parallelize_module(attention, mesh, PrepareModuleInput(input_layouts=inputs, desired_input_layouts=desired))
+    # Transformer-XL's memory (a keyword, present only with one) is read like the stream: replicated.
+    remembered = {} if attention.cross else {"remembered": stream}
+    parallelize_module(attention, mesh, PrepareModuleInput(
+        input_layouts=inputs, desired_input_layouts=desired, input_kwarg_layouts=remembered,
+        desired_input_kwarg_layouts={key: Replicate() for key in remembered}))
     shard_head_state(attention.core, mesh)  # per_head_state: each rank holds its heads' rows
     replicate_parameters(attention.core, mesh, sum_gradients=True)  # per-head use, e.g. Linformer's E, F
 
