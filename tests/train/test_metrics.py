@@ -62,9 +62,9 @@ def test_each_checkpoint_has_the_tensorboard_curve_up_to_it_on_disk(tmp_path, sl
     trainer = Trainer(config)
     save, on_disk = trainer.checkpointer.save, {}
 
-    def save_and_look(step, state, meta):
+    def save_and_look(step, state, meta, *per_rank):
         on_disk[step] = tensorboard_steps(tmp_path / "tensorboard")  # what a crash during this save would leave
-        return save(step, state, meta)
+        return save(step, state, meta, *per_rank)
 
     trainer.checkpointer.save = save_and_look
     trainer.fit()
