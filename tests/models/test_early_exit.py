@@ -13,7 +13,7 @@ from xscale.config import ConfigError, ModelConfig
 from xscale.models import build_model
 from xscale.models.early_exit import exit_layers, exit_predictions, joint_exit_loss_sum
 from xscale.parallel.checks import resolve_dims
-from xscale.parallel.loss import model_loss_sum
+from xscale.parallel.loss import model_loss_sum, prediction_counts
 from xscale.validate import load_config_from_cli
 
 LOGITS = torch.randn(4, 64, 3, generator=torch.Generator().manual_seed(0)) * 3
@@ -49,6 +49,22 @@ def test_one_forward_gives_every_layers_logits_and_the_joint_loss():
                                         max_seq_len=16, position="learned", num_classes=3, pooling="mean"), seed=0)
         plain.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("exits.")})
         torch.testing.assert_close(logits[-1], plain.eval()(tokens))
+
+
+def test_one_forward_counts_right_at_the_exits_right_at_full_depth_and_the_exit_layers():
+    model = _model()
+    model.exits.entropy = 0.5
+    with torch.no_grad():
+        for linear in model.exits.linears:  # confident early exits: some examples leave before the last layer
+            linear.weight.mul_(300)
+    tokens = torch.randint(1, 40, (16, 8), generator=torch.Generator().manual_seed(2))
+    labels = torch.randint(0, 3, (16,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits = model(tokens)
+    classes, layers = exit_predictions(logits, 0.5)
+    expected = [(classes == labels).sum(), (logits[-1].argmax(dim=-1) == labels).sum(), (layers + 1).sum()]
+    assert not torch.equal(classes, logits[-1].argmax(dim=-1))  # the two accuracies count different classes
+    assert prediction_counts(model, {"input_ids": tokens, "labels": labels}).tolist() == [int(x) for x in expected]
 
 
 def test_entropy_zero_never_exits_early_and_infinity_exits_at_the_first_layer():

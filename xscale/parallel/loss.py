@@ -76,19 +76,13 @@ def classification_loss_sum(model: nn.Module, batch: Batch, context: StepContext
 
 
 @torch.no_grad()
-def correct_predictions(model: nn.Module, batch: Batch, context: StepContext | None = None) -> torch.Tensor:
-    """How many of a classifier's examples get their label as the top class (the accuracy's numerator); with early
-    exit, the class of each example's exit layer."""
+def prediction_counts(model: nn.Module, batch: Batch, context: StepContext | None = None) -> torch.Tensor:
+    """A classifier's [examples labelled right, right at full depth, sum of the 1-based exit layers] over ``batch``,
+    from one forward: the top class, or with early exit each example's exit layer's (without it the last is 0)."""
     logits = model(model_inputs(batch), context=context, padding_mask=batch.get("padding_mask"))
-    if logits.dim() == 3:
-        return (model.exits.predict(logits)[0] == batch["labels"]).sum()
-    return (logits.argmax(dim=-1) == batch["labels"]).sum()
-
-
-@torch.no_grad()
-def exit_counts(model: nn.Module, batch: Batch, context: StepContext | None = None) -> torch.Tensor:
-    """An early-exit classifier's [examples right at full depth, sum of the 1-based exit layers] over ``batch``."""
-    logits = model(model_inputs(batch), context=context, padding_mask=batch.get("padding_mask"))
-    layers = model.exits.predict(logits)[1]
-    full_depth = (logits[-1].argmax(dim=-1) == batch["labels"]).sum()
-    return torch.stack([full_depth, (layers + 1).sum()])
+    labels = batch["labels"]
+    if logits.dim() != 3:
+        correct = (logits.argmax(dim=-1) == labels).sum()
+        return torch.stack([correct, correct, torch.zeros_like(correct)])
+    classes, layers = model.exits.predict(logits)
+    return torch.stack([(classes == labels).sum(), (logits[-1].argmax(dim=-1) == labels).sum(), (layers + 1).sum()])

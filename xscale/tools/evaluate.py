@@ -29,7 +29,7 @@ from xscale.runtime import StepContext
 from xscale.tools.trained import TrainedModel, load_trained_model, tokenizer_path
 from xscale.train.checkpoint import CheckpointError
 from xscale.train.recurrence import stream_evaluation
-from xscale.train.step import evaluation_accuracy, evaluation_exit_metrics, evaluation_loss
+from xscale.train.step import evaluation_loss, evaluation_predictions
 
 
 @dataclass
@@ -86,24 +86,22 @@ def evaluate_dataset(model: ParallelModel, dataset: Dataset, batch_size: int, ba
     """(mean token loss, labelled tokens, batches read, accuracy when ``classify``) over the first ``batches``
     batches of ``dataset``; ``exits``: a dict that receives an early-exit model's accuracy_full_depth and
     mean_exit_layer."""
-    loss_sum, tokens, read, correct = 0.0, 0, 0, 0.0
-    exit_sums = dict.fromkeys(("accuracy_full_depth", "mean_exit_layer"), 0.0)
+    loss_sum, tokens, read = 0.0, 0, 0
+    sums = dict.fromkeys(("accuracy", "accuracy_full_depth", "mean_exit_layer"), 0.0)
     for start in range(0, min(len(dataset), batch_size * batches), batch_size):
         batch = collate([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
         batch = {key: value.to(model.device) for key, value in batch.items()}
         labelled = int((batch["labels"] != -100).sum())
         loss_sum += float(evaluation_loss(model, batch)) * labelled
         if classify:
-            correct += float(evaluation_accuracy(model, batch)) * labelled
-        if exits is not None:
-            for name, value in evaluation_exit_metrics(model, batch).items():
-                exit_sums[name] += value * labelled
+            for name, value in evaluation_predictions(model, batch, exits is not None).items():
+                sums[name] += value * labelled
         tokens, read = tokens + labelled, read + 1
     if tokens == 0:
         raise ConfigError("the evaluation data holds no labelled token; check data.* (or --batches)")
     if exits is not None:
-        exits.update({name: value / tokens for name, value in exit_sums.items()})
-    return loss_sum / tokens, tokens, read, correct / tokens if classify else None
+        exits.update({name: sums[name] / tokens for name in ("accuracy_full_depth", "mean_exit_layer")})
+    return loss_sum / tokens, tokens, read, sums["accuracy"] / tokens if classify else None
 
 
 def _load(model: ParallelModel, dataset: Dataset, rows: list[int]) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ import torch
 from xscale.config import TrainConfig
 from xscale.models.training_step import begin_training_step
 from xscale.parallel.data.grad_norm import clip_gradients
-from xscale.parallel.loss import correct_predictions, exit_counts, model_inputs, model_loss_sum
+from xscale.parallel.loss import model_inputs, model_loss_sum, prediction_counts
 from xscale.parallel.model import Batch, ParallelModel
 from xscale.runtime import StepContext
 from xscale.train.optim import build_optimizer
@@ -84,29 +84,19 @@ def evaluation_loss(model: ParallelModel, batch: Batch, context: StepContext | N
 
 
 @torch.no_grad()
-def evaluation_accuracy(model: ParallelModel, batch: Batch) -> torch.Tensor:
-    """The fraction of the global batch's examples a classifier labels right (its top class), in evaluation mode."""
+def evaluation_predictions(model: ParallelModel, batch: Batch, exits: bool = False) -> dict[str, float]:
+    """A classifier's accuracy over the global batch (evaluation mode), and with ``exits`` (early exit) the accuracy
+    at full depth and the mean 1-based exit layer: one forward per microbatch gives all three."""
     for part in model.parts:
         part.eval()
-    correct = torch.zeros((), dtype=torch.long, device=model.device)
+    counts = torch.zeros(3, dtype=torch.long, device=model.device)
     with model.autocast():
         for micro in split_microbatches(batch, model.micro_batch_size):
-            correct += correct_predictions(model.model, micro, model.place(StepContext()))
-    return (model.data_parallel.global_token_count(correct) / global_token_count(model, batch)).cpu()
-
-
-@torch.no_grad()
-def evaluation_exit_metrics(model: ParallelModel, batch: Batch) -> dict[str, float]:
-    """An early-exit classifier's accuracy at full depth and mean exit layer (1-based) over the global batch."""
-    for part in model.parts:
-        part.eval()
-    counts = torch.zeros(2, dtype=torch.long, device=model.device)
-    with model.autocast():
-        for micro in split_microbatches(batch, model.micro_batch_size):
-            counts += exit_counts(model.model, micro, model.place(StepContext()))
+            counts += prediction_counts(model.model, micro, model.place(StepContext()))
     examples = global_token_count(model, batch)
-    full_depth, layers = (model.data_parallel.global_token_count(count) / examples for count in counts)
-    return {"accuracy_full_depth": float(full_depth), "mean_exit_layer": float(layers)}
+    accuracy, full_depth, layers = (float(model.data_parallel.global_token_count(count) / examples)
+                                    for count in counts)
+    return {"accuracy": accuracy, **({"accuracy_full_depth": full_depth, "mean_exit_layer": layers} if exits else {})}
 
 
 def clip_gradient_norm(model: ParallelModel, max_norm: float) -> torch.Tensor:

@@ -63,9 +63,8 @@ from xscale.train.schedule import lr_factor, saved_schedule, schedule_change, sc
 from xscale.train.spikes import LossSpikeDetector
 from xscale.train.step import (
     clip_gradient_norm,
-    evaluation_accuracy,
-    evaluation_exit_metrics,
     evaluation_loss,
+    evaluation_predictions,
     forward_backward_step,
     model_optimizer,
     optimizer_step,
@@ -297,7 +296,7 @@ class Trainer:
         if self.eval_dataset is None or len(self.eval_dataset) == 0:
             return {"eval/loss": float("nan"), **({"eval/accuracy": float("nan")} if classify else {})}
         size = self.config.train.global_batch_size
-        losses, accuracies, exit_metrics = [], [], []
+        losses, predictions = [], []
         for start in range(0, min(len(self.eval_dataset), size * self.config.train.eval_batches), size):
             indices = list(range(start, min(start + size, len(self.eval_dataset))))
             if len(indices) < size:
@@ -305,18 +304,17 @@ class Trainer:
             batch = self._load(self.eval_dataset, indices)
             losses.append(float(evaluation_loss(self.model, batch)))
             if classify:
-                accuracies.append(float(evaluation_accuracy(self.model, batch)))
-            if exits:
-                exit_metrics.append(evaluation_exit_metrics(self.model, batch))
+                predictions.append(evaluation_predictions(self.model, batch, exits))
         scalars = {"eval/loss": sum(losses) / len(losses) if losses else float("nan")}
-        for name in ("accuracy_full_depth", "mean_exit_layer") if exit_metrics else ():
-            scalars[f"eval/{name}"] = sum(metrics[name] for metrics in exit_metrics) / len(exit_metrics)
+        for name in ("accuracy_full_depth", "mean_exit_layer") if exits and predictions else ():
+            scalars[f"eval/{name}"] = sum(metrics[name] for metrics in predictions) / len(predictions)
         if self.memory is not None:
             scalars.update(stream_evaluation(self.model, lambda rows: self._load(self.eval_dataset, rows),
                                              len(self.eval_dataset), size, self.config.train.eval_batches,
                                              self.memory.length, self.step_context(), self.memory.compressed_length))
         if classify:
-            scalars["eval/accuracy"] = sum(accuracies) / len(accuracies) if accuracies else float("nan")
+            scalars["eval/accuracy"] = (sum(metrics["accuracy"] for metrics in predictions) / len(predictions)
+                                        if predictions else float("nan"))
         return scalars
 
     def step_context(self) -> StepContext:
