@@ -2,7 +2,7 @@
 (and back to YAML, :func:`config_to_yaml`).
 
 An unknown key names the closest valid key; a wrong type says what was expected. Values are then checked by
-:func:`xscale.config.check_values` (and against the registries by :mod:`xscale.validate`).
+:func:`xscale.config_values.check_values` (and against the registries by :mod:`xscale.validate`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Any, Union
 
 import yaml
 
-from xscale.config import Config, ConfigError, check_values, closest
+from xscale.config import Config, ConfigError
+from xscale.config_values import check_values, closest
 
 INT_LIMIT = 2**63
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import typing
 from pathlib import Path
 
-from xscale.config import Config, ConfigError, check_values, closest
+from xscale.config import Config, ConfigError
 from xscale.config_loading import config_from_tree, read_config, split_cli_arguments
+from xscale.config_values import check_values, closest
 from xscale.data.lra import PAD_AS_CONTENT
 from xscale.interop.hf.families import with_init_model
 from xscale.models.act import check_act_config
@@ -52,7 +53,7 @@ def check_padding_masks(config: Config) -> None:
 
 
 def validate(config: Config) -> None:
-    """Refuse configurations that cannot run: values (:func:`xscale.config.check_values`), then component names."""
+    """Refuse configurations that cannot run: values (:func:`xscale.config_values.check_values`), then component names."""
     check_values(config)
     model = config.model
     check_registered("position", model.position, "model.position")

@@ -11,7 +11,8 @@ import sys
 
 import xscale.models.zoo  # noqa: F401  (registers every component, for --components)
 from xscale.command_line import CommandParser
-from xscale.config import CHOICES, Config, ConfigError
+from xscale.config import Config, ConfigError
+from xscale.config_values import CHOICES
 from xscale.models.parameters import ModelCount, count_parameters, experts_per_token
 from xscale.models.registry import REGISTRIES
 from xscale.models.transformer import STACK_VARIANTS, stack_variants
