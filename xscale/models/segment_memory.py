@@ -10,7 +10,9 @@ relative positions (``model.position=xl``) spanning M + T. The memory m^{n-1} ho
 segment_memory`` inputs of layer n over the stream so far (SG: stop-gradient). It lives in a
 :class:`SegmentMemory` the caller owns and passes in the forward's context; layers read the previous states and
 record the new ones, which become current only when the caller calls :meth:`SegmentMemory.advance` (so a
-forward re-run by activation checkpointing reads and writes the same states).
+forward re-run by activation checkpointing reads and writes the same states). Its tensors go by
+:func:`memory_name`: a microbatch's first global batch row and the layer, so the memory saved by every rank of one
+layout can be regrouped for another (:mod:`xscale.train.memory_reshard`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,13 @@ from xscale.config import Config, ConfigError
 from xscale.models.registry import ATTENTION
 
 MEMORY_POSITIONS = ("xl",)
+COMPRESSED = "/compressed"  # the suffix of a layer's compressed memory's name
+
+
+def memory_name(first_row: int, layer: int, compressed: bool = False) -> str:
+    """The name of the memory of a microbatch (its row 0 being global batch row ``first_row``) at ``layer``: the
+    blocks' key ``(first_row, layer)`` as text, + ``/compressed`` for the compressed memory."""
+    return f"{(first_row, layer)}{COMPRESSED if compressed else ''}"
 
 
 class SegmentMemory:
@@ -51,10 +60,10 @@ class SegmentMemory:
         self.left.pop(name, None)
         if joined.shape[1] > self.length:
             self.left[name] = joined[:, :-self.length]
-        compressed = self.current.get(f"{name}/compressed")
+        compressed = self.current.get(f"{name}{COMPRESSED}")
         if compressed is None:
             return remembered
-        self.recorded[f"{name}/compressed"] = compressed.detach()  # kept unless record_compressed adds to it
+        self.recorded[f"{name}{COMPRESSED}"] = compressed.detach()  # kept unless record_compressed adds to it
         return torch.cat([compressed.detach().to(remembered.dtype), remembered], dim=1)
 
     def leaving(self, key: Any) -> torch.Tensor | None:
@@ -64,7 +73,7 @@ class SegmentMemory:
     def record_compressed(self, key: Any, compressed: torch.Tensor) -> None:
         """Append ``compressed`` (the leaving states compressed) to the compressed memory, keeping its last
         ``compressed_length``."""
-        name = f"{key}/compressed"
+        name = f"{key}{COMPRESSED}"
         previous = self.current.get(name)
         joined = compressed.detach() if previous is None else torch.cat([previous, compressed.detach()], dim=1)
         self.recorded[name] = joined[:, -self.compressed_length:]

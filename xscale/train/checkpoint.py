@@ -50,7 +50,7 @@ STEP_PREFIX = "step_"
 META = "meta.json"
 FREE_SPACE_MARGIN = 1.1  # a save needs the state's bytes plus DCP's metadata and the RNG files
 __all__ = ["Checkpointer", "CheckpointError", "VERIFY_CHOICES", "check_fingerprint", "load_per_rank",
-           "shape_fingerprint"]
+           "per_rank_file", "shape_fingerprint"]
 
 
 def _distributed() -> bool:
@@ -170,7 +170,7 @@ class Checkpointer:
             torch.save(_rng_state(), staging / "rng" / f"rank_{_rank():05d}.pt")
             for name, tensors in (per_rank or {}).items():
                 (staging / name).mkdir(exist_ok=True)
-                torch.save(tensors, staging / name / f"rank_{_rank():05d}.pt")
+                torch.save(tensors, per_rank_file(staging, name))
             if self.async_save:
                 future = dcp.async_save(state, checkpoint_id=str(staging))
                 self._pending = (future, staging, final, meta)
@@ -280,13 +280,20 @@ class Checkpointer:
         return meta
 
 
-def load_per_rank(path: str | Path, name: str) -> dict[str, torch.Tensor] | None:
-    """This rank's ``per_rank`` tensors ``name`` of a checkpoint (None if it has none), read with weights_only."""
-    file = Path(path) / name / f"rank_{_rank():05d}.pt"
+def per_rank_file(path: str | Path, name: str, rank: int | None = None) -> Path:
+    """Where rank ``rank`` (default: this one) keeps its ``per_rank`` tensors ``name`` in checkpoint ``path``."""
+    return Path(path) / name / f"rank_{_rank() if rank is None else rank:05d}.pt"
+
+
+def load_per_rank(path: str | Path, name: str, rank: int | None = None,
+                  mmap: bool = False) -> dict[str, torch.Tensor] | None:
+    """Rank ``rank``'s (default: this rank's) ``per_rank`` tensors ``name`` of a checkpoint (None if it has none),
+    read with weights_only; ``mmap``: mapped from the file, so only the parts used are read."""
+    file = per_rank_file(path, name, rank)
     if not file.is_file():
         return None
     try:
-        return torch.load(file, weights_only=True)
+        return torch.load(file, weights_only=True, mmap=mmap)
     except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
         raise CheckpointError(f"{file} is not a tensor file saved by xscale ({_first_line(error)}); it was not "
                               "loaded (weights_only=True)") from error

@@ -47,6 +47,7 @@ from xscale.runtime import StepContext
 from xscale.runtime.hooks import ReportsLayerMetrics
 from xscale.train.bf16_support import bf16_warning
 from xscale.train.checkpoint import Checkpointer, CheckpointError
+from xscale.train.memory_reshard import MemoryRows
 from xscale.train.metrics import MetricsLogger, flops_per_token, peak_memory_bytes
 from xscale.train.peak_flops import peak_flops
 from xscale.train.profiling import StepProfiler
@@ -200,7 +201,8 @@ class Trainer:
         self.checkpointer.save(self.step, self.state(), meta, per_rank)
 
     def _memory_meta(self) -> dict[str, Any]:
-        return memory_meta(self.dims.describe(), self.world_size, self.local_batch_size, self.model.micro_batch_size)
+        return memory_meta(self.config, self.dims.describe(), self.world_size, self.local_batch_size,
+                           self.model.micro_batch_size)
 
     def resume(self) -> bool:
         """Load the checkpoint named by checkpoint.resume (auto: the latest, if any); with none to resume, start from
@@ -227,7 +229,10 @@ class Trainer:
         except ValueError as error:
             raise CheckpointError(f"{path}: {error}") from error
         if self.memory is not None:
-            load_memory(self.memory, path, meta, self._memory_meta(), self.device)
+            rows = MemoryRows.of_rank(self.dp_rank, self.dp_size, self.local_batch_size,
+                                      self.model.microbatches_per_batch(self.local_batch_size))
+            if regrouped := load_memory(self.memory, path, meta, self._memory_meta(), rows, self.device):
+                self._announce(regrouped)
         if self.source_tokens is not None:
             self.source_tokens.load_state_dict(meta.get("data_tokens", {}))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
