@@ -28,6 +28,9 @@ from xscale.config import Config, ConfigError
 from xscale.models.registry import ATTENTION
 
 MEMORY_POSITIONS = ("xl", "rope")  # relative over memory and segment; xl needs a core that takes a logit bias
+# The model options that carry states from step to step (each has a layout-parity case in the zoo matrix).
+MEMORY_OPTIONS = {"segment_memory": "Transformer-XL's segment recurrence (Dai et al. 2019)",
+                  "compressed_memory": "the Compressive Transformer's compressed memory (Rae et al. 2020)"}
 
 
 class SegmentMemory:
