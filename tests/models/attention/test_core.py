@@ -10,7 +10,7 @@ from tests.models.attention.conftest import dense_reference, make_core
 from xscale.models.attention.linear import elu_feature
 from xscale.models.registry import ATTENTION
 
-MEMORY, SEGMENT = 5, 7  # M not a multiple of the block size or chunk: the padded queries cross block edges
+MEMORY, SEGMENT = 5, 8  # M + T = 13: not a multiple of the block size or chunk, the padded queries cross block edges
 
 
 def memory_qkv(heads: int = 4, head_dim: int = 16, kv_heads: int | None = None, scale: float = 1.0,
