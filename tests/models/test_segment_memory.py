@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from xscale.config import Config, ConfigError, ModelConfig
+from xscale.config import AttentionConfig, Config, ConfigError, ModelConfig
 from xscale.models.attention.core import NoOptions
 from xscale.models.attention.dense import DenseAttention
+from xscale.models.attention.linear import elu_feature
 from xscale.models.block import TransformerBlock
 from xscale.models.init import init_weights
+from xscale.models.position import RotaryPosition
 from xscale.models.positions.xl import TransformerXLPosition, relative_sinusoid
 from xscale.models.segment_memory import SegmentMemory, check_segment_memory_config
 from xscale.models.transformer import Transformer
@@ -138,9 +140,12 @@ def test_memory_keeps_the_last_m_inputs_across_short_segments():
 
 
 @pytest.mark.parametrize("change, words", [
-    ({"model": {"position": "rope"}}, "model.position=xl"),
+    ({"model": {"position": "learned"}}, "model.position=xl"),
     ({"model": {"family": "encoder", "position": "xl"}}, "model.family=decoder"),
-    ({"model": {"attention": {"kind": "linear"}}}, "cannot take the memory"),
+    ({"model": {"attention": {"kind": "nystrom"}}}, "cannot take the memory"),
+    ({"model": {"attention": {"kind": "linear"}}}, "set model.position=rope"),
+    ({"model": {"attention": {"kind": "local"}, "position": "rope", "compressed_memory": 4}},
+     "model.attention.kind=dense"),
     ({"data": {"order": "shuffled"}}, "data.order=streams"),
     ({"parallel": {"pp": 2}}, "parallel.pp"),
     ({"parallel": {"cp": 2}}, "parallel.cp"),
@@ -161,7 +166,52 @@ def test_refusals_name_what_to_change(change, words):
         check_segment_memory_config(config)
 
 
-def test_a_valid_memory_config_passes_validation():
+@pytest.mark.parametrize("position, kind", [("xl", "dense"), ("rope", "dense"), ("rope", "local"),
+                                            ("rope", "linear"), ("rope", "performer")])
+def test_a_valid_memory_config_passes_validation(position, kind):
     config = Config()
-    config.model.position, config.model.segment_memory, config.data.order = "xl", 4, "streams"
+    config.model.position, config.model.segment_memory, config.data.order = position, 4, "streams"
+    config.model.attention.kind = kind
     validate(config)
+
+
+def rotated(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """RoPE by hand (Su et al. 2021): pairs (i, i + d/2) turned by position * 10000^(-2i/d)."""
+    half = x.shape[-1] // 2
+    angles = positions[:, None].double() * 10000.0 ** (-torch.arange(half, dtype=torch.float64) / half)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    first, second = x[..., :half], x[..., half:]
+    return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+
+
+@pytest.mark.parametrize("kind", ["local", "linear"])
+def test_layer_with_memory_and_rope_matches_the_core_written_out(kind):
+    """A layer of a core without a logit bias over [SG(memory) ; segment] with RoPE: the queries rotated at positions
+    M .. M + T - 1, the keys at 0 .. M + T - 1, and (by hand) the band's softmax or the linear causal sum."""
+    memory_length, window = 4, 3
+    config = tiny(position="rope", segment_memory=memory_length,
+                  attention=AttentionConfig(kind=kind, options={"window": window, "block_size": 4, "chunk": 4}))
+    torch.manual_seed(0)
+    block = TransformerBlock(config, 0, causal=True).eval()
+    position = RotaryPosition(D, HEADS, D // HEADS, config.max_seq_len, True)
+    memory, x = torch.randn(2, memory_length, D), torch.randn(2, T, D)
+    store = SegmentMemory(memory_length)
+    store.current["(0, 0)"] = memory
+    got = block.attention(x, position, context=StepContext().with_segment_memory(store),
+                          remembered=store.exchange((0, 0), x))
+
+    attention, total = block.attention.sublayer, memory_length + T
+    whole = block.attention.norm(torch.cat([memory, x], dim=1))
+    heads = lambda t: t.view(t.shape[0], t.shape[1], HEADS, -1).transpose(1, 2)  # noqa: E731
+    q = rotated(heads(attention.wq(whole[:, -T:])), torch.arange(memory_length, total))
+    k = rotated(heads(attention.wk(whole)), torch.arange(total))
+    v = heads(attention.wv(whole))
+    back = torch.arange(memory_length, total)[:, None] - torch.arange(total)[None, :]  # (i + M) - j
+    if kind == "local":
+        logits = (q @ k.transpose(-1, -2)) * (D // HEADS) ** -0.5
+        out = torch.softmax(logits.masked_fill((back < 0) | (back > window), float("-inf")), dim=-1) @ v
+    else:
+        weights = (elu_feature(q) @ elu_feature(k).transpose(-1, -2)) * (back >= 0)
+        out = (weights @ v) / weights.sum(-1, keepdim=True)
+    expected = x + attention.wo(out.transpose(1, 2).reshape(2, T, D))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -10,21 +10,27 @@ layout-independent too).
 - MoE router: dp4 x ep2 and pp2 x dp2 x ep2 (4 processes each; one routing group of 4 sequences per microbatch,
   as the single process routes them), with the MoE metrics checked too;
 - stack variant (``STACK_VARIANTS``): the layouts it takes (those it refuses are tested in
-  tests/parallel/test_checks_stack_variants.py), with the per-step gradient norms too.
+  tests/parallel/test_checks_stack_variants.py), with the per-step gradient norms too;
+- memory option (``MEMORY_OPTIONS``): trained on streams (data.order=streams), each rank carrying the memory of its
+  own rows, with the gradient norms too: the segment memory under dp_shard2 x tp2 x ZeRO-3 with xl (dense) and with
+  RoPE over sparse and linear cores (local, linear), the compressed memory (which refuses tp) under dp_shard2 x ZeRO-3.
 
 Slow (~10 min). The fast meta-test fails when a registered component has no case here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 from parity_models import DECODER, ENCODER, assert_parity
 
 from tests.parallel.test_expert_layouts import GSHARD, HASH, SWITCH, TRAINING, assert_layouts_match
+from xscale.config import ModelConfig
 from xscale.config_values import CHOICES
 from xscale.models.registry import ATTENTION, FFN, NORM, POSITION, ROUTER
+from xscale.models.segment_memory import MEMORY_OPTIONS, MEMORY_POSITIONS
 from xscale.models.transformer import STACK_VARIANTS
 
 DROPOUT = ["model.dropout=0.1", "model.attention_dropout=0.1"]
@@ -102,6 +108,45 @@ def test_every_stack_variant_has_a_matrix_case():
 def test_stack_variant_under_the_layouts_it_takes(variant, tmp_path):
     overrides, layout = STACK_CASES[variant]
     assert_parity([*DECODER, *DROPOUT, "train.micro_batch_size=2", *overrides], [layout], tmp_path,
+                  same_grad_norms=True)
+
+
+STREAM_TEXT = "\n".join(f"Line {i}: the quick brown fox {i % 7} jumps over the lazy dog {i % 5} times."
+                        for i in range(300))
+RECURRENT = ["model.vocab_size=512", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.position=xl",
+             "model.segment_memory=16", "data.order=streams", "data.dataset=text", "data.tokenizer_vocab_size=512",
+             "data.eval_fraction=0.0", "train.global_batch_size=8", "train.seq_len=16", "train.warmup_steps=2",
+             "train.lr=3e-3", "train.micro_batch_size=2"]
+MEMORY_CASES = {
+    "segment_memory-xl-dense": ({"segment_memory": 16}, [], "dp_shard=2,tp=2,zero_stage=3"),
+    "segment_memory-rope-local-linear": (
+        {"segment_memory": 16}, ["model.position=rope", "model.attention.per_layer=[local, linear]",
+                                 "model.attention.options={window: 4, block_size: 4, chunk: 4}"],
+        "dp_shard=2,tp=2,zero_stage=3"),
+    "compressed_memory": ({"segment_memory": 8, "compressed_memory": 8},
+                          ["model.compression_rate=2"], "dp_shard=2,zero_stage=3"),
+}
+
+
+def test_every_memory_option_has_a_matrix_case():
+    """Each memory option has a case, every ``*_memory`` model field is a memory option, and the cases run both
+    positions a memory takes."""
+    covered = {option for settings, _, _ in MEMORY_CASES.values() for option in settings}
+    assert covered == set(MEMORY_OPTIONS), "memory options without a zoo-matrix case"
+    fields = {field.name for field in dataclasses.fields(ModelConfig) if field.name.endswith("_memory")}
+    assert fields <= set(MEMORY_OPTIONS), f"model fields {sorted(fields - set(MEMORY_OPTIONS))} not in MEMORY_OPTIONS"
+    positions = {"rope" if "model.position=rope" in overrides else "xl" for _, overrides, _ in MEMORY_CASES.values()}
+    assert positions == set(MEMORY_POSITIONS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(MEMORY_CASES))
+def test_memory_option_under_the_layouts_it_takes(case, tmp_path):
+    settings, overrides, layout = MEMORY_CASES[case]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(STREAM_TEXT)
+    options = [f"model.{option}={value}" for option, value in settings.items()]
+    assert_parity([*RECURRENT, *DROPOUT, *options, *overrides, f"data.path={corpus}"], [layout], tmp_path / "runs",
                   same_grad_norms=True)
 
 

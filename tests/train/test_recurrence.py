@@ -60,8 +60,13 @@ def test_memory_is_reset_when_the_streams_restart(tmp_path):
     assert losses[1] != losses[0]
 
 
-def test_evaluation_reports_the_loss_with_and_without_memory(tmp_path):
-    scalars = trainer(tmp_path, "train.steps=1", "train.eval_batches=2").evaluate()
+@pytest.mark.parametrize("core", [[], ["model.position=rope", "model.attention.kind=local",
+                                       "model.attention.options={window: 4, block_size: 4}"]],
+                         ids=["xl-dense", "rope-local"])
+def test_evaluation_reports_the_loss_with_and_without_memory(tmp_path, core):
+    """The memory reaches the loss, for a core without a logit bias too (RoPE over [memory ; segment]: relative, so
+    the band's loss would not change if the remembered keys were dropped)."""
+    scalars = trainer(tmp_path, "train.steps=1", "train.eval_batches=2", *core).evaluate()
     assert set(scalars) >= {"eval/loss", "eval/loss_memory", "eval/loss_no_memory"}
     assert scalars["eval/loss_memory"] != scalars["eval/loss_no_memory"]
 

@@ -167,9 +167,12 @@ class RotaryPosition(PositionEncoding):
             cos, sin = self._cos_sin(context.sequence_length(q.shape[-2]), q.device)
             cos, sin = cos[positions], sin[positions]
             return apply_rope(q, cos, sin, self.kernels), apply_rope(k, cos, sin, self.kernels)
-        cos, sin = self._cos_sin(max(q.shape[-2], k.shape[-2]), q.device)
+        # More keys than queries (a segment memory's keys first): the queries are the last of the keys' positions,
+        # so q_i . k_j still depends on their distance only.
         q_len, k_len = q.shape[-2], k.shape[-2]
-        return (apply_rope(q, cos[:q_len], sin[:q_len], self.kernels),
+        cos, sin = self._cos_sin(max(q_len, k_len), q.device)
+        first = max(k_len - q_len, 0)
+        return (apply_rope(q, cos[first:first + q_len], sin[first:first + q_len], self.kernels),
                 apply_rope(k, cos[:k_len], sin[:k_len], self.kernels))
 
 

@@ -5,8 +5,13 @@ Layer n of segment tau attends over its own inputs and the remembered inputs of 
     h~_tau^{n-1} = [SG(m_tau^{n-1}) ; h_tau^{n-1}]
     q = h_tau^{n-1} W_q,   k = h~_tau^{n-1} W_k,   v = h~_tau^{n-1} W_v
 
-with the causal mask shifted by M (query i sees every remembered state and the segment's keys up to i) and the
-relative positions (``model.position=xl``) spanning M + T. The memory m^{n-1} holds the last M = ``model.
+with the causal mask shifted by M (query i sees every remembered state and the segment's keys up to i) and
+relative positions spanning M + T: Transformer-XL's (``model.position=xl``, sec. 3.3), whose terms enter the scores
+as a logit bias, so only for a core that takes one (dense), or RoPE's rotations (``model.position=rope``) over the
+[memory ; segment] positions, the queries at the last T, for every core that takes the memory (dense, local,
+dilated, linear, performer, rfa: the sparse patterns over the joined positions, the linear cores with the memory a
+prefix of their causal sums). Absolute positions would give a remembered state and the segment's state at the same
+index the same position (sec. 3.3's "temporal confusion"), so they are refused. The memory m^{n-1} holds the last M = ``model.
 segment_memory`` inputs of layer n over the stream so far (SG: stop-gradient). It lives in a
 :class:`SegmentMemory` the caller owns and passes in the forward's context; layers read the previous states and
 record the new ones, which become current only when the caller calls :meth:`SegmentMemory.advance` (so a
@@ -24,7 +29,10 @@ import torch
 from xscale.config import Config, ConfigError
 from xscale.models.registry import ATTENTION
 
-MEMORY_POSITIONS = ("xl",)
+MEMORY_POSITIONS = ("xl", "rope")  # relative over memory and segment; xl needs a core that takes a logit bias
+# The model options that carry states from step to step (each has a layout-parity case in the zoo matrix).
+MEMORY_OPTIONS = {"segment_memory": "Transformer-XL's segment recurrence (Dai et al. 2019)",
+                  "compressed_memory": "the Compressive Transformer's compressed memory (Rae et al. 2020)"}
 COMPRESSED = "/compressed"  # the suffix of a layer's compressed memory's name
 
 
@@ -106,12 +114,9 @@ def check_segment_memory_config(config: Config) -> None:
         raise ConfigError(f"{where} serves model.family=decoder (a causal stream); set model.segment_memory=0")
     if model.position not in MEMORY_POSITIONS:
         raise ConfigError(f"{where} needs relative positions that span memory and segment: set model.position=xl "
-                          f"(model.position={model.position} is not supported with a memory)")
-    for kind in dict.fromkeys(model.attention.per_layer or [model.attention.kind]):
-        if kind in ATTENTION.names() and not ATTENTION.get(kind).attends_to_memory:
-            able = [name for name in ATTENTION.names() if ATTENTION.get(name).attends_to_memory]
-            raise ConfigError(f"{where}: attention '{kind}' cannot take the memory as extra keys; use one of "
-                              f"{', '.join(able)}")
+                          f"(Transformer-XL's, dense attention) or rope (model.position={model.position} is not "
+                          "supported with a memory)")
+    check_memory_cores(config)
     for option, reason in (("share_layers", "one block at every depth"), ("reversible", "reversible residuals"),
                            ("act", "adaptive computation")):
         if getattr(model, option):
@@ -131,6 +136,28 @@ def check_segment_memory_config(config: Config) -> None:
     if parallel.sequence_parallel:
         raise ConfigError(f"{where} is not supported with parallel.sequence_parallel=true (the residual stream "
                           "the memory keeps is split over the tp ranks); set it to false")
+
+
+def check_memory_cores(config: Config) -> None:
+    """Every layer's core must take the memory as extra keys, and the position's relative term."""
+    model = config.model
+    where = f"model.segment_memory={model.segment_memory}"
+    for kind in dict.fromkeys(model.attention.per_layer or [model.attention.kind]):
+        if kind not in ATTENTION.names():
+            continue
+        core = ATTENTION.get(kind)
+        if not core.attends_to_memory:
+            able = [name for name in ATTENTION.names() if ATTENTION.get(name).attends_to_memory]
+            raise ConfigError(f"{where}: attention '{kind}' cannot take the memory as extra keys; use one of "
+                              f"{', '.join(able)}")
+        if model.position == "xl" and not core.supports_bias:
+            raise ConfigError(f"{where}: attention '{kind}' cannot add Transformer-XL's relative terms (a logit "
+                              "bias) to its scores; set model.position=rope (relative by rotation over memory and "
+                              "segment) or use model.attention.kind=dense")
+        if model.compressed_memory and core is not ATTENTION.get("dense"):
+            raise ConfigError(f"model.compressed_memory={model.compressed_memory}: its attention-reconstruction loss "
+                              f"is softmax attention (Rae et al. 2020, eq. 2), attention '{kind}' is not; use "
+                              "model.attention.kind=dense")
 
 
 def check_compressed_memory(config: Config) -> None:

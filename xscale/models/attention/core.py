@@ -17,6 +17,7 @@ the scores travel from block to block beside the hidden state (:class:`xscale.mo
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -49,7 +50,9 @@ class AttentionCore(nn.Module):
     shares_qk: ClassVar[bool] = False  # keys are the queries (Reformer)
     mixes_heads: ClassVar[bool] = False  # heads exchange information: tensor parallelism must refuse it
     carries_scores: ClassVar[bool] = False  # takes and returns pre-softmax scores across layers (RealFormer)
-    # Takes more keys than queries, the queries the last Tq, causal mask in ``bias`` (Transformer-XL's memory).
+    # Takes more keys than queries, the queries the last Tq (Transformer-XL's memory): a ``supports_bias`` core gets
+    # the shifted causal mask in ``bias`` (causal=False), any other ``causal=True`` and aligns the queries at the end
+    # itself (:func:`causal_over_longer_keys`).
     attends_to_memory: ClassVar[bool] = False
     exposes_probabilities: ClassVar[bool] = False  # has ``probabilities`` (for a position's value term: Shaw)
     per_head_state: ClassVar[tuple[str, ...]] = ()  # parameters/buffers whose dim 0 is the head (TP slices them)
@@ -107,6 +110,20 @@ def check_padding_mask(core: AttentionCore) -> None:
 def padding_mask_kinds() -> list[str]:
     """The registered attention kinds whose cores take a key-padding mask."""
     return [name for name in ATTENTION.names() if ATTENTION.get(name).takes_padding_mask]
+
+
+def causal_over_longer_keys(attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal ``attend`` when the Tq queries are the last Tq of Tk >= Tq keys (a segment memory's keys first, Dai et
+    al. 2019, sec. 3.2): the queries padded in front with Tk - Tq zero rows, ``attend`` run causally over the Tk
+    positions, the padded rows' outputs dropped. Query i then sees key j when j <= i + Tk - Tq, every remembered key
+    included, whatever else the core's pattern or kernel restricts."""
+    extra = k.shape[2] - q.shape[2]
+    if extra < 0:
+        raise ValueError(f"causal attention over {k.shape[2]} keys cannot place {q.shape[2]} queries at their end")
+    if extra == 0:
+        return attend(q, k, v)
+    return attend(F.pad(q, (0, 0, extra, 0)), k, v)[:, :, extra:]
 
 
 def expand_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from xscale.models.attention.core import AttentionCore, expand_kv
-from xscale.models.attention.sparse import require, require_positive
+from xscale.models.attention.core import AttentionCore, causal_over_longer_keys, expand_kv
+from xscale.models.attention.sparse import require_positive
 from xscale.models.registry import ATTENTION
 from xscale.models.traits import ParallelTraits
 from xscale.runtime import StepContext
@@ -148,15 +148,20 @@ class LinearOptions:
 
 @ATTENTION.register("linear")
 class LinearAttention(AttentionCore):
-    """phi(x) = elu(x) + 1 (Katharopoulos et al. 2020)."""
+    """phi(x) = elu(x) + 1 (Katharopoulos et al. 2020). Causal with more keys than queries (a segment memory):
+    the remembered keys and values are a prefix every query sums over, S_i = sum_{j <= M + i} phi(k_j) v_j^T."""
 
     Options = LinearOptions
     parallel_traits = ParallelTraits(tp="split_heads")
+    attends_to_memory = True
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None, context: StepContext | None = None) -> Tensor:
-        require(q.shape[2] == k.shape[2] or not causal, "causal linear attention needs equal query and key lengths")
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
-        return kernel_attention(q, k, v, elu_feature, elu_feature, causal=causal, chunk=self.options.chunk)
+        chunk = self.options.chunk
+        if not causal:
+            return kernel_attention(q, k, v, elu_feature, elu_feature, causal=False, chunk=chunk)
+        return causal_over_longer_keys(
+            lambda q, k, v: kernel_attention(q, k, v, elu_feature, elu_feature, causal=True, chunk=chunk), q, k, v)
 
 
 def elu_feature(x: Tensor) -> Tensor:

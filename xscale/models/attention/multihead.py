@@ -80,7 +80,7 @@ class Attention(nn.Module):
             bias = self._with_padding(bias, source, context.padding_mask, v.dtype)
         causal = self.causal
         if remembered is not None:
-            bias, causal = self._shift_causal_mask(q, k, bias, context), False
+            bias, causal = self._shift_causal_mask(q, k, bias, context)
         if context is not None and context.kv_cache is not None and not self.cross:
             k, v, bias = self._extend_from_cache(q, k, v, bias, context)
             causal = False  # now in the bias, over global positions
@@ -108,16 +108,17 @@ class Attention(nn.Module):
         return keys if bias is None else bias + keys
 
     def _shift_causal_mask(self, q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None,
-                           context: StepContext | None) -> torch.Tensor | None:
-        """``bias`` plus the causal mask of queries that follow M remembered keys: query i sees keys j <= i + M."""
+                           context: StepContext | None) -> tuple[torch.Tensor | None, bool]:
+        """(bias, causal) for queries that follow M remembered keys, query i seeing keys j <= i + M: the mask added
+        to ``bias`` for a core that takes one, else left to the core (causal, queries aligned at the keys' end)."""
         if not self.core.attends_to_memory:
             raise ValueError(f"attention core {type(self.core).__name__} cannot take a segment memory as extra keys")
         if context is not None and context.kv_cache is not None:
             raise ValueError("a segment memory and a KV cache do not combine; decode without the memory")
-        if not self.causal:
-            return bias
+        if not self.causal or not self.core.supports_bias:
+            return bias, self.causal
         mask = causal_bias(q.shape[2], k.shape[2], q.device, q.dtype)
-        return mask if bias is None else bias + mask
+        return (mask if bias is None else bias + mask), False
 
     def _extend_from_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
                            context: StepContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

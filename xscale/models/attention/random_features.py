@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from xscale.config import ModelConfig
-from xscale.models.attention.core import AttentionCore, expand_kv
+from xscale.models.attention.core import AttentionCore, causal_over_longer_keys, expand_kv
 from xscale.models.attention.linear import kernel_attention
 from xscale.models.attention.sparse import layer_seed, require, require_non_negative, require_positive
 from xscale.models.registry import ATTENTION
@@ -39,9 +39,11 @@ def gaussian_projection(n_features: int, dim: int, generator: torch.Generator, o
 
 
 class RandomFeatureAttention(AttentionCore):
-    """Holds the projection buffer and its redraw schedule; subclasses define ``features``."""
+    """Holds the projection buffer and its redraw schedule; subclasses define ``features``. Causal with a segment
+    memory: the remembered keys are a prefix of the running sums, as in :class:`LinearAttention`."""
 
     parallel_traits = ParallelTraits(tp="split_heads")
+    attends_to_memory = True
 
     def __init__(self, model: ModelConfig, layer_index: int, options) -> None:
         super().__init__(model, layer_index, options)
@@ -80,11 +82,15 @@ class RandomFeatureAttention(AttentionCore):
         raise NotImplementedError
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None, context: StepContext | None = None) -> Tensor:
-        require(q.shape[2] == k.shape[2] or not causal, "causal random-feature attention needs equal lengths")
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
         dtype = torch.promote_types(q.dtype, torch.float32)
-        out = kernel_attention(q.to(dtype), k.to(dtype), v.to(dtype), lambda x: self.features(x, True, causal),
-                               lambda x: self.features(x, False, causal), causal=causal, chunk=self.options.chunk)
+
+        def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return kernel_attention(q, k, v, lambda x: self.features(x, True, causal),
+                                    lambda x: self.features(x, False, causal), causal=causal, chunk=self.options.chunk)
+
+        q32, k32, v32 = q.to(dtype), k.to(dtype), v.to(dtype)
+        out = causal_over_longer_keys(attend, q32, k32, v32) if causal else attend(q32, k32, v32)
         return out.to(q.dtype)
 
 

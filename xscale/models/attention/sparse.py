@@ -16,7 +16,7 @@ from torch import Tensor
 from xscale.config import ConfigError, ModelConfig
 from xscale.models.attention import patterns as P
 from xscale.models.attention.block_sparse import BlockPlan, block_sparse_attention, build_plan
-from xscale.models.attention.core import AttentionCore
+from xscale.models.attention.core import AttentionCore, causal_over_longer_keys
 from xscale.models.registry import ATTENTION
 from xscale.models.traits import ParallelTraits
 from xscale.runtime import StepContext
@@ -62,12 +62,16 @@ class PatternAttention(AttentionCore):
         return self._plans[key]
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None, context: StepContext | None = None) -> Tensor:
-        if q.shape[2] != k.shape[2]:
+        if q.shape[2] != k.shape[2] and not (causal and self.attends_to_memory):
             raise ValueError(f"position-sparse attention is self-attention: query length {q.shape[2]} "
                              f"!= key length {k.shape[2]}")
-        plan = self.plan(q.shape[2], causal, q.shape[1], k.shape[1], q.device, q.dtype)
-        return block_sparse_attention(q, k, v, plan, self.options.block_size, dropout=self.dropout,
-                                      context=context)
+
+        def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            plan = self.plan(q.shape[2], causal, q.shape[1], k.shape[1], q.device, q.dtype)
+            return block_sparse_attention(q, k, v, plan, self.options.block_size, dropout=self.dropout,
+                                          context=context)
+
+        return causal_over_longer_keys(attend, q, k, v) if causal else attend(q, k, v)
 
 
 @dataclasses.dataclass
@@ -81,9 +85,11 @@ class LocalOptions:
 
 @ATTENTION.register("local", "band", "sliding_window")
 class LocalAttention(PatternAttention):
-    """Keys within ``window`` positions of the query (causal: the ``window`` before it)."""
+    """Keys within ``window`` positions of the query (causal: the ``window`` before it; with a segment memory the
+    window reaches back into the remembered keys, positions counted over [memory ; segment])."""
 
     Options = LocalOptions
+    attends_to_memory = True
 
     def make_pattern(self) -> P.Pattern:
         return P.Band(self.options.window)
@@ -122,9 +128,11 @@ class DilatedOptions:
 
 @ATTENTION.register("dilated")
 class DilatedAttention(PatternAttention):
-    """``window`` keys each side spaced ``dilation`` apart (Longformer's dilated window)."""
+    """``window`` keys each side spaced ``dilation`` apart (Longformer's dilated window; with a segment memory it
+    reaches back into the remembered keys like ``local``)."""
 
     Options = DilatedOptions
+    attends_to_memory = True
 
     def make_pattern(self) -> P.Pattern:
         return P.Dilated(self.options.window, self.options.dilation)
