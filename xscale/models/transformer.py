@@ -85,7 +85,8 @@ class Stack(nn.Module):
             config.position, config.d_model, config.n_heads, config.head_dim, config.max_seq_len, causal,
             config.rope_theta)
         uses_bias = self.position.biases_logits or self.position.biases_from_content
-        built = 1 if config.share_layers else n_layers
+        # A funnel's decoder blocks come after the n_layers it pools between (:mod:`xscale.models.funnel`).
+        built = 1 if config.share_layers else n_layers + (self.funnel.decoder_layers if self.funnel is not None else 0)
         self.layers = nn.ModuleDict({
             str(i): TransformerBlock(config, first_index + i, causal=causal, cross=cross, uses_bias=uses_bias,
                                      mixes_values=self.position.mixes_values)
