@@ -94,8 +94,9 @@ def _padded_batch(rows: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, mask
 
 
-@pytest.mark.parametrize("entropy,patience,options", [(0.6, 0, {}), (0.0, 1, {}), (0.0, 2, {}),
-                                                      (0.6, 0, {"share_layers": True, "norm_placement": "post"})])
+@pytest.mark.parametrize("entropy,patience,options", [
+    (0.6, 0, {}), (0.0, 1, {"n_layers": 6}), (0.0, 2, {"n_layers": 6}),
+    (0.6, 0, {"share_layers": True, "norm_placement": "post"})])
 def test_stopping_at_the_exits_gives_the_every_exit_predictions_and_layers(entropy, patience, options):
     model = _confident_model(**options)
     model.exits.entropy, model.exits.patience = entropy, patience
