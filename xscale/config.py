@@ -88,6 +88,7 @@ class ModelConfig:
     act_threshold: float = 0.99  # ACT halts a position once its summed halting probability reaches 1 - eps = this
     ponder_cost: float = 0.01  # ACT's tau: weight of the ponder cost N(t) + R(t) (mean over positions) in the loss
     funnel: list[int] = field(default_factory=list)  # Funnel-Transformer block groups, e.g. [2, 2]; [] off
+    funnel_decoder_layers: int = 2  # funnel MLM: full-length blocks on h^(1) + Up(h^(G)) (sec. 2.3); 0: none
     early_exit: bool = False  # classify: an exit classifier after every layer, trained jointly (DeeBERT / PABEE)
     exit_entropy: float = 0.1  # early exit: leave at the first layer whose prediction entropy (nats) is below this
     exit_patience: int = 0  # early exit: > 0: leave once the prediction held for this many layers (PABEE) instead

@@ -240,6 +240,7 @@ RANGES: dict[str, tuple[str, typing.Callable[[float], bool]]] = {
     "model.ponder_cost": (">= 0 (0: no ponder cost)", _non_negative),
     "model.num_classes": (">= 0 (0: no classification head)", _non_negative),
     **{f"model.{name}": ("positive", _positive) for name in ("image_size", "image_channels", "patch_size")},
+    "model.funnel_decoder_layers": ("in [0, 64] (0: no decoder blocks)", lambda value: 0 <= value <= 64),
     "model.exit_entropy": (">= 0 (0: no early exit)", _non_negative),
     "model.exit_patience": (">= 0 (0: the entropy rule)", _non_negative),
     "model.segment_memory": (">= 0 (0: no memory)", _non_negative),

@@ -1,17 +1,18 @@
 """Funnel-Transformer (xscale/models/funnel.py): pooling and up-sampling against loops written here, pooled queries
-over unpooled keys, padding that changes no class logit, full-length MLM logits, a tiny classifier that learns, the
-options refused, and (slow) ZeRO-3 data parallelism at one-process parity."""
+over unpooled keys and the decoder blocks against the equations run by hand, the decoder blocks counted, padding
+that changes no class logit, full-length MLM logits, a tiny classifier that learns, the options refused, and (slow)
+ZeRO-3 data parallelism at one-process parity."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from xscale.config import ConfigError, ModelConfig
+from xscale.config import Config, ConfigError, ModelConfig
 from xscale.models import build_model
 from xscale.models.funnel import pool_sequence, upsample
+from xscale.models.parameters import count_parameters
 from xscale.parallel.checks import resolve_dims
 from xscale.parallel.loss import model_loss_sum
-from xscale.runtime import StepContext
 from xscale.validate import load_config_from_cli
 
 VOCAB = 40
@@ -62,25 +63,72 @@ def test_upsampling_repeats_each_pooled_row():
     torch.testing.assert_close(kept, pooled[:, [0, 1, 1, 2, 2]])
 
 
-def test_the_funnel_forward_matches_the_papers_equations_written_out():
+def _attention_by_hand(attention: torch.nn.Module, queries: torch.Tensor, keys: torch.Tensor,
+                       mask: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(Q K^T / sqrt(d_h)) V over 2 heads of 8, then W_o; ``mask`` (B, T_k): no padded key."""
+    batch, heads = queries.shape[0], 2
+    q = attention.wq(queries).view(batch, -1, heads, 8).transpose(1, 2)
+    k = attention.wk(keys).view(batch, -1, heads, 8).transpose(1, 2)
+    v = attention.wv(keys).view(batch, -1, heads, 8).transpose(1, 2)
+    scores = q @ k.transpose(-1, -2) / 8**0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    heads_out = F.softmax(scores, dim=-1) @ v
+    return attention.wo(heads_out.transpose(1, 2).reshape(batch, -1, 16))
+
+
+def _layer_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return F.layer_norm(x, (16,), norm.weight, norm.bias, norm.eps)
+
+
+def _post_norm_block_by_hand(block: torch.nn.Module, x: torch.Tensor, keys: torch.Tensor,
+                             mask: torch.Tensor | None = None) -> torch.Tensor:
+    """LayerNorm(x + Attn(Q = x, KV = keys)), then LayerNorm(. + W_out gelu(W_in .)) (post-norm, gelu FFN)."""
+    attended = _layer_norm(block.attention.norm, x + _attention_by_hand(block.attention.sublayer, x, keys, mask))
+    ffn = block.feed_forward.sublayer
+    return _layer_norm(block.feed_forward.norm, attended + ffn.w_out(F.gelu(ffn.w_in(attended))))
+
+
+@pytest.mark.parametrize("decoder_layers", [0, 2])
+def test_the_funnel_forward_matches_the_papers_equations_written_out(decoder_layers):
     """Two groups of one post-norm block (the paper's placement): h = block_1(x); h' = Pool(h);
-    h'' = FFN(LayerNorm(h' + Attn(Q = h', KV = h))); the MLM head reads h + Up(h'')."""
-    model = _model(num_classes=0, funnel=(1, 1), norm_placement="post")
+    h'' = FFN(LayerNorm(h' + Attn(Q = h', KV = h))); g = h + Up(h''); then the decoder blocks on g, full length
+    (sec. 2.3), which the MLM head reads; the padded keys taken by none of the attentions."""
+    model = _model(num_classes=0, funnel=(1, 1), norm_placement="post", norm="layernorm", ffn="gelu",
+                   funnel_decoder_layers=decoder_layers)
     tokens = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
-    stack, context = model.stack, StepContext()
-    block0, block1 = stack.blocks()
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    mask[1, 5:] = False  # a window half real, half padding: Pool reads row 4 alone
+    blocks = list(model.stack.layers.values())
+    assert len(blocks) == 2 + decoder_layers
     with torch.no_grad():
-        h = block0(stack.position.embed(model.embedding(tokens), context), stack.position, context=context)
-        pooled = (h[:, 0::2] + h[:, 1::2]) / 2
-        attention = block1.attention.sublayer
-        q = attention.wq(pooled).view(2, 4, 2, 8).transpose(1, 2)
-        k = attention.wk(h).view(2, 8, 2, 8).transpose(1, 2)
-        v = attention.wv(h).view(2, 8, 2, 8).transpose(1, 2)
-        heads = F.softmax(q @ k.transpose(-1, -2) / 8**0.5, dim=-1) @ v
-        attended = block1.attention.norm(pooled + attention.wo(heads.transpose(1, 2).reshape(2, 4, 16)))
-        top = block1.feed_forward(attended, context=context)
+        x = model.embedding(tokens) + model.stack.position.weight[:8]
+        h = _post_norm_block_by_hand(blocks[0], x, x, mask)
+        weights = mask.float().view(2, 4, 2, 1)
+        pooled = (h.view(2, 4, 2, 16) * weights).sum(dim=2) / weights.sum(dim=2).clamp_min(1)
+        top = _post_norm_block_by_hand(blocks[1], pooled, h, mask)
         expected = h + top.repeat_interleave(2, dim=1)
-        torch.testing.assert_close(model(tokens, project=False), expected, rtol=1e-5, atol=1e-5)
+        for block in blocks[2:]:
+            expected = _post_norm_block_by_hand(block, expected, expected, mask)
+        got = model(tokens, project=False, padding_mask=mask)
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1, :5], expected[1, :5], rtol=1e-5, atol=1e-5)  # the real tokens
+
+
+def test_decoder_blocks_are_extra_to_n_layers_and_only_for_token_level_outputs():
+    """funnel [1, 1] with 2 decoder blocks: n_layers stays 2 (the pooled groups'), the stack holds 4 blocks for
+    MLM, 2 for a classifier (it reads the pooled states); the parameter count holds the decoder's blocks."""
+    def count(**options) -> int:
+        config = Config(model=ModelConfig(family="encoder", vocab_size=VOCAB, d_model=16, n_layers=2, n_heads=2,
+                                          max_seq_len=16, position="learned", funnel=[1, 1], **options))
+        return count_parameters(config).total
+
+    assert len(_model(num_classes=0, funnel=(1, 1)).stack.layers) == 4
+    assert len(_model(num_classes=0, funnel=(1, 1), funnel_decoder_layers=0).stack.layers) == 2
+    assert len(_model(num_classes=3, funnel=(1, 1)).stack.layers) == 2
+    block = sum(p.numel() for p in _model(num_classes=0, funnel=(1, 1)).stack.layers["2"].parameters())
+    assert count() - count(funnel_decoder_layers=0) == 2 * block
+    assert count(num_classes=3, funnel_decoder_layers=2) == count(num_classes=3, funnel_decoder_layers=0)
 
 
 @pytest.mark.parametrize("pooling", ["cls", "mean"])

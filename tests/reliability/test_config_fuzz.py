@@ -40,6 +40,7 @@ VALID = {
     ("model.moe.num_experts", "zero"): "no experts: a dense FFN (the default)",
     ("model.moe.min_capacity", "zero"): "no floor under the expert capacity",
     ("model.num_classes", "zero"): "no classification head (train.task=classify takes the count from the labels)",
+    ("model.funnel_decoder_layers", "zero"): "a funnel without decoder blocks: h^(1) + Up(h^(G)) straight to the head",
     ("model.exit_entropy", "zero"): "early exit: no example leaves before the last layer",
     ("model.exit_patience", "zero"): "early exit: the entropy rule instead of PABEE's patience",
     ("model.exit_entropy", "huge"): "early exit: every example leaves at the first layer",

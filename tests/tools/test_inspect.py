@@ -142,3 +142,23 @@ def test_components_lists_patch_inputs_and_the_bart_objective(capsys):
 def test_inspect_names_the_segment_memory(capsys):
     assert main(["inspect", *TINY, "model.position=xl", "model.segment_memory=32", "data.order=streams"]) == 0
     assert "position xl, segment memory 32 (Transformer-XL), stack plain" in capsys.readouterr().out
+
+
+def test_inspect_counts_the_funnel_decoder_blocks(capsys):
+    """An MLM funnel's 2 decoder blocks (sec. 2.3) are named, and their parameters and FLOPs counted: each block
+    4 d^2 attention + 3 d * 128 SwiGLU + 2 d RMSNorm weights at d = 32; FLOPs 6 N + 12 * 2 * T * d more."""
+    funnel = [*TINY, "model.family=encoder", "model.position=learned", "model.funnel=[1,1]"]
+
+    def parameters_and_flops(*overrides: str) -> tuple[int, float]:
+        assert main(["inspect", *funnel, *overrides]) == 0
+        out = capsys.readouterr().out
+        total = next(line for line in out.splitlines() if line.startswith("parameters:")).split()[1]
+        flops = next(line for line in out.splitlines() if line.startswith("training FLOPs per token:")).split()[4]
+        assert ("2 layers + 2 funnel decoder blocks," in out) == (not overrides)
+        return int(total.replace(",", "")), float(flops)
+
+    (with_decoder, flops), (without, flops_without) = parameters_and_flops(), parameters_and_flops(
+        "model.funnel_decoder_layers=0")
+    block = 4 * 32 * 32 + 3 * 32 * 128 + 2 * 32
+    assert with_decoder - without == 2 * block
+    assert flops - flops_without == pytest.approx(6 * 2 * block + 12 * 2 * 32 * 32, rel=1e-3)

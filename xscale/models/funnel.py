@@ -11,10 +11,16 @@ the pooled sequence. The padding mask is pooled with it: a pooled position is re
 (m'_j = m_{2j} or m_{2j+1}), and the mean reads the real rows only, so padding never enters a pooled state.
 With ``model.pooling=cls`` (a classifier), the class token at position 0 is never pooled (sec. 2.2: "[cls]" kept).
 
-Token-level outputs (the MLM objective; sec. 2.3's decoder, without its extra blocks): the last group's states
-are up-sampled by repetition to the full length and added to the first group's output (the last full-length
-layer's), g = h^(1) + Up(h^(G)), Up(h)_i = h_{floor(i / 2^(G-1))}, before the LM head. A classifier reads the
-pooled states of the last group (no up-sampling).
+Token-level outputs (the MLM objective; sec. 2.3's decoder): the last group's states are up-sampled by repetition
+to the full length and added to the first group's output (the last full-length layer's),
+
+    g = h^(1) + Up(h^(G)),  Up(h)_i = h_{floor(i / 2^(G-1))},
+
+then ``model.funnel_decoder_layers`` full-length Transformer blocks (the paper's 2; 0: none) run on g before the LM
+head. They are extra blocks: ``model.n_layers`` = sum n_g counts the encoder's blocks only (the paper's "B6-6-6"
+names those too), and they sit in the stack's ``layers`` after them (``stack.layers.<n_layers + i>``), so ZeRO-3,
+activation checkpointing and the parameter counts treat them as any block. A classifier reads the pooled states
+of the last group (no up-sampling) and has no decoder blocks.
 
 The positions must be added to the input (learned, sinusoidal or none) and the attention must take queries of
 another length than its keys (the dense core): :func:`check_funnel_config` refuses the rest.
@@ -60,6 +66,12 @@ def check_funnel_config(model: ModelConfig) -> None:
             raise ConfigError(f"model.funnel and model.{option}=true do not combine; set one of them off")
 
 
+def funnel_decoder_blocks(model: ModelConfig) -> int:
+    """The full-length blocks a funnel runs after up-sampling (sec. 2.3): ``model.funnel_decoder_layers`` for
+    token-level outputs; none for a classifier (it reads the pooled states) or without a funnel."""
+    return model.funnel_decoder_layers if model.funnel and model.num_classes == 0 else 0
+
+
 def pool_mask(mask: torch.Tensor, keep_first: bool) -> torch.Tensor:
     """(B, T) bool -> (B, 1 + ceil((T-1)/2)) or (B, ceil(T/2)): a pooled position is real if any of its window is."""
     head, body = (mask[:, :1], mask[:, 1:]) if keep_first else (mask[:, :0], mask)
@@ -92,13 +104,15 @@ def upsample(pooled: torch.Tensor, length: int, factor: int, keep_first: bool) -
 
 
 class Funnel(nn.Module):
-    """Runs a stack's blocks in ``model.funnel`` groups with pooling between them (module docstring)."""
+    """Runs a stack's blocks in ``model.funnel`` groups with pooling between them, then (token-level outputs) the
+    up-sampling and the decoder blocks (module docstring)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.groups = list(config.funnel)
         self.keep_first = config.num_classes > 0 and config.pooling == "cls"
         self.upsamples = config.num_classes == 0  # token-level outputs (MLM) need the full length back
+        self.decoder_layers = funnel_decoder_blocks(config)
 
     def output_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
         """The padding mask of the funnel's output (pooled once per group after the first, unless up-sampled)."""
@@ -110,6 +124,8 @@ class Funnel(nn.Module):
 
     def forward(self, x: torch.Tensor, blocks: list[nn.Module], position: PositionEncoding | None,
                 context: StepContext) -> torch.Tensor:
+        """``blocks``: the groups' sum n_g blocks in order, then the ``decoder_layers`` decoder blocks."""
+        full_length = context  # the decoder blocks read the unpooled padding mask
         depth = 0
         first_group_output = x
         for group, size in enumerate(self.groups):
@@ -129,4 +145,7 @@ class Funnel(nn.Module):
         if not self.upsamples:
             return x
         factor = STRIDE ** (len(self.groups) - 1)
-        return first_group_output + upsample(x, first_group_output.shape[1], factor, self.keep_first)
+        x = first_group_output + upsample(x, first_group_output.shape[1], factor, self.keep_first)
+        for block in blocks[depth:depth + self.decoder_layers]:
+            x = block(x, position, context=full_length)
+        return x

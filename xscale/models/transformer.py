@@ -23,7 +23,7 @@ from xscale.models.act import AdaptiveComputationTime
 from xscale.models.block import PRE_NORM_PLACEMENTS, TransformerBlock
 from xscale.models.classifier import ClassificationHead
 from xscale.models.dropout import Dropout, name_dropout_sites
-from xscale.models.early_exit import LayerExits
+from xscale.models.early_exit import LayerExits, run_until_exit
 from xscale.models.funnel import Funnel
 from xscale.models.norm import build_norm
 from xscale.models.patch_embedding import PatchEmbedding
@@ -85,7 +85,8 @@ class Stack(nn.Module):
             config.position, config.d_model, config.n_heads, config.head_dim, config.max_seq_len, causal,
             config.rope_theta)
         uses_bias = self.position.biases_logits or self.position.biases_from_content
-        built = 1 if config.share_layers else n_layers
+        # A funnel's decoder blocks come after the n_layers it pools between (:mod:`xscale.models.funnel`).
+        built = 1 if config.share_layers else n_layers + (self.funnel.decoder_layers if self.funnel is not None else 0)
         self.layers = nn.ModuleDict({
             str(i): TransformerBlock(config, first_index + i, causal=causal, cross=cross, uses_bias=uses_bias,
                                      mixes_values=self.position.mixes_values)
@@ -152,15 +153,24 @@ class Stack(nn.Module):
             return self.act(x, lambda h, depth: block(h, position, memory, context=context.at_depth(depth)),
                             len(self.depths)), scores
         for depth, block in zip(self.depths, self.blocks()):
-            block_context = context.at_depth(depth) if self.share_layers else context
-            if block.carries_scores:
-                x, scores = block(x, position, memory, scores=scores, context=block_context)
-            else:
-                x = block(x, position, memory, context=block_context)
+            x, scores = self._run_block(depth, block, x, position, memory, scores, context)
             if layer_states is not None:
                 layer_states.append(x)
         return x, scores
 
+    def run_depth(self, depth: int, x: torch.Tensor, scores: torch.Tensor | None,
+                  context: StepContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Block ``depth`` alone, as the plain loop runs it, in a whole stack (realised early exit runs the stack
+        layer by layer on fewer and fewer rows)."""
+        return self._run_block(depth, self.blocks()[depth], x, self.position, None, scores, context)
+
+    def _run_block(self, depth: int, block: nn.Module, x: torch.Tensor, position: PositionEncoding | None,
+                   memory: torch.Tensor | None, scores: torch.Tensor | None,
+                   context: StepContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+        block_context = context.at_depth(depth) if self.share_layers else context
+        if block.carries_scores:
+            return block(x, position, memory, scores=scores, context=block_context)
+        return block(x, position, memory, context=block_context), scores
 
     def _reversible(self, x: torch.Tensor, position: PositionEncoding | None, context: StepContext) -> torch.Tensor:
         """The held blocks as reversible residuals: F = the attention branch, G = the feed-forward branch."""
@@ -276,9 +286,36 @@ class Transformer(nn.Module):
             outputs = (*outputs, scores.clone() if scores is received else scores)
         return outputs[0] if len(outputs) == 1 else outputs
 
+    def _exit_early(self, x: torch.Tensor, stack: Stack, context: StepContext) -> torch.Tensor:
+        """Realised early exit (:func:`~xscale.models.early_exit.run_until_exit`) from the embedded ``x``: block l
+        and exit l on the rows still in, their padding masks and token ids with them."""
+        if self.exits is None or not (stack.starts and stack.ends):
+            raise ValueError("exit_early=True needs a whole early-exit classifier (model.early_exit=true)")
+        if self.exits.rows_coupled is not None:
+            raise ValueError(f"exit_early=True drops the exited rows, but {self.exits.rows_coupled}; compute every "
+                             "exit instead (the forward without exit_early)")
+        mask, token_ids = context.padding_mask, context.token_ids
+
+        def rows_of(tensor: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+            return None if tensor is None else tensor[rows]
+
+        def run_layer(depth: int, carry: tuple, rows: torch.Tensor) -> tuple:
+            rows_context = context.with_padding_mask(rows_of(mask, rows)).with_token_ids(rows_of(token_ids, rows))
+            return stack.run_depth(depth, carry[0], carry[1], rows_context)
+
+        def exit_logits(depth: int, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+            if depth < stack.n_layers - 1:
+                return self.exits.logits_at(depth, hidden, stack.final_norm, rows_of(mask, rows))
+            hidden = stack.final_norm(hidden) if stack.final_norm is not None else hidden
+            return self.classifier(hidden, rows_of(mask, rows))
+
+        return run_until_exit((x, None), run_layer, exit_logits, stack.n_layers, self.exits.entropy,
+                              self.exits.patience)
+
     def forward(self, inputs: torch.Tensor, *received: torch.Tensor, decoder_input_ids: torch.Tensor | None = None,
                 context: StepContext | None = None, project: bool = True,
-                padding_mask: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+                padding_mask: torch.Tensor | None = None,
+                exit_early: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Token ids (B, T) -> logits (B, T, vocab) (an encoder-decoder's: of its decoder, fed ``decoder_input_ids``);
         with ``model.input=patches``, pixels (B, C, H, W) -> class logits.
 
@@ -286,7 +323,9 @@ class Transformer(nn.Module):
         PyTorch draws). ``project=False`` returns the hidden states the output projection reads (after BERT's head
         transform), for a loss that fuses the projection. ``padding_mask`` (B, T), True at real tokens: attention takes
         no padded key; a classifier (``model.num_classes``) returns class logits (B, classes) pooled over the real
-        tokens, with ``model.early_exit`` every layer's (layers, B, classes). A pipeline stage takes what the previous one sent
+        tokens, with ``model.early_exit`` every layer's (layers, B, classes), and with ``exit_early=True`` (inference)
+        each example stopped at its exit layer: (B, 3) int64, its class, 0-based exit layer and layers run
+        (:func:`~xscale.models.early_exit.run_until_exit`). A pipeline stage takes what the previous one sent
         (``inputs``, then ``received``) and returns what it sends on (see the module docstring).
         """
         context = StepContext() if context is None else context
@@ -305,6 +344,8 @@ class Transformer(nn.Module):
                 context = context if self.reads_pixels else context.with_token_ids(inputs)
             else:
                 x, scores = inputs, (received[-1] if stack.scores_cross(stack.held[0]) else None)
+            if exit_early:
+                return self._exit_early(x, stack, context)
             arrived = scores
             layer_states = [] if self.exits is not None else None
             x, scores = stack(x, None, scores, context, layer_states)

@@ -76,13 +76,25 @@ def classification_loss_sum(model: nn.Module, batch: Batch, context: StepContext
 
 
 @torch.no_grad()
-def prediction_counts(model: nn.Module, batch: Batch, context: StepContext | None = None) -> torch.Tensor:
-    """A classifier's [examples labelled right, right at full depth, sum of the 1-based exit layers] over ``batch``,
-    from one forward: the top class, or with early exit each example's exit layer's (without it the last is 0)."""
-    logits = model(model_inputs(batch), context=context, padding_mask=batch.get("padding_mask"))
-    labels = batch["labels"]
+def prediction_counts(model: nn.Module, batch: Batch, context: StepContext | None = None,
+                      exit_early: bool = False) -> torch.Tensor:
+    """A classifier's [examples labelled right, right at full depth, sum of the 1-based exit layers, layer-rows
+    computed to reach the predictions, layer-rows at full depth] over ``batch``: the top class, or with early exit
+    each example's exit layer's. One forward computes every exit (every layer-row computed); ``exit_early``: the
+    predictions come from the forward that stops each example at its exit (``Transformer.forward(exit_early=True)``),
+    counting the layer-rows it ran, and a second, full-depth forward gives the full-depth accuracy. Without early
+    exit the last three are 0."""
+    inputs, mask, labels = model_inputs(batch), batch.get("padding_mask"), batch["labels"]
+    logits = model(inputs, context=context, padding_mask=mask)
     if logits.dim() != 3:
         correct = (logits.argmax(dim=-1) == labels).sum()
-        return torch.stack([correct, correct, torch.zeros_like(correct)])
-    classes, layers = model.exits.predict(logits)
-    return torch.stack([(classes == labels).sum(), (logits[-1].argmax(dim=-1) == labels).sum(), (layers + 1).sum()])
+        return torch.cat([torch.stack([correct, correct]), correct.new_zeros(3)])
+    full_depth = logits[-1].argmax(dim=-1)
+    full_rows = torch.tensor(logits.shape[0] * logits.shape[1], device=labels.device)
+    if exit_early:
+        classes, layers, ran = model(inputs, context=context, padding_mask=mask, exit_early=True).unbind(dim=-1)
+        computed = ran.sum()
+    else:
+        (classes, layers), computed = model.exits.predict(logits), full_rows
+    return torch.stack([(classes == labels).sum(), (full_depth == labels).sum(), (layers + 1).sum(), computed,
+                        full_rows])

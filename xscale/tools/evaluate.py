@@ -8,6 +8,9 @@ accuracy, its labels mapped to classes as in training (the checkpoint's label li
 A model with a segment memory (``model.segment_memory``, Transformer-XL) also walks train.global_batch_size streams
 of the split segment by segment (``--batches`` segments), carrying the memory, and reports that loss beside the
 loss of the same windows without it.
+An early-exit classifier (model.early_exit) reports the accuracy at the exits and at full depth, the mean exit layer,
+the share of the full depth's layer-rows computed (each example stopped at its exit), and the wall-clock of that
+forward against the full-depth one on the same batches, measured here, as a ratio.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -24,12 +29,13 @@ from xscale.command_line import CommandParser
 from xscale.config import Config, ConfigError
 from xscale.data import TEXT_DATASETS, BlendedDataset, PackedTextDataset, build_datasets, collate
 from xscale.data.labeled import LABELS_META_KEY
+from xscale.parallel.loss import model_inputs
 from xscale.parallel.model import ParallelModel
 from xscale.runtime import StepContext
 from xscale.tools.trained import TrainedModel, load_trained_model, tokenizer_path
 from xscale.train.checkpoint import CheckpointError
 from xscale.train.recurrence import stream_evaluation
-from xscale.train.step import evaluation_loss, evaluation_predictions
+from xscale.train.step import evaluation_loss, evaluation_predictions, exit_path_refusal
 
 
 @dataclass
@@ -42,6 +48,8 @@ class SourceResult:
     accuracy: float | None = None  # a classifier's (then ``tokens`` counts examples); early exit: at the exits
     accuracy_full_depth: float | None = None  # early exit (model.early_exit): every example read to the last layer
     mean_exit_layer: float | None = None  # early exit: the mean 1-based layer the examples leave at
+    exit_compute_fraction: float | None = None  # early exit: layer-rows computed / layer-rows at full depth
+    exit_timing: str | None = None  # early exit: the measured wall-clock ratio, or why every layer is computed
     streams: dict[str, float] | None = None  # model.segment_memory: eval/loss_memory and eval/loss_no_memory
 
     @property
@@ -52,7 +60,8 @@ class SourceResult:
         if self.mean_exit_layer is not None:
             return (f"{self.source} ({self.split}): loss {self.loss:.4f}, accuracy {100 * self.accuracy:.2f}% "
                     f"(full depth {100 * self.accuracy_full_depth:.2f}%), mean exit layer "
-                    f"{self.mean_exit_layer:.2f}, over {self.tokens} examples in {self.batches} batches")
+                    f"{self.mean_exit_layer:.2f}, layer-rows computed {100 * self.exit_compute_fraction:.1f}% of "
+                    f"full depth, over {self.tokens} examples in {self.batches} batches; {self.exit_timing}")
         if self.accuracy is not None:
             return (f"{self.source} ({self.split}): loss {self.loss:.4f}, accuracy {100 * self.accuracy:.2f}% "
                     f"over {self.tokens} examples in {self.batches} batches")
@@ -84,13 +93,11 @@ def evaluation_sources(config: Config, label_names: list[str] | None = None) -> 
 def evaluate_dataset(model: ParallelModel, dataset: Dataset, batch_size: int, batches: int, classify: bool = False,
                      exits: dict[str, float] | None = None) -> tuple[float, int, int, float | None]:
     """(mean token loss, labelled tokens, batches read, accuracy when ``classify``) over the first ``batches``
-    batches of ``dataset``; ``exits``: a dict that receives an early-exit model's accuracy_full_depth and
-    mean_exit_layer."""
+    batches of ``dataset``; ``exits``: a dict that receives an early-exit model's accuracy_full_depth,
+    mean_exit_layer and exit_compute_fraction."""
     loss_sum, tokens, read = 0.0, 0, 0
-    sums = dict.fromkeys(("accuracy", "accuracy_full_depth", "mean_exit_layer"), 0.0)
-    for start in range(0, min(len(dataset), batch_size * batches), batch_size):
-        batch = collate([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
-        batch = {key: value.to(model.device) for key, value in batch.items()}
+    sums = dict.fromkeys(EXIT_METRICS, 0.0)
+    for batch in _batches(model, dataset, batch_size, batches):
         labelled = int((batch["labels"] != -100).sum())
         loss_sum += float(evaluation_loss(model, batch)) * labelled
         if classify:
@@ -100,8 +107,37 @@ def evaluate_dataset(model: ParallelModel, dataset: Dataset, batch_size: int, ba
     if tokens == 0:
         raise ConfigError("the evaluation data holds no labelled token; check data.* (or --batches)")
     if exits is not None:
-        exits.update({name: sums[name] / tokens for name in ("accuracy_full_depth", "mean_exit_layer")})
+        exits.update({name: sums[name] / tokens for name in EXIT_METRICS[1:]})
     return loss_sum / tokens, tokens, read, sums["accuracy"] / tokens if classify else None
+
+
+EXIT_METRICS = ("accuracy", "accuracy_full_depth", "mean_exit_layer", "exit_compute_fraction")
+
+
+def _batches(model: ParallelModel, dataset: Dataset, batch_size: int, batches: int) -> Iterator[dict[str, torch.Tensor]]:
+    """The first ``batches`` batches of ``dataset`` on the model's device."""
+    for start in range(0, min(len(dataset), batch_size * batches), batch_size):
+        yield _load(model, dataset, list(range(start, min(start + batch_size, len(dataset)))))
+
+
+@torch.no_grad()
+def time_exit_path(model: ParallelModel, dataset: Dataset, batch_size: int, batches: int) -> str:
+    """The wall-clock of the forward that stops each example at its exit against the full-depth forward (every
+    exit) on the same batches, both measured here (interleaved, after one untimed run of each), as a ratio; or why
+    every layer is computed."""
+    if reason := exit_path_refusal(model):
+        return f"every layer computed: {reason}"
+    network = model.model.eval()
+    seconds = {True: 0.0, False: 0.0}
+    loaded = list(_batches(model, dataset, batch_size, batches))
+    for index, batch in enumerate([loaded[0], *loaded]):
+        for exit_early in (True, False) if index % 2 else (False, True):  # alternate which runs first
+            started = time.perf_counter()
+            with model.autocast():
+                network(model_inputs(batch), padding_mask=batch.get("padding_mask"), exit_early=exit_early)
+            seconds[exit_early] += (time.perf_counter() - started) if index > 0 else 0.0
+    return (f"wall-clock exit path {seconds[True]:.3f} s vs full depth {seconds[False]:.3f} s on the same "
+            f"{len(loaded)} batches ({seconds[True] / max(seconds[False], 1e-9):.2f}x)")
 
 
 def _load(model: ParallelModel, dataset: Dataset, rows: list[int]) -> dict[str, torch.Tensor]:
@@ -128,6 +164,8 @@ def evaluate(trained: TrainedModel, batches: int) -> list[SourceResult]:
             streams = stream_evaluation(model, lambda rows, dataset=dataset: _load(model, dataset, rows), len(dataset),
                                         train.global_batch_size, batches, config.model.segment_memory, StepContext(),
                                         config.model.compressed_memory)
+        if exits is not None:
+            exits["exit_timing"] = time_exit_path(model, dataset, train.global_batch_size, batches)
         results.append(SourceResult(source, split, loss, tokens, read, accuracy, streams=streams, **(exits or {})))
     return results
 

@@ -13,6 +13,7 @@ import xscale.models.zoo  # noqa: F401  (registers every component, for --compon
 from xscale.command_line import CommandParser
 from xscale.config import Config, ConfigError
 from xscale.config_values import CHOICES
+from xscale.models.funnel import funnel_decoder_blocks
 from xscale.models.parameters import ModelCount, count_parameters, experts_per_token
 from xscale.models.registry import REGISTRIES
 from xscale.models.transformer import STACK_VARIANTS, stack_variants
@@ -31,6 +32,7 @@ def activation_bytes(config: Config, micro_batch: int) -> float:
     s*b*h*(34 + 5*a*s/h) bytes per layer at 16-bit; doubled for fp32)."""
     model, seq = config.model, config.train.seq_len
     layers = model.n_layers + (model.decoder_layers if model.family == "encoder_decoder" else 0)
+    layers += funnel_decoder_blocks(model)
     if model.reversible:
         layers = 1  # one block's, rebuilt in backward; the stack keeps only its two output halves
     per_layer = seq * micro_batch * model.d_model * (34 + 5 * model.n_heads * seq / model.d_model)
@@ -189,8 +191,10 @@ def report(config: Config) -> str:
     count = count_parameters(config)
     flops = flops_per_token(config.model, config.train.seq_len, count.active_non_embedding)
     memory = f"segment memory {config.model.segment_memory} (Transformer-XL), " if config.model.segment_memory else ""
+    decoder_blocks = funnel_decoder_blocks(config.model)
+    funnel = f" + {decoder_blocks} funnel decoder blocks" if decoder_blocks else ""
     lines = [
-        f"model: {config.model.family}, {config.model.n_layers} layers, d_model {config.model.d_model}, "
+        f"model: {config.model.family}, {config.model.n_layers} layers{funnel}, d_model {config.model.d_model}, "
         f"{config.model.n_heads} heads ({config.model.kv_heads} kv), ffn {config.model.ffn} {config.model.ffn_hidden}, "
         f"attention {config.model.attention.kind}, position {config.model.position}, {memory}"
         f"stack {' + '.join(stack_variants(config.model)) or 'plain'}",

@@ -15,14 +15,17 @@ from typing import Any
 import torch
 
 from xscale.config import ModelConfig
+from xscale.models.funnel import funnel_decoder_blocks
 from xscale.train.loggers import ResumableLogger, ScalarLogger, build_loggers
 
 
 def flops_per_token(model: ModelConfig, seq_len: int, num_params: float) -> float:
     """Training FLOPs per token: 6N for the matmuls plus 12 * L * T * d for attention scores
     (Kaplan et al. 2020; Chowdhery et al. 2022, appendix B). N: the parameters a token uses, without the embedding
-    lookup (a MoE layer's top-k experts, not all: :attr:`~xscale.models.parameters.ModelCount.active_non_embedding`)."""
+    lookup (a MoE layer's top-k experts, not all: :attr:`~xscale.models.parameters.ModelCount.active_non_embedding`).
+    L counts a funnel's decoder blocks too (full length; its pooled groups are counted at full length)."""
     layers = model.n_layers + (model.decoder_layers if model.family == "encoder_decoder" else 0)
+    layers += funnel_decoder_blocks(model)
     return 6.0 * num_params + 12.0 * layers * seq_len * model.d_model
 
 

@@ -83,20 +83,34 @@ def evaluation_loss(model: ParallelModel, batch: Batch, context: StepContext | N
     return model.data_parallel.reduce_loss(total).cpu()
 
 
+def exit_path_refusal(model: ParallelModel) -> str | None:
+    """Why evaluation of an early-exit classifier computes every exit rather than stopping each example at its
+    exit (None: it stops): rows that are not independent examples, or a layout whose forward needs every rank."""
+    if model.data_parallel.gathers_in_forward:
+        return ("parallel.zero_stage=3 gathers each block's parameters with every rank together, so no rank can "
+                "stop before the others")
+    return model.model.exits.rows_coupled
+
+
 @torch.no_grad()
 def evaluation_predictions(model: ParallelModel, batch: Batch, exits: bool = False) -> dict[str, float]:
     """A classifier's accuracy over the global batch (evaluation mode), and with ``exits`` (early exit) the accuracy
-    at full depth and the mean 1-based exit layer: one forward per microbatch gives all three."""
+    at full depth, the mean 1-based exit layer and the fraction of the full depth's layer-rows computed (realised:
+    each example stopped at its exit, unless :func:`exit_path_refusal` says why not; then 1)."""
     for part in model.parts:
         part.eval()
-    counts = torch.zeros(3, dtype=torch.long, device=model.device)
+    exit_early = exits and exit_path_refusal(model) is None
+    counts = torch.zeros(5, dtype=torch.long, device=model.device)
     with model.autocast():
         for micro in split_microbatches(batch, model.micro_batch_size):
-            counts += prediction_counts(model.model, micro, model.place(StepContext()))
+            counts += prediction_counts(model.model, micro, model.place(StepContext()), exit_early)
     examples = global_token_count(model, batch)
-    accuracy, full_depth, layers = (float(model.data_parallel.global_token_count(count) / examples)
-                                    for count in counts)
-    return {"accuracy": accuracy, **({"accuracy_full_depth": full_depth, "mean_exit_layer": layers} if exits else {})}
+    counts = model.data_parallel.global_token_count(counts)
+    accuracy, full_depth, layers = (float(count / examples) for count in counts[:3])
+    if not exits:
+        return {"accuracy": accuracy}
+    return {"accuracy": accuracy, "accuracy_full_depth": full_depth, "mean_exit_layer": layers,
+            "exit_compute_fraction": float(counts[3] / counts[4].clamp_min(1))}
 
 
 def clip_gradient_norm(model: ParallelModel, max_norm: float) -> torch.Tensor:

@@ -66,6 +66,7 @@ from xscale.train.step import (
     clip_gradient_norm,
     evaluation_loss,
     evaluation_predictions,
+    exit_path_refusal,
     forward_backward_step,
     model_optimizer,
     optimizer_step,
@@ -294,8 +295,8 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """eval/loss over up to train.eval_batches whole batches of the eval split, and eval/accuracy for a
-        classifier (NaN without an eval split); with model.early_exit, eval/accuracy_full_depth and
-        eval/mean_exit_layer too (eval/accuracy being the early exits')."""
+        classifier (NaN without an eval split); with model.early_exit, eval/accuracy_full_depth,
+        eval/mean_exit_layer and eval/exit_compute_fraction too (eval/accuracy being the early exits')."""
         classify = self.label_names is not None
         exits = classify and self.config.model.early_exit
         if self.eval_dataset is None or len(self.eval_dataset) == 0:
@@ -311,7 +312,7 @@ class Trainer:
             if classify:
                 predictions.append(evaluation_predictions(self.model, batch, exits))
         scalars = {"eval/loss": sum(losses) / len(losses) if losses else float("nan")}
-        for name in ("accuracy_full_depth", "mean_exit_layer") if exits and predictions else ():
+        for name in ("accuracy_full_depth", "mean_exit_layer", "exit_compute_fraction") if exits and predictions else ():
             scalars[f"eval/{name}"] = sum(metrics[name] for metrics in predictions) / len(predictions)
         if self.memory is not None:
             scalars.update(stream_evaluation(self.model, lambda rows: self._load(self.eval_dataset, rows),
@@ -407,6 +408,8 @@ class Trainer:
             self.peak_flops = peak_flops(dtype, str(self.device))
         if self.rank == 0 and (warning := bf16_warning(train.precision, self.device.type)):
             print(warning, flush=True)
+        if self.config.model.early_exit and (reason := exit_path_refusal(self.model)):
+            self._announce(f"xscale: early-exit evaluation computes every layer: {reason}")
         if self.rank == 0:
             print(f"xscale: {self.num_params / 1e6:.2f}M parameters, {self.dims.describe()}, "
                   f"device {self.device.type}, {train.steps} steps of {train.global_batch_size}x{train.seq_len} tokens",

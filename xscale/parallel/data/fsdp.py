@@ -50,6 +50,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, param_dty
 class FullyShardedDataParallel(DataParallel):
     """The strategy object for ZeRO-3: FSDP2 reduces gradients itself during backward."""
 
+    gathers_in_forward = True
+
     def __init__(self, parameters: list[NamedParameter], mesh: DeviceMesh, dims: ParallelDims,
                  fsdp_modules: list[nn.Module]) -> None:
         super().__init__(parameters, mesh, dims)

@@ -83,6 +83,10 @@ class DataParallel:
         self.reduce_dim = "dp_cp" if context_parallel else "dp"
         self.shard_dim = "dp_shard_cp" if context_parallel else "dp_shard"
 
+    # Whether the forward gathers parameters with the other ranks (ZeRO-3), so that every rank must run the same
+    # blocks (no rank may stop a forward early).
+    gathers_in_forward = False
+
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
         return self.mesh["dp"].get_group() if self.mesh is not None and self.mesh["dp"].size() > 1 else None
