@@ -44,14 +44,19 @@ from xscale.parallel.memory import (
     OPTIMIZER_VALUES,
     PeakTerms,
     UnitSizes,
+    accumulated_backward_bytes,
     activation_share,
     all_gather_bytes,
+    head_activation_share,
+    largest_gradient_bytes,
     live_gradient_bytes,
     microbatches_in_flight,
+    pipeline_buffer_bytes,
     predicted_pipeline_state_bytes,
     predicted_state_bytes,
     step_temporary_bytes,
     unit_sizes,
+    vocab_parallel_loss_bytes,
 )
 from xscale.parallel.model import ParallelModel
 from xscale.parallel.parallelize import micro_batch_size
@@ -175,51 +180,82 @@ def rank_memory(config: Config, world_size: int) -> list[RankMemory]:
     dims, config = resolve_layout(config, world_size)
     if dims.pp > 1:  # a pipeline micro-batch: the local batch over the microbatches
         micro = max(1, config.train.global_batch_size // dims.dp // dims.microbatches)
+        microbatches = dims.microbatches
     else:
         micro = micro_batch_size(config, dims)
-    full, gradient_fraction, _ = measured_step(config, micro)
+        microbatches = max(1, config.train.global_batch_size // dims.dp // micro)
+    tokens = micro * config.train.seq_len
+    full, gradient_fraction, deep = measured_step(config, micro)
     if dims.pp == 1:
         count = count_parameters(config)
         state = predicted_state_bytes(count.total, dims, count.expert)
-        return [_rank("every rank", config, dims, state, full * activation_share(config, dims), unit_sizes(config),
-                      gradient_fraction)]
+        activations = full * activation_share(config, dims)
+        if dims.tp > 1:  # the layers by their share, the head without the fused loss's logits (tp's loss replaces it)
+            per_layer, head = per_layer_and_head(config, micro, full, deep)
+            activations = (config.model.n_layers * per_layer * activation_share(config, dims)
+                           + head_activation_share(config, dims, head, tokens))
+        layout = LayoutTerms(microbatches, activations, vocab_parallel_loss_bytes(config, dims, tokens // dims.cp))
+        return [_rank("every rank", config, dims, state, activations, unit_sizes(config), gradient_fraction, layout)]
     num_stages = dims.pp * config.parallel.pp_stages_per_rank
     ranks = stage_to_rank(num_stages, dims.pp, SCHEDULES[config.parallel.pp_schedule].placement)
     layers = stage_layers(config, num_stages)
-    per_layer, head = per_layer_and_head(config, micro, full)
+    per_layer, head = per_layer_and_head(config, micro, full, deep)
     rows = []
     for rank, state in enumerate(predicted_pipeline_state_bytes(config, dims)):
         mine = [stage for stage in range(num_stages) if ranks[stage] == rank]
         held = [index for stage in mine for index in layers[stage]]
-        per_microbatch = len(held) * per_layer + (head if num_stages - 1 in mine else 0.0)
-        activations = per_microbatch * activation_share(config, dims) * microbatches_in_flight(config, dims.pp, rank)
-        rows.append(_rank(f"pp rank {rank}", config, dims, state, activations, unit_sizes(config, held),
-                          gradient_fraction))
+        holds_head = num_stages - 1 in mine
+        in_flight = microbatches_in_flight(config, dims.pp, rank)
+        per_microbatch = (len(held) * per_layer * activation_share(config, dims)
+                          + (head_activation_share(config, dims, head, tokens) if holds_head else 0.0))
+        loss = vocab_parallel_loss_bytes(config, dims, tokens // dims.cp, in_flight) if holds_head else 0.0
+        layout = LayoutTerms(microbatches, per_microbatch, loss,
+                             pipeline_buffer_bytes(config, dims, tokens // dims.cp, mine))
+        rows.append(_rank(f"pp rank {rank}", config, dims, state, per_microbatch * in_flight, unit_sizes(config, held),
+                          gradient_fraction, layout))
     return rows
 
 
-def per_layer_and_head(config: Config, micro_batch: int, full: float | None = None) -> tuple[float, float]:
+def per_layer_and_head(config: Config, micro_batch: int, full: float | None = None,
+                       deep: float | None = None) -> tuple[float, float]:
     """One block's share of ``full`` activations (default: the measured ones) and the rest's (embedding, final
     norm, head and loss: the last pipeline stage's), split as the activation peaks of fake steps at the model's
-    depth L and at depth 1 are: A(L) = L a + h. An encoder-decoder is split evenly."""
+    depth L (``deep`` if already measured) and at depth 1 are: A(L) = L a + h. An encoder-decoder is split
+    evenly."""
     depth = config.model.n_layers
     full = measured_activation_bytes(config, micro_batch) if full is None else full
     if depth == 1 or config.model.family == "encoder_decoder":
         return full / max(depth, 1), 0.0
-    deep = _activation_peak(config, micro_batch)
+    deep = _activation_peak(config, micro_batch) if deep is None else deep
     one = _activation_peak(dataclasses.replace(config, model=dataclasses.replace(config.model, n_layers=1)),
                            micro_batch)
     per_layer = min(max(deep - one, 0.0) / (depth - 1) / deep, 1 / depth)  # never a negative head
     return full * per_layer, full * (1 - depth * per_layer)
 
 
+@dataclass
+class LayoutTerms:
+    """What a rank's layout allocates besides the model's activations (:mod:`xscale.parallel.memory`): the
+    microbatches gradients accumulate over and one microbatch's activations, tp's vocabulary-parallel loss, the
+    pipeline's receive buffers."""
+
+    microbatches: int
+    per_microbatch: float
+    vocab_parallel_loss: float = 0.0
+    pipeline_buffers: float = 0.0
+
+
 def _rank(label: str, config: Config, dims: ParallelDims, state: dict[str, float], activations: float,
-          sizes: UnitSizes, gradient_fraction: float) -> RankMemory:
+          sizes: UnitSizes, gradient_fraction: float, layout: LayoutTerms) -> RankMemory:
     local = state["optimizer"] / OPTIMIZER_VALUES  # the parameters (pieces) this rank updates
     temporaries = step_temporary_bytes(config, dims, sizes, local)
     live = live_gradient_bytes(dims, state["gradients"], gradient_fraction, sizes)
+    accumulated = accumulated_backward_bytes(layout.microbatches, layout.per_microbatch, state["gradients"],
+                                             largest_gradient_bytes(dims, sizes))
     return RankMemory(label, PeakTerms(**state, activations=activations, all_gather=all_gather_bytes(config, dims, sizes),
-                                       live_gradients=live, step_temporaries=temporaries))
+                                       live_gradients=live, step_temporaries=temporaries,
+                                       vocab_parallel_loss=layout.vocab_parallel_loss,
+                                       pipeline_buffers=layout.pipeline_buffers, accumulated_backward=accumulated))
 
 
 def device_memory_bytes(processes_per_node: int, device_memory_gib: float | None = None) -> tuple[float, str]:
@@ -257,4 +293,7 @@ def measure_report(config: Config, world_size: int, device_memory_gib: float | N
                      f"optimizer + max(activations {_gib(terms.activations)} + all-gather {_gib(terms.all_gather)} "
                      f"+ live gradients {_gib(live)}, gradients + optimizer-step temporaries "
                      f"{_gib(terms.step_temporaries)}) = {_gib(rank.peak)}: {verdict(rank.peak, available)}")
+        lines.append(f"    layout's own: vocab-parallel loss {_gib(terms.vocab_parallel_loss)}, pipeline buffers "
+                     f"{_gib(terms.pipeline_buffers)}, last microbatch's backward with accumulated gradients "
+                     f"{_gib(terms.accumulated_backward)} (in place of activations + live gradients when larger)")
     return lines
