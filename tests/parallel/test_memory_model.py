@@ -143,6 +143,10 @@ def test_pipeline_buffers_are_a_received_hidden_state_and_gradient_per_microbatc
     assert pipeline_buffer_bytes(config, ParallelDims(), 32, [0]) == 0
 
 
-def test_accumulated_backward_is_one_microbatch_with_every_gradient():
-    assert accumulated_backward_bytes(2, per_microbatch=100.0, gradients=50.0, largest=8.0) == 158
-    assert accumulated_backward_bytes(1, per_microbatch=100.0, gradients=50.0, largest=8.0) == 0
+def test_accumulated_backward_is_the_microbatches_in_flight_with_every_gradient():
+    # 1F1B's last stage, 2 microbatches: one in flight (100), the head's transient (30), all gradients, the largest
+    assert accumulated_backward_bytes(2, 1, held=100.0, transient=30.0, gradients=50.0, largest=8.0) == 188
+    # the first stage of 2, 4 microbatches: 2 in flight in the steady state; GPipe's 4 in flight: 3 at the 2nd backward
+    assert accumulated_backward_bytes(4, 2, held=100.0, transient=0.0, gradients=50.0, largest=8.0) == 258
+    assert accumulated_backward_bytes(4, 4, held=100.0, transient=0.0, gradients=50.0, largest=8.0) == 358
+    assert accumulated_backward_bytes(1, 1, held=100.0, transient=30.0, gradients=50.0, largest=8.0) == 0

@@ -260,11 +260,16 @@ def pipeline_buffer_bytes(config: Config, dims: ParallelDims, tokens: int, stage
     return hidden * dims.microbatches * buffers
 
 
-def accumulated_backward_bytes(microbatches: int, per_microbatch: float, gradients: float, largest: float) -> float:
-    """With gradients accumulated over ``microbatches`` (> 1: a pipeline's, or micro-batches of the local batch),
-    the last one's backward: its activations (``per_microbatch``), every gradient the earlier microbatches left,
-    and the ``largest`` gradient being made; 0 for one microbatch (the peak is then early in backward)."""
-    return per_microbatch + gradients + largest if microbatches > 1 else 0.0
+def accumulated_backward_bytes(microbatches: int, in_flight: int, held: float, transient: float, gradients: float,
+                               largest: float) -> float:
+    """With gradients accumulated over ``microbatches`` (> 1: a pipeline's, or micro-batches of the local batch), a
+    backward after the first: every gradient exists, and the microbatches still in flight hold their activations
+    (``held`` bytes each, at their activation peak: min(in flight, m - 1), as in 1F1B's steady state or GPipe's
+    second backward), plus the head's ``transient`` once and the ``largest`` gradient being made; 0 for one
+    microbatch (the peak is then early in backward, :func:`live_gradient_bytes`)."""
+    if microbatches == 1:
+        return 0.0
+    return min(in_flight, microbatches - 1) * held + transient + gradients + largest
 
 
 def _unique_bytes(tensors: list[torch.Tensor]) -> int:

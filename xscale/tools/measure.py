@@ -186,32 +186,36 @@ def rank_memory(config: Config, world_size: int) -> list[RankMemory]:
         microbatches = max(1, config.train.global_batch_size // dims.dp // micro)
     tokens = micro * config.train.seq_len
     full, gradient_fraction, deep = measured_step(config, micro)
+    share = activation_share(config, dims)
     if dims.pp == 1:
         count = count_parameters(config)
         state = predicted_state_bytes(count.total, dims, count.expert)
-        activations = full * activation_share(config, dims)
+        activations = full * share
         if dims.tp > 1:  # the layers by their share, the head without the fused loss's logits (tp's loss replaces it)
             per_layer, head = per_layer_and_head(config, micro, full, deep)
-            activations = (config.model.n_layers * per_layer * activation_share(config, dims)
-                           + head_activation_share(config, dims, head, tokens))
-        layout = LayoutTerms(microbatches, activations, vocab_parallel_loss_bytes(config, dims, tokens // dims.cp))
+            activations = config.model.n_layers * per_layer * share + head_activation_share(config, dims, head, tokens)
+        layout = LayoutTerms(microbatches, 1, activations * deep / max(full, 1.0), 0.0,
+                             vocab_parallel_loss_bytes(config, dims, tokens // dims.cp))
         return [_rank("every rank", config, dims, state, activations, unit_sizes(config), gradient_fraction, layout)]
     num_stages = dims.pp * config.parallel.pp_stages_per_rank
     ranks = stage_to_rank(num_stages, dims.pp, SCHEDULES[config.parallel.pp_schedule].placement)
     layers = stage_layers(config, num_stages)
-    per_layer, head = per_layer_and_head(config, micro, full, deep)
+    per_layer, head = per_layer_and_head(config, micro, full, deep)  # at the joint peak of activations and gradients
+    peak_layer, peak_head = per_layer_and_head(config, micro, deep, deep)  # at the activation peak
     rows = []
     for rank, state in enumerate(predicted_pipeline_state_bytes(config, dims)):
         mine = [stage for stage in range(num_stages) if ranks[stage] == rank]
         held = [index for stage in mine for index in layers[stage]]
         holds_head = num_stages - 1 in mine
         in_flight = microbatches_in_flight(config, dims.pp, rank)
-        per_microbatch = (len(held) * per_layer * activation_share(config, dims)
-                          + (head_activation_share(config, dims, head, tokens) if holds_head else 0.0))
+        # the blocks' activations stay for each microbatch in flight; the head's (mostly the loss's) come and go
+        activations = (in_flight * len(held) * per_layer * share
+                       + (head_activation_share(config, dims, head, tokens) if holds_head else 0.0))
+        transient = head_activation_share(config, dims, peak_head, tokens) if holds_head else 0.0
         loss = vocab_parallel_loss_bytes(config, dims, tokens // dims.cp, in_flight) if holds_head else 0.0
-        layout = LayoutTerms(microbatches, per_microbatch, loss,
+        layout = LayoutTerms(microbatches, in_flight, len(held) * peak_layer * share, transient, loss,
                              pipeline_buffer_bytes(config, dims, tokens // dims.cp, mine))
-        rows.append(_rank(f"pp rank {rank}", config, dims, state, per_microbatch * in_flight, unit_sizes(config, held),
+        rows.append(_rank(f"pp rank {rank}", config, dims, state, activations, unit_sizes(config, held),
                           gradient_fraction, layout))
     return rows
 
@@ -236,11 +240,13 @@ def per_layer_and_head(config: Config, micro_batch: int, full: float | None = No
 @dataclass
 class LayoutTerms:
     """What a rank's layout allocates besides the model's activations (:mod:`xscale.parallel.memory`): the
-    microbatches gradients accumulate over and one microbatch's activations, tp's vocabulary-parallel loss, the
-    pipeline's receive buffers."""
+    microbatches gradients accumulate over, those in flight, one microbatch's activations at their peak (``held``)
+    and the head's that come and go (``transient``); tp's vocabulary-parallel loss; the pipeline's receive buffers."""
 
     microbatches: int
-    per_microbatch: float
+    in_flight: int
+    held: float
+    transient: float
     vocab_parallel_loss: float = 0.0
     pipeline_buffers: float = 0.0
 
@@ -250,8 +256,8 @@ def _rank(label: str, config: Config, dims: ParallelDims, state: dict[str, float
     local = state["optimizer"] / OPTIMIZER_VALUES  # the parameters (pieces) this rank updates
     temporaries = step_temporary_bytes(config, dims, sizes, local)
     live = live_gradient_bytes(dims, state["gradients"], gradient_fraction, sizes)
-    accumulated = accumulated_backward_bytes(layout.microbatches, layout.per_microbatch, state["gradients"],
-                                             largest_gradient_bytes(dims, sizes))
+    accumulated = accumulated_backward_bytes(layout.microbatches, layout.in_flight, layout.held, layout.transient,
+                                             state["gradients"], largest_gradient_bytes(dims, sizes))
     return RankMemory(label, PeakTerms(**state, activations=activations, all_gather=all_gather_bytes(config, dims, sizes),
                                        live_gradients=live, step_temporaries=temporaries,
                                        vocab_parallel_loss=layout.vocab_parallel_loss,
