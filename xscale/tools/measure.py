@@ -11,13 +11,18 @@ weights, the live gradients and the optimizer step's temporaries (formulas in :m
 - tensor parallelism divides every activation by tp under sequence parallelism (eq. 5), and without it all but
   the replicated ``10 s b h`` of the ``s b h (34 + 5 a s / h)`` bytes per layer (eq. 2);
 - context parallelism divides them by cp (each rank's T/cp queries; the gathered K/V it keeps are not counted);
-- a pipeline rank holds its layers' activations (the last stage also the head's: fake steps at depth L and 1
+- a pipeline rank holds its layers' activations (the last stage also the head's, once: fake steps at depth L and 1
   split them) for the micro-batches in flight: min(pp - rank, m) under the 1F1B schedules, all m under GPipe;
+- what the layout allocates itself (:class:`LayoutTerms`): tensor parallelism's vocabulary-parallel loss in place
+  of the fused loss's logits chunk, the pipeline's receive buffers (one per microbatch), and with gradients
+  accumulated over m > 1 microbatches a backward after the first (every gradient, min(in flight, m - 1)
+  microbatches at their activation peak);
 - activation checkpointing and bf16 autocast run as configured.
 
-Not counted: the K/V a context-parallel rank gathers, tensor- and pipeline-parallel communication buffers, and the
-runtime's own memory (CUDA context, allocator slack); ``xscale bench memory`` measures how far off that leaves each
-layout. Models whose step has data-dependent shapes
+Not counted: the K/V a context-parallel rank gathers, the row-parallel all-reduce outputs beyond the replicated
+activations of eq. 2, and the runtime's own memory (CUDA context, allocator slack, gloo's and the pipeline's
+non-tensor memory: 13-20 MiB of resident set on each pipeline rank of ``xscale bench memory``'s model, no tensor);
+``xscale bench memory`` measures how far off that leaves each layout. Models whose step has data-dependent shapes
 (MoE dispatch) cannot run on fake tensors and are refused. On CPU the prediction is within 2% of the peak resident
 set of two real steps of ``configs/tiny-gpt.yaml`` (tests/tools/test_inspect.py).
 """
