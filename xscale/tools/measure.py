@@ -300,11 +300,12 @@ def measure_report(config: Config, world_size: int, device_memory_gib: float | N
         terms = rank.terms
         live = terms.gradients if terms.live_gradients is None else terms.live_gradients
         lines.append(f"  {rank.label}: model state {_gib(terms.model_state)} (parameters {_gib(terms.parameters)}, "
-                     f"gradients {_gib(terms.gradients)}, optimizer {_gib(terms.optimizer)}); peak = parameters + "
-                     f"optimizer + max(activations {_gib(terms.activations)} + all-gather {_gib(terms.all_gather)} "
-                     f"+ live gradients {_gib(live)}, gradients + optimizer-step temporaries "
-                     f"{_gib(terms.step_temporaries)}) = {_gib(rank.peak)}: {verdict(rank.peak, available)}")
-        lines.append(f"    layout's own: vocab-parallel loss {_gib(terms.vocab_parallel_loss)}, pipeline buffers "
-                     f"{_gib(terms.pipeline_buffers)}, last microbatch's backward with accumulated gradients "
-                     f"{_gib(terms.accumulated_backward)} (in place of activations + live gradients when larger)")
+                     f"gradients {_gib(terms.gradients)}, optimizer {_gib(terms.optimizer)}); peak "
+                     f"{_gib(rank.peak)}: {verdict(rank.peak, available)}")
+        lines.append(f"    peak = parameters + optimizer + the larger of forward/backward (max(activations "
+                     f"{_gib(terms.activations)} + live gradients {_gib(live)}, last microbatch's backward with "
+                     f"accumulated gradients {_gib(terms.accumulated_backward)}) + all-gather {_gib(terms.all_gather)} "
+                     f"+ vocab-parallel loss {_gib(terms.vocab_parallel_loss)} + pipeline buffers "
+                     f"{_gib(terms.pipeline_buffers)}) and the optimizer step (gradients + temporaries "
+                     f"{_gib(terms.step_temporaries)})")
     return lines
