@@ -11,12 +11,17 @@ from xscale.parallel.dims import ParallelDims
 from xscale.parallel.memory import (
     PeakTerms,
     UnitSizes,
+    accumulated_backward_bytes,
     activation_share,
     all_gather_bytes,
+    fused_loss_chunk_bytes,
+    head_activation_share,
     live_gradient_bytes,
     microbatches_in_flight,
+    pipeline_buffer_bytes,
     step_temporary_bytes,
     unit_sizes,
+    vocab_parallel_loss_bytes,
 )
 from xscale.validate import load_config
 
@@ -92,3 +97,56 @@ def test_live_gradients_are_all_of_them_in_buckets_else_the_measured_share_plus_
     assert live_gradient_bytes(ParallelDims(tp=2), 1000.0, 0.0, SIZES) == largest / 2
     terms = PeakTerms(parameters=100, gradients=100, optimizer=200, activations=150, live_gradients=20)
     assert terms.peak == 100 + 200 + 150 + 20  # the backward's 170 outweighs the step's 100 + 0
+
+
+def test_peak_adds_the_layout_buffers_to_the_larger_of_the_backward_peaks():
+    terms = PeakTerms(parameters=100, gradients=40, optimizer=200, activations=50, live_gradients=10,
+                      vocab_parallel_loss=20, pipeline_buffers=5, accumulated_backward=150)
+    assert terms.peak == 300 + 20 + 5 + 150  # the last microbatch's backward (150) outweighs 50 + 10
+    assert dataclasses.replace(terms, accumulated_backward=0).peak == 300 + 20 + 5 + 60  # over the step's 40
+
+
+def test_vocab_parallel_loss_is_three_fp32_logit_shards_plus_one_per_further_microbatch():
+    config = _config()  # vocab 64; 32 tokens: a (32, 32) logits shard per tp=2 rank, 4096 bytes in fp32
+    assert vocab_parallel_loss_bytes(config, ParallelDims(tp=2), 32) == 3 * 4096
+    assert vocab_parallel_loss_bytes(config, ParallelDims(tp=4), 32) == 3 * 2048
+    assert vocab_parallel_loss_bytes(config, ParallelDims(tp=2), 32, microbatches=2) == 4 * 4096
+    assert vocab_parallel_loss_bytes(_config("train.precision=bf16"), ParallelDims(tp=2), 32) == 3 * 4096 + 2048
+    assert vocab_parallel_loss_bytes(config, ParallelDims(), 32) == 0  # one device: the fused, chunked loss
+
+
+def test_fused_loss_chunk_is_the_logits_of_one_chunk_of_tokens():
+    config = _config()
+    assert fused_loss_chunk_bytes(config, 32) == 4 * 32 * 64
+    assert fused_loss_chunk_bytes(config, 1 << 20) == 4 * (1 << 25)  # capped at 2^25 logits a chunk
+
+
+def test_head_share_swaps_the_fused_loss_chunk_for_tp_and_keeps_the_rest_whole():
+    config = _config()  # the chunk of 32 tokens: 8192 bytes
+    assert head_activation_share(config, ParallelDims(), 10000.0, 32) == 10000
+    assert head_activation_share(config, ParallelDims(tp=2), 10000.0, 32) == 10000 - 8192  # replicated
+    sequence_parallel = _config("parallel.sequence_parallel=true")
+    assert head_activation_share(sequence_parallel, ParallelDims(tp=2), 10000.0, 32) == (10000 - 8192) / 2
+    assert head_activation_share(config, ParallelDims(tp=2), 5000.0, 32) == 0  # never negative
+
+
+def test_pipeline_buffers_are_a_received_hidden_state_and_gradient_per_microbatch():
+    config = _config("parallel.microbatches=4")  # d 32, 32 tokens: 4096 bytes of fp32 hidden states a microbatch
+    pp2 = ParallelDims(pp=2, microbatches=4)
+    assert pipeline_buffer_bytes(config, pp2, 32, [0]) == 4 * 4096  # the first stage: gradients it receives
+    assert pipeline_buffer_bytes(config, pp2, 32, [1]) == 4 * 4096  # the last: hidden states it receives
+    assert pipeline_buffer_bytes(config, ParallelDims(pp=3, microbatches=4), 32, [1]) == 2 * 4 * 4096
+    interleaved = _config("parallel.microbatches=4", "parallel.pp_stages_per_rank=2")
+    assert pipeline_buffer_bytes(interleaved, pp2, 32, [0, 2]) == 3 * 4 * 4096  # stages 0 and 2 of 0..3
+    sequence_parallel = _config("parallel.microbatches=4", "parallel.sequence_parallel=true")
+    assert pipeline_buffer_bytes(sequence_parallel, ParallelDims(pp=2, tp=2, microbatches=4), 32, [1]) == 4 * 2048
+    assert pipeline_buffer_bytes(config, ParallelDims(), 32, [0]) == 0
+
+
+def test_accumulated_backward_is_the_microbatches_in_flight_with_every_gradient():
+    # 1F1B's last stage, 2 microbatches: one in flight (100), the head's transient (30), all gradients, the largest
+    assert accumulated_backward_bytes(2, 1, held=100.0, transient=30.0, gradients=50.0, largest=8.0) == 188
+    # the first stage of 2, 4 microbatches: 2 in flight in the steady state; GPipe's 4 in flight: 3 at the 2nd backward
+    assert accumulated_backward_bytes(4, 2, held=100.0, transient=0.0, gradients=50.0, largest=8.0) == 258
+    assert accumulated_backward_bytes(4, 4, held=100.0, transient=0.0, gradients=50.0, largest=8.0) == 358
+    assert accumulated_backward_bytes(1, 1, held=100.0, transient=30.0, gradients=50.0, largest=8.0) == 0

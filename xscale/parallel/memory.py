@@ -20,7 +20,11 @@ ranks hold the same parameters, and ZeRO shards over them too, N = dp x cp.
 A rank's peak (:class:`PeakTerms`, ``xscale inspect --measure``, ``xscale bench memory``) adds to the model state
 the largest of two phases: forward/backward (activations, each rank's share by
 :func:`activation_share`, plus ZeRO-3's temporarily gathered weights, :func:`all_gather_bytes`) and the optimizer
-step (:func:`step_temporary_bytes`).
+step (:func:`step_temporary_bytes`). What a layout allocates itself is a term of its own: tensor parallelism's
+vocabulary-parallel loss (:func:`vocab_parallel_loss_bytes`, in place of the fused loss's logits chunk the
+single-device step holds, :func:`fused_loss_chunk_bytes`), the pipeline's receive buffers
+(:func:`pipeline_buffer_bytes`), and, over several microbatches, the last one's backward with every gradient the
+earlier ones accumulated (:func:`accumulated_backward_bytes`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import torch
 
 from xscale.config import Config
 from xscale.models import build_model
+from xscale.ops.chunked_cross_entropy import default_chunk_tokens
 from xscale.parallel.data import is_expert_parameter, local_tensor
 from xscale.parallel.dims import ParallelDims
 from xscale.parallel.pipeline import SCHEDULES
@@ -87,8 +92,9 @@ def predicted_pipeline_state_bytes(config: Config, dims: ParallelDims) -> list[d
 @dataclass
 class PeakTerms:
     """One rank's predicted bytes, term by term. ``peak`` = parameters + optimizer state + the larger of the
-    forward/backward peak (activations + gathered weights + the gradients alive then) and the optimizer step (all
-    gradients + the step's temporaries)."""
+    forward/backward peak (gathered weights + the loss's and the pipeline's buffers + the larger of activations with
+    the gradients alive then and the last microbatch's backward) and the optimizer step (all gradients + the step's
+    temporaries)."""
 
     parameters: float
     gradients: float
@@ -97,6 +103,9 @@ class PeakTerms:
     all_gather: float = 0.0
     live_gradients: float | None = None  # gradients alive at the forward/backward peak; None: all of them
     step_temporaries: float = 0.0
+    vocab_parallel_loss: float = 0.0  # tp: the loss's logits shard and its copies (vocab_parallel_loss_bytes)
+    pipeline_buffers: float = 0.0  # pp: received hidden states and gradients (pipeline_buffer_bytes)
+    accumulated_backward: float = 0.0  # the last microbatch's backward (accumulated_backward_bytes)
 
     @property
     def model_state(self) -> float:
@@ -105,7 +114,8 @@ class PeakTerms:
     @property
     def peak(self) -> float:
         live = self.gradients if self.live_gradients is None else self.live_gradients
-        backward = self.activations + self.all_gather + live
+        layout_buffers = self.all_gather + self.vocab_parallel_loss + self.pipeline_buffers
+        backward = layout_buffers + max(self.activations + live, self.accumulated_backward)
         return self.parameters + self.optimizer + max(backward, self.gradients + self.step_temporaries)
 
 
@@ -149,13 +159,18 @@ def all_gather_bytes(config: Config, dims: ParallelDims, sizes: UnitSizes) -> fl
     return value_bytes * gathered / dims.tp
 
 
+def largest_gradient_bytes(dims: ParallelDims, sizes: UnitSizes) -> float:
+    """The largest parameter's whole gradient as autograd makes it (tp divides it)."""
+    return BYTES_PER_VALUE * sizes.largest / dims.tp
+
+
 def live_gradient_bytes(dims: ParallelDims, gradients: float, fraction: float, sizes: UnitSizes) -> float:
     """Gradient bytes alive at the forward/backward peak. DDP and ZeRO-1 keep every gradient in bucket buffers
     from step to step (:mod:`xscale.parallel.data.buckets`); elsewhere gradients are freed after each step and the
     peak comes early in backward, when ``fraction`` of them exist (measured on the fake step). Either way add the
     largest parameter's whole gradient (tp divides it) as autograd makes it: the head's, next to the logits'
     gradient, before it is copied into its bucket or reduce-scattered to this rank's shard."""
-    largest = BYTES_PER_VALUE * sizes.largest / dims.tp
+    largest = largest_gradient_bytes(dims, sizes)
     if dims.dp_cp > 1 and dims.zero_stage <= 1:
         return gradients + largest
     return fraction * gradients + largest
@@ -192,10 +207,69 @@ def activation_share(config: Config, dims: ParallelDims) -> float:
     return (replicated + (1 - replicated) / dims.tp) / dims.cp
 
 
+def head_activation_share(config: Config, dims: ParallelDims, head: float, tokens: int) -> float:
+    """A rank's share of the head's measured activations (embedding output, final norm, fused loss; ``head``
+    bytes for ``tokens`` tokens): under tp, the fused loss's logits chunk gives way to the vocabulary-parallel loss
+    (a term of its own) and the rest is replicated (1/tp under sequence parallelism); else
+    :func:`activation_share`."""
+    if dims.tp == 1:
+        return head * activation_share(config, dims)
+    rest = max(head - fused_loss_chunk_bytes(config, tokens), 0.0)
+    return rest / (dims.tp if config.parallel.sequence_parallel else 1) / dims.cp
+
+
 def microbatches_in_flight(config: Config, pp: int, pp_rank: int) -> int:
     """Micro-batches whose activations a pipeline rank holds at once (GPipe: all; 1F1B: pp - rank)."""
     microbatches = config.parallel.microbatches or pp
     return microbatches if config.parallel.pp_schedule == "gpipe" else min(pp - pp_rank, microbatches)
+
+
+LOSS_LOGIT_COPIES = 3  # the vocabulary-parallel loss's forward: the logits shard, shifted by the max, their exp
+
+
+def vocab_parallel_loss_bytes(config: Config, dims: ParallelDims, tokens: int, microbatches: int = 1) -> float:
+    """Tensor parallelism's vocabulary-parallel cross-entropy (:mod:`xscale.parallel.tensor.vocab_parallel`) on one
+    rank: its forward holds ``LOSS_LOGIT_COPIES`` fp32 (tokens, V/tp) tensors at once (under bf16 also the bf16
+    logits), and keeps one (the softmax, for backward) for each further microbatch in flight; 0 without tp."""
+    if dims.tp == 1 or config.model.num_classes > 0:
+        return 0.0
+    shard = tokens * config.model.vocab_size / dims.tp
+    low_precision = 2 if config.train.precision == "bf16" else 0
+    return shard * (BYTES_PER_VALUE * (LOSS_LOGIT_COPIES + microbatches - 1) + low_precision)
+
+
+def fused_loss_chunk_bytes(config: Config, tokens: int) -> float:
+    """The fp32 logits chunk (min(tokens, chunk) x V) of the single-device fused loss
+    (:mod:`xscale.ops.chunked_cross_entropy`): part of the measured head, what tensor parallelism's loss replaces."""
+    if config.model.num_classes > 0:
+        return 0.0
+    vocab = config.model.vocab_size
+    return float(BYTES_PER_VALUE * default_chunk_tokens(tokens, vocab) * vocab)
+
+
+def pipeline_buffer_bytes(config: Config, dims: ParallelDims, tokens: int, stages: list[int]) -> float:
+    """The pipeline's own buffers on the rank running ``stages`` (:mod:`torch.distributed.pipelining` allocates
+    them for every microbatch of the step and keeps them): every stage but the first a receive buffer of the
+    hidden states (tokens x d, fp32; this tp rank's T/tp under sequence parallelism), every stage but the last one
+    of their gradient."""
+    if dims.pp == 1:
+        return 0.0
+    hidden = BYTES_PER_VALUE * tokens * config.model.d_model / (dims.tp if config.parallel.sequence_parallel else 1)
+    last = dims.pp * config.parallel.pp_stages_per_rank - 1
+    buffers = sum(stage > 0 for stage in stages) + sum(stage < last for stage in stages)
+    return hidden * dims.microbatches * buffers
+
+
+def accumulated_backward_bytes(microbatches: int, in_flight: int, held: float, transient: float, gradients: float,
+                               largest: float) -> float:
+    """With gradients accumulated over ``microbatches`` (> 1: a pipeline's, or micro-batches of the local batch), a
+    backward after the first: every gradient exists, and the microbatches still in flight hold their activations
+    (``held`` bytes each, at their activation peak: min(in flight, m - 1), as in 1F1B's steady state or GPipe's
+    second backward), plus the head's ``transient`` once and the ``largest`` gradient being made; 0 for one
+    microbatch (the peak is then early in backward, :func:`live_gradient_bytes`)."""
+    if microbatches == 1:
+        return 0.0
+    return min(in_flight, microbatches - 1) * held + transient + gradients + largest
 
 
 def _unique_bytes(tensors: list[torch.Tensor]) -> int:

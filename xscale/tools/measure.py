@@ -11,13 +11,18 @@ weights, the live gradients and the optimizer step's temporaries (formulas in :m
 - tensor parallelism divides every activation by tp under sequence parallelism (eq. 5), and without it all but
   the replicated ``10 s b h`` of the ``s b h (34 + 5 a s / h)`` bytes per layer (eq. 2);
 - context parallelism divides them by cp (each rank's T/cp queries; the gathered K/V it keeps are not counted);
-- a pipeline rank holds its layers' activations (the last stage also the head's: fake steps at depth L and 1
+- a pipeline rank holds its layers' activations (the last stage also the head's, once: fake steps at depth L and 1
   split them) for the micro-batches in flight: min(pp - rank, m) under the 1F1B schedules, all m under GPipe;
+- what the layout allocates itself (:class:`LayoutTerms`): tensor parallelism's vocabulary-parallel loss in place
+  of the fused loss's logits chunk, the pipeline's receive buffers (one per microbatch), and with gradients
+  accumulated over m > 1 microbatches a backward after the first (every gradient, min(in flight, m - 1)
+  microbatches at their activation peak);
 - activation checkpointing and bf16 autocast run as configured.
 
-Not counted: the K/V a context-parallel rank gathers, tensor- and pipeline-parallel communication buffers, and the
-runtime's own memory (CUDA context, allocator slack); ``xscale bench memory`` measures how far off that leaves each
-layout. Models whose step has data-dependent shapes
+Not counted: the K/V a context-parallel rank gathers, the row-parallel all-reduce outputs beyond the replicated
+activations of eq. 2, and the runtime's own memory (CUDA context, allocator slack, gloo's and the pipeline's
+non-tensor memory: 13-20 MiB of resident set on each pipeline rank of ``xscale bench memory``'s model, no tensor);
+``xscale bench memory`` measures how far off that leaves each layout. Models whose step has data-dependent shapes
 (MoE dispatch) cannot run on fake tensors and are refused. On CPU the prediction is within 2% of the peak resident
 set of two real steps of ``configs/tiny-gpt.yaml`` (tests/tools/test_inspect.py).
 """
@@ -44,14 +49,19 @@ from xscale.parallel.memory import (
     OPTIMIZER_VALUES,
     PeakTerms,
     UnitSizes,
+    accumulated_backward_bytes,
     activation_share,
     all_gather_bytes,
+    head_activation_share,
+    largest_gradient_bytes,
     live_gradient_bytes,
     microbatches_in_flight,
+    pipeline_buffer_bytes,
     predicted_pipeline_state_bytes,
     predicted_state_bytes,
     step_temporary_bytes,
     unit_sizes,
+    vocab_parallel_loss_bytes,
 )
 from xscale.parallel.model import ParallelModel
 from xscale.parallel.parallelize import micro_batch_size
@@ -175,51 +185,88 @@ def rank_memory(config: Config, world_size: int) -> list[RankMemory]:
     dims, config = resolve_layout(config, world_size)
     if dims.pp > 1:  # a pipeline micro-batch: the local batch over the microbatches
         micro = max(1, config.train.global_batch_size // dims.dp // dims.microbatches)
+        microbatches = dims.microbatches
     else:
         micro = micro_batch_size(config, dims)
-    full, gradient_fraction, _ = measured_step(config, micro)
+        microbatches = max(1, config.train.global_batch_size // dims.dp // micro)
+    tokens = micro * config.train.seq_len
+    full, gradient_fraction, deep = measured_step(config, micro)
+    share = activation_share(config, dims)
     if dims.pp == 1:
         count = count_parameters(config)
         state = predicted_state_bytes(count.total, dims, count.expert)
-        return [_rank("every rank", config, dims, state, full * activation_share(config, dims), unit_sizes(config),
-                      gradient_fraction)]
+        activations = full * share
+        if dims.tp > 1:  # the layers by their share, the head without the fused loss's logits (tp's loss replaces it)
+            per_layer, head = per_layer_and_head(config, micro, full, deep)
+            activations = config.model.n_layers * per_layer * share + head_activation_share(config, dims, head, tokens)
+        layout = LayoutTerms(microbatches, 1, activations * deep / max(full, 1.0), 0.0,
+                             vocab_parallel_loss_bytes(config, dims, tokens // dims.cp))
+        return [_rank("every rank", config, dims, state, activations, unit_sizes(config), gradient_fraction, layout)]
     num_stages = dims.pp * config.parallel.pp_stages_per_rank
     ranks = stage_to_rank(num_stages, dims.pp, SCHEDULES[config.parallel.pp_schedule].placement)
     layers = stage_layers(config, num_stages)
-    per_layer, head = per_layer_and_head(config, micro, full)
+    per_layer, head = per_layer_and_head(config, micro, full, deep)  # at the joint peak of activations and gradients
+    peak_layer, peak_head = per_layer_and_head(config, micro, deep, deep)  # at the activation peak
     rows = []
     for rank, state in enumerate(predicted_pipeline_state_bytes(config, dims)):
         mine = [stage for stage in range(num_stages) if ranks[stage] == rank]
         held = [index for stage in mine for index in layers[stage]]
-        per_microbatch = len(held) * per_layer + (head if num_stages - 1 in mine else 0.0)
-        activations = per_microbatch * activation_share(config, dims) * microbatches_in_flight(config, dims.pp, rank)
+        holds_head = num_stages - 1 in mine
+        in_flight = microbatches_in_flight(config, dims.pp, rank)
+        # the blocks' activations stay for each microbatch in flight; the head's (mostly the loss's) come and go
+        activations = (in_flight * len(held) * per_layer * share
+                       + (head_activation_share(config, dims, head, tokens) if holds_head else 0.0))
+        transient = head_activation_share(config, dims, peak_head, tokens) if holds_head else 0.0
+        loss = vocab_parallel_loss_bytes(config, dims, tokens // dims.cp, in_flight) if holds_head else 0.0
+        layout = LayoutTerms(microbatches, in_flight, len(held) * peak_layer * share, transient, loss,
+                             pipeline_buffer_bytes(config, dims, tokens // dims.cp, mine))
         rows.append(_rank(f"pp rank {rank}", config, dims, state, activations, unit_sizes(config, held),
-                          gradient_fraction))
+                          gradient_fraction, layout))
     return rows
 
 
-def per_layer_and_head(config: Config, micro_batch: int, full: float | None = None) -> tuple[float, float]:
+def per_layer_and_head(config: Config, micro_batch: int, full: float | None = None,
+                       deep: float | None = None) -> tuple[float, float]:
     """One block's share of ``full`` activations (default: the measured ones) and the rest's (embedding, final
     norm, head and loss: the last pipeline stage's), split as the activation peaks of fake steps at the model's
-    depth L and at depth 1 are: A(L) = L a + h. An encoder-decoder is split evenly."""
+    depth L (``deep`` if already measured) and at depth 1 are: A(L) = L a + h. An encoder-decoder is split
+    evenly."""
     depth = config.model.n_layers
     full = measured_activation_bytes(config, micro_batch) if full is None else full
     if depth == 1 or config.model.family == "encoder_decoder":
         return full / max(depth, 1), 0.0
-    deep = _activation_peak(config, micro_batch)
+    deep = _activation_peak(config, micro_batch) if deep is None else deep
     one = _activation_peak(dataclasses.replace(config, model=dataclasses.replace(config.model, n_layers=1)),
                            micro_batch)
     per_layer = min(max(deep - one, 0.0) / (depth - 1) / deep, 1 / depth)  # never a negative head
     return full * per_layer, full * (1 - depth * per_layer)
 
 
+@dataclass
+class LayoutTerms:
+    """What a rank's layout allocates besides the model's activations (:mod:`xscale.parallel.memory`): the
+    microbatches gradients accumulate over, those in flight, one microbatch's activations at their peak (``held``)
+    and the head's that come and go (``transient``); tp's vocabulary-parallel loss; the pipeline's receive buffers."""
+
+    microbatches: int
+    in_flight: int
+    held: float
+    transient: float
+    vocab_parallel_loss: float = 0.0
+    pipeline_buffers: float = 0.0
+
+
 def _rank(label: str, config: Config, dims: ParallelDims, state: dict[str, float], activations: float,
-          sizes: UnitSizes, gradient_fraction: float) -> RankMemory:
+          sizes: UnitSizes, gradient_fraction: float, layout: LayoutTerms) -> RankMemory:
     local = state["optimizer"] / OPTIMIZER_VALUES  # the parameters (pieces) this rank updates
     temporaries = step_temporary_bytes(config, dims, sizes, local)
     live = live_gradient_bytes(dims, state["gradients"], gradient_fraction, sizes)
+    accumulated = accumulated_backward_bytes(layout.microbatches, layout.in_flight, layout.held, layout.transient,
+                                             state["gradients"], largest_gradient_bytes(dims, sizes))
     return RankMemory(label, PeakTerms(**state, activations=activations, all_gather=all_gather_bytes(config, dims, sizes),
-                                       live_gradients=live, step_temporaries=temporaries))
+                                       live_gradients=live, step_temporaries=temporaries,
+                                       vocab_parallel_loss=layout.vocab_parallel_loss,
+                                       pipeline_buffers=layout.pipeline_buffers, accumulated_backward=accumulated))
 
 
 def device_memory_bytes(processes_per_node: int, device_memory_gib: float | None = None) -> tuple[float, str]:
@@ -253,8 +300,12 @@ def measure_report(config: Config, world_size: int, device_memory_gib: float | N
         terms = rank.terms
         live = terms.gradients if terms.live_gradients is None else terms.live_gradients
         lines.append(f"  {rank.label}: model state {_gib(terms.model_state)} (parameters {_gib(terms.parameters)}, "
-                     f"gradients {_gib(terms.gradients)}, optimizer {_gib(terms.optimizer)}); peak = parameters + "
-                     f"optimizer + max(activations {_gib(terms.activations)} + all-gather {_gib(terms.all_gather)} "
-                     f"+ live gradients {_gib(live)}, gradients + optimizer-step temporaries "
-                     f"{_gib(terms.step_temporaries)}) = {_gib(rank.peak)}: {verdict(rank.peak, available)}")
+                     f"gradients {_gib(terms.gradients)}, optimizer {_gib(terms.optimizer)}); peak "
+                     f"{_gib(rank.peak)}: {verdict(rank.peak, available)}")
+        lines.append(f"    peak = parameters + optimizer + the larger of forward/backward (max(activations "
+                     f"{_gib(terms.activations)} + live gradients {_gib(live)}, last microbatch's backward with "
+                     f"accumulated gradients {_gib(terms.accumulated_backward)}) + all-gather {_gib(terms.all_gather)} "
+                     f"+ vocab-parallel loss {_gib(terms.vocab_parallel_loss)} + pipeline buffers "
+                     f"{_gib(terms.pipeline_buffers)}) and the optimizer step (gradients + temporaries "
+                     f"{_gib(terms.step_temporaries)})")
     return lines

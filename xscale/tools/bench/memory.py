@@ -1,8 +1,9 @@
 """``xscale bench memory``: each rank's predicted peak memory against the measured one, per layout.
 
 Predicted: :func:`xscale.tools.measure.rank_memory` (``xscale inspect --measure``): the model state from the ZeRO
-formulas, activations from a fake-tensor step, ZeRO-3's gathered weights and the optimizer step's temporaries
-(:mod:`xscale.parallel.memory`). Measured, in fresh local processes (one per rank) running ``--steps`` real
+formulas, activations from a fake-tensor step, ZeRO-3's gathered weights, the optimizer step's temporaries, tensor
+parallelism's vocabulary-parallel loss, the pipeline's receive buffers and the last microbatch's backward with the
+accumulated gradients (:mod:`xscale.parallel.memory`). Measured, in fresh local processes (one per rank) running ``--steps`` real
 training steps (and with ``--checkpoint`` a save, then a resume in a new Trainer and one more step):
 
 - on CPU, the peak resident set minus the process baseline. First the rank sets glibc's malloc to give every
@@ -172,13 +173,15 @@ def report(rows: list[dict]) -> None:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU, peak RSS over the baseline"
     print(f"memory per rank, MiB ({device}); predicted / measured")
     print(f"{'layout':<28} {'rank':>4} {'pred peak':>10} {'meas peak':>10} {'ratio':>6} {'pred state':>10} "
-          f"{'meas state':>10} {'ratio':>6} {'largest p':>9}  predicted terms: activations, all-gather, step temporaries")
+          f"{'meas state':>10} {'ratio':>6} {'largest p':>9}  predicted terms: activations, all-gather, step temporaries, vocab-parallel loss, "
+          "pipeline buffers, last microbatch's backward")
     for row in rows:
         terms = row["terms"]
         print(f"{row['layout']:<28} {row['rank']:>4} {_mib(row['predicted']):>10} {_mib(row['peak']):>10} "
               f"{row['predicted'] / row['peak']:>6.3f} {_mib(row['predicted_state']):>10} {_mib(row['state']):>10} "
               f"{row['predicted_state'] / row['state']:>6.3f} {_mib(row['largest_parameter']):>9}  {_mib(terms.activations)}, {_mib(terms.all_gather)}, "
-              f"{_mib(terms.step_temporaries)}")
+              f"{_mib(terms.step_temporaries)}, {_mib(terms.vocab_parallel_loss)}, {_mib(terms.pipeline_buffers)}, "
+              f"{_mib(terms.accumulated_backward)}")
 
 
 def main(argv: list[str] | None = None) -> int:
