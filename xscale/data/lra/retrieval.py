@@ -36,13 +36,13 @@ class RetrievalTask:
 
     num_classes = 2
 
-    def __init__(self, seq_len: int, num_sources: int = 8, source_seed: int = 0) -> None:
+    def __init__(self, seq_len: int, num_sources: int = 8, source_seed: int = 0, sharpness: float = 4.0) -> None:
         self.vocab = FixedVocab([f"x{byte:02x}" for byte in range(256)])
         self.doc_length = (seq_len - 1) // 2
         if self.doc_length < 1 or num_sources < 2:
             raise ValueError(f"retrieval: seq_len={seq_len} must be >= 3 and num_sources={num_sources} >= 2")
         sources_rng = random.Random(source_seed)
-        self.sources = [ByteSource(sources_rng) for _ in range(num_sources)]
+        self.sources = [ByteSource(sources_rng, sharpness) for _ in range(num_sources)]
 
     def byte_tokens(self, data: bytes) -> list[int]:
         return [self.vocab.first_symbol_id + byte for byte in data]
