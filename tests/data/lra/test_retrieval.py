@@ -27,3 +27,13 @@ def test_labels_are_balanced_and_follow_the_sources():
         overlap = sum((first & second).values()) / 199
         right += (overlap > 0.2) == bool(label)
     assert right / 60 > 0.9, right
+
+
+def test_sharper_sources_concentrate_each_byte_on_fewer_successors():
+    """``sharpness`` is the exponent of the transition weights u^s: the larger, the more a source repeats its own
+    bigrams (the bench's knob for a task a small model learns within its budget)."""
+    def top_share(sharpness: float) -> float:
+        source = RetrievalTask(seq_len=65, sharpness=sharpness).sources[0]
+        return sum(max(row) / sum(row) for row in source.weights) / len(source.weights)
+
+    assert top_share(4.0) < 0.2 < 0.35 < top_share(20.0)
