@@ -76,7 +76,7 @@ def _status(key: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith(key))
 
 
-def _reset_peak(device_type: str) -> int:
+def reset_peak_memory(device_type: str) -> int:
     """Reset the peak counter; return the baseline it is measured from (module docstring)."""
     if device_type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -86,7 +86,8 @@ def _reset_peak(device_type: str) -> int:
     return _status("VmRSS")
 
 
-def _peak(device_type: str) -> int:
+def peak_memory(device_type: str) -> int:
+    """The peak since :func:`reset_peak_memory`: allocated bytes on CUDA, resident bytes (VmHWM) on CPU."""
     return torch.cuda.max_memory_allocated() if device_type == "cuda" else _status("VmHWM")
 
 
@@ -122,7 +123,7 @@ def _measure_rank(config: Config, steps: int, checkpoint: bool) -> dict[str, flo
     if device_type == "cpu":
         return_freed_memory()
     warm_runtime(config)
-    baseline = _reset_peak(device_type)
+    baseline = reset_peak_memory(device_type)
     states: list[dict[str, int]] = []
     trainer = Trainer(config)
     largest = max(local_tensor(param).numel() * param.element_size() for param in trainer.model.parameters())
@@ -139,7 +140,7 @@ def _measure_rank(config: Config, steps: int, checkpoint: bool) -> dict[str, flo
         assert trainer.resume(), "the checkpoint just saved was not found"
         _steps(trainer, 1, states)
     state = max(states, key=lambda entry: sum(entry.values()))
-    return {"peak": float(_peak(device_type) - baseline), "state": float(sum(state.values())),
+    return {"peak": float(peak_memory(device_type) - baseline), "state": float(sum(state.values())),
             "largest_parameter": float(largest), **state}
 
 
