@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.models.attention.conftest import make_core, random_qkv
+from xscale.models.attention import linear
 from xscale.models.attention.linear import elu_feature, kernel_attention, kernelized_reference
 
 
@@ -47,3 +48,15 @@ def test_saves_inputs_and_a_few_states() -> None:
     extra = sum(t.untyped_storage().nbytes() for t in saved if t.untyped_storage().data_ptr() not in inputs)
     state_bytes = 2 * 8 * 9 * 8  # (B, H, m, d + 1) float64
     assert extra <= 8 * state_bytes  # 64 chunks: a state every 8 chunks
+
+
+@pytest.mark.parametrize("fraction", [10**9, 2], ids=["segment-per-chunk", "two-chunk-segments"])
+def test_segments_and_recomputed_states_equal_quadratic(monkeypatch, fraction: int) -> None:
+    """Segments smaller than the sequence: states saved every ~sqrt(segments) and recomputed in between."""
+    monkeypatch.setattr(linear, "SEGMENT_FRACTION", fraction)
+    q, k, v = random_qkv(1, 2, 75, 8)  # chunks of 8: 10 chunks, the last one short
+    out = kernel_attention(q, k, v, elu_feature, elu_feature, causal=True, chunk=8)
+    reference = kernelized_reference(elu_feature(q), elu_feature(k), v, causal=True)
+    grad = torch.randn_like(out)
+    for mine, ref in zip(_grads(out, (q, k, v), grad), _grads(reference, (q, k, v), grad)):
+        torch.testing.assert_close(mine, ref, atol=1e-10, rtol=1e-10)

@@ -1,8 +1,9 @@
 """Linearized attention: phi(Q) (phi(K)^T V) / phi(Q) sum phi(K) (Katharopoulos et al. 2020, eq. 4-6, phi = elu + 1).
 
 The causal form (eq. 8-9) runs over chunks of C positions: inside a chunk a masked C x C product, across
-chunks a running state S = sum phi(k) [v, 1]^T (m x (d + 1): the last column is the normaliser z = sum phi(k))
-kept once per chunk, so memory is T/C x m x d, never T x m x d. :func:`kernelized_attention` is shared with the random-feature variants.
+chunks a prefix sum of the chunk states S = sum phi(k) [v, 1]^T (m x (d + 1): the last column is the normaliser
+z = sum phi(k)); :class:`ChunkedCausalKernel` takes it a segment of chunks at a time, so memory stays
+O(sqrt(T C) x m), never T x m. :func:`kernelized_attention` is shared with the random-feature variants.
 """
 
 from __future__ import annotations
@@ -29,22 +30,32 @@ def kernelized_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, *, causal: boo
     The values carry an extra column of ones, so one product gives the numerator and (last column) the normaliser.
     """
     values = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)  # (B, H, T, d + 1)
-    if not causal:
+    if causal:
+        out = causal_chunks(phi_q, phi_k, values, chunk)[0]
+    else:
         out = phi_q @ (phi_k.transpose(-1, -2) @ values)
-        return out[..., :-1] / out[..., -1:].clamp_min(eps)
+    return out[..., :-1] / out[..., -1:].clamp_min(eps)
+
+
+def causal_chunks(phi_q: Tensor, phi_k: Tensor, values: Tensor, chunk: int,
+                  state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Eq. 8-9 unnormalised over chunks of ``chunk`` positions, every chunk at once: (phi_q (B, H, T, m),
+    phi_k, values (B, H, T, e)) -> (sum_{j <= i} phi_q_i . phi_k_j values_j (B, H, T, e), the state after the
+    last position). ``state`` (B, H, m, e): sum phi(k) values^T of the positions before these (None: none)."""
     batch, heads, length, _ = phi_q.shape
     n_chunks = -(-length // chunk)
     pad = n_chunks * chunk - length
-    if pad:
+    if pad:  # zero features: the padded keys add nothing to any state
         phi_q, phi_k, values = (F.pad(x, (0, 0, 0, pad)) for x in (phi_q, phi_k, values))
     phi_q, phi_k, values = (x.reshape(batch, heads, n_chunks, chunk, x.shape[-1]) for x in (phi_q, phi_k, values))
-    out = (phi_q @ phi_k.transpose(-1, -2)).tril_() @ values  # inside each chunk: (B, H, n, C, d + 1)
-    if n_chunks > 1:
-        # chunk i reads the states of chunks < i: an exclusive prefix sum (B, H, n, m, d + 1), zero for chunk 0
-        states = (phi_k.transpose(-1, -2) @ values).narrow(2, 0, n_chunks - 1)
-        out = out + phi_q @ F.pad(states, (0, 0, 0, 0, 1, 0)).cumsum(dim=2)
-    out = out.reshape(batch, heads, n_chunks * chunk, -1)[:, :, :length]
-    return out[..., :-1] / out[..., -1:].clamp_min(eps)
+    out = (phi_q @ phi_k.transpose(-1, -2)).tril_() @ values  # inside each chunk: (B, H, n, C, e)
+    chunk_states = phi_k.transpose(-1, -2) @ values  # (B, H, n, m, e)
+    before = chunk_states.cumsum(dim=2) - chunk_states  # chunk i reads the chunks < i
+    if state is not None:
+        before = before + state.unsqueeze(2)
+    out = out + phi_q @ before
+    after = before[:, :, -1] + chunk_states[:, :, -1]
+    return out.reshape(batch, heads, n_chunks * chunk, -1)[:, :, :length], after
 
 
 FeatureMap = Callable[[Tensor], Tensor]
@@ -59,74 +70,86 @@ def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_q: FeatureMap, fea
     return kernelized_attention(feature_q(q), feature_k(k), v, causal=False, chunk=chunk, eps=eps)
 
 
-def _chunk_forward(q: Tensor, k: Tensor, v: Tensor, state: Tensor, feature_q: FeatureMap, feature_k: FeatureMap,
-                   eps: float) -> tuple[Tensor, Tensor]:
-    """One chunk of eq. 8-9: (output (B, H, C, d), the state after it) from the state S = sum phi(k) [v, 1]^T
-    of the chunks before it (B, H, m, d + 1)."""
-    phi_q, phi_k = feature_q(q), feature_k(k)
+def _segment_forward(q: Tensor, k: Tensor, v: Tensor, state: Tensor, feature_q: FeatureMap,
+                     feature_k: FeatureMap, chunk: int, eps: float) -> tuple[Tensor, Tensor]:
+    """One segment of whole chunks (eq. 8-9): (output (B, H, S, d), the state after it) from the state
+    S = sum phi(k) [v, 1]^T of the positions before it (B, H, m, d + 1)."""
     values = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
-    out = (phi_q @ phi_k.transpose(-1, -2)).tril_() @ values + phi_q @ state
-    return out[..., :-1] / out[..., -1:].clamp_min(eps), state + phi_k.transpose(-1, -2) @ values
+    out, after = causal_chunks(feature_q(q), feature_k(k), values, chunk, state)
+    return out[..., :-1] / out[..., -1:].clamp_min(eps), after
+
+
+def _state_after(k: Tensor, v: Tensor, state: Tensor, feature_k: FeatureMap) -> Tensor:
+    """The state after a segment's keys and values: S + phi(K)^T [V, 1]."""
+    return state + feature_k(k).transpose(-1, -2) @ torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
+
+
+# A segment's features and scores (B x H x tokens x (m + C) elements) stay within 1/SEGMENT_FRACTION of q's elements:
+# its chunks run at once and a few such tensors are alive in its backward, so the work memory is a fixed fraction
+# of the inputs' at every length (at or below SDPA's peak from 16K tokens: ``xscale bench attention``).
+SEGMENT_FRACTION = 8
 
 
 class ChunkedCausalKernel(torch.autograd.Function):
-    """Causal kernel attention over chunks of C tokens that saves q, k, v and the running state at every
-    segment of ~sqrt(T/C) chunks; the backward walks the chunks in reverse, recomputes each segment's states
-    and each chunk's features (with autograd over that chunk alone) and carries dL/dS backwards.
-    Memory beyond q, k, v, their gradients and the output: O(sqrt(T/C) x m x d) states and one chunk's features."""
+    """Causal kernel attention over segments of chunks of C tokens (every chunk of a segment at once,
+    :func:`causal_chunks`; a segment's features and scores within 1/``SEGMENT_FRACTION`` of q) that saves q, k, v
+    and the running state every ~sqrt(segments) segments; the backward walks the segments in reverse, recomputes the
+    states inside each checkpointed span, then each segment's features with autograd over that segment alone,
+    carrying dL/dS backwards. Memory beyond q, k, v, their gradients and the output: O(sqrt(T)) states of
+    m x (d + 1) and one segment's work."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, feature_q: FeatureMap, feature_k: FeatureMap, chunk: int,
                 eps: float) -> Tensor:
         length = q.shape[2]
-        starts = list(range(0, length, chunk))
-        segment = max(1, math.isqrt(len(starts)))
+        state = _zero_state(q, k, v, feature_k)
+        per_chunk = state.shape[0] * state.shape[1] * chunk * (state.shape[2] + chunk)  # its features and scores
+        segment = chunk * max(1, min(-(-length // chunk), q.numel() // SEGMENT_FRACTION // per_chunk))
+        starts = list(range(0, length, segment))
+        span = max(1, math.isqrt(len(starts)))  # segments per saved state
         out = v.new_empty(v.shape)
-        state, checkpoints = None, []
+        checkpoints = []
         for index, start in enumerate(starts):
-            parts = [x.narrow(2, start, min(chunk, length - start)) for x in (q, k, v)]
-            if state is None:
-                state = _zero_state(parts, feature_k)
-            if index % segment == 0:
+            parts = [x.narrow(2, start, min(segment, length - start)) for x in (q, k, v)]
+            if index % span == 0:
                 checkpoints.append(state)
-            result, state = _chunk_forward(*parts, state, feature_q, feature_k, eps)
+            result, state = _segment_forward(*parts, state, feature_q, feature_k, chunk, eps)
             out.narrow(2, start, result.shape[2]).copy_(result)
         ctx.save_for_backward(q, k, v, *checkpoints)
-        ctx.features, ctx.chunk, ctx.eps, ctx.segment = (feature_q, feature_k), chunk, eps, segment
+        ctx.features, ctx.chunk, ctx.eps, ctx.segment, ctx.span = (feature_q, feature_k), chunk, eps, segment, span
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         q, k, v, *checkpoints = ctx.saved_tensors
-        chunk, eps, segment, length = ctx.chunk, ctx.eps, ctx.segment, q.shape[2]
+        chunk, eps, segment, span, length = ctx.chunk, ctx.eps, ctx.segment, ctx.span, q.shape[2]
         grads = (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
-        starts = list(range(0, length, chunk))
         grad_state = torch.zeros_like(checkpoints[0])
-        for first in reversed(range(0, len(starts), segment)):
-            spans = [(s, min(chunk, length - s)) for s in starts[first:first + segment]]
-            states = [checkpoints[first // segment]]
+        starts = list(range(0, length, segment))
+        for first in reversed(range(0, len(starts), span)):
+            spans = [(start, min(segment, length - start)) for start in starts[first:first + span]]
+            states = [checkpoints[first // span]]
             with torch.no_grad():
                 for start, size in spans[:-1]:
-                    parts = [x.narrow(2, start, size) for x in (q, k, v)]
-                    states.append(_chunk_forward(*parts, states[-1], *ctx.features, eps)[1])
+                    states.append(_state_after(k.narrow(2, start, size), v.narrow(2, start, size), states[-1],
+                                               ctx.features[1]))
             for (start, size), state in zip(reversed(spans), reversed(states)):
                 inputs = [x.narrow(2, start, size).detach().requires_grad_() for x in (q, k, v)]
                 state = state.detach().requires_grad_()
                 with torch.enable_grad():
-                    result, next_state = _chunk_forward(*inputs, state, *ctx.features, eps)
-                    chunk_grads = torch.autograd.grad((result, next_state), (*inputs, state),
-                                                      (grad_out.narrow(2, start, size), grad_state))
-                for target, grad in zip(grads, chunk_grads[:3]):
+                    result, next_state = _segment_forward(*inputs, state, *ctx.features, chunk, eps)
+                    segment_grads = torch.autograd.grad((result, next_state), (*inputs, state),
+                                                        (grad_out.narrow(2, start, size), grad_state))
+                for target, grad in zip(grads, segment_grads[:3]):
                     target.narrow(2, start, size).copy_(grad)
-                grad_state = chunk_grads[3]
+                grad_state = segment_grads[3]
         return *grads, None, None, None, None
 
 
-def _zero_state(parts: list[Tensor], feature_k: FeatureMap) -> Tensor:
+def _zero_state(q: Tensor, k: Tensor, v: Tensor, feature_k: FeatureMap) -> Tensor:
     """S = 0 (B, H, m, d + 1): m read from the feature map of one key."""
     with torch.no_grad():
-        features = feature_k(parts[1].narrow(2, 0, 1)).shape[-1]
-    v = parts[2]
+        features = feature_k(k.narrow(2, 0, 1)).shape[-1]
     return v.new_zeros(*v.shape[:2], features, v.shape[-1] + 1)
 
 

@@ -1,0 +1,94 @@
+"""for_each_expert: every expert with rows runs once on its rows, side by side on the CPU threads, and leaves the
+process's thread settings as it found them; grouped_mlp gives the same numbers threaded and serial."""
+
+import threading
+
+import pytest
+import torch
+
+from xscale.ops.expert_threads import balanced_groups, expert_rows, for_each_expert, serial_experts
+from xscale.ops.grouped_mlp import grouped_mlp
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_expert_rows_skip_empty_experts_and_follow_the_sorted_rows():
+    assert expert_rows([2, 0, 3, 1]) == [(0, slice(0, 2)), (2, slice(2, 5)), (3, slice(5, 6))]
+
+
+def test_balanced_groups_cover_every_expert_with_rows_once_and_balance_the_rows():
+    counts = [500, 0, 480, 530, 470, 510, 0, 520]
+    groups = balanced_groups(counts, 2)
+    assert sorted(e for group in groups for e in group) == [0, 2, 3, 4, 5, 7]
+    loads = [sum(counts[e] for e in group) for group in groups]
+    assert max(loads) - min(loads) <= max(counts)
+    assert balanced_groups([0, 4, 0], 2) == [[1]]  # one expert with rows: one group, nothing to share
+
+
+def test_every_expert_runs_once_on_its_rows_on_two_threads_each_with_one_intra_op_thread(two_threads):
+    counts = [3, 0, 5, 1, 4, 2]
+    seen, lock = {}, threading.Lock()
+
+    def work(expert, rows):
+        with lock:
+            seen[expert] = (rows, threading.get_ident(), torch.get_num_threads(), torch.is_grad_enabled())
+
+    for_each_expert(work, counts, CPU)
+    assert {e: s[0] for e, s in seen.items()} == dict(expert_rows(counts))
+    assert len({s[1] for s in seen.values()}) == 2, "the experts were not shared between two threads"
+    assert {s[2] for s in seen.values()} == {1}
+    assert not any(s[3] for s in seen.values())
+    assert torch.get_num_threads() == 2
+    fresh = []
+    thread = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert fresh == [2], "a thread started afterwards must get the process's thread count"
+
+
+def test_serial_experts_runs_on_the_calling_thread(two_threads):
+    threads = set()
+    with serial_experts():
+        for_each_expert(lambda expert, rows: threads.add(threading.get_ident()), [2, 2, 2], CPU)
+    assert threads == {threading.get_ident()}
+
+
+def test_a_failing_expert_raises_in_the_caller(two_threads):
+    def work(expert, rows):
+        if expert == 3:
+            raise RuntimeError("expert 3 failed")
+
+    with pytest.raises(RuntimeError, match="expert 3 failed"):
+        for_each_expert(work, [4, 4, 4, 4], CPU)
+    assert torch.get_num_threads() == 2
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["mlp", "gated"])
+def test_grouped_mlp_threaded_equals_serial(two_threads, gated):
+    torch.manual_seed(0)
+    counts, d, hidden = [40, 0, 70, 25, 64], 32, 48
+    experts = len(counts)
+    leaves = [torch.randn(sum(counts), d), torch.randn(experts, hidden, d), torch.randn(experts, hidden),
+              torch.randn(experts, d, hidden), torch.randn(experts, d)]
+    if gated:
+        leaves += [torch.randn(experts, hidden, d), torch.randn(experts, hidden)]
+    leaves = [t.requires_grad_() for t in leaves]
+    upstream = torch.randn(sum(counts), d)
+
+    def run():
+        out = grouped_mlp(leaves[0], counts, "silu", *leaves[1:5], *leaves[5:])
+        return [out, *torch.autograd.grad((out * upstream).sum(), leaves)]
+
+    threaded = run()
+    with serial_experts():
+        serial = run()
+    for got, expected in zip(threaded, serial):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
