@@ -96,7 +96,7 @@ class ModelConfig:
     lm_head_bias: bool = False
     init_std: float = 0.02
     num_classes: int = 0  # > 0: a sequence-classification head (train.task=classify fills it from the labels)
-    pooling: str = "cls"  # classification: cls (a class token prepended) | mean (masked mean of the tokens)
+    pooling: str = "cls"  # classification: cls (a class token prepended) | mean | max (over the real tokens)
     input: str = "tokens"  # tokens (ids) | patches (ViT: images cut into patch_size^2 patches, docs/classification.md)
     image_size: int = 16  # model.input=patches: image_size x image_size images of image_channels channels
     image_channels: int = 3

@@ -25,7 +25,7 @@ def closest(name: str, choices: typing.Iterable[str]) -> str:
 CHOICES = {
     "model.family": ("decoder", "encoder", "encoder_decoder"),
     "model.norm_placement": ("pre", "post", "sandwich", "rezero", "deepnorm"),
-    "model.pooling": ("cls", "mean"),
+    "model.pooling": ("cls", "mean", "max"),
     "model.input": ("tokens", "patches"),
     "train.task": ("lm", "classify"),
     "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"),

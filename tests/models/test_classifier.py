@@ -44,7 +44,7 @@ def test_padding_changes_no_class_logit(kind):
     assert not torch.allclose(unmasked, expected, atol=1e-3), "the junk must matter when the mask is ignored"
 
 
-@pytest.mark.parametrize("pooling", ["cls", "mean"])
+@pytest.mark.parametrize("pooling", ["cls", "mean", "max"])
 def test_pooling_reads_no_padded_row(pooling):
     model = _model(pooling=pooling)
     padded, mask = _padded(TOKENS)
@@ -64,6 +64,13 @@ def test_masked_mean_pooling_is_the_mean_of_the_real_rows():
     mask = torch.tensor([[True, True, False, False]])
     torch.testing.assert_close(pool(hidden, mask, "mean"), hidden[:, :2].mean(dim=1))
     torch.testing.assert_close(pool(hidden, mask, "cls"), hidden[:, 0])
+
+
+def test_masked_max_pooling_is_the_max_of_the_real_rows():
+    hidden = torch.tensor([[[1.0, -5.0], [-2.0, -3.0], [9.0, 9.0]]])  # the padded last row holds the largest values
+    mask = torch.tensor([[True, True, False]])
+    torch.testing.assert_close(pool(hidden, mask, "max"), torch.tensor([[1.0, -3.0]]))
+    torch.testing.assert_close(pool(hidden, None, "max"), torch.tensor([[9.0, 9.0]]))
 
 
 def _unable_kind() -> str:

@@ -2,7 +2,8 @@
 
 Pooling ``cls``: the hidden state of the class token the data prepends at position 0 (BERT's [CLS], Devlin et al.
 2019, sec. 3); ``mean``: the mean over the real tokens, padding excluded by the mask (as in LRA's encoders, Tay et
-al. 2021). Padded positions never reach the logits: attention takes no padded key and pooling reads no padded row.
+al. 2021); ``max``: the feature-wise max over the real tokens (Conneau et al. 2017, InferSent's max pooling), which
+keeps a feature that only a few tokens carry (Pathfinder's two dots) at full strength where a mean divides it by T. Padded positions never reach the logits: attention takes no padded key and pooling reads no padded row.
 """
 
 from __future__ import annotations
@@ -12,13 +13,17 @@ from torch import nn
 
 from xscale.config import ModelConfig
 
-POOLINGS = ("cls", "mean")
+POOLINGS = ("cls", "mean", "max")
 
 
 def pool(hidden: torch.Tensor, padding_mask: torch.Tensor | None, pooling: str) -> torch.Tensor:
-    """(B, T, D) hidden states -> (B, D): the first token's (``cls``) or the masked mean (``mean``)."""
+    """(B, T, D) hidden states -> (B, D): the first token's (``cls``), the masked mean (``mean``) or max (``max``)."""
     if pooling == "cls":
         return hidden[:, 0]
+    if pooling == "max":
+        if padding_mask is None:
+            return hidden.amax(dim=1)
+        return hidden.masked_fill(~padding_mask.unsqueeze(-1), torch.finfo(hidden.dtype).min).amax(dim=1)
     if pooling != "mean":
         raise ValueError(f"pooling '{pooling}' is not one of {', '.join(POOLINGS)}")
     if padding_mask is None:

@@ -14,9 +14,11 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def all_gather_flat(output: torch.Tensor, chunk: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
-    """``output`` [world x chunk's size, ...] := every rank's ``chunk``, in rank order."""
-    _all_gather(output, chunk, group=group)
+def all_gather_flat(output: torch.Tensor, chunk: torch.Tensor, group: dist.ProcessGroup | None = None,
+                    async_op: bool = False) -> dist.Work | None:
+    """``output`` [world x chunk's size, ...] := every rank's ``chunk``, in rank order; with ``async_op`` the
+    returned work is waited on before ``output`` is read."""
+    return _all_gather(output, chunk, group=group, async_op=async_op)
 
 
 def reduce_scatter_flat(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None = None,

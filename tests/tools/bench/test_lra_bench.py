@@ -1,10 +1,12 @@
 """``xscale bench lra`` at a tiny size: one row per kind beside the majority baseline, as Markdown, CSV and PNG."""
 
+import argparse
 import csv
 import json
+from pathlib import Path
 
 from xscale.models.registry import ATTENTION
-from xscale.tools.bench.lra import CELLS_FILE, default_kinds, main
+from xscale.tools.bench.lra import CELLS_FILE, default_kinds, main, run_overrides
 
 
 def test_default_kinds_are_one_name_per_encoder_core():
@@ -46,3 +48,12 @@ def test_a_maskless_kind_runs_and_resume_reuses_finished_cells(tmp_path, capsys)
     assert main([*args, "--steps", "3", "--resume"]) == 0  # another size: the cell runs again
     cells = [json.loads(line) for line in (tmp_path / CELLS_FILE).read_text().splitlines() if line.endswith("}")]
     assert [cell["size"].split(", ")[5] for cell in cells] == ["2 steps of 4", "3 steps of 4"]
+
+
+def test_pathfinder_cells_pool_by_max_over_sinusoidal_positions_for_twice_the_steps():
+    args = argparse.Namespace(d_model=32, layers=1, heads=2, seq_len=128, pooling="mean", steps=50, batch=8, lr=1e-3,
+                              eval_batches=2, seed=0)
+    pathfinder = run_overrides("pathfinder", "dense", args, Path("out"))
+    listops = run_overrides("listops", "dense", args, Path("out"))
+    assert {"model.pooling=max", "model.position=sinusoidal", "train.steps=100"} <= set(pathfinder)
+    assert {"model.pooling=mean", "model.position=learned", "train.steps=50"} <= set(listops)

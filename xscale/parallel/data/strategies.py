@@ -10,7 +10,8 @@ its "parameter" is a view into the model parameter's storage, so fp32 training k
 per-rank bytes are the paper's: params 4Psi, grads 4Psi (ZeRO-1) or 4Psi/N (ZeRO-2), Adam moments 8Psi/N.
 Stage 1 all-reduces whole gradients and reads its chunk; stage 2 reduce-scatters them and frees the whole gradient.
 Both start their buckets during the last microbatch's backward (:mod:`xscale.parallel.data.buckets`).
-After the step every rank all-gathers the updated chunks. ZeRO-3 is FSDP2 (:mod:`xscale.parallel.data.fsdp`).
+After the step every rank all-gathers the updated chunks, a bucket at a time (:mod:`xscale.parallel.data.gather`).
+ZeRO-3 is FSDP2 (:mod:`xscale.parallel.data.fsdp`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from xscale.parallel.collectives import all_gather_flat
 from xscale.parallel.data.buckets import BucketGroups, GradientBuckets
+from xscale.parallel.data.gather import ChunkGather, GatherSlot
 from xscale.parallel.data.grad_norm import GradientPiece
 from xscale.parallel.dims import ParallelDims
 
@@ -234,6 +236,9 @@ class ZeroDataParallel(ReplicatedDataParallel):
         if not self.partitions:
             self.partitions = [self._partition(entry) for entry in parameters]
         self.partition_of = {id(part.entry.param): part for part in self.partitions}
+        self.gather = ChunkGather([(GatherSlot(local_tensor(part.entry.param).detach().view(-1), part.shard.detach(),
+                                               part.chunk, 0), part.shard_group, part.shard_size)
+                                   for part in self.partitions if part.shard_group is not None], bucket_bytes)
 
     def _bucket_parameters(self) -> list[tuple[nn.Parameter, BucketGroups]]:
         """Stage 1: whole gradients all-reduced (as DDP); stage 2: reduce-scattered over the sharding group, then
@@ -290,8 +295,7 @@ class ZeroDataParallel(ReplicatedDataParallel):
         optimizer.zero_grad(set_to_none=True)
         for part in self.partitions:
             part.entry.param.grad = None
-            if part.shard_group is not None:
-                self._all_gather(part, local_tensor(part.entry.param).view(-1), part.shard.detach())
+        self.gather.gather()
 
     @staticmethod
     def _all_gather(part: _Partition, full: torch.Tensor, chunk: torch.Tensor) -> None:

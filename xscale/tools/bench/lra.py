@@ -19,6 +19,7 @@ from pathlib import Path
 
 from xscale.command_line import CommandParser
 from xscale.data.lra import PAD_AS_CONTENT
+from xscale.models.classifier import POOLINGS
 from xscale.models.registry import ATTENTION
 from xscale.tools.bench.memory import peak_memory, reset_peak_memory
 from xscale.train.trainer import Trainer
@@ -30,10 +31,15 @@ PREFERRED_NAMES = ("dense", "local", "performer")  # the surveys' names, where a
 VOCAB_SIZE = 272  # every task's vocabulary fits (the byte task's 262 tokens is the largest): one model size
 # Each task's difficulty at the reduced size (data.options of xscale.data.lra's generators), set so that dense
 # attention can learn them within the default budget: 4 byte sources with sharp bigrams; Pathfinder with one
-# distractor curve and short contours (its easiest setting; still at chance for dense attention at this budget, see
-# docs/benchmarks.md).
+# distractor curve and short contours.
 TASK_OPTIONS = {"listops": {}, "retrieval": {"num_sources": 4, "sharpness": 20},
                 "pathfinder": {"curves": 2, "curve_length": 4}}
+# Each task's model settings and budget where they differ from the defaults (learned positions, --pooling, --steps),
+# the same for every kind, as LRA's own budgets differ by task: Pathfinder's label lives in two dot pixels of 121,
+# which a mean over the tokens dilutes; with mean or class-token pooling dense attention stayed at chance for 3,000
+# steps, with max pooling and sinusoidal positions it leaves chance after ~250 steps (docs/benchmarks.md).
+TASK_MODEL = {"pathfinder": {"pooling": "max", "position": "sinusoidal"}}
+TASK_STEPS = {"pathfinder": 2}  # times --steps
 
 
 def encoder_kinds() -> list[str]:
@@ -49,16 +55,28 @@ def default_kinds() -> list[str]:
     return list(kinds.values())
 
 
+def task_settings(task: str) -> dict:
+    """What a task sets beyond the defaults: its generator's options, model settings and step factor."""
+    steps = {"steps": f"{TASK_STEPS[task]}x"} if task in TASK_STEPS else {}
+    return {**TASK_OPTIONS[task], **TASK_MODEL.get(task, {}), **steps}
+
+
+def model_settings(task: str, args) -> dict[str, str]:
+    """The task's position encoding and pooling (:data:`TASK_MODEL` over the defaults)."""
+    return {"position": "learned", "pooling": args.pooling, **TASK_MODEL.get(task, {})}
+
+
 def run_overrides(task: str, kind: str, args, out_dir: Path) -> list[str]:
     """The config of one (task, kind) cell: the same encoder and budget for every kind."""
+    model, steps = model_settings(task, args), args.steps * TASK_STEPS.get(task, 1)
     return ["model.family=encoder", "train.task=classify", f"data.dataset=lra_{task}", f"data.options.{PAD_AS_CONTENT}=true",
             f"model.attention.kind={kind}", f"model.vocab_size={VOCAB_SIZE}", f"model.d_model={args.d_model}", f"model.n_layers={args.layers}",
-            f"model.n_heads={args.heads}", f"model.max_seq_len={args.seq_len}", "model.position=learned",
-            f"model.pooling={args.pooling}", f"train.seq_len={args.seq_len}", f"train.steps={args.steps}",
+            f"model.n_heads={args.heads}", f"model.max_seq_len={args.seq_len}", f"model.position={model['position']}",
+            f"model.pooling={model['pooling']}", f"train.seq_len={args.seq_len}", f"train.steps={steps}",
             *(f"data.options.{key}={value}" for key, value in TASK_OPTIONS[task].items()),
             f"train.global_batch_size={args.batch}", f"train.lr={args.lr}", "train.warmup_steps=10",
-            f"train.eval_batches={args.eval_batches}", f"data.num_samples={args.steps * args.batch}",
-            f"data.eval_fraction={min(0.5, args.eval_batches * args.batch / (args.steps * args.batch))}",
+            f"train.eval_batches={args.eval_batches}", f"data.num_samples={steps * args.batch}",
+            f"data.eval_fraction={min(0.5, args.eval_batches * args.batch / (steps * args.batch))}",
             f"train.seed={args.seed}", "train.loggers=[jsonl]", "train.plot=false", "train.progress=false",
             "train.watchdog=false", "train.peak_flops=1e12", "train.log_every=1", "checkpoint.resume=none",
             f"train.output_dir={out_dir / f'{task}-{kind}'}"]
@@ -163,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--pooling", default="mean", choices=("cls", "mean"))
+    parser.add_argument("--pooling", default="mean", choices=POOLINGS, help="pooling of the tasks without their own "
+                        "(TASK_MODEL: Pathfinder max)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=2e-3)
@@ -183,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     size = (f"T={args.seq_len}, d_model={args.d_model}, {args.layers} layers, {args.heads} heads, {args.pooling} "
             f"pooling, {args.steps} steps of {args.batch}, lr {args.lr}, eval {args.eval_batches * args.batch} "
             f"examples, seed {args.seed}; " + "; ".join(
-                f"{task} " + " ".join(f"{key}={value}" for key, value in TASK_OPTIONS[task].items())
-                for task in args.tasks if TASK_OPTIONS[task]))
+                f"{task} " + " ".join(f"{key}={value}" for key, value in task_settings(task).items())
+                for task in args.tasks if task_settings(task)))
     done = finished_cells(out_dir / CELLS_FILE, size) if args.resume else {}
     rows = []
     for task in args.tasks:

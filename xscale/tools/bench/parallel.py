@@ -171,7 +171,7 @@ def report(rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = CommandParser(prog="xscale bench parallel", description=__doc__.split("\n\n")[0])
-    parser.add_argument("config", nargs="?", help="YAML config (default: a 4-layer, 256-wide decoder)")
+    parser.add_argument("config", nargs="?", help="YAML config (default: a 4-layer, 256-wide decoder; overrides alone apply to it)")
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--layouts", nargs="+", default=list(DEFAULT_LAYOUTS))
     parser.add_argument("--steps", type=int, default=5)
@@ -179,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-peers", dest="peers", action="store_false",
                         help="skip torch DDP / FSDP2 on the data-parallel layouts")
     args = parser.parse_args(argv)
+    if args.config and "=" in args.config:  # overrides of the built-in model: no config file given
+        args.overrides, args.config = [args.config, *args.overrides], None
     try:
         rows = measure_layouts(args.config, args.overrides, args.layouts, args.warmup, args.steps, args.peers)
     except ConfigError as error:

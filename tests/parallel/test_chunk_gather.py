@@ -1,0 +1,42 @@
+"""ZeRO-1/2's bucketed all-gather: every rank's chunk lands in every rank's whole parameters, uneven chunks and
+empty ones (more ranks than elements) included, over several buckets."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from spawned import spawn
+
+from xscale.parallel.data.gather import ChunkGather, GatherSlot
+
+SHAPES = [(4, 3), (5,), (1,), (7, 2), (2,)]  # 12, 5, 1, 14, 2 elements
+
+
+def _targets() -> list[torch.Tensor]:
+    return [torch.arange(math.prod(shape), dtype=torch.float32).view(shape) + 100 * index
+            for index, shape in enumerate(SHAPES)]
+
+
+def check(rank: int, bucket_bytes: int, buckets: int) -> None:
+    world = dist.get_world_size()
+    targets = _targets()
+    params = [torch.full_like(target, -1.0) for target in targets]  # stale everywhere but this rank's chunk
+    slots = []
+    for param, target in zip(params, targets):
+        flat, chunk = param.view(-1), math.ceil(param.numel() / world)
+        start, stop = min(rank * chunk, flat.numel()), min((rank + 1) * chunk, flat.numel())
+        flat[start:stop] = target.view(-1)[start:stop]
+        slots.append((GatherSlot(flat, flat[start:stop], chunk, 0), dist.group.WORLD, world))
+    gather = ChunkGather(slots, bucket_bytes)
+    assert len(gather.buckets) == buckets
+    gather.gather()
+    for param, target in zip(params, targets):
+        assert torch.equal(param, target)
+
+
+@pytest.mark.parametrize(("bucket_bytes", "buckets"), [(32 * 2**20, 1), (64, 4)])  # 64 bytes: [12] [5, 1] [14] [2] elements
+def test_chunks_are_gathered_into_whole_parameters_on_three_ranks(bucket_bytes, buckets):
+    spawn(check, bucket_bytes, buckets, world=3)

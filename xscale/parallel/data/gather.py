@@ -1,0 +1,93 @@
+"""ZeRO-1/2's all-gather after the optimizer step: every rank's updated chunks back into the whole parameters.
+
+The chunks are gathered a bucket at a time, not a parameter at a time: the parameters sharded over one group are
+grouped, in order, into buckets of at most ``bucket_bytes`` (whole parameters), each rank packs its chunks of a
+bucket side by side (a short last chunk padded) and one collective gathers every rank's pack, rank-major, so
+parameter p's elements are the columns of its chunk in each rank's row, in rank order. All the buckets start
+before the first is unpacked, so unpacking one overlaps the next one's transfer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from xscale.parallel.collectives import all_gather_flat
+
+
+@dataclass
+class GatherSlot:
+    """One parameter in a gather bucket: ``full`` its flat local tensor, ``chunk`` this rank's part of it (a view
+    of ``full``; at most ``chunk_size`` elements), ``column`` where it starts in a rank's pack."""
+
+    full: torch.Tensor
+    chunk: torch.Tensor
+    chunk_size: int
+    column: int
+
+
+@dataclass
+class _Bucket:
+    group: dist.ProcessGroup
+    size: int  # ranks in ``group``
+    slots: list[GatherSlot]
+
+    @property
+    def columns(self) -> int:
+        return sum(slot.chunk_size for slot in self.slots)
+
+
+def _pack(slots: list[GatherSlot]) -> torch.Tensor:
+    """This rank's chunks side by side, each padded to its ``chunk_size``."""
+    pieces = []
+    for slot in slots:
+        pieces.append(slot.chunk)
+        if slot.chunk.numel() < slot.chunk_size:
+            pieces.append(slot.chunk.new_zeros(slot.chunk_size - slot.chunk.numel()))
+    return torch.cat(pieces)
+
+
+def _unpack(gathered: torch.Tensor, slot: GatherSlot) -> None:
+    """Copy ``slot``'s columns of every rank's row of ``gathered`` ([ranks, columns]) into its whole tensor."""
+    numel, chunk = slot.full.numel(), slot.chunk_size
+    rows, rest = divmod(numel, chunk)
+    columns = gathered[:, slot.column:slot.column + chunk]
+    slot.full[:rows * chunk].view(rows, chunk).copy_(columns[:rows])
+    if rest:
+        slot.full[rows * chunk:].copy_(columns[rows, :rest])
+
+
+class ChunkGather:
+    """The buckets of one strategy's sharded parameters, gathered by :meth:`gather` (module docstring)."""
+
+    def __init__(self, slots: list[tuple[GatherSlot, dist.ProcessGroup, int]], bucket_bytes: int) -> None:
+        """``slots``: each sharded parameter's slot (``column`` is set here) with its group and the group's size."""
+        self.buckets: list[_Bucket] = []
+        open_buckets: dict[tuple, _Bucket] = {}
+        for slot, group, size in slots:
+            key = (group, slot.full.dtype, slot.full.device)
+            bucket = open_buckets.get(key)
+            nbytes = slot.chunk_size * size * slot.full.element_size()
+            if bucket is None or (bucket.slots and (bucket.columns * size * slot.full.element_size() + nbytes
+                                                    > bucket_bytes)):
+                bucket = _Bucket(group, size, [])
+                open_buckets[key] = bucket
+                self.buckets.append(bucket)
+            slot.column = bucket.columns
+            bucket.slots.append(slot)
+
+    @torch.no_grad()
+    def gather(self) -> None:
+        """Fill every parameter with every rank's chunk."""
+        started = []
+        for bucket in self.buckets:
+            send = _pack(bucket.slots)
+            gathered = send.new_empty(bucket.size * send.numel())
+            started.append((bucket, gathered, send, all_gather_flat(gathered, send, bucket.group, async_op=True)))
+        for bucket, gathered, _, handle in started:
+            handle.wait()
+            rows = gathered.view(bucket.size, -1)
+            for slot in bucket.slots:
+                _unpack(rows, slot)
