@@ -27,12 +27,15 @@ class GradientPiece:
 
 
 def global_grad_norm(pieces: Sequence[GradientPiece], group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """L2 norm over every distinct gradient element of the model (float32 scalar on the gradients' device)."""
+    """L2 norm over every distinct gradient element of the model (float32 scalar on the gradients' device): each
+    piece's norm in float32 (as ``clip_grad_norm_``), their squares summed in float64."""
     device = pieces[0].grad.device if pieces else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for piece in pieces:
-        if piece.counted and piece.grad.numel():
-            total += piece.grad.detach().double().pow(2).sum() / piece.replicas
+    counted = [piece for piece in pieces if piece.counted and piece.grad.numel()]
+    if counted:
+        norms = torch.stack(torch._foreach_norm([piece.grad.detach() for piece in counted], 2, dtype=torch.float32))
+        replicas = torch.tensor([piece.replicas for piece in counted], dtype=torch.float64, device=device)
+        total += (norms.double().square() / replicas).sum()
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
     return total.sqrt().float()
@@ -45,6 +48,9 @@ def clip_gradients(pieces: Sequence[GradientPiece], max_norm: float,
     norm = global_grad_norm(pieces, group)
     if max_norm > 0:
         coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        by_kind: dict[tuple, list[torch.Tensor]] = {}
         for piece in pieces:
-            piece.grad.mul_(coefficient.to(piece.grad.dtype))
+            by_kind.setdefault((piece.grad.device, piece.grad.dtype), []).append(piece.grad)
+        for (device, dtype), grads in by_kind.items():
+            torch._foreach_mul_(grads, coefficient.to(device=device, dtype=dtype))
     return norm
