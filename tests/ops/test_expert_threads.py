@@ -1,6 +1,7 @@
 """for_each_expert: every expert with rows runs once on its rows, side by side on the CPU threads, and leaves the
 process's thread settings as it found them; grouped_mlp gives the same numbers threaded and serial."""
 
+import multiprocessing
 import threading
 
 import pytest
@@ -92,3 +93,20 @@ def test_grouped_mlp_threaded_equals_serial(two_threads, gated):
         serial = run()
     for got, expected in zip(threaded, serial):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def _experts_in_forked_child(queue):
+    seen = []
+    for_each_expert(lambda expert, rows: seen.append(expert), [3, 3, 3, 3], CPU)
+    queue.put(sorted(seen))
+
+
+def test_a_forked_child_makes_its_own_workers(two_threads):
+    for_each_expert(lambda expert, rows: None, [3, 3], CPU)  # the parent's workers exist before the fork
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_experts_in_forked_child, args=(queue,))
+    child.start()
+    child.join(timeout=60)
+    assert child.exitcode == 0, "the child hung or failed running its experts"
+    assert queue.get(timeout=5) == [0, 1, 2, 3]

@@ -14,6 +14,7 @@ write only its own rows of preallocated outputs; it runs under ``torch.no_grad()
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +25,16 @@ Work = Callable[[int, slice], None]
 _enabled = True
 _pools: dict[tuple[int, int], ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
+
+
+def _forget_pools_after_fork() -> None:
+    """A forked child has none of its parent's worker threads: it makes its own pools on first use."""
+    global _pools_lock
+    _pools.clear()
+    _pools_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pools_after_fork)
 
 
 def expert_rows(counts: list[int]) -> list[tuple[int, slice]]:
