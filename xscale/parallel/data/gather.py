@@ -19,8 +19,9 @@ from xscale.parallel.collectives import all_gather_flat
 
 @dataclass
 class GatherSlot:
-    """One parameter in a gather bucket: ``full`` its flat local tensor, ``chunk`` this rank's part of it (a view
-    of ``full``; at most ``chunk_size`` elements), ``column`` where it starts in a rank's pack."""
+    """One parameter in a gather bucket: ``full`` its flat local tensor, ``chunk`` this rank's part of it (the view
+    of ``full`` from rank x ``chunk_size`` on; at most ``chunk_size`` elements), ``column`` where it starts in a
+    rank's pack."""
 
     full: torch.Tensor
     chunk: torch.Tensor
@@ -32,6 +33,7 @@ class GatherSlot:
 class _Bucket:
     group: dist.ProcessGroup
     size: int  # ranks in ``group``
+    rank: int  # this rank's place in ``group``
     slots: list[GatherSlot]
 
     @property
@@ -49,13 +51,16 @@ def _pack(slots: list[GatherSlot]) -> torch.Tensor:
     return torch.cat(pieces)
 
 
-def _unpack(gathered: torch.Tensor, slot: GatherSlot) -> None:
-    """Copy ``slot``'s columns of every rank's row of ``gathered`` ([ranks, columns]) into its whole tensor."""
+def _unpack(gathered: torch.Tensor, slot: GatherSlot, rank: int) -> None:
+    """Copy ``slot``'s columns of every other rank's row of ``gathered`` ([ranks, columns]) into its whole tensor."""
     numel, chunk = slot.full.numel(), slot.chunk_size
     rows, rest = divmod(numel, chunk)
     columns = gathered[:, slot.column:slot.column + chunk]
-    slot.full[:rows * chunk].view(rows, chunk).copy_(columns[:rows])
-    if rest:
+    whole = slot.full[:rows * chunk].view(rows, chunk)
+    for first, last in ((0, min(rank, rows)), (rank + 1, rows)):
+        if first < last:
+            whole[first:last].copy_(columns[first:last])
+    if rest and rows != rank:
         slot.full[rows * chunk:].copy_(columns[rows, :rest])
 
 
@@ -72,7 +77,7 @@ class ChunkGather:
             nbytes = slot.chunk_size * size * slot.full.element_size()
             if bucket is None or (bucket.slots and (bucket.columns * size * slot.full.element_size() + nbytes
                                                     > bucket_bytes)):
-                bucket = _Bucket(group, size, [])
+                bucket = _Bucket(group, size, dist.get_rank(group), [])
                 open_buckets[key] = bucket
                 self.buckets.append(bucket)
             slot.column = bucket.columns
@@ -90,4 +95,4 @@ class ChunkGather:
             handle.wait()
             rows = gathered.view(bucket.size, -1)
             for slot in bucket.slots:
-                _unpack(rows, slot)
+                _unpack(rows, slot, bucket.rank)
