@@ -15,6 +15,8 @@ activation, as autograd would save them. The arithmetic is the unfused one, op f
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from xscale.ops.expert_threads import for_each_expert
@@ -55,79 +57,148 @@ def _linear_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias:
         torch.addmm(bias, x, weight.t(), out=out)
 
 
+@dataclass(frozen=True)
+class ExpertWeights:
+    """The stacked weights of E expert FFNs: w1 (and w_up, gated) [E, hidden, d], w2 [E, d, hidden], biases [E, out]
+    or None, and the activation."""
+
+    w1: torch.Tensor
+    b1: torch.Tensor | None
+    w_up: torch.Tensor | None
+    b_up: torch.Tensor | None
+    w2: torch.Tensor
+    b2: torch.Tensor | None
+    activation: str
+
+    @property
+    def gated(self) -> bool:
+        return self.w_up is not None
+
+    @property
+    def hidden(self) -> int:
+        return self.w1.shape[1]
+
+
+@dataclass(frozen=True)
+class ExpertActivations:
+    """What an expert's backward reads, one row per routed token: the input x, the pre-activation(s) and the hidden
+    activation, as autograd would save them."""
+
+    x: torch.Tensor
+    pre: torch.Tensor
+    up: torch.Tensor | None
+    act: torch.Tensor
+
+    @staticmethod
+    def empty(x: torch.Tensor, weights: ExpertWeights) -> ExpertActivations:
+        rows = (x.shape[0], weights.hidden)
+        return ExpertActivations(x, x.new_empty(rows), x.new_empty(rows) if weights.gated else None, x.new_empty(rows))
+
+
+def _bias(bias: torch.Tensor | None, expert: int) -> torch.Tensor | None:
+    return None if bias is None else bias[expert]
+
+
+def expert_forward(weights: ExpertWeights, expert: int, saved: ExpertActivations, rows: slice,
+                   y: torch.Tensor) -> None:
+    """y = expert ``expert``'s FFN of ``saved.x[rows]``, its activations written into ``saved``'s rows."""
+    x, pre, act = saved.x[rows], saved.pre[rows], saved.act[rows]
+    _linear_into(pre, x, weights.w1[expert], _bias(weights.b1, expert))
+    _activate(pre, weights.activation, act)
+    if weights.gated:
+        up = saved.up[rows]
+        _linear_into(up, x, weights.w_up[expert], _bias(weights.b_up, expert))
+        act.mul_(up)
+    _linear_into(y, act, weights.w2[expert], _bias(weights.b2, expert))
+
+
+@dataclass(frozen=True)
+class ExpertGradients:
+    """Gradient buffers of the stacked weights (None: not wanted), filled expert by expert."""
+
+    w1: torch.Tensor | None
+    b1: torch.Tensor | None
+    w_up: torch.Tensor | None
+    b_up: torch.Tensor | None
+    w2: torch.Tensor | None
+    b2: torch.Tensor | None
+
+    @staticmethod
+    def empty(weights: ExpertWeights, wanted: tuple[bool, ...]) -> ExpertGradients:
+        """``wanted``: (w1, b1, w_up, b_up, w2, b2) as autograd's needs_input_grad lists them."""
+        tensors = (weights.w1, weights.b1, weights.w_up, weights.b_up, weights.w2, weights.b2)
+        return ExpertGradients(*(torch.empty_like(t) if t is not None and need else None
+                                 for t, need in zip(tensors, wanted)))
+
+    def as_tuple(self) -> tuple[torch.Tensor | None, ...]:
+        return self.w1, self.b1, self.w_up, self.b_up, self.w2, self.b2
+
+    def zero_experts_without_rows(self, counts: list[int]) -> None:
+        for expert, count in enumerate(counts):
+            if count == 0:
+                for grad in self.as_tuple():
+                    if grad is not None:
+                        grad[expert].zero_()
+
+
+def expert_backward(weights: ExpertWeights, expert: int, saved: ExpertActivations, rows: slice, grad_y: torch.Tensor,
+                    grads: ExpertGradients, grad_x: torch.Tensor | None) -> None:
+    """Expert ``expert``'s weight gradients from ``grad_y`` (its rows' output gradients) into ``grads``, and the
+    input gradient into ``grad_x`` (None: not wanted). The hidden gradient lives in an expert-sized scratch."""
+    x, pre, act = saved.x[rows], saved.pre[rows], saved.act[rows]
+    g_h = x.new_empty((x.shape[0], weights.hidden))
+    if grads.w2 is not None:
+        torch.mm(grad_y.t(), act, out=grads.w2[expert])
+    if grads.b2 is not None:
+        torch.sum(grad_y, dim=0, out=grads.b2[expert])
+    torch.mm(grad_y, weights.w2[expert], out=g_h)  # d hidden
+    if weights.gated:
+        # hidden = act(pre) * up: d up = d hidden * act(pre); d act = d hidden * up
+        g_up = _activate(pre, weights.activation, x.new_empty(g_h.shape)).mul_(g_h)
+        g_h.mul_(saved.up[rows])
+    _activation_backward(g_h, pre, weights.activation)  # g_h is now d pre
+    if grads.w1 is not None:
+        torch.mm(g_h.t(), x, out=grads.w1[expert])
+    if grads.b1 is not None:
+        torch.sum(g_h, dim=0, out=grads.b1[expert])
+    if weights.gated:
+        if grads.w_up is not None:
+            torch.mm(g_up.t(), x, out=grads.w_up[expert])
+        if grads.b_up is not None:
+            torch.sum(g_up, dim=0, out=grads.b_up[expert])
+    if grad_x is not None:
+        torch.mm(g_h, weights.w1[expert], out=grad_x)
+        if weights.gated:
+            grad_x.addmm_(g_up, weights.w_up[expert])
+
+
 class _GroupedMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, b1, w_up, b_up, w2, b2, counts, activation):
-        rows, hidden = x.shape[0], w1.shape[1]
-        gated = w_up is not None
-        pre = x.new_empty((rows, hidden))
-        up = x.new_empty((rows, hidden)) if gated else None
-        act = x.new_empty((rows, hidden))
-        y = x.new_empty((rows, w2.shape[1]))
-
-        def expert_forward(expert: int, part: slice) -> None:
-            _linear_into(pre[part], x[part], w1[expert], None if b1 is None else b1[expert])
-            _activate(pre[part], activation, act[part])
-            if gated:
-                _linear_into(up[part], x[part], w_up[expert], None if b_up is None else b_up[expert])
-                act[part].mul_(up[part])
-            _linear_into(y[part], act[part], w2[expert], None if b2 is None else b2[expert])
-
-        for_each_expert(expert_forward, counts, x.device)
-        ctx.save_for_backward(x, w1, w_up, w2, pre, up, act)
+        weights = ExpertWeights(w1, b1, w_up, b_up, w2, b2, activation)
+        saved = ExpertActivations.empty(x, weights)
+        y = x.new_empty((x.shape[0], w2.shape[1]))
+        for_each_expert(lambda expert, rows: expert_forward(weights, expert, saved, rows, y[rows]), counts, x.device)
+        ctx.save_for_backward(x, w1, b1, w_up, b_up, w2, b2, saved.pre, saved.up, saved.act)
         ctx.counts, ctx.activation = counts, activation
-        ctx.has_bias = (b1 is not None, b_up is not None, b2 is not None)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, w1, w_up, w2, pre, up, act = ctx.saved_tensors
+        x, w1, b1, w_up, b_up, w2, b2, pre, up, act = ctx.saved_tensors
+        weights = ExpertWeights(w1, b1, w_up, b_up, w2, b2, ctx.activation)
+        saved = ExpertActivations(x, pre, up, act)
         grad_y = grad_y.contiguous()
-        counts, gated = ctx.counts, w_up is not None
-        grads = {name: (torch.empty_like(weight) if weight is not None and need else None)
-                 for name, weight, need in (("w1", w1, ctx.needs_input_grad[1]), ("w_up", w_up, ctx.needs_input_grad[3]),
-                                            ("w2", w2, ctx.needs_input_grad[5]))}
-        bias_grads = {name: (weight.new_empty(weight.shape[:2]) if has and need else None)
-                      for name, weight, has, need in (("b1", w1, ctx.has_bias[0], ctx.needs_input_grad[2]),
-                                                      ("b_up", w_up, ctx.has_bias[1], ctx.needs_input_grad[4]),
-                                                      ("b2", w2, ctx.has_bias[2], ctx.needs_input_grad[6]))}
+        grads = ExpertGradients.empty(weights, ctx.needs_input_grad[1:7])
+        grads.zero_experts_without_rows(ctx.counts)
         grad_x = x.new_empty(x.shape) if ctx.needs_input_grad[0] else None
-        for expert, count in enumerate(counts):  # an expert without rows gets zero gradients
-            if count == 0:
-                for grad in (*grads.values(), *bias_grads.values()):
-                    if grad is not None:
-                        grad[expert].zero_()
 
-        def expert_backward(expert: int, part: slice) -> None:
-            n = part.stop - part.start
-            g_y, g_h = grad_y[part], x.new_empty((n, w1.shape[1]))  # g_h: the expert's hidden gradient
-            if grads["w2"] is not None:
-                torch.mm(g_y.t(), act[part], out=grads["w2"][expert])
-            if bias_grads["b2"] is not None:
-                torch.sum(g_y, dim=0, out=bias_grads["b2"][expert])
-            torch.mm(g_y, w2[expert], out=g_h)  # d hidden
-            if gated:
-                # hidden = act(pre) * up: d up = d hidden * act(pre); d act = d hidden * up
-                g_up = _activate(pre[part], ctx.activation, x.new_empty((n, w1.shape[1]))).mul_(g_h)
-                g_h.mul_(up[part])
-            _activation_backward(g_h, pre[part], ctx.activation)  # g_h is now d pre
-            if grads["w1"] is not None:
-                torch.mm(g_h.t(), x[part], out=grads["w1"][expert])
-            if bias_grads["b1"] is not None:
-                torch.sum(g_h, dim=0, out=bias_grads["b1"][expert])
-            if gated:
-                if grads["w_up"] is not None:
-                    torch.mm(g_up.t(), x[part], out=grads["w_up"][expert])
-                if bias_grads["b_up"] is not None:
-                    torch.sum(g_up, dim=0, out=bias_grads["b_up"][expert])
-            if grad_x is not None:
-                torch.mm(g_h, w1[expert], out=grad_x[part])
-                if gated:
-                    grad_x[part].addmm_(g_up, w_up[expert])
+        def backward_rows(expert: int, rows: slice) -> None:
+            expert_backward(weights, expert, saved, rows, grad_y[rows], grads,
+                            None if grad_x is None else grad_x[rows])
 
-        for_each_expert(expert_backward, counts, x.device)
-        return (grad_x, grads["w1"], bias_grads["b1"], grads["w_up"], bias_grads["b_up"], grads["w2"],
-                bias_grads["b2"], None, None)
+        for_each_expert(backward_rows, ctx.counts, x.device)
+        return (grad_x, *grads.as_tuple(), None, None)
 
 
 def grouped_mlp(x: torch.Tensor, counts: list[int], activation: str, w1: torch.Tensor, b1: torch.Tensor | None,

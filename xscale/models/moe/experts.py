@@ -14,7 +14,8 @@ from torch import nn
 
 from xscale.models.ffn import GatedMLP
 from xscale.models.registry import FFN
-from xscale.ops.grouped_mlp import grouped_mlp
+from xscale.ops.grouped_mlp import ExpertWeights, grouped_mlp
+from xscale.ops.token_experts import token_experts
 
 
 class StackedLinear(nn.Module):
@@ -57,16 +58,27 @@ class StackedExperts(nn.Module):
         first = self.w_gate if self.gated else self.w_in
         return first.weight.shape[0]
 
-    def forward(self, tokens_by_expert: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def weights(self) -> ExpertWeights:
+        if self.gated:
+            return ExpertWeights(self.w_gate.weight, self.w_gate.bias, self.w_up.weight, self.w_up.bias,
+                                 self.w_down.weight, self.w_down.bias, self.activation)
+        return ExpertWeights(self.w_in.weight, self.w_in.bias, None, None, self.w_out.weight, self.w_out.bias,
+                             self.activation)
+
+    def forward(self, tokens_by_expert: torch.Tensor, counts: list[int], token_index: torch.Tensor | None = None,
+                gate: torch.Tensor | None = None) -> torch.Tensor:
         """Tokens [sum(counts), d] sorted by expert, ``counts[i]`` of them for expert i -> outputs, same order.
 
         Variable-size expert batches (dropless-capable): each expert's whole FFN runs on its own rows
-        (:func:`xscale.ops.grouped_mlp.grouped_mlp`).
+        (:func:`xscale.ops.grouped_mlp.grouped_mlp`). With ``token_index`` and ``gate`` (top-1: each token kept at
+        most once) the first argument is the layer's tokens [N, d] in token order, and the result the gated
+        combination per token [N, d] (:func:`xscale.ops.token_experts.token_experts`: dispatch and combine inside
+        each expert's pass).
         """
         if len(counts) != self.num_experts:
             raise ValueError(f"got token counts for {len(counts)} experts, this module holds {self.num_experts}")
-        if self.gated:
-            return grouped_mlp(tokens_by_expert, counts, self.activation, self.w_gate.weight, self.w_gate.bias,
-                               self.w_down.weight, self.w_down.bias, self.w_up.weight, self.w_up.bias)
-        return grouped_mlp(tokens_by_expert, counts, self.activation, self.w_in.weight, self.w_in.bias,
-                           self.w_out.weight, self.w_out.bias)
+        weights = self.weights()
+        if token_index is not None:
+            return token_experts(tokens_by_expert, token_index, gate, counts, weights)
+        return grouped_mlp(tokens_by_expert, counts, weights.activation, weights.w1, weights.b1, weights.w2,
+                           weights.b2, weights.w_up, weights.b_up)

@@ -97,11 +97,14 @@ class MoELayer(nn.Module):
         tokens = x.reshape(-1, x.shape[-1])
         exchange = self._exchange(context)
         routing = self.router(x, exchange, context)
-        assignment = assignment_of_token(routing.token_index, tokens.shape[0]) if routing.one_per_token else None
-        outputs_by_expert = exchange.dispatch(gather_tokens(tokens, routing.token_index, assignment),
-                                              routing.local_tokens_per_expert, self.experts)
-        output = combine_by_gate(outputs_by_expert, routing.gate, routing.token_index, tokens.shape[0], tokens.dtype,
-                                 assignment)
+        if routing.one_per_token and isinstance(exchange, LocalExperts):  # dispatch and combine in the experts' pass
+            output = self.experts(tokens, routing.local_tokens_per_expert.tolist(), routing.token_index, routing.gate)
+        else:
+            assignment = assignment_of_token(routing.token_index, tokens.shape[0]) if routing.one_per_token else None
+            outputs_by_expert = exchange.dispatch(gather_tokens(tokens, routing.token_index, assignment),
+                                                  routing.local_tokens_per_expert, self.experts)
+            output = combine_by_gate(outputs_by_expert, routing.gate, routing.token_index, tokens.shape[0],
+                                     tokens.dtype, assignment)
         if self.shared_expert is not None:
             output = output + self.shared_expert(tokens)
         self._record(routing, exchange)
