@@ -7,34 +7,38 @@ experts) with one intra-op thread each brings them to 0.97-1.06x (``xscale bench
 
 :func:`for_each_expert` runs ``work(expert, rows)`` for every expert with rows: one after another on accelerators,
 with one thread, or with a single expert; otherwise in groups balanced by row count, the calling thread running the
-first group and persistent worker threads the others, each with ``threads // groups`` intra-op threads. ``work`` must
+first group and persistent worker threads the others, each with ``threads // groups`` intra-op threads
+(``torch.set_num_threads(1)`` runs them one after another). ``work`` must
 write only its own rows of preallocated outputs; it runs under ``torch.no_grad()`` with autocast off.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 Work = Callable[[int, slice], None]
-_enabled = True
-_pools: dict[tuple[int, int], ThreadPoolExecutor] = {}
-_pools_lock = threading.Lock()
 
 
-def _forget_pools_after_fork() -> None:
-    """A forked child has none of its parent's worker threads: it makes its own pools on first use."""
-    global _pools_lock
-    _pools.clear()
-    _pools_lock = threading.Lock()
+class _WorkerPools:
+    """The process's worker pools by (workers, intra-op threads each), made on first use (like torch's own thread
+    pools); a forked child has none of its parent's threads and starts with none."""
+
+    def __init__(self) -> None:
+        self.pools: dict[tuple[int, int], ThreadPoolExecutor] = {}
+        self.lock = threading.Lock()
+
+    def forget(self) -> None:
+        self.pools = {}
+        self.lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_forget_pools_after_fork)
+_WORKERS = _WorkerPools()
+os.register_at_fork(after_in_child=_WORKERS.forget)
 
 
 def expert_rows(counts: list[int]) -> list[tuple[int, slice]]:
@@ -57,17 +61,6 @@ def balanced_groups(counts: list[int], groups: int) -> list[list[int]]:
     return [sorted(group) for group in members if group]
 
 
-@contextlib.contextmanager
-def serial_experts() -> Iterator[None]:
-    """Run experts one after another on this thread (every thread inside each GEMM) while the block lasts."""
-    global _enabled
-    previous, _enabled = _enabled, False
-    try:
-        yield
-    finally:
-        _enabled = previous
-
-
 def _set_worker_threads(threads: int) -> None:
     torch.get_num_threads()  # this thread's first call sets its count from the process's; only then override it
     torch.set_num_threads(threads)
@@ -75,8 +68,8 @@ def _set_worker_threads(threads: int) -> None:
 
 def _pool(workers: int, threads_each: int) -> ThreadPoolExecutor:
     """Persistent daemon workers with ``threads_each`` intra-op threads each (made once per shape)."""
-    with _pools_lock:
-        pool = _pools.get((workers, threads_each))
+    with _WORKERS.lock:
+        pool = _WORKERS.pools.get((workers, threads_each))
         if pool is None:
             process_threads = torch.get_num_threads()
             pool = ThreadPoolExecutor(workers, thread_name_prefix="xscale-experts")
@@ -90,7 +83,7 @@ def _pool(workers: int, threads_each: int) -> ThreadPoolExecutor:
                 pool.submit(start)
             ready.wait()
             torch.set_num_threads(process_threads)  # the workers' override also set the count new threads start with
-            _pools[workers, threads_each] = pool
+            _WORKERS.pools[workers, threads_each] = pool
         return pool
 
 
@@ -105,7 +98,7 @@ def for_each_expert(work: Work, counts: list[int], device: torch.device) -> None
     rows = dict(expert_rows(counts))
     threads = torch.get_num_threads()
     groups = balanced_groups(counts, min(threads, len(rows))) if rows else []
-    if not _enabled or device.type != "cpu" or len(groups) < 2:
+    if device.type != "cpu" or len(groups) < 2:
         _run_group(work, sorted(rows), rows)
         return
     threads_each = max(1, threads // len(groups))
