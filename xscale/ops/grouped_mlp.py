@@ -210,17 +210,30 @@ def grouped_mlp(x: torch.Tensor, counts: list[int], activation: str, w1: torch.T
     (``w_up`` given) computes act(x w1^T) * (x w_up^T) before w2. Under autocast the operands are cast to the
     autocast dtype first, as ``F.linear`` would.
     """
-    if len(counts) != w1.shape[0]:
-        raise ValueError(f"got row counts for {len(counts)} experts, the weights stack {w1.shape[0]}")
+    weights = ExpertWeights(w1, b1, w_up, b_up, w2, b2, activation)
+    check_experts(counts, weights)
     if sum(counts) != x.shape[0]:
         raise ValueError(f"the row counts add up to {sum(counts)}, x has {x.shape[0]} rows")
-    if activation not in ACTIVATION_NAMES:
-        raise ValueError(f"unknown activation '{activation}' ({', '.join(ACTIVATION_NAMES)})")
-    tensors = [x, w1, b1, w_up, b_up, w2, b2]
+    x, weights = autocast_operands(x, weights)
+    with torch.autocast(x.device.type, enabled=False):
+        return _GroupedMLP.apply(x.contiguous(), weights.w1, weights.b1, weights.w_up, weights.b_up, weights.w2,
+                                 weights.b2, counts, activation)
+
+
+def check_experts(counts: list[int], weights: ExpertWeights) -> None:
+    """One row count per stacked expert and a known activation, or a ValueError naming what is wrong."""
+    if len(counts) != weights.w1.shape[0]:
+        raise ValueError(f"got row counts for {len(counts)} experts, the weights stack {weights.w1.shape[0]}")
+    if weights.activation not in ACTIVATION_NAMES:
+        raise ValueError(f"unknown activation '{weights.activation}' ({', '.join(ACTIVATION_NAMES)})")
+
+
+def autocast_operands(x: torch.Tensor, weights: ExpertWeights) -> tuple[torch.Tensor, ExpertWeights]:
+    """Under autocast, x and the weights cast to the autocast dtype first, as ``F.linear`` would; else as they are."""
     device = x.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        tensors = [None if t is None else t.to(dtype) for t in tensors]
-    x, w1, b1, w_up, b_up, w2, b2 = tensors
-    with torch.autocast(device, enabled=False):
-        return _GroupedMLP.apply(x.contiguous(), w1, b1, w_up, b_up, w2, b2, counts, activation)
+    if not torch.is_autocast_enabled(device):
+        return x, weights
+    dtype = torch.get_autocast_dtype(device)
+    tensors = [None if t is None else t.to(dtype) for t in (weights.w1, weights.b1, weights.w_up, weights.b_up,
+                                                                weights.w2, weights.b2)]
+    return x.to(dtype), ExpertWeights(*tensors, weights.activation)

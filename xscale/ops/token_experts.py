@@ -17,10 +17,11 @@ import torch
 
 from xscale.ops.expert_threads import for_each_expert
 from xscale.ops.grouped_mlp import (
-    ACTIVATION_NAMES,
     ExpertActivations,
     ExpertGradients,
     ExpertWeights,
+    autocast_operands,
+    check_experts,
     expert_backward,
     expert_forward,
 )
@@ -41,7 +42,8 @@ class _TokenExperts(torch.autograd.Function):
         expert_out = tokens.new_empty((token_index.shape[0], w2.shape[1]))
         gate_rows = gate.to(tokens.dtype).unsqueeze(-1)
         out = tokens.new_empty((tokens.shape[0], w2.shape[1]), dtype=out_dtype)
-        out.index_fill_(0, _rows_without_assignment(token_index, tokens.shape[0]), 0.0)
+        dropped = _rows_without_assignment(token_index, tokens.shape[0])
+        out.index_fill_(0, dropped, 0.0)
 
         def forward_rows(expert: int, rows: slice) -> None:
             torch.index_select(tokens, 0, token_index[rows], out=saved.x[rows])
@@ -49,14 +51,14 @@ class _TokenExperts(torch.autograd.Function):
             out.index_copy_(0, token_index[rows], (expert_out[rows] * gate_rows[rows]).to(out_dtype))
 
         for_each_expert(forward_rows, counts, tokens.device)
-        ctx.save_for_backward(token_index, gate_rows, w1, b1, w_up, b_up, w2, b2, saved.x, saved.pre, saved.up,
-                              saved.act, expert_out)
+        ctx.save_for_backward(token_index, dropped, gate_rows, w1, b1, w_up, b_up, w2, b2, saved.x, saved.pre,
+                              saved.up, saved.act, expert_out)
         ctx.counts, ctx.activation, ctx.num_tokens, ctx.gate_dtype = counts, activation, tokens.shape[0], gate.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        token_index, gate_rows, w1, b1, w_up, b_up, w2, b2, x, pre, up, act, expert_out = ctx.saved_tensors
+        token_index, dropped, gate_rows, w1, b1, w_up, b_up, w2, b2, x, pre, up, act, expert_out = ctx.saved_tensors
         weights = ExpertWeights(w1, b1, w_up, b_up, w2, b2, ctx.activation)
         saved = ExpertActivations(x, pre, up, act)
         grad_out = grad_out.contiguous()
@@ -66,7 +68,7 @@ class _TokenExperts(torch.autograd.Function):
         grad_tokens = None
         if ctx.needs_input_grad[0]:
             grad_tokens = x.new_empty((ctx.num_tokens, x.shape[1]))
-            grad_tokens.index_fill_(0, _rows_without_assignment(token_index, ctx.num_tokens), 0.0)
+            grad_tokens.index_fill_(0, dropped, 0.0)
 
         def backward_rows(expert: int, rows: slice) -> None:
             grad_y = grad_out.index_select(0, token_index[rows]).to(expert_out.dtype)
@@ -89,20 +91,12 @@ def token_experts(tokens: torch.Tensor, token_index: torch.Tensor, gate: torch.T
     without one. ``token_index`` [A] (each token at most once) sorted by expert, ``counts[e]`` of them for expert e;
     ``gate`` [A]. Under autocast the FFN runs in the autocast dtype (as ``F.linear`` would); the output is
     ``out_dtype`` (default: the tokens' dtype)."""
-    if len(counts) != weights.w1.shape[0]:
-        raise ValueError(f"got row counts for {len(counts)} experts, the weights stack {weights.w1.shape[0]}")
+    check_experts(counts, weights)
     if sum(counts) != token_index.shape[0] or gate.shape != token_index.shape:
         raise ValueError(f"the row counts add up to {sum(counts)}; token_index {tuple(token_index.shape)} and gate "
                          f"{tuple(gate.shape)} must both have one entry per kept assignment")
-    if weights.activation not in ACTIVATION_NAMES:
-        raise ValueError(f"unknown activation '{weights.activation}' ({', '.join(ACTIVATION_NAMES)})")
     out_dtype = out_dtype or tokens.dtype
-    tensors = [tokens, weights.w1, weights.b1, weights.w_up, weights.b_up, weights.w2, weights.b2]
-    device = tokens.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        tensors = [None if t is None else t.to(dtype) for t in tensors]
-    tokens, w1, b1, w_up, b_up, w2, b2 = tensors
-    with torch.autocast(device, enabled=False):
-        return _TokenExperts.apply(tokens.contiguous(), token_index, gate, w1, b1, w_up, b_up, w2, b2, counts,
-                                   weights.activation, out_dtype)
+    tokens, weights = autocast_operands(tokens, weights)
+    with torch.autocast(tokens.device.type, enabled=False):
+        return _TokenExperts.apply(tokens.contiguous(), token_index, gate, weights.w1, weights.b1, weights.w_up,
+                                   weights.b_up, weights.w2, weights.b2, counts, weights.activation, out_dtype)
