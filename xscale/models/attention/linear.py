@@ -102,7 +102,7 @@ class ChunkedCausalKernel(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, feature_q: FeatureMap, feature_k: FeatureMap, chunk: int,
                 eps: float) -> Tensor:
         length = q.shape[2]
-        state = _zero_state(q, k, v, feature_k)
+        state = _zero_state(k, v, feature_k)
         per_chunk = state.shape[0] * state.shape[1] * chunk * (state.shape[2] + chunk)  # its features and scores
         segment = chunk * max(1, min(-(-length // chunk), q.numel() // SEGMENT_FRACTION // per_chunk))
         starts = list(range(0, length, segment))
@@ -146,7 +146,7 @@ class ChunkedCausalKernel(torch.autograd.Function):
         return *grads, None, None, None, None
 
 
-def _zero_state(q: Tensor, k: Tensor, v: Tensor, feature_k: FeatureMap) -> Tensor:
+def _zero_state(k: Tensor, v: Tensor, feature_k: FeatureMap) -> Tensor:
     """S = 0 (B, H, m, d + 1): m read from the feature map of one key."""
     with torch.no_grad():
         features = feature_k(k.narrow(2, 0, 1)).shape[-1]
