@@ -130,28 +130,55 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, blo
 
 
 def _tiles(group: RowGroup, block: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
-    """(first row, end row, [(first slot, end slot), ...]) of the group: score tiles of about TILE_ELEMENTS."""
+    """(first row, end row, [(first slot, end slot), ...]) of the group: score tiles of about TILE_ELEMENTS.
+    A bias shared by every head repeats every ``period`` rows; no tile crosses a period, so its bias is a slice."""
     n_rows, width = group.key_blocks.shape
     span = max(1, min(width, TILE_ELEMENTS // (block * block)))
-    rows = max(1, TILE_ELEMENTS // (block * span * block))
     spans = [(s, min(s + span, width)) for s in range(0, width, span)]
-    return [(r, min(r + rows, n_rows), spans) for r in range(0, n_rows, rows)]
+    period = group.bias.shape[0]
+    rows = max(1, TILE_ELEMENTS // (block * span * block))
+    rows = math.ceil(period / math.ceil(period / rows))  # equal tiles per period
+    return [(r, min(r + rows, p + period), spans) for p in range(0, n_rows, period)
+            for r in range(p, min(p + period, n_rows), rows)]
+
+
+class _Workspace:
+    """Buffers that every tile of one call reuses: a fresh multi-MiB tensor per tile faults its pages in again
+    (glibc returns large blocks to the system), which cost more than the tile's exponentials."""
+
+    def __init__(self, like: Tensor, plan: BlockPlan, block: int, n_score_buffers: int, n_key_buffers: int):
+        batch, head_dim = like.shape[0], like.shape[-1]
+        scores = keys = 0
+        for group in plan.groups:
+            for first, end, spans in _tiles(group, block):
+                slots = max(b - a for a, b in spans)
+                scores = max(scores, batch * (end - first) * block * slots * block)
+                keys = max(keys, batch * (end - first) * slots * block * head_dim)
+        self.scores = [like.new_empty(scores) for _ in range(n_score_buffers)]
+        self.keys = [like.new_empty(keys) for _ in range(n_key_buffers)]
+
+    @staticmethod
+    def view(buffer: Tensor, *shape: int) -> Tensor:
+        return buffer[:math.prod(shape)].view(shape)
 
 
 def _tile(group: RowGroup, blocks: tuple[Tensor, Tensor, Tensor], rows: tuple[int, int], slots: tuple[int, int],
-          scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+          scale: float, work: _Workspace) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Queries (B, r, block, hd) scaled, keys and values (B, r, s * block, hd) and scores (B, r, block, s * block)
-    of ``rows`` x ``slots`` of the group, the token rule's bias added."""
+    of ``rows`` x ``slots`` of the group, the token rule's bias added; keys, values and scores live in the
+    workspace's first buffers."""
     q_blocks, k_blocks, v_blocks = q_blocks_of(group, blocks[0], rows), blocks[1], blocks[2]
-    n_rows, block, head_dim = rows[1] - rows[0], q_blocks.shape[2], q_blocks.shape[3]
+    batch, n_rows, block, head_dim = q_blocks.shape[0], rows[1] - rows[0], q_blocks.shape[2], q_blocks.shape[3]
     flat = group.key_blocks[rows[0]:rows[1], slots[0]:slots[1]].flatten()
-    keys = k_blocks.index_select(1, flat).view(k_blocks.shape[0], n_rows, -1, head_dim)
-    values = v_blocks.index_select(1, flat).view(v_blocks.shape[0], n_rows, -1, head_dim)
+    keys = torch.index_select(k_blocks, 1, flat, out=work.view(work.keys[0], batch, len(flat), block, head_dim))
+    values = torch.index_select(v_blocks, 1, flat, out=work.view(work.keys[1], batch, len(flat), block, head_dim))
+    keys, values = keys.view(batch, n_rows, -1, head_dim), values.view(batch, n_rows, -1, head_dim)
     queries = q_blocks * scale
-    bias_rows = torch.arange(rows[0], rows[1], device=flat.device) % group.bias.shape[0]
-    bias = group.bias[:, :, slots[0] * block:slots[1] * block].index_select(0, bias_rows)
-    scores = torch.matmul(queries, keys.transpose(-1, -2)).add_(bias.to(queries.dtype))
-    return queries, keys, values, scores
+    period = group.bias.shape[0]
+    bias = group.bias[rows[0] % period:(rows[1] - 1) % period + 1, :, slots[0] * block:slots[1] * block]
+    scores = work.view(work.scores[0], batch, n_rows, block, keys.shape[2])
+    torch.matmul(queries, keys.transpose(-1, -2), out=scores)
+    return queries, keys, values, scores.add_(bias.to(queries.dtype))
 
 
 def q_blocks_of(group: RowGroup, q_blocks: Tensor, rows: tuple[int, int]) -> Tensor:
@@ -168,11 +195,18 @@ def _write_rows(target: Tensor, group: RowGroup, rows: tuple[int, int], value: T
         target.index_copy_(1, group.rows[rows[0]:rows[1]], value)
 
 
+# Scores are kept in base 2 (q scaled by log2(e) / sqrt(d)) and exponentiated with exp2: on CPU torch.exp takes a
+# slow path ~10-90x slower for inputs of -inf or below about -88 (the masked and far entries of a tile), exp2 does
+# not (FlashAttention-2 uses exp2 on GPU for its own reasons).
+LOG2_E = 1.0 / math.log(2.0)
+
+
 class OnlineBlockSparse(torch.autograd.Function):
     """Block-sparse softmax attention that saves only q, k, v, the output and each row's log-sum-exp
     (FlashAttention, Dao et al. 2022, alg. 1-2, over a block layout): the forward keeps a running max and sum
     over tiles of the layout's key blocks; the backward recomputes each tile's probabilities P and uses
-    dS = P * (dP - rowsum(dO * O)). Memory beyond q, k, v, their gradients and the output: a few score tiles."""
+    dS = P * (dP - rowsum(dO * O)). Memory beyond q, k, v, their gradients and the output: a few score tiles.
+    Row maxima and log-sum-exps are in base 2 (see ``LOG2_E``)."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, block: int) -> Tensor:
@@ -181,10 +215,11 @@ class OnlineBlockSparse(torch.autograd.Function):
                   v.view(batch, -1, block, head_dim))
         out = q.new_zeros(blocks[0].shape)
         log_sum_exp = q.new_zeros(batch, blocks[0].shape[1], block, 1)
-        scale = head_dim**-0.5
+        scale = head_dim**-0.5 * LOG2_E
+        work = _Workspace(q, plan, block, 1, 2)
         for group in plan.groups:
             for rows in _tiles(group, block):
-                _forward_rows(group, blocks, rows, scale, out, log_sum_exp)
+                _forward_rows(group, blocks, rows, scale, out, log_sum_exp, work)
         ctx.save_for_backward(q, k, v, out, log_sum_exp)
         ctx.plan, ctx.block = plan, block
         return out.view(batch, n_heads, padded, head_dim)
@@ -198,28 +233,29 @@ class OnlineBlockSparse(torch.autograd.Function):
                   v.view(batch, -1, block, head_dim))
         grad_out = grad_out.contiguous().view(out.shape)
         grads = (torch.zeros_like(blocks[0]), torch.zeros_like(blocks[1]), torch.zeros_like(blocks[2]))
-        scale = head_dim**-0.5
+        scale = head_dim**-0.5 * LOG2_E
+        work = _Workspace(q, plan, block, 2, 3)
         for group in plan.groups:
             for rows in _tiles(group, block):
-                _backward_rows(group, blocks, rows, scale, (out, log_sum_exp, grad_out), grads)
+                _backward_rows(group, blocks, rows, scale, (out, log_sum_exp, grad_out), grads, work)
         return grads[0].view(q.shape), grads[1].view(k.shape), grads[2].view(v.shape), None, None
 
 
 def _forward_rows(group: RowGroup, blocks: tuple[Tensor, Tensor, Tensor], tile: tuple, scale: float,
-                  out: Tensor, log_sum_exp: Tensor) -> None:
+                  out: Tensor, log_sum_exp: Tensor, work: _Workspace) -> None:
     """Online softmax of one row range over its spans of key blocks; writes its output and log-sum-exp rows."""
     first, end, spans = tile
     running_max = running_sum = acc = None
     for slots in spans:
-        _, _, values, scores = _tile(group, blocks, (first, end), slots, scale)
+        _, _, values, scores = _tile(group, blocks, (first, end), slots, scale, work)
         tile_max = scores.amax(-1, keepdim=True)
         new_max = tile_max if running_max is None else torch.maximum(running_max, tile_max)
         new_max = new_max.masked_fill(new_max == float("-inf"), 0.0)  # a row with no key here yet
-        probs = torch.exp(scores.sub_(new_max))
+        probs = scores.sub_(new_max).exp2_()
         if running_max is None:
             running_sum, acc = probs.sum(-1, keepdim=True), torch.matmul(probs, values)
         else:
-            correction = torch.exp(running_max - new_max)
+            correction = torch.exp2(running_max - new_max)
             running_sum = running_sum * correction + probs.sum(-1, keepdim=True)
             acc = acc * correction + torch.matmul(probs, values)
         running_max = new_max
@@ -227,31 +263,35 @@ def _forward_rows(group: RowGroup, blocks: tuple[Tensor, Tensor, Tensor], tile: 
     if not group.every_query_has_key:
         result = result * group.has_key[first:end]
     _write_rows(out, group, (first, end), result)
-    _write_rows(log_sum_exp, group, (first, end), running_max + torch.log(running_sum))
+    _write_rows(log_sum_exp, group, (first, end), running_max + torch.log2(running_sum))
 
 
 def _backward_rows(group: RowGroup, blocks: tuple[Tensor, Tensor, Tensor], tile: tuple, scale: float,
-                   saved: tuple[Tensor, Tensor, Tensor], grads: tuple[Tensor, Tensor, Tensor]) -> None:
-    """Gradients of one row range: recomputed P per span, dV += P^T dO, dS = P (dP - rowsum(dO O)), dQ, dK."""
+                   saved: tuple[Tensor, Tensor, Tensor], grads: tuple[Tensor, Tensor, Tensor],
+                   work: _Workspace) -> None:
+    """Gradients of one row range: recomputed P per span, dV += P^T dO, dS = P (dP - rowsum(dO O)), dQ, dK.
+    ``scale`` includes ``LOG2_E`` (the scores are base 2): dK's tile and dQ are scaled back by ln 2."""
     first, end, spans = tile
     out, log_sum_exp, grad_out = (q_blocks_of(group, x, (first, end)) for x in saved)
     delta = (grad_out * out).sum(-1, keepdim=True)
     grad_q = None
     for slots in spans:
-        queries, keys, values, scores = _tile(group, blocks, (first, end), slots, scale)
-        probs = torch.exp(scores.sub_(log_sum_exp))
+        queries, keys, values, scores = _tile(group, blocks, (first, end), slots, scale, work)
+        probs = scores.sub_(log_sum_exp).exp2_()
         if not group.every_query_has_key:
             probs = probs * group.has_key[first:end]
         flat = group.key_blocks[first:end, slots[0]:slots[1]].flatten()
         head_dim = keys.shape[-1]
-        grad_v = torch.matmul(probs.transpose(-1, -2), grad_out)
+        grad_kv = work.view(work.keys[2], *keys.shape)
+        grad_v = torch.matmul(probs.transpose(-1, -2), grad_out, out=grad_kv)
         grads[2].index_add_(1, flat, grad_v.view(grad_v.shape[0], -1, blocks[2].shape[2], head_dim))
-        grad_scores = probs.mul_(torch.matmul(grad_out, values.transpose(-1, -2)).sub_(delta))
-        grad_k = torch.matmul(grad_scores.transpose(-1, -2), queries)
+        grad_probs = torch.matmul(grad_out, values.transpose(-1, -2), out=work.view(work.scores[1], *probs.shape))
+        grad_scores = probs.mul_(grad_probs.sub_(delta))
+        grad_k = torch.matmul(grad_scores.transpose(-1, -2), queries, out=grad_kv).mul_(math.log(2.0))
         grads[1].index_add_(1, flat, grad_k.view(grad_k.shape[0], -1, blocks[1].shape[2], head_dim))
         part = torch.matmul(grad_scores, keys)
         grad_q = part if grad_q is None else grad_q.add_(part)
-    _write_rows(grads[0], group, (first, end), grad_q.mul_(scale))
+    _write_rows(grads[0], group, (first, end), grad_q.mul_(scale * math.log(2.0)))
 
 
 def gathered_block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, block: int, *,
