@@ -4,10 +4,26 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.models.attention.conftest import make_core, random_qkv
 from xscale.models.attention import linear
 from xscale.models.attention.linear import elu_feature, kernel_attention, kernelized_reference
+
+
+def elu_written_out(x: torch.Tensor) -> torch.Tensor:
+    """phi = elu + 1 through torch's own elu (the reference for the fused feature map)."""
+    return F.elu(x) + 1
+
+
+def performer_written_out(x: torch.Tensor, projection: torch.Tensor, is_query: bool) -> torch.Tensor:
+    """FAVOR+ features in plain autograd: exp(w . x' - |x'|^2 / 2), x' = x d^-1/4 (a query's row max shifted
+    out and its |x'|^2 left out: both cancel in the query's ratio)."""
+    x = x * x.shape[-1] ** -0.25
+    logits = x @ projection.to(x.dtype).T
+    if is_query:
+        return torch.exp(logits - logits.amax(-1, keepdim=True).detach())
+    return torch.exp(logits - (x * x).sum(-1, keepdim=True) / 2)
 
 
 def _grads(out: torch.Tensor, inputs: tuple, grad: torch.Tensor) -> tuple:
@@ -19,10 +35,23 @@ def test_chunked_causal_equals_quadratic(chunk: int) -> None:
     """Output and q/k/v gradients of elu + 1 features, 45 tokens (the last chunk shorter than the others)."""
     q, k, v = random_qkv(2, 3, 45, 8)
     out = kernel_attention(q, k, v, elu_feature, elu_feature, causal=True, chunk=chunk)
-    reference = kernelized_reference(elu_feature(q), elu_feature(k), v, causal=True)
+    reference = kernelized_reference(elu_written_out(q), elu_written_out(k), v, causal=True)
     grad = torch.randn_like(out)
     for mine, ref in zip(_grads(out, (q, k, v), grad), _grads(reference, (q, k, v), grad)):
         torch.testing.assert_close(mine, ref, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
+def test_performer_features_match_the_formula_written_out(causal: bool) -> None:
+    """Performer's fused feature map (base 2, its own backward) against exp(w.x - |x|^2/2) in plain autograd."""
+    core = make_core("performer", causal, {"features": 16, "chunk": 8})
+    q, k, v = random_qkv(1, 4, 37, 16, scale=0.5)
+    out = core(q, k, v, causal=causal)
+    phi_q, phi_k = (performer_written_out(x, core.projection, x is q) for x in (q, k))
+    reference = kernelized_reference(phi_q, phi_k, v, causal=causal)
+    grad = torch.randn_like(out)
+    for mine, ref in zip(_grads(out, (q, k, v), grad), _grads(reference, (q, k, v), grad)):
+        torch.testing.assert_close(mine, ref, atol=1e-9, rtol=1e-9)
 
 
 @pytest.mark.parametrize("kind", ["performer", "rfa"])
@@ -56,7 +85,7 @@ def test_segments_and_recomputed_states_equal_quadratic(monkeypatch, fraction: i
     monkeypatch.setattr(linear, "SEGMENT_FRACTION", fraction)
     q, k, v = random_qkv(1, 2, 75, 8)  # chunks of 8: 10 chunks, the last one short
     out = kernel_attention(q, k, v, elu_feature, elu_feature, causal=True, chunk=8)
-    reference = kernelized_reference(elu_feature(q), elu_feature(k), v, causal=True)
+    reference = kernelized_reference(elu_written_out(q), elu_written_out(k), v, causal=True)
     grad = torch.randn_like(out)
     for mine, ref in zip(_grads(out, (q, k, v), grad), _grads(reference, (q, k, v), grad)):
         torch.testing.assert_close(mine, ref, atol=1e-10, rtol=1e-10)

@@ -53,12 +53,24 @@ def causal_chunks(phi_q: Tensor, phi_k: Tensor, values: Tensor, chunk: int,
     before = chunk_states.cumsum(dim=2) - chunk_states  # chunk i reads the chunks < i
     if state is not None:
         before = before + state.unsqueeze(2)
-    out = out + phi_q @ before
+    out = _add_product(out, phi_q, before)
     after = before[:, :, -1] + chunk_states[:, :, -1]
     return out.reshape(batch, heads, n_chunks * chunk, -1)[:, :, :length], after
 
 
 FeatureMap = Callable[[Tensor], Tensor]
+
+
+def _add_product(total: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """total + a @ b over the batch dimensions, accumulated by the GEMM itself (no pass over the sum) when
+    ``total`` is a contiguous tensor of its own that no autograd graph records."""
+    if torch.is_grad_enabled() and (total.requires_grad or a.requires_grad or b.requires_grad) \
+            or not total.is_contiguous():
+        return total + a @ b
+    flat = total.view(-1, *total.shape[-2:])
+    flat.baddbmm_(a.expand(*total.shape[:-2], *a.shape[-2:]).reshape(-1, *a.shape[-2:]),
+                  b.expand(*total.shape[:-2], *b.shape[-2:]).reshape(-1, *b.shape[-2:]))
+    return total
 
 
 def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_q: FeatureMap, feature_k: FeatureMap, *, causal: bool,
@@ -181,12 +193,12 @@ def _chunks_backward(phi_q: Tensor, phi_k: Tensor, values: Tensor, state: Tensor
     grad_normaliser.masked_fill_(normaliser < eps, 0.0)  # clamp_min passes no gradient below eps
     grad = torch.cat([grad_numerator, grad_normaliser], dim=-1)  # dO
     grad_scores = (grad @ values.transpose(-1, -2)).tril_()
-    grad_phi_q = grad_scores @ phi_k + grad @ before.transpose(-1, -2)
+    grad_phi_q = _add_product(grad_scores @ phi_k, grad, before.transpose(-1, -2))
     grad_before = phi_q.transpose(-1, -2) @ grad
     total = grad_before.sum(dim=2, keepdim=True)
     grad_chunk_states = (total - grad_before.cumsum(dim=2)).add_(grad_after.unsqueeze(2))
-    grad_phi_k = grad_scores.transpose(-1, -2) @ phi_q + values @ grad_chunk_states.transpose(-1, -2)
-    grad_values = scores.transpose(-1, -2) @ grad + phi_k @ grad_chunk_states
+    grad_phi_k = _add_product(grad_scores.transpose(-1, -2) @ phi_q, values, grad_chunk_states.transpose(-1, -2))
+    grad_values = _add_product(scores.transpose(-1, -2) @ grad, phi_k, grad_chunk_states)
     unchunk = lambda x: x.reshape(batch, heads, n_chunks * chunk, x.shape[-1])[:, :, :length]  # noqa: E731
     return unchunk(grad_phi_q), unchunk(grad_phi_k), unchunk(grad_values), total.squeeze(2) + grad_after
 

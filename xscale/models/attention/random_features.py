@@ -116,22 +116,45 @@ class PerformerAttention(RandomFeatureAttention):
     Options = PerformerOptions
 
     def features(self, x: Tensor, is_query: bool, causal: bool) -> Tensor:
-        x = x * x.shape[-1] ** -0.25
-        # exp(a) = exp2(a log2 e) with log2 e folded into the projection: on CPU torch.exp takes a ~10-90x slower
-        # path for inputs below about -88, which a shifted feature map reaches; exp2 does not.
-        projection = self.projection.to(x.dtype) * LOG2_E
+        # x scaled by d^-1/4 and exp(a) = exp2(a log2 e), both folded into the projection: on CPU torch.exp takes
+        # a ~10-90x slower path for inputs below about -88, exp2 does not.
+        scale = x.shape[-1] ** -0.25
+        projection = self.projection.to(x.dtype) * (scale * LOG2_E)
         # Factors shared by a query's features (exp(-|q|^2 / 2), a max shift) cancel in that query's ratio, and
         # factors shared by all keys (1 / sqrt(m), a global shift) cancel in every ratio: they are left out. A
         # decoder's key shift taken over all keys would read the future, so causal keys go unshifted.
         if is_query:
-            logits = x @ projection.T
-            return torch.exp2(logits.sub_(logits.amax(-1, keepdim=True).detach()))
-        # w.k - |k|^2 / 2 as one product: [k, |k|^2] . [w, -1/2]
-        x = torch.cat([x, (x * x).sum(-1, keepdim=True)], dim=-1)
-        logits = x @ torch.cat([projection, projection.new_full((projection.shape[0], 1), -0.5 * LOG2_E)], dim=1).T
-        if not causal:
-            logits = logits.sub_(logits.amax(dim=(-1, -2), keepdim=True).detach())
-        return torch.exp2(logits)
+            return PositiveFeatures.apply(x, projection, 0.0, "row")
+        return PositiveFeatures.apply(x, projection, -0.5 * scale**2 * LOG2_E, "none" if causal else "all")
+
+
+class PositiveFeatures(torch.autograd.Function):
+    """phi(x) = exp2(x W^T + c |x|^2 - shift), the shift (a row's or the whole tensor's max, or none) a constant:
+    FAVOR+'s positive features (Performer, Lemma 1) in base 2. The backward is one pass over the features,
+    dx = (dphi * phi) (ln 2 W) + 2 c ln 2 x rowsum(dphi * phi), against autograd's several."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, projection: Tensor, norm_weight: float, shift: str) -> Tensor:
+        logits = x @ projection.T
+        if norm_weight:
+            logits.add_((x * x).sum(-1, keepdim=True), alpha=norm_weight)
+        if shift == "row":
+            logits.sub_(logits.amax(-1, keepdim=True))
+        elif shift == "all":
+            logits.sub_(logits.amax(dim=(-1, -2), keepdim=True))
+        phi = logits.exp2_()
+        ctx.save_for_backward(x, phi, projection)
+        ctx.norm_weight = norm_weight
+        return phi
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, phi, projection = ctx.saved_tensors
+        grad_logits = grad * phi
+        grad_x = grad_logits @ (projection * math.log(2.0))
+        if ctx.norm_weight:
+            grad_x.add_(x * grad_logits.sum(-1, keepdim=True), alpha=2 * ctx.norm_weight * math.log(2.0))
+        return grad_x, None, None, None
 
 
 @dataclasses.dataclass
