@@ -83,12 +83,13 @@ def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_q: FeatureMap, fea
 
 
 def _segment_forward(q: Tensor, k: Tensor, v: Tensor, state: Tensor, feature_q: FeatureMap,
-                     feature_k: FeatureMap, chunk: int, eps: float) -> tuple[Tensor, Tensor]:
-    """One segment of whole chunks (eq. 8-9): (output (B, H, S, d), the state after it) from the state
-    S = sum phi(k) [v, 1]^T of the positions before it (B, H, m, d + 1)."""
+                     feature_k: FeatureMap, chunk: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """One segment of whole chunks (eq. 8-9): (output (B, H, S, d), the state after it, the normaliser
+    phi(q_i) . sum_{j <= i} phi(k_j) (B, H, S, 1)) from the state S = sum phi(k) [v, 1]^T of the positions before
+    it (B, H, m, d + 1)."""
     values = F.pad(v, (0, 1), value=1.0)
     out, after = causal_chunks(feature_q(q), feature_k(k), values, chunk, state)
-    return out[..., :-1] / out[..., -1:].clamp_min(eps), after
+    return out[..., :-1] / out[..., -1:].clamp_min(eps), after, out[..., -1:]
 
 
 def _state_after(k: Tensor, v: Tensor, state: Tensor, feature_k: FeatureMap) -> Tensor:
@@ -104,8 +105,9 @@ SEGMENT_FRACTION = 8
 
 class ChunkedCausalKernel(torch.autograd.Function):
     """Causal kernel attention over segments of chunks of C tokens (every chunk of a segment at once,
-    :func:`causal_chunks`; a segment's features and scores within 1/``SEGMENT_FRACTION`` of q) that saves q, k, v
-    and the running state every ~sqrt(segments) segments; the backward walks the segments in reverse, recomputes the
+    :func:`causal_chunks`; a segment's features and scores within 1/``SEGMENT_FRACTION`` of q) that saves q, k, v,
+    the output and its normaliser (T values: the backward needs neither product again) and the running state every
+    ~sqrt(segments) segments; the backward walks the segments in reverse, recomputes the
     states inside each checkpointed span, then each segment's features with autograd over that segment alone,
     carrying dL/dS backwards. Memory beyond q, k, v, their gradients and the output: O(sqrt(T)) states of
     m x (d + 1) and one segment's work."""
@@ -119,21 +121,22 @@ class ChunkedCausalKernel(torch.autograd.Function):
         segment = chunk * max(1, min(-(-length // chunk), q.numel() // SEGMENT_FRACTION // per_chunk))
         starts = list(range(0, length, segment))
         span = max(1, math.isqrt(len(starts)))  # segments per saved state
-        out = v.new_empty(v.shape)
+        out, normaliser = v.new_empty(v.shape), v.new_empty(*v.shape[:-1], 1)
         checkpoints = []
         for index, start in enumerate(starts):
             parts = [x.narrow(2, start, min(segment, length - start)) for x in (q, k, v)]
             if index % span == 0:
                 checkpoints.append(state)
-            result, state = _segment_forward(*parts, state, feature_q, feature_k, chunk, eps)
+            result, state, sums = _segment_forward(*parts, state, feature_q, feature_k, chunk, eps)
             out.narrow(2, start, result.shape[2]).copy_(result)
-        ctx.save_for_backward(q, k, v, *checkpoints)
+            normaliser.narrow(2, start, result.shape[2]).copy_(sums)
+        ctx.save_for_backward(q, k, v, out, normaliser, *checkpoints)
         ctx.features, ctx.chunk, ctx.eps, ctx.segment, ctx.span = (feature_q, feature_k), chunk, eps, segment, span
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        q, k, v, *checkpoints = ctx.saved_tensors
+        q, k, v, out, normaliser, *checkpoints = ctx.saved_tensors
         chunk, eps, segment, span, length = ctx.chunk, ctx.eps, ctx.segment, ctx.span, q.shape[2]
         grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))  # the segments cover every position
         grad_state = torch.zeros_like(checkpoints[0])
@@ -146,7 +149,7 @@ class ChunkedCausalKernel(torch.autograd.Function):
                     states.append(_state_after(k.narrow(2, start, size), v.narrow(2, start, size), states[-1],
                                                ctx.features[1]))
             for (start, size), state in zip(reversed(spans), reversed(states)):
-                parts = [x.narrow(2, start, size) for x in (q, k, v, grad_out)]
+                parts = [x.narrow(2, start, size) for x in (q, k, v, grad_out, out, normaliser)]
                 segment_grads = _segment_backward(*parts, state, grad_state, ctx.features, chunk, eps)
                 for target, grad in zip(grads, segment_grads[:3]):
                     target.narrow(2, start, size).copy_(grad)
@@ -154,8 +157,9 @@ class ChunkedCausalKernel(torch.autograd.Function):
         return *grads, None, None, None, None
 
 
-def _segment_backward(q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, state: Tensor, grad_after: Tensor,
-                      features: tuple[FeatureMap, FeatureMap], chunk: int, eps: float) -> tuple[Tensor, ...]:
+def _segment_backward(q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, out: Tensor, normaliser: Tensor,
+                      state: Tensor, grad_after: Tensor, features: tuple[FeatureMap, FeatureMap], chunk: int,
+                      eps: float) -> tuple[Tensor, ...]:
     """(dq, dk, dv, dL/dS before the segment) of one segment: the feature maps recomputed under autograd, and
     the chunked product differentiated by hand (:func:`_chunks_backward`), which keeps few and only
     (B, H, n, C, C)- or state-sized temporaries."""
@@ -163,18 +167,26 @@ def _segment_backward(q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, state: 
     with torch.enable_grad():
         phi_q, phi_k = features[0](q), features[1](k)
     grad_phi_q, grad_phi_k, grad_values, grad_state = _chunks_backward(
-        phi_q.detach(), phi_k.detach(), F.pad(v, (0, 1), value=1.0), state, grad_out, grad_after, chunk, eps)
+        phi_q.detach(), phi_k.detach(), F.pad(v, (0, 1), value=1.0), state, (grad_out, out, normaliser), grad_after,
+        chunk, eps)
     torch.autograd.backward((phi_q, phi_k), (grad_phi_q, grad_phi_k))
     return q.grad, k.grad, grad_values[..., :-1], grad_state
 
 
-def _chunks_backward(phi_q: Tensor, phi_k: Tensor, values: Tensor, state: Tensor, grad_out: Tensor,
-                     grad_after: Tensor, chunk: int, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _chunks_backward(phi_q: Tensor, phi_k: Tensor, values: Tensor, state: Tensor,
+                     outputs: tuple[Tensor, Tensor, Tensor], grad_after: Tensor, chunk: int,
+                     eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of ``_segment_forward``'s product given its features. Per chunk c (A_c = tril(Pq_c Pk_c^T),
     S_c = S + sum_{c' < c} Pk_c'^T V_c', O_c = A_c V_c + Pq_c S_c, out = O[:d] / max(O[d], eps)):
     dA_c = tril(dO_c V_c^T), dPq_c = dA_c Pk_c + dO_c S_c^T, dS_c = Pq_c^T dO_c,
     dC_c = sum_{c' > c} dS_c' + dS_after (C_c = Pk_c^T V_c), dPk_c = dA_c^T Pq_c + V_c dC_c^T,
-    dV_c = A_c^T dO_c + Pk_c dC_c, dS = sum_c dS_c + dS_after."""
+    dV_c = A_c^T dO_c + Pk_c dC_c, dS = sum_c dS_c + dS_after. ``outputs``: (d out, out, O[d]) of the segment;
+    dO[:d] = d out / max(O[d], eps) and dO[d] = -rowsum(d out * out) / max(O[d], eps) (0 where O[d] < eps)."""
+    grad_out, out, normaliser = outputs
+    clamped = normaliser.clamp_min(eps)
+    grad_normaliser = (grad_out * out).sum(-1, keepdim=True).neg_().div_(clamped)
+    grad_normaliser.masked_fill_(normaliser < eps, 0.0)  # clamp_min passes no gradient below eps
+    grad_out = torch.cat([grad_out / clamped, grad_normaliser], dim=-1)  # dO
     batch, heads, length, _ = phi_q.shape
     n_chunks = -(-length // chunk)
     pad = n_chunks * chunk - length
@@ -185,13 +197,7 @@ def _chunks_backward(phi_q: Tensor, phi_k: Tensor, values: Tensor, state: Tensor
     scores = (phi_q @ phi_k.transpose(-1, -2)).tril_()
     chunk_states = phi_k.transpose(-1, -2) @ values
     before = (chunk_states.cumsum(dim=2) - chunk_states).add_(state.unsqueeze(2))
-    out = scores @ values + phi_q @ before
-    normaliser = out[..., -1:]
-    clamped = normaliser.clamp_min(eps)
-    grad_numerator = grad_out / clamped
-    grad_normaliser = (grad_numerator * out[..., :-1]).sum(-1, keepdim=True).neg_().div_(clamped)
-    grad_normaliser.masked_fill_(normaliser < eps, 0.0)  # clamp_min passes no gradient below eps
-    grad = torch.cat([grad_numerator, grad_normaliser], dim=-1)  # dO
+    grad = grad_out
     grad_scores = (grad @ values.transpose(-1, -2)).tril_()
     grad_phi_q = _add_product(grad_scores @ phi_k, grad, before.transpose(-1, -2))
     grad_before = phi_q.transpose(-1, -2) @ grad
