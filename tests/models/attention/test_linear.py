@@ -91,3 +91,31 @@ def test_segments_and_recomputed_states_equal_quadratic(monkeypatch, fraction: i
     grad = torch.randn_like(out)
     for mine, ref in zip(_grads(out, (q, k, v), grad), _grads(reference, (q, k, v), grad)):
         torch.testing.assert_close(mine, ref, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 17], ids=["one", "two", "five", "cumsum-path"])
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+@pytest.mark.parametrize("with_start", [False, True], ids=["from-zero", "from-start"])
+def test_exclusive_scan_sums_the_parts_before(n: int, reverse: bool, with_start: bool) -> None:
+    """out[i] = start + sum_{j < i} parts[j] (reverse: j > i), chunk by chunk or by cumsum, written out."""
+    parts = torch.randn(2, 3, n, 4, 5, dtype=torch.float64)
+    start = torch.randn(2, 3, 4, 5, dtype=torch.float64) if with_start else None
+    out = linear.exclusive_scan(parts, start, reverse=reverse)
+    for i in range(n):
+        others = range(i + 1, n) if reverse else range(i)
+        expected = sum((parts[:, :, j] for j in others), torch.zeros_like(parts[:, :, 0]))
+        torch.testing.assert_close(out[:, :, i], expected + (start if with_start else 0), atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["linear", "performer"])
+def test_feature_maps_keep_their_saved_features_outside_the_chunked_backward(kind: str) -> None:
+    """Only the chunked backward's own, single-use feature graphs may be overwritten by their backward: an
+    ordinary graph (bidirectional attention, retain_graph) gives the same gradient twice."""
+    core = make_core(kind, False, {"chunk": 8} if kind == "linear" else {"features": 16, "chunk": 8})
+    q, k, v = random_qkv(1, 2, 20, 16, scale=0.5)
+    out = core(q, k, v, causal=False)
+    grad = torch.randn_like(out)
+    first = torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+    second = torch.autograd.grad(out, (q, k, v), grad)
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)

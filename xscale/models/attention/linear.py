@@ -8,6 +8,7 @@ O(sqrt(T C) x m), never T x m. :func:`kernelized_attention` is shared with the r
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import math
 from collections.abc import Callable
@@ -50,15 +51,48 @@ def causal_chunks(phi_q: Tensor, phi_k: Tensor, values: Tensor, chunk: int,
     phi_q, phi_k, values = (x.reshape(batch, heads, n_chunks, chunk, x.shape[-1]) for x in (phi_q, phi_k, values))
     out = (phi_q @ phi_k.transpose(-1, -2)).tril_() @ values  # inside each chunk: (B, H, n, C, e)
     chunk_states = phi_k.transpose(-1, -2) @ values  # (B, H, n, m, e)
-    before = chunk_states.cumsum(dim=2) - chunk_states  # chunk i reads the chunks < i
-    if state is not None:
-        before = before + state.unsqueeze(2)
+    before = exclusive_scan(chunk_states, state)  # chunk i reads the state and the chunks < i
     out = _add_product(out, phi_q, before)
     after = before[:, :, -1] + chunk_states[:, :, -1]
     return out.reshape(batch, heads, n_chunks * chunk, -1)[:, :, :length], after
 
 
 FeatureMap = Callable[[Tensor], Tensor]
+
+# Set while ChunkedCausalKernel's backward recomputes a segment's features: that graph is differentiated once and
+# dropped, so a feature map's backward may overwrite the features it saved instead of allocating a new tensor.
+_SINGLE_USE_GRAPH = contextvars.ContextVar("xscale_single_use_feature_graph", default=False)
+
+
+def in_single_use_graph() -> bool:
+    """Whether a feature map is being recomputed for one backward only (see ``_SINGLE_USE_GRAPH``)."""
+    return _SINGLE_USE_GRAPH.get()
+
+# Up to this many chunks an exclusive scan adds chunk by chunk: on CPU a cumsum over a middle dimension costs
+# several times the few adds it replaces.
+SCAN_BY_ADDS = 16
+
+
+def exclusive_scan(parts: Tensor, start: Tensor | None, reverse: bool = False) -> Tensor:
+    """out[:, :, i] = start + sum_{j < i} parts[:, :, j] over dim 2 (``reverse``: the sum over j > i); ``start``
+    has ``parts``' shape without dim 2 (None: zeros)."""
+    n = parts.shape[2]
+    tracked = torch.is_grad_enabled() and (parts.requires_grad or start is not None and start.requires_grad)
+    if n > SCAN_BY_ADDS or tracked:
+        ordered = parts.flip(2) if reverse else parts
+        sums = ordered.cumsum(dim=2) - ordered
+        sums = sums.flip(2) if reverse else sums
+        return sums if start is None else sums + start.unsqueeze(2)
+    order = range(n - 1, -1, -1) if reverse else range(n)
+    out = torch.empty_like(parts)
+    previous = None
+    for i in order:
+        if previous is None:
+            out[:, :, i].zero_() if start is None else out[:, :, i].copy_(start)
+        else:
+            torch.add(out[:, :, previous], parts[:, :, previous], out=out[:, :, i])
+        previous = i
+    return out
 
 
 def _add_product(total: Tensor, a: Tensor, b: Tensor) -> Tensor:
@@ -164,8 +198,12 @@ def _segment_backward(q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, out: Te
     the chunked product differentiated by hand (:func:`_chunks_backward`), which keeps few and only
     (B, H, n, C, C)- or state-sized temporaries."""
     q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
-    with torch.enable_grad():
-        phi_q, phi_k = features[0](q), features[1](k)
+    single_use = _SINGLE_USE_GRAPH.set(True)
+    try:
+        with torch.enable_grad():
+            phi_q, phi_k = features[0](q), features[1](k)
+    finally:
+        _SINGLE_USE_GRAPH.reset(single_use)
     grad_phi_q, grad_phi_k, grad_values, grad_state = _chunks_backward(
         phi_q.detach(), phi_k.detach(), F.pad(v, (0, 1), value=1.0), state, (grad_out, out, normaliser), grad_after,
         chunk, eps)
@@ -196,17 +234,16 @@ def _chunks_backward(phi_q: Tensor, phi_k: Tensor, values: Tensor, state: Tensor
                                       for x in (phi_q, phi_k, values, grad_out))
     scores = (phi_q @ phi_k.transpose(-1, -2)).tril_()
     chunk_states = phi_k.transpose(-1, -2) @ values
-    before = (chunk_states.cumsum(dim=2) - chunk_states).add_(state.unsqueeze(2))
+    before = exclusive_scan(chunk_states, state)
     grad = grad_out
     grad_scores = (grad @ values.transpose(-1, -2)).tril_()
     grad_phi_q = _add_product(grad_scores @ phi_k, grad, before.transpose(-1, -2))
     grad_before = phi_q.transpose(-1, -2) @ grad
-    total = grad_before.sum(dim=2, keepdim=True)
-    grad_chunk_states = (total - grad_before.cumsum(dim=2)).add_(grad_after.unsqueeze(2))
+    grad_chunk_states = exclusive_scan(grad_before, grad_after, reverse=True)  # dC_c = dS_after + sum_{c' > c} dS_c'
     grad_phi_k = _add_product(grad_scores.transpose(-1, -2) @ phi_q, values, grad_chunk_states.transpose(-1, -2))
     grad_values = _add_product(scores.transpose(-1, -2) @ grad, phi_k, grad_chunk_states)
     unchunk = lambda x: x.reshape(batch, heads, n_chunks * chunk, x.shape[-1])[:, :, :length]  # noqa: E731
-    return unchunk(grad_phi_q), unchunk(grad_phi_k), unchunk(grad_values), total.squeeze(2) + grad_after
+    return unchunk(grad_phi_q), unchunk(grad_phi_k), unchunk(grad_values), grad_chunk_states[:, :, 0] + grad_before[:, :, 0]
 
 
 def _zero_state(k: Tensor, v: Tensor, feature_k: FeatureMap) -> Tensor:
@@ -263,9 +300,12 @@ class EluPlusOne(torch.autograd.Function):
     def forward(ctx, x: Tensor) -> Tensor:
         phi = torch.exp(x.clamp(max=0)).add_(torch.relu(x))
         ctx.save_for_backward(phi)
+        ctx.overwrite = in_single_use_graph()
         return phi
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
         (phi,) = ctx.saved_tensors
+        if ctx.overwrite:
+            return phi.clamp_(max=1).mul_(grad)
         return grad * phi.clamp(max=1)

@@ -19,7 +19,7 @@ from torch import Tensor
 from xscale.config import ModelConfig
 from xscale.models.attention.block_sparse import LOG2_E
 from xscale.models.attention.core import AttentionCore, causal_over_longer_keys, expand_kv
-from xscale.models.attention.linear import kernel_attention
+from xscale.models.attention.linear import in_single_use_graph, kernel_attention
 from xscale.models.attention.sparse import layer_seed, require, require_non_negative, require_positive
 from xscale.models.registry import ATTENTION
 from xscale.models.traits import ParallelTraits
@@ -135,7 +135,8 @@ class PositiveFeatures(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, projection: Tensor, norm_weight: float, shift: str) -> Tensor:
-        logits = x @ projection.T
+        # One GEMM over every head's tokens: x's batch dimensions folded into its rows.
+        logits = torch.mm(x.reshape(-1, x.shape[-1]), projection.T).view(*x.shape[:-1], projection.shape[0])
         if norm_weight:
             logits.add_((x * x).sum(-1, keepdim=True), alpha=norm_weight)
         if shift == "row":
@@ -144,13 +145,13 @@ class PositiveFeatures(torch.autograd.Function):
             logits.sub_(logits.amax(dim=(-1, -2), keepdim=True))
         phi = logits.exp2_()
         ctx.save_for_backward(x, phi, projection)
-        ctx.norm_weight = norm_weight
+        ctx.norm_weight, ctx.overwrite = norm_weight, in_single_use_graph()
         return phi
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, phi, projection = ctx.saved_tensors
-        grad_logits = grad * phi
+        grad_logits = phi.mul_(grad) if ctx.overwrite else grad * phi
         grad_x = grad_logits @ (projection * math.log(2.0))
         if ctx.norm_weight:
             grad_x.add_(x * grad_logits.sum(-1, keepdim=True), alpha=2 * ctx.norm_weight * math.log(2.0))
