@@ -93,17 +93,19 @@ def test_segments_and_recomputed_states_equal_quadratic(monkeypatch, fraction: i
         torch.testing.assert_close(mine, ref, atol=1e-10, rtol=1e-10)
 
 
-@pytest.mark.parametrize("n", [1, 2, 5, 17], ids=["one", "two", "five", "cumsum-path"])
+@pytest.mark.parametrize("n", [1, 2, 5, 18], ids=["one", "two", "five", "cumsum-path"])
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
 @pytest.mark.parametrize("with_start", [False, True], ids=["from-zero", "from-start"])
-def test_exclusive_scan_sums_the_parts_before(n: int, reverse: bool, with_start: bool) -> None:
-    """out[i] = start + sum_{j < i} parts[j] (reverse: j > i), chunk by chunk or by cumsum, written out."""
-    parts = torch.randn(2, 3, n, 4, 5, dtype=torch.float64)
+def test_prefix_sums_add_the_steps_in_order(n: int, reverse: bool, with_start: bool) -> None:
+    """n - 1 steps give n running sums: out[i] = start + sum_{j < i} steps[j] (reverse: sum_{j >= i}), chunk by
+    chunk or by cumsum, against the sums written out."""
+    steps = torch.randn(2, 3, n - 1, 4, 5, dtype=torch.float64)
     start = torch.randn(2, 3, 4, 5, dtype=torch.float64) if with_start else None
-    out = linear.exclusive_scan(parts, start, reverse=reverse)
+    out = linear.prefix_sums(steps, start, reverse=reverse)
+    assert out.shape == (2, 3, n, 4, 5)
     for i in range(n):
-        others = range(i + 1, n) if reverse else range(i)
-        expected = sum((parts[:, :, j] for j in others), torch.zeros_like(parts[:, :, 0]))
+        summed = range(i, n - 1) if reverse else range(i)
+        expected = sum((steps[:, :, j] for j in summed), torch.zeros(2, 3, 4, 5, dtype=torch.float64))
         torch.testing.assert_close(out[:, :, i], expected + (start if with_start else 0), atol=1e-12, rtol=1e-12)
 
 

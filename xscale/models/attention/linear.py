@@ -51,7 +51,7 @@ def causal_chunks(phi_q: Tensor, phi_k: Tensor, values: Tensor, chunk: int,
     phi_q, phi_k, values = (x.reshape(batch, heads, n_chunks, chunk, x.shape[-1]) for x in (phi_q, phi_k, values))
     out = (phi_q @ phi_k.transpose(-1, -2)).tril_() @ values  # inside each chunk: (B, H, n, C, e)
     chunk_states = phi_k.transpose(-1, -2) @ values  # (B, H, n, m, e)
-    before = exclusive_scan(chunk_states, state)  # chunk i reads the state and the chunks < i
+    before = prefix_sums(chunk_states[:, :, :-1], state)  # chunk i reads the state and the chunks < i
     out = _add_product(out, phi_q, before)
     after = before[:, :, -1] + chunk_states[:, :, -1]
     return out.reshape(batch, heads, n_chunks * chunk, -1)[:, :, :length], after
@@ -68,29 +68,27 @@ def in_single_use_graph() -> bool:
     """Whether a feature map is being recomputed for one backward only (see ``_SINGLE_USE_GRAPH``)."""
     return _SINGLE_USE_GRAPH.get()
 
-# Up to this many chunks an exclusive scan adds chunk by chunk: on CPU a cumsum over a middle dimension costs
-# several times the few adds it replaces.
+# Up to this many chunks a prefix sum adds chunk by chunk: on CPU a cumsum over a middle dimension costs several
+# times the few adds it replaces.
 SCAN_BY_ADDS = 16
 
 
-def exclusive_scan(parts: Tensor, start: Tensor | None, reverse: bool = False) -> Tensor:
-    """out[:, :, i] = start + sum_{j < i} parts[:, :, j] over dim 2 (``reverse``: the sum over j > i); ``start``
-    has ``parts``' shape without dim 2 (None: zeros)."""
-    n = parts.shape[2]
-    tracked = torch.is_grad_enabled() and (parts.requires_grad or start is not None and start.requires_grad)
-    if n > SCAN_BY_ADDS or tracked:
-        ordered = parts.flip(2) if reverse else parts
-        sums = ordered.cumsum(dim=2) - ordered
-        sums = sums.flip(2) if reverse else sums
-        return sums if start is None else sums + start.unsqueeze(2)
-    order = range(n - 1, -1, -1) if reverse else range(n)
-    out = torch.empty_like(parts)
-    previous = None
-    for i in order:
-        if previous is None:
-            out[:, :, i].zero_() if start is None else out[:, :, i].copy_(start)
-        else:
-            torch.add(out[:, :, previous], parts[:, :, previous], out=out[:, :, i])
+def prefix_sums(steps: Tensor, start: Tensor | None, reverse: bool = False) -> Tensor:
+    """(B, H, n - 1, ...) ``steps`` -> (B, H, n, ...) running sums from ``start`` ((B, H, ...); None: zeros):
+    out[0] = start, out[i + 1] = out[i] + steps[i]; ``reverse``: out[n - 1] = start, out[i] = out[i + 1] + steps[i]."""
+    n = steps.shape[2] + 1
+    tracked = torch.is_grad_enabled() and (steps.requires_grad or start is not None and start.requires_grad)
+    if tracked or n > SCAN_BY_ADDS:
+        origin = steps.new_zeros(*steps.shape[:2], 1, *steps.shape[3:]) if start is None else start.unsqueeze(2)
+        if reverse:
+            return torch.cat([origin + steps.flip(2).cumsum(dim=2).flip(2), origin], dim=2)
+        return torch.cat([origin, origin + steps.cumsum(dim=2)], dim=2)
+    out = steps.new_empty(*steps.shape[:2], n, *steps.shape[3:])
+    first, *rest = range(n - 1, -1, -1) if reverse else range(n)
+    out[:, :, first].zero_() if start is None else out[:, :, first].copy_(start)
+    previous = first
+    for i in rest:
+        torch.add(out[:, :, previous], steps[:, :, min(i, previous)], out=out[:, :, i])
         previous = i
     return out
 
@@ -233,13 +231,13 @@ def _chunks_backward(phi_q: Tensor, phi_k: Tensor, values: Tensor, state: Tensor
     phi_q, phi_k, values, grad_out = (x.reshape(batch, heads, n_chunks, chunk, x.shape[-1])
                                       for x in (phi_q, phi_k, values, grad_out))
     scores = (phi_q @ phi_k.transpose(-1, -2)).tril_()
-    chunk_states = phi_k.transpose(-1, -2) @ values
-    before = exclusive_scan(chunk_states, state)
+    chunk_states = phi_k[:, :, :-1].transpose(-1, -2) @ values[:, :, :-1]  # the last chunk's is not read
+    before = prefix_sums(chunk_states, state)
     grad = grad_out
     grad_scores = (grad @ values.transpose(-1, -2)).tril_()
     grad_phi_q = _add_product(grad_scores @ phi_k, grad, before.transpose(-1, -2))
     grad_before = phi_q.transpose(-1, -2) @ grad
-    grad_chunk_states = exclusive_scan(grad_before, grad_after, reverse=True)  # dC_c = dS_after + sum_{c' > c} dS_c'
+    grad_chunk_states = prefix_sums(grad_before[:, :, 1:], grad_after, reverse=True)  # dS_after + sum_{c' > c} dS_c'
     grad_phi_k = _add_product(grad_scores.transpose(-1, -2) @ phi_q, values, grad_chunk_states.transpose(-1, -2))
     grad_values = _add_product(scores.transpose(-1, -2) @ grad, phi_k, grad_chunk_states)
     unchunk = lambda x: x.reshape(batch, heads, n_chunks * chunk, x.shape[-1])[:, :, :length]  # noqa: E731
