@@ -60,7 +60,8 @@ def _measure(config):
     trainer = Trainer(config)
     trainer.train_step()  # creates the optimizer state
     forward_backward_step(trainer.model, trainer.next_batch())  # gradients of the next step, before its optimizer step
-    return {"measured": measured_state_bytes(trainer.model, trainer.optimizer), "params": trainer.num_params}
+    return {"measured": measured_state_bytes(trainer.model, trainer.optimizer), "params": trainer.num_params,
+            "norm_without_collective": trainer.model.data_parallel.gradients_whole_on_every_rank}
 
 
 def _check_memory(world_size, stage, tmp_path, layout=()):
@@ -74,6 +75,8 @@ def _check_memory(world_size, stage, tmp_path, layout=()):
     else:
         predicted = [predicted_state_bytes(ranks[0]["params"], dims)] * world_size
     for rank, result in enumerate(ranks):
+        # Only DDP (every gradient whole and equal on every rank) takes its global gradient norm locally.
+        assert result["norm_without_collective"] == (stage == 0 and dims.pp == 1 and dims.tp == 1)
         for kind, expected in predicted[rank].items():
             measured = result["measured"][kind]
             assert abs(measured - expected) <= 0.03 * expected, \

@@ -116,7 +116,8 @@ def evaluation_predictions(model: ParallelModel, batch: Batch, exits: bool = Fal
 def clip_gradient_norm(model: ParallelModel, max_norm: float) -> torch.Tensor:
     """Clip to ``max_norm`` (0: only measure) and return the global gradient norm (every distinct gradient element
     of the whole model once, over every rank: :mod:`xscale.parallel.data.grad_norm`)."""
-    if model.data_parallel.mesh is not None or model.pipeline is not None:  # pieces spread over ranks
+    spread = model.data_parallel.mesh is not None or model.pipeline is not None
+    if spread and not model.data_parallel.gradients_whole_on_every_rank:  # pieces spread over ranks
         return clip_gradients(model.gradient_pieces(), max_norm)
     params = [p for p in model.parameters() if p.grad is not None]
     if max_norm > 0:

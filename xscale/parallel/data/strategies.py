@@ -88,6 +88,9 @@ class DataParallel:
     # Whether the forward gathers parameters with the other ranks (ZeRO-3), so that every rank must run the same
     # blocks (no rank may stop a forward early).
     gathers_in_forward = False
+    # Whether every rank ends the backward with every gradient whole and equal (DDP over all ranks, nothing sharded):
+    # the global gradient norm is then the local one, with no collective.
+    gradients_whole_on_every_rank = False
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
@@ -180,6 +183,9 @@ class ReplicatedDataParallel(DataParallel):
         super().__init__(parameters, mesh, dims)
         self.buckets = GradientBuckets(self._bucket_parameters(), bucket_bytes, self.keeps_full_gradients,
                                        on_bucket_start)
+        self.gradients_whole_on_every_rank = (
+            self.keeps_full_gradients and type(self) is ReplicatedDataParallel and dims.pp == 1
+            and self.expert_parallel == 1 and all(sharded_mesh_size(entry.param) == 1 for entry in parameters))
 
     def _bucket_parameters(self) -> list[tuple[nn.Parameter, BucketGroups]]:
         """Each trained parameter with the group its gradient is summed over (none if that group is one rank)."""
