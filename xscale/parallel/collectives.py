@@ -78,7 +78,8 @@ def _exchange_reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: di
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     slices = full.reshape(size, -1)
     received = full.new_empty(max(size - 1, 0), slices.shape[1])
-    tag = next(_tags.setdefault(group, itertools.count())) % (1 << 20)
+    key = group if group is not None else dist.group.WORLD  # one counter for the world however it is named
+    tag = next(_tags.setdefault(key, itertools.count())) % (1 << 20)
     works = []
     for step in range(1, size):
         to, source = (rank + step) % size, (rank - step) % size
