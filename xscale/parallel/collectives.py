@@ -21,11 +21,11 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+torch_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+torch_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-GLOO_DIRECT = os.environ.get("XSCALE_GLOO_DIRECT", "1") != "0"
+GLOO_DIRECT = os.environ.get("XSCALE_GLOO_DIRECT", "1") != "0"  # read once, at import
 # Every rank of a group calls these in the same order, so the n-th call's tag is the same on every rank of it.
 _tags: dict[object, itertools.count] = {}
 
@@ -60,8 +60,8 @@ def _done(work: DirectWork, async_op: bool) -> DirectWork | None:
     return None
 
 
-def _broadcast_gather(output: torch.Tensor, chunk: torch.Tensor, group: dist.ProcessGroup | None,
-                      async_op: bool) -> DirectWork | None:
+def direct_all_gather(output: torch.Tensor, chunk: torch.Tensor, group: dist.ProcessGroup | None = None,
+                      async_op: bool = False) -> DirectWork | None:
     """All-gather as one broadcast from each rank into its row of ``output``."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     rows = output.view(size, -1)
@@ -71,8 +71,8 @@ def _broadcast_gather(output: torch.Tensor, chunk: torch.Tensor, group: dist.Pro
     return _done(DirectWork(works), async_op)
 
 
-def _exchange_reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None,
-                             async_op: bool) -> DirectWork | None:
+def direct_reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None = None,
+                          async_op: bool = False) -> DirectWork | None:
     """Reduce-scatter as each rank sending every other rank its slice and summing the slices it receives (own slice
     first, then from rank - 1, rank - 2, ...: a fixed order)."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -100,8 +100,8 @@ def all_gather_flat(output: torch.Tensor, chunk: torch.Tensor, group: dist.Proce
     """``output`` [world x chunk's size, ...] := every rank's ``chunk``, in rank order; with ``async_op`` the
     returned work is waited on before ``output`` is read."""
     if _direct(group, output):
-        return _broadcast_gather(output, chunk, group, async_op)
-    return _all_gather(output, chunk, group=group, async_op=async_op)
+        return direct_all_gather(output, chunk, group, async_op)
+    return torch_all_gather(output, chunk, group=group, async_op=async_op)
 
 
 def reduce_scatter_flat(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None = None,
@@ -109,5 +109,5 @@ def reduce_scatter_flat(output: torch.Tensor, full: torch.Tensor, group: dist.Pr
     """``output`` := this rank's slice of the sum of every rank's ``full`` (slices in rank order); with ``async_op``
     the collective runs in the background and the returned work is waited on before ``output`` is read."""
     if _direct(group, output):
-        return _exchange_reduce_scatter(output, full, group, async_op)
-    return _reduce_scatter(output, full, group=group, async_op=async_op)
+        return direct_reduce_scatter(output, full, group, async_op)
+    return torch_reduce_scatter(output, full, group=group, async_op=async_op)

@@ -8,7 +8,6 @@ O(sqrt(T C) x m), never T x m. :func:`kernelized_attention` is shared with the r
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import math
 from collections.abc import Callable
@@ -57,16 +56,11 @@ def causal_chunks(phi_q: Tensor, phi_k: Tensor, values: Tensor, chunk: int,
     return out.reshape(batch, heads, n_chunks * chunk, -1)[:, :, :length], after
 
 
-FeatureMap = Callable[[Tensor], Tensor]
+# A feature map takes (..., d) to (..., m) token by token. Called as ``feature(x, single_use=True)`` by the chunked
+# backward, which differentiates that graph once and drops it, it may let its backward overwrite the features it
+# saved instead of allocating a new tensor.
+FeatureMap = Callable[..., Tensor]
 
-# Set while ChunkedCausalKernel's backward recomputes a segment's features: that graph is differentiated once and
-# dropped, so a feature map's backward may overwrite the features it saved instead of allocating a new tensor.
-_SINGLE_USE_GRAPH = contextvars.ContextVar("xscale_single_use_feature_graph", default=False)
-
-
-def in_single_use_graph() -> bool:
-    """Whether a feature map is being recomputed for one backward only (see ``_SINGLE_USE_GRAPH``)."""
-    return _SINGLE_USE_GRAPH.get()
 
 # Up to this many chunks a prefix sum adds chunk by chunk: on CPU a cumsum over a middle dimension costs several
 # times the few adds it replaces.
@@ -196,12 +190,8 @@ def _segment_backward(q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, out: Te
     the chunked product differentiated by hand (:func:`_chunks_backward`), which keeps few and only
     (B, H, n, C, C)- or state-sized temporaries."""
     q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
-    single_use = _SINGLE_USE_GRAPH.set(True)
-    try:
-        with torch.enable_grad():
-            phi_q, phi_k = features[0](q), features[1](k)
-    finally:
-        _SINGLE_USE_GRAPH.reset(single_use)
+    with torch.enable_grad():  # graphs differentiated once, below, and dropped
+        phi_q, phi_k = features[0](q, single_use=True), features[1](k, single_use=True)
     grad_phi_q, grad_phi_k, grad_values, grad_state = _chunks_backward(
         phi_q.detach(), phi_k.detach(), F.pad(v, (0, 1), value=1.0), state, (grad_out, out, normaliser), grad_after,
         chunk, eps)
@@ -285,9 +275,9 @@ class LinearAttention(AttentionCore):
             lambda q, k, v: kernel_attention(q, k, v, elu_feature, elu_feature, causal=True, chunk=chunk), q, k, v)
 
 
-def elu_feature(x: Tensor) -> Tensor:
-    """phi(x) = elu(x) + 1 (eq. 7)."""
-    return EluPlusOne.apply(x)
+def elu_feature(x: Tensor, single_use: bool = False) -> Tensor:
+    """phi(x) = elu(x) + 1 (eq. 7); ``single_use``: see ``FeatureMap``."""
+    return EluPlusOne.apply(x, single_use)
 
 
 class EluPlusOne(torch.autograd.Function):
@@ -295,15 +285,15 @@ class EluPlusOne(torch.autograd.Function):
     ~2.4x faster than ``F.elu(x) + 1`` (torch's elu kernel is slower than its exp)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:
+    def forward(ctx, x: Tensor, single_use: bool) -> Tensor:
         phi = torch.exp(x.clamp(max=0)).add_(torch.relu(x))
         ctx.save_for_backward(phi)
-        ctx.overwrite = in_single_use_graph()
+        ctx.overwrite = single_use
         return phi
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
         (phi,) = ctx.saved_tensors
         if ctx.overwrite:
-            return phi.clamp_(max=1).mul_(grad)
-        return grad * phi.clamp(max=1)
+            return phi.clamp_(max=1).mul_(grad), None
+        return grad * phi.clamp(max=1), None

@@ -19,7 +19,7 @@ from torch import Tensor
 from xscale.config import ModelConfig
 from xscale.models.attention.block_sparse import LOG2_E
 from xscale.models.attention.core import AttentionCore, causal_over_longer_keys, expand_kv
-from xscale.models.attention.linear import in_single_use_graph, kernel_attention
+from xscale.models.attention.linear import kernel_attention
 from xscale.models.attention.sparse import layer_seed, require, require_non_negative, require_positive
 from xscale.models.registry import ATTENTION
 from xscale.models.traits import ParallelTraits
@@ -79,7 +79,8 @@ class RandomFeatureAttention(AttentionCore):
                 self.draw(steps // every)
             self.calls += 1
 
-    def features(self, x: Tensor, is_query: bool, causal: bool) -> Tensor:
+    def features(self, x: Tensor, is_query: bool, causal: bool, single_use: bool = False) -> Tensor:
+        """phi(x) (..., m) of queries or keys; ``single_use``: see :data:`xscale.models.attention.linear.FeatureMap`."""
         raise NotImplementedError
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None, context: StepContext | None = None) -> Tensor:
@@ -87,8 +88,9 @@ class RandomFeatureAttention(AttentionCore):
         dtype = torch.promote_types(q.dtype, torch.float32)
 
         def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            return kernel_attention(q, k, v, lambda x: self.features(x, True, causal),
-                                    lambda x: self.features(x, False, causal), causal=causal, chunk=self.options.chunk)
+            return kernel_attention(q, k, v, lambda x, single_use=False: self.features(x, True, causal, single_use),
+                                    lambda x, single_use=False: self.features(x, False, causal, single_use),
+                                    causal=causal, chunk=self.options.chunk)
 
         q32, k32, v32 = q.to(dtype), k.to(dtype), v.to(dtype)
         out = causal_over_longer_keys(attend, q32, k32, v32) if causal else attend(q32, k32, v32)
@@ -115,7 +117,7 @@ class PerformerAttention(RandomFeatureAttention):
 
     Options = PerformerOptions
 
-    def features(self, x: Tensor, is_query: bool, causal: bool) -> Tensor:
+    def features(self, x: Tensor, is_query: bool, causal: bool, single_use: bool = False) -> Tensor:
         # x scaled by d^-1/4 and exp(a) = exp2(a log2 e), both folded into the projection: on CPU torch.exp takes
         # a ~10-90x slower path for inputs below about -88, exp2 does not.
         scale = x.shape[-1] ** -0.25
@@ -124,8 +126,8 @@ class PerformerAttention(RandomFeatureAttention):
         # factors shared by all keys (1 / sqrt(m), a global shift) cancel in every ratio: they are left out. A
         # decoder's key shift taken over all keys would read the future, so causal keys go unshifted.
         if is_query:
-            return PositiveFeatures.apply(x, projection, 0.0, "row")
-        return PositiveFeatures.apply(x, projection, -0.5 * scale**2 * LOG2_E, "none" if causal else "all")
+            return PositiveFeatures.apply(x, projection, 0.0, "row", single_use)
+        return PositiveFeatures.apply(x, projection, -0.5 * scale**2 * LOG2_E, "none" if causal else "all", single_use)
 
 
 class PositiveFeatures(torch.autograd.Function):
@@ -134,7 +136,7 @@ class PositiveFeatures(torch.autograd.Function):
     dx = (dphi * phi) (ln 2 W) + 2 c ln 2 x rowsum(dphi * phi), against autograd's several."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, projection: Tensor, norm_weight: float, shift: str) -> Tensor:
+    def forward(ctx, x: Tensor, projection: Tensor, norm_weight: float, shift: str, single_use: bool) -> Tensor:
         # One GEMM over every head's tokens: x's batch dimensions folded into its rows.
         logits = torch.mm(x.reshape(-1, x.shape[-1]), projection.T).view(*x.shape[:-1], projection.shape[0])
         if norm_weight:
@@ -145,7 +147,7 @@ class PositiveFeatures(torch.autograd.Function):
             logits.sub_(logits.amax(dim=(-1, -2), keepdim=True))
         phi = logits.exp2_()
         ctx.save_for_backward(x, phi, projection)
-        ctx.norm_weight, ctx.overwrite = norm_weight, in_single_use_graph()
+        ctx.norm_weight, ctx.overwrite = norm_weight, single_use  # single_use: the backward may overwrite phi
         return phi
 
     @staticmethod
@@ -155,7 +157,7 @@ class PositiveFeatures(torch.autograd.Function):
         grad_x = grad_logits @ (projection * math.log(2.0))
         if ctx.norm_weight:
             grad_x.add_(x * grad_logits.sum(-1, keepdim=True), alpha=2 * ctx.norm_weight * math.log(2.0))
-        return grad_x, None, None, None
+        return grad_x, None, None, None, None
 
 
 @dataclasses.dataclass
@@ -180,7 +182,7 @@ class RFAAttention(RandomFeatureAttention):
 
     Options = RFAOptions
 
-    def features(self, x: Tensor, is_query: bool, causal: bool) -> Tensor:
+    def features(self, x: Tensor, is_query: bool, causal: bool, single_use: bool = False) -> Tensor:
         x = F.normalize(x, dim=-1)
         angles = x @ (self.projection.to(x.dtype).T / self.options.sigma)
         return torch.cat([torch.sin(angles), torch.cos(angles)], dim=-1) / math.sqrt(angles.shape[-1])

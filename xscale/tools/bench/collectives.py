@@ -15,8 +15,12 @@ import torch
 import torch.distributed as dist
 
 from xscale.command_line import CommandParser
-from xscale.parallel import collectives
-from xscale.parallel.collectives import all_gather_flat, reduce_scatter_flat
+from xscale.parallel.collectives import (
+    direct_all_gather,
+    direct_reduce_scatter,
+    torch_all_gather,
+    torch_reduce_scatter,
+)
 from xscale.tools.parity import run_local
 
 
@@ -34,17 +38,11 @@ def _measure(megabytes: float, rounds: int) -> dict[str, float]:
     full, chunk = torch.randn(elements), torch.empty(elements // world)
     gathered = torch.empty(elements)
 
-    def run(direct: bool, call):
-        def timed_call():
-            collectives.GLOO_DIRECT = direct
-            call()
-        return timed_call
-
     calls = {
-        "all_gather torch": run(False, lambda: all_gather_flat(gathered, chunk)),
-        "all_gather xscale": run(True, lambda: all_gather_flat(gathered, chunk)),
-        "reduce_scatter torch": run(False, lambda: reduce_scatter_flat(chunk, full)),
-        "reduce_scatter xscale": run(True, lambda: reduce_scatter_flat(chunk, full)),
+        "all_gather torch": lambda: torch_all_gather(gathered, chunk),
+        "all_gather xscale": lambda: direct_all_gather(gathered, chunk),
+        "reduce_scatter torch": lambda: torch_reduce_scatter(chunk, full),
+        "reduce_scatter xscale": lambda: direct_reduce_scatter(chunk, full),
         "all_reduce (whole buffer)": lambda: dist.all_reduce(full),
     }
     seconds: dict[str, list[float]] = {name: [] for name in calls}
