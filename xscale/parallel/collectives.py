@@ -5,11 +5,12 @@ torch 2.13 renamed ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to ``a
 ``reduce_scatter_single`` and warns on the old names (once per call site, in every rank's log); the old names are
 all that torch 2.6 to 2.12 have.
 
-On CPU tensors over gloo the two go another way, because gloo's own are the slower way there. Measured by ``xscale bench collectives`` (2 ranks of a 2-core machine, 25 MB): all-gather
-27 ms, one broadcast from each rank 17 ms; reduce-scatter 46 ms (more than the 28 ms all-reduce of the whole), each
-rank sending every other its slice 22 ms (``tests/parallel/test_collectives.py`` checks the results). So the
-all-gather is a broadcast from each rank into its row, and the reduce-scatter sends each rank's slice to its owner
-(``isend`` / ``irecv``) and adds what arrives. ``XSCALE_GLOO_DIRECT=0`` keeps torch's collectives.
+On CPU tensors over gloo the two go another way, because gloo's own are the slower way there. Measured by
+``xscale bench collectives`` (2 ranks of a 2-core machine, 25 MB): all-gather 27 ms, one broadcast from each rank
+17 ms; reduce-scatter 46 ms (more than the 28 ms all-reduce of the whole), each rank sending every other its slice
+22 ms (``tests/parallel/test_collectives.py`` checks the results). So the all-gather is a broadcast from each rank
+into its row, and the reduce-scatter sends each rank's slice to its owner (``isend`` / ``irecv``) and adds what
+arrives. ``XSCALE_GLOO_DIRECT=0`` keeps torch's collectives.
 """
 
 from __future__ import annotations
@@ -31,17 +32,18 @@ _tags: dict[object, itertools.count] = {}
 
 
 class DirectWork:
-    """The pending transfers of one direct collective: :meth:`wait` waits on them, then runs ``finish``."""
+    """The pending transfers of one direct collective: :meth:`wait` waits on them, then runs ``finish`` (which holds
+    the buffers it reads, so they live until then)."""
 
-    def __init__(self, works: list, finish: Callable[[], None] | None = None, keep: tuple = ()) -> None:
-        self.works, self.finish, self.keep = works, finish, keep  # ``keep``: buffers alive until done
+    def __init__(self, works: list, finish: Callable[[], None] | None = None) -> None:
+        self.works, self.finish = works, finish
 
     def wait(self) -> bool:
         for work in self.works:
             work.wait()
         if self.finish is not None:
             self.finish()
-        self.works, self.finish, self.keep = [], None, ()
+        self.works, self.finish = [], None
         return True
 
 
@@ -67,7 +69,7 @@ def direct_all_gather(output: torch.Tensor, chunk: torch.Tensor, group: dist.Pro
     rows = output.view(size, -1)
     rows[rank].copy_(chunk.reshape(-1))
     works = [dist.broadcast(rows[source], _global(group, source), group=group, async_op=True)
-             for source in range(size) if size > 1]
+             for source in range(size)]
     return _done(DirectWork(works), async_op)
 
 
@@ -92,7 +94,7 @@ def direct_reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.
         for piece in received:
             total.add_(piece)
 
-    return _done(DirectWork(works, finish, keep=(slices, received)), async_op)
+    return _done(DirectWork(works, finish), async_op)
 
 
 def all_gather_flat(output: torch.Tensor, chunk: torch.Tensor, group: dist.ProcessGroup | None = None,

@@ -79,7 +79,10 @@ def prefix_sums(steps: Tensor, start: Tensor | None, reverse: bool = False) -> T
         return torch.cat([origin, origin + steps.cumsum(dim=2)], dim=2)
     out = steps.new_empty(*steps.shape[:2], n, *steps.shape[3:])
     first, *rest = range(n - 1, -1, -1) if reverse else range(n)
-    out[:, :, first].zero_() if start is None else out[:, :, first].copy_(start)
+    if start is None:
+        out[:, :, first].zero_()
+    else:
+        out[:, :, first].copy_(start)
     previous = first
     for i in rest:
         torch.add(out[:, :, previous], steps[:, :, min(i, previous)], out=out[:, :, i])
@@ -231,7 +234,8 @@ def _chunks_backward(phi_q: Tensor, phi_k: Tensor, values: Tensor, state: Tensor
     grad_phi_k = _add_product(grad_scores.transpose(-1, -2) @ phi_q, values, grad_chunk_states.transpose(-1, -2))
     grad_values = _add_product(scores.transpose(-1, -2) @ grad, phi_k, grad_chunk_states)
     unchunk = lambda x: x.reshape(batch, heads, n_chunks * chunk, x.shape[-1])[:, :, :length]  # noqa: E731
-    return unchunk(grad_phi_q), unchunk(grad_phi_k), unchunk(grad_values), grad_chunk_states[:, :, 0] + grad_before[:, :, 0]
+    grad_state = grad_chunk_states[:, :, 0] + grad_before[:, :, 0]  # dS = sum_c dS_c + dS_after
+    return unchunk(grad_phi_q), unchunk(grad_phi_k), unchunk(grad_values), grad_state
 
 
 def _zero_state(k: Tensor, v: Tensor, feature_k: FeatureMap) -> Tensor:

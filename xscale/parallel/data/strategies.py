@@ -183,9 +183,8 @@ class ReplicatedDataParallel(DataParallel):
         super().__init__(parameters, mesh, dims)
         self.buckets = GradientBuckets(self._bucket_parameters(), bucket_bytes, self.keeps_full_gradients,
                                        on_bucket_start)
-        self.gradients_whole_on_every_rank = (
-            self.keeps_full_gradients and type(self) is ReplicatedDataParallel and dims.pp == 1
-            and self.expert_parallel == 1 and all(sharded_mesh_size(entry.param) == 1 for entry in parameters))
+        self.gradients_whole_on_every_rank = dims.pp == 1 and self.expert_parallel == 1 and all(
+            sharded_mesh_size(entry.param) == 1 for entry in parameters)
 
     def _bucket_parameters(self) -> list[tuple[nn.Parameter, BucketGroups]]:
         """Each trained parameter with the group its gradient is summed over (none if that group is one rank)."""
@@ -239,6 +238,7 @@ class ZeroDataParallel(ReplicatedDataParallel):
         self.keeps_full_gradients = stage == 1
         self.partitions: list[_Partition] = []
         super().__init__(parameters, mesh, dims, bucket_bytes, on_bucket_start)
+        self.gradients_whole_on_every_rank = False  # the norm is taken over this rank's chunks
         if not self.partitions:
             self.partitions = [self._partition(entry) for entry in parameters]
         self.partition_of = {id(part.entry.param): part for part in self.partitions}
