@@ -154,6 +154,7 @@ class ParallelConfig:
     microbatches: int | None = None  # pipeline microbatches per step and dp rank; None (null): auto (see above)
     zero_stage: int = 0  # 0 DDP | 1 optimizer state | 2 + gradients | 3 + parameters (FSDP2)
     bucket_mb: float = 4.0  # DDP / ZeRO-1/2: gradient MiB per collective, started during the last backward
+    overlap_param_gather: bool = True  # ZeRO-1/2: the updated parameters travel during the next forward
     sequence_parallel: bool = False
     activation_checkpointing: str = "none"  # none | full | selective
     backend: str = "auto"  # auto | gloo | nccl
@@ -194,7 +195,7 @@ class TrainConfig:
     log_every: int = 10
     output_dir: str = "runs/default"
     kernels: str = "auto"  # auto | triton | apex | torch
-    # AdamW's update: auto (fused on CUDA, one parameter at a time on CPU) | true (foreach) | false (per parameter)
+    # AdamW's update: auto (torch's fused kernel, on CPU as on CUDA) | true (foreach) | false (per parameter)
     optimizer_foreach: bool | str = "auto"
     compile: bool = False
     peak_flops: float | None = None  # FLOP/s per device for MFU; None: measured matmul peak

@@ -109,6 +109,12 @@ def test_switch_ep2_with_zero_stages_matches_one_process(tmp_path):
                                                    "dp_shard=2,ep=2,zero_stage=3"], tmp_path)
 
 
+def test_switch_zero1_with_a_bucket_per_parameter_matches_one_process(tmp_path):
+    """ZeRO-1 over 2 ranks (a routing group of 4 sequences each) in ~1 KiB buckets: the stacked experts' weights,
+    which the layer reads without calling their modules, arrive in buckets of their own during the next forward."""
+    assert_layouts_match([*TRAINING, *SWITCH], 4, ["dp_shard=2,zero_stage=1,bucket_mb=0.001"], tmp_path)
+
+
 def test_gshard_ep2_matches_one_process(tmp_path):
     assert_layouts_match([*TRAINING, *GSHARD], 8, ["dp_shard=2,ep=2,zero_stage=2,activation_checkpointing=full"],
                          tmp_path)

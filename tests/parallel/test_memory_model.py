@@ -54,7 +54,8 @@ def test_all_gather_is_the_root_less_its_shard_plus_two_blocks_twice():
 
 
 def test_step_temporaries_are_three_of_the_largest_local_piece():
-    config = _config()  # optimizer_foreach auto: one parameter at a time on CPU
+    assert step_temporary_bytes(_config(), ParallelDims(), SIZES, 1e6) == 0  # auto: the fused update, none
+    config = _config("train.optimizer_foreach=false")  # one parameter at a time
     assert step_temporary_bytes(config, ParallelDims(), SIZES, 1e6) == 3 * 4 * 640
     assert step_temporary_bytes(config, ParallelDims(dp_shard=2, zero_stage=1), SIZES, 1e6) == 3 * 4 * 640 / 2
     assert step_temporary_bytes(config, ParallelDims(dp_shard=2, zero_stage=0), SIZES, 1e6) == 3 * 4 * 640

@@ -1,4 +1,5 @@
-"""AdamW's per-parameter update: the same result as ``foreach``, without temporaries the size of all parameters."""
+"""AdamW's three update modes: fused (the default wherever torch has the kernel), per parameter and ``foreach`` give the
+same result; fused allocates nothing, per parameter a few of the largest parameter, ``foreach`` one of every parameter."""
 
 from __future__ import annotations
 
@@ -24,25 +25,30 @@ def _set_gradients(params: list[torch.nn.Parameter], step: int) -> None:
         param.grad = torch.randn(param.shape, generator=generator)
 
 
-def test_auto_is_per_parameter_on_cpu_and_fused_on_cuda():
-    assert update_mode("auto", "cpu") == "per_parameter"
+def test_auto_is_fused_on_cpu_and_cuda():
+    assert update_mode("auto", "cpu") == "fused"
     assert update_mode("auto", "cuda") == "fused"
+    assert update_mode("auto", "a-device-without-kernels") == "per_parameter"
     assert update_mode(True, "cpu") == "foreach" and update_mode(False, "cuda") == "per_parameter"
     optimizer = build_optimizer(_parameters(), TrainConfig())
-    assert optimizer.defaults["foreach"] is False and not optimizer.defaults["fused"]
+    assert optimizer.defaults["fused"] is True and not optimizer.defaults["foreach"]
+    assert not build_optimizer(_parameters(), dataclasses.replace(TrainConfig(), optimizer_foreach=False)).defaults["fused"]
 
 
-def test_per_parameter_update_equals_foreach():
+@pytest.mark.parametrize("setting", ["auto", True])
+def test_update_modes_equal_the_per_parameter_update(setting):
+    """Three steps with weight decay on the matrices: bitwise for foreach, to float32 rounding for fused."""
     results = {}
-    for setting in (True, False):
+    for mode in (setting, False):
         params = _parameters()
-        optimizer = build_optimizer(params, dataclasses.replace(TrainConfig(), optimizer_foreach=setting))
+        optimizer = build_optimizer(params, dataclasses.replace(TrainConfig(), optimizer_foreach=mode))
         for step in range(3):
             _set_gradients(params, step)
             optimizer.step()
-        results[setting] = params
-    for foreach, single in zip(results[True], results[False]):
-        torch.testing.assert_close(single, foreach, rtol=0, atol=1e-7)
+        results[mode] = params
+    for other, single, start in zip(results[setting], results[False], _parameters()):
+        torch.testing.assert_close(other, single, rtol=0, atol=1e-7)
+        assert (single - start).abs().mean() > 1e-4  # the parameters moved: the comparison is of real updates
 
 
 def _step_temporaries(setting: bool | str) -> tuple[int, int]:
@@ -62,9 +68,13 @@ def _step_temporaries(setting: bool | str) -> tuple[int, int]:
     return peak[total] - current[total], max(p.numel() * p.element_size() for p in params)
 
 
-@pytest.mark.parametrize("setting", ["auto", False])
-def test_step_temporaries_are_bounded_by_the_largest_parameter(setting):
-    temporaries, largest = _step_temporaries(setting)
+def test_fused_step_allocates_nothing():
+    temporaries, largest = _step_temporaries("auto")
+    assert temporaries == 0, (temporaries, largest)
+
+
+def test_per_parameter_temporaries_are_bounded_by_the_largest_parameter():
+    temporaries, largest = _step_temporaries(False)
     assert 0 < temporaries <= 4 * largest, (temporaries, largest)
 
 

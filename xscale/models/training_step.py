@@ -13,8 +13,6 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from xscale.runtime.hooks import PerStepComponent
-
 
 def begin_training_step(parts: Iterable[nn.Module], forwards: int) -> None:
     """Call ``begin_training_step(forwards)`` once on every module of ``parts`` that defines it (a module shared
@@ -22,6 +20,8 @@ def begin_training_step(parts: Iterable[nn.Module], forwards: int) -> None:
     seen: set[int] = set()
     for part in parts:
         for module in part.modules():
-            if isinstance(module, PerStepComponent) and id(module) not in seen:
+            # xscale.runtime.hooks.PerStepComponent's method, looked up on the class: isinstance with the protocol
+            # costs ~10 us a module
+            if callable(getattr(type(module), "begin_training_step", None)) and id(module) not in seen:
                 seen.add(id(module))
                 module.begin_training_step(forwards)

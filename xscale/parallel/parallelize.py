@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from xscale.config import Config
+from xscale.config import Config, ParallelConfig
 from xscale.models import build_model
 from xscale.models.init import init_weights
 from xscale.models.moe import moe_layers
@@ -103,7 +103,7 @@ def parallelize(config: Config, dims: ParallelDims, mesh: DeviceMesh | None, dev
         place, shard_batch = _then(place, lambda context: context.with_sequence(layout)), layout.shard_batch
     apply_activation_checkpointing(_stacks(model), config.parallel.activation_checkpointing)
     _compile_blocks(model, config)
-    make_data_parallel = _data_parallel([model], dims, mesh, autocast, config.parallel.bucket_mb)
+    make_data_parallel = _data_parallel([model], dims, mesh, autocast, config.parallel)
     if dims.ep == 1:
         _materialize(model, config, device)
     return ParallelModel([model], make_data_parallel([model]), micro_batch_size=micro_batch_size(config, dims),
@@ -125,18 +125,22 @@ def _materialize(model: nn.Module, config: Config, device: torch.device) -> None
 
 
 def _data_parallel(parts: list[nn.Module], dims: ParallelDims, mesh: DeviceMesh, autocast: torch.dtype | None,
-                   bucket_mb: float):
+                   parallel: ParallelConfig):
     """Shard ``parts`` for ZeRO-3 now (meta or materialised); return a factory that builds the strategy over
     the materialised parts. The cp ranks hold the same parameters: gradients are summed over dp x cp, in buckets of
-    ``bucket_mb`` MiB (DDP, ZeRO-1/2)."""
-    bucket_bytes = max(1, int(bucket_mb * 2**20))
+    ``parallel.bucket_mb`` MiB (DDP, ZeRO-1/2); ZeRO-1/2 gather the updated parameters during the next forward when
+    ``parallel.overlap_param_gather``."""
+    bucket_bytes = max(1, int(parallel.bucket_mb * 2**20))
     if dims.zero_stage == 3 and dims.dp_cp > 1:
         for part in parts:
             experts = [layer.experts for layer in moe_layers(part)] if dims.ep > 1 else []
             apply_fsdp(part, mesh, dims, autocast, _blocks(part), expert_modules=experts)
         return lambda ms: FullyShardedDataParallel(named_parameters(ms), mesh, dims, ms)
     if dims.zero_stage in (1, 2) and dims.dp_cp > 1:
-        return lambda ms: ZeroDataParallel(named_parameters(ms), mesh, dims, bucket_bytes)
+        return lambda ms: ZeroDataParallel(
+            named_parameters(ms), mesh, dims, bucket_bytes,
+            overlap_gather=(ms, [block for part in ms for block in _blocks(part)]) if parallel.overlap_param_gather
+            else None)
     if dims.dp_cp > 1:
         return lambda ms: ReplicatedDataParallel(named_parameters(ms), mesh, dims, bucket_bytes)
     return lambda ms: DataParallel(named_parameters(ms), mesh, dims)
@@ -167,6 +171,6 @@ def _parallelize_pipeline(config: Config, dims: ParallelDims, mesh: DeviceMesh, 
         for stage in pipeline.stages:
             if moe_layers(stage):
                 apply_expert_parallel(stage, mesh["ep"])
-    data_parallel = _data_parallel(pipeline.stages, dims, mesh, autocast, config.parallel.bucket_mb)(pipeline.stages)
+    data_parallel = _data_parallel(pipeline.stages, dims, mesh, autocast, config.parallel)(pipeline.stages)
     return ParallelModel(pipeline.stages, data_parallel, micro_batch_size=0, autocast_dtype=autocast,
                          place=place, pipeline=pipeline)

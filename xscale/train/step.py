@@ -41,27 +41,37 @@ def forward_backward_step(model: ParallelModel, batch: Batch, context: StepConte
     microbatch draws the dropout masks of its rows in the global batch, as on one device."""
     for part in model.parts:
         part.train()
-    tokens = global_token_count(model, batch)
+    data_parallel = model.data_parallel
+    token_count = data_parallel.start_token_count((batch["labels"] != -100).sum())
     microbatches = model.microbatches_per_batch(model_inputs(batch).shape[0])
     moe_loss_scale = model.routing_groups.begin_step(microbatches)
-    begin_training_step(model.parts, microbatches * model.data_parallel.replicas)
+    begin_training_step(model.parts, microbatches * data_parallel.replicas)
     context = replace(context if context is not None else StepContext(), moe_loss_scale=moe_loss_scale)
     if model.pipeline is not None:
         with model.autocast():
-            total = model.pipeline.step(batch, context, tokens, model.routing_groups)
+            total = model.pipeline.step(batch, context, token_count().clamp_min(1), model.routing_groups)
+        data_parallel.after_backward()
+        loss_sum = data_parallel.start_loss_reduction(total)
     else:
+        # The global token count travels during the first forward, the loss's sum during the last backward.
         total = torch.zeros((), dtype=torch.float32, device=model.device)
+        tokens = None
         micros = split_microbatches(batch, model.micro_batch_size)
         for index, micro in enumerate(micros):
-            model.data_parallel.requires_gradient_sync(index == len(micros) - 1)
+            last = index == len(micros) - 1
+            data_parallel.requires_gradient_sync(last)
             micro_context = model.place(context.microbatch(index, model.micro_batch_size))
             with model.autocast():
-                loss = model_loss_sum(model.model, model.shard_batch(micro), micro_context) / tokens
-            loss.backward()
+                loss = model_loss_sum(model.model, model.shard_batch(micro), micro_context)
+            tokens = token_count().clamp_min(1) if tokens is None else tokens
+            loss = loss / tokens
             total += loss.detach().float()
-    model.data_parallel.after_backward()
+            if last:
+                loss_sum = data_parallel.start_loss_reduction(total)
+            loss.backward()
+        data_parallel.after_backward()
     model.routing_groups.end_step()
-    return model.data_parallel.reduce_loss(total).cpu()
+    return loss_sum().cpu()
 
 
 @torch.no_grad()

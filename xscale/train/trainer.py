@@ -184,6 +184,7 @@ class Trainer:
         return self.model.state_dict(self.optimizer)
 
     def save(self) -> None:
+        self.model.data_parallel.settle()  # parameters still arriving from the last step's all-gather
         meta = {"config": self.config.to_dict(), "sampler": self.sampler.state_dict(),
                 "world_size": self.world_size, "layout": self.dims.describe(), "num_params": self.num_params,
                 "parent": self.parent, "schedule": schedule_parameters(self.config.train),
@@ -208,6 +209,7 @@ class Trainer:
     def resume(self) -> bool:
         """Load the checkpoint named by checkpoint.resume (auto: the latest, if any); with none to resume, start from
         checkpoint.init_from's weights when it names some."""
+        self.model.data_parallel.settle()
         choice = self.config.checkpoint.resume
         path = None if choice == "none" else self.checkpointer.latest() if choice == "auto" else Path(choice)
         if path is None:
@@ -297,6 +299,7 @@ class Trainer:
         """eval/loss over up to train.eval_batches whole batches of the eval split, and eval/accuracy for a
         classifier (NaN without an eval split); with model.early_exit, eval/accuracy_full_depth,
         eval/mean_exit_layer and eval/exit_compute_fraction too (eval/accuracy being the early exits')."""
+        self.model.data_parallel.settle()
         classify = self.label_names is not None
         exits = classify and self.config.model.early_exit
         if self.eval_dataset is None or len(self.eval_dataset) == 0:

@@ -5,6 +5,10 @@ grouped, in order, into buckets of at most ``bucket_bytes`` (whole parameters), 
 bucket side by side (a short last chunk padded) and one collective gathers every rank's pack, rank-major, so
 parameter p's elements are the columns of its chunk in each rank's row, in rank order. All the buckets start
 before the first is unpacked, so unpacking one overlaps the next one's transfer.
+
+:meth:`ChunkGather.start` starts them and returns: the buckets are then *pending* until :meth:`ChunkGather.wait_through`
+unpacks them in order (the next forward does it module by module, :mod:`xscale.parallel.data.gather_hooks`, so the
+transfer of later layers overlaps the forward of earlier ones, as Megatron's ``overlap_param_gather``).
 """
 
 from __future__ import annotations
@@ -83,16 +87,46 @@ class ChunkGather:
             slot.column = bucket.columns
             bucket.slots.append(slot)
 
+        self.pending: list[tuple[_Bucket, torch.Tensor, torch.Tensor, object]] = []
+        self.unpacked = 0  # buckets of the last start() unpacked so far
+
+    def bucket_index(self) -> dict[int, int]:
+        """id(slot) -> the index of the bucket that fills it."""
+        return {id(slot): index for index, bucket in enumerate(self.buckets) for slot in bucket.slots}
+
     @torch.no_grad()
-    def gather(self) -> None:
-        """Fill every parameter with every rank's chunk."""
-        started = []
+    def start(self) -> None:
+        """Start every bucket's all-gather (asynchronous); :meth:`wait_through` or :meth:`finish` unpack them."""
+        self.finish()
         for bucket in self.buckets:
             send = _pack(bucket.slots)
             gathered = send.new_empty(bucket.size * send.numel())
-            started.append((bucket, gathered, send, all_gather_flat(gathered, send, bucket.group, async_op=True)))
-        for bucket, gathered, _, handle in started:
+            self.pending.append((bucket, gathered, send, all_gather_flat(gathered, send, bucket.group, async_op=True)))
+        self.unpacked = 0
+
+    @torch.no_grad()
+    def wait_through(self, index: int) -> None:
+        """Unpack the pending buckets up to ``index`` (inclusive), in order; nothing when none is pending."""
+        while self.unpacked <= index and self.unpacked < len(self.pending):
+            bucket, gathered, _, handle = self.pending[self.unpacked]
             handle.wait()
             rows = gathered.view(bucket.size, -1)
             for slot in bucket.slots:
                 _unpack(rows, slot, bucket.rank)
+            self.unpacked += 1
+        if self.unpacked == len(self.pending):
+            self.pending = []
+            self.unpacked = 0
+
+    @property
+    def in_flight(self) -> bool:
+        return bool(self.pending)
+
+    def finish(self) -> None:
+        """Unpack every pending bucket."""
+        self.wait_through(len(self.buckets))
+
+    def gather(self) -> None:
+        """Fill every parameter with every rank's chunk, now."""
+        self.start()
+        self.finish()

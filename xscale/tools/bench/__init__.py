@@ -15,6 +15,7 @@ BENCHMARKS = {
     "moe": "the MoE layer against DeepSpeed's and a dense FFN",
     "parallel": "training throughput of parallel layouts relative to one process",
     "collectives": "gloo's all-gather and reduce-scatter against xscale's direct transfers",
+    "optimizer": "AdamW's fused, per-parameter and foreach updates on one model's parameters",
     "dropout": "the layout-independent dropout against nn.Dropout",
     "memory": "each rank's predicted peak memory against the measured one, per layout",
     "lra": "LRA-style accuracy table (ListOps, byte matching, Pathfinder) of every encoder attention kind",

@@ -1,7 +1,8 @@
 """``xscale bench train``: xscale vs Hugging Face GPT2LMHeadModel, same shape, same precision, same machine, one run.
 
 Both models train (forward + backward + AdamW step) on the same random tokens, in fp32 or under bf16 autocast
-(``--precision``); the benchmark alternates between them so that machine noise hits both, and prints tokens/s, the
+(``--precision``), each with its framework's default AdamW: torch's fused kernel for both (transformers' Trainer
+defaults to ``adamw_torch_fused`` from torch 2.8 on; xscale's ``train.optimizer_foreach=auto``); the benchmark alternates between them so that machine noise hits both, and prints tokens/s, the
 ratio xscale / HF, and each one's MFU against this device's peak (:mod:`xscale.train.peak_flops`: the best of several
 GEMM shapes in that dtype, cached; or ``--peak-flops``). ``--profile``: a torch.profiler breakdown of one xscale step
 (the top ops by self time and the share of the step spent in matrix products).
@@ -17,13 +18,14 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from xscale.command_line import CommandParser
-from xscale.config import Config
+from xscale.config import Config, TrainConfig
 from xscale.interop.hf.load import model_config_from_hf, state_dict_from_hf
 from xscale.models import build_model
 from xscale.models.parameters import count_parameters
 from xscale.parallel.model import ParallelModel
 from xscale.train.bf16_support import bf16_warning
 from xscale.train.metrics import flops_per_token
+from xscale.train.optim import build_optimizer
 from xscale.train.peak_flops import peak_flops
 from xscale.train.step import forward_backward_step
 
@@ -103,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     ours.load_state_dict(state_dict_from_hf(hf.state_dict(), config, "gpt2"))
     ours.train()
     parallel = ParallelModel([ours], micro_batch_size=args.batch, autocast_dtype=autocast_dtype)
-    hf_optimizer = torch.optim.AdamW(hf.parameters(), lr=1e-4)
-    our_optimizer = torch.optim.AdamW(ours.parameters(), lr=1e-4)
+    hf_optimizer = torch.optim.AdamW(hf.parameters(), lr=1e-4, fused=True)
+    our_optimizer = build_optimizer(ours.parameters(), TrainConfig(lr=1e-4))
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq))
     tokens_per_step = args.batch * args.seq
 
