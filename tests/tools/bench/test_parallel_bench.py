@@ -76,6 +76,8 @@ def test_data_parallel_layouts_report_their_peers_in_the_same_run(capsys):
     assert (ddp["peer"], zero3["peer"]) == ("torch-ddp", "fsdp2")
     for row in (ddp, zero3):
         assert math.isfinite(row["vs_peer"]) and row["vs_peer"] > 0 and row["peer_tokens_per_s"] > 0
+        low, high = row["vs_peer_quartiles"]  # of the per-pair ratios, whose median is vs_peer
+        assert low <= row["vs_peer"] <= high
     bench.report(rows)
     table = capsys.readouterr().out.splitlines()
     assert "xscale/peer" in table[0] and f"{zero3['vs_peer']:.2f}x" in table[3] and "fsdp2" in table[3]

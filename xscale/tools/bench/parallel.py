@@ -18,7 +18,9 @@ stages show as a rank that idles while it waits for the slower one. Communicatio
 
 Peers (:mod:`xscale.tools.bench.peers`): each pure data-parallel layout also times torch's
 ``DistributedDataParallel`` (DDP, ZeRO-1/2) or FSDP2 ``fully_shard`` (ZeRO-3) in the same processes, on the
-same model and batches, its steps interleaved with xscale's; ``xscale/peer`` is the ratio of their tokens/s.
+same model and batches, its steps interleaved with xscale's; ``xscale/peer`` is the median over the step pairs of
+peer step time / xscale step time (each pair run back to back, so a slow drift of the machine cancels), printed with
+its interquartile range, the run's noise.
 
 On a shared machine, run with ``OMP_WAIT_POLICY=PASSIVE`` (spinning OpenMP threads of an oversubscribed
 CPU measure the scheduler instead), and compare only figures of one invocation.
@@ -100,7 +102,7 @@ def _measure(config: Config, warmup: int, steps: int, peer: str | None) -> dict:
     if peer is not None:
         dp = trainer.mesh["dp"]
         peer_step = build_peer(peer, config, dp.get_group(), dp, trainer.device, trainer.model.micro_batch_size)
-    times, peer_times, bubbles, computes = [], [], [], []
+    times, peer_times, pair_ratios, bubbles, computes = [], [], [], [], []
     for index in range(warmup + steps):
         clock.seconds = 0.0
         batch = trainer.next_batch()  # the batch the trainer's step reads next: the peer trains on it too
@@ -115,12 +117,23 @@ def _measure(config: Config, warmup: int, steps: int, peer: str | None) -> dict:
         times.append(seconds)
         if peer_seconds is not None:
             peer_times.append(peer_seconds)
+            pair_ratios.append(peer_seconds / seconds)
         if pipeline is not None:
             bubbles.append(bubble_fraction(clock.seconds, pipeline.last_step_seconds))
             computes.append(clock.seconds)
     return {"seconds": statistics.median(times), "bubble": statistics.median(bubbles) if bubbles else None,
             "compute": statistics.median(computes) if computes else None,
-            "peer_seconds": statistics.median(peer_times) if peer_times else None}
+            "peer_seconds": statistics.median(peer_times) if peer_times else None,
+            "vs_peer": _median_and_quartiles(pair_ratios)}
+
+
+def _median_and_quartiles(values: list[float]) -> tuple[float, float, float] | None:
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0], values[0], values[0]
+    low, _, high = statistics.quantiles(values, n=4, method="inclusive")
+    return statistics.median(values), low, high
 
 
 def measure_layouts(config_path: str | None, overrides: list[str], layouts: list[str], warmup: int,
@@ -148,8 +161,9 @@ def measure_layouts(config_path: str | None, overrides: list[str], layouts: list
             })
             tokens = config.train.global_batch_size * config.train.seq_len
             peer_seconds = ranks[0]["peer_seconds"]
+            ratio = ranks[0]["vs_peer"]
             rows[-1].update({"peer": peer, "peer_tokens_per_s": tokens / peer_seconds if peer_seconds else None,
-                             "vs_peer": peer_seconds / ranks[0]["seconds"] if peer_seconds else None})
+                             "vs_peer": ratio[0] if ratio else None, "vs_peer_quartiles": ratio[1:] if ratio else None})
     for row in rows:
         row["vs_single"] = rows[0]["seconds"] / row["seconds"]
     return rows
@@ -157,16 +171,17 @@ def measure_layouts(config_path: str | None, overrides: list[str], layouts: list
 
 def report(rows: list[dict]) -> None:
     print(f"{'layout':<48} {'procs':>5} {'step s':>8} {'tokens/s':>9} {'vs single':>9} {'peer':>9} "
-          f"{'peer tok/s':>10} {'xscale/peer':>11} {'bubble':>7} {'(p-1)/(m+p-1)':>13}  per-rank bubble (compute s)")
+          f"{'peer tok/s':>10} {'xscale/peer (IQR)':>19} {'bubble':>7} {'(p-1)/(m+p-1)':>13}  per-rank bubble (compute s)")
     for row in rows:
         bubble = f"{row['bubble']:.3f}" if row["bubble"] is not None else "-"
         theory = f"{row['theory']:.3f}" if row["theory"] is not None else "-"
         ranks = " ".join(f"{value:.3f} ({compute:.3f})" for value, compute in zip(row["rank_bubbles"], row["rank_compute"]))
         peer = row["peer"] or "-"
         peer_tokens = f"{row['peer_tokens_per_s']:,.0f}" if row["peer_tokens_per_s"] else "-"
-        vs_peer = f"{row['vs_peer']:.2f}x" if row["vs_peer"] else "-"
+        vs_peer = (f"{row['vs_peer']:.2f}x ({row['vs_peer_quartiles'][0]:.2f}-{row['vs_peer_quartiles'][1]:.2f})"
+                   if row["vs_peer"] else "-")
         print(f"{row['layout']:<48} {row['procs']:>5} {row['seconds']:>8.3f} {row['tokens_per_s']:>9,.0f} "
-              f"{row['vs_single']:>8.2f}x {peer:>9} {peer_tokens:>10} {vs_peer:>11} {bubble:>7} {theory:>13}  {ranks}")
+              f"{row['vs_single']:>8.2f}x {peer:>9} {peer_tokens:>10} {vs_peer:>19} {bubble:>7} {theory:>13}  {ranks}")
 
 
 def main(argv: list[str] | None = None) -> int:
