@@ -21,16 +21,21 @@ def _targets() -> list[torch.Tensor]:
             for index, shape in enumerate(SHAPES)]
 
 
-def check(rank: int, bucket_bytes: int, buckets: int) -> None:
-    world = dist.get_world_size()
+def _holding_own_chunks(rank: int, world: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[tuple]]:
+    """Targets, parameters stale (-1) everywhere but this rank's chunk, and their gather slots over the world."""
     targets = _targets()
-    params = [torch.full_like(target, -1.0) for target in targets]  # stale everywhere but this rank's chunk
+    params = [torch.full_like(target, -1.0) for target in targets]
     slots = []
     for param, target in zip(params, targets):
         flat, chunk = param.view(-1), math.ceil(param.numel() / world)
         start, stop = min(rank * chunk, flat.numel()), min((rank + 1) * chunk, flat.numel())
         flat[start:stop] = target.view(-1)[start:stop]
         slots.append((GatherSlot(flat, flat[start:stop], chunk, 0), dist.group.WORLD, world))
+    return targets, params, slots
+
+
+def check(rank: int, bucket_bytes: int, buckets: int) -> None:
+    targets, params, slots = _holding_own_chunks(rank, dist.get_world_size())
     gather = ChunkGather(slots, bucket_bytes)
     assert len(gather.buckets) == buckets
     gather.gather()
@@ -45,14 +50,7 @@ def test_chunks_are_gathered_into_whole_parameters_on_three_ranks(bucket_bytes, 
 
 def check_started(rank: int) -> None:
     world = dist.get_world_size()
-    targets = _targets()
-    params = [torch.full_like(target, -1.0) for target in targets]
-    slots = []
-    for param, target in zip(params, targets):
-        flat, chunk = param.view(-1), math.ceil(param.numel() / world)
-        start, stop = min(rank * chunk, flat.numel()), min((rank + 1) * chunk, flat.numel())
-        flat[start:stop] = target.view(-1)[start:stop]
-        slots.append((GatherSlot(flat, flat[start:stop], chunk, 0), dist.group.WORLD, world))
+    targets, params, slots = _holding_own_chunks(rank, world)
     gather = ChunkGather(slots, 64)  # two ranks' chunks of 64 bytes at most: [12] [5, 1] [14, 2] elements
     assert gather.bucket_index() == {id(slot): index for (slot, _, _), index in zip(slots, [0, 1, 1, 2, 2])}
     gather.start()

@@ -30,9 +30,14 @@ def split_microbatches(batch: Batch, micro_batch_size: int) -> list[Batch]:
             for start in range(0, size, micro_batch_size)]
 
 
+def labelled_tokens(batch: Batch) -> torch.Tensor:
+    """Labelled tokens in this rank's batch."""
+    return (batch["labels"] != -100).sum()
+
+
 def global_token_count(model: ParallelModel, batch: Batch) -> torch.Tensor:
     """Labelled tokens in the global batch (summed over the data-parallel ranks), at least 1."""
-    return model.data_parallel.global_token_count((batch["labels"] != -100).sum()).clamp_min(1)
+    return model.data_parallel.global_token_count(labelled_tokens(batch)).clamp_min(1)
 
 
 def forward_backward_step(model: ParallelModel, batch: Batch, context: StepContext | None = None) -> torch.Tensor:
@@ -42,7 +47,7 @@ def forward_backward_step(model: ParallelModel, batch: Batch, context: StepConte
     for part in model.parts:
         part.train()
     data_parallel = model.data_parallel
-    token_count = data_parallel.start_token_count((batch["labels"] != -100).sum())
+    token_count = data_parallel.start_token_count(labelled_tokens(batch))
     microbatches = model.microbatches_per_batch(model_inputs(batch).shape[0])
     moe_loss_scale = model.routing_groups.begin_step(microbatches)
     begin_training_step(model.parts, microbatches * data_parallel.replicas)
