@@ -64,10 +64,11 @@ def _done(work: DirectWork, async_op: bool) -> DirectWork | None:
 
 def direct_all_gather(output: torch.Tensor, chunk: torch.Tensor, group: dist.ProcessGroup | None = None,
                       async_op: bool = False) -> DirectWork | None:
-    """All-gather as one broadcast from each rank into its row of ``output``."""
+    """All-gather as one broadcast from each rank into its row of ``output`` (``chunk`` may be that row already)."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     rows = output.view(size, -1)
-    rows[rank].copy_(chunk.reshape(-1))
+    if chunk.data_ptr() != rows[rank].data_ptr():
+        rows[rank].copy_(chunk.reshape(-1))
     works = [dist.broadcast(rows[source], _global(group, source), group=group, async_op=True)
              for source in range(size)]
     return _done(DirectWork(works), async_op)
@@ -99,7 +100,8 @@ def direct_reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.
 
 def all_gather_flat(output: torch.Tensor, chunk: torch.Tensor, group: dist.ProcessGroup | None = None,
                     async_op: bool = False) -> dist.Work | DirectWork | None:
-    """``output`` [world x chunk's size, ...] := every rank's ``chunk``, in rank order; with ``async_op`` the
+    """``output`` [world x chunk's size, ...] := every rank's ``chunk`` (which may be this rank's row of ``output``:
+    in place, as NCCL allows), in rank order; with ``async_op`` the
     returned work is waited on before ``output`` is read."""
     if _direct(group, output):
         return direct_all_gather(output, chunk, group, async_op)

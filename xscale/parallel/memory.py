@@ -287,10 +287,13 @@ def _unique_bytes(tensors: list[torch.Tensor]) -> int:
 
 def measured_state_bytes(model, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """What this rank holds right after backward (before the optimizer step): parameters, gradients (whole,
-    or ZeRO-2 chunks) and optimizer moments."""
+    ZeRO-2 chunks, or the gradient buffers DDP and ZeRO-1 keep between steps) and optimizer moments."""
     params = list(model.parameters())
     grads = [p.grad for p in params if p.grad is not None]
     grads += [shard.grad for group in optimizer.param_groups for shard in group["params"] if shard.grad is not None]
+    data_parallel = getattr(model, "data_parallel", None)
+    if data_parallel is not None:
+        grads += data_parallel.gradient_buffers()
     moments = [value for state in optimizer.state.values() for value in state.values()
                if isinstance(value, torch.Tensor)]
     return {"parameters": _unique_bytes(params), "gradients": _unique_bytes(grads), "optimizer": _unique_bytes(moments)}

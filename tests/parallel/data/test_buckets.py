@@ -1,7 +1,8 @@
 """Gradient buckets: collectives start during the last microbatch's backward, in bucket order, on one buffer.
 
 One process with a one-rank gloo group: the collectives are real (asynchronous, returning work handles) and sum
-over one rank, so the reduced gradients are the local ones; layouts with more ranks are the parity tests' job.
+over one rank, so the reduced gradients are the local ones; two spawned ranks check a reduce-scattered (ZeRO) bucket;
+whole layouts are the parity tests' job.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import contextlib
 import pytest
 import torch
 import torch.distributed as dist
+from spawned import spawn
 from torch import nn
 
 from xscale.parallel.data.buckets import BucketGroups, GradientBuckets
@@ -110,3 +112,35 @@ def test_finish_starts_buckets_whose_parameters_got_no_gradient():
         buckets.finish()
         assert [e for e in events if isinstance(e, int)] == [0, 1, 2]
         assert not model[4].weight.grad.any()
+
+
+def check_sharded_bucket(rank: int, keep_buffers: bool) -> None:
+    """Two ranks, one bucket reduce-scattered (ZeRO-1 keeps its buffer, ZeRO-2 frees it), two steps."""
+    model = _model()
+    entries = [(param, BucketGroups(dist.group.WORLD, 2, None, "dp")) for param in model.parameters()]
+    buckets = GradientBuckets(entries, 2**20, keep_buffers=keep_buffers)
+    (bucket,) = buckets.buckets
+    kept = None
+    for seeds in ([1, 2], [3, 4]):
+        buckets.sync = True
+        _backward(model, seeds[rank], [])
+        (reduced,) = buckets.finish()
+        total = [a + b for a, b in zip(*(_reference_grads([seed]) for seed in seeds))]
+        by_param = dict(zip(map(id, model.parameters()), total))
+        for slot in bucket.slots:
+            flat = by_param[id(slot.param)].view(-1)
+            start, stop = min(rank * slot.chunk, flat.numel()), min((rank + 1) * slot.chunk, flat.numel())
+            torch.testing.assert_close(reduced[slot.column:slot.column + stop - start], flat[start:stop])
+            assert slot.param.grad is None, "a whole gradient left after its bucket was reduce-scattered"
+        if keep_buffers:  # the reduced chunks land in the kept buffer's head, the same memory every step
+            assert reduced.data_ptr() == bucket.buffer.data_ptr()
+            assert kept in (None, bucket.buffer.data_ptr())
+            kept = bucket.buffer.data_ptr()
+        else:
+            assert bucket.buffer is None
+        buckets.release()
+
+
+@pytest.mark.parametrize("keep_buffers", [True, False], ids=["zero1", "zero2"])
+def test_a_sharded_bucket_gives_each_rank_its_summed_chunks(keep_buffers):
+    spawn(check_sharded_bucket, keep_buffers)

@@ -10,11 +10,12 @@ collectives in the same order whatever order its gradients finish in; :meth:`Gra
 (parameters that got no gradient, or a pipeline schedule that runs without ``sync``) and waits on all of them before
 the gradients are read (clipping, optimizer).
 
-A bucket either all-reduces its buffer in place over one group (DDP, ZeRO-1: ``shard_size`` 1), or reduce-scatters
-it over the sharding group, then all-reduces the chunk over the replicate group (ZeRO-2, HSDP): each parameter takes
+A bucket either all-reduces its buffer in place over one group (DDP: ``shard_size`` 1), or reduce-scatters
+it over the sharding group, then all-reduces the chunk over the replicate group (ZeRO-1/2, HSDP): each parameter takes
 ``shard_size x chunk`` elements of the buffer, and the send buffer lays the ranks' chunks of every parameter side by
-side, so rank r receives its chunk of each parameter in one contiguous piece. ZeRO-2 frees the full buffer as soon as
-the send copy is made: what stays is this rank's chunks.
+side, so rank r receives its chunk of each parameter in one contiguous piece. Once the send copy is made the whole
+gradients are spent (``.grad`` is None): ZeRO-1 keeps the buffer from step to step and receives its reduced chunks in
+the buffer's head; ZeRO-2 frees it, and what stays is this rank's chunks.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class GradientBucket:
     groups: BucketGroups
     dtype: torch.dtype
     device: torch.device
-    keep_buffer: bool  # False (ZeRO-2): the full gradients are freed once the bucket is sent
+    keep_buffer: bool  # False (ZeRO-2): the buffer is freed once the bucket is sent
     buffer: torch.Tensor | None = None
     ready: set[int] = field(default_factory=set)
     handle: dist.Work | None = None
@@ -87,8 +88,8 @@ class GradientBucket:
     def attach(self, slot: _Slot) -> None:
         """Make ``slot``'s parameter's gradient a view of the buffer (copying a gradient autograd allocated, zeroing
         the slot of a parameter without one)."""
-        if self.buffer is None:
-            self.buffer = torch.zeros(self.size, dtype=self.dtype, device=self.device)
+        if self.buffer is None:  # each slot is copied or zeroed before the bucket is sent; padding is never read
+            self.buffer = torch.empty(self.size, dtype=self.dtype, device=self.device)
         param, view = slot.param, self.view(slot)
         grad = param.grad
         if grad is None:
@@ -110,15 +111,18 @@ class GradientBucket:
             views = [self.buffer[slot.offset:slot.offset + slot.chunk * groups.shard_size].view(groups.shard_size, -1)
                      for slot in self.slots]
             self.send = torch.cat(views, dim=1).view(-1)  # rank-major: [rank 0's chunks | rank 1's chunks | ...]
-            self.output = self.buffer.new_empty(self.size // groups.shard_size)
+            # the gradients are in ``send`` now: a kept buffer takes this rank's reduced chunks in its head
+            chunks = self.size // groups.shard_size
+            self.output = self.buffer[:chunks] if self.keep_buffer else self.buffer.new_empty(chunks)
             self.handle = reduce_scatter_flat(self.output, self.send, group=groups.shard_group, async_op=True)
         else:
             self.output = self.buffer
             if groups.replicate_group is not None:
                 self.handle = dist.all_reduce(self.output, group=groups.replicate_group, async_op=True)
-        if not self.keep_buffer:
-            for slot in self.slots:
+        if groups.shard_size > 1 or not self.keep_buffer:
+            for slot in self.slots:  # a sharded bucket's whole gradients are spent (the reduced chunks replace them)
                 slot.param.grad = None
+        if not self.keep_buffer:
             self.buffer = None
 
     def wait(self) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 The chunks are gathered a bucket at a time, not a parameter at a time: the parameters sharded over one group are
 grouped, in order, into buckets of at most ``bucket_bytes`` (whole parameters), each rank packs its chunks of a
-bucket side by side (a short last chunk padded) and one collective gathers every rank's pack, rank-major, so
+bucket side by side (a short last chunk padded) into its own row of the gathered tensor and one collective gathers every rank's pack, rank-major, so
 parameter p's elements are the columns of its chunk in each rank's row, in rank order. All the buckets start
 before the first is unpacked, so unpacking one overlaps the next one's transfer.
 
@@ -45,14 +45,13 @@ class _Bucket:
         return sum(slot.chunk_size for slot in self.slots)
 
 
-def _pack(slots: list[GatherSlot]) -> torch.Tensor:
-    """This rank's chunks side by side, each padded to its ``chunk_size``."""
-    pieces = []
+def _pack(row: torch.Tensor, slots: list[GatherSlot]) -> None:
+    """This rank's chunks side by side in ``row`` (its row of the gathered tensor), each padded to its
+    ``chunk_size``: the all-gather then sends from where it receives, with no copy of its own."""
     for slot in slots:
-        pieces.append(slot.chunk)
-        if slot.chunk.numel() < slot.chunk_size:
-            pieces.append(slot.chunk.new_zeros(slot.chunk_size - slot.chunk.numel()))
-    return torch.cat(pieces)
+        numel = slot.chunk.numel()
+        row[slot.column:slot.column + numel].copy_(slot.chunk)
+        row[slot.column + numel:slot.column + slot.chunk_size].zero_()
 
 
 def _unpack(gathered: torch.Tensor, slot: GatherSlot, rank: int) -> None:
@@ -99,9 +98,11 @@ class ChunkGather:
         """Start every bucket's all-gather (asynchronous); :meth:`wait_through` or :meth:`finish` unpack them."""
         self.finish()
         for bucket in self.buckets:
-            send = _pack(bucket.slots)
-            gathered = send.new_empty(bucket.size * send.numel())
-            self.pending.append((bucket, gathered, send, all_gather_flat(gathered, send, bucket.group, async_op=True)))
+            gathered = bucket.slots[0].full.new_empty(bucket.size, bucket.columns)
+            row = gathered[bucket.rank]
+            _pack(row, bucket.slots)
+            self.pending.append((bucket, gathered, row, all_gather_flat(gathered.view(-1), row, bucket.group,
+                                                                       async_op=True)))
         self.unpacked = 0
 
     @torch.no_grad()
@@ -110,9 +111,8 @@ class ChunkGather:
         while self.unpacked <= index and self.unpacked < len(self.pending):
             bucket, gathered, _, handle = self.pending[self.unpacked]
             handle.wait()
-            rows = gathered.view(bucket.size, -1)
             for slot in bucket.slots:
-                _unpack(rows, slot, bucket.rank)
+                _unpack(gathered, slot, bucket.rank)
             self.unpacked += 1
         if self.unpacked == len(self.pending):
             self.pending = []

@@ -8,8 +8,9 @@ ZeRO-1/2 partition each parameter's flattened local tensor into equal chunks ove
 ``dp_shard x cp`` under context parallelism; ``dp_expert`` for experts) and replicate over ``dp_replicate`` (HSDP). The optimizer owns only this rank's chunk:
 its "parameter" is a view into the model parameter's storage, so fp32 training keeps no extra master copy and the
 per-rank bytes are the paper's: params 4Psi, grads 4Psi (ZeRO-1) or 4Psi/N (ZeRO-2), Adam moments 8Psi/N.
-Stage 1 all-reduces whole gradients and reads its chunk; stage 2 reduce-scatters them and frees the whole gradient.
-Both start their buckets during the last microbatch's backward (:mod:`xscale.parallel.data.buckets`).
+Both stages reduce-scatter the gradients (an all-reduce would send the same bytes and then the half no one reads):
+stage 1 keeps the whole-gradient buffers from step to step, stage 2 frees them once sent. Both start their buckets
+during the last microbatch's backward (:mod:`xscale.parallel.data.buckets`).
 After the step every rank all-gathers the updated chunks, a bucket at a time (:mod:`xscale.parallel.data.gather`).
 ZeRO-3 is FSDP2 (:mod:`xscale.parallel.data.fsdp`).
 """
@@ -166,6 +167,10 @@ class DataParallel:
     def requires_gradient_sync(self, enabled: bool) -> None:
         """Set before each microbatch's backward (FSDP reduces only on the last)."""
 
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        """The gradient memory this strategy holds from step to step (none here)."""
+        return []
+
     def optimizer_parameters(self) -> list[nn.Parameter]:
         return [entry.param for entry in self.parameters]
 
@@ -203,14 +208,14 @@ class ReplicatedDataParallel(DataParallel):
     """DDP semantics (ZeRO-0): whole parameters and optimizer state on every rank, gradients all-reduced in buckets
     that start during the last microbatch's backward (:mod:`xscale.parallel.data.buckets`)."""
 
-    keeps_full_gradients = True
+    keeps_gradient_buffers = True
 
     def __init__(self, parameters: list[NamedParameter], mesh: DeviceMesh, dims: ParallelDims,
                  bucket_bytes: int = BUCKET_BYTES, on_bucket_start: Callable[[int], None] | None = None) -> None:
         """``bucket_bytes``: the most gradient bytes one collective carries; ``on_bucket_start``: called with each
         bucket's index as its collective starts (tests record the order)."""
         super().__init__(parameters, mesh, dims)
-        self.buckets = GradientBuckets(self._bucket_parameters(), bucket_bytes, self.keeps_full_gradients,
+        self.buckets = GradientBuckets(self._bucket_parameters(), bucket_bytes, self.keeps_gradient_buffers,
                                        on_bucket_start)
         self.gradients_whole_on_every_rank = dims.pp == 1 and self.expert_parallel == 1 and all(
             sharded_mesh_size(entry.param) == 1 for entry in parameters)
@@ -227,6 +232,9 @@ class ReplicatedDataParallel(DataParallel):
 
     def requires_gradient_sync(self, enabled: bool) -> None:
         self.buckets.sync = enabled
+
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        return [bucket.buffer for bucket in self.buckets.buckets if bucket.buffer is not None]
 
     def after_backward(self) -> None:
         self.buckets.finish()
@@ -268,12 +276,10 @@ class ZeroDataParallel(ReplicatedDataParallel):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel handles stages 1 and 2, got {stage}")
         self.stage = stage
-        self.keeps_full_gradients = stage == 1
+        self.keeps_gradient_buffers = stage == 1
         self.partitions: list[_Partition] = []
         super().__init__(parameters, mesh, dims, bucket_bytes, on_bucket_start)
         self.gradients_whole_on_every_rank = False  # the norm is taken over this rank's chunks
-        if not self.partitions:
-            self.partitions = [self._partition(entry) for entry in parameters]
         self.partition_of = {id(part.entry.param): part for part in self.partitions}
         slots = {id(part.entry.param): GatherSlot(local_tensor(part.entry.param).detach().view(-1),
                                                   part.shard.detach(), part.chunk, 0)
@@ -287,10 +293,7 @@ class ZeroDataParallel(ReplicatedDataParallel):
                                  self.gather.wait_through, self.gather.finish)
 
     def _bucket_parameters(self) -> list[tuple[nn.Parameter, BucketGroups]]:
-        """Stage 1: whole gradients all-reduced (as DDP); stage 2: reduce-scattered over the sharding group, then
-        all-reduced over ``dp_replicate``."""
-        if self.stage == 1:
-            return super()._bucket_parameters()
+        """Gradients reduce-scattered over the sharding group, then all-reduced over ``dp_replicate``."""
         self.partitions = [self._partition(entry) for entry in self.parameters]
         return [(part.entry.param, BucketGroups(part.shard_group, part.shard_size, part.replicate_group,
                                                 is_expert_parameter(part.entry.name)))
@@ -317,12 +320,7 @@ class ZeroDataParallel(ReplicatedDataParallel):
     @torch.no_grad()
     def after_backward(self) -> None:
         outputs = self.buckets.finish()
-        if self.stage == 1:
-            for part in self.partitions:
-                grad = part.entry.param.grad
-                part.shard.grad = None if grad is None else local_tensor(grad).reshape(-1)[part.start:part.stop]
-            return
-        for bucket, reduced in zip(self.buckets.buckets, outputs):  # ZeRO-2 keeps only this rank's chunks
+        for bucket, reduced in zip(self.buckets.buckets, outputs):  # this rank's reduced chunks
             for slot in bucket.slots:
                 part = self.partition_of[id(slot.param)]
                 part.shard.grad = reduced[slot.column:slot.column + part.stop - part.start]
