@@ -91,8 +91,11 @@ def direct_reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.
 
     def finish() -> None:
         total = output.view(-1)
-        total.copy_(slices[rank])
-        for piece in received:
+        if not len(received):
+            total.copy_(slices[rank])
+            return
+        torch.add(slices[rank], received[0], out=total)  # one pass for the first sum, not a copy and an add
+        for piece in received[1:]:
             total.add_(piece)
 
     return _done(DirectWork(works, finish), async_op)
