@@ -57,6 +57,7 @@ def check_started(rank: int) -> None:
     assert gather.in_flight and all((param == -1).any() for param in params if param.numel() >= world)  # no wait yet
     gather.wait_through(1)
     assert all(torch.equal(param, target) for param, target in zip(params[:3], targets[:3]))
+    assert gather.pending[:2] == [None, None] and gather.pending[2] is not None  # unpacked copies freed at once
     assert (params[3] == -1).any() and (params[4] == -1).any()
     gather.wait_through(0)  # already there: nothing to do
     gather.finish()

@@ -18,6 +18,7 @@ from xscale.parallel.memory import (
     head_activation_share,
     live_gradient_bytes,
     microbatches_in_flight,
+    parameter_gather_bytes,
     pipeline_buffer_bytes,
     step_temporary_bytes,
     unit_sizes,
@@ -40,6 +41,22 @@ def test_peak_is_the_state_plus_the_larger_phase():
                       step_temporaries=70)
     assert terms.model_state == 400 and terms.peak == 480  # forward/backward: 50 + 30
     assert dataclasses.replace(terms, step_temporaries=90).peak == 490  # the optimizer step
+
+
+def test_zero12_overlapped_gather_starts_with_every_parameter_and_ends_with_the_last_block_and_head():
+    zero1 = ParallelDims(dp_shard=2, zero_stage=1)
+    # tied embeddings: the last block (500) late in the forward; at its start everything (2200) + kept gradients
+    assert parameter_gather_bytes(_config(), zero1, SIZES, kept_gradients=123) == (123 + 4 * 2200, 4 * 500)
+    untied = _config("model.tie_embeddings=false")  # the head (64 x 32) is reached last too
+    assert parameter_gather_bytes(untied, zero1, SIZES, 0)[1] == 4 * (500 + 64 * 32)
+    assert parameter_gather_bytes(_config(), ParallelDims(dp_shard=2, tp=2, zero_stage=2), SIZES, 0) == (4400, 1000)
+    for dims, config in ((zero1, _config("parallel.overlap_param_gather=false")), (ParallelDims(dp_shard=2), _config()),
+                         (ZERO3, _config()), (ParallelDims(zero_stage=1), _config())):
+        assert parameter_gather_bytes(config, dims, SIZES, 123) == (0, 0)  # no gather in flight, or none at all
+    terms = PeakTerms(parameters=100, gradients=100, optimizer=200, activations=50, gather_in_forward=20,
+                      forward_start=260)
+    assert terms.peak == 300 + 260  # the forward's start: more than backward (50 + 100 + 20) or the step (100)
+    assert dataclasses.replace(terms, forward_start=0).peak == 300 + 170
 
 
 def test_all_gather_is_the_root_less_its_shard_plus_two_blocks_twice():

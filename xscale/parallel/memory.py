@@ -91,10 +91,10 @@ def predicted_pipeline_state_bytes(config: Config, dims: ParallelDims) -> list[d
 
 @dataclass
 class PeakTerms:
-    """One rank's predicted bytes, term by term. ``peak`` = parameters + optimizer state + the larger of the
+    """One rank's predicted bytes, term by term. ``peak`` = parameters + optimizer state + the largest of the
     forward/backward peak (gathered weights + the loss's and the pipeline's buffers + the larger of activations with
-    the gradients alive then and the last microbatch's backward) and the optimizer step (all gradients + the step's
-    temporaries)."""
+    the gradients alive then and the last microbatch's backward), the optimizer step (all gradients + the step's
+    temporaries) and, under ZeRO-1/2's overlapped gather, the next forward's start."""
 
     parameters: float
     gradients: float
@@ -106,6 +106,8 @@ class PeakTerms:
     vocab_parallel_loss: float = 0.0  # tp: the loss's logits shard and its copies (vocab_parallel_loss_bytes)
     pipeline_buffers: float = 0.0  # pp: received hidden states and gradients (pipeline_buffer_bytes)
     accumulated_backward: float = 0.0  # the last microbatch's backward (accumulated_backward_bytes)
+    gather_in_forward: float = 0.0  # ZeRO-1/2: gathered parameters still in flight late in the forward
+    forward_start: float = 0.0  # ZeRO-1/2: what the next forward starts with (parameter_gather_bytes)
 
     @property
     def model_state(self) -> float:
@@ -114,9 +116,10 @@ class PeakTerms:
     @property
     def peak(self) -> float:
         live = self.gradients if self.live_gradients is None else self.live_gradients
-        layout_buffers = self.all_gather + self.vocab_parallel_loss + self.pipeline_buffers
+        layout_buffers = self.all_gather + self.gather_in_forward + self.vocab_parallel_loss + self.pipeline_buffers
         backward = layout_buffers + max(self.activations + live, self.accumulated_backward)
-        return self.parameters + self.optimizer + max(backward, self.gradients + self.step_temporaries)
+        return self.parameters + self.optimizer + max(backward, self.gradients + self.step_temporaries,
+                                                      self.forward_start)
 
 
 @dataclass
@@ -157,6 +160,22 @@ def all_gather_bytes(config: Config, dims: ParallelDims, sizes: UnitSizes) -> fl
     blocks = sizes.blocks if dims.pp > 1 else sorted(sizes.blocks)[-GATHERED_BLOCKS:]
     gathered = sizes.root * (1 - 1 / n) + GATHER_COPIES * sum(blocks)
     return value_bytes * gathered / dims.tp
+
+
+def parameter_gather_bytes(config: Config, dims: ParallelDims, sizes: UnitSizes,
+                           kept_gradients: float) -> tuple[float, float]:
+    """ZeRO-1/2 with ``parallel.overlap_param_gather``: (the next forward's start, late in that forward). The
+    optimizer step starts gathering every updated parameter (:mod:`xscale.parallel.data.gather`) and each module's
+    forward unpacks and frees its own, so the forward starts with a gathered copy of all the parameters next to the
+    gradient buffers ZeRO-1 keeps (``kept_gradients``), and late in it, its activations nearly all made, the copies
+    of the last block and of an untied head are still in flight. (0, 0) otherwise."""
+    if not (dims.dp_cp > 1 and dims.zero_stage in (1, 2) and config.parallel.overlap_param_gather):
+        return 0.0, 0.0
+    model = config.model
+    head = 0 if model.tie_embeddings else model.vocab_size * model.d_model
+    value = BYTES_PER_VALUE / dims.tp
+    return (kept_gradients + value * (sizes.root + sum(sizes.blocks)),
+            value * (max(sizes.blocks, default=0) + head))
 
 
 def largest_gradient_bytes(dims: ParallelDims, sizes: UnitSizes) -> float:

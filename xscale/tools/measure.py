@@ -56,6 +56,7 @@ from xscale.parallel.memory import (
     largest_gradient_bytes,
     live_gradient_bytes,
     microbatches_in_flight,
+    parameter_gather_bytes,
     pipeline_buffer_bytes,
     predicted_pipeline_state_bytes,
     predicted_state_bytes,
@@ -263,10 +264,13 @@ def _rank(label: str, config: Config, dims: ParallelDims, state: dict[str, float
     live = live_gradient_bytes(dims, state["gradients"], gradient_fraction, sizes)
     accumulated = accumulated_backward_bytes(layout.microbatches, layout.in_flight, layout.held, layout.transient,
                                              state["gradients"], largest_gradient_bytes(dims, sizes))
+    kept = state["gradients"] if dims.zero_stage <= 1 else 0.0  # DDP / ZeRO-1 keep their gradient buffers
+    forward_start, gather_in_forward = parameter_gather_bytes(config, dims, sizes, kept)
     return RankMemory(label, PeakTerms(**state, activations=activations, all_gather=all_gather_bytes(config, dims, sizes),
                                        live_gradients=live, step_temporaries=temporaries,
                                        vocab_parallel_loss=layout.vocab_parallel_loss,
-                                       pipeline_buffers=layout.pipeline_buffers, accumulated_backward=accumulated))
+                                       pipeline_buffers=layout.pipeline_buffers, accumulated_backward=accumulated,
+                                       gather_in_forward=gather_in_forward, forward_start=forward_start))
 
 
 def device_memory_bytes(processes_per_node: int, device_memory_gib: float | None = None) -> tuple[float, str]:
@@ -302,10 +306,11 @@ def measure_report(config: Config, world_size: int, device_memory_gib: float | N
         lines.append(f"  {rank.label}: model state {_gib(terms.model_state)} (parameters {_gib(terms.parameters)}, "
                      f"gradients {_gib(terms.gradients)}, optimizer {_gib(terms.optimizer)}); peak "
                      f"{_gib(rank.peak)}: {verdict(rank.peak, available)}")
-        lines.append(f"    peak = parameters + optimizer + the larger of forward/backward (max(activations "
+        lines.append(f"    peak = parameters + optimizer + the largest of forward/backward (max(activations "
                      f"{_gib(terms.activations)} + live gradients {_gib(live)}, last microbatch's backward with "
                      f"accumulated gradients {_gib(terms.accumulated_backward)}) + all-gather {_gib(terms.all_gather)} "
                      f"+ vocab-parallel loss {_gib(terms.vocab_parallel_loss)} + pipeline buffers "
-                     f"{_gib(terms.pipeline_buffers)}) and the optimizer step (gradients + temporaries "
-                     f"{_gib(terms.step_temporaries)})")
+                     f"{_gib(terms.pipeline_buffers)} + ZeRO-1/2 gather in flight {_gib(terms.gather_in_forward)}), "
+                     f"the optimizer step (gradients + temporaries {_gib(terms.step_temporaries)}) and the next "
+                     f"forward's start (ZeRO-1/2's kept gradients + gathered parameters {_gib(terms.forward_start)})")
     return lines

@@ -86,7 +86,7 @@ class ChunkGather:
             slot.column = bucket.columns
             bucket.slots.append(slot)
 
-        self.pending: list[tuple[_Bucket, torch.Tensor, torch.Tensor, object]] = []
+        self.pending: list[tuple[_Bucket, torch.Tensor, torch.Tensor, object] | None] = []  # None: unpacked
         self.unpacked = 0  # buckets of the last start() unpacked so far
 
     def bucket_index(self) -> dict[int, int]:
@@ -113,6 +113,7 @@ class ChunkGather:
             handle.wait()
             for slot in bucket.slots:
                 _unpack(gathered, slot, bucket.rank)
+            self.pending[self.unpacked] = None  # its gathered copy is freed now, not when the last bucket lands
             self.unpacked += 1
         if self.unpacked == len(self.pending):
             self.pending = []

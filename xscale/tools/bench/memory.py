@@ -175,14 +175,14 @@ def report(rows: list[dict]) -> None:
     print(f"memory per rank, MiB ({device}); predicted / measured")
     print(f"{'layout':<28} {'rank':>4} {'pred peak':>10} {'meas peak':>10} {'ratio':>6} {'pred state':>10} "
           f"{'meas state':>10} {'ratio':>6} {'largest p':>9}  predicted terms: activations, all-gather, step temporaries, vocab-parallel loss, "
-          "pipeline buffers, last microbatch's backward")
+          "pipeline buffers, last microbatch's backward, ZeRO-1/2 gather late in forward / at its start")
     for row in rows:
         terms = row["terms"]
         print(f"{row['layout']:<28} {row['rank']:>4} {_mib(row['predicted']):>10} {_mib(row['peak']):>10} "
               f"{row['predicted'] / row['peak']:>6.3f} {_mib(row['predicted_state']):>10} {_mib(row['state']):>10} "
               f"{row['predicted_state'] / row['state']:>6.3f} {_mib(row['largest_parameter']):>9}  {_mib(terms.activations)}, {_mib(terms.all_gather)}, "
               f"{_mib(terms.step_temporaries)}, {_mib(terms.vocab_parallel_loss)}, {_mib(terms.pipeline_buffers)}, "
-              f"{_mib(terms.accumulated_backward)}")
+              f"{_mib(terms.accumulated_backward)}, {_mib(terms.gather_in_forward)} / {_mib(terms.forward_start)}")
 
 
 def main(argv: list[str] | None = None) -> int:
