@@ -2,13 +2,17 @@
 
 The chunks are gathered a bucket at a time, not a parameter at a time: the parameters sharded over one group are
 grouped, in order, into buckets of at most ``bucket_bytes`` (whole parameters), each rank packs its chunks of a
-bucket side by side (a short last chunk padded) into its own row of the gathered tensor and one collective gathers every rank's pack, rank-major, so
-parameter p's elements are the columns of its chunk in each rank's row, in rank order. All the buckets start
-before the first is unpacked, so unpacking one overlaps the next one's transfer.
+bucket side by side (a short last chunk padded) into its own row of the gathered tensor and one collective gathers
+every rank's pack, rank-major, so parameter p's elements are the columns of its chunk in each rank's row, in rank
+order. At most ``window`` buckets are in flight: unpacking one frees its gathered copy and starts the next, so the
+transfer of the next buckets overlaps the unpacking, and the gathered copies never hold more than ``window`` buckets
+(as FSDP limits its all-gathers in flight), whatever the model's size.
 
-:meth:`ChunkGather.start` starts them and returns: the buckets are then *pending* until :meth:`ChunkGather.wait_through`
+:meth:`ChunkGather.start` starts them and returns: the buckets are then *in flight* until :meth:`ChunkGather.wait_through`
 unpacks them in order (the next forward does it module by module, :mod:`xscale.parallel.data.gather_hooks`, so the
-transfer of later layers overlaps the forward of earlier ones, as Megatron's ``overlap_param_gather``).
+transfer of later layers overlaps the forward of earlier ones, as Megatron's ``overlap_param_gather``). Every rank
+starts the buckets in index order, each at the same point of its program (the step, or the first forward of the
+module that unpacks the bucket before), so the collectives match across ranks.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 from xscale.parallel.collectives import all_gather_flat
+
+GATHER_WINDOW = 2  # buckets in flight at once
 
 
 @dataclass
@@ -70,8 +76,10 @@ def _unpack(gathered: torch.Tensor, slot: GatherSlot, rank: int) -> None:
 class ChunkGather:
     """The buckets of one strategy's sharded parameters, gathered by :meth:`gather` (module docstring)."""
 
-    def __init__(self, slots: list[tuple[GatherSlot, dist.ProcessGroup, int]], bucket_bytes: int) -> None:
-        """``slots``: each sharded parameter's slot (``column`` is set here) with its group and the group's size."""
+    def __init__(self, slots: list[tuple[GatherSlot, dist.ProcessGroup, int]], bucket_bytes: int,
+                 window: int = GATHER_WINDOW) -> None:
+        """``slots``: each sharded parameter's slot (``column`` is set here) with its group and the group's size;
+        ``window``: the most buckets in flight at once."""
         self.buckets: list[_Bucket] = []
         open_buckets: dict[tuple, _Bucket] = {}
         for slot, group, size in slots:
@@ -86,8 +94,9 @@ class ChunkGather:
             slot.column = bucket.columns
             bucket.slots.append(slot)
 
-        self.pending: list[tuple[_Bucket, torch.Tensor, torch.Tensor, object] | None] = []  # None: unpacked
-        self.unpacked = 0  # buckets of the last start() unpacked so far
+        self.window = max(1, window)
+        self.pending: dict[int, tuple[torch.Tensor, object]] = {}  # bucket index -> (gathered, its collective)
+        self.started = self.unpacked = len(self.buckets)  # buckets of the last start() launched / unpacked
 
     def bucket_index(self) -> dict[int, int]:
         """id(slot) -> the index of the bucket that fills it."""
@@ -95,36 +104,41 @@ class ChunkGather:
 
     @torch.no_grad()
     def start(self) -> None:
-        """Start every bucket's all-gather (asynchronous); :meth:`wait_through` or :meth:`finish` unpack them."""
+        """Start the first ``window`` buckets' all-gathers (asynchronous); :meth:`wait_through` or :meth:`finish`
+        unpack them, each unpacked bucket starting the next."""
         self.finish()
-        for bucket in self.buckets:
+        self.started = self.unpacked = 0
+        self._fill()
+
+    def _fill(self) -> None:
+        while self.started < len(self.buckets) and self.started - self.unpacked < self.window:
+            bucket = self.buckets[self.started]
             gathered = bucket.slots[0].full.new_empty(bucket.size, bucket.columns)
-            row = gathered[bucket.rank]
-            _pack(row, bucket.slots)
-            self.pending.append((bucket, gathered, row, all_gather_flat(gathered.view(-1), row, bucket.group,
-                                                                       async_op=True)))
-        self.unpacked = 0
+            _pack(gathered[bucket.rank], bucket.slots)
+            self.pending[self.started] = gathered, all_gather_flat(gathered.view(-1), gathered[bucket.rank],
+                                                                  bucket.group, async_op=True)
+            self.started += 1
 
     @torch.no_grad()
     def wait_through(self, index: int) -> None:
-        """Unpack the pending buckets up to ``index`` (inclusive), in order; nothing when none is pending."""
-        while self.unpacked <= index and self.unpacked < len(self.pending):
-            bucket, gathered, _, handle = self.pending[self.unpacked]
+        """Unpack the buckets up to ``index`` (inclusive), in order, freeing each gathered copy and starting the next
+        bucket as it goes; nothing when none is in flight."""
+        while self.unpacked <= index and self.unpacked < self.started:
+            bucket = self.buckets[self.unpacked]
+            gathered, handle = self.pending.pop(self.unpacked)
             handle.wait()
             for slot in bucket.slots:
                 _unpack(gathered, slot, bucket.rank)
-            self.pending[self.unpacked] = None  # its gathered copy is freed now, not when the last bucket lands
+            del gathered
             self.unpacked += 1
-        if self.unpacked == len(self.pending):
-            self.pending = []
-            self.unpacked = 0
+            self._fill()
 
     @property
     def in_flight(self) -> bool:
-        return bool(self.pending)
+        return self.unpacked < len(self.buckets)
 
     def finish(self) -> None:
-        """Unpack every pending bucket."""
+        """Unpack every bucket still in flight."""
         self.wait_through(len(self.buckets))
 
     def gather(self) -> None:
