@@ -51,11 +51,12 @@ def test_chunks_are_gathered_into_whole_parameters_on_three_ranks(bucket_bytes, 
 def check_started(rank: int) -> None:
     world = dist.get_world_size()
     targets, params, slots = _holding_own_chunks(rank, world)
-    gather = ChunkGather(slots, 64)  # two ranks' chunks of 64 bytes at most: [12] [5, 1] [14, 2] elements
+    # two ranks' chunks of 64 bytes at most: [12] [5, 1] [14, 2] elements (48, 48, 64 bytes); two fit the window
+    gather = ChunkGather(slots, 64, window_bytes=100)
     assert gather.bucket_index() == {id(slot): index for (slot, _, _), index in zip(slots, [0, 1, 1, 2, 2])}
     gather.start()
     assert gather.in_flight and all((param == -1).any() for param in params if param.numel() >= world)  # no wait yet
-    assert sorted(gather.pending) == [0, 1]  # the window: two buckets in flight, the third not started
+    assert sorted(gather.pending) == [0, 1]  # the window: 96 bytes in flight, the third bucket not started
     gather.wait_through(1)
     assert all(torch.equal(param, target) for param, target in zip(params[:3], targets[:3]))
     assert sorted(gather.pending) == [2]  # unpacked copies freed at once, the next bucket started

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from xscale.models.parameters import count_parameters
+from xscale.parallel.data.gather import GATHER_WINDOW_BYTES
 from xscale.parallel.dims import ParallelDims
 from xscale.parallel.memory import (
     PeakTerms,
@@ -45,15 +46,19 @@ def test_peak_is_the_state_plus_the_larger_phase():
 
 def test_zero12_overlapped_gather_starts_with_its_window_and_ends_with_the_last_block_and_head():
     zero1 = ParallelDims(dp_shard=2, zero_stage=1)
-    # 4 MiB buckets hold all 2200 parameters: the forward starts with them + kept gradients, and the last block (500)
+    # the window holds all 2200 parameters: the forward starts with them + kept gradients, and the last block (500)
     # is late in it (tied embeddings)
     assert parameter_gather_bytes(_config(), zero1, SIZES, kept_gradients=123) == (123 + 4 * 2200, 4 * 500)
     untied = _config("model.tie_embeddings=false")  # the head (64 x 32) is reached last too
     assert parameter_gather_bytes(untied, zero1, dataclasses.replace(SIZES, root=5000), 0)[1] == 4 * (500 + 64 * 32)
     assert parameter_gather_bytes(untied, zero1, SIZES, 0)[1] == 4 * 2200  # never more than is gathered at all
     assert parameter_gather_bytes(_config(), ParallelDims(dp_shard=2, tp=2, zero_stage=2), SIZES, 0) == (4400, 1000)
-    # small buckets: the window of two in flight, each the largest parameter's (4 x 640 bytes > 0.001 MiB)
-    assert parameter_gather_bytes(_config("parallel.bucket_mb=0.001"), zero1, SIZES, 0) == (2 * 4 * 640, 4 * 500)
+    # a model larger than the window: the window in flight (here at most the last block's late in the forward)
+    large = UnitSizes(root=10 * 2**20, blocks=[2**20] * 12, largest=2**20)
+    assert parameter_gather_bytes(_config(), zero1, large, 0) == (GATHER_WINDOW_BYTES, 4 * 2**20)
+    # a bucket larger than the window (one parameter of 128 MiB): one bucket is always let through
+    huge = dataclasses.replace(large, root=2**26, largest=2**25)
+    assert parameter_gather_bytes(_config(), zero1, huge, 0)[0] == 4 * 2**25
     for dims, config in ((zero1, _config("parallel.overlap_param_gather=false")), (ParallelDims(dp_shard=2), _config()),
                          (ZERO3, _config()), (ParallelDims(zero_stage=1), _config())):
         assert parameter_gather_bytes(config, dims, SIZES, 123) == (0, 0)  # no gather in flight, or none at all

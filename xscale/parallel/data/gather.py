@@ -4,9 +4,9 @@ The chunks are gathered a bucket at a time, not a parameter at a time: the param
 grouped, in order, into buckets of at most ``bucket_bytes`` (whole parameters), each rank packs its chunks of a
 bucket side by side (a short last chunk padded) into its own row of the gathered tensor and one collective gathers
 every rank's pack, rank-major, so parameter p's elements are the columns of its chunk in each rank's row, in rank
-order. At most ``window`` buckets are in flight: unpacking one frees its gathered copy and starts the next, so the
-transfer of the next buckets overlaps the unpacking, and the gathered copies never hold more than ``window`` buckets
-(as FSDP limits its all-gathers in flight), whatever the model's size.
+order. At most ``window_bytes`` of buckets are in flight (one bucket, if it is larger): unpacking one frees its
+gathered copy and starts the next ones that fit, so the transfer of the next buckets overlaps the unpacking, and the
+gathered copies stay within the window (as FSDP limits its all-gathers in flight), whatever the model's size.
 
 :meth:`ChunkGather.start` starts them and returns: the buckets are then *in flight* until :meth:`ChunkGather.wait_through`
 unpacks them in order (the next forward does it module by module, :mod:`xscale.parallel.data.gather_hooks`, so the
@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from xscale.parallel.collectives import all_gather_flat
 
-GATHER_WINDOW = 2  # buckets in flight at once
+GATHER_WINDOW_BYTES = 64 * 2**20  # gathered bytes in flight at once (one bucket more, if it is larger)
 
 
 @dataclass
@@ -77,9 +77,9 @@ class ChunkGather:
     """The buckets of one strategy's sharded parameters, gathered by :meth:`gather` (module docstring)."""
 
     def __init__(self, slots: list[tuple[GatherSlot, dist.ProcessGroup, int]], bucket_bytes: int,
-                 window: int = GATHER_WINDOW) -> None:
+                 window_bytes: int = GATHER_WINDOW_BYTES) -> None:
         """``slots``: each sharded parameter's slot (``column`` is set here) with its group and the group's size;
-        ``window``: the most buckets in flight at once."""
+        ``window_bytes``: the most gathered bytes in flight at once (one bucket at least)."""
         self.buckets: list[_Bucket] = []
         open_buckets: dict[tuple, _Bucket] = {}
         for slot, group, size in slots:
@@ -94,7 +94,7 @@ class ChunkGather:
             slot.column = bucket.columns
             bucket.slots.append(slot)
 
-        self.window = max(1, window)
+        self.window_bytes = window_bytes
         self.pending: dict[int, tuple[torch.Tensor, object]] = {}  # bucket index -> (gathered, its collective)
         self.started = self.unpacked = len(self.buckets)  # buckets of the last start() launched / unpacked
 
@@ -104,14 +104,21 @@ class ChunkGather:
 
     @torch.no_grad()
     def start(self) -> None:
-        """Start the first ``window`` buckets' all-gathers (asynchronous); :meth:`wait_through` or :meth:`finish`
-        unpack them, each unpacked bucket starting the next."""
+        """Start the first buckets' all-gathers, ``window_bytes`` of them (asynchronous); :meth:`wait_through` or
+        :meth:`finish` unpack them, each unpacked bucket starting the next ones that fit."""
         self.finish()
         self.started = self.unpacked = 0
         self._fill()
 
+    def _bytes(self, index: int) -> int:
+        bucket = self.buckets[index]
+        return bucket.size * bucket.columns * bucket.slots[0].full.element_size()
+
     def _fill(self) -> None:
-        while self.started < len(self.buckets) and self.started - self.unpacked < self.window:
+        in_flight = sum(self._bytes(index) for index in range(self.unpacked, self.started))
+        while self.started < len(self.buckets) and (
+                self.started == self.unpacked or in_flight + self._bytes(self.started) <= self.window_bytes):
+            in_flight += self._bytes(self.started)
             bucket = self.buckets[self.started]
             gathered = bucket.slots[0].full.new_empty(bucket.size, bucket.columns)
             _pack(gathered[bucket.rank], bucket.slots)
