@@ -48,7 +48,7 @@ def test_zero12_overlapped_gather_starts_with_its_window_and_ends_with_the_last_
     zero1 = ParallelDims(dp_shard=2, zero_stage=1)
     # the window holds all 2200 parameters: the forward starts with them + kept gradients, and the last block (500)
     # is late in it (tied embeddings)
-    assert parameter_gather_bytes(_config(), zero1, SIZES, kept_gradients=123) == (123 + 4 * 2200, 4 * 500)
+    assert parameter_gather_bytes(_config(), zero1, SIZES, gradients=123) == (123 + 4 * 2200, 4 * 500)
     untied = _config("model.tie_embeddings=false")  # the head (64 x 32) is reached last too
     assert parameter_gather_bytes(untied, zero1, dataclasses.replace(SIZES, root=5000), 0)[1] == 4 * (500 + 64 * 32)
     assert parameter_gather_bytes(untied, zero1, SIZES, 0)[1] == 4 * 2200  # never more than is gathered at all

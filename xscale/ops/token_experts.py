@@ -42,7 +42,7 @@ class _TokenExperts(torch.autograd.Function):
         weighted[assigned].zero_()
         gate_rows = gate.to(tokens.dtype).unsqueeze(-1)
 
-        def forward_rows(expert, rows):
+        def forward_rows(expert: int, rows: slice) -> None:
             torch.index_select(tokens, 0, token_index[rows], out=saved.x[rows])
             expert_forward(weights, expert, saved, rows, expert_out[rows])
             torch.mul(expert_out[rows], gate_rows[rows], out=weighted[rows])
@@ -52,7 +52,7 @@ class _TokenExperts(torch.autograd.Function):
         out = weighted.index_select(0, slot).to(out_dtype)
         ctx.save_for_backward(token_index, slot, gate_rows, w1, b1, w_up, b_up, w2, b2, saved.x, saved.pre,
                               saved.up, saved.act, expert_out)
-        ctx.counts, ctx.activation, ctx.num_tokens, ctx.gate_dtype = counts, activation, tokens.shape[0], gate.dtype
+        ctx.counts, ctx.activation, ctx.gate_dtype = counts, activation, gate.dtype
         return out
 
     @staticmethod
@@ -68,7 +68,7 @@ class _TokenExperts(torch.autograd.Function):
         grad_sorted = x.new_empty((assigned + 1, x.shape[1]))
         grad_sorted[assigned].zero_()
 
-        def backward_rows(expert, rows):
+        def backward_rows(expert: int, rows: slice) -> None:
             grad_y = grad_out.index_select(0, token_index[rows]).to(expert_out.dtype)
             if grad_gate is not None:
                 torch.linalg.vecdot(grad_y, expert_out[rows], out=grad_gate[rows])

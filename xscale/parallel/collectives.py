@@ -91,7 +91,7 @@ def direct_reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.
 
     def finish() -> None:
         total = output.view(-1)
-        if not len(received):
+        if size == 1:
             total.copy_(slices[rank])
             return
         torch.add(slices[rank], received[0], out=total)  # one pass for the first sum, not a copy and an add
@@ -103,9 +103,9 @@ def direct_reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.
 
 def all_gather_flat(output: torch.Tensor, chunk: torch.Tensor, group: dist.ProcessGroup | None = None,
                     async_op: bool = False) -> dist.Work | DirectWork | None:
-    """``output`` [world x chunk's size, ...] := every rank's ``chunk`` (which may be this rank's row of ``output``:
-    in place, as NCCL allows), in rank order; with ``async_op`` the
-    returned work is waited on before ``output`` is read."""
+    """``output`` [world x chunk's size, ...] := every rank's ``chunk``, in rank order (``chunk`` may be this rank's
+    row of ``output``: in place, as NCCL allows); with ``async_op`` the returned work is waited on before ``output``
+    is read."""
     if _direct(group, output):
         return direct_all_gather(output, chunk, group, async_op)
     return torch_all_gather(output, chunk, group=group, async_op=async_op)

@@ -164,12 +164,12 @@ def all_gather_bytes(config: Config, dims: ParallelDims, sizes: UnitSizes) -> fl
 
 
 def parameter_gather_bytes(config: Config, dims: ParallelDims, sizes: UnitSizes,
-                           kept_gradients: float) -> tuple[float, float]:
+                           gradients: float) -> tuple[float, float]:
     """ZeRO-1/2 with ``parallel.overlap_param_gather``: (the next forward's start, late in that forward). The
     optimizer step starts gathering the updated parameters, ``GATHER_WINDOW_BYTES`` in flight at once (or one larger
     bucket: ``parallel.bucket_mb``, or one larger parameter), and each module's forward unpacks its own and frees them
     (:mod:`xscale.parallel.data.gather`). So the forward starts with that window of gathered copies next to the
-    gradient buffers ZeRO-1 keeps (``kept_gradients``); late in it, its activations nearly all made, the window holds
+    gradient buffers ZeRO-1 keeps (its ``gradients``); late in it, its activations nearly all made, the window holds
     at most the copies of the last block and of an untied head. (0, 0) otherwise."""
     if not (dims.dp_cp > 1 and dims.zero_stage in (1, 2) and config.parallel.overlap_param_gather):
         return 0.0, 0.0
@@ -178,7 +178,8 @@ def parameter_gather_bytes(config: Config, dims: ParallelDims, sizes: UnitSizes,
     window = max(GATHER_WINDOW_BYTES, config.parallel.bucket_mb * 2**20, value * sizes.largest)
     in_flight = min(value * (sizes.root + sum(sizes.blocks)), window)
     head = 0 if model.tie_embeddings else model.vocab_size * model.d_model
-    return kept_gradients + in_flight, min(in_flight, value * (max(sizes.blocks, default=0) + head))
+    kept = gradients if dims.zero_stage == 1 else 0.0
+    return kept + in_flight, min(in_flight, value * (max(sizes.blocks, default=0) + head))
 
 
 def largest_gradient_bytes(dims: ParallelDims, sizes: UnitSizes) -> float:

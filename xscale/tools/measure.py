@@ -264,8 +264,7 @@ def _rank(label: str, config: Config, dims: ParallelDims, state: dict[str, float
     live = live_gradient_bytes(dims, state["gradients"], gradient_fraction, sizes)
     accumulated = accumulated_backward_bytes(layout.microbatches, layout.in_flight, layout.held, layout.transient,
                                              state["gradients"], largest_gradient_bytes(dims, sizes))
-    kept = state["gradients"] if dims.zero_stage <= 1 else 0.0  # DDP / ZeRO-1 keep their gradient buffers
-    forward_start, gather_in_forward = parameter_gather_bytes(config, dims, sizes, kept)
+    forward_start, gather_in_forward = parameter_gather_bytes(config, dims, sizes, state["gradients"])
     return RankMemory(label, PeakTerms(**state, activations=activations, all_gather=all_gather_bytes(config, dims, sizes),
                                        live_gradients=live, step_temporaries=temporaries,
                                        vocab_parallel_loss=layout.vocab_parallel_loss,

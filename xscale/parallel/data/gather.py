@@ -50,6 +50,11 @@ class _Bucket:
     def columns(self) -> int:
         return sum(slot.chunk_size for slot in self.slots)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the gathered tensor: every rank's row."""
+        return self.size * self.columns * self.slots[0].full.element_size()
+
 
 def _pack(row: torch.Tensor, slots: list[GatherSlot]) -> None:
     """This rank's chunks side by side in ``row`` (its row of the gathered tensor), each padded to its
@@ -86,8 +91,7 @@ class ChunkGather:
             key = (group, slot.full.dtype, slot.full.device)
             bucket = open_buckets.get(key)
             nbytes = slot.chunk_size * size * slot.full.element_size()
-            if bucket is None or (bucket.slots and (bucket.columns * size * slot.full.element_size() + nbytes
-                                                    > bucket_bytes)):
+            if bucket is None or (bucket.slots and bucket.nbytes + nbytes > bucket_bytes):
                 bucket = _Bucket(group, size, dist.get_rank(group), [])
                 open_buckets[key] = bucket
                 self.buckets.append(bucket)
@@ -110,16 +114,12 @@ class ChunkGather:
         self.started = self.unpacked = 0
         self._fill()
 
-    def _bytes(self, index: int) -> int:
-        bucket = self.buckets[index]
-        return bucket.size * bucket.columns * bucket.slots[0].full.element_size()
-
     def _fill(self) -> None:
-        in_flight = sum(self._bytes(index) for index in range(self.unpacked, self.started))
+        in_flight = sum(self.buckets[index].nbytes for index in range(self.unpacked, self.started))
         while self.started < len(self.buckets) and (
-                self.started == self.unpacked or in_flight + self._bytes(self.started) <= self.window_bytes):
-            in_flight += self._bytes(self.started)
+                self.started == self.unpacked or in_flight + self.buckets[self.started].nbytes <= self.window_bytes):
             bucket = self.buckets[self.started]
+            in_flight += bucket.nbytes
             gathered = bucket.slots[0].full.new_empty(bucket.size, bucket.columns)
             _pack(gathered[bucket.rank], bucket.slots)
             self.pending[self.started] = gathered, all_gather_flat(gathered.view(-1), gathered[bucket.rank],
@@ -136,7 +136,7 @@ class ChunkGather:
             handle.wait()
             for slot in bucket.slots:
                 _unpack(gathered, slot, bucket.rank)
-            del gathered
+            del gathered  # freed before _fill allocates the next bucket's
             self.unpacked += 1
             self._fill()
 
