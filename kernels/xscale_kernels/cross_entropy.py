@@ -75,8 +75,15 @@ class TritonRowLoss:
                                               IGNORE_INDEX, BLOCK_V=min(_BLOCK_V, triton.next_power_of_2(vocab)))
         return logits
 
+    def forward_backward(self, logits: torch.Tensor,
+                         labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = logits.contiguous()
+        loss, lse = self.forward(logits, labels)  # reads the logits without writing them
+        return loss, lse, self.backward(logits, labels, lse, torch.ones((), device=logits.device))
+
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                             chunk_tokens: int | None = None) -> torch.Tensor:
+                             chunk_tokens: int | None = None, gradient_in_forward: bool = True) -> torch.Tensor:
     """Sum of token CE of hidden @ weight^T over labels != -100, chunked, softmax rows in Triton."""
-    return chunked_linear_cross_entropy_sum(hidden, weight, labels, TritonRowLoss(), chunk_tokens)
+    return chunked_linear_cross_entropy_sum(hidden, weight, labels, TritonRowLoss(), chunk_tokens,
+                                            gradient_in_forward)

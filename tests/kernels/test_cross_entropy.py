@@ -17,12 +17,13 @@ def _problem(dtype, vocab=1301, tokens=(2, 19), width=16):
     return hidden, weight, labels
 
 
+@pytest.mark.parametrize("gradient_in_forward", [True, False], ids=["gradient-in-forward", "recomputed"])
 @pytest.mark.parametrize(("vocab", "chunk_tokens"), [(1301, 7), (1301, None), (37, 5)],
                          ids=["chunks-of-7", "one-chunk", "vocab-below-one-block"])
-def test_matches_reference(dtype, vocab, chunk_tokens):
+def test_matches_reference(dtype, vocab, chunk_tokens, gradient_in_forward):
     """vocab 1301: two vocab blocks of 1024, the second partial; 38 tokens: the last chunk partial."""
     hidden, weight, labels = _problem(dtype, vocab)
-    fused = linear_cross_entropy_sum(hidden, weight, labels, chunk_tokens)
+    fused = linear_cross_entropy_sum(hidden, weight, labels, chunk_tokens, gradient_in_forward)
     want = reference.linear_cross_entropy_sum(hidden, weight, labels)
     assert fused.dtype == torch.float32
     assert_close(fused, want, dtype, "loss")
@@ -52,3 +53,6 @@ def test_rows_with_extreme_logits():
     want_grad, = torch.autograd.grad(want.sum() * 0.5, leaf)
     got_grad = rows.backward(logits.clone(), labels, lse, torch.tensor(0.5))
     assert torch.isfinite(got_grad).all() and torch.allclose(got_grad, want_grad)
+    one_pass_loss, one_pass_lse, one_pass_grad = rows.forward_backward(logits.clone(), labels)
+    assert torch.allclose(one_pass_loss, want) and torch.allclose(one_pass_lse, lse)
+    assert torch.allclose(one_pass_grad * 0.5, want_grad)

@@ -24,11 +24,13 @@ def _check(got, want, dtype, what):
     assert error <= TOLERANCE[dtype] * scale, f"{what}: {error:.3g} vs scale {scale:.3g}"
 
 
+@pytest.mark.parametrize("gradient_in_forward", [True, False], ids=["gradient-in-forward", "recomputed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("chunk_tokens", [4, 10, None])
-def test_matches_unfused(dtype, chunk_tokens):
+def test_matches_unfused(dtype, chunk_tokens, gradient_in_forward):
     hidden, weight, labels = _problem(dtype)
-    got = chunked_linear_cross_entropy_sum(hidden, weight, labels, chunk_tokens=chunk_tokens)
+    got = chunked_linear_cross_entropy_sum(hidden, weight, labels, chunk_tokens=chunk_tokens,
+                                           gradient_in_forward=gradient_in_forward)
     want = reference.linear_cross_entropy_sum(hidden, weight, labels)
     _check(got, want, dtype, "loss")
     for g, w, name in zip(torch.autograd.grad(got * 3, [hidden, weight]), torch.autograd.grad(want * 3, [hidden, weight]),
@@ -37,10 +39,12 @@ def test_matches_unfused(dtype, chunk_tokens):
         _check(g, w, dtype, f"grad {name}")
 
 
-def test_autocast_matches_unfused_under_autocast():
+@pytest.mark.parametrize("gradient_in_forward", [True, False], ids=["gradient-in-forward", "recomputed"])
+def test_autocast_matches_unfused_under_autocast(gradient_in_forward):
     hidden, weight, labels = _problem(torch.float32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = chunked_linear_cross_entropy_sum(hidden, weight, labels, chunk_tokens=8)
+        got = chunked_linear_cross_entropy_sum(hidden, weight, labels, chunk_tokens=8,
+                                               gradient_in_forward=gradient_in_forward)
         want = reference.linear_cross_entropy_sum(hidden, weight, labels)
     _check(got, want, torch.bfloat16, "loss")
     for g, w, name in zip(torch.autograd.grad(got, [hidden, weight]), torch.autograd.grad(want, [hidden, weight]),
@@ -61,6 +65,81 @@ def test_rows_with_extreme_logits():
     want_grad, = torch.autograd.grad(want.sum() * 0.5, leaf)
     got_grad = rows.backward(logits.clone(), labels, lse, torch.tensor(0.5))
     assert torch.isfinite(got_grad).all() and torch.allclose(got_grad, want_grad)
+
+
+def test_forward_backward_rows_equal_forward_then_backward():
+    """The one-pass rows (softmax from the row sums of the shifted exp) against the two-pass ones at grad 1."""
+    logits = torch.tensor([[1e4, -1e4, 0.0], [-float("inf"), 3.0, 2.0], [0.5, 0.5, 0.5], [2.0, -1.0, 7.0]])
+    labels = torch.tensor([1, 2, -100, 0])
+    rows = TorchRowLoss()
+    loss, lse, dlogits = rows.forward_backward(logits.clone(), labels)
+    want_loss, want_lse = rows.forward(logits.clone(), labels)
+    want_dlogits = rows.backward(logits.clone(), labels, want_lse, torch.tensor(1.0))
+    assert torch.equal(loss, want_loss) and torch.equal(lse, want_lse)
+    assert torch.allclose(dlogits, want_dlogits, rtol=1e-6, atol=1e-7)
+
+
+class CountingRowLoss(TorchRowLoss):
+    """Counts the passes over each chunk's logits (each one follows a (chunk x vocab) matmul)."""
+
+    def __init__(self):
+        self.calls = {"forward": 0, "backward": 0, "forward_backward": 0}
+
+    def forward(self, logits, labels):
+        self.calls["forward"] += 1
+        return super().forward(logits, labels)
+
+    def backward(self, logits, labels, lse, grad):
+        self.calls["backward"] += 1
+        return super().backward(logits, labels, lse, grad)
+
+    def forward_backward(self, logits, labels):
+        self.calls["forward_backward"] += 1
+        return TorchRowLoss.forward_backward(self, logits, labels)
+
+
+def test_a_training_step_computes_each_chunks_logits_once():
+    """With the gradient made in the forward, a forward and backward compute the logits of each of the 5 chunks
+    once (the recomputing path: twice); under no_grad, or on inputs that need no gradient, no gradient is made."""
+    hidden, weight, labels = _problem(torch.float32)  # 51 tokens: chunks of 11 -> 5
+    rows = CountingRowLoss()
+    chunked_linear_cross_entropy_sum(hidden, weight, labels, rows, chunk_tokens=11).backward()
+    assert rows.calls == {"forward": 0, "backward": 0, "forward_backward": 5}
+    rows = CountingRowLoss()
+    chunked_linear_cross_entropy_sum(hidden, weight, labels, rows, chunk_tokens=11,
+                                     gradient_in_forward=False).backward()
+    assert rows.calls == {"forward": 5, "backward": 5, "forward_backward": 0}
+    for no_gradient in (torch.no_grad(), torch.enable_grad()):
+        rows = CountingRowLoss()
+        with no_gradient:
+            inputs = (hidden, weight) if isinstance(no_gradient, torch.no_grad) else (hidden.detach(), weight.detach())
+            loss = chunked_linear_cross_entropy_sum(*inputs, labels, rows, chunk_tokens=11)
+        assert rows.calls == {"forward": 5, "backward": 0, "forward_backward": 0}
+        assert torch.allclose(loss, reference.linear_cross_entropy_sum(hidden, weight, labels).detach())
+
+
+def test_gradient_in_forward_takes_one_backward():
+    """The gradient made in the forward is scaled in place by the backward: a second backward through the same
+    graph is refused with what to do, and the recomputing path takes it."""
+    hidden, weight, labels = _problem(torch.float32)
+    loss = chunked_linear_cross_entropy_sum(hidden, weight, labels, chunk_tokens=8)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="gradient_in_forward=False"):
+        loss.backward()
+    hidden.grad = weight.grad = None
+    loss = chunked_linear_cross_entropy_sum(hidden, weight, labels, chunk_tokens=8, gradient_in_forward=False)
+    loss.backward(retain_graph=True)
+    once = hidden.grad.clone()
+    loss.backward()
+    assert torch.allclose(hidden.grad, 2 * once)
+
+
+def test_only_the_gradients_asked_for_are_made():
+    hidden, weight, labels = _problem(torch.float32)
+    loss = chunked_linear_cross_entropy_sum(hidden, weight.detach(), labels, chunk_tokens=8)
+    grad_hidden, = torch.autograd.grad(loss, [hidden])
+    want, = torch.autograd.grad(reference.linear_cross_entropy_sum(hidden, weight.detach(), labels), [hidden])
+    assert torch.allclose(grad_hidden, want, atol=1e-5)
 
 
 def test_mismatched_shapes_are_refused():

@@ -1,9 +1,16 @@
 """Linear + softmax cross-entropy over the vocabulary, chunk by chunk of tokens: full logits never exist.
 
-loss = sum_t [lse(h_t W^T) - (h_t W^T)_{y_t}] over labelled tokens. The forward keeps only the per-token
-log-sum-exp; the backward recomputes each chunk's logits and turns them, in place, into
-dlogits = (softmax - onehot(y)) * grad, then dh = dlogits W and dW += dlogits^T h.
-Peak extra memory is O(chunk * vocab) instead of O(tokens * vocab).
+loss = sum_t [lse(h_t W^T) - (h_t W^T)_{y_t}] over labelled tokens. Each chunk's logits turn, in place, into
+dlogits = (softmax - onehot(y)) * grad, then dh = dlogits W and dW += dlogits^T h. Peak extra memory is
+O(chunk * vocab) instead of O(tokens * vocab).
+
+The loss is the last op of a training forward and its gradient is linear in the incoming scalar grad, so by
+default (``gradient_in_forward``) the forward computes dh and dW for grad = 1 while each chunk's logits exist, and
+the backward only scales them: the head's logits are computed once per step instead of twice (the recomputation
+was ~6% of a GPT-2-small step on CPU). The cost is holding dh and the fp32 dW from the forward to the backward,
+which the backward would allocate anyway; a schedule that runs several forwards before their backwards (GPipe)
+passes ``gradient_in_forward=False``: the forward then keeps only the per-token log-sum-exp, and the backward
+recomputes each chunk's logits.
 
 The per-row softmax work is pluggable (:class:`RowLoss`): PyTorch here, a Triton kernel in
 ``xscale_kernels.cross_entropy``; the chunk loop and the matmuls are shared.
@@ -28,35 +35,77 @@ class RowLoss(Protocol):
                  grad: torch.Tensor) -> torch.Tensor:
         """(softmax - onehot) * grad per row (0 on ignored rows), in logits' dtype; may overwrite logits."""
 
+    def forward_backward(self, logits: torch.Tensor,
+                         labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """forward's (loss, lse) and backward's rows for grad = 1, from one read of the logits (overwritten)."""
+
 
 class TorchRowLoss:
     """The per-row cross-entropy in PyTorch ops, float32 inside."""
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits32 = logits.float()
+        loss, lse, _ = self._exp_rows(logits.float(), labels)
+        return loss, lse
+
+    def forward_backward(self, logits: torch.Tensor,
+                         labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        loss, lse, (exp_rows, sums) = self._exp_rows(logits.float(), labels)
+        probs = exp_rows.div_(sums.unsqueeze(1))  # softmax, without a second exp pass over the logits
+        return loss, lse, self._minus_onehot(probs, labels, torch.ones((), device=logits.device)).to(logits.dtype)
+
+    @staticmethod
+    def _exp_rows(logits32: torch.Tensor, labels: torch.Tensor):
+        """(loss, lse, (exp(z - row max), its row sums)); the first overwrites ``logits32``."""
         valid = labels != IGNORE_INDEX
         target = logits32.gather(1, labels.clamp_min(0).unsqueeze(1)).squeeze(1)
         # log-sum-exp in place (torch.logsumexp would allocate a second (chunk, vocab) buffer); a row
         # maximum of +-inf is shifted by 0 instead, as logsumexp does, so such rows give +-inf, not nan
         row_max = logits32.amax(dim=-1, keepdim=True)
         row_max = torch.where(row_max.isfinite(), row_max, torch.zeros_like(row_max))
-        lse = logits32.sub_(row_max).exp_().sum(-1).log_().add_(row_max.squeeze(1))
-        return torch.where(valid, lse - target, torch.zeros_like(lse)), lse
+        exp_rows = logits32.sub_(row_max).exp_()
+        sums = exp_rows.sum(-1)
+        lse = sums.log().add_(row_max.squeeze(1))
+        return torch.where(valid, lse - target, torch.zeros_like(lse)), lse, (exp_rows, sums)
 
     def backward(self, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
                  grad: torch.Tensor) -> torch.Tensor:
         # in place: a float32 chunk of logits becomes its own softmax, one (chunk, vocab) buffer in all
         probs = logits.float().sub_(lse.unsqueeze(1)).exp_()
+        return self._minus_onehot(probs, labels, grad).to(logits.dtype)
+
+    @staticmethod
+    def _minus_onehot(probs: torch.Tensor, labels: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """(probs - onehot(labels)) * grad in place, 0 on ignored rows."""
         valid = labels != IGNORE_INDEX
         # minus one at each valid label (a scatter, not a boolean index: no data-dependent shapes, so the
         # step also runs on fake tensors, as ``xscale inspect --measure`` does)
         probs.scatter_add_(1, labels.clamp(min=0).unsqueeze(1), -valid.to(probs.dtype).unsqueeze(1))
-        probs.mul_((valid.float() * grad).unsqueeze(1))
-        return probs.to(logits.dtype)
+        return probs.mul_((valid.float() * grad).unsqueeze(1))
 
 
 def default_chunk_tokens(num_tokens: int, vocab: int) -> int:
     return max(1, min(num_tokens, CHUNK_LOGIT_ELEMENTS // max(vocab, 1)))
+
+
+class _GradientSums:
+    """dh (N, d) and the float32 sum of dW (V, d), filled chunk by chunk from each chunk's dlogits."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, needs_hidden: bool, needs_weight: bool) -> None:
+        self.hidden, self.weight = hidden, weight
+        self.grad_hidden = torch.empty_like(hidden) if needs_hidden else None
+        self.grad_weight = None
+        if needs_weight:
+            self.grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+
+    def add(self, start: int, end: int, dlogits: torch.Tensor) -> None:
+        chunk = self.hidden[start:end]
+        if self.grad_hidden is not None:
+            torch.matmul(dlogits, self.weight, out=self.grad_hidden[start:end])
+        if self.grad_weight is not None:
+            if self.weight.dtype != torch.float32:
+                self.grad_weight += dlogits.t() @ chunk
+            else:
+                self.grad_weight.addmm_(dlogits.t(), chunk)
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -64,49 +113,63 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
-                row_loss: RowLoss) -> torch.Tensor:
+                row_loss: RowLoss, gradient_in_forward: bool) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         lse = torch.empty(num_tokens, dtype=torch.float32, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        sums = _GradientSums(hidden, weight, *ctx.needs_input_grad[:2]) if gradient_in_forward else None
         for start in range(0, num_tokens, chunk_tokens):
             end = min(start + chunk_tokens, num_tokens)
-            # no name holds the chunk's logits, so they are freed before the next chunk's are allocated
-            loss_rows, lse[start:end] = row_loss.forward(hidden[start:end] @ weight.t(), labels[start:end])
+            # no name outlives the chunk's logits, so they are freed before the next chunk's are allocated
+            if sums is None:
+                loss_rows, lse[start:end] = row_loss.forward(hidden[start:end] @ weight.t(), labels[start:end])
+            else:
+                loss_rows, _, dlogits = row_loss.forward_backward(hidden[start:end] @ weight.t(), labels[start:end])
+                sums.add(start, end, dlogits)
+                del dlogits
             total += loss_rows.sum()
-        ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.chunk_tokens, ctx.row_loss = chunk_tokens, row_loss
+        ctx.chunk_tokens, ctx.row_loss, ctx.gradient_in_forward = chunk_tokens, row_loss, gradient_in_forward
+        ctx.weight_dtype = weight.dtype
+        if sums is None:
+            ctx.save_for_backward(hidden, weight, labels, lse)
+        else:
+            ctx.save_for_backward(sums.grad_hidden, sums.grad_weight)
+            ctx.scaled = False
         return total
 
     @staticmethod
     def backward(ctx, grad_total: torch.Tensor):
-        hidden, weight, labels, lse = ctx.saved_tensors
         grad = grad_total.float()
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        accumulate_fp32 = weight.dtype != torch.float32
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        if ctx.gradient_in_forward:
+            if ctx.scaled:
+                raise RuntimeError("the fused linear cross-entropy computed its gradient in the forward and scales "
+                                   "it in place, so its graph takes one backward; call the loss with "
+                                   "gradient_in_forward=False to backward through it more than once")
+            ctx.scaled = True
+            grad_hidden, grad_weight = ctx.saved_tensors
+            if grad_hidden is not None:
+                grad_hidden.mul_(grad.to(grad_hidden.dtype))
+            if grad_weight is not None:
+                grad_weight = grad_weight.mul_(grad).to(ctx.weight_dtype)
+            return grad_hidden, grad_weight, None, None, None, None
+        hidden, weight, labels, lse = ctx.saved_tensors
+        sums = _GradientSums(hidden, weight, *ctx.needs_input_grad[:2])
         for start in range(0, hidden.shape[0], ctx.chunk_tokens):
             end = min(start + ctx.chunk_tokens, hidden.shape[0])
-            chunk = hidden[start:end]
-            dlogits = ctx.row_loss.backward(chunk @ weight.t(), labels[start:end], lse[start:end], grad)
-            if grad_hidden is not None:
-                torch.matmul(dlogits, weight, out=grad_hidden[start:end])
-            if grad_weight is not None:
-                if accumulate_fp32:
-                    grad_weight += dlogits.t() @ chunk
-                else:
-                    grad_weight.addmm_(dlogits.t(), chunk)
+            dlogits = ctx.row_loss.backward(hidden[start:end] @ weight.t(), labels[start:end], lse[start:end], grad)
+            sums.add(start, end, dlogits)
             del dlogits  # before the next chunk's logits exist: one (chunk, vocab) buffer at a time
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None
+        grad_weight = None if sums.grad_weight is None else sums.grad_weight.to(weight.dtype)
+        return sums.grad_hidden, grad_weight, None, None, None, None
 
 
 def chunked_linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                                     row_loss: RowLoss | None = None,
-                                     chunk_tokens: int | None = None) -> torch.Tensor:
+                                     row_loss: RowLoss | None = None, chunk_tokens: int | None = None,
+                                     gradient_in_forward: bool = True) -> torch.Tensor:
     """Sum of CE(hidden @ weight^T, labels) over labels != -100, computed chunk by chunk of tokens.
+
+    ``gradient_in_forward``: when autograd will need the gradient, compute it in the forward (module docstring;
+    one backward per graph); False for a caller that keeps several forwards alive before their backwards.
 
     Under autocast the matmuls run in the autocast dtype (as ``hidden @ weight.t()`` would) and the
     softmax in float32, like the unfused reference.
@@ -127,4 +190,6 @@ def chunked_linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor,
     if chunk < 1 or not math.isfinite(chunk):
         raise ValueError(f"chunk_tokens must be a positive integer, got {chunk_tokens}")
     with torch.autocast(device_type, enabled=False):
-        return ChunkedLinearCrossEntropy.apply(hidden2, weight, labels1, int(chunk), row_loss or TorchRowLoss())
+        eager = gradient_in_forward and torch.is_grad_enabled() and (hidden2.requires_grad or weight.requires_grad)
+        return ChunkedLinearCrossEntropy.apply(hidden2, weight, labels1, int(chunk), row_loss or TorchRowLoss(),
+                                               eager)

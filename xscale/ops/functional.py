@@ -86,13 +86,17 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                             chunk_tokens: int | None = None, backend: str = "auto") -> torch.Tensor:
-    """cross_entropy_sum(hidden @ weight^T, labels) without materialising the logits (except under 'torch')."""
+                             chunk_tokens: int | None = None, backend: str = "auto",
+                             gradient_in_forward: bool = True) -> torch.Tensor:
+    """cross_entropy_sum(hidden @ weight^T, labels) without materialising the logits (except under 'torch');
+    ``gradient_in_forward``: :mod:`xscale.ops.chunked_cross_entropy`."""
     if choose_backend((hidden, weight), backend) == "triton":
-        return kernel_module("cross_entropy").linear_cross_entropy_sum(hidden, weight, labels, chunk_tokens)
+        return kernel_module("cross_entropy").linear_cross_entropy_sum(hidden, weight, labels, chunk_tokens,
+                                                                       gradient_in_forward)
     if backend == "torch" or is_distributed(hidden) or is_distributed(weight):
         return reference.linear_cross_entropy_sum(hidden, weight, labels)  # the chunked Function takes plain tensors
-    return chunked_linear_cross_entropy_sum(hidden, weight, labels, chunk_tokens=chunk_tokens)
+    return chunked_linear_cross_entropy_sum(hidden, weight, labels, chunk_tokens=chunk_tokens,
+                                            gradient_in_forward=gradient_in_forward)
 
 
 def moe_permute(tokens: torch.Tensor, expert_ids: torch.Tensor, num_experts: int,

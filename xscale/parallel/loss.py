@@ -44,13 +44,17 @@ def split_by_vocabulary(output: nn.Module) -> bool:
     return any(name == "tp" and placement.is_shard(0) for name, placement in zip(names, weight.placements))
 
 
-def token_loss_sum(hidden: torch.Tensor, output: nn.Module, labels: torch.Tensor, kernels: str = "auto") -> torch.Tensor:
+def token_loss_sum(hidden: torch.Tensor, output: nn.Module, labels: torch.Tensor, kernels: str = "auto",
+                   gradient_in_forward: bool = True) -> torch.Tensor:
     """Sum over labels != -100 of the cross-entropy of ``output(hidden)`` (the hidden states the output projection
-    reads: ``Transformer.forward(..., project=False)``); ``kernels``: the fused op's backend."""
+    reads: ``Transformer.forward(..., project=False)``); ``kernels``: the fused op's backend;
+    ``gradient_in_forward``: whether the fused op may compute its gradient in the forward (one backward follows
+    each forward, :mod:`xscale.ops.chunked_cross_entropy`)."""
     if split_by_vocabulary(output):
         return vocab_sharded_loss_sum(output(hidden), labels)
     if output.bias is None:
-        return linear_cross_entropy_sum(hidden, output.weight, labels, backend=kernels)
+        return linear_cross_entropy_sum(hidden, output.weight, labels, backend=kernels,
+                                        gradient_in_forward=gradient_in_forward)
     return cross_entropy_sum(output(hidden), labels)
 
 

@@ -204,7 +204,8 @@ class PipelineSchedule:
 
     def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         last = self.stages[-1]
-        return token_loss_sum(hidden, last.output, labels, last.kernels).float() / self._token_count
+        return token_loss_sum(hidden, last.output, labels, last.kernels,
+                              gradient_in_forward=self.spec.loss_gradient_in_forward).float() / self._token_count
 
     def _schedule(self, batch: Batch, training: bool, routing_groups: RoutingGroups):
         rows = batch["input_ids"].shape[0]

@@ -52,6 +52,10 @@ class ScheduleSpec:
     # 1F1B-style schedules start a backward before all forwards are in: every stage needs a microbatch.
     needs_microbatch_per_stage: bool
     eval_cls: type | None = None
+    # The last stage runs each microbatch's backward right after its forward, once: the fused loss may then
+    # compute its gradient in the forward (xscale.ops.chunked_cross_entropy). Not under GPipe (every forward's
+    # gradient would wait for the backwards), nor ZB-V (its split backward runs the loss's backward twice).
+    loss_gradient_in_forward: bool = False
 
     @property
     def single_stage(self) -> bool:
@@ -68,7 +72,7 @@ class ScheduleSpec:
 
 SCHEDULES: dict[str, ScheduleSpec] = {
     "gpipe": ScheduleSpec(ScheduleGPipe, "loop", 1, 1, needs_microbatch_per_stage=False),
-    "1f1b": ScheduleSpec(Schedule1F1B, "loop", 1, 1, needs_microbatch_per_stage=True),
+    "1f1b": ScheduleSpec(Schedule1F1B, "loop", 1, 1, needs_microbatch_per_stage=True, loss_gradient_in_forward=True),
     "interleaved_1f1b": ScheduleSpec(ScheduleInterleaved1F1B, "loop", 2, None, needs_microbatch_per_stage=True),
     "zero_bubble": ScheduleSpec(ScheduleZBVZeroBubble, "v", 2, 2, needs_microbatch_per_stage=True,
                                 eval_cls=ForwardOnlyZBV),
