@@ -25,6 +25,7 @@ class ModelCount:
     per_component: dict[str, int]
     expert: int = 0  # MoE expert weights (sharded by expert parallelism)
     active_expert: float = 0.0  # the expert weights one token uses: expert * experts_per_token / num_experts
+    tied_head: int = 0  # the vocabulary projection's weights when they are the embedding's (counted once, in it)
 
     @property
     def non_embedding(self) -> int:
@@ -35,6 +36,14 @@ class ModelCount:
         """The non-embedding parameters one token multiplies by: every dense weight, only its experts' share of the
         expert weights (the N of 6N for a MoE model)."""
         return self.non_embedding - self.expert + self.active_expert
+
+    @property
+    def matmul_per_token(self) -> float:
+        """The weights one token multiplies by, the N of 6N: :attr:`active_non_embedding` and the LM head's. An
+        untied head is a non-embedding weight already; a head tied to the embedding is counted here too, since the
+        embedding's lookup is no matmul but the head's projection is (as Megatron-LM's logit-layer term 6Vh and
+        PaLM's N with its shared embedding count it)."""
+        return self.active_non_embedding + self.tied_head
 
 
 def count_parameters(config: Config) -> ModelCount:
@@ -52,4 +61,7 @@ def count_parameters(config: Config) -> ModelCount:
                  else per_component["embedding"])
     moe = config.model.moe
     active_expert = expert * experts_per_token(moe) / moe.num_experts if moe.num_experts else 0.0
-    return ModelCount(total, embedding, per_component, expert, active_expert)
+    output, table = getattr(model, "output", None), getattr(model, "embedding", None)
+    tied_head = output.weight.numel() if output is not None and table is not None and output.weight is getattr(
+        table, "weight", None) else 0
+    return ModelCount(total, embedding, per_component, expert, active_expert, tied_head)

@@ -189,7 +189,7 @@ def context_parallel_activation_bytes(config: Config, dims) -> float:
 
 def report(config: Config) -> str:
     count = count_parameters(config)
-    flops = flops_per_token(config.model, config.train.seq_len, count.active_non_embedding)
+    flops = flops_per_token(config.model, config.train.seq_len, count.matmul_per_token)
     memory = f"segment memory {config.model.segment_memory} (Transformer-XL), " if config.model.segment_memory else ""
     decoder_blocks = funnel_decoder_blocks(config.model)
     funnel = f" + {decoder_blocks} funnel decoder blocks" if decoder_blocks else ""
@@ -205,8 +205,8 @@ def report(config: Config) -> str:
     if count.expert:  # MoE: a token uses its experts' share of the expert weights, not all of them
         lines.append(f"active per token: {count.active_non_embedding:,.0f} non-embedding parameters "
                      f"({experts_per_token(config.model.moe):g} of {config.model.moe.num_experts} experts)")
-    lines.append(f"training FLOPs per token: {flops:.3e} (6N + 12*L*T*d, N the non-embedding parameters a token "
-                 f"uses, at T={config.train.seq_len})")
+    lines.append(f"training FLOPs per token: {flops:.3e} (6N + 12*L*T*d, N the weights a token multiplies by: "
+                 f"non-embedding and LM head, at T={config.train.seq_len})")
     lines.append("memory on one device:")
     memory = memory_report(config, count)
     for name, value in memory.items():

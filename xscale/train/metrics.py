@@ -21,8 +21,9 @@ from xscale.train.loggers import ResumableLogger, ScalarLogger, build_loggers
 
 def flops_per_token(model: ModelConfig, seq_len: int, num_params: float) -> float:
     """Training FLOPs per token: 6N for the matmuls plus 12 * L * T * d for attention scores
-    (Kaplan et al. 2020; Chowdhery et al. 2022, appendix B). N: the parameters a token uses, without the embedding
-    lookup (a MoE layer's top-k experts, not all: :attr:`~xscale.models.parameters.ModelCount.active_non_embedding`).
+    (Kaplan et al. 2020; Chowdhery et al. 2022, appendix B). N: the weights a token multiplies by, the LM head's
+    included and the embedding lookup not (a MoE layer's top-k experts, not all:
+    :attr:`~xscale.models.parameters.ModelCount.matmul_per_token`).
     L counts a funnel's decoder blocks too (full length; its pooled groups are counted at full length)."""
     layers = model.n_layers + (model.decoder_layers if model.family == "encoder_decoder" else 0)
     layers += funnel_decoder_blocks(model)

@@ -137,7 +137,7 @@ class Trainer:
                                      progress=train.progress, config=config.to_dict())
         self.profiler = StepProfiler(output_dir, rank=self.rank, start=train.profile_start, steps=train.profile_steps,
                                      device=self.device)
-        self.flops_per_token = flops_per_token(config.model, train.seq_len, count.active_non_embedding)
+        self.flops_per_token = flops_per_token(config.model, train.seq_len, count.matmul_per_token)
         self.peak_flops = train.peak_flops
         self.preemption = PreemptionHandler()
         self.stop_requested = False

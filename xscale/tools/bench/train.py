@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
     peak = args.peak_flops or peak_flops(DTYPES[args.precision], "cpu")
     count = count_parameters(Config(model=config))
-    flops = flops_per_token(config, args.seq, count.active_non_embedding)
+    flops = flops_per_token(config, args.seq, count.matmul_per_token)
     print(f"GPT-2-shaped: {args.layers} layers, width {args.width}, {args.heads} heads, vocab {args.vocab}, "
           f"batch {args.batch}x{args.seq}, {args.precision}, {torch.get_num_threads()} threads")
     source = "given" if args.peak_flops else "best of several GEMM shapes, cached"
