@@ -21,11 +21,12 @@ def test_gemm_share_is_the_matmuls_part_of_the_op_time():
 def test_bench_train_runs_both_models_at_bf16_and_profiles(capsys, monkeypatch):
     monkeypatch.setattr(bench_train, "bf16_warning", lambda precision, device: f"warned for {precision}")
     code = bench_train.main(["--layers", "1", "--width", "32", "--heads", "2", "--vocab", "64", "--batch", "2",
-                             "--seq", "16", "--steps", "1", "--precision", "bf16", "--peak-flops", "1e11", "--profile"])
+                             "--seq", "16", "--steps", "2", "--precision", "bf16", "--peak-flops", "1e11", "--profile"])
     out = capsys.readouterr().out
     assert code == 0
     assert "warned for bf16" in out and "batch 2x16, bf16" in out and "100.0 GFLOP/s (given)" in out
     assert "ratio xscale / huggingface" in out and "matrix products (mm/addmm/bmm)" in out and "aten::" in out
+    assert "per-round ratios: median" in out and "interquartile range" in out
 
 
 def test_a_non_positive_peak_is_refused(capsys):

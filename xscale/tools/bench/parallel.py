@@ -41,6 +41,7 @@ from xscale.config import Config, ConfigError
 from xscale.parallel.checks import resolve_layout
 from xscale.parallel.pipeline import ideal_bubble
 from xscale.tools.bench.peers import build_peer, peer_for
+from xscale.tools.bench.spread import median_and_quartiles
 from xscale.tools.parity import PARITY_SETTINGS, layout_overrides, run_local, world_size_of
 from xscale.train.trainer import Trainer
 from xscale.validate import load_config_from_cli
@@ -124,16 +125,7 @@ def _measure(config: Config, warmup: int, steps: int, peer: str | None) -> dict:
     return {"seconds": statistics.median(times), "bubble": statistics.median(bubbles) if bubbles else None,
             "compute": statistics.median(computes) if computes else None,
             "peer_seconds": statistics.median(peer_times) if peer_times else None,
-            "vs_peer": _median_and_quartiles(pair_ratios)}
-
-
-def _median_and_quartiles(values: list[float]) -> tuple[float, float, float] | None:
-    if not values:
-        return None
-    if len(values) == 1:
-        return values[0], values[0], values[0]
-    low, _, high = statistics.quantiles(values, n=4, method="inclusive")
-    return statistics.median(values), low, high
+            "vs_peer": median_and_quartiles(pair_ratios)}
 
 
 def measure_layouts(config_path: str | None, overrides: list[str], layouts: list[str], warmup: int,

@@ -23,6 +23,7 @@ from xscale.interop.hf.load import model_config_from_hf, state_dict_from_hf
 from xscale.models import build_model
 from xscale.models.parameters import count_parameters
 from xscale.parallel.model import ParallelModel
+from xscale.tools.bench.spread import median_and_quartiles
 from xscale.train.bf16_support import bf16_warning
 from xscale.train.metrics import flops_per_token
 from xscale.train.optim import build_optimizer
@@ -135,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:12s} {rates[name]:10.1f} tokens/s  (median step {median:.3f} s over {len(samples)})  "
               f"MFU {rates[name] * flops / peak:.1%}")
     print(f"ratio xscale / huggingface: {rates['xscale'] / rates['huggingface']:.3f}x")
+    if len(times["xscale"]) > 1:
+        # each round's pair ran back to back, so its ratio sees the same machine: their spread is the run's noise
+        median, low, high = median_and_quartiles([hf / ours for hf, ours in zip(times["huggingface"],
+                                                                                 times["xscale"])])
+        print(f"  per-round ratios: median {median:.3f}x, interquartile range {low:.3f}-{high:.3f}x")
     if args.profile:
         top, gemm_share = profile_breakdown(runs["xscale"])
         print(f"profile of one xscale step: matrix products (mm/addmm/bmm) {gemm_share:.1%} of op self time; top ops:")
