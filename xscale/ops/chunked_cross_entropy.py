@@ -50,8 +50,11 @@ class TorchRowLoss:
     def forward_backward(self, logits: torch.Tensor,
                          labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         loss, lse, (exp_rows, sums) = self._exp_rows(logits.float(), labels)
-        probs = exp_rows.div_(sums.unsqueeze(1))  # softmax, without a second exp pass over the logits
-        return loss, lse, self._minus_onehot(probs, labels, torch.ones((), device=logits.device)).to(logits.dtype)
+        valid = labels != IGNORE_INDEX
+        # softmax without a second exp pass over the logits, and 0 on ignored rows, in one pass over the chunk
+        probs = exp_rows.mul_((valid.float() / sums).unsqueeze(1))
+        probs.scatter_add_(1, labels.clamp(min=0).unsqueeze(1), -valid.to(probs.dtype).unsqueeze(1))
+        return loss, lse, probs.to(logits.dtype)
 
     @staticmethod
     def _exp_rows(logits32: torch.Tensor, labels: torch.Tensor):
