@@ -142,6 +142,17 @@ def test_only_the_gradients_asked_for_are_made():
     assert torch.allclose(grad_hidden, want, atol=1e-5)
 
 
+@pytest.mark.parametrize("gradient_in_forward", [True, False], ids=["gradient-in-forward", "recomputed"])
+def test_no_tokens_give_zero_loss_and_gradients(gradient_in_forward):
+    """dW is written by the first chunk's product, not zeroed first: a pass over no tokens still gives zeros."""
+    hidden = torch.randn(0, 24, requires_grad=True)
+    weight = torch.randn(97, 24, requires_grad=True)
+    loss = chunked_linear_cross_entropy_sum(hidden, weight, torch.zeros(0, dtype=torch.long),
+                                            gradient_in_forward=gradient_in_forward)
+    loss.backward()
+    assert loss.item() == 0.0 and weight.grad.shape == weight.shape and not weight.grad.any()
+
+
 def test_mismatched_shapes_are_refused():
     with pytest.raises(ValueError, match="do not fit"):
         chunked_linear_cross_entropy_sum(torch.randn(4, 8), torch.randn(10, 6), torch.zeros(4, dtype=torch.long))
