@@ -153,6 +153,22 @@ def test_no_tokens_give_zero_loss_and_gradients(gradient_in_forward):
     assert loss.item() == 0.0 and weight.grad.shape == weight.shape and not weight.grad.any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_dw_is_written_by_the_first_chunk_whatever_its_buffer_held(monkeypatch, dtype):
+    """The float32 dW buffer is allocated without a memset: filled with nan, the gradients still match."""
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        tensor = real_empty(*args, **kwargs)
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    hidden, weight, labels = _problem(dtype)
+    want = torch.autograd.grad(reference.linear_cross_entropy_sum(hidden, weight, labels), [weight])[0]
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    got = torch.autograd.grad(chunked_linear_cross_entropy_sum(hidden, weight, labels, chunk_tokens=8), [weight])[0]
+    _check(got, want, dtype, "grad weight")
+
+
 def test_mismatched_shapes_are_refused():
     with pytest.raises(ValueError, match="do not fit"):
         chunked_linear_cross_entropy_sum(torch.randn(4, 8), torch.randn(10, 6), torch.zeros(4, dtype=torch.long))

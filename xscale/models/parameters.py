@@ -61,7 +61,7 @@ def count_parameters(config: Config) -> ModelCount:
                  else per_component["embedding"])
     moe = config.model.moe
     active_expert = expert * experts_per_token(moe) / moe.num_experts if moe.num_experts else 0.0
-    output, table = getattr(model, "output", None), getattr(model, "embedding", None)
-    tied_head = output.weight.numel() if output is not None and table is not None and output.weight is getattr(
-        table, "weight", None) else 0
+    output = getattr(model, "output", None)
+    tied = output is not None and output.weight is getattr(getattr(model, "embedding", None), "weight", None)
+    tied_head = output.weight.numel() if tied else 0
     return ModelCount(total, embedding, per_component, expert, active_expert, tied_head)

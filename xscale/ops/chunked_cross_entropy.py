@@ -53,8 +53,7 @@ class TorchRowLoss:
         valid = labels != IGNORE_INDEX
         # softmax without a second exp pass over the logits, and 0 on ignored rows, in one pass over the chunk
         probs = exp_rows.mul_((valid.float() / sums).unsqueeze(1))
-        probs.scatter_add_(1, labels.clamp(min=0).unsqueeze(1), -valid.to(probs.dtype).unsqueeze(1))
-        return loss, lse, probs.to(logits.dtype)
+        return loss, lse, self._subtract_onehot(probs, labels, valid).to(logits.dtype)
 
     @staticmethod
     def _exp_rows(logits32: torch.Tensor, labels: torch.Tensor):
@@ -76,14 +75,17 @@ class TorchRowLoss:
         probs = logits.float().sub_(lse.unsqueeze(1)).exp_()
         return self._minus_onehot(probs, labels, grad).to(logits.dtype)
 
-    @staticmethod
-    def _minus_onehot(probs: torch.Tensor, labels: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    @classmethod
+    def _minus_onehot(cls, probs: torch.Tensor, labels: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """(probs - onehot(labels)) * grad in place, 0 on ignored rows."""
         valid = labels != IGNORE_INDEX
-        # minus one at each valid label (a scatter, not a boolean index: no data-dependent shapes, so the
-        # step also runs on fake tensors, as ``xscale inspect --measure`` does)
-        probs.scatter_add_(1, labels.clamp(min=0).unsqueeze(1), -valid.to(probs.dtype).unsqueeze(1))
-        return probs.mul_((valid.float() * grad).unsqueeze(1))
+        return cls._subtract_onehot(probs, labels, valid).mul_((valid.float() * grad).unsqueeze(1))
+
+    @staticmethod
+    def _subtract_onehot(probs: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Minus one at each valid row's label, in place (a scatter, not a boolean index: no data-dependent shapes,
+        so the step also runs on fake tensors, as ``xscale inspect --measure`` does)."""
+        return probs.scatter_add_(1, labels.clamp(min=0).unsqueeze(1), -valid.to(probs.dtype).unsqueeze(1))
 
 
 def default_chunk_tokens(num_tokens: int, vocab: int) -> int:
@@ -105,15 +107,13 @@ class _GradientSums:
         chunk = self.hidden[start:end]
         if self.grad_hidden is not None:
             torch.matmul(dlogits, self.weight, out=self.grad_hidden[start:end])
-        if self.grad_weight is not None:
-            if self.weight.dtype != torch.float32 and self.empty:
-                self.grad_weight.copy_(dlogits.t() @ chunk)
-            elif self.weight.dtype != torch.float32:
-                self.grad_weight += dlogits.t() @ chunk
-            elif self.empty:
-                torch.mm(dlogits.t(), chunk, out=self.grad_weight)
-            else:
-                self.grad_weight.addmm_(dlogits.t(), chunk)
+        if self.grad_weight is not None and self.weight.dtype == torch.float32:
+            # beta = 0 ignores what the buffer held (torch.addmm's contract), so the first chunk writes it
+            self.grad_weight.addmm_(dlogits.t(), chunk, beta=0.0 if self.empty else 1.0)
+        elif self.grad_weight is not None and self.empty:  # a product in the weights' dtype, summed in float32
+            self.grad_weight.copy_(dlogits.t() @ chunk)
+        elif self.grad_weight is not None:
+            self.grad_weight += dlogits.t() @ chunk
         self.empty = False
 
     def finish(self) -> None:
@@ -155,7 +155,6 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 sums.add(start, end, dlogits)
                 del dlogits  # before the next chunk's logits: one float32 (chunk, vocab) buffer at a time
             total += loss_rows.sum()
-        del logits
         if sums is not None:
             sums.finish()
         ctx.chunk_tokens, ctx.row_loss, ctx.gradient_in_forward = chunk_tokens, row_loss, gradient_in_forward
