@@ -31,20 +31,25 @@ GLOO_DIRECT = os.environ.get("XSCALE_GLOO_DIRECT", "1") != "0"  # read once, at 
 _tags: dict[object, itertools.count] = {}
 
 
-class DirectWork:
+class DirectWork(dist.Work):
     """The pending transfers of one direct collective: :meth:`wait` waits on them, then runs ``finish`` (which holds
-    the buffers it reads, so they live until then)."""
+    the buffers it reads, so they live until then). A ``dist.Work``, so code that waits only on ``Work`` objects
+    (FSDP2's custom collectives) waits on it."""
 
     def __init__(self, works: list, finish: Callable[[], None] | None = None) -> None:
+        super().__init__()
         self.works, self.finish = works, finish
 
-    def wait(self) -> bool:
+    def wait(self, timeout=None) -> bool:
         for work in self.works:
             work.wait()
         if self.finish is not None:
             self.finish()
         self.works, self.finish = [], None
         return True
+
+    def is_completed(self) -> bool:
+        return self.finish is None and not self.works
 
 
 def _direct(group: dist.ProcessGroup | None, tensor: torch.Tensor) -> bool:

@@ -78,6 +78,8 @@ def test_data_parallel_layouts_report_their_peers_in_the_same_run(capsys):
         assert math.isfinite(row["vs_peer"]) and row["vs_peer"] > 0 and row["peer_tokens_per_s"] > 0
         low, high = row["vs_peer_quartiles"]  # of the per-pair ratios, whose median is vs_peer
         assert low <= row["vs_peer"] <= high
+        assert math.isfinite(row["ceiling"]) and row["ceiling"] > 0  # peer step / communication-free local step
     bench.report(rows)
     table = capsys.readouterr().out.splitlines()
     assert "xscale/peer" in table[0] and f"{zero3['vs_peer']:.2f}x" in table[3] and "fsdp2" in table[3]
+    assert "ceiling" in table[0] and f"{ddp['ceiling']:.2f}x" in table[2]

@@ -9,15 +9,27 @@ Under pipeline parallelism each stage is a root, and its blocks too stay unshard
 schedule all-gathers a stage once before its first microbatch and frees it after its last (torchtitan's default
 for pp), instead of once per microbatch, and zero-bubble's split backward needs it: it lists the stage's
 parameters before the autograd call that would unshard them, so a resharded block's weight gradient is lost.
+
+On CPU over gloo every unit's all-gather and reduce-scatter go through :mod:`xscale.parallel.collectives`' direct
+transfers (FSDP2's custom-collective hooks), which are faster there than gloo's own; FSDP2 runs its
+reduce-scatter in the backward's path and waits on it, so that time is the step's. ``XSCALE_GLOO_DIRECT=0`` keeps
+torch's.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+try:  # FSDP2's custom-collective interfaces (torch >= 2.9); without them FSDP2 keeps its own
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+except ImportError:  # pragma: no cover - older torch
+    AllGather = ReduceScatter = object
+
+from xscale.parallel.collectives import GLOO_DIRECT, all_gather_flat, reduce_scatter_flat
 from xscale.parallel.data.strategies import DataParallel, NamedParameter
 from xscale.parallel.dims import ParallelDims
 
@@ -27,6 +39,38 @@ def data_parallel_mesh(mesh: DeviceMesh, dims: ParallelDims, expert: bool = Fals
     dp_shard x cp under context parallelism, whose ranks hold the same parameters)."""
     shard = "dp_expert" if expert else "dp_shard_cp" if dims.cp > 1 else "dp_shard"
     return mesh["dp_replicate", shard] if dims.dp_replicate > 1 else mesh[shard]
+
+
+class _FlatAllGather(AllGather):
+    """FSDP2's all-gather through :func:`xscale.parallel.collectives.all_gather_flat`."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> dist.Work | None:
+        return all_gather_flat(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class _FlatReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter (a sum: :func:`apply_fsdp` forces sums) through
+    :func:`xscale.parallel.collectives.reduce_scatter_flat`."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op=dist.ReduceOp.SUM, async_op: bool = False) -> dist.Work | None:
+        if op != dist.ReduceOp.SUM:
+            raise ValueError(f"xscale's FSDP reduce-scatter sums gradients; FSDP2 asked for {op}")
+        return reduce_scatter_flat(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def _use_direct_collectives(unit: nn.Module, mesh: DeviceMesh) -> None:
+    """On CPU ranks: the unit's collectives through the flat ones, the direct transfers on gloo (module docstring)."""
+    if AllGather is not object and mesh.device_type == "cpu" and GLOO_DIRECT:
+        unit.set_custom_all_gather(_FlatAllGather())
+        unit.set_custom_reduce_scatter(_FlatReduceScatter())
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, param_dtype: torch.dtype | None,
@@ -45,6 +89,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, param_dty
     for unit in [*expert_modules, *blocks, model]:
         unit.set_gradient_divide_factor(1.0)  # sums: the loss is already the global-batch mean
         unit.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no PREMUL_SUM)
+        _use_direct_collectives(unit, dense_mesh)
 
 
 class FullyShardedDataParallel(DataParallel):

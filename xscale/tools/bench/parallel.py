@@ -20,7 +20,9 @@ Peers (:mod:`xscale.tools.bench.peers`): each pure data-parallel layout also tim
 ``DistributedDataParallel`` (DDP, ZeRO-1/2) or FSDP2 ``fully_shard`` (ZeRO-3) in the same processes, on the
 same model and batches, its steps interleaved with xscale's; ``xscale/peer`` is the median over the step pairs of
 peer step time / xscale step time (each pair run back to back, so a slow drift of the machine cancels), printed with
-its interquartile range, the run's noise.
+its interquartile range, the run's noise. The *ceiling* column is peer step time / local step time, the local step
+being the peer's with no gradient communication at all: no data-parallel implementation's xscale/peer can exceed it,
+so it says how much room a layout had to be ahead of its peer.
 
 On a shared machine, run with ``OMP_WAIT_POLICY=PASSIVE`` (spinning OpenMP threads of an oversubscribed
 CPU measure the scheduler instead), and compare only figures of one invocation.
@@ -40,7 +42,7 @@ from xscale.command_line import CommandParser
 from xscale.config import Config, ConfigError
 from xscale.parallel.checks import resolve_layout
 from xscale.parallel.pipeline import ideal_bubble
-from xscale.tools.bench.peers import build_peer, peer_for
+from xscale.tools.bench.peers import LOCAL, build_peer, peer_for
 from xscale.tools.bench.spread import median_and_quartiles
 from xscale.tools.parity import PARITY_SETTINGS, layout_overrides, run_local, world_size_of
 from xscale.train.trainer import Trainer
@@ -91,47 +93,53 @@ def _timed(action: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def _measure(config: Config, warmup: int, steps: int, peer: str | None) -> dict:
+def _measure(config: Config, warmup: int, steps: int, peer: str | None, ceiling: bool = True) -> dict:
     """On every rank: median step seconds (the trainer's whole step), in a pipeline the median bubble, and with a
-    ``peer`` its median step seconds on the same batches, the two steps interleaved (which goes first alternates)."""
+    ``peer`` its median step seconds on the same batches and the communication-free local step's (the ceiling,
+    :mod:`xscale.tools.bench.peers`), the three steps interleaved (which goes first rotates)."""
     trainer = Trainer(config)
     pipeline = trainer.model.pipeline
     clock = ComputeClock()
     if pipeline is not None:
         pipeline.wrap_compute = clock.wrap  # before the first step builds the schedule
-    peer_step = None
+    peer_steps = {}
     if peer is not None:
         dp = trainer.mesh["dp"]
-        peer_step = build_peer(peer, config, dp.get_group(), dp, trainer.device, trainer.model.micro_batch_size)
-    times, peer_times, pair_ratios, bubbles, computes = [], [], [], [], []
+        for name in (peer, LOCAL) if ceiling else (peer,):
+            peer_steps[name] = build_peer(name, config, dp.get_group(), dp, trainer.device,
+                                          trainer.model.micro_batch_size)
+    times, peer_times, pair_ratios, ceilings, bubbles, computes = [], [], [], [], [], []
     for index in range(warmup + steps):
         clock.seconds = 0.0
-        batch = trainer.next_batch()  # the batch the trainer's step reads next: the peer trains on it too
-        ours = functools.partial(_timed, trainer.train_step)
-        theirs = functools.partial(_timed, functools.partial(peer_step, batch)) if peer_step else None
-        if theirs is not None and index % 2:
-            peer_seconds, seconds = theirs(), ours()
-        else:
-            seconds, peer_seconds = ours(), theirs() if theirs is not None else None
+        batch = trainer.next_batch()  # the batch the trainer's step reads next: the peers train on it too
+        actions = {"xscale": trainer.train_step,
+                   **{name: functools.partial(step, batch) for name, step in peer_steps.items()}}
+        names = list(actions)
+        shift = index % len(names)
+        seconds_of = {name: _timed(actions[name]) for name in names[shift:] + names[:shift]}
         if index < warmup:
             continue
+        seconds = seconds_of["xscale"]
         times.append(seconds)
-        if peer_seconds is not None:
-            peer_times.append(peer_seconds)
-            pair_ratios.append(peer_seconds / seconds)
+        if peer is not None:
+            peer_times.append(seconds_of[peer])
+            pair_ratios.append(seconds_of[peer] / seconds)
+            if LOCAL in seconds_of:
+                ceilings.append(seconds_of[peer] / seconds_of[LOCAL])
         if pipeline is not None:
             bubbles.append(bubble_fraction(clock.seconds, pipeline.last_step_seconds))
             computes.append(clock.seconds)
     return {"seconds": statistics.median(times), "bubble": statistics.median(bubbles) if bubbles else None,
             "compute": statistics.median(computes) if computes else None,
             "peer_seconds": statistics.median(peer_times) if peer_times else None,
-            "vs_peer": median_and_quartiles(pair_ratios)}
+            "vs_peer": median_and_quartiles(pair_ratios),
+            "ceiling": statistics.median(ceilings) if ceilings else None}
 
 
 def measure_layouts(config_path: str | None, overrides: list[str], layouts: list[str], warmup: int,
-                    steps: int, peers: bool = True) -> list[dict]:
+                    steps: int, peers: bool = True, ceiling: bool = True) -> list[dict]:
     """One row per layout ("single" first): procs, step seconds, tokens/s, ratio to single, bubbles, and (``peers``)
-    the torch peer's tokens/s and xscale / peer."""
+    the torch peer's tokens/s, xscale / peer and (``ceiling``) peer / local step."""
     base = ([] if config_path else MODEL) + [*overrides, *PARITY_SETTINGS, "train.steps=1000"]
     rows = []
     with tempfile.TemporaryDirectory(prefix="xscale-bench-parallel-") as scratch:
@@ -141,7 +149,7 @@ def measure_layouts(config_path: str | None, overrides: list[str], layouts: list
             world_size = world_size_of(config)
             _, config = resolve_layout(config, world_size)  # a copy with an unset parallel.microbatches resolved
             peer = peer_of(config) if peers else None
-            ranks = run_local(_measure, world_size, config, warmup, steps, peer)
+            ranks = run_local(_measure, world_size, config, warmup, steps, peer, ceiling)
             bubbles = [rank["bubble"] for rank in ranks if rank["bubble"] is not None]
             parallel = config.parallel
             rows.append({
@@ -155,7 +163,8 @@ def measure_layouts(config_path: str | None, overrides: list[str], layouts: list
             peer_seconds = ranks[0]["peer_seconds"]
             ratio = ranks[0]["vs_peer"]
             rows[-1].update({"peer": peer, "peer_tokens_per_s": tokens / peer_seconds if peer_seconds else None,
-                             "vs_peer": ratio[0] if ratio else None, "vs_peer_quartiles": ratio[1:] if ratio else None})
+                             "vs_peer": ratio[0] if ratio else None, "vs_peer_quartiles": ratio[1:] if ratio else None,
+                             "ceiling": ranks[0]["ceiling"]})
     for row in rows:
         row["vs_single"] = rows[0]["seconds"] / row["seconds"]
     return rows
@@ -163,7 +172,7 @@ def measure_layouts(config_path: str | None, overrides: list[str], layouts: list
 
 def report(rows: list[dict]) -> None:
     print(f"{'layout':<48} {'procs':>5} {'step s':>8} {'tokens/s':>9} {'vs single':>9} {'peer':>9} "
-          f"{'peer tok/s':>10} {'xscale/peer (IQR)':>19} {'bubble':>7} {'(p-1)/(m+p-1)':>13}  per-rank bubble (compute s)")
+          f"{'peer tok/s':>10} {'xscale/peer (IQR)':>19} {'ceiling':>7} {'bubble':>7} {'(p-1)/(m+p-1)':>13}  per-rank bubble (compute s)")
     for row in rows:
         bubble = f"{row['bubble']:.3f}" if row["bubble"] is not None else "-"
         theory = f"{row['theory']:.3f}" if row["theory"] is not None else "-"
@@ -172,8 +181,9 @@ def report(rows: list[dict]) -> None:
         peer_tokens = f"{row['peer_tokens_per_s']:,.0f}" if row["peer_tokens_per_s"] else "-"
         vs_peer = (f"{row['vs_peer']:.2f}x ({row['vs_peer_quartiles'][0]:.2f}-{row['vs_peer_quartiles'][1]:.2f})"
                    if row["vs_peer"] else "-")
+        ceiling = f"{row['ceiling']:.2f}x" if row["ceiling"] else "-"
         print(f"{row['layout']:<48} {row['procs']:>5} {row['seconds']:>8.3f} {row['tokens_per_s']:>9,.0f} "
-              f"{row['vs_single']:>8.2f}x {peer:>9} {peer_tokens:>10} {vs_peer:>19} {bubble:>7} {theory:>13}  {ranks}")
+              f"{row['vs_single']:>8.2f}x {peer:>9} {peer_tokens:>10} {vs_peer:>19} {ceiling:>7} {bubble:>7} {theory:>13}  {ranks}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,11 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--no-peers", dest="peers", action="store_false",
                         help="skip torch DDP / FSDP2 on the data-parallel layouts")
+    parser.add_argument("--no-ceiling", dest="ceiling", action="store_false",
+                        help="skip the communication-free local step (it holds a third, unsharded copy of the model)")
     args = parser.parse_args(argv)
     if args.config and "=" in args.config:  # overrides of the built-in model: no config file given
         args.overrides, args.config = [args.config, *args.overrides], None
     try:
-        rows = measure_layouts(args.config, args.overrides, args.layouts, args.warmup, args.steps, args.peers)
+        rows = measure_layouts(args.config, args.overrides, args.layouts, args.warmup, args.steps, args.peers,
+                              args.ceiling)
     except ConfigError as error:
         print(f"xscale bench parallel: {error}", file=sys.stderr)
         return 2

@@ -7,6 +7,10 @@ DeepSpeed is not a peer: on CPU with gloo its ``deepspeed.initialize`` (0.19.8) 
 two-layer model at ZeRO-1 (it waits on its accelerator's communication setup). A peer step
 does what an xscale step does: each microbatch's summed token loss over the global token count, backward (the
 peer's own overlapped gradient reduction), clipping to ``train.grad_clip`` and an AdamW step.
+
+The ``local`` step is the same step with no wrapper and no gradient communication: each rank trains its own copy on
+its share of the batch. No data-parallel implementation's step can be shorter (it does that compute and then some),
+so ``peer step / local step`` bounds what any xscale/peer ratio can reach: the ceiling the bench prints.
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ class LossModel(nn.Module):
         return model_loss_sum(self.model, batch, StepContext())
 
 
+LOCAL = "local"
+
+
 def peer_for(zero_stage: int) -> str:
     """The peer an xscale data-parallel layout is compared with."""
     return "fsdp2" if zero_stage == 3 else "torch-ddp"
@@ -63,13 +70,19 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
 
 def build_peer(name: str, config: Config, group: dist.ProcessGroup, mesh, device: torch.device,
                micro_batch_size: int) -> PeerStep:
-    """A step function for peer ``name`` over the data-parallel ``group`` (``mesh``: its 1-D DeviceMesh)."""
+    """A step function for peer ``name`` over the data-parallel ``group`` (``mesh``: its 1-D DeviceMesh); ``local``:
+    the communication-free step of the module docstring."""
     loss_model = _fresh_model(config, device)
-    if name == "fsdp2":
+    if name == LOCAL:
+        wrapped: nn.Module = loss_model
+
+        def no_sync(last: bool):
+            return contextlib.nullcontext()
+    elif name == "fsdp2":
         for block in _blocks(loss_model.model):
             fully_shard(block, mesh=mesh)
         fully_shard(loss_model, mesh=mesh, reshard_after_forward=False)
-        wrapped: nn.Module = loss_model
+        wrapped = loss_model
 
         def no_sync(last: bool):
             loss_model.set_requires_gradient_sync(last)
