@@ -1,5 +1,6 @@
-"""ZeRO-3's FSDP2 units on gloo CPU ranks: their all-gathers and reduce-scatters are xscale's direct transfers, and
-the gradients they leave are the sums of the ranks' gradients (the layouts' loss parity is test_data_parallel's)."""
+"""ZeRO-3's FSDP2 units on gloo CPU ranks: their all-gathers and reduce-scatters are xscale's direct transfers, the
+next block's all-gather starts before a block runs, and the gradients left are the sums of the ranks' gradients (the
+layouts' loss parity is test_data_parallel's)."""
 
 from __future__ import annotations
 
@@ -26,11 +27,13 @@ def _loss(model: nn.Module, rank: int) -> torch.Tensor:
 
 def check_direct_collectives_sum_the_gradients(rank: int) -> None:
     calls = {"all_gather": 0, "reduce_scatter": 0}
+    events = []
     originals = fsdp.all_gather_flat, fsdp.reduce_scatter_flat
 
     def counted(name, function):
         def call(*args, **kwargs):
             calls[name] += 1
+            events.append(name)
             return function(*args, **kwargs)
         return call
 
@@ -40,11 +43,15 @@ def check_direct_collectives_sum_the_gradients(rank: int) -> None:
         dims = ParallelDims(dp_shard=WORLD, zero_stage=3)
         model = _model()
         fsdp.apply_fsdp(model, dims.build_mesh("cpu"), dims, None, blocks=[model[0], model[2]])
+        for index in (0, 2):  # after FSDP's own pre-forward hook, which gathers the block (and prefetches)
+            model[index].register_forward_pre_hook(lambda module, args, index=index: events.append(f"forward {index}"))
         _loss(model, rank).backward()
     finally:
         fsdp.all_gather_flat, fsdp.reduce_scatter_flat = originals
     # forward: each of the 2 blocks and the root; backward: the 2 resharded blocks again; one reduce-scatter a unit
     assert calls == {"all_gather": 5, "reduce_scatter": 3}, calls
+    # the second block's all-gather was started before the first block ran (prefetched), not after it
+    assert events[:5] == ["all_gather"] * 3 + ["forward 0", "forward 2"], events
 
     reference = _model()
     for source in range(WORLD):

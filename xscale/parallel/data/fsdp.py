@@ -13,7 +13,11 @@ parameters before the autograd call that would unshard them, so a resharded bloc
 On CPU over gloo every unit's all-gather and reduce-scatter go through :mod:`xscale.parallel.collectives`' direct
 transfers (FSDP2's custom-collective hooks), which are faster there than gloo's own; FSDP2 runs its
 reduce-scatter in the backward's path and waits on it, so that time is the step's. ``XSCALE_GLOO_DIRECT=0`` keeps
-torch's.
+torch's. FSDP2 overlaps a block's all-gather with the previous block's compute through CUDA streams; a CPU has none,
+so there each block asks for the next block's all-gather, asynchronous, when its forward starts (and for the
+previous block's when its backward starts): the same two blocks gathered at once as FSDP2's prefetch on a GPU.
+Against FSDP2 with its defaults on the same model and batches (`xscale bench parallel`, 2 gloo ranks of a 2-core
+machine): 0.97x with neither, 1.03-1.04x with the direct transfers, 1.07-1.10x with both.
 """
 
 from __future__ import annotations
@@ -73,6 +77,19 @@ def _use_direct_collectives(unit: nn.Module, mesh: DeviceMesh) -> None:
         unit.set_custom_reduce_scatter(_FlatReduceScatter())
 
 
+def _prefetch_on_cpu(blocks: list[nn.Module]) -> None:
+    """Each block's all-gather started while its neighbour computes: the next block's in the forward, the previous
+    one's in the backward (module docstring)."""
+    for index, block in enumerate(blocks):
+        group = getattr(block._get_fsdp_state(), "_fsdp_param_group", None)
+        if hasattr(group, "unshard_async_op"):  # FSDP2's switch for asynchronous prefetch (no public setter)
+            group.unshard_async_op = True
+        if index + 1 < len(blocks):
+            block.set_modules_to_forward_prefetch([blocks[index + 1]])
+        if index > 0:
+            block.set_modules_to_backward_prefetch([blocks[index - 1]])
+
+
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, param_dtype: torch.dtype | None,
                blocks: list[nn.Module], expert_modules: list[nn.Module] = ()) -> None:
     """Shard ``model`` in place: each of ``blocks`` one unit (experts their own unit over ``edp``), then the root."""
@@ -90,6 +107,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, param_dty
         unit.set_gradient_divide_factor(1.0)  # sums: the loss is already the global-batch mean
         unit.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no PREMUL_SUM)
         _use_direct_collectives(unit, dense_mesh)
+    if reshard_blocks and dense_mesh.device_type == "cpu":
+        _prefetch_on_cpu(blocks)
 
 
 class FullyShardedDataParallel(DataParallel):
