@@ -100,8 +100,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, param_dty
     for experts in expert_modules:
         fully_shard(experts, mesh=data_parallel_mesh(mesh, dims, expert=True), mp_policy=policy,
                     reshard_after_forward=reshard_blocks)
-    for block in blocks:
-        fully_shard(block, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=reshard_blocks)
+    for index, block in enumerate(blocks):
+        # the last block's backward comes right after the forward: resharding it would only gather it again at once
+        last = index == len(blocks) - 1
+        fully_shard(block, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=reshard_blocks and not last)
     fully_shard(model, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=False)
     for unit in [*expert_modules, *blocks, model]:
         unit.set_gradient_divide_factor(1.0)  # sums: the loss is already the global-batch mean
