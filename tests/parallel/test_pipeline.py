@@ -39,8 +39,9 @@ SEED = 7
 LOSS_TOLERANCE = {"rtol": 1e-5, "atol": 0.0}
 GRAD_TOLERANCE = {"rtol": 0.0, "atol": 1e-5}
 # Weights after AdamW steps: Adam divides by sqrt(v), so where a gradient is near zero the rounding of another
-# summation order (microbatches, stages) moves a weight by ~1e-5 (a wrong gradient moves them by ~lr = 1e-2).
-WEIGHT_TOLERANCE = {"rtol": 0.0, "atol": 5e-5}
+# summation order (microbatches, stages) moves a weight by ~1e-5, on the AVX2 kind up to 1e-4 (2 of 1024 elements,
+# interleaved 1F1B with T5 biases); a wrong gradient moves them by ~lr = 1e-2.
+WEIGHT_TOLERANCE = {"rtol": 0.0, "atol": 2e-4}
 
 
 def decoder_config(n_layers: int) -> ModelConfig:
@@ -273,14 +274,15 @@ def check_training_and_checkpoint(rank: int, schedule: str, stages_per_rank: int
         optimizer.zero_grad(set_to_none=True)
         loss = forward_backward_step(engine, make_batch(config, seed=step))
         torch.testing.assert_close(loss, expected_losses[step], **LOSS_TOLERANCE)
-        torch.testing.assert_close(clip_gradient_norm(engine, max_norm), expected_norms[step], **LOSS_TOLERANCE)
+        # the norm sums squares over every gradient in another order than one process: 1.06e-5 seen on the AVX2 kind
+        torch.testing.assert_close(clip_gradient_norm(engine, max_norm), expected_norms[step], rtol=3e-5, atol=0.0)
         optimizer.step()
     reference = dict(single.named_parameters())
     reference["output.weight"] = single.embedding.weight
     for stage in engine.pipeline.stages:
         for name, param in stage.named_parameters():
             torch.testing.assert_close(param.detach(), reference[name].detach(),
-                                       **WEIGHT_TOLERANCE, msg=name)
+                                       **WEIGHT_TOLERANCE, msg=lambda text, name=name: f"{name}: {text}")
     assert_copies_equal(engine)
 
     dcp.save(engine.state_dict(optimizer), checkpoint_id=f"{folder}/pipeline")

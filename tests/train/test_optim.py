@@ -47,7 +47,8 @@ def test_update_modes_equal_the_per_parameter_update(setting):
             optimizer.step()
         results[mode] = params
     for other, single, start in zip(results[setting], results[False], _parameters()):
-        torch.testing.assert_close(other, single, rtol=0, atol=1e-7)
+        # 2 ulps of float32 (values reach ~1.2, where one ulp is 1.19e-7: the AVX2 kind's fused kernel rounds there)
+        torch.testing.assert_close(other, single, rtol=2.4e-7, atol=1e-7)
         assert (single - start).abs().mean() > 1e-4  # the parameters moved: the comparison is of real updates
 
 

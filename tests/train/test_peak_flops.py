@@ -27,6 +27,19 @@ def test_the_peak_is_the_best_rate_over_the_shapes():
     assert asked == [(shape, torch.bfloat16, "cpu") for shape in SHAPES]  # every shape, in the dtype asked
 
 
+def test_each_shape_is_timed_in_both_layouts_of_the_right_operand_and_the_faster_counts():
+    """nn.Linear multiplies by W^T: a kernel that is slow for a row-major right operand and fast for a transposed one
+    (bf16 on a CPU without native bf16) must not set the peak by the slow one."""
+    seen = []
+
+    def timer(a, b, device):
+        seen.append((tuple(a.shape), tuple(b.shape), b.is_contiguous()))
+        return 1.0 if b.is_contiguous() else 0.25
+
+    assert peak.gemm_seconds((6, 4, 5), torch.float32, "cpu", timer) == 0.25
+    assert seen == [((6, 4), (4, 5), True), ((6, 4), (4, 5), False)]
+
+
 def test_measured_once_then_read_from_the_cache(tmp_path):
     path = tmp_path / "xscale" / "peak_flops.json"
     calls = []
@@ -46,6 +59,7 @@ def test_measured_once_then_read_from_the_cache(tmp_path):
 def test_the_key_names_torch_device_dtype_and_threads(monkeypatch):
     key = cache_key(torch.bfloat16, "cpu")
     assert torch.__version__ in key and "bfloat16" in key and f"x{torch.get_num_threads()} threads" in key
+    assert key.endswith(f"| {peak.MEASUREMENT}")  # a value from the one-layout measurement is not read back
     monkeypatch.setattr(peak, "cpu_model", lambda: "Another CPU")
     assert cache_key(torch.bfloat16, "cpu") != key  # another machine measures again
 
