@@ -30,8 +30,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 try:  # FSDP2's custom-collective interfaces (torch >= 2.9); without them FSDP2 keeps its own
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 except ImportError:  # pragma: no cover - older torch
-    AllGather = ReduceScatter = object
+    AllGather = ReduceScatter = DefaultAllocMixin = object
 
 from xscale.parallel.collectives import GLOO_DIRECT, all_gather_flat, reduce_scatter_flat
 from xscale.parallel.data.strategies import DataParallel, NamedParameter
@@ -45,23 +46,17 @@ def data_parallel_mesh(mesh: DeviceMesh, dims: ParallelDims, expert: bool = Fals
     return mesh["dp_replicate", shard] if dims.dp_replicate > 1 else mesh[shard]
 
 
-class _FlatAllGather(AllGather):
+class _FlatAllGather(DefaultAllocMixin, AllGather):
     """FSDP2's all-gather through :func:`xscale.parallel.collectives.all_gather_flat`."""
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> dist.Work | None:
         return all_gather_flat(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
-class _FlatReduceScatter(ReduceScatter):
+class _FlatReduceScatter(DefaultAllocMixin, ReduceScatter):
     """FSDP2's reduce-scatter (a sum: :func:`apply_fsdp` forces sums) through
     :func:`xscale.parallel.collectives.reduce_scatter_flat`."""
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op=dist.ReduceOp.SUM, async_op: bool = False) -> dist.Work | None:
@@ -70,9 +65,9 @@ class _FlatReduceScatter(ReduceScatter):
         return reduce_scatter_flat(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
-def _use_direct_collectives(unit: nn.Module, mesh: DeviceMesh) -> None:
-    """On CPU ranks: the unit's collectives through the flat ones, the direct transfers on gloo (module docstring)."""
-    if AllGather is not object and mesh.device_type == "cpu" and GLOO_DIRECT:
+def _use_direct_collectives(unit: nn.Module) -> None:
+    """The unit's collectives through the flat ones, the direct transfers on gloo (module docstring)."""
+    if AllGather is not object and GLOO_DIRECT:
         unit.set_custom_all_gather(_FlatAllGather())
         unit.set_custom_reduce_scatter(_FlatReduceScatter())
 
@@ -105,11 +100,13 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, param_dty
         last = index == len(blocks) - 1
         fully_shard(block, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=reshard_blocks and not last)
     fully_shard(model, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=False)
+    on_cpu = dense_mesh.device_type == "cpu"
     for unit in [*expert_modules, *blocks, model]:
         unit.set_gradient_divide_factor(1.0)  # sums: the loss is already the global-batch mean
         unit.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no PREMUL_SUM)
-        _use_direct_collectives(unit, dense_mesh)
-    if reshard_blocks and dense_mesh.device_type == "cpu":
+        if on_cpu:
+            _use_direct_collectives(unit)
+    if reshard_blocks and on_cpu:
         _prefetch_on_cpu(blocks)
 
 
