@@ -195,6 +195,7 @@ class TrainConfig:
     log_every: int = 10
     output_dir: str = "runs/default"
     kernels: str = "auto"  # auto | triton | apex | torch
+    sdpa_backend: str = "auto"  # scaled_dot_product_attention's kernel: auto | flash | efficient | cudnn | math
     # AdamW's update: auto (torch's fused kernel, on CPU as on CUDA) | true (foreach) | false (per parameter)
     optimizer_foreach: bool | str = "auto"
     compile: bool = False

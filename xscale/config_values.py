@@ -37,6 +37,7 @@ CHOICES = {
     "train.loggers": ("tensorboard", "jsonl", "csv", "wandb"),  # a list: each item one of these
     "train.precision": ("fp32", "bf16"),
     "train.kernels": ("auto", "triton", "apex", "torch"),
+    "train.sdpa_backend": ("auto", "flash", "efficient", "cudnn", "math"),
     "train.optimizer_foreach": ("auto", True, False),
     "train.on_nonfinite": ("stop", "skip"),
     "checkpoint.verify": ("full", "size", "none"),

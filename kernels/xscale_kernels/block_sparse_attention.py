@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from xscale_kernels._common import dot_in_fp32, next_power_of_2
+from xscale_kernels._common import dot_in_fp32, dot_precision, next_power_of_2
 
 
 @triton.jit
@@ -36,7 +36,7 @@ def _load_tile(PTR, rows, n_rows, head_dim, BLOCK_D: tl.constexpr, DOT_FP32: tl.
 @triton.jit
 def _attention_forward(Q, K, V, OUT, LSE, INDEX, COUNT, scale, seq_q, seq_k, head_dim, n_heads, layout_heads,
                        n_q_blocks, max_nnz,
-                       CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+                       CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
     q_block = tl.program_id(0)
     batch_head = tl.program_id(1).to(tl.int64)
     layout = (batch_head % n_heads) % layout_heads
@@ -53,7 +53,7 @@ def _attention_forward(Q, K, V, OUT, LSE, INDEX, COUNT, scale, seq_q, seq_k, hea
         cols = k_block * BLOCK + tl.arange(0, BLOCK)
         k = _load_tile(k_base, cols, seq_k, head_dim, BLOCK_D, DOT_FP32)
         v = _load_tile(v_base, cols, seq_k, head_dim, BLOCK_D, DOT_FP32)
-        scores = tl.dot(q, tl.trans(k)) * scale
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         visible = cols[None, :] < seq_k
         if CAUSAL:
             visible = visible & (cols[None, :] <= rows[:, None])
@@ -63,7 +63,7 @@ def _attention_forward(Q, K, V, OUT, LSE, INDEX, COUNT, scale, seq_q, seq_k, hea
         correction = tl.exp(row_max - safe_max)
         p = tl.exp(scores - safe_max[:, None])
         row_sum = row_sum * correction + tl.sum(p, axis=1)
-        acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         row_max = new_max
     seen = row_sum > 0.0
     out = acc / tl.where(seen, row_sum, 1.0)[:, None]
@@ -78,7 +78,7 @@ def _attention_forward(Q, K, V, OUT, LSE, INDEX, COUNT, scale, seq_q, seq_k, hea
 @triton.jit
 def _attention_backward_dq(Q, K, V, DO, LSE, DELTA, DQ, INDEX, COUNT, scale, seq_q, seq_k, head_dim, n_heads,
                            layout_heads, n_q_blocks, max_nnz,
-                           CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK: tl.constexpr,
+                           CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, BLOCK: tl.constexpr,
                            BLOCK_D: tl.constexpr):
     q_block = tl.program_id(0)
     batch_head = tl.program_id(1).to(tl.int64)
@@ -100,9 +100,9 @@ def _attention_backward_dq(Q, K, V, DO, LSE, DELTA, DQ, INDEX, COUNT, scale, seq
         visible = cols[None, :] < seq_k
         if CAUSAL:
             visible = visible & (cols[None, :] <= rows[:, None])
-        p = tl.where(visible, tl.exp(tl.dot(q, tl.trans(k)) * scale - lse[:, None]), 0.0)
-        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
+        p = tl.where(visible, tl.exp(tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale - lse[:, None]), 0.0)
+        ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
     dims = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < seq_q) & (dims[None, :] < head_dim)
     tl.store(DQ + batch_head * seq_q * head_dim + rows[:, None] * head_dim + dims[None, :],
@@ -112,7 +112,7 @@ def _attention_backward_dq(Q, K, V, DO, LSE, DELTA, DQ, INDEX, COUNT, scale, seq
 @triton.jit
 def _attention_backward_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, T_INDEX, T_COUNT, scale, seq_q, seq_k, head_dim,
                              n_heads, layout_heads, n_k_blocks, max_nnz_t,
-                             CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK: tl.constexpr,
+                             CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, BLOCK: tl.constexpr,
                              BLOCK_D: tl.constexpr):
     """Works in the transposed orientation: s^T = k q^T, so dV = p^T dO and dK = ds^T q need no transposes."""
     k_block = tl.program_id(0)
@@ -136,10 +136,10 @@ def _attention_backward_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, T_INDEX, T_COUNT, 
         visible = cols[:, None] < seq_k
         if CAUSAL:
             visible = visible & (cols[:, None] <= rows[None, :])
-        p_t = tl.where(visible, tl.exp(tl.dot(k, tl.trans(q)) * scale - lse[None, :]), 0.0)
-        dv += tl.dot(p_t.to(do.dtype), do)
-        ds_t = p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
-        dk += tl.dot(ds_t.to(q.dtype), q)
+        p_t = tl.where(visible, tl.exp(tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale - lse[None, :]), 0.0)
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
+        ds_t = p_t * (tl.dot(v, tl.trans(do), input_precision=PRECISION) - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
     dims = tl.arange(0, BLOCK_D)
     mask = (cols[:, None] < seq_k) & (dims[None, :] < head_dim)
     offsets = batch_head * seq_k * head_dim + cols[:, None] * head_dim + dims[None, :]
@@ -147,8 +147,11 @@ def _attention_backward_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, T_INDEX, T_COUNT, 
     tl.store(DV + offsets, dv.to(DV.dtype.element_ty), mask=mask)
 
 
-def _meta(q: torch.Tensor) -> dict:
-    return {"DOT_FP32": dot_in_fp32(q.dtype), "BLOCK_D": max(16, next_power_of_2(q.shape[-1]))}
+def _meta(q: torch.Tensor, block_size: int) -> dict:
+    block_d = max(16, next_power_of_2(q.shape[-1]))
+    # fp32 tiles of 128 x 64 in three pipeline stages ask for 256 KiB of shared memory, over an H200's 227 KiB
+    stages = 1 if q.element_size() >= 4 and block_size * block_d >= 128 * 64 else 3
+    return {"DOT_FP32": dot_in_fp32(q.dtype), "PRECISION": dot_precision(), "BLOCK_D": block_d, "num_stages": stages}
 
 
 class BlockSparseAttention(torch.autograd.Function):
@@ -167,7 +170,7 @@ class BlockSparseAttention(torch.autograd.Function):
         layout_heads, n_q_blocks, max_nnz = block_index.shape
         _attention_forward[(n_q_blocks, batch * heads)](
             q, k, v, out, lse, block_index, block_count, scale, seq_q, seq_k, head_dim, heads, layout_heads,
-            n_q_blocks, max_nnz, CAUSAL=causal, BLOCK=block_size, **_meta(q))
+            n_q_blocks, max_nnz, CAUSAL=causal, BLOCK=block_size, **_meta(q, block_size))
         ctx.save_for_backward(q, k, v, out, lse, block_index, block_count, transposed_index, transposed_count)
         ctx.block_size, ctx.causal, ctx.scale = block_size, causal, scale
         return out
@@ -182,7 +185,7 @@ class BlockSparseAttention(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         layout_heads, n_q_blocks, max_nnz = block_index.shape
         n_k_blocks, max_nnz_t = transposed_index.shape[1:]
-        common = {"CAUSAL": ctx.causal, "BLOCK": ctx.block_size, **_meta(q)}
+        common = {"CAUSAL": ctx.causal, "BLOCK": ctx.block_size, **_meta(q, ctx.block_size)}
         _attention_backward_dq[(n_q_blocks, batch * heads)](
             q, k, v, dout, lse, delta, dq, block_index, block_count, ctx.scale, seq_q, seq_k, head_dim, heads,
             layout_heads, n_q_blocks, max_nnz, **common)

@@ -14,6 +14,7 @@ from xscale.ops.block_sparse_attention import (
 )
 from xscale.ops.chunked_cross_entropy import chunked_linear_cross_entropy_sum
 from xscale.ops.dispatch import choose_backend, is_distributed, kernel_module
+from xscale.ops.flex_block_sparse import flex_block_sparse_attention
 from xscale.ops.moe_permute import Permutation, permute_reference, plan_permutation, unpermute_reference
 
 
@@ -127,6 +128,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, la
     """q (B, H, Tq, hd), k/v (B, Hkv, Tk, hd) -> (B, H, Tq, hd) over a block layout (see block_sparse_attention.py).
 
     Pass a prebuilt ``layout`` (``build_layout``, reusable across layers and steps) or the raw tables.
+    ``backend`` is a ``train.kernels`` setting, or ``flex``: PyTorch's FlexAttention (``ops/flex_block_sparse.py``).
     """
     if layout is None:
         if block_index is None or block_count is None or block_size is None:
@@ -139,6 +141,8 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, la
         k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
     if layout.mask.shape[0] not in (1, q.shape[1]):
         raise ValueError(f"a per-head layout has {layout.mask.shape[0]} heads but q has {q.shape[1]}")
+    if backend == "flex":
+        return flex_block_sparse_attention(q, k, v, layout, causal, scale)
     if choose_backend((q, k, v), backend) == "triton":
         return kernel_module("block_sparse_attention").BlockSparseAttention.apply(
             q, k, v, layout.index, layout.count, layout.transposed_index, layout.transposed_count,

@@ -38,6 +38,7 @@ from xscale.parallel.data import DataParallel, NamedParameter
 from xscale.parallel.data.grad_norm import GradientPiece
 from xscale.parallel.expert.routing_groups import RoutingGroups
 from xscale.parallel.expert.state import globalize_expert_state, localize_expert_state
+from xscale.parallel.sdpa_backend import sdpa_backend_context
 from xscale.runtime import Placement, StepContext
 
 Batch = dict[str, torch.Tensor]
@@ -65,7 +66,7 @@ class ParallelModel:
 
     def __init__(self, parts: list[nn.Module], data_parallel: DataParallel | None = None, *, micro_batch_size: int,
                  autocast_dtype: torch.dtype | None = None, place: Placement = unplaced,
-                 shard_batch: Callable[[Batch], Batch] = whole_batch, pipeline=None) -> None:
+                 shard_batch: Callable[[Batch], Batch] = whole_batch, pipeline=None, sdpa_backend: str = "auto") -> None:
         self.parts = list(parts)
         self.data_parallel = data_parallel if data_parallel is not None else DataParallel(named_parameters(self.parts))
         self.micro_batch_size = micro_batch_size
@@ -73,6 +74,7 @@ class ParallelModel:
         self.place = place
         self.shard_batch = shard_batch
         self.pipeline = pipeline  # xscale.parallel.pipeline.PipelineSchedule, or None
+        self.sdpa_backend = sdpa_backend
 
     @property
     def model(self) -> nn.Module:
@@ -90,7 +92,13 @@ class ParallelModel:
         return next(self.parameters()).device
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
+        """The forward's numerics: bf16 autocast under ``train.precision=bf16``, the pinned SDPA kernel under
+        ``train.sdpa_backend`` (:mod:`xscale.parallel.sdpa_backend`)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast_dtype,
+                                           enabled=self.autocast_dtype is not None))
+        stack.enter_context(sdpa_backend_context(self.sdpa_backend))
+        return stack
 
     def microbatches_per_batch(self, rows: int) -> int:
         """How many microbatches a rank's batch of ``rows`` sequences is run as (the data split follows them)."""

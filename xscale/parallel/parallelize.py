@@ -33,6 +33,7 @@ from xscale.parallel.dims import ParallelDims
 from xscale.parallel.expert import apply_expert_parallel, expert_parallel_context
 from xscale.parallel.model import ParallelModel, Placement, named_parameters, unplaced, whole_batch
 from xscale.parallel.pipeline import PipelineSchedule
+from xscale.parallel.sdpa_backend import check_sdpa_backend
 from xscale.parallel.tensor import apply_tensor_parallel, tensor_parallel_context
 
 
@@ -82,11 +83,13 @@ def micro_batch_size(config: Config, dims: ParallelDims) -> int:
 def parallelize(config: Config, dims: ParallelDims, mesh: DeviceMesh | None, device: torch.device) -> ParallelModel:
     """The model of this rank, parallelised, materialised and initialised, with what its layout does around it."""
     autocast = torch.bfloat16 if config.train.precision == "bf16" else None
+    check_sdpa_backend(config.train.sdpa_backend, device.type)
     if mesh is None or dims.world_size == 1:
         model = build_model(config.model, device, seed=config.train.seed).use_kernels(config.train.kernels)
         apply_activation_checkpointing(_stacks(model), config.parallel.activation_checkpointing)
         _compile_blocks(model, config)
-        return ParallelModel([model], micro_batch_size=micro_batch_size(config, dims), autocast_dtype=autocast)
+        return ParallelModel([model], micro_batch_size=micro_batch_size(config, dims), autocast_dtype=autocast,
+                             sdpa_backend=config.train.sdpa_backend)
     if dims.pp > 1:
         return _parallelize_pipeline(config, dims, mesh, device, autocast)
 
@@ -108,7 +111,7 @@ def parallelize(config: Config, dims: ParallelDims, mesh: DeviceMesh | None, dev
         _materialize(model, config, device)
     return ParallelModel([model], make_data_parallel([model]), micro_batch_size=micro_batch_size(config, dims),
                          autocast_dtype=autocast, place=_then(place, replica_statistics(mesh, dims)),
-                         shard_batch=shard_batch)
+                         shard_batch=shard_batch, sdpa_backend=config.train.sdpa_backend)
 
 
 def _tensor_parallel_place(config: Config, dims: ParallelDims, mesh: DeviceMesh) -> Placement:
@@ -173,4 +176,4 @@ def _parallelize_pipeline(config: Config, dims: ParallelDims, mesh: DeviceMesh, 
                 apply_expert_parallel(stage, mesh["ep"])
     data_parallel = _data_parallel(pipeline.stages, dims, mesh, autocast, config.parallel)(pipeline.stages)
     return ParallelModel(pipeline.stages, data_parallel, micro_batch_size=0, autocast_dtype=autocast,
-                         place=place, pipeline=pipeline)
+                         place=place, pipeline=pipeline, sdpa_backend=config.train.sdpa_backend)

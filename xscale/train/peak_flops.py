@@ -5,7 +5,7 @@ several large GEMM shapes (Chowdhery et al. 2022, appendix B divide by the hardw
 figure, the best achieved GEMM rate is the honest stand-in). ``train.peak_flops`` overrides it. The measurement
 takes a few seconds, so it is kept in ``~/.cache/xscale/peak_flops.json`` (``$XDG_CACHE_HOME`` is honoured), keyed by
 torch version, device (CPU model or GPU name), dtype, thread count and the way it was measured: any of them changing
-measures again.
+measures again. On a GPU, MFU is also reported against the datasheet's dense peak (:func:`datasheet_peak_flops`).
 """
 
 from __future__ import annotations
@@ -120,3 +120,33 @@ def peak_flops(dtype: torch.dtype, device: str = "cpu", path: Path | None = None
     except OSError:
         pass
     return value
+
+
+# Dense (no 2:4 sparsity) tensor-core bf16 and plain fp32 (TF32 off, torch's default for matmuls) FLOP/s from NVIDIA's
+# datasheets, keyed by a substring of torch.cuda.get_device_name: the first key found in the name wins, so a variant
+# (PCIe, NVL) comes before its family's SXM entry.
+DATASHEET_PEAK_FLOPS: dict[str, dict[torch.dtype, float]] = {
+    "H100 PCIe": {torch.bfloat16: 756e12, torch.float32: 51.2e12},
+    "H100 NVL": {torch.bfloat16: 835.5e12, torch.float32: 60e12},
+    "H100": {torch.bfloat16: 989.4e12, torch.float32: 66.9e12},  # SXM: "NVIDIA H100 80GB HBM3"
+    "H200 NVL": {torch.bfloat16: 835.5e12, torch.float32: 60e12},
+    "H200": {torch.bfloat16: 989.4e12, torch.float32: 66.9e12},
+    "A100": {torch.bfloat16: 312e12, torch.float32: 19.5e12},
+}
+
+
+def datasheet_flops_for(name: str, dtype: torch.dtype) -> float | None:
+    """The datasheet dense peak of the GPU called ``name`` in ``dtype``, or None for a GPU or dtype not listed."""
+    for key, peaks in DATASHEET_PEAK_FLOPS.items():
+        if key in name:
+            return peaks.get(dtype)
+    return None
+
+
+def datasheet_peak_flops(dtype: torch.dtype, device: torch.device | str) -> float | None:
+    """``device``'s datasheet dense peak in ``dtype`` (:data:`DATASHEET_PEAK_FLOPS`); None on a CPU or an unlisted
+    GPU, where the measured GEMM peak (:func:`peak_flops`) is the only denominator."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return datasheet_flops_for(torch.cuda.get_device_name(device), dtype)

@@ -3,9 +3,11 @@
 import csv
 import math
 
+import pytest
 import torch
 
 from xscale.tools.bench import attention as bench
+from xscale.tools.bench import attention_gpu
 
 TINY = ["--lengths", "64", "--long-lengths", "128", "--variants", "local,linear", "--repeats", "1",
         "--d-model", "32", "--heads", "2"]
@@ -76,3 +78,59 @@ def test_lean_memory_target_compares_with_sdpa_at_the_same_length() -> None:
     assert "- local peak at T=16384: 150 MiB vs SDPA's 160 MiB (target <= SDPA's): met" in lines
     assert "- linear peak at T=16384: 170 MiB vs SDPA's 160 MiB (target <= SDPA's): MISSED" in lines
     assert not any("T=8192" in line for line in lines)
+
+
+# The GPU mode's code path, run on CPU: SDPA without forcing flash, the local rows through the backend passed
+# (the Triton kernel in triton's interpreter: tests/tools/bench/conftest.py sets TRITON_INTERPRET=1).
+
+def test_sliding_window_layout_lists_the_block_and_those_before_it_within_the_window() -> None:
+    layout = attention_gpu.sliding_window_layout(4096, 128, 1024, torch.device("cpu"))
+    counts = layout.count[0].tolist()
+    assert counts[:9] == [1, 2, 3, 4, 5, 6, 7, 8, 8] and set(counts[8:]) == {8}
+    assert sorted(layout.index[0, 10].tolist()) == list(range(3, 11))
+
+
+@pytest.mark.parametrize("sparse_backend", ["torch", "triton"])
+def test_gpu_mode_rows_run_on_cpu(sparse_backend) -> None:
+    lines = []
+    rows = attention_gpu.run_gpu([64, 128], torch.device("cpu"), torch.float32, 1, 16, 16, 32, 1, 60.0,
+                                 sparse_backend, log=lines.append)
+    local = f"local_{sparse_backend}"
+    assert [(r["row"], r["length"]) for r in rows] == [(name, n) for n in (64, 128)
+                                                       for name in ("sdpa_flash", local, "local_flex")]
+    for r in rows:
+        if r["row"] == "local_flex" and r["ms"] is None:  # the flex backend trains on CUDA only
+            assert r["note"].startswith(("flex: unavailable", "not run")), r
+            continue
+        assert r["ms"] > 0 and r["vs_flash"] > 0 and r["peak_mib"] is None, r
+        assert not r["note"], r
+    checked = [r for r in rows if r["max_error"] is not None]
+    assert {r["length"] for r in checked} == {64} and all(r["max_error"] < 1e-5 for r in checked)
+    assert len(lines) == 8 and lines[0].startswith("T=    64 sdpa_flash") and lines[3].startswith("T=    64 done in")
+
+
+def test_gpu_mode_stops_a_row_that_exceeds_max_seconds() -> None:
+    rows = attention_gpu.run_gpu([64, 128], torch.device("cpu"), torch.float32, 1, 16, 16, 32, 1, 0.0, "torch",
+                                 log=lambda line: None)
+    flash = [r for r in rows if r["row"] == "sdpa_flash"]
+    assert flash[0]["ms"] is None and "> --max-seconds: not timed" in flash[0]["note"]
+    assert flash[1]["note"].startswith("not run: T=64 took")
+
+
+def test_gpu_mode_main_writes_its_csv_and_the_32k_target(tmp_path, capsys) -> None:
+    assert attention_gpu.main_gpu([64], torch.device("cpu"), 1, 16, 16, 32, 1, 60.0, tmp_path) == 0
+    with open(tmp_path / "attention_gpu.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [r["row"] for r in rows] == ["sdpa_flash", "local_triton", "local_flex"]
+    assert "bf16, batch 1, 1 heads x 16" in capsys.readouterr().out
+    row = {"row": "local_triton", "length": 32768, "ms": 2.0, "peak_mib": 10.0, "vs_flash": 3.5, "max_error": None,
+           "warmup_s": 1.5, "note": ""}
+    assert attention_gpu.format_row(row).endswith("warm-up 1.5 s  target >= 3x flash: met")
+    assert attention_gpu.format_row({**row, "row": "sdpa_flash"}).endswith("3.50x flash  warm-up 1.5 s")
+
+
+def test_device_cuda_without_a_gpu_is_refused(capsys) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert bench.main(["--device", "cuda"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err

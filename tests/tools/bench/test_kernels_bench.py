@@ -43,6 +43,57 @@ def test_prints_a_checked_row_per_op_and_writes_the_csv(tmp_path, capsys, backen
     assert "cross-entropy memory (48x32 vocab 300): peak" in printed
 
 
+def test_compile_column_times_the_compiled_reference(tmp_path, capsys):
+    """The one real inductor build of the tests (one small op: ~10 s on 2 cores); off by default on CPU."""
+    path = tmp_path / "compiled.csv"
+    assert bench.main([*TINY, "--ops", "rms_norm", "--compile", "--csv", str(path)]) == 0
+    assert "vs compiled" in capsys.readouterr().out
+    with open(path) as handle:
+        (row,) = list(csv.DictReader(handle))
+    assert row["compile"] == "ok", row
+    assert float(row["compiled_ms"]) > 0 and float(row["vs_compiled"]) > 0 and float(row["compiled_peak_mib"]) >= 0
+
+
+def test_no_compile_leaves_the_column_empty(tmp_path, capsys):
+    path = tmp_path / "plain.csv"
+    assert bench.main([*TINY, "--ops", "rms_norm,swiglu", "--no-compile", "--csv", str(path)]) == 0
+    assert "no torch.compile column" in capsys.readouterr().out
+    with open(path) as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(row["compile"], row["compiled_ms"]) for row in rows] == [("off", ""), ("off", "")]
+
+
+def test_a_compile_failure_is_reported_in_its_op_row(monkeypatch, tmp_path, capsys):
+    """Each op's compile failure is printed in the compiled column; the eager and fused columns still run."""
+    def failing_compile(fn, **kwargs):
+        assert kwargs == {"dynamic": False}
+
+        def compiled(*args):
+            raise RuntimeError("inductor says no\nlong traceback")
+        return compiled
+
+    monkeypatch.setattr(bench.torch, "compile", failing_compile)
+    path = tmp_path / "failed.csv"
+    assert bench.main([*TINY, "--ops", "rms_norm,swiglu", "--compile", "--csv", str(path)]) == 0
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("rms_norm", "swiglu"))]
+    assert len(table) == 2 and all(line.endswith("compile failed: RuntimeError: inductor says no") for line in table)
+    with open(path) as handle:
+        rows = list(csv.DictReader(handle))
+    assert all(row["check"] == "ok" and float(row["fused_ms"]) > 0 and row["compiled_ms"] == "" for row in rows)
+
+
+def test_an_op_that_raises_is_reported_and_the_others_still_run(monkeypatch, capsys):
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel failed to build")
+
+    monkeypatch.setattr(bench.ops, "gated_activation", broken)
+    assert bench.main([*TINY, "--ops", "rms_norm,swiglu"]) == 1
+    captured = capsys.readouterr()
+    assert "swiglu: RuntimeError: kernel failed to build" in captured.err
+    assert "\nrms_norm " in captured.out and "not measured (see above): swiglu" in captured.out
+    assert bench.main([*TINY, "--ops", "swiglu"]) == 2
+
+
 def test_unknown_op_and_bad_head_split_are_refused(capsys):
     assert bench.main([*TINY, "--ops", "rms_norm,flash"]) == 2
     assert "unknown ops ['flash']" in capsys.readouterr().err

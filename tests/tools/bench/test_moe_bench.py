@@ -13,9 +13,9 @@ from xscale.tools.bench import moe as bench
 TINY = ["--tokens", "64", "--d-model", "16", "--hidden", "32", "--experts", "4", "--rounds", "1"]
 
 
-def tiny_args(ep: int, top_k: int = 1) -> argparse.Namespace:
+def tiny_args(ep: int, top_k: int = 1, dtype: str = "fp32") -> argparse.Namespace:
     return argparse.Namespace(tokens=64, d_model=16, hidden=32, experts=4, top_k=top_k, capacity_factor=1.25, rounds=1,
-                              ep=ep)
+                              ep=ep, device="cpu", dtype=dtype)
 
 
 def assert_positive_and_finite(values: dict) -> None:
@@ -54,3 +54,23 @@ def test_expert_parallel_times_ours_and_deepspeed_over_two_processes():
 def test_experts_that_do_not_split_over_ep_are_refused(capsys):
     assert bench.main([*TINY, "--experts", "3", "--ep", "2"]) == 2
     assert "must split over --ep 2" in capsys.readouterr().err
+
+
+def test_without_deepspeed_it_times_ours_and_dense_in_bf16(capsys, monkeypatch):
+    monkeypatch.setattr(bench, "deepspeed_available", lambda: False)
+    assert bench.main([*TINY, "--ep", "1", "--device", "cpu", "--dtype", "bf16"]) == 0
+    printed = capsys.readouterr().out
+    assert "top-1, capacity factor 1.25" in printed and ", bf16, " in printed and "deepspeed_moe" not in printed
+    assert "DeepSpeed skipped, xscale vs dense only" in printed and "MoE/dense FFN step time" in printed
+
+
+def test_expert_parallel_on_a_gpu_is_refused(capsys, monkeypatch):
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    assert bench.main([*TINY, "--ep", "2", "--device", "cuda"]) == 2
+    assert "--ep 2 runs on the CPU only" in capsys.readouterr().err
+
+
+def test_cuda_without_a_gpu_is_refused(capsys, monkeypatch):
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+    assert bench.main([*TINY, "--ep", "1", "--device", "cuda"]) == 2
+    assert "torch sees no GPU" in capsys.readouterr().err

@@ -226,7 +226,7 @@ def _write_rows(target: Tensor, group: RowGroup, rows: tuple[int, int], value: T
     if group.first_row is not None:
         target.narrow(1, group.first_row + rows[0], rows[1] - rows[0]).copy_(value)
     else:
-        target.index_copy_(1, group.rows[rows[0]:rows[1]], value)
+        target.index_copy_(1, group.rows[rows[0]:rows[1]], value.to(target.dtype))  # autocast may differ
 
 
 # Scores are kept in base 2 (q scaled by log2(e) / sqrt(d)) and exponentiated with exp2: on CPU torch.exp takes a
@@ -369,5 +369,5 @@ def gathered_block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, plan: Block
     if plan.inverse is not None and out.shape[1] == n_heads * plan.n_blocks:
         out = out.index_select(1, plan.inverse)
     elif plan.inverse is not None:
-        out = q_blocks.new_zeros(q_blocks.shape).index_copy(1, plan.inverse, out)
+        out = q_blocks.new_zeros(q_blocks.shape, dtype=out.dtype).index_copy(1, plan.inverse, out)
     return out.reshape(batch, n_heads, padded, head_dim)[:, :, :length]

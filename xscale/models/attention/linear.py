@@ -97,6 +97,7 @@ def _add_product(total: Tensor, a: Tensor, b: Tensor) -> Tensor:
             or not total.is_contiguous():
         return total + a @ b
     flat = total.view(-1, *total.shape[-2:])
+    a, b = a.to(total.dtype), b.to(total.dtype)  # an in-place GEMM is not autocast: its operands are cast here
     flat.baddbmm_(a.expand(*total.shape[:-2], *a.shape[-2:]).reshape(-1, *a.shape[-2:]),
                   b.expand(*total.shape[:-2], *b.shape[-2:]).reshape(-1, *b.shape[-2:]))
     return total

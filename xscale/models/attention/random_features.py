@@ -154,6 +154,8 @@ class PositiveFeatures(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         x, phi, projection = ctx.saved_tensors
         grad_logits = phi.mul_(grad) if ctx.overwrite else grad * phi
+        # under autocast phi comes from a bf16 GEMM while x (and the projection) may be fp32: dx in x's dtype
+        grad_logits = grad_logits.to(projection.dtype)
         grad_x = grad_logits @ (projection * math.log(2.0))
         if ctx.norm_weight:
             grad_x.add_(x * grad_logits.sum(-1, keepdim=True), alpha=2 * ctx.norm_weight * math.log(2.0))

@@ -15,6 +15,7 @@ from torch import nn
 from xscale.models.ffn import GatedMLP
 from xscale.models.registry import FFN
 from xscale.ops.grouped_mlp import ExpertWeights, grouped_mlp
+from xscale.ops.grouped_mm_mlp import grouped_mm_applies, grouped_mm_mlp, grouped_mm_token_experts
 from xscale.ops.token_experts import token_experts
 
 
@@ -73,11 +74,16 @@ class StackedExperts(nn.Module):
         (:func:`xscale.ops.grouped_mlp.grouped_mlp`). With ``token_index`` and ``gate`` (top-1: each token kept at
         most once) the first argument is the layer's tokens [N, d] in token order, and the result the gated
         combination per token [N, d] (:func:`xscale.ops.token_experts.token_experts`: dispatch and combine inside
-        each expert's pass).
+        each expert's pass). On CUDA in bf16 the experts run as grouped GEMMs (``torch._grouped_mm``,
+        :mod:`xscale.ops.grouped_mm_mlp`).
         """
         if len(counts) != self.num_experts:
             raise ValueError(f"got token counts for {len(counts)} experts, this module holds {self.num_experts}")
         weights = self.weights()
+        if grouped_mm_applies(tokens_by_expert, weights):
+            if token_index is not None:
+                return grouped_mm_token_experts(tokens_by_expert, token_index, gate, counts, weights)
+            return grouped_mm_mlp(tokens_by_expert, counts, weights)
         if token_index is not None:
             return token_experts(tokens_by_expert, token_index, gate, counts, weights)
         return grouped_mlp(tokens_by_expert, counts, weights.activation, weights.w1, weights.b1, weights.w2,

@@ -2,6 +2,10 @@
 attention (T x T materialised, Long Range Arena's "vanilla") and torch SDPA, measured in the same process.
 
     python -m xscale.tools.bench.attention --out docs/bench/attention        # T = 1K..16K, 32K for linear memory
+    xscale bench attention --device cuda    # GPU mode: flash vs block-sparse local (Triton, flex), T = 4K..64K
+
+``--device cuda`` (or auto on a machine with CUDA) runs the GPU mode of ``attention_gpu.py`` instead; what
+follows describes the CPU bench (``--device cpu``, or auto without CUDA).
 
 Per length, every variant runs once to warm up (this builds its cached sparsity plan), then every case
 (baselines and variants) once under the allocator profiler for memory, then ``--repeats`` timed rounds that
@@ -30,6 +34,7 @@ from xscale.command_line import CommandParser
 from xscale.config import ModelConfig
 from xscale.models.attention.core import build_core
 from xscale.models.registry import ATTENTION
+from xscale.tools.bench import attention_gpu
 
 # Options at benchmark scale (the zoo's defaults are sized for tiny tests).
 VARIANTS: dict[str, dict] = {
@@ -354,17 +359,36 @@ def run(lengths: list[int], long_lengths: list[int], variants: list[str], repeat
 
 def main(argv: list[str] | None = None) -> int:
     parser = CommandParser(prog="xscale bench attention", description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                        help="cuda: the GPU mode (attention_gpu.py); auto: cuda when available")
     parser.add_argument("--lengths", default="1024,2048,4096,8192,16384")
+    parser.add_argument("--gpu-lengths", default=",".join(map(str, attention_gpu.LENGTHS)),
+                        help="sequence lengths of the GPU mode")
+    parser.add_argument("--block", type=int, default=128, help="GPU mode: block size of the local layout")
+    parser.add_argument("--window", type=int, default=1024, help="GPU mode: local window in tokens")
     parser.add_argument("--long-lengths", default="32768", help="extra lengths for the linear-memory variants")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--quick", action="store_true", help="T=1K,2K and a few main variants")
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (best is kept)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed rounds (CPU: best of, default 3; GPU: median of, default 10)")
     parser.add_argument("--max-seconds", type=float, default=120.0, help="skip longer lengths after a slower case")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
-    parser.add_argument("--d-model", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--d-model", type=int, default=None, help="default 512 (CPU), 1024 (GPU)")
+    parser.add_argument("--heads", type=int, default=None, help="default 8 (CPU), 16 (GPU)")
     parser.add_argument("--out", default="bench_out/attention")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
+        heads, d_model = args.heads or 16, args.d_model or 1024
+        if d_model % heads:
+            print(f"--d-model {d_model} does not split into --heads {heads}", file=sys.stderr)
+            return 2
+        return attention_gpu.main_gpu([int(x) for x in args.gpu_lengths.split(",") if x], torch.device("cuda"),
+                                      heads, d_model, args.block, args.window, args.repeats or 10,
+                                      args.max_seconds, Path(args.out))
+    args.repeats, args.d_model, args.heads = args.repeats or 3, args.d_model or 512, args.heads or 8
     lengths = [int(x) for x in args.lengths.split(",") if x]
     long_lengths = [int(x) for x in args.long_lengths.split(",") if x]
     variants = [x for x in args.variants.split(",") if x]

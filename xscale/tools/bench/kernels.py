@@ -2,6 +2,7 @@
 
     xscale bench kernels                      # GPT-2-small shapes: 8192 tokens, hidden 768, vocab 50257
     xscale bench kernels --ops linear_cross_entropy --csv out/kernels.csv
+    xscale bench kernels --device cuda --dtype bf16  # + the references under torch.compile (on by default on CUDA)
 
 For each op the reference (``xscale.ops.reference`` and the ``*_reference`` functions: what
 ``train.kernels=torch`` runs) and the fused path (what ``xscale.ops`` dispatches to under ``--backend``,
@@ -14,7 +15,12 @@ interpreter: a correctness run, its timings mean nothing.
 Measured per op and implementation, each outside the others' runs:
   * check: outputs and input gradients of the fused path against the reference's, max |error| over the
     reference's largest magnitude (fp32 1e-5, bf16 2e-2); a failed check makes the command exit 1;
-  * time: median of ``--repeats`` forward + backward runs, reference and fused alternating;
+  * time: median of ``--repeats`` forward + backward runs, reference and fused alternating (CUDA synchronized
+    before and after each run);
+  * compiled: the same reference function under ``torch.compile(fn, dynamic=False)``, compiled and run twice
+    before any timing, then timed in the same alternating rounds: "vs compiled" is compiled time over fused
+    time. On by default on CUDA; on CPU only with ``--compile`` (inductor's C++ builds: 3-12 s per op on 2
+    cores). An op that fails to compile says so in that column and the others go on;
   * peak memory: the most bytes allocated above the level at the start of forward + backward. On CUDA
     ``torch.cuda.max_memory_allocated``; on CPU the allocation events of torch's profiler
     (``profile_memory=True``: every allocation and free of c10's CPU allocator, transient buffers inside
@@ -46,7 +52,8 @@ from xscale.ops.moe_permute import Permutation, permute_reference, plan_permutat
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 CROSS_ENTROPY_MEMORY_TARGET = 3.0  # the chunked loss must need >= 3x less peak memory than CE(h W^T)
 FIELDS = ["op", "shape", "dtype", "device", "path", "reference_ms", "fused_ms", "speedup", "reference_peak_mib",
-          "fused_peak_mib", "memory_ratio", "reference_rss_mib", "fused_rss_mib", "max_error", "check"]
+          "fused_peak_mib", "memory_ratio", "reference_rss_mib", "fused_rss_mib", "max_error", "check",
+          "compiled_ms", "vs_compiled", "compiled_peak_mib", "compile", "compile_s"]
 
 
 @dataclass
@@ -247,8 +254,32 @@ def max_relative_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> flo
     return worst
 
 
-def measure(case: Case, repeats: int, device: torch.device, dtype: torch.dtype) -> dict:
-    """Check, then peak memory, then one untimed round and the timed rounds, alternating which goes first."""
+def short_reason(error: BaseException) -> str:
+    """The exception's type and the first line of its message, at most about 100 characters."""
+    lines = str(error).strip().splitlines()
+    first = lines[0] if lines else ""
+    return f"{type(error).__name__}: {first[:100]}" if first else type(error).__name__
+
+
+def compile_reference(case: Case, upstream: list[torch.Tensor]) -> tuple[Callable | None, str]:
+    """The case's reference under ``torch.compile``, already compiled forward and backward (two untimed steps,
+    so neither compilation nor a recompilation lands in a timed run); or None and "compile failed: why"."""
+    try:
+        compiled = torch.compile(case.reference, dynamic=False)
+        for _ in range(2):
+            _clear_grads(case.leaves)
+            _step(compiled, case.leaves, upstream)
+    except Exception as error:  # dynamo / inductor raise many types, and which ops fail varies by torch version
+        _clear_grads(case.leaves)
+        return None, f"compile failed: {short_reason(error)}"
+    return compiled, ""
+
+
+def measure(case: Case, repeats: int, device: torch.device, dtype: torch.dtype, compiled: bool = False) -> dict:
+    """Check, then peak memory, then one untimed round and the timed rounds, alternating which goes first.
+
+    ``compiled``: also the reference under ``torch.compile``, compiled before the memory and timing runs.
+    """
     impls = {"reference": case.reference, "fused": case.fused}
     results: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     upstream: list[torch.Tensor] = []
@@ -266,43 +297,64 @@ def measure(case: Case, repeats: int, device: torch.device, dtype: torch.dtype) 
     del results
     row: dict = {"op": case.name, "shape": case.shape, "dtype": str(dtype).removeprefix("torch."),
                  "device": device.type, "path": path_of(case), "max_error": error,
-                 "check": "ok" if error <= TOLERANCE[dtype] else "MISMATCH"}
-    for name, fn in impls.items():
+                 "check": "ok" if error <= TOLERANCE[dtype] else "MISMATCH",
+                 "compiled_ms": None, "vs_compiled": None, "compiled_peak_mib": None, "compile": "off",
+                 "compile_s": None}
+    timed = dict(impls)
+    if compiled:
+        start = time.perf_counter()
+        compiled_reference, row["compile"] = compile_reference(case, upstream)
+        row["compile_s"] = time.perf_counter() - start
+        if compiled_reference is not None:
+            timed["compiled"] = compiled_reference
+            row["compile"] = "ok"
+    for name, fn in timed.items():
         _clear_grads(case.leaves)
         row[f"{name}_peak_mib"] = peak_memory(lambda fn=fn: _step(fn, case.leaves, upstream), device) / 2**20
-    times: dict[str, list[float]] = {name: [] for name in impls}
-    rss: dict[str, list[int]] = {name: [] for name in impls}
+    times: dict[str, list[float]] = {name: [] for name in timed}
+    rss: dict[str, list[int]] = {name: [] for name in timed}
     tracker = ResidentSetPeak()
     for round_index in range(repeats + 1):
-        order = list(impls) if round_index % 2 == 0 else list(reversed(impls))
+        order = list(timed) if round_index % 2 == 0 else list(reversed(timed))
         for name in order:
             _clear_grads(case.leaves)
             tracking = device.type == "cpu" and tracker.start()
             _synchronize(device)
             start = time.perf_counter()
-            _step(impls[name], case.leaves, upstream)
+            _step(timed[name], case.leaves, upstream)
             _synchronize(device)
             if round_index > 0:
                 times[name].append(time.perf_counter() - start)
                 if tracking:
                     rss[name].append(tracker.growth_bytes())
     for name in impls:
-        row[f"{name}_ms"] = statistics.median(times[name]) * 1e3
         row[f"{name}_rss_mib"] = max(rss[name]) / 2**20 if rss[name] else math.nan
+    for name in timed:
+        row[f"{name}_ms"] = statistics.median(times[name]) * 1e3
     _clear_grads(case.leaves)
     row["speedup"] = row["reference_ms"] / row["fused_ms"]
+    if row["compiled_ms"] is not None:
+        row["vs_compiled"] = row["compiled_ms"] / row["fused_ms"]
     row["memory_ratio"] = row["reference_peak_mib"] / max(row["fused_peak_mib"], 1e-9)
     return row
 
 
+def _compiled_cells(row: dict) -> str:
+    if row["compiled_ms"] is not None:
+        return f"{row['compiled_ms']:11.2f} {row['vs_compiled']:10.2f}x"
+    return f"{'-':>11s} {'-':>11s}" if row["compile"] == "off" else row["compile"]
+
+
 def format_table(rows: list[dict]) -> str:
+    """speed-up = reference ms / fused ms; vs compiled = compiled reference ms / fused ms (> 1: fused is faster)."""
     header = (f"{'op':24s} {'shape':34s} {'path':21s} {'ref ms':>9s} {'fused ms':>9s} {'speed-up':>8s} "
-              f"{'ref MiB':>9s} {'fused MiB':>9s} {'mem ratio':>9s} {'max err':>8s} check")
+              f"{'ref MiB':>9s} {'fused MiB':>9s} {'mem ratio':>9s} {'max err':>8s} check "
+              f"{'compiled ms':>11s} {'vs compiled':>11s}")
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(f"{r['op']:24s} {r['shape']:34s} {r['path']:21s} {r['reference_ms']:9.2f} {r['fused_ms']:9.2f} "
                      f"{r['speedup']:7.2f}x {r['reference_peak_mib']:9.1f} {r['fused_peak_mib']:9.1f} "
-                     f"{r['memory_ratio']:8.2f}x {r['max_error']:8.1e} {r['check']}")
+                     f"{r['memory_ratio']:8.2f}x {r['max_error']:8.1e} {r['check']:5s} {_compiled_cells(r)}")
     return "\n".join(lines)
 
 
@@ -312,6 +364,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--backend", default="auto", choices=dispatch.BACKENDS, help="train.kernels for the fused side")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     parser.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="also time each reference under torch.compile (default: on for cuda, off for cpu)")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--vocab", type=int, default=50257)
@@ -344,19 +398,28 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"unknown ops {unknown}; choose from {', '.join(case.name for case in cases)}", file=sys.stderr)
         return 2
+    compiled = args.compile if args.compile is not None else device.type == "cuda"
     print(f"kernel bench: {device.type}, {args.dtype}, train.kernels={args.backend}, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}, median of {args.repeats} fwd+bwd")
-    rows = []
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}, median of {args.repeats} fwd+bwd; "
+          + ("references also under torch.compile(dynamic=False), compiled before timing" if compiled
+             else "no torch.compile column (--compile adds it)"))
+    rows, failed = [], []
     for case in cases:
         if case.name not in wanted:
             continue
         try:
-            rows.append(measure(case, args.repeats, device, dtype))
-        except RuntimeError as error:  # a backend that cannot run here (dispatch says why)
-            print(f"{case.name}: {error}", file=sys.stderr)
-            return 2
-        print(f"  measured {case.name}", flush=True)
+            rows.append(measure(case, args.repeats, device, dtype, compiled))
+        except Exception as error:  # a backend that cannot run here (dispatch says why), a kernel that fails to build
+            print(f"{case.name}: {type(error).__name__}: {error}", file=sys.stderr)
+            failed.append(case.name)
+            continue
+        compile_time = f" (torch.compile {rows[-1]['compile_s']:.1f} s)" if rows[-1]["compile_s"] is not None else ""
+        print(f"  measured {case.name}{compile_time}", flush=True)
+    if not rows:
+        return 2
     print(format_table(rows))
+    if failed:
+        print(f"not measured (see above): {', '.join(failed)}")
     for row in rows:
         if row["op"] == "linear_cross_entropy":
             verdict = "met" if row["memory_ratio"] >= CROSS_ENTROPY_MEMORY_TARGET else "NOT met"
@@ -364,7 +427,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['fused_peak_mib']:.0f} MiB {row['path']} = {row['memory_ratio']:.1f}x lower "
                   f"(target >= {CROSS_ENTROPY_MEMORY_TARGET:.0f}x: {verdict}); resident-set growth "
                   f"{row['reference_rss_mib']:.0f} vs {row['fused_rss_mib']:.0f} MiB; loss and gradients "
-                  f"max error {row['max_error']:.1e} ({row['check']})")
+                  f"max error {row['max_error']:.1e} ({row['check']})"
+                  + (f"; compiled CE(h W^T) peak {row['compiled_peak_mib']:.0f} MiB"
+                     if row["compiled_peak_mib"] is not None else ""))
     if args.csv:
         Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
         with open(args.csv, "w", newline="") as handle:
@@ -372,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
             writer.writeheader()
             writer.writerows(rows)
         print(f"wrote {args.csv}")
-    return 1 if any(row["check"] != "ok" for row in rows) else 0
+    return 1 if failed or any(row["check"] != "ok" for row in rows) else 0
 
 
 if __name__ == "__main__":

@@ -1,22 +1,23 @@
 """``xscale bench moe``: our MoE layer vs DeepSpeed's MoE layer and vs a dense FFN, same machine, one run.
 
-Forward+backward of the same tokens (fp32) through:
+Forward+backward of the same tokens (fp32, or under bf16 autocast with ``--dtype bf16``) through:
   * xscale ``MoELayer`` (Switch top-1, or with ``--top-k 2`` GShard top-2 with both choices dispatched; stacked
     experts, sort-based dispatch, grouped expert GEMMs);
   * DeepSpeed ``deepspeed.moe.layer.MoE`` at the same config (same k and capacity factor, token dropping,
     ``use_rts=False``, top-2 without the sampled second expert) with the same weights;
   * a dense FFN with the MoE's active parameters per token (k experts' FFNs: hidden k x ``--hidden``), the
     compute floor.
-In one process (a 1-process gloo group for DeepSpeed) and, with ``--ep 2``, under expert parallelism over
-2 gloo processes (each with half the tokens, half the experts), xscale and DeepSpeed again.
+In one process (a 1-process gloo group for DeepSpeed; nccl on a GPU) on ``--device`` (cpu, cuda, or auto: cuda when
+there is one) and, with ``--ep 2`` (CPU only; the default there), under expert parallelism over 2 gloo processes (each
+with half the tokens, half the experts), xscale and DeepSpeed again.
 
 A fourth workload, xscale's expert FFNs alone on the routed rows, splits the MoE/dense gap into the cost of
 E smaller GEMMs and that of routing. DeepSpeed's time over the dense FFN's is printed as the ceiling of the
 xscale/DeepSpeed ratio: the experts do the dense FFN's FLOPs (fewer when tokens drop), so an MoE layer faster than
 the dense FFN is out of reach, and xscale/DeepSpeed cannot exceed DeepSpeed/dense.
 
-Workloads are timed in alternating rounds (A B C A B C ...) after one warm-up each and the median per
-workload is reported, so machine noise hits them alike. Figures: tokens/s, xscale/DeepSpeed tokens/s
+Workloads are timed in alternating rounds (A B C A B C ...) after one warm-up each, between GPU synchronizations on
+CUDA, and the median per workload is reported, so machine noise hits them alike. Figures: tokens/s, xscale/DeepSpeed tokens/s
 (target: at least the ceiling / 1.15) and MoE/dense step time (target <= 1.15x). On a shared machine, run with
 ``OMP_WAIT_POLICY=PASSIVE``: spinning OpenMP threads of an oversubscribed CPU measure the scheduler instead.
 Every process keeps freed memory mapped, as the trainer does on CPU (:mod:`xscale.launcher.cpu_allocator`;
@@ -46,6 +47,9 @@ from xscale.models.ffn import build_ffn
 from xscale.models.moe import build_moe
 from xscale.parallel.expert import apply_expert_parallel
 from xscale.runtime import StepContext
+from xscale.tools.bench.train import bench_device, synchronize
+
+DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # --dtype: the autocast dtype (None: fp32 throughout)
 
 
 class _DeepSpeedExpert(nn.Module):
@@ -65,11 +69,17 @@ def layer_config(args: argparse.Namespace) -> ModelConfig:
         min_capacity=4, drop_policy="position"))
 
 
-def _step(module: nn.Module, x: torch.Tensor, upstream: torch.Tensor,
-          context: StepContext | None = None) -> Callable[[], None]:
-    """One forward + backward; ``context``: an expert-parallel layer's (its ep group's token exchange)."""
+def _autocast(x: torch.Tensor, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    return torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def _step(module: nn.Module, x: torch.Tensor, upstream: torch.Tensor, context: StepContext | None = None,
+          dtype: torch.dtype | None = None) -> Callable[[], None]:
+    """One forward + backward; ``context``: an expert-parallel layer's (its ep group's token exchange); ``dtype``:
+    the forward's autocast dtype (None: none)."""
     def run() -> None:
-        out = module(x) if context is None else module(x, context=context)
+        with _autocast(x, dtype):
+            out = module(x) if context is None else module(x, context=context)
         out = out[0] if isinstance(out, tuple) else out
         (out * upstream).sum().backward()
         module.zero_grad(set_to_none=True)
@@ -77,7 +87,8 @@ def _step(module: nn.Module, x: torch.Tensor, upstream: torch.Tensor,
     return run
 
 
-def _experts_step(layer: nn.Module, x: torch.Tensor, upstream: torch.Tensor) -> Callable[[], None]:
+def _experts_step(layer: nn.Module, x: torch.Tensor, upstream: torch.Tensor,
+                  dtype: torch.dtype | None = None) -> Callable[[], None]:
     """The MoE layer's expert FFNs alone on its routed rows (already sorted by expert): no router, no gather or
     combine. Its time over the dense FFN's is the cost of E smaller GEMMs; the MoE step's over it, of routing."""
     with torch.no_grad():
@@ -88,7 +99,9 @@ def _experts_step(layer: nn.Module, x: torch.Tensor, upstream: torch.Tensor) -> 
     rows_upstream = upstream.repeat(copies, 1)[: sum(counts)]
 
     def run() -> None:
-        (layer.experts(rows, counts) * rows_upstream).sum().backward()
+        with _autocast(rows, dtype):
+            out = layer.experts(rows, counts)
+        (out * rows_upstream).sum().backward()
         layer.experts.zero_grad(set_to_none=True)
         rows.grad = None
     return run
@@ -122,8 +135,9 @@ def deepspeed_available() -> bool:
 
 
 @contextlib.contextmanager
-def _single_process_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+def _single_process_group(device: torch.device):
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield
     finally:
@@ -152,23 +166,25 @@ def _deepspeed_layer(ours: nn.Module, args: argparse.Namespace, ep_size: int = 1
             source = index if ours.experts.num_experts == local else ep_rank * local + index
             expert.w_in.weight.copy_(ours.experts.w_in.weight[source])
             expert.w_out.weight.copy_(ours.experts.w_out.weight[source])
-    return theirs
+    return theirs.to(ours.router.weight.device)
 
 
 def single_process(args: argparse.Namespace) -> dict[str, float]:
-    """Median seconds of xscale's MoE, the dense FFN and (when installed) DeepSpeed's MoE, in this process."""
+    """Median seconds of xscale's MoE, the dense FFN and (when installed) DeepSpeed's MoE, in this process, on
+    ``args.device``."""
+    device, dtype = bench_device(args.device), DTYPES[args.dtype]
     torch.manual_seed(0)
-    ours = build_moe(layer_config(args), 0)
-    dense = build_ffn("gelu", args.d_model, args.top_k * args.hidden, False, 0.0)
-    x = torch.randn(args.tokens, args.d_model, requires_grad=True)
-    upstream = torch.randn(args.tokens, args.d_model)
-    runs = {"xscale_moe": _step(ours, x, upstream), "dense_ffn": _step(dense, x, upstream),
-            "xscale_experts_only": _experts_step(ours, x, upstream)}
+    ours = build_moe(layer_config(args), 0).to(device)
+    dense = build_ffn("gelu", args.d_model, args.top_k * args.hidden, False, 0.0).to(device)
+    x = torch.randn(args.tokens, args.d_model).to(device).requires_grad_()
+    upstream = torch.randn(args.tokens, args.d_model).to(device)
+    runs = {"xscale_moe": _step(ours, x, upstream, dtype=dtype), "dense_ffn": _step(dense, x, upstream, dtype=dtype),
+            "xscale_experts_only": _experts_step(ours, x, upstream, dtype)}
     with contextlib.ExitStack() as stack:
         if deepspeed_available():
-            stack.enter_context(_single_process_group())
-            runs["deepspeed_moe"] = _step(_deepspeed_layer(ours, args), x, upstream)
-        seconds = time_alternating(runs, args.rounds)
+            stack.enter_context(_single_process_group(device))
+            runs["deepspeed_moe"] = _step(_deepspeed_layer(ours, args), x, upstream, dtype=dtype)
+        seconds = time_alternating(runs, args.rounds, sync=lambda: synchronize(device))
     ours(x)
     seconds["dropped_fraction"] = float(ours.metrics["dropped_fraction"])
     return seconds
@@ -186,10 +202,12 @@ def _ep_worker(rank: int, port: int, args: argparse.Namespace, results) -> None:
         torch.manual_seed(1 + rank)
         x = torch.randn(tokens, args.d_model, requires_grad=True)
         upstream = torch.randn(tokens, args.d_model)
+        dtype = DTYPES[args.dtype]
         if deepspeed_available():
-            runs["deepspeed_moe"] = _step(_deepspeed_layer(ours, args, ep_size=2, ep_rank=rank), x, upstream)
+            runs["deepspeed_moe"] = _step(_deepspeed_layer(ours, args, ep_size=2, ep_rank=rank), x, upstream,
+                                          dtype=dtype)
         place = apply_expert_parallel(ours, dist.group.WORLD)
-        runs["xscale_moe"] = _step(ours, x, upstream, place(StepContext()))
+        runs["xscale_moe"] = _step(ours, x, upstream, place(StepContext()), dtype)
         seconds = time_alternating(runs, args.rounds, sync=dist.barrier)
         if rank == 0:
             results.update(seconds)
@@ -226,16 +244,19 @@ def run(args: argparse.Namespace) -> dict:
 
 def report(figures: dict, args: argparse.Namespace) -> None:
     single, ratios = figures["single"], figures["ratios"]
+    device = bench_device(args.device)
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda" else
+             f"{torch.get_num_threads()} threads, malloc "
+             f"{'keeping freed memory' if keep_freed_memory() else 'as the system set it'}")
     print(f"MoE layer: {args.tokens} tokens, d_model {args.d_model}, hidden {args.hidden}, {args.experts} experts, "
-          f"top-{args.top_k}, capacity factor {args.capacity_factor} (dropped {single['dropped_fraction']:.3f}), fp32, "
-          f"{torch.get_num_threads()} threads, forward+backward, median of {args.rounds} alternating rounds, "
-          f"malloc {'keeping freed memory' if keep_freed_memory() else 'as the system set it'}")
+          f"top-{args.top_k}, capacity factor {args.capacity_factor} (dropped {single['dropped_fraction']:.3f}), "
+          f"{args.dtype}, {where}, forward+backward, median of {args.rounds} alternating rounds")
     rows = [(f"{name} (1 process)", value) for name, value in single.items() if name != "dropped_fraction"]
     rows += [(f"{name} (ep=2, 2 processes)", value) for name, value in figures.get("ep2", {}).items()]
     for name, seconds in rows:
         print(f"  {name:32s} {seconds * 1e3:9.1f} ms {args.tokens / seconds:12.0f} tokens/s")
     if not deepspeed_available():
-        print("deepspeed is not installed: no DeepSpeed comparison (pip install -e .[deepspeed])")
+        print("deepspeed is not installed: DeepSpeed skipped, xscale vs dense only (pip install -e .[deepspeed])")
     labels = {"xscale_over_deepspeed_tokens_per_s": "xscale/DeepSpeed tokens/s, 1 process (target >= ceiling / 1.15)",
               "ep2_xscale_over_deepspeed_tokens_per_s": "xscale/DeepSpeed tokens/s, ep=2",
               "deepspeed_over_dense_step_time": "  ceiling of that ratio for an MoE no faster than the dense FFN "
@@ -258,10 +279,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=1, choices=(1, 2), help="1: Switch; 2: GShard top-2")
     parser.add_argument("--capacity-factor", type=float, default=1.25)
     parser.add_argument("--rounds", type=int, default=15, help="timed forward+backward rounds per workload")
-    parser.add_argument("--ep", type=int, default=2, choices=(1, 2), help="2: also compare under expert parallel "
-                        "over 2 processes")
+    parser.add_argument("--ep", type=int, default=None, choices=(1, 2), help="2: also compare under expert parallel "
+                        "over 2 gloo processes (CPU only; default: 2 on the CPU, 1 on a GPU)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="auto: cuda when torch sees a GPU, else cpu")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="fp32, or bf16 autocast on every side")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("xscale bench moe: --device cuda but torch sees no GPU (torch.cuda.is_available() is False)",
+              file=sys.stderr)
+        return 2
+    on_gpu = bench_device(args.device).type == "cuda"
+    if args.ep == 2 and on_gpu:
+        print("xscale bench moe: --ep 2 runs on the CPU only (2 gloo processes); on a GPU use --ep 1, or "
+              "--device cpu for expert parallelism", file=sys.stderr)
+        return 2
+    if args.ep is None:
+        args.ep = 1 if on_gpu else 2
     if args.experts % args.ep or args.tokens % 2:
         print(f"xscale bench moe: --experts {args.experts} must split over --ep {args.ep} and --tokens be even",
               file=sys.stderr)

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# GPU bring-up: the GPU test tier and the GPU figures, on a machine with one CUDA device and xscale's
+# dependencies installed. Writes logs to ${OUT:-gpu_bring_up}/. Phases: tests | train | ops | all.
+#   bash tests/gpu/bring_up.sh all
+set -u
+OUT=${OUT:-gpu_bring_up}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+phase=${1:-all}
+run() {  # run NAME COMMAND...: the command's output to $OUT/NAME.txt and to the terminal, with its time
+  local name=$1; shift
+  echo "== $name: $*" | tee "$OUT/$name.txt"
+  local start=$SECONDS
+  "$@" 2>&1 | tee -a "$OUT/$name.txt"
+  echo "== $name: exit ${PIPESTATUS[0]} after $((SECONDS - start)) s" | tee -a "$OUT/$name.txt"
+}
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nvidia-smi -L
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
+} 2>&1 | tee "$OUT/device.txt"
+workers=$(python3 -c "import importlib.util as u; print('-n 6' if u.find_spec('xdist') else '')")
+if [[ $phase == tests || $phase == all ]]; then
+  run pytest timeout "${TESTS_TIMEOUT:-0}" python3 -m pytest -m gpu tests/gpu -q -rfE -p no:cacheprovider $workers --timeout 900
+fi
+if [[ $phase == train || $phase == all ]]; then
+  run bench_train_gpt2 python3 -m xscale bench train --device cuda --precision bf16 --layers 12 --width 768 \
+    --heads 12 --vocab 50304 --batch 8 --seq 1024 --steps 10 --warmup 3
+  run bench_train_1b python3 -m xscale bench train --device cuda --precision bf16 --layers 24 --width 2048 \
+    --heads 16 --vocab 32000 --batch 4 --seq 2048 --steps 10 --warmup 3
+fi
+if [[ $phase == ops || $phase == all ]]; then
+  limit=${BENCH_TIMEOUT:-0}  # seconds per benchmark, 0: none
+  run bench_kernels timeout "$limit" python3 -m xscale bench kernels --device cuda --dtype bf16 --csv "$OUT/kernels.csv"
+  run bench_attention timeout "$limit" python3 -m xscale bench attention --device cuda \
+    --gpu-lengths "${ATTENTION_LENGTHS:-4096,8192,16384,32768,65536}" --out "$OUT/attention"
+  run bench_moe timeout "$limit" python3 -m xscale bench moe --device cuda --ep 1 --dtype bf16
+fi
