@@ -18,9 +18,10 @@ run() {  # run NAME COMMAND...: the command's output to $OUT/NAME.txt and to the
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nvidia-smi -L
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
 } 2>&1 | tee "$OUT/device.txt"
-workers=$(python3 -c "import importlib.util as u; print('-n 6' if u.find_spec('xdist') else '')")
+workers=()  # pytest-xdist, where installed, spreads the tier over 6 processes sharing the GPU
+if python3 -c "import xdist" 2>/dev/null; then workers=(-n 6); fi
 if [[ $phase == tests || $phase == all ]]; then
-  run pytest timeout "${TESTS_TIMEOUT:-0}" python3 -m pytest -m gpu tests/gpu -q -rfE -p no:cacheprovider $workers --timeout 900
+  run pytest timeout "${TESTS_TIMEOUT:-0}" python3 -m pytest -m gpu tests/gpu -q -rfE -p no:cacheprovider "${workers[@]}" --timeout 900
 fi
 if [[ $phase == train || $phase == all ]]; then
   run bench_train_gpt2 python3 -m xscale bench train --device cuda --precision bf16 --layers 12 --width 768 \
