@@ -48,6 +48,7 @@ from xscale.command_line import CommandParser
 from xscale.ops import dispatch, reference
 from xscale.ops.block_sparse_attention import block_sparse_attention_reference
 from xscale.ops.moe_permute import Permutation, permute_reference, plan_permutation, unpermute_reference
+from xscale.tools.bench.device import bench_device, synchronize
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 CROSS_ENTROPY_MEMORY_TARGET = 3.0  # the chunked loss must need >= 3x less peak memory than CE(h W^T)
@@ -172,11 +173,6 @@ def _as_tuple(out: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tenso
     return out if isinstance(out, tuple) else (out,)
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _clear_grads(leaves: list[torch.Tensor]) -> None:
     """Outside the measured region: the step then allocates its gradients instead of replacing old ones."""
     for leaf in leaves:
@@ -213,11 +209,11 @@ def peak_cpu_allocation(run: Callable[[], object]) -> int:
 
 def peak_memory(run: Callable[[], object], device: torch.device) -> int:
     if device.type == "cuda":
-        _synchronize(device)
+        synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         start = torch.cuda.memory_allocated(device)
         run()
-        _synchronize(device)
+        synchronize(device)
         return torch.cuda.max_memory_allocated(device) - start
     return peak_cpu_allocation(run)
 
@@ -319,10 +315,10 @@ def measure(case: Case, repeats: int, device: torch.device, dtype: torch.dtype, 
         for name in order:
             _clear_grads(case.leaves)
             tracking = device.type == "cpu" and tracker.start()
-            _synchronize(device)
+            synchronize(device)
             start = time.perf_counter()
             _step(timed[name], case.leaves, upstream)
-            _synchronize(device)
+            synchronize(device)
             if round_index > 0:
                 times[name].append(time.perf_counter() - start)
                 if tracking:
@@ -388,8 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.hidden % args.heads or (args.hidden // args.heads) % 2:
         print(f"--hidden {args.hidden} must split into --heads {args.heads} of an even head dim", file=sys.stderr)
         return 2
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
+    device = bench_device(args.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     ops.check_backend(args.backend)
     cases = build_cases(args, device, dtype)

@@ -47,7 +47,7 @@ from xscale.models.ffn import build_ffn
 from xscale.models.moe import build_moe
 from xscale.parallel.expert import apply_expert_parallel
 from xscale.runtime import StepContext
-from xscale.tools.bench.train import bench_device, synchronize
+from xscale.tools.bench.device import bench_device, synchronize
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # --dtype: the autocast dtype (None: fp32 throughout)
 

@@ -26,6 +26,7 @@ from xscale.interop.hf.load import model_config_from_hf, state_dict_from_hf
 from xscale.models import build_model
 from xscale.models.parameters import count_parameters
 from xscale.parallel.model import ParallelModel
+from xscale.tools.bench.device import bench_device, synchronize
 from xscale.tools.bench.spread import median_and_quartiles
 from xscale.train.bf16_support import bf16_warning
 from xscale.train.metrics import flops_per_token
@@ -35,19 +36,6 @@ from xscale.train.step import forward_backward_step
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation")
-
-
-def bench_device(name: str) -> torch.device:
-    """``--device``'s device: ``auto`` is CUDA when torch sees a GPU, else the CPU."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued kernels, so that the clock read next sees them done (a no-op on the CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _hf_step(model, optimizer, tokens: torch.Tensor, autocast_dtype: torch.dtype | None) -> None:
