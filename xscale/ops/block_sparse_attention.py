@@ -27,12 +27,13 @@ class BlockLayout:
     transposed_count: torch.Tensor
 
 
-def _tables(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each row of a (L, R, C) bool mask, its true columns ascending (padded) and how many."""
+def block_tables(mask: torch.Tensor, full_width: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each row of a (L, R, C) bool mask, its true columns ascending (padded to the widest row, or to all C
+    columns with ``full_width``) and how many."""
     count = mask.sum(-1)
     columns = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
     ordered = torch.where(mask, columns, mask.shape[-1]).sort(-1).values
-    width = max(int(count.max()) if count.numel() else 0, 1)
+    width = mask.shape[-1] if full_width else max(int(count.max()) if count.numel() else 0, 1)
     index = ordered[..., :width].clamp_max(max(mask.shape[-1] - 1, 0))
     return index.to(torch.int32).contiguous(), count.to(torch.int32).contiguous()
 
@@ -59,8 +60,8 @@ def build_layout(block_index: torch.Tensor, block_count: torch.Tensor, block_siz
     mask[heads, rows, ids] = True
     if int(mask.sum()) != ids.numel():
         raise ValueError("a query block lists the same key block twice in block_index")
-    row_index, row_count = _tables(mask)
-    col_index, col_count = _tables(mask.transpose(1, 2))
+    row_index, row_count = block_tables(mask)
+    col_index, col_count = block_tables(mask.transpose(1, 2))
     return BlockLayout(block_size, mask, row_index, row_count, col_index, col_count)
 
 

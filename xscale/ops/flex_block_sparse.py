@@ -18,14 +18,13 @@ import functools
 
 import torch
 
-from xscale.ops.block_sparse_attention import BlockLayout
+from xscale.ops.block_sparse_attention import BlockLayout, block_tables
 
 
 def _ordered(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(1, L, R, C) count and full-width ascending column tables of a (L, R, C) bool mask, as BlockMask wants."""
-    columns = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
-    ordered = torch.where(mask, columns, mask.shape[-1]).sort(-1).values.clamp_max(mask.shape[-1] - 1)
-    return mask.sum(-1).to(torch.int32).unsqueeze(0), ordered.to(torch.int32).unsqueeze(0)
+    """(1, L, R) counts and (1, L, R, C) ascending column tables of a (L, R, C) bool mask, as BlockMask wants."""
+    index, count = block_tables(mask, full_width=True)
+    return count.unsqueeze(0), index.unsqueeze(0)
 
 
 FLEX_BLOCK = 128  # the compiled kernel's query/key tile: a BlockMask's blocks must be multiples of it
