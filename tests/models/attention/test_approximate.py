@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.models.attention.conftest import dense_reference, make_core, random_qkv, relative_error
-from xscale.config import ConfigError
+from xscale.config import AttentionConfig, ConfigError, ModelConfig
+from xscale.models import build_model
 from xscale.models.attention.linear import kernelized_reference
 from xscale.models.attention.lsh import SELF_LOGIT
 
@@ -173,3 +174,16 @@ def test_causal_never_sees_the_future(kind: str, options: dict) -> None:
     out2 = core(q2, k2, v2, causal=True)
     torch.testing.assert_close(out[:, :, :30], out2[:, :, :30], atol=1e-12, rtol=0)
     assert not torch.allclose(out[:, :, 30:], out2[:, :, 30:])
+
+
+def test_performer_trains_under_bf16_autocast() -> None:
+    """FAVOR+'s custom backward gets bf16 features (a bf16 GEMM under autocast) with fp32 inputs; dx must come back
+    in the input's dtype (it raised a dtype mismatch before)."""
+    model = build_model(ModelConfig(family="encoder", vocab_size=64, d_model=32, n_layers=2, n_heads=2,
+                                    max_seq_len=48, attention=AttentionConfig(kind="favor", options={"features": 16})))
+    tokens = torch.randint(0, 64, (2, 37), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(tokens)
+    F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
