@@ -151,6 +151,9 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble
     pp_stages_per_rank: int = 1
     pp_split: list[int] | None = None  # blocks per stage; None: as even as possible
+    # The output projection and the loss split by vocabulary over the pp ranks, as the last pp stages
+    # (xscale.parallel.pipeline.vocabulary): interleaved_1f1b or zero_bubble
+    pp_vocab_parallel: bool = False
     microbatches: int | None = None  # pipeline microbatches per step and dp rank; None (null): auto (see above)
     zero_stage: int = 0  # 0 DDP | 1 optimizer state | 2 + gradients | 3 + parameters (FSDP2)
     bucket_mb: float = 4.0  # DDP / ZeRO-1/2: gradient MiB per collective, started during the last backward

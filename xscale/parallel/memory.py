@@ -29,7 +29,6 @@ earlier ones accumulated (:func:`accumulated_backward_bytes`).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from dataclasses import dataclass
 
@@ -43,7 +42,8 @@ from xscale.parallel.data.gather import GATHER_WINDOW_BYTES
 from xscale.parallel.dims import ParallelDims
 from xscale.parallel.pipeline import SCHEDULES
 from xscale.parallel.pipeline.cost import stage_layers
-from xscale.parallel.pipeline.stages import stage_to_rank
+from xscale.parallel.pipeline.stages import cut_stage, stage_to_rank
+from xscale.parallel.pipeline.vocabulary import vocabulary_stage_count
 from xscale.train.optim import update_mode
 
 BYTES_PER_VALUE = 4
@@ -74,9 +74,10 @@ def pipeline_rank_parameters(config: Config, dims: ParallelDims) -> list[tuple[i
     ranks = stage_to_rank(num_stages, dims.pp, SCHEDULES[parallel.pp_schedule].placement)
     meta = build_model(config.model, materialize=False)
     counts = [[0, 0] for _ in range(dims.pp)]
+    vocabulary = vocabulary_stage_count(parallel)
     for index, layers in enumerate(stage_layers(config, num_stages)):
-        stage = copy.deepcopy(meta)
-        stage.keep_layers(layers)
+        shard = index - (num_stages - vocabulary)
+        stage = cut_stage(meta, layers, (shard, vocabulary) if shard >= 0 else None, vocabulary > 0)
         for name, param in stage.named_parameters():  # a last stage's output.weight is the tied copy
             counts[ranks[index]][0] += param.numel()
             counts[ranks[index]][1] += param.numel() if is_expert_parameter(name) else 0

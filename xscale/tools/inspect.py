@@ -22,6 +22,7 @@ from xscale.parallel.dims import rank_coordinates
 from xscale.parallel.memory import predicted_pipeline_state_bytes, predicted_state_bytes
 from xscale.parallel.pipeline import SCHEDULES, ideal_bubble, stage_to_rank
 from xscale.parallel.pipeline.cost import pipeline_costs, stage_layers
+from xscale.parallel.pipeline.vocabulary import vocabulary_rows, vocabulary_stage_count
 from xscale.tools.measure import MeasureError, measure_report
 from xscale.train.metrics import flops_per_token
 from xscale.validate import load_config_from_cli
@@ -83,9 +84,15 @@ def _model_slice(config: Config, dims, at: dict[str, int]) -> str:
         layers = stage_layers(config, num_stages)
         ranks = stage_to_rank(num_stages, dims.pp, SCHEDULES[parallel.pp_schedule].placement)
         mine = [stage for stage in range(num_stages) if ranks[stage] == at["pp"]]
+        vocabulary = vocabulary_stage_count(parallel)
         holds_vocabulary = 0 in mine or num_stages - 1 in mine
         stages = []
         for stage in mine:
+            shard = stage - (num_stages - vocabulary)
+            if shard >= 0:  # a vocabulary stage: its rows of the output projection and of the loss
+                start, end = vocabulary_rows(model.vocab_size, shard, vocabulary)
+                stages.append(f"{stage} (vocabulary {start}-{end - 1})")
+                continue
             held = ["embedding"] if stage == 0 else []
             encoder = [index for index in layers[stage] if index < model.n_layers]
             decoder = [index - model.n_layers for index in layers[stage] if index >= model.n_layers]
@@ -95,6 +102,7 @@ def _model_slice(config: Config, dims, at: dict[str, int]) -> str:
                 held.append(("embedding copy, " if 0 in decoder and stage else "") + "decoder "
                             + _layers(decoder[0], decoder[-1]))
             held += ["head"] if stage == num_stages - 1 else []
+            held += ["final norm"] if vocabulary and stage == num_stages - vocabulary - 1 else []
             stages.append(f"{stage} ({', '.join(held)})")
         parts.append(f"stage{'s' if len(stages) > 1 else ''} {', '.join(stages)}")
     else:
@@ -130,13 +138,20 @@ def _stage_cost_lines(config: Config, pp: int) -> list[str]:
     parallel = config.parallel
     num_stages = pp * parallel.pp_stages_per_rank
     layers = stage_layers(config, num_stages)
-    costs = pipeline_costs(config).stage_costs(layers)
+    vocabulary = vocabulary_stage_count(parallel)
+    costs = pipeline_costs(config).stage_costs(layers, vocabulary)
     ranks = stage_to_rank(num_stages, pp, SCHEDULES[parallel.pp_schedule].placement)
     split = "parallel.pp_split" if parallel.pp_split is not None else "balanced by the cost model"
     lines = [f"predicted cost per stage (training FLOPs per token; split {[len(held) for held in layers]}, {split}):"]
     for stage, cost in enumerate(costs):
-        lines.append(f"  stage {stage} (pp rank {ranks[stage]}, {len(layers[stage])} blocks): {cost:.3e} "
+        held = (f"vocabulary shard {stage - (num_stages - vocabulary)}" if stage >= num_stages - vocabulary
+                else f"{len(layers[stage])} blocks")
+        lines.append(f"  stage {stage} (pp rank {ranks[stage]}, {held}): {cost:.3e} "
                      f"({cost / max(costs):.0%} of the slowest)")
+    rank_costs = [sum(cost for stage, cost in enumerate(costs) if ranks[stage] == rank) for rank in range(pp)]
+    if parallel.pp_stages_per_rank > 1:
+        lines.append("  per pp rank: " + ", ".join(f"{cost:.3e} ({cost / max(rank_costs):.0%})"
+                                                  for cost in rank_costs))
     return lines
 
 

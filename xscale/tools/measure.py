@@ -69,6 +69,7 @@ from xscale.parallel.parallelize import micro_batch_size
 from xscale.parallel.pipeline import SCHEDULES
 from xscale.parallel.pipeline.cost import stage_layers
 from xscale.parallel.pipeline.stages import stage_to_rank
+from xscale.parallel.pipeline.vocabulary import vocabulary_stage_count
 from xscale.train.step import forward_backward_step, model_optimizer
 
 GIB = 1024**3
@@ -212,13 +213,16 @@ def rank_memory(config: Config, world_size: int) -> list[RankMemory]:
     for rank, state in enumerate(predicted_pipeline_state_bytes(config, dims)):
         mine = [stage for stage in range(num_stages) if ranks[stage] == rank]
         held = [index for stage in mine for index in layers[stage]]
-        holds_head = num_stages - 1 in mine
+        # the share of the head (output projection and loss) this rank computes: all of it on the last stage's rank,
+        # or 1/pp on every rank under vocabulary parallelism
+        vocabulary = vocabulary_stage_count(config.parallel)
+        head_share = 1.0 / vocabulary if vocabulary else float(num_stages - 1 in mine)
         in_flight = microbatches_in_flight(config, dims.pp, rank)
         # the blocks' activations stay for each microbatch in flight; the head's (mostly the loss's) come and go
         activations = (in_flight * len(held) * per_layer * share
-                       + (head_activation_share(config, dims, head, tokens) if holds_head else 0.0))
-        transient = head_activation_share(config, dims, peak_head, tokens) if holds_head else 0.0
-        loss = vocab_parallel_loss_bytes(config, dims, tokens // dims.cp, in_flight) if holds_head else 0.0
+                       + head_share * head_activation_share(config, dims, head, tokens))
+        transient = head_share * head_activation_share(config, dims, peak_head, tokens)
+        loss = head_share * vocab_parallel_loss_bytes(config, dims, tokens // dims.cp, in_flight)
         layout = LayoutTerms(microbatches, in_flight, len(held) * peak_layer * share, transient, loss,
                              pipeline_buffer_bytes(config, dims, tokens // dims.cp, mine))
         rows.append(_rank(f"pp rank {rank}", config, dims, state, activations, unit_sizes(config, held),

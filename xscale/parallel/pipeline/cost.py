@@ -24,6 +24,7 @@ from xscale.config import Config
 from xscale.models import build_model
 from xscale.models.parameters import experts_per_token
 from xscale.parallel.pipeline.stages import pipeline_layers, split_layers
+from xscale.parallel.pipeline.vocabulary import vocabulary_stage_count
 
 LOSS_FLOPS_PER_LOGIT = 10.0  # max, subtract, exp, sum, log and their backward
 BYTES_PER_PARAMETER = 16.0
@@ -33,17 +34,38 @@ FLOPS_PER_BYTE = 10.0
 @dataclass
 class PipelineCosts:
     """Training FLOPs per token of each block (pipeline order: encoder, then decoder), and of what the first and
-    last stage add (embedding; final norm, head and loss)."""
+    last stage add (embedding; final norm, head and loss). ``transform``: the part of ``head`` before the output
+    projection (final norms, head transform), which stays on the last block stage under vocabulary parallelism;
+    ``projection_parameters``: the parameter-bytes part of the rest, which every vocabulary stage pays whole (its
+    copy's update)."""
 
     blocks: list[float]
     embedding: float
     head: float
+    transform: float = 0.0
+    projection_parameters: float = 0.0
 
-    def stage_costs(self, layers: list[list[int]]) -> list[float]:
-        """The cost of each stage holding ``layers[stage]`` blocks."""
+    def vocabulary_stage(self, stages: int) -> float:
+        """The cost of one of ``stages`` vocabulary stages: its share of the projection and loss, and its copy's
+        update (:mod:`~xscale.parallel.pipeline.vocabulary`)."""
+        shared = self.head - self.transform - self.projection_parameters
+        return shared / stages + self.projection_parameters
+
+    def block_stages(self) -> PipelineCosts:
+        """The costs the block stages see under vocabulary parallelism: the head is the transform alone."""
+        return PipelineCosts(self.blocks, self.embedding, self.transform, self.transform)
+
+    def stage_costs(self, layers: list[list[int]], vocabulary_stages: int = 0) -> list[float]:
+        """The cost of each stage holding ``layers[stage]`` blocks; the last ``vocabulary_stages`` stages hold a
+        vocabulary shard each instead."""
         costs = [sum(self.blocks[index] for index in held) for held in layers]
         costs[0] += self.embedding
-        costs[-1] += self.head
+        if vocabulary_stages:
+            costs[-vocabulary_stages - 1] += self.transform
+            for stage in range(len(costs) - vocabulary_stages, len(costs)):
+                costs[stage] += self.vocabulary_stage(vocabulary_stages)
+        else:
+            costs[-1] += self.head
         return costs
 
 
@@ -86,7 +108,8 @@ def pipeline_costs(config: Config) -> PipelineCosts:
     table = vocab * d
     head_forward = 2.0 * (outside + table) + LOSS_FLOPS_PER_LOGIT * vocab
     head = 3.0 * head_forward + parameter_cost * (outside + table)  # the output projection or the tied copy
-    return PipelineCosts(blocks, parameter_cost * table, head)
+    transform = 3.0 * 2.0 * outside + parameter_cost * outside
+    return PipelineCosts(blocks, parameter_cost * table, head, transform, parameter_cost * table)
 
 
 def balanced_split(costs: PipelineCosts, num_stages: int) -> list[int]:
@@ -122,8 +145,12 @@ def balanced_split(costs: PipelineCosts, num_stages: int) -> list[int]:
 
 
 def stage_layers(config: Config, num_stages: int) -> list[list[int]]:
-    """The block indices of each stage: ``parallel.pp_split`` when given, else the cost-balanced split."""
+    """The block indices of each stage: ``parallel.pp_split`` when given, else the cost-balanced split. Under
+    vocabulary parallelism the last pp stages hold no blocks (``pp_split`` counts the block stages)."""
     count, pp_split = pipeline_layers(config.model), config.parallel.pp_split
-    if pp_split is None and count >= num_stages:
-        pp_split = balanced_split(pipeline_costs(config), num_stages)
-    return split_layers(count, num_stages, pp_split)
+    vocabulary = vocabulary_stage_count(config.parallel)
+    block_stages = num_stages - vocabulary
+    if pp_split is None and count >= block_stages:
+        costs = pipeline_costs(config)
+        pp_split = balanced_split(costs.block_stages() if vocabulary else costs, block_stages)
+    return split_layers(count, block_stages, pp_split) + [[] for _ in range(vocabulary)]

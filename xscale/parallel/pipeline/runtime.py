@@ -45,10 +45,10 @@ from xscale.parallel.pipeline.shared import SharedParameterGrads, shared_block_m
 from xscale.parallel.pipeline.stages import (
     build_stage_module,
     is_first,
-    is_last,
     stage_to_rank,
     whole_backward,
 )
+from xscale.parallel.pipeline.vocabulary import VocabularyShard, vocabulary_stage_count
 from xscale.runtime import StepContext
 
 
@@ -96,6 +96,8 @@ class MicrobatchStage(QuietMetadataStage):
         def part(ids: torch.Tensor) -> torch.Tensor | None:
             return ids[index * rows:(index + 1) * rows] if ids.numel() else None
 
+        if isinstance(self.submod, VocabularyShard):
+            return {"labels": part(schedule.step_labels)}
         context = schedule.place(schedule.step_context.microbatch(index, rows))
         return {"decoder_input_ids": part(schedule.step_decoder_input_ids),
                 "context": context.with_token_ids(part(schedule.step_input_ids)), "project": False}
@@ -166,18 +168,26 @@ class PipelineSchedule:
         self.stage_ranks = stage_to_rank(self.num_stages, self.pp_size, self.spec.placement)
         self.stage_indices = [s for s in range(self.num_stages) if self.stage_ranks[s] == self.pp_rank]
         layers = stage_layers(config, self.num_stages)
+        vocabulary = vocabulary_stage_count(parallel)
+        self.vocabulary_parallel = vocabulary > 0
+        first_vocabulary = self.num_stages - vocabulary
         self.stages = [build_stage_module(meta_model, layers[index], device=self.device, seed=config.train.seed,
-                                          parallelize=parallelize_stage) for index in self.stage_indices]
+                                          parallelize=parallelize_stage,
+                                          vocabulary=(index - first_vocabulary, vocabulary)
+                                          if index >= first_vocabulary else None,
+                                          vocabulary_parallel=self.vocabulary_parallel)
+                       for index in self.stage_indices]
         self.last_rank = self.stage_ranks[-1]
         # The tied embedding's ends, an encoder-decoder's embedding and a logit-bias position table (T5) live on
         # several stages.
         self.shared = SharedParameterGrads(self.stages, self.stage_indices, self.stage_ranks,
-                                           shared_parameters(meta_model, layers), self.group)
+                                           shared_parameters(meta_model, layers, vocabulary), self.group)
         self._schedules: dict[tuple, object] = {}
         self.step_context = StepContext()  # the running step's (each microbatch's is derived from it)
         self.rows_per_microbatch = 0
         self.step_input_ids = torch.empty(0, dtype=torch.long)  # the batch's, while a step or an evaluation runs
         self.step_decoder_input_ids = torch.empty(0, dtype=torch.long)
+        self.step_labels = torch.empty(0, dtype=torch.long)  # what vocabulary stages read (each microbatch's rows)
         self._token_count = torch.ones((), device=self.device)
         self.last_step_seconds = 0.0
         # Optional instrumentation (``xscale bench parallel`` times the compute with it): set before the first
@@ -187,10 +197,11 @@ class PipelineSchedule:
     @classmethod
     def for_model(cls, model_config: ModelConfig, meta_model: Transformer, pp: DeviceMesh | dist.ProcessGroup,
                   microbatches: int, schedule: str = "1f1b", stages_per_rank: int = 1, seed: int = 0,
-                  pp_split: list[int] | None = None, **kwargs) -> PipelineSchedule:
+                  pp_split: list[int] | None = None, vocab_parallel: bool = False, **kwargs) -> PipelineSchedule:
         """A pipeline of ``model_config`` over the whole ``pp`` group, settings given one by one."""
         parallel = ParallelConfig(pp=dist.get_world_size(pp_group(pp)), pp_schedule=schedule,
-                                  pp_stages_per_rank=stages_per_rank, pp_split=pp_split, microbatches=microbatches)
+                                  pp_stages_per_rank=stages_per_rank, pp_split=pp_split, microbatches=microbatches,
+                                  pp_vocab_parallel=vocab_parallel)
         config = Config(model=model_config, parallel=parallel, train=TrainConfig(seed=seed))
         return cls(config, meta_model, pp, **kwargs)
 
@@ -200,9 +211,11 @@ class PipelineSchedule:
 
     @property
     def holds_last(self) -> bool:
-        return is_last(self.stages[-1])
+        return self.stage_indices[-1] == self.num_stages - 1
 
     def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.vocabulary_parallel:  # the last vocabulary stage returned the token loss sum
+            return hidden.float() / self._token_count
         last = self.stages[-1]
         return token_loss_sum(hidden, last.output, labels, last.kernels,
                               gradient_in_forward=self.spec.loss_gradient_in_forward).float() / self._token_count
@@ -235,6 +248,7 @@ class PipelineSchedule:
             raise ValueError("an encoder-decoder model needs decoder_input_ids in the batch")
         self.step_input_ids = batch["input_ids"]
         self.step_decoder_input_ids = batch.get("decoder_input_ids", torch.empty(0, dtype=torch.long))
+        self.step_labels = batch["labels"] if self.vocabulary_parallel else torch.empty(0, dtype=torch.long)
         self.rows_per_microbatch = batch["input_ids"].shape[0] // self.microbatches
         args = (batch["input_ids"],) if self.holds_first else ()
         target = batch["labels"] if self.holds_last else None

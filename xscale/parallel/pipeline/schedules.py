@@ -107,6 +107,9 @@ def check_pipeline(config: Config, data_parallel: int | None = None) -> None:
         raise ConfigError(f"parallel.pp_schedule={parallel.pp_schedule} needs {spec.stages_rule()} stages per rank, "
                           f"got parallel.pp_stages_per_rank={stages_per_rank}; {hint}")
     num_stages = parallel.pp * stages_per_rank
+    if parallel.pp_vocab_parallel:
+        check_vocabulary_parallel(config)
+        num_stages -= parallel.pp  # the last pp stages hold vocabulary shards, no blocks
     split_layers(layer_count, num_stages, parallel.pp_split, layer_count_name(model))
     if data_parallel is None and parallel.dp_shard != -1:
         data_parallel = parallel.dp_replicate * parallel.dp_shard
@@ -130,6 +133,28 @@ def check_pipeline(config: Config, data_parallel: int | None = None) -> None:
                 f"{local // microbatches} sequences ({local} / parallel.microbatches); leave "
                 f"train.micro_batch_size unset under pipeline parallelism"
             )
+
+
+def check_vocabulary_parallel(config: Config) -> None:
+    """What ``parallel.pp_vocab_parallel`` needs (:mod:`~xscale.parallel.pipeline.vocabulary`): a vocabulary
+    stage on every pp rank after the block stages, so two or more stages per rank; a token loss (not a
+    classifier's); the projection whole on each rank (no tensor parallelism)."""
+    parallel, model = config.parallel, config.model
+    if parallel.pp_stages_per_rank < 2:
+        raise ConfigError(
+            f"parallel.pp_vocab_parallel=true adds a vocabulary stage on every pp rank after the block stages, so it "
+            f"needs 2 or more stages per rank (got parallel.pp_stages_per_rank={parallel.pp_stages_per_rank}): set "
+            f"parallel.pp_stages_per_rank=2 with parallel.pp_schedule=interleaved_1f1b or zero_bubble")
+    if model.num_classes:
+        raise ConfigError("parallel.pp_vocab_parallel=true splits the output projection over the vocabulary; a "
+                          "classifier (model.num_classes > 0) has none: set parallel.pp_vocab_parallel=false")
+    if parallel.tp > 1:
+        raise ConfigError(f"parallel.pp_vocab_parallel=true is not combined with tensor parallelism yet (parallel.tp="
+                          f"{parallel.tp}): tensor parallelism already splits the output projection by vocabulary; "
+                          f"set one of them off")
+    if parallel.pp > model.vocab_size:
+        raise ConfigError(f"parallel.pp_vocab_parallel=true gives each of parallel.pp={parallel.pp} ranks a share of "
+                          f"model.vocab_size={model.vocab_size} rows; use fewer pp ranks or set it false")
 
 
 def layer_count_name(model: ModelConfig) -> str:

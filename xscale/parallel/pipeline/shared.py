@@ -60,13 +60,20 @@ def _named_copies(stage: Transformer, name: str) -> list[nn.Parameter]:
     return [param for path, param in stage.named_parameters() if canonical_name(path) == name]
 
 
-def shared_parameters(model: Transformer, layers: list[list[int]]) -> list[SharedParameter]:
+def shared_parameters(model: Transformer, layers: list[list[int]], vocabulary_stages: int = 0) -> list[SharedParameter]:
     """The parameters held by more than one of the stages cut from ``model`` (``layers``: each stage's layer
-    indices, as :func:`~xscale.parallel.pipeline.stages.split_layers` gives them)."""
+    indices, as :func:`~xscale.parallel.pipeline.stages.split_layers` gives them; the last ``vocabulary_stages``
+    of them hold the output projection instead, :mod:`~xscale.parallel.pipeline.vocabulary`)."""
     config, num_stages = model.config, len(layers)
     decoder_start = [stage for stage, held in enumerate(layers) if config.n_layers in held]  # encoder-decoder
-    embedding = {0, *decoder_start} | ({num_stages - 1} if config.tie_embeddings else set())
+    output_stages = set(range(num_stages - max(vocabulary_stages, 1), num_stages))
+    embedding = {0, *decoder_start} | (output_stages if config.tie_embeddings else set())
     candidates = [SharedParameter(TIED_SOURCE, tuple(sorted(embedding)), _embedding_copies)]
+    if model.output is not None:  # the vocabulary stages' copies of the projection (all of it when untied)
+        candidates += [SharedParameter(f"output.{name}", tuple(sorted(output_stages)),
+                                       partial(_named_copies, name=f"output.{name}"))
+                       for name, _ in model.output.named_parameters()
+                       if not (name == "weight" and config.tie_embeddings)]
     if model.embedding_norm is not None:
         candidates += [SharedParameter(f"embedding_norm.{name}", tuple(sorted({0, *decoder_start})),
                                        partial(_norm_copies, name=name))

@@ -3,7 +3,8 @@
 A stage is :meth:`Transformer.keep_layers` applied to a copy of the meta model: it keeps, under the single-process
 names, the embedding when it starts a stack, its run of blocks (``stack.layers.<k>``, ``decoder.layers.<k>``),
 and the final norm, head transform and output projection when it ends the last stack; it runs the model's own
-forward. The union of the stages' state dicts is the single-process state dict, so checkpoints move between
+forward. Under ``parallel.pp_vocab_parallel`` the last pp stages hold the output projection instead, one vocabulary
+shard each (:mod:`~xscale.parallel.pipeline.vocabulary`). The union of the stages' state dicts is the single-process state dict, so checkpoints move between
 layouts. Parameters that several stages hold (tied embeddings, an encoder-decoder's embedding, T5's position
 table, a shared block) are kept equal by :mod:`~xscale.parallel.pipeline.shared`; the only one held under another
 name is a tied output projection on a stage without the embedding (``output.weight``, a copy of
@@ -25,6 +26,7 @@ import torch
 from xscale.config import ConfigError, ModelConfig
 from xscale.models.init import canonical_name, init_weights
 from xscale.models.transformer import Transformer
+from xscale.parallel.pipeline.vocabulary import VocabularyShard
 
 TIED_COPY = "output.weight"
 TIED_SOURCE = "embedding.weight"
@@ -38,11 +40,6 @@ def pipeline_layers(config: ModelConfig) -> int:
 def is_first(stage: Transformer) -> bool:
     """Whether ``stage`` holds the first block of the model (it reads the token ids)."""
     return stage.stack is not None and stage.stack.starts
-
-
-def is_last(stage: Transformer) -> bool:
-    """Whether ``stage`` holds the output projection (it produces what the loss reads)."""
-    return stage.output is not None
 
 
 def holds_tied_copy(stage: Transformer) -> bool:
@@ -111,17 +108,33 @@ def stage_to_rank(num_stages: int, pp_size: int, style: str) -> list[int]:
     raise ValueError(f"unknown stage placement '{style}'")
 
 
-def build_stage_module(meta_model: Transformer, layer_indices: list[int], *, device: torch.device | str, seed: int,
-                       parallelize: Callable[[Transformer], None] | None = None) -> Transformer:
-    """Cut a stage from a meta-device Transformer, apply ``parallelize`` to it (still on the meta device:
-    tensor parallelism, activation checkpointing), allocate it on ``device`` and fill it with the
-    single-process initial weights (copies take their source's values)."""
+def cut_stage(meta_model: Transformer, layer_indices: list[int], vocabulary: tuple[int, int] | None = None,
+              vocabulary_parallel: bool = False) -> Transformer | VocabularyShard:
+    """A copy of ``meta_model`` cut to the stage holding ``layer_indices``; ``vocabulary=(k, p)``: vocabulary
+    stage k of p instead (:mod:`~xscale.parallel.pipeline.vocabulary`). With ``vocabulary_parallel`` the last
+    block stage leaves the output projection to the vocabulary stages."""
     stage = copy.deepcopy(meta_model)
+    if vocabulary is not None:
+        return VocabularyShard(stage, *vocabulary)
     stage.keep_layers(layer_indices)
-    if parallelize is not None:
+    if vocabulary_parallel:
+        stage.output = None
+    return stage
+
+
+def build_stage_module(meta_model: Transformer, layer_indices: list[int], *, device: torch.device | str, seed: int,
+                       parallelize: Callable[[Transformer], None] | None = None,
+                       vocabulary: tuple[int, int] | None = None,
+                       vocabulary_parallel: bool = False) -> Transformer | VocabularyShard:
+    """Cut a stage from a meta-device Transformer (:func:`cut_stage`), apply ``parallelize`` to it (still on the
+    meta device: tensor parallelism, activation checkpointing), allocate it on ``device`` and fill it with the
+    single-process initial weights (copies take their source's values)."""
+    stage = cut_stage(meta_model, layer_indices, vocabulary, vocabulary_parallel)
+    if parallelize is not None and vocabulary is None:
         parallelize(stage)
     stage.to_empty(device=device)
-    stage.tie_weights()
+    if vocabulary is None:
+        stage.tie_weights()
     names = {id(param): source_name(stage, canonical_name(name)) for name, param in stage.named_parameters()}
     init_weights(stage, stage.config, seed, names=names)
     return stage
