@@ -5,7 +5,8 @@ Tied embeddings (Press & Wolf 2017) whose two ends sit on different stages becom
 stage holds ``embedding`` (and ``embedding_norm``) too, under the same names. A position encoding that biases the logits of every layer (T5's table, Raffel et al.
 2020) is held by every stage running that stack's blocks, under the single-process name: ``stack.position`` by
 the encoder's (or the only stack's) stages, ``decoder.position`` by the decoder's; so is a stack's one block under
-``model.share_layers`` (``stack.layers.0``, ``decoder.layers.0``: ALBERT, Lan et al. 2020). Copies start from the
+``model.share_layers`` (``stack.layers.0``, ``decoder.layers.0``: ALBERT, Lan et al. 2020), and the output projection
+by every vocabulary stage (:mod:`~xscale.parallel.pipeline.vocabulary`). Copies start from the
 single-process values; after backward their gradients are summed (Megatron's embedding group, Shoeybi et al.
 2019), so the optimizer keeps them bitwise equal; the gradient norm counts each parameter once.
 """
