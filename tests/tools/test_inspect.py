@@ -4,6 +4,7 @@ the prediction against a real CPU step's peak."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -129,8 +130,40 @@ def test_inspect_prints_each_pipeline_stage_predicted_cost(capsys):
     assert "predicted cost per stage (training FLOPs per token; split [3, 1], balanced by the cost model):" in out
     assert "  stage 0 (pp rank 0, 3 blocks): " in out and "  stage 1 (pp rank 1, 1 blocks): " in out
     assert "stage 0 (embedding, layers 0-2)" in out and "stage 1 (layer 3, head)" in out
+    assert "split over the vocabulary" not in out  # the ranks are within 10% of each other
     assert main(["inspect", *wide_head, "parallel.pp_split=[2,2]"]) == 0
     assert "split [2, 2], parallel.pp_split" in capsys.readouterr().out
+
+
+VOCABULARY_HEAVY = [*TINY, "model.n_layers=4", "model.vocab_size=4096", "train.global_batch_size=64",
+                    "parallel.pp=2", "parallel.microbatches=2"]  # the head costs ~7 blocks
+
+
+def test_inspect_suggests_splitting_a_heavy_head_over_the_vocabulary(capsys):
+    assert main(["inspect", *VOCABULARY_HEAVY]) == 0
+    out = capsys.readouterr().out
+    hint = out[out.index("the head (output projection and loss) unbalances the ranks"):]
+    assert ("split over the vocabulary (parallel.pp_schedule=zero_bubble parallel.pp_stages_per_rank=2 "
+            "parallel.pp_vocab_parallel=true)") in hint
+    shares = [int(share) for share in re.findall(r"(\d+)%", hint.splitlines()[1])]
+    assert len(shares) == 2 and min(shares) >= 90, hint
+
+
+def test_inspect_prints_the_vocabulary_stages_and_each_rank_cost(capsys):
+    """Vocabulary parallelism: the blocks split without the head, one vocabulary shard per rank (rows and cost),
+    each rank's predicted cost, and no hint to turn on what is on."""
+    layout = [*VOCABULARY_HEAVY, "parallel.pp_schedule=zero_bubble", "parallel.pp_stages_per_rank=2",
+              "parallel.pp_vocab_parallel=true"]
+    assert main(["inspect", *layout]) == 0
+    out = capsys.readouterr().out
+    assert "split [2, 2, 0, 0], balanced by the cost model" in out
+    assert "stage 2 (pp rank 1, vocabulary shard 0)" in out and "stage 3 (pp rank 0, vocabulary shard 1)" in out
+    assert "stages 0 (embedding, layers 0-1), 3 (vocabulary 2048-4095)" in out
+    assert "stages 1 (layers 2-3, final norm), 2 (vocabulary 0-2047)" in out
+    per_rank = next(line for line in out.splitlines() if line.startswith("  per pp rank: "))
+    shares = [int(share) for share in re.findall(r"\((\d+)%\)", per_rank)]
+    assert min(shares) >= 90, per_rank
+    assert "split over the vocabulary" not in out
 
 
 def test_components_lists_the_relative_positions_and_residual_placements(capsys):

@@ -7,6 +7,7 @@ registered component and every model choice by name.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import xscale.models.zoo  # noqa: F401  (registers every component, for --components)
@@ -22,6 +23,7 @@ from xscale.parallel.dims import rank_coordinates
 from xscale.parallel.memory import predicted_pipeline_state_bytes, predicted_state_bytes
 from xscale.parallel.pipeline import SCHEDULES, ideal_bubble, stage_to_rank
 from xscale.parallel.pipeline.cost import pipeline_costs, stage_layers
+from xscale.parallel.pipeline.stages import pipeline_layers
 from xscale.parallel.pipeline.vocabulary import vocabulary_rows, vocabulary_stage_count
 from xscale.tools.measure import MeasureError, measure_report
 from xscale.train.metrics import flops_per_token
@@ -148,11 +150,42 @@ def _stage_cost_lines(config: Config, pp: int) -> list[str]:
                 else f"{len(layers[stage])} blocks")
         lines.append(f"  stage {stage} (pp rank {ranks[stage]}, {held}): {cost:.3e} "
                      f"({cost / max(costs):.0%} of the slowest)")
-    rank_costs = [sum(cost for stage, cost in enumerate(costs) if ranks[stage] == rank) for rank in range(pp)]
+    rank_costs = _rank_costs(costs, ranks, pp)
     if parallel.pp_stages_per_rank > 1:
         lines.append("  per pp rank: " + ", ".join(f"{cost:.3e} ({cost / max(rank_costs):.0%})"
                                                   for cost in rank_costs))
-    return lines
+    hint = _vocabulary_hint(config, pp, rank_costs)
+    return lines + ([hint] if hint else [])
+
+
+def _rank_costs(costs: list[float], ranks: list[int], pp: int) -> list[float]:
+    return [sum(cost for stage, cost in enumerate(costs) if ranks[stage] == rank) for rank in range(pp)]
+
+
+VOCABULARY_LAYOUT = {"pp_schedule": "zero_bubble", "pp_stages_per_rank": 2, "pp_vocab_parallel": True}
+
+
+def _vocabulary_hint(config: Config, pp: int, rank_costs: list[float]) -> str | None:
+    """When the head leaves the ranks' costs more than 10% apart and a head split over the vocabulary would bring
+    them closer: the setting, and the per-rank costs it predicts (unset ``pp_split``)."""
+    parallel = config.parallel
+    if parallel.pp_vocab_parallel or parallel.pp_split is not None or config.model.num_classes or parallel.tp > 1:
+        return None
+    if min(rank_costs) / max(rank_costs) >= 0.9:
+        return None
+    split = dataclasses.replace(config, parallel=dataclasses.replace(parallel, **VOCABULARY_LAYOUT))
+    if pipeline_layers(config.model) < pp:  # too few blocks for the block stages
+        return None
+    num_stages = pp * 2
+    layers = stage_layers(split, num_stages)
+    ranks = stage_to_rank(num_stages, pp, SCHEDULES["zero_bubble"].placement)
+    balanced = _rank_costs(pipeline_costs(split).stage_costs(layers, pp), ranks, pp)
+    if min(balanced) / max(balanced) <= min(rank_costs) / max(rank_costs) + 0.05:
+        return None
+    settings = " ".join(f"parallel.{key}={str(value).lower()}" for key, value in VOCABULARY_LAYOUT.items())
+    return (f"  the head (output projection and loss) unbalances the ranks: the lightest at "
+            f"{min(rank_costs) / max(rank_costs):.0%} of the slowest;\n  split over the vocabulary ({settings}) they "
+            f"would be at {', '.join(f'{cost / max(balanced):.0%}' for cost in balanced)}")
 
 
 def layout_report(config: Config, world_size: int) -> list[str]:
