@@ -43,7 +43,7 @@ from xscale.parallel.dims import ParallelDims
 from xscale.parallel.pipeline import SCHEDULES
 from xscale.parallel.pipeline.cost import stage_layers
 from xscale.parallel.pipeline.stages import cut_stage, stage_to_rank
-from xscale.parallel.pipeline.vocabulary import vocabulary_stage_count
+from xscale.parallel.pipeline.vocabulary import vocabulary_shard, vocabulary_stage_count
 from xscale.train.optim import update_mode
 
 BYTES_PER_VALUE = 4
@@ -76,8 +76,7 @@ def pipeline_rank_parameters(config: Config, dims: ParallelDims) -> list[tuple[i
     counts = [[0, 0] for _ in range(dims.pp)]
     vocabulary = vocabulary_stage_count(parallel)
     for index, layers in enumerate(stage_layers(config, num_stages)):
-        shard = index - (num_stages - vocabulary)
-        stage = cut_stage(meta, layers, (shard, vocabulary) if shard >= 0 else None, vocabulary > 0)
+        stage = cut_stage(meta, layers, vocabulary_shard(index, num_stages, vocabulary), vocabulary > 0)
         for name, param in stage.named_parameters():  # a last stage's output.weight is the tied copy
             counts[ranks[index]][0] += param.numel()
             counts[ranks[index]][1] += param.numel() if is_expert_parameter(name) else 0

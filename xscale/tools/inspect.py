@@ -24,7 +24,11 @@ from xscale.parallel.memory import predicted_pipeline_state_bytes, predicted_sta
 from xscale.parallel.pipeline import SCHEDULES, ideal_bubble, stage_to_rank
 from xscale.parallel.pipeline.cost import pipeline_costs, stage_layers
 from xscale.parallel.pipeline.stages import pipeline_layers
-from xscale.parallel.pipeline.vocabulary import vocabulary_rows, vocabulary_stage_count
+from xscale.parallel.pipeline.vocabulary import (
+    vocabulary_rows,
+    vocabulary_shard,
+    vocabulary_stage_count,
+)
 from xscale.tools.measure import MeasureError, measure_report
 from xscale.train.metrics import flops_per_token
 from xscale.validate import load_config_from_cli
@@ -90,9 +94,9 @@ def _model_slice(config: Config, dims, at: dict[str, int]) -> str:
         holds_vocabulary = 0 in mine or num_stages - 1 in mine
         stages = []
         for stage in mine:
-            shard = stage - (num_stages - vocabulary)
-            if shard >= 0:  # a vocabulary stage: its rows of the output projection and of the loss
-                start, end = vocabulary_rows(model.vocab_size, shard, vocabulary)
+            shard = vocabulary_shard(stage, num_stages, vocabulary)
+            if shard is not None:  # a vocabulary stage: its rows of the output projection and of the loss
+                start, end = vocabulary_rows(model.vocab_size, *shard)
                 stages.append(f"{stage} (vocabulary {start}-{end - 1})")
                 continue
             held = ["embedding"] if stage == 0 else []
@@ -146,8 +150,8 @@ def _stage_cost_lines(config: Config, pp: int) -> list[str]:
     split = "parallel.pp_split" if parallel.pp_split is not None else "balanced by the cost model"
     lines = [f"predicted cost per stage (training FLOPs per token; split {[len(held) for held in layers]}, {split}):"]
     for stage, cost in enumerate(costs):
-        held = (f"vocabulary shard {stage - (num_stages - vocabulary)}" if stage >= num_stages - vocabulary
-                else f"{len(layers[stage])} blocks")
+        shard = vocabulary_shard(stage, num_stages, vocabulary)
+        held = f"vocabulary shard {shard[0]}" if shard else f"{len(layers[stage])} blocks"
         lines.append(f"  stage {stage} (pp rank {ranks[stage]}, {held}): {cost:.3e} "
                      f"({cost / max(costs):.0%} of the slowest)")
     rank_costs = _rank_costs(costs, ranks, pp)
@@ -171,14 +175,12 @@ def _vocabulary_hint(config: Config, pp: int, rank_costs: list[float]) -> str | 
     parallel = config.parallel
     if parallel.pp_vocab_parallel or parallel.pp_split is not None or config.model.num_classes or parallel.tp > 1:
         return None
-    if min(rank_costs) / max(rank_costs) >= 0.9:
+    if min(rank_costs) / max(rank_costs) >= 0.9 or pipeline_layers(config.model) < pp:  # balanced; too few blocks
         return None
     split = dataclasses.replace(config, parallel=dataclasses.replace(parallel, **VOCABULARY_LAYOUT))
-    if pipeline_layers(config.model) < pp:  # too few blocks for the block stages
-        return None
-    num_stages = pp * 2
+    num_stages = pp * split.parallel.pp_stages_per_rank
     layers = stage_layers(split, num_stages)
-    ranks = stage_to_rank(num_stages, pp, SCHEDULES["zero_bubble"].placement)
+    ranks = stage_to_rank(num_stages, pp, SCHEDULES[split.parallel.pp_schedule].placement)
     balanced = _rank_costs(pipeline_costs(split).stage_costs(layers, pp), ranks, pp)
     if min(balanced) / max(balanced) <= min(rank_costs) / max(rank_costs) + 0.05:
         return None

@@ -210,12 +210,12 @@ def rank_memory(config: Config, world_size: int) -> list[RankMemory]:
     per_layer, head = per_layer_and_head(config, micro, full, deep)  # at the joint peak of activations and gradients
     peak_layer, peak_head = per_layer_and_head(config, micro, deep, deep)  # at the activation peak
     rows = []
+    vocabulary = vocabulary_stage_count(config.parallel)
     for rank, state in enumerate(predicted_pipeline_state_bytes(config, dims)):
         mine = [stage for stage in range(num_stages) if ranks[stage] == rank]
         held = [index for stage in mine for index in layers[stage]]
         # the share of the head (output projection and loss) this rank computes: all of it on the last stage's rank,
         # or 1/pp on every rank under vocabulary parallelism
-        vocabulary = vocabulary_stage_count(config.parallel)
         head_share = 1.0 / vocabulary if vocabulary else float(num_stages - 1 in mine)
         in_flight = microbatches_in_flight(config, dims.pp, rank)
         # the blocks' activations stay for each microbatch in flight; the head's (mostly the loss's) come and go

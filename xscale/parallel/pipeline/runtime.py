@@ -48,7 +48,11 @@ from xscale.parallel.pipeline.stages import (
     stage_to_rank,
     whole_backward,
 )
-from xscale.parallel.pipeline.vocabulary import VocabularyShard, vocabulary_stage_count
+from xscale.parallel.pipeline.vocabulary import (
+    VocabularyShard,
+    vocabulary_shard,
+    vocabulary_stage_count,
+)
 from xscale.runtime import StepContext
 
 
@@ -170,11 +174,9 @@ class PipelineSchedule:
         layers = stage_layers(config, self.num_stages)
         vocabulary = vocabulary_stage_count(parallel)
         self.vocabulary_parallel = vocabulary > 0
-        first_vocabulary = self.num_stages - vocabulary
         self.stages = [build_stage_module(meta_model, layers[index], device=self.device, seed=config.train.seed,
                                           parallelize=parallelize_stage,
-                                          vocabulary=(index - first_vocabulary, vocabulary)
-                                          if index >= first_vocabulary else None,
+                                          vocabulary=vocabulary_shard(index, self.num_stages, vocabulary),
                                           vocabulary_parallel=self.vocabulary_parallel)
                        for index in self.stage_indices]
         self.last_rank = self.stage_ranks[-1]

@@ -35,6 +35,13 @@ def vocabulary_stage_count(parallel: ParallelConfig) -> int:
     return parallel.pp if parallel.pp_vocab_parallel and parallel.pp > 1 else 0
 
 
+def vocabulary_shard(stage: int, num_stages: int, shards: int) -> tuple[int, int] | None:
+    """(k, shards) when pipeline stage ``stage`` of ``num_stages`` is vocabulary stage k (the last ``shards``
+    stages are), else None."""
+    shard = stage - (num_stages - shards)
+    return (shard, shards) if shards and shard >= 0 else None
+
+
 def vocabulary_rows(vocab_size: int, shard: int, shards: int) -> tuple[int, int]:
     """The rows [start, end) of shard ``shard`` of ``shards``: as even as possible, the first shards one larger."""
     base, extra = divmod(vocab_size, shards)
