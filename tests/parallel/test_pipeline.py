@@ -32,6 +32,7 @@ from xscale.models import build_model
 from xscale.models.init import canonical_name
 from xscale.parallel.model import ParallelModel
 from xscale.parallel.pipeline import PipelineSchedule
+from xscale.parallel.pipeline.vocabulary import VocabularyShard
 from xscale.train.optim import build_optimizer
 from xscale.train.step import clip_gradient_norm, evaluation_loss, forward_backward_step
 
@@ -117,14 +118,18 @@ def gathered_names(engine: ParallelModel) -> set[str]:
 
 
 def assert_copies_equal(engine: ParallelModel) -> None:
-    """Every copy of a shared parameter (tied embedding ends, T5 table) is bitwise the same on every pp rank."""
+    """Every copy of a shared parameter (tied embedding ends, T5 table) is bitwise the same on every pp rank; a
+    copy of some rows (a vocabulary stage's) equals those rows of the whole copies."""
     for entry in engine.pipeline.shared.shared:
-        copies = engine.pipeline.shared.copies(entry)
-        mine = copies[0].detach().clone() if copies else None
+        mine = [(copy_.detach().clone(), rows) for copy_, rows in engine.pipeline.shared.held_copies(entry)]
         everyone: list = [None] * WORLD
         dist.all_gather_object(everyone, mine, group=engine.pipeline.group)
-        held = [copy_ for copy_ in everyone if copy_ is not None] + [c.detach() for c in copies]
-        assert all(torch.equal(held[0], other) for other in held), f"the copies of {entry.name} drifted apart"
+        held = [pair for pairs in everyone for pair in pairs]
+        whole = [copy_ for copy_, rows in held if rows is None]
+        assert whole, f"no stage holds all of {entry.name}"
+        for copy_, rows in held:
+            expected = whole[0] if rows is None else whole[0][rows[0]:rows[1]]
+            assert torch.equal(copy_, expected), f"the copies of {entry.name} drifted apart"
 
 
 def assert_matches_single(engine: ParallelModel, single: torch.nn.Module) -> None:
@@ -133,11 +138,12 @@ def assert_matches_single(engine: ParallelModel, single: torch.nn.Module) -> Non
     if single.config.tie_embeddings:
         reference["output.weight"] = single.embedding.weight
     for stage in engine.pipeline.stages:
+        rows = slice(stage.start, stage.end) if isinstance(stage, VocabularyShard) else slice(None)
         for name, param in stage.named_parameters():
             name = canonical_name(name)  # activation checkpointing wraps blocks
-            assert torch.equal(param.detach(), reference[name].detach()), f"{name}: initial weights differ"
+            assert torch.equal(param.detach(), reference[name].detach()[rows]), f"{name}: initial weights differ"
             assert param.grad is not None, f"{name}: no gradient"
-            torch.testing.assert_close(param.grad, reference[name].grad, **GRAD_TOLERANCE, msg=name)
+            torch.testing.assert_close(param.grad, reference[name].grad[rows], **GRAD_TOLERANCE, msg=name)
 
 
 SCHEDULE_CASES = [  # schedule, stages per rank, microbatches, layers, pp_split

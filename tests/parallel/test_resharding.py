@@ -16,6 +16,7 @@ MODEL = ["model.vocab_size=48", "model.d_model=32", "model.n_layers=2", "model.n
          f"train.global_batch_size={GLOBAL_BATCH}", "train.seq_len=16", "train.warmup_steps=2", "train.lr=3e-3",
          "data.dataset=copy", f"data.num_samples={SAMPLES}", "data.eval_fraction=0.0", f"train.steps={STEPS}"]
 RTOL = 1e-5
+VOCABULARY_STAGES = "microbatches=2,pp_schedule=interleaved_1f1b,pp_stages_per_rank=2,pp_vocab_parallel=true"
 
 
 class RecordingDataset:
@@ -111,6 +112,9 @@ def test_t5_bias_table_saved_by_a_pipeline_resumes_on_one_process(save_layout, t
     ("pp=2,dp_shard=2,microbatches=2,zero_stage=3,activation_checkpointing=full", "dp_shard=2,zero_stage=3"),
     ("dp_shard=2,zero_stage=1", "pp=2,dp_shard=2,microbatches=2,zero_stage=3"),
     ("pp=2,tp=2,sequence_parallel=true,microbatches=2", "single"),
+    # vocabulary stages: each pp rank's rows of the tied projection and of its moments, themselves sharded over dp
+    (f"pp=2,dp_shard=2,zero_stage=3,{VOCABULARY_STAGES}", "dp_shard=2,zero_stage=1"),
+    ("single", f"pp=2,dp_shard=2,zero_stage=3,{VOCABULARY_STAGES}"),
 ])
 def test_resume_at_another_world_size(save_layout, resume_layout, tmp_path):
     check_resharding(save_layout, resume_layout, tmp_path)

@@ -76,7 +76,7 @@ def pipeline_rank_parameters(config: Config, dims: ParallelDims) -> list[tuple[i
     counts = [[0, 0] for _ in range(dims.pp)]
     vocabulary = vocabulary_stage_count(parallel)
     for index, layers in enumerate(stage_layers(config, num_stages)):
-        stage = cut_stage(meta, layers, vocabulary_shard(index, num_stages, vocabulary), vocabulary > 0)
+        stage = cut_stage(meta, layers, vocabulary_shard(index, ranks, vocabulary), vocabulary > 0)
         for name, param in stage.named_parameters():  # a last stage's output.weight is the tied copy
             counts[ranks[index]][0] += param.numel()
             counts[ranks[index]][1] += param.numel() if is_expert_parameter(name) else 0

@@ -94,9 +94,9 @@ def _model_slice(config: Config, dims, at: dict[str, int]) -> str:
         holds_vocabulary = 0 in mine or num_stages - 1 in mine
         stages = []
         for stage in mine:
-            shard = vocabulary_shard(stage, num_stages, vocabulary)
-            if shard is not None:  # a vocabulary stage: its rows of the output projection and of the loss
-                start, end = vocabulary_rows(model.vocab_size, *shard)
+            place = vocabulary_shard(stage, ranks, vocabulary)
+            if place is not None:  # a vocabulary stage: its rank's rows of the output projection and of the loss
+                start, end = vocabulary_rows(model.vocab_size, place.rank, place.shards)
                 stages.append(f"{stage} (vocabulary {start}-{end - 1})")
                 continue
             held = ["embedding"] if stage == 0 else []
@@ -150,8 +150,8 @@ def _stage_cost_lines(config: Config, pp: int) -> list[str]:
     split = "parallel.pp_split" if parallel.pp_split is not None else "balanced by the cost model"
     lines = [f"predicted cost per stage (training FLOPs per token; split {[len(held) for held in layers]}, {split}):"]
     for stage, cost in enumerate(costs):
-        shard = vocabulary_shard(stage, num_stages, vocabulary)
-        held = f"vocabulary shard {shard[0]}" if shard else f"{len(layers[stage])} blocks"
+        place = vocabulary_shard(stage, ranks, vocabulary)
+        held = f"vocabulary shard {place.rank}" if place else f"{len(layers[stage])} blocks"
         lines.append(f"  stage {stage} (pp rank {ranks[stage]}, {held}): {cost:.3e} "
                      f"({cost / max(costs):.0%} of the slowest)")
     rank_costs = _rank_costs(costs, ranks, pp)

@@ -14,6 +14,7 @@ from spawned import spawn
 from test_pipeline import (
     LOSS_TOLERANCE,
     SEED,
+    WEIGHT_TOLERANCE,
     assert_copies_equal,
     assert_matches_single,
     checkpoint_keys,
@@ -29,7 +30,12 @@ from xscale.models.init import canonical_name
 from xscale.parallel.model import ParallelModel
 from xscale.parallel.pipeline import PipelineSchedule, check_pipeline
 from xscale.parallel.pipeline.cost import pipeline_costs, stage_layers
-from xscale.parallel.pipeline.vocabulary import VocabularyShard, vocabulary_rows
+from xscale.parallel.pipeline.vocabulary import (
+    VocabularyPlace,
+    VocabularyShard,
+    every_shard_has_rows,
+    vocabulary_rows,
+)
 from xscale.train.optim import build_optimizer
 from xscale.train.step import evaluation_loss, forward_backward_step
 from xscale.validate import load_config
@@ -37,23 +43,31 @@ from xscale.validate import load_config
 VOCAB_LAYOUT = "pp=2,microbatches=4,pp_schedule=interleaved_1f1b,pp_stages_per_rank=2,pp_vocab_parallel=true"
 
 
-def test_vocabulary_rows_cover_the_vocabulary_once():
+def test_vocabulary_rows_are_torch_chunks_split():
+    """The rows are the pieces a DTensor sharded on dim 0 holds (torch.chunk's split), so checkpoints can show them as
+    one tensor; a split leaving a shard empty is refused."""
     for vocab, shards in [(64, 2), (65, 3), (7, 7), (10, 4)]:
         rows = [vocabulary_rows(vocab, shard, shards) for shard in range(shards)]
+        assert [end - start for start, end in rows] == [len(piece) for piece in torch.arange(vocab).chunk(shards)]
         assert rows[0][0] == 0 and rows[-1][1] == vocab
         assert all(end == start for (_, end), (start, _) in zip(rows, rows[1:]))
-        sizes = [end - start for start, end in rows]
-        assert max(sizes) - min(sizes) <= 1
+    assert every_shard_has_rows(10, 4) and not every_shard_has_rows(5, 4)
+    with pytest.raises(ConfigError, match="no rows"):
+        check_pipeline(vocab_config("model.vocab_size=5", "parallel.pp=4", "parallel.pp_schedule=interleaved_1f1b",
+                                    "parallel.pp_stages_per_rank=2", "model.n_layers=8"))
 
 
 @pytest.mark.parametrize("shards, bias", [(2, False), (3, True)])
 def test_shard_chain_is_the_cross_entropy_sum(shards, bias):
-    """The shards run one after another on one process: loss and gradients (hidden states, weight, bias) equal
-    the cross-entropy of the whole projection, labels -100 and labels in every shard included."""
+    """The shards run one after another on one process, each holding its rows of the projection: loss and gradients
+    (hidden states, weight, bias) equal the cross-entropy of the whole projection, labels -100 and labels in every
+    shard included. Each shard starts from its rows of the single-process initial weights."""
     config = decoder_config(1)
     config.vocab_size, config.lm_head_bias, config.tie_embeddings = 65, bias, False
-    torch.manual_seed(0)
     model = build_model(config, seed=0)
+    with torch.no_grad():
+        model.output.bias.normal_() if bias else None
+    torch.manual_seed(0)
     hidden = torch.randn(2, 6, config.d_model, requires_grad=True)
     labels = torch.randint(0, config.vocab_size, (2, 6))
     labels[0, :2] = -100
@@ -61,14 +75,27 @@ def test_shard_chain_is_the_cross_entropy_sum(shards, bias):
     expected = F.cross_entropy(model.output(hidden).flatten(0, 1), labels.flatten(), reduction="sum")
     expected_grads = torch.autograd.grad(expected, [hidden, *model.output.parameters()])
 
+    shard_modules = [VocabularyShard(build_model(config, materialize=False), VocabularyPlace(shard, shards, shard))
+                     for shard in range(shards)]
+    for module in shard_modules:
+        module.to_empty(device="cpu")
+        module.reset_parameters(seed=0)
+        assert torch.equal(module.output.weight, model.output.weight[module.start:module.end].detach())
+        with torch.no_grad():
+            for name, param in module.output.named_parameters():
+                param.copy_(model.output.get_parameter(name)[module.start:module.end])
     passed: tuple = (hidden,)
-    for shard in range(shards):
-        passed = VocabularyShard(model, shard, shards)(*passed, labels=labels)
+    for module in shard_modules:
+        passed = module(*passed, labels=labels)
         passed = passed if isinstance(passed, tuple) else (passed,)
     (loss,) = passed
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0.0)
-    grads = torch.autograd.grad(loss, [hidden, *model.output.parameters()])
-    for got, want in zip(grads, expected_grads):
+    names = [name for name, _ in model.output.named_parameters()]
+    grads = torch.autograd.grad(loss, [hidden, *[module.output.get_parameter(name) for name in names
+                                                 for module in shard_modules]])
+    joined = [grads[0]] + [torch.cat(grads[1 + index * shards:1 + (index + 1) * shards]) for index in
+                           range(len(names))]
+    for got, want in zip(joined, expected_grads):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
@@ -105,63 +132,120 @@ def test_vocabulary_stages_match_single_process():
     spawn(check_engine)
 
 
-def check_checkpoint(rank: int, folder: str) -> None:
-    config = decoder_config(3)
-    config.tie_embeddings = False
-    pipeline = PipelineSchedule.for_model(config, build_model(config, materialize=False), dist.group.WORLD, 2,
-                                          "interleaved_1f1b", 2, seed=SEED, vocab_parallel=True)
-    engine = ParallelModel(pipeline.stages, micro_batch_size=0, pipeline=pipeline)
-    optimizer = build_optimizer(engine.parameters(), torch_train_config())
-    for step in range(2):
+def whole_parameters(engine: ParallelModel) -> dict[str, torch.Tensor]:
+    """Every parameter of the pipeline under its single-process name, the vocabulary stages' rows put together
+    (on every rank)."""
+    mine = []
+    for stage in engine.pipeline.stages:
+        start = stage.start if isinstance(stage, VocabularyShard) else None
+        mine += [(canonical_name(name), start, param.detach().clone()) for name, param in stage.named_parameters()]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    whole, pieces = {}, {}
+    for name, start, value in (entry for ranked in everyone for entry in ranked):
+        if start is None:
+            whole[name] = value
+        else:
+            pieces.setdefault(name, {})[start] = value
+    for name, rows in pieces.items():
+        whole[name] = torch.cat([rows[start] for start in sorted(rows)])
+    return whole
+
+
+def train_steps(engine: ParallelModel, optimizer: torch.optim.Optimizer, config, steps: range) -> None:
+    for step in steps:
         optimizer.zero_grad(set_to_none=True)
         forward_backward_step(engine, make_batch(config, seed=step))
         optimizer.step()
+
+
+def checkpoint_config(tied: bool):
+    config = decoder_config(3)
+    config.tie_embeddings, config.vocab_size = tied, 63  # 63 rows: 32 + 31
+    return config
+
+
+def resumed(config, folder: str, checkpoint: str, **layout) -> tuple[ParallelModel, torch.optim.Optimizer]:
+    """A pipeline of ``layout`` started from other weights, trained a step (optimizer state to overwrite), then
+    loaded from ``checkpoint``."""
+    pipeline = PipelineSchedule.for_model(config, build_model(config, materialize=False), dist.group.WORLD, 2,
+                                          seed=SEED + 1, **layout)
+    engine = ParallelModel(pipeline.stages, micro_batch_size=0, pipeline=pipeline)
+    optimizer = build_optimizer(engine.parameters(), torch_train_config())
+    train_steps(engine, optimizer, config, range(5, 6))
+    state = engine.state_dict(optimizer)
+    dcp.load(state, checkpoint_id=f"{folder}/{checkpoint}")
+    engine.load_state_dict(state, optimizer)
+    return engine, optimizer
+
+
+def assert_same_run(engine: ParallelModel, optimizer: torch.optim.Optimizer, config, saved: dict,
+                    continued: dict, step: int) -> None:
+    """``engine`` holds the ``saved`` weights, and its next step gives the ``continued`` ones (to the tolerance of
+    another summation order; wrong optimizer moments would move them by ~lr)."""
+    for name, value in whole_parameters(engine).items():
+        assert torch.equal(value, saved[name]), name
+    assert_copies_equal(engine)
+    train_steps(engine, optimizer, config, range(step, step + 1))
+    for name, value in whole_parameters(engine).items():
+        torch.testing.assert_close(value, continued[name], **WEIGHT_TOLERANCE, msg=name)
+
+
+def check_checkpoint(rank: int, folder: str, tied: bool) -> None:
+    """A vocabulary pipeline's checkpoint after 2 steps resumes under ZB-V's vocabulary stages and on a pipeline
+    whose last stage holds the whole head; that pipeline's checkpoint resumes on vocabulary stages. Each resumed run
+    holds the saved weights and takes the step the saving run took next."""
+    config = checkpoint_config(tied)
+    vocabulary = {"schedule": "interleaved_1f1b", "stages_per_rank": 2, "vocab_parallel": True}
+    pipeline = PipelineSchedule.for_model(config, build_model(config, materialize=False), dist.group.WORLD, 2,
+                                          seed=SEED, **vocabulary)
+    engine = ParallelModel(pipeline.stages, micro_batch_size=0, pipeline=pipeline)
+    optimizer = build_optimizer(engine.parameters(), torch_train_config())
+    train_steps(engine, optimizer, config, range(2))
     assert_copies_equal(engine)
     dcp.save(engine.state_dict(optimizer), checkpoint_id=f"{folder}/pipeline")
-    values = {canonical_name(name): param.detach().clone()
-              for stage in pipeline.stages for name, param in stage.named_parameters()}
-    torch.save(values, f"{folder}/rank{rank}.pt")
+    saved = whole_parameters(engine)
+    train_steps(engine, optimizer, config, range(2, 3))
+    continued = whole_parameters(engine)
+    if rank == 0:
+        torch.save({"saved": saved, "continued": continued}, f"{folder}/values.pt")
 
-    # Resume into a fresh vocabulary-parallel pipeline (other initial weights): every copy takes the saved values.
-    fresh_pipeline = PipelineSchedule.for_model(config, build_model(config, materialize=False), dist.group.WORLD, 2,
-                                                "zero_bubble", 2, seed=SEED + 1, vocab_parallel=True)
-    fresh = ParallelModel(fresh_pipeline.stages, micro_batch_size=0, pipeline=fresh_pipeline)
-    fresh_optimizer = build_optimizer(fresh.parameters(), torch_train_config())
-    state = fresh.state_dict(fresh_optimizer)
-    dcp.load(state, checkpoint_id=f"{folder}/pipeline")
-    fresh.load_state_dict(state, fresh_optimizer)
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, values)
-    saved = {name: value for ranked in everyone for name, value in ranked.items()}
-    for stage in fresh_pipeline.stages:
-        for name, param in stage.named_parameters():
-            assert torch.equal(param.detach(), saved[canonical_name(name)]), name
+    assert_same_run(*resumed(config, folder, "pipeline", schedule="zero_bubble", stages_per_rank=2,
+                             vocab_parallel=True), config, saved, continued, 2)
+    whole_head, whole_optimizer = resumed(config, folder, "pipeline", schedule="1f1b")
+    assert_same_run(whole_head, whole_optimizer, config, saved, continued, 2)
+    dcp.save(whole_head.state_dict(whole_optimizer), checkpoint_id=f"{folder}/whole_head")
+    saved = whole_parameters(whole_head)
+    train_steps(whole_head, whole_optimizer, config, range(3, 4))
+    assert_same_run(*resumed(config, folder, "whole_head", **vocabulary), config, saved,
+                    whole_parameters(whole_head), 3)
 
 
 def torch_train_config() -> TrainConfig:
     return TrainConfig(lr=1e-2, weight_decay=0.1)
 
 
-def test_checkpoint_holds_the_projection_once_and_resumes_on_one_process(tmp_path):
-    spawn(check_checkpoint, str(tmp_path))
-    config = decoder_config(3)
-    config.tie_embeddings = False
+@pytest.mark.parametrize("tied", [False, True])
+def test_checkpoint_holds_the_projection_once_and_resumes_on_another_layout(tmp_path, tied):
+    """The checkpoint has the single-process names and shapes; it resumes on other vocabulary ranks (above) and on
+    one process, whose third step equals the pipeline's."""
+    spawn(check_checkpoint, str(tmp_path), tied)
+    config = checkpoint_config(tied)
     model = build_model(config, seed=SEED + 1)
     optimizer = build_optimizer(model.parameters(), torch_train_config())
     engine = ParallelModel([model], micro_batch_size=4)
-    forward_backward_step(engine, make_batch(config))
-    optimizer.step()  # the optimizer state exists, as in the pipeline's checkpoint
+    train_steps(engine, optimizer, config, range(5, 6))  # the optimizer state exists, as in the pipeline's checkpoint
     dcp.save(engine.state_dict(optimizer), checkpoint_id=tmp_path / "single")
     assert checkpoint_keys(tmp_path / "pipeline") == checkpoint_keys(tmp_path / "single")
     state = engine.state_dict(optimizer)
     dcp.load(state, checkpoint_id=tmp_path / "pipeline")
     engine.load_state_dict(state, optimizer)
-    saved = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    values = torch.load(tmp_path / "values.pt")
     for name, param in model.named_parameters():
-        holders = [values[name] for values in saved if name in values]
-        assert holders, f"{name} is in no stage"
-        for held in holders:  # both ranks hold output.weight: equal copies
-            assert torch.equal(param.detach(), held), name
+        assert torch.equal(param.detach(), values["saved"][name]), name
+    train_steps(engine, optimizer, config, range(2, 3))
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.detach(), values["continued"][name], **WEIGHT_TOLERANCE, msg=name)
 
 
 def test_trainer_matches_one_process(tmp_path):
@@ -205,7 +289,7 @@ def test_cost_model_balances_the_blocks_without_the_head():
     stage_costs = costs.stage_costs(layers, vocabulary_stages=2)
     ranks = [stage_costs[0] + stage_costs[2], stage_costs[1] + stage_costs[3]]
     assert min(ranks) / max(ranks) > 0.95
-    assert sum(stage_costs) == pytest.approx(sum(costs.blocks) + costs.embedding + costs.head
-                                             + costs.projection_parameters)  # the second copy's update
+    # the stages hold the projection's rows once between them: the whole model's cost, split
+    assert sum(stage_costs) == pytest.approx(sum(costs.blocks) + costs.embedding + costs.head)
     whole = pipeline_costs(config).stage_costs(stage_layers(vocab_config("parallel.pp_vocab_parallel=false"), 2))
     assert min(whole) / max(whole) < 0.85

@@ -106,10 +106,10 @@ def copies_to_sources(model_state: dict, optimizer_state: dict, copies: dict[str
     the copy's entries (the two are bitwise equal). ``output.weight`` keeps its model-state entry: the
     single-process state dict names the tied output projection too."""
     for copy_name, source in copies.items():
-        for key in [key for key in optimizer_state if _names_param(key, copy_name)]:
+        for key in [key for key in optimizer_state if names_param(key, copy_name)]:
             value = optimizer_state.pop(key)
             if source not in held:
-                optimizer_state.setdefault(_rename(key, copy_name, source), value)
+                optimizer_state.setdefault(renamed_key(key, copy_name, source), value)
         if copy_name != TIED_COPY and copy_name in model_state:
             value = model_state.pop(copy_name)
             if source not in held:
@@ -121,23 +121,25 @@ def sources_to_copies(model_state: dict, optimizer_state: dict, copies: dict[str
     """The inverse of :func:`copies_to_sources`: each renamed copy gets its own clone of its source's state."""
     model_state, optimizer_state = dict(model_state), dict(optimizer_state)
     for copy_name, source in copies.items():
-        for key in [key for key in optimizer_state if _names_param(key, source)]:
+        for key in [key for key in optimizer_state if names_param(key, source)]:
             value = optimizer_state[key]
-            optimizer_state[_rename(key, source, copy_name)] = (value.clone() if isinstance(value, torch.Tensor)
+            optimizer_state[renamed_key(key, source, copy_name)] = (value.clone() if isinstance(value, torch.Tensor)
                                                                  else value)
         if copy_name != TIED_COPY and source in model_state:
             model_state[copy_name] = model_state[source]
     for source in set(copies.values()) - held:
-        for key in [key for key in optimizer_state if _names_param(key, source)]:
+        for key in [key for key in optimizer_state if names_param(key, source)]:
             del optimizer_state[key]
         model_state.pop(source, None)
     return model_state, optimizer_state
 
 
-def _names_param(key: str, name: str) -> bool:
+def names_param(key: str, name: str) -> bool:
+    """Whether a flattened optimizer key (``state.<name>.<key>``, ``param_groups.<name>.<key>``) is ``name``'s."""
     return key.startswith((f"state.{name}.", f"param_groups.{name}."))
 
 
-def _rename(key: str, old: str, new: str) -> str:
+def renamed_key(key: str, old: str, new: str) -> str:
+    """A flattened optimizer key of parameter ``old`` as parameter ``new``'s."""
     section, rest = key.split(".", 1)
     return f"{section}.{new}{rest[len(old):]}"

@@ -35,21 +35,17 @@ FLOPS_PER_BYTE = 10.0
 class PipelineCosts:
     """Training FLOPs per token of each block (pipeline order: encoder, then decoder), and of what the first and
     last stage add (embedding; final norm, head and loss). ``transform``: the part of ``head`` before the output
-    projection (final norms, head transform), which stays on the last block stage under vocabulary parallelism;
-    ``projection_parameters``: the parameter-bytes part of the rest, which every vocabulary stage pays whole (its
-    copy's update)."""
+    projection (final norms, head transform), which stays on the last block stage under vocabulary parallelism."""
 
     blocks: list[float]
     embedding: float
     head: float
     transform: float = 0.0
-    projection_parameters: float = 0.0
 
     def vocabulary_stage(self, stages: int) -> float:
-        """The cost of one of ``stages`` vocabulary stages: its share of the projection and loss, and its copy's
-        update (:mod:`~xscale.parallel.pipeline.vocabulary`)."""
-        shared = self.head - self.transform - self.projection_parameters
-        return shared / stages + self.projection_parameters
+        """The cost of one of ``stages`` vocabulary stages: its share of the projection, the loss and the
+        projection's update (:mod:`~xscale.parallel.pipeline.vocabulary`)."""
+        return (self.head - self.transform) / stages
 
     def block_stages(self) -> PipelineCosts:
         """The costs the block stages see under vocabulary parallelism: the head is the transform alone."""
@@ -109,7 +105,7 @@ def pipeline_costs(config: Config) -> PipelineCosts:
     head_forward = 2.0 * (outside + table) + LOSS_FLOPS_PER_LOGIT * vocab
     head = 3.0 * head_forward + parameter_cost * (outside + table)  # the output projection or the tied copy
     transform = 3.0 * 2.0 * outside + parameter_cost * outside
-    return PipelineCosts(blocks, parameter_cost * table, head, transform, parameter_cost * table)
+    return PipelineCosts(blocks, parameter_cost * table, head, transform)
 
 
 def balanced_split(costs: PipelineCosts, num_stages: int) -> list[int]:

@@ -53,6 +53,7 @@ from xscale.parallel.pipeline.vocabulary import (
     vocabulary_shard,
     vocabulary_stage_count,
 )
+from xscale.parallel.pipeline.vocabulary_state import VocabularyRows
 from xscale.runtime import StepContext
 
 
@@ -176,14 +177,15 @@ class PipelineSchedule:
         self.vocabulary_parallel = vocabulary > 0
         self.stages = [build_stage_module(meta_model, layers[index], device=self.device, seed=config.train.seed,
                                           parallelize=parallelize_stage,
-                                          vocabulary=vocabulary_shard(index, self.num_stages, vocabulary),
+                                          vocabulary=vocabulary_shard(index, self.stage_ranks, vocabulary),
                                           vocabulary_parallel=self.vocabulary_parallel)
                        for index in self.stage_indices]
         self.last_rank = self.stage_ranks[-1]
         # The tied embedding's ends, an encoder-decoder's embedding and a logit-bias position table (T5) live on
         # several stages.
-        self.shared = SharedParameterGrads(self.stages, self.stage_indices, self.stage_ranks,
-                                           shared_parameters(meta_model, layers, vocabulary), self.group)
+        shared = shared_parameters(meta_model, layers, vocabulary, self.stage_ranks)
+        self.shared = SharedParameterGrads(self.stages, self.stage_indices, self.stage_ranks, shared, self.group)
+        self.vocabulary_rows = self._vocabulary_rows(pp, shared, vocabulary) if self.vocabulary_parallel else None
         self._schedules: dict[tuple, object] = {}
         self.step_context = StepContext()  # the running step's (each microbatch's is derived from it)
         self.rows_per_microbatch = 0
@@ -206,6 +208,19 @@ class PipelineSchedule:
                                   pp_vocab_parallel=vocab_parallel)
         config = Config(model=model_config, parallel=parallel, train=TrainConfig(seed=seed))
         return cls(config, meta_model, pp, **kwargs)
+
+    def _vocabulary_rows(self, pp: DeviceMesh | dist.ProcessGroup, shared: list,
+                         vocabulary: int) -> VocabularyRows:
+        """How this rank's vocabulary stage appears in checkpoints (:mod:`~xscale.parallel.pipeline.vocabulary_state`)."""
+        if isinstance(pp, DeviceMesh):
+            mesh = pp if pp.ndim == 1 else pp["pp"]
+        else:
+            mesh = DeviceMesh.from_group(pp, self.device.type)
+        shard = next(stage for stage in self.stages if isinstance(stage, VocabularyShard))
+        holders = [stage for stage in self.stages if getattr(stage, "embedding", None) is not None]
+        tied = [entry for entry in shared if entry.rows]
+        whole_ranks = sorted({self.stage_ranks[s] for s in tied[0].stages if s not in tied[0].rows}) if tied else []
+        return VocabularyRows(shard, mesh, lambda: holders[0].embedding.weight if holders else None, whole_ranks)
 
     @property
     def holds_first(self) -> bool:
@@ -303,10 +318,13 @@ class PipelineSchedule:
         its source's name."""
         model_state, optimizer_state = drop_aliases(state["model"]), drop_aliases(state["optimizer"])
         copies_to_sources(model_state, optimizer_state, *self._renamed_copies())
-        return {"model": model_state, "optimizer": optimizer_state}
+        state = {"model": model_state, "optimizer": optimizer_state}
+        return state if self.vocabulary_rows is None else self.vocabulary_rows.globalize(state)
 
     def from_single_process_names(self, state: dict, view: nn.Module) -> dict:
         """The inverse of :meth:`to_single_process_names` for ``view``."""
+        if self.vocabulary_rows is not None:
+            state = self.vocabulary_rows.localize(state)
         model_state, optimizer_state = sources_to_copies(state["model"], state["optimizer"], *self._renamed_copies())
         return {"model": add_aliases(model_state, view),
                 "optimizer": add_aliases(optimizer_state, view, flat_optimizer=True)}

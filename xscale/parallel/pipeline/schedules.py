@@ -21,6 +21,7 @@ from torch.distributed.pipelining import (
 
 from xscale.config import Config, ConfigError, ModelConfig
 from xscale.parallel.pipeline.stages import pipeline_layers, split_layers
+from xscale.parallel.pipeline.vocabulary import every_shard_has_rows
 
 
 class ForwardOnlyZBV(ScheduleZBVZeroBubble):
@@ -152,9 +153,10 @@ def check_vocabulary_parallel(config: Config) -> None:
         raise ConfigError(f"parallel.pp_vocab_parallel=true is not combined with tensor parallelism yet (parallel.tp="
                           f"{parallel.tp}): tensor parallelism already splits the output projection by vocabulary; "
                           f"set one of them off")
-    if parallel.pp > model.vocab_size:
-        raise ConfigError(f"parallel.pp_vocab_parallel=true gives each of parallel.pp={parallel.pp} ranks a share of "
-                          f"model.vocab_size={model.vocab_size} rows; use fewer pp ranks or set it false")
+    if not every_shard_has_rows(model.vocab_size, parallel.pp):
+        raise ConfigError(f"parallel.pp_vocab_parallel=true gives each of parallel.pp={parallel.pp} ranks "
+                          f"ceil(model.vocab_size / pp) rows of model.vocab_size={model.vocab_size}, which leaves the "
+                          f"last ranks no rows; use fewer pp ranks or set it false")
 
 
 def layer_count_name(model: ModelConfig) -> str:

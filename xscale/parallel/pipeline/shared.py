@@ -5,27 +5,29 @@ Tied embeddings (Press & Wolf 2017) whose two ends sit on different stages becom
 stage holds ``embedding`` (and ``embedding_norm``) too, under the same names. A position encoding that biases the logits of every layer (T5's table, Raffel et al.
 2020) is held by every stage running that stack's blocks, under the single-process name: ``stack.position`` by
 the encoder's (or the only stack's) stages, ``decoder.position`` by the decoder's; so is a stack's one block under
-``model.share_layers`` (``stack.layers.0``, ``decoder.layers.0``: ALBERT, Lan et al. 2020), and the output projection
-by every vocabulary stage (:mod:`~xscale.parallel.pipeline.vocabulary`). Copies start from the
-single-process values; after backward their gradients are summed (Megatron's embedding group, Shoeybi et al.
-2019), so the optimizer keeps them bitwise equal; the gradient norm counts each parameter once.
+``model.share_layers`` (``stack.layers.0``, ``decoder.layers.0``: ALBERT, Lan et al. 2020). Under vocabulary parallelism
+(:mod:`~xscale.parallel.pipeline.vocabulary`) each vocabulary stage holds a copy of some rows of a tied embedding.
+Copies start from the single-process values; after backward their gradients are summed (Megatron's embedding
+group, Shoeybi et al. 2019), so the optimizer keeps them bitwise equal; the gradient norm counts each parameter
+once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from xscale.models.init import canonical_name
 from xscale.models.transformer import Transformer
 from xscale.parallel.data import local_tensor
 from xscale.parallel.pipeline.stages import TIED_SOURCE, holds_tied_copy, source_name
+from xscale.parallel.pipeline.vocabulary import VocabularyShard, vocabulary_rows
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class SharedParameter:
     name: str  # the single-process name (checkpoints, the initial value)
     stages: tuple[int, ...]  # the stages holding a copy
     find: Callable[[Transformer], list[nn.Parameter]]
+    rows: dict[int, tuple[int, int]] = field(default_factory=dict)  # stages holding rows [start, end) only
 
 
 def _embedding_copies(stage: Transformer) -> list[nn.Parameter]:
@@ -61,20 +64,20 @@ def _named_copies(stage: Transformer, name: str) -> list[nn.Parameter]:
     return [param for path, param in stage.named_parameters() if canonical_name(path) == name]
 
 
-def shared_parameters(model: Transformer, layers: list[list[int]], vocabulary_stages: int = 0) -> list[SharedParameter]:
+def shared_parameters(model: Transformer, layers: list[list[int]], vocabulary_stages: int = 0,
+                      stage_ranks: list[int] | None = None) -> list[SharedParameter]:
     """The parameters held by more than one of the stages cut from ``model`` (``layers``: each stage's layer
     indices, as :func:`~xscale.parallel.pipeline.stages.split_layers` gives them; the last ``vocabulary_stages``
-    of them hold the output projection instead, :mod:`~xscale.parallel.pipeline.vocabulary`)."""
+    of them, placed on pp ranks ``stage_ranks``, hold rows of the output projection instead,
+    :mod:`~xscale.parallel.pipeline.vocabulary`)."""
     config, num_stages = model.config, len(layers)
     decoder_start = [stage for stage, held in enumerate(layers) if config.n_layers in held]  # encoder-decoder
-    output_stages = set(range(num_stages - max(vocabulary_stages, 1), num_stages))
-    embedding = {0, *decoder_start} | (output_stages if config.tie_embeddings else set())
-    candidates = [SharedParameter(TIED_SOURCE, tuple(sorted(embedding)), _embedding_copies)]
-    if model.output is not None:  # the vocabulary stages' copies of the projection (all of it when untied)
-        candidates += [SharedParameter(f"output.{name}", tuple(sorted(output_stages)),
-                                       partial(_named_copies, name=f"output.{name}"))
-                       for name, _ in model.output.named_parameters()
-                       if not (name == "weight" and config.tie_embeddings)]
+    rows = {}  # the vocabulary stages' rows of a tied embedding
+    if vocabulary_stages and config.tie_embeddings:
+        rows = {stage: vocabulary_rows(config.vocab_size, stage_ranks[stage], vocabulary_stages)
+                for stage in range(num_stages - vocabulary_stages, num_stages)}
+    embedding = {0, *decoder_start, *rows} | ({num_stages - 1} if config.tie_embeddings else set())
+    candidates = [SharedParameter(TIED_SOURCE, tuple(sorted(embedding)), _embedding_copies, rows)]
     if model.embedding_norm is not None:
         candidates += [SharedParameter(f"embedding_norm.{name}", tuple(sorted({0, *decoder_start})),
                                        partial(_norm_copies, name=name))
@@ -120,15 +123,16 @@ class SharedParameterGrads:
     earlier steps (accumulation) are set aside by :meth:`begin` and added back by :meth:`finish`, so only this
     step's are exchanged.
 
-    Copies are sharded alike on every stage: vocabulary rows of the embedding or a Replicate table under tp,
+    Whole copies are sharded alike on every stage: vocabulary rows of the embedding or a Replicate table under tp,
     FSDP2 rows under ZeRO-3, whose gradients are then already summed over data parallel. The peers across the
     pipeline sit at the same tp and data-parallel coordinates, so they hold the same rows and swap their local
-    shards.
+    shards. Row copies (a tied embedding's rows on the vocabulary stages, ``SharedParameter.rows``) are summed in
+    :meth:`_finish_rows`.
     """
 
     def __init__(self, stages: list[Transformer], stage_indices: list[int], stage_ranks: list[int],
                  shared: list[SharedParameter], group: dist.ProcessGroup) -> None:
-        self.stages, self.stage_indices, self.group = stages, stage_indices, group
+        self.stages, self.stage_indices, self.stage_ranks, self.group = stages, stage_indices, stage_ranks, group
         self.shared = [entry for entry in shared if len(set(entry.stages)) > 1]
         self.ranks = {entry.name: sorted({stage_ranks[index] for index in entry.stages}) for entry in self.shared}
         self._earlier: dict[int, torch.Tensor | None] = {}
@@ -152,11 +156,13 @@ class SharedParameterGrads:
         return left_out
 
     def renamed_copies(self) -> dict[str, str]:
-        """This rank's copies held under another name than the single-process one (a tied ``output.weight``;
+        """This rank's whole copies held under another name than the single-process one (a tied ``output.weight``;
         canonical names) -> that name."""
         shared_ids = {id(param) for entry in self.shared for param in self.copies(entry)}
         renamed = {}
         for stage in self.stages:
+            if isinstance(stage, VocabularyShard):  # rows, named in checkpoints by vocabulary_state
+                continue
             for name, param in stage.named_parameters():
                 name = canonical_name(name)
                 if id(param) in shared_ids and source_name(stage, name) != name:
@@ -172,6 +178,9 @@ class SharedParameterGrads:
     @torch.no_grad()
     def finish(self) -> None:
         for entry in self.shared:
+            if entry.rows:
+                self._finish_rows(entry)
+                continue
             copies = self.copies(entry)
             if not copies:
                 continue
@@ -184,6 +193,78 @@ class SharedParameterGrads:
                 summed = total.clone() if earlier is None else local_tensor(earlier) + total
                 param.grad = _like_param(param, summed)
         self._earlier = {}
+
+    def _finish_rows(self, entry: SharedParameter) -> None:
+        """Sum the gradients of an entry some of whose copies hold rows only (whole tensors: a ZeRO-3 shard is
+        gathered over data parallel first). The pp ranks holding a whole copy each add up, in ascending rank
+        order, every whole-copy rank's sum (its row copies added at their rows) and then the row copies of the
+        other ranks, so they get bitwise the same total; the lowest of them sends every other rank its rows of it.
+        A gradient's traffic: the row copies once to each whole-copy rank and back, not the whole table to every
+        rank."""
+        me = dist.get_rank(self.group)
+        held = self.held_copies(entry)
+        whole_ranks = sorted({self.stage_ranks[stage] for stage in entry.stages if stage not in entry.rows})
+        row_stages = [stage for stage in sorted(entry.rows) if self.stage_ranks[stage] not in whole_ranks]
+        grads = {id(param): _whole_grad(param) for param, _ in held}
+        ops, received = [], {}
+        if me in whole_ranks:
+            mine = None
+            for param, rows in held:
+                if rows is None:
+                    mine = grads[id(param)].clone() if mine is None else mine + grads[id(param)]
+            for param, rows in held:
+                if rows is not None:
+                    mine[rows[0]:rows[1]] += grads[id(param)]
+            for peer in whole_ranks:
+                if peer != me:
+                    received[peer] = torch.empty_like(mine)
+                    ops += [dist.P2POp(dist.isend, mine, group=self.group, group_peer=peer),
+                            dist.P2POp(dist.irecv, received[peer], group=self.group, group_peer=peer)]
+            for stage in row_stages:
+                start, end = entry.rows[stage]
+                received[stage] = mine.new_empty((end - start, *mine.shape[1:]))
+                ops.append(dist.P2POp(dist.irecv, received[stage], group=self.group,
+                                      group_peer=self.stage_ranks[stage]))
+        else:
+            for param, _ in held:
+                ops += [dist.P2POp(dist.isend, grads[id(param)].contiguous(), group=self.group, group_peer=peer)
+                        for peer in whole_ranks]
+        _run(ops)
+        ops, rows_of_total = [], {}
+        if me in whole_ranks:
+            total = (mine if whole_ranks[0] == me else received[whole_ranks[0]]).clone()
+            for peer in whole_ranks[1:]:
+                total += mine if peer == me else received[peer]
+            for stage in row_stages:
+                start, end = entry.rows[stage]
+                total[start:end] += received[stage]
+            if me == whole_ranks[0]:
+                ops = [dist.P2POp(dist.isend, total[slice(*entry.rows[stage])].contiguous(), group=self.group,
+                                  group_peer=self.stage_ranks[stage]) for stage in row_stages]
+        else:
+            for param, _ in held:
+                rows_of_total[id(param)] = torch.empty_like(grads[id(param)])
+                ops.append(dist.P2POp(dist.irecv, rows_of_total[id(param)], group=self.group,
+                                      group_peer=whole_ranks[0]))
+        _run(ops)
+        for param, rows in held:
+            summed = rows_of_total.get(id(param))
+            if summed is None:
+                summed = total if rows is None else total[rows[0]:rows[1]]
+            summed = _local_part(param, summed)
+            earlier = self._earlier.get(id(param))
+            param.grad = _like_param(param, summed.clone() if earlier is None else local_tensor(earlier) + summed)
+
+    def held_copies(self, entry: SharedParameter) -> list[tuple[nn.Parameter, tuple[int, int] | None]]:
+        """This rank's copies of ``entry`` in stage order, each with the rows it holds (None: all of them)."""
+        held, seen = [], set()
+        for stage, index in zip(self.stages, self.stage_indices):
+            if index in entry.stages:
+                for param in entry.find(stage):
+                    if id(param) not in seen:
+                        seen.add(id(param))
+                        held.append((param, entry.rows.get(index)))
+        return held
 
     def _sum_over_ranks(self, local: torch.Tensor, ranks: list[int]) -> torch.Tensor:
         """The sum of ``local`` over the pp ``ranks``, added in rank order (bitwise the same on each)."""
@@ -202,6 +283,25 @@ class SharedParameterGrads:
         for part in parts[1:]:
             total += part
         return total
+
+
+def _run(ops: list[dist.P2POp]) -> None:
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+def _whole_grad(param: nn.Parameter) -> torch.Tensor:
+    """``param``'s whole gradient (zeros when it has none; a ZeRO-3 shard gathered over data parallel)."""
+    grad = param.grad if param.grad is not None else torch.zeros_like(param)
+    return grad.full_tensor() if isinstance(grad, DTensor) else grad
+
+
+def _local_part(param: nn.Parameter, whole: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a whole tensor shaped like ``param`` (its ZeRO-3 shard, cut out without communication)."""
+    if isinstance(param, DTensor):
+        return distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None).to_local()
+    return whole
 
 
 def _local_grad(param: nn.Parameter) -> torch.Tensor:

@@ -3,8 +3,8 @@
 A stage is :meth:`Transformer.keep_layers` applied to a copy of the meta model: it keeps, under the single-process
 names, the embedding when it starts a stack, its run of blocks (``stack.layers.<k>``, ``decoder.layers.<k>``),
 and the final norm, head transform and output projection when it ends the last stack; it runs the model's own
-forward. Under ``parallel.pp_vocab_parallel`` the last pp stages hold the output projection instead, one vocabulary
-shard each (:mod:`~xscale.parallel.pipeline.vocabulary`). The union of the stages' state dicts is the single-process state dict, so checkpoints move between
+forward. Under ``parallel.pp_vocab_parallel`` the last pp stages hold the output projection instead, each its
+rank's rows (:mod:`~xscale.parallel.pipeline.vocabulary`). The union of the stages' state dicts is the single-process state dict, so checkpoints move between
 layouts. Parameters that several stages hold (tied embeddings, an encoder-decoder's embedding, T5's position
 table, a shared block) are kept equal by :mod:`~xscale.parallel.pipeline.shared`; the only one held under another
 name is a tied output projection on a stage without the embedding (``output.weight``, a copy of
@@ -26,7 +26,7 @@ import torch
 from xscale.config import ConfigError, ModelConfig
 from xscale.models.init import canonical_name, init_weights
 from xscale.models.transformer import Transformer
-from xscale.parallel.pipeline.vocabulary import VocabularyShard
+from xscale.parallel.pipeline.vocabulary import VocabularyPlace, VocabularyShard
 
 TIED_COPY = "output.weight"
 TIED_SOURCE = "embedding.weight"
@@ -108,14 +108,14 @@ def stage_to_rank(num_stages: int, pp_size: int, style: str) -> list[int]:
     raise ValueError(f"unknown stage placement '{style}'")
 
 
-def cut_stage(meta_model: Transformer, layer_indices: list[int], vocabulary: tuple[int, int] | None = None,
+def cut_stage(meta_model: Transformer, layer_indices: list[int], vocabulary: VocabularyPlace | None = None,
               vocabulary_parallel: bool = False) -> Transformer | VocabularyShard:
-    """A copy of ``meta_model`` cut to the stage holding ``layer_indices``; ``vocabulary=(k, p)``: vocabulary
-    stage k of p instead (:mod:`~xscale.parallel.pipeline.vocabulary`). With ``vocabulary_parallel`` the last
+    """A copy of ``meta_model`` cut to the stage holding ``layer_indices``; ``vocabulary``: a vocabulary stage
+    there instead (:mod:`~xscale.parallel.pipeline.vocabulary`). With ``vocabulary_parallel`` the last
     block stage leaves the output projection to the vocabulary stages."""
     stage = copy.deepcopy(meta_model)
     if vocabulary is not None:
-        return VocabularyShard(stage, *vocabulary)
+        return VocabularyShard(stage, vocabulary)
     stage.keep_layers(layer_indices)
     if vocabulary_parallel:
         stage.output = None
@@ -124,17 +124,20 @@ def cut_stage(meta_model: Transformer, layer_indices: list[int], vocabulary: tup
 
 def build_stage_module(meta_model: Transformer, layer_indices: list[int], *, device: torch.device | str, seed: int,
                        parallelize: Callable[[Transformer], None] | None = None,
-                       vocabulary: tuple[int, int] | None = None,
+                       vocabulary: VocabularyPlace | None = None,
                        vocabulary_parallel: bool = False) -> Transformer | VocabularyShard:
     """Cut a stage from a meta-device Transformer (:func:`cut_stage`), apply ``parallelize`` to it (still on the
     meta device: tensor parallelism, activation checkpointing), allocate it on ``device`` and fill it with the
-    single-process initial weights (copies take their source's values)."""
+    single-process initial weights (copies take their source's values; a vocabulary stage its rows)."""
     stage = cut_stage(meta_model, layer_indices, vocabulary, vocabulary_parallel)
-    if parallelize is not None and vocabulary is None:
+    if vocabulary is not None:
+        stage.to_empty(device=device)
+        stage.reset_parameters(seed)
+        return stage
+    if parallelize is not None:
         parallelize(stage)
     stage.to_empty(device=device)
-    if vocabulary is None:
-        stage.tie_weights()
+    stage.tie_weights()
     names = {id(param): source_name(stage, canonical_name(name)) for name, param in stage.named_parameters()}
     init_weights(stage, stage.config, seed, names=names)
     return stage

@@ -14,19 +14,25 @@ and passes them on with h. The last one returns sum over labelled tokens of log 
 sum of the single-process loss (:func:`xscale.parallel.loss.token_loss_sum`). Each rank computes 1/p of the
 logits; their gradients flow back through the same chain.
 
-Every vocabulary stage holds the whole projection under its single-process name (``output.weight``, or for tied
-embeddings a copy of ``embedding.weight``) and multiplies by its rows only; the pipeline sums the copies'
-gradients (:mod:`~xscale.parallel.pipeline.shared`, as for the two ends of a tied embedding), so each copy gets the
-full gradient, the optimizer keeps them equal and checkpoints hold the parameter once.
+The vocabulary stage on pp rank r holds rows V_r of the projection only (``output.weight`` [|V_r|, d],
+``output.bias``), under the single-process names: the head's parameters, gradients and optimizer states are split
+p ways, not copied. The chain visits the ranks' rows in the pipeline's stage order (ZB-V's runs from the last rank
+down); the sums do not depend on the order.
+Checkpoints show the rows as one [V, d] tensor sharded over the pp ranks
+(:mod:`~xscale.parallel.pipeline.vocabulary_state`). With tied embeddings the rows are a copy of the embedding's
+rows V_r; the pipeline sums the gradients of the embedding and of its row copies
+(:mod:`~xscale.parallel.pipeline.shared`), so the optimizer keeps them equal.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from xscale.config import ParallelConfig
+from xscale.models.init import initial_value
 from xscale.models.transformer import Transformer
 
 
@@ -35,23 +41,40 @@ def vocabulary_stage_count(parallel: ParallelConfig) -> int:
     return parallel.pp if parallel.pp_vocab_parallel and parallel.pp > 1 else 0
 
 
-def vocabulary_shard(stage: int, num_stages: int, shards: int) -> tuple[int, int] | None:
-    """(k, shards) when pipeline stage ``stage`` of ``num_stages`` is vocabulary stage k (the last ``shards``
-    stages are), else None."""
-    shard = stage - (num_stages - shards)
-    return (shard, shards) if shards and shard >= 0 else None
+class VocabularyPlace(NamedTuple):
+    """Where a vocabulary stage sits: at ``position`` of ``shards`` in the chain (the pipeline's stage order), run by
+    pp rank ``rank``, whose rows it holds (:func:`vocabulary_rows` of ``rank``): pp rank r holds the r-th piece of the
+    projection, as a DTensor sharded over the pp ranks would, under any stage placement."""
+
+    position: int
+    shards: int
+    rank: int
+
+
+def vocabulary_shard(stage: int, stage_ranks: list[int], shards: int) -> VocabularyPlace | None:
+    """Where pipeline stage ``stage`` sits as a vocabulary stage (the last ``shards`` of the stages placed on pp
+    ranks ``stage_ranks`` are), or None when it is a block stage."""
+    position = stage - (len(stage_ranks) - shards)
+    return VocabularyPlace(position, shards, stage_ranks[stage]) if shards and position >= 0 else None
 
 
 def vocabulary_rows(vocab_size: int, shard: int, shards: int) -> tuple[int, int]:
-    """The rows [start, end) of shard ``shard`` of ``shards``: as even as possible, the first shards one larger."""
-    base, extra = divmod(vocab_size, shards)
-    start = shard * base + min(shard, extra)
-    return start, start + base + (1 if shard < extra else 0)
+    """The rows [start, end) of shard ``shard`` of ``shards``: ceil(V / shards) rows each, the last shard the rest
+    (torch.chunk's split, which is how a DTensor sharded on dim 0 splits, so checkpoints can describe the shards as
+    one tensor)."""
+    size = -(-vocab_size // shards)
+    start = min(shard * size, vocab_size)
+    return start, min(start + size, vocab_size)
+
+
+def every_shard_has_rows(vocab_size: int, shards: int) -> bool:
+    """Whether splitting ``vocab_size`` rows :func:`vocabulary_rows`'s way leaves no shard empty."""
+    return (shards - 1) * -(-vocab_size // shards) < vocab_size
 
 
 class VocabularyShard(nn.Module):
-    """Vocabulary stage ``shard`` of ``shards`` (module docstring): ``output`` is the model's output projection,
-    of which it multiplies rows :func:`vocabulary_rows` only.
+    """A vocabulary stage at ``place`` (module docstring): ``output`` holds its rank's rows :func:`vocabulary_rows`
+    of the model's output projection; ``shard`` is its position in the chain.
 
     Pipeline code asks every stage what it holds (embedding, stacks, output); a vocabulary stage holds the output
     projection alone.
@@ -63,13 +86,26 @@ class VocabularyShard(nn.Module):
     decoder = None
     seq2seq = False
 
-    def __init__(self, model: Transformer, shard: int, shards: int) -> None:
+    def __init__(self, model: Transformer, place: VocabularyPlace) -> None:
         super().__init__()
         self.config = model.config
-        self.output = model.output
         self.kernels = model.kernels
-        self.shard, self.shards = shard, shards
-        self.start, self.end = vocabulary_rows(model.config.vocab_size, shard, shards)
+        self.shard, self.shards = place.position, place.shards
+        self.start, self.end = vocabulary_rows(model.config.vocab_size, place.rank, place.shards)
+        whole = model.output
+        self.output = nn.Linear(whole.in_features, self.end - self.start, bias=whole.bias is not None,
+                                device=whole.weight.device, dtype=whole.weight.dtype)
+
+    def source_name(self, name: str) -> str:
+        """The single-process parameter whose rows ``output.<name>`` holds (a tied weight: the embedding's)."""
+        return "embedding.weight" if name == "weight" and self.config.tie_embeddings else f"output.{name}"
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        """The single-process initial values' rows (:func:`xscale.models.init.initial_value`)."""
+        for name, param in self.output.named_parameters():
+            shape = torch.Size((self.config.vocab_size, *param.shape[1:]))
+            param.copy_(initial_value(self.source_name(name), shape, self.config, seed)[self.start:self.end])
 
     @property
     def ends(self) -> bool:
@@ -81,8 +117,7 @@ class VocabularyShard(nn.Module):
                 **_: object) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """(h, log Z_{k-1}, z_{k-1}) -> (h, log Z_k, z_k), or on the last stage the loss sum; the first vocabulary
         stage gets h alone. ``labels`` (B, T): this microbatch's, -100 where unlabelled."""
-        bias = None if self.output.bias is None else self.output.bias[self.start:self.end]
-        logits = F.linear(hidden, self.output.weight[self.start:self.end], bias).float()
+        logits = self.output(hidden).float()
         shard_partition = torch.logsumexp(logits, dim=-1)
         local = labels - self.start
         inside = (local >= 0) & (local < self.end - self.start)
