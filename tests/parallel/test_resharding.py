@@ -115,6 +115,9 @@ def test_t5_bias_table_saved_by_a_pipeline_resumes_on_one_process(save_layout, t
     # vocabulary stages: each pp rank's rows of the tied projection and of its moments, themselves sharded over dp
     (f"pp=2,dp_shard=2,zero_stage=3,{VOCABULARY_STAGES}", "dp_shard=2,zero_stage=1"),
     ("single", f"pp=2,dp_shard=2,zero_stage=3,{VOCABULARY_STAGES}"),
+    # ... and over tp
+    (f"pp=2,tp=2,{VOCABULARY_STAGES}", "single"),
+    ("single", f"pp=2,tp=2,sequence_parallel=true,{VOCABULARY_STAGES}"),
 ])
 def test_resume_at_another_world_size(save_layout, resume_layout, tmp_path):
     check_resharding(save_layout, resume_layout, tmp_path)

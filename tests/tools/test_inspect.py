@@ -167,6 +167,15 @@ def test_inspect_prints_the_vocabulary_stages_and_each_rank_cost(capsys):
     assert "split over the vocabulary" not in out
 
 
+def test_inspect_prints_each_tp_rank_share_of_the_vocabulary_stage(capsys):
+    layout = [*VOCABULARY_HEAVY, "parallel.tp=2", "parallel.pp_schedule=zero_bubble", "parallel.pp_stages_per_rank=2",
+              "parallel.pp_vocab_parallel=true"]
+    assert main(["inspect", *layout]) == 0
+    out = capsys.readouterr().out
+    assert "3 (vocabulary 0-1023); heads 0-1" in out and "3 (vocabulary 1024-2047); heads 2-3" in out
+    assert "2 (vocabulary 2048-3071); heads 0-1" in out and "2 (vocabulary 3072-4095); heads 2-3" in out
+
+
 def test_components_lists_the_relative_positions_and_residual_placements(capsys):
     assert main(["inspect", "--components"]) == 0
     lines = {line.split()[0]: line.split(maxsplit=1)[1] for line in capsys.readouterr().out.splitlines()[1:]}

@@ -91,12 +91,14 @@ def _model_slice(config: Config, dims, at: dict[str, int]) -> str:
         ranks = stage_to_rank(num_stages, dims.pp, SCHEDULES[parallel.pp_schedule].placement)
         mine = [stage for stage in range(num_stages) if ranks[stage] == at["pp"]]
         vocabulary = vocabulary_stage_count(parallel)
-        holds_vocabulary = 0 in mine or num_stages - 1 in mine
+        holds_vocabulary = 0 in mine or (num_stages - 1 in mine and not vocabulary)  # tp's embedding or head rows
         stages = []
         for stage in mine:
             place = vocabulary_shard(stage, ranks, vocabulary)
             if place is not None:  # a vocabulary stage: its rank's rows of the output projection and of the loss
                 start, end = vocabulary_rows(model.vocab_size, place.rank, place.shards)
+                if dims.tp > 1:  # this tp rank's share of them
+                    start, end = (start + row for row in vocabulary_rows(end - start, at["tp"], dims.tp))
                 stages.append(f"{stage} (vocabulary {start}-{end - 1})")
                 continue
             held = ["embedding"] if stage == 0 else []
@@ -173,7 +175,7 @@ def _vocabulary_hint(config: Config, pp: int, rank_costs: list[float]) -> str | 
     """When the head leaves the ranks' costs more than 10% apart and a head split over the vocabulary would bring
     them closer: the setting, and the per-rank costs it predicts (unset ``pp_split``)."""
     parallel = config.parallel
-    if parallel.pp_vocab_parallel or parallel.pp_split is not None or config.model.num_classes or parallel.tp > 1:
+    if parallel.pp_vocab_parallel or parallel.pp_split is not None or config.model.num_classes:
         return None
     if min(rank_costs) / max(rank_costs) >= 0.9 or pipeline_layers(config.model) < pp:  # balanced; too few blocks
         return None

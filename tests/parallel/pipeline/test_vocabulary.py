@@ -252,6 +252,13 @@ def test_trainer_matches_one_process(tmp_path):
     assert_parity(DECODER + ["model.tie_embeddings=false"], [VOCAB_LAYOUT], tmp_path, same_grad_norms=True)
 
 
+def test_trainer_with_tensor_parallelism_matches_one_process(tmp_path):
+    """Each vocabulary stage split over tp=2, without and with sequence parallelism; tied embeddings, so the rows'
+    gradients meet the vocabulary-parallel embedding's."""
+    assert_parity(DECODER, [f"tp=2,{VOCAB_LAYOUT}", f"tp=2,sequence_parallel=true,{VOCAB_LAYOUT}"], tmp_path,
+                  same_grad_norms=True)
+
+
 @pytest.mark.slow
 def test_trainer_with_data_parallel_and_zero_bubble(tmp_path):
     """Tied embeddings under ZeRO-3 (the copies sharded over dp), ZeRO-1, and zero bubble's split backward."""
@@ -269,8 +276,8 @@ def vocab_config(*overrides: str):
 
 @pytest.mark.parametrize("overrides, message", [
     (["parallel.pp_schedule=1f1b"], "2 or more stages per rank"),
-    (["parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2", "parallel.tp=2"],
-     "tensor parallelism"),
+    (["parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2", "parallel.tp=4", "model.vocab_size=6"],
+     "leave a tp rank none"),
     (["parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2", "parallel.pp_split=[1,2,1]"],
      "pp_split"),
 ])

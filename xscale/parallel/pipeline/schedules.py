@@ -21,7 +21,7 @@ from torch.distributed.pipelining import (
 
 from xscale.config import Config, ConfigError, ModelConfig
 from xscale.parallel.pipeline.stages import pipeline_layers, split_layers
-from xscale.parallel.pipeline.vocabulary import every_shard_has_rows
+from xscale.parallel.pipeline.vocabulary import every_shard_has_rows, vocabulary_rows
 
 
 class ForwardOnlyZBV(ScheduleZBVZeroBubble):
@@ -139,7 +139,7 @@ def check_pipeline(config: Config, data_parallel: int | None = None) -> None:
 def check_vocabulary_parallel(config: Config) -> None:
     """What ``parallel.pp_vocab_parallel`` needs (:mod:`~xscale.parallel.pipeline.vocabulary`): a vocabulary
     stage on every pp rank after the block stages, so two or more stages per rank; a token loss (not a
-    classifier's); the projection whole on each rank (no tensor parallelism)."""
+    classifier's); rows for every pp rank, and for each of its tp ranks."""
     parallel, model = config.parallel, config.model
     if parallel.pp_stages_per_rank < 2:
         raise ConfigError(
@@ -149,14 +149,15 @@ def check_vocabulary_parallel(config: Config) -> None:
     if model.num_classes:
         raise ConfigError("parallel.pp_vocab_parallel=true splits the output projection over the vocabulary; a "
                           "classifier (model.num_classes > 0) has none: set parallel.pp_vocab_parallel=false")
-    if parallel.tp > 1:
-        raise ConfigError(f"parallel.pp_vocab_parallel=true is not combined with tensor parallelism yet (parallel.tp="
-                          f"{parallel.tp}): tensor parallelism already splits the output projection by vocabulary; "
-                          f"set one of them off")
     if not every_shard_has_rows(model.vocab_size, parallel.pp):
         raise ConfigError(f"parallel.pp_vocab_parallel=true gives each of parallel.pp={parallel.pp} ranks "
                           f"ceil(model.vocab_size / pp) rows of model.vocab_size={model.vocab_size}, which leaves the "
                           f"last ranks no rows; use fewer pp ranks or set it false")
+    rows = [vocabulary_rows(model.vocab_size, rank, parallel.pp) for rank in range(parallel.pp)]
+    if parallel.tp > 1 and not all(every_shard_has_rows(end - start, parallel.tp) for start, end in rows):
+        raise ConfigError(f"parallel.pp_vocab_parallel=true with parallel.tp={parallel.tp}: some pp rank's "
+                          f"{min(end - start for start, end in rows)} vocabulary rows leave a tp rank none; use "
+                          f"fewer tp or pp ranks")
 
 
 def layer_count_name(model: ModelConfig) -> str:

@@ -130,12 +130,12 @@ def build_stage_module(meta_model: Transformer, layer_indices: list[int], *, dev
     meta device: tensor parallelism, activation checkpointing), allocate it on ``device`` and fill it with the
     single-process initial weights (copies take their source's values; a vocabulary stage its rows)."""
     stage = cut_stage(meta_model, layer_indices, vocabulary, vocabulary_parallel)
+    if parallelize is not None:
+        parallelize(stage)
     if vocabulary is not None:
         stage.to_empty(device=device)
         stage.reset_parameters(seed)
         return stage
-    if parallelize is not None:
-        parallelize(stage)
     stage.to_empty(device=device)
     stage.tie_weights()
     names = {id(param): source_name(stage, canonical_name(name)) for name, param in stage.named_parameters()}

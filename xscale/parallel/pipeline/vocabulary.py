@@ -12,7 +12,10 @@ vocabulary to two running per-token sums (log-sum-exp accumulation, as in online
 
 and passes them on with h. The last one returns sum over labelled tokens of log Z_p - z_p: the token cross-entropy
 sum of the single-process loss (:func:`xscale.parallel.loss.token_loss_sum`). Each rank computes 1/p of the
-logits; their gradients flow back through the same chain.
+logits; their gradients flow back through the same chain. Under tensor parallelism each tp rank of a vocabulary stage
+holds a share of the stage's rows (the projection column-parallel, as on a last stage) and the tp ranks combine their
+shares' sums: log Z over V_k is m + log sum_t sum_{v in V_kt} exp(h . w_v - m), with m the largest logit over the tp
+ranks, and the label's logit is summed over them.
 
 The vocabulary stage on pp rank r holds rows V_r of the projection only (``output.weight`` [|V_r|, d],
 ``output.bias``), under the single-process names: the head's parameters, gradients and optimizer states are split
@@ -29,16 +32,29 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from xscale.config import ParallelConfig
 from xscale.models.init import initial_value
 from xscale.models.transformer import Transformer
+from xscale.parallel.tensor.replicated import SumValues
 
 
 def vocabulary_stage_count(parallel: ParallelConfig) -> int:
     """The pipeline stages that hold a vocabulary shard (the last ones): one per pp rank, or none."""
     return parallel.pp if parallel.pp_vocab_parallel and parallel.pp > 1 else 0
+
+
+def _log_sum_exp(logits: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """log sum over the last dim of exp(logits), the dim split over ``group`` when given (tensor parallel)."""
+    if group is None:
+        return torch.logsumexp(logits, dim=-1)
+    largest = logits.detach().amax(dim=-1)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+    shares = (logits - largest.unsqueeze(-1)).exp().sum(dim=-1)
+    return largest + SumValues.apply(shares, group).log()
 
 
 class VocabularyPlace(NamedTuple):
@@ -102,10 +118,16 @@ class VocabularyShard(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
-        """The single-process initial values' rows (:func:`xscale.models.init.initial_value`)."""
+        """The single-process initial values' rows (:func:`xscale.models.init.initial_value`); under tensor
+        parallelism this tp rank's share of them."""
         for name, param in self.output.named_parameters():
             shape = torch.Size((self.config.vocab_size, *param.shape[1:]))
-            param.copy_(initial_value(self.source_name(name), shape, self.config, seed)[self.start:self.end])
+            rows = initial_value(self.source_name(name), shape, self.config, seed)[self.start:self.end]
+            if isinstance(param, DTensor):
+                rows = distribute_tensor(rows.to(param.device), param.device_mesh, param.placements,
+                                         src_data_rank=None).to_local()
+                param = param.to_local()
+            param.copy_(rows)
 
     @property
     def ends(self) -> bool:
@@ -117,12 +139,19 @@ class VocabularyShard(nn.Module):
                 **_: object) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """(h, log Z_{k-1}, z_{k-1}) -> (h, log Z_k, z_k), or on the last stage the loss sum; the first vocabulary
         stage gets h alone. ``labels`` (B, T): this microbatch's, -100 where unlabelled."""
-        logits = self.output(hidden).float()
-        shard_partition = torch.logsumexp(logits, dim=-1)
-        local = labels - self.start
-        inside = (local >= 0) & (local < self.end - self.start)
-        picked = logits.gather(-1, local.clamp(0, self.end - self.start - 1).unsqueeze(-1)).squeeze(-1)
+        logits, start, group = self.output(hidden), self.start, None
+        if isinstance(logits, DTensor):  # tensor parallel: this tp rank's share of the rows, as the logits' columns
+            mesh = logits.device_mesh
+            start += vocabulary_rows(self.end - self.start, mesh.get_local_rank(), mesh.size())[0]
+            logits, group = logits.to_local(), mesh.get_group()
+        logits = logits.float()
+        shard_partition = _log_sum_exp(logits, group)
+        local, rows = labels - start, logits.shape[-1]
+        inside = (local >= 0) & (local < rows)
+        picked = logits.gather(-1, local.clamp(0, rows - 1).unsqueeze(-1)).squeeze(-1)
         shard_logit = torch.where(inside, picked, torch.zeros_like(picked))
+        if group is not None:
+            shard_logit = SumValues.apply(shard_logit, group)
         log_partition = shard_partition if log_partition is None else torch.logaddexp(log_partition, shard_partition)
         label_logit = shard_logit if label_logit is None else label_logit + shard_logit
         if not self.ends:

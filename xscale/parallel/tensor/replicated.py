@@ -43,6 +43,21 @@ class SumGradients(torch.autograd.Function):
         return grad, None
 
 
+class SumValues(torch.autograd.Function):
+    """All-reduce (sum) forward over ``group``; identity backward (Megatron's *g*, Shoeybi et al. 2019, sec. 3):
+    for partial values whose sum every rank then uses alike, so each rank's gradient is already the whole one."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        summed = x.contiguous().clone()
+        dist.all_reduce(summed, group=group)
+        return summed
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad_output, None
+
+
 class LocalSlots:
     """Swaps a module's DTensor parameters / buffers for their local tensors while the module computes.
 
