@@ -68,6 +68,7 @@ from xscale.parallel.model import ParallelModel
 from xscale.parallel.parallelize import micro_batch_size
 from xscale.parallel.pipeline import SCHEDULES
 from xscale.parallel.pipeline.cost import stage_layers
+from xscale.parallel.pipeline.in_flight import blocks_in_flight
 from xscale.parallel.pipeline.stages import stage_to_rank
 from xscale.parallel.pipeline.vocabulary import vocabulary_stage_count
 from xscale.train.step import forward_backward_step, model_optimizer
@@ -211,6 +212,8 @@ def rank_memory(config: Config, world_size: int) -> list[RankMemory]:
     peak_layer, peak_head = per_layer_and_head(config, micro, deep, deep)  # at the activation peak
     rows = []
     vocabulary = vocabulary_stage_count(config.parallel)
+    resolved = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, microbatches=microbatches))
+    blocks_alive = blocks_in_flight(resolved, dims.pp, ranks, layers)  # (block, microbatch) activations at once
     for rank, state in enumerate(predicted_pipeline_state_bytes(config, dims)):
         mine = [stage for stage in range(num_stages) if ranks[stage] == rank]
         held = [index for stage in mine for index in layers[stage]]
@@ -218,13 +221,14 @@ def rank_memory(config: Config, world_size: int) -> list[RankMemory]:
         # or 1/pp on every rank under vocabulary parallelism
         head_share = 1.0 / vocabulary if vocabulary else float(num_stages - 1 in mine)
         in_flight = microbatches_in_flight(config, dims.pp, rank)
-        # the blocks' activations stay for each microbatch in flight; the head's (mostly the loss's) come and go
-        activations = (in_flight * len(held) * per_layer * share
+        # the blocks' activations stay for each microbatch in flight (as the schedule's actions keep them); the
+        # head's (mostly the loss's) come and go
+        activations = (blocks_alive[rank] * per_layer * share
                        + head_share * head_activation_share(config, dims, head, tokens))
         transient = head_share * head_activation_share(config, dims, peak_head, tokens)
         loss = head_share * vocab_parallel_loss_bytes(config, dims, tokens // dims.cp, in_flight)
-        layout = LayoutTerms(microbatches, in_flight, len(held) * peak_layer * share, transient, loss,
-                             pipeline_buffer_bytes(config, dims, tokens // dims.cp, mine))
+        layout = LayoutTerms(microbatches, blocks_alive[rank] / max(len(held), 1), len(held) * peak_layer * share,
+                             transient, loss, pipeline_buffer_bytes(config, dims, tokens // dims.cp, mine))
         rows.append(_rank(f"pp rank {rank}", config, dims, state, activations, unit_sizes(config, held),
                           gradient_fraction, layout))
     return rows
@@ -254,7 +258,7 @@ class LayoutTerms:
     and the head's that come and go (``transient``); tp's vocabulary-parallel loss; the pipeline's receive buffers."""
 
     microbatches: int
-    in_flight: int
+    in_flight: float  # microbatches whose activations each held block keeps at once (on average over them)
     held: float
     transient: float
     vocab_parallel_loss: float = 0.0

@@ -46,8 +46,8 @@ from xscale.validate import load_config_from_cli
 DEFAULT_LAYOUTS = ("single", "dp_shard=2,zero_stage=1", "dp_shard=2,zero_stage=3", "tp=2,dp_shard=1",
                    "pp=2,dp_shard=1")
 LAYOUT_DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
-LAYOUT_SETTINGS = (*LAYOUT_DEGREES, "zero_stage", "microbatches", "pp_schedule", "sequence_parallel",
-                   "activation_checkpointing")
+LAYOUT_SETTINGS = (*LAYOUT_DEGREES, "zero_stage", "microbatches", "pp_schedule", "pp_stages_per_rank",
+                   "pp_vocab_parallel", "sequence_parallel", "activation_checkpointing")
 # ~25M parameters (embedding and head 4M each, 4 blocks of 4.2M): the model state (~400 MiB on one process)
 # dominates what a process holds besides it
 MODEL = ["model.vocab_size=8192", "model.d_model=512", "model.n_layers=4", "model.n_heads=8",
