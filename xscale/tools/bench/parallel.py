@@ -48,8 +48,11 @@ from xscale.tools.parity import PARITY_SETTINGS, layout_overrides, run_local, wo
 from xscale.train.trainer import Trainer
 from xscale.validate import load_config_from_cli
 
-PIPELINES = tuple(f"pp=2,dp_shard=1,microbatches={m},pp_schedule={schedule}"
-                  for schedule in ("gpipe", "1f1b") for m in (2, 4, 8))
+PIPELINES = (*(f"pp=2,dp_shard=1,microbatches={m},pp_schedule={schedule}"
+                for schedule in ("gpipe", "1f1b") for m in (2, 4, 8)),
+             # the head split over the ranks (vocabulary stages) under ZB-V: the bubble target at 4 layers
+             *(f"pp=2,dp_shard=1,microbatches={m},pp_schedule=zero_bubble,pp_stages_per_rank=2,pp_vocab_parallel=true"
+               for m in (4, 8)))
 DEFAULT_LAYOUTS = ("dp_shard=2", "dp_shard=2,zero_stage=1", "dp_shard=2,zero_stage=2", "dp_shard=2,zero_stage=3",
                    "tp=2,dp_shard=1", *PIPELINES)
 MODEL = ["model.vocab_size=4000", "model.d_model=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4",
