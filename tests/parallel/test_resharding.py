@@ -158,6 +158,9 @@ ENCODER_DECODER = ["model.family=encoder_decoder", "model.n_decoder_layers=2", "
     ("pp=2,microbatches=4,pp_schedule=interleaved_1f1b,pp_stages_per_rank=2", "single"),
     # The single process's embedding resumes as the first decoder stage's copy on rank 1 too.
     ("single", "pp=2,microbatches=2,pp_schedule=zero_bubble,pp_stages_per_rank=2"),
+    # Vocabulary stages: both embedding holders (ranks 0 and 1 under the V) rebuild the tied moments from the rows.
+    ("single", "pp=2,microbatches=2,pp_schedule=zero_bubble,pp_stages_per_rank=2,pp_vocab_parallel=true"),
+    ("pp=2,microbatches=2,pp_schedule=zero_bubble,pp_stages_per_rank=2,pp_vocab_parallel=true", "single"),
 ])
 def test_encoder_decoder_pipeline_checkpoints_move_between_layouts(save_layout, resume_layout, tmp_path):
     check_resharding(save_layout, resume_layout, tmp_path, model=[*MODEL, *ENCODER_DECODER])
