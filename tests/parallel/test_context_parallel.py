@@ -107,6 +107,26 @@ def test_loss_parity_contiguous_and_data_x_context_parallel(tmp_path):
     assert_parity(ENCODER + DROPOUT, ["cp=2,cp_load_balance=true,activation_checkpointing=full"], tmp_path / "encoder")
 
 
+def test_loss_parity_under_pipeline_parallelism(tmp_path):
+    """pp=2 x cp=2 (4 processes): every stage's attention gathers K/V over the cp ranks, the pipeline runs each cp
+    rank's tokens; 1F1B with contiguous slices, and ZB-V with vocabulary stages (their labels cut alike) load
+    balanced, with dropout."""
+    assert_parity(DECODER + DROPOUT, ["pp=2,cp=2,microbatches=4",
+                                      "pp=2,cp=2,cp_load_balance=true,microbatches=4,pp_schedule=zero_bubble,"
+                                      "pp_stages_per_rank=2,pp_vocab_parallel=true"], tmp_path, same_grad_norms=True)
+
+
+@pytest.mark.slow
+def test_loss_parity_data_x_pipeline_x_context_parallel(tmp_path):
+    """dp_shard=2 x pp=2 x cp=2 (8 processes), ZeRO-3 over dp x cp on every stage."""
+    assert_parity(DECODER, ["dp_shard=2,pp=2,cp=2,microbatches=2,zero_stage=3"], tmp_path, same_grad_norms=True)
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_by_a_context_parallel_pipeline_resumes_on_one_process(tmp_path):
+    check_resharding("pp=2,cp=2,microbatches=2,cp_load_balance=true", "single", tmp_path)
+
+
 @pytest.mark.slow
 def test_checkpoint_saved_at_cp2_resumes_on_one_process(tmp_path):
     check_resharding("cp=2", "single", tmp_path)
@@ -119,7 +139,6 @@ def test_checkpoint_saved_at_cp2_zero3_resumes_at_dp_x_cp(tmp_path):
 
 # ------------------------------------------------------------------------------------------------------ refusals
 REFUSALS = [
-    (["parallel.pp=2"], 4, "does not combine with pipeline parallelism .*set parallel.pp=1 or parallel.cp=1"),
     (["parallel.tp=2"], 4, "does not combine with tensor parallelism .*set parallel.tp=1 or parallel.cp=1"),
     (["model.moe.num_experts=4", "parallel.ep=2"], 4, "does not combine with expert parallelism"),
     (["model.moe.num_experts=4"], 2, "does not combine with MoE layers .*model.moe.num_experts=0"),

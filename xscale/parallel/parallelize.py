@@ -26,7 +26,7 @@ from xscale.models import build_model
 from xscale.models.init import init_weights
 from xscale.models.moe import moe_layers
 from xscale.parallel.activation import apply_activation_checkpointing
-from xscale.parallel.context import apply_context_parallel
+from xscale.parallel.context import SequenceSlice, apply_context_parallel
 from xscale.parallel.data import DataParallel, ReplicatedDataParallel, ZeroDataParallel
 from xscale.parallel.data.fsdp import FullyShardedDataParallel, apply_fsdp
 from xscale.parallel.dims import ParallelDims
@@ -157,12 +157,18 @@ def _parallelize_pipeline(config: Config, dims: ParallelDims, mesh: DeviceMesh, 
     def parallelize_stage(stage: nn.Module) -> None:
         if dims.tp > 1:
             apply_tensor_parallel(stage, mesh["tp"], sequence_parallel=config.parallel.sequence_parallel)
+        if dims.cp > 1:  # every stage holds the same tokens of each sequence
+            apply_context_parallel(stage, mesh["cp"], load_balance=config.parallel.cp_load_balance)
         apply_activation_checkpointing(_stacks(stage), config.parallel.activation_checkpointing)
         _compile_blocks(stage, config)
 
     model = build_model(config.model, materialize=False).use_kernels(config.train.kernels)
     # Each stage's cores sum their running statistics over the stage's dp replicas.
     place = _then(_tensor_parallel_place(config, dims, mesh), replica_statistics(mesh, dims))
+    shard_batch = whole_batch
+    if dims.cp > 1:  # the pipeline runs this cp rank's tokens of the batch
+        layout = SequenceSlice(dims.cp, mesh["cp"].get_local_rank(), config.parallel.cp_load_balance)
+        place, shard_batch = _then(place, lambda context: context.with_sequence(layout)), layout.shard_batch
     if dims.ep > 1:  # every stage's MoE layers exchange tokens over this rank's ep group
         place = _then(place, expert_parallel_context(mesh["ep"]))
     if config.parallel.microbatches is None and dims.microbatches is not None:  # resolved against the batch
@@ -176,4 +182,5 @@ def _parallelize_pipeline(config: Config, dims: ParallelDims, mesh: DeviceMesh, 
                 apply_expert_parallel(stage, mesh["ep"])
     data_parallel = _data_parallel(pipeline.stages, dims, mesh, autocast, config.parallel)(pipeline.stages)
     return ParallelModel(pipeline.stages, data_parallel, micro_batch_size=0, autocast_dtype=autocast,
-                         place=place, pipeline=pipeline, sdpa_backend=config.train.sdpa_backend)
+                         place=place, shard_batch=shard_batch, pipeline=pipeline,
+                         sdpa_backend=config.train.sdpa_backend)

@@ -54,7 +54,8 @@ def forward_backward_step(model: ParallelModel, batch: Batch, context: StepConte
     context = replace(context if context is not None else StepContext(), moe_loss_scale=moe_loss_scale)
     if model.pipeline is not None:
         with model.autocast():
-            total = model.pipeline.step(batch, context, token_count().clamp_min(1), model.routing_groups)
+            total = model.pipeline.step(model.shard_batch(batch), context, token_count().clamp_min(1),
+                                        model.routing_groups)
         data_parallel.after_backward()
         loss_sum = data_parallel.start_loss_reduction(total)
     else:
@@ -88,7 +89,7 @@ def evaluation_loss(model: ParallelModel, batch: Batch, context: StepContext | N
     tokens = global_token_count(model, batch)
     with model.autocast():
         if model.pipeline is not None:
-            total = model.pipeline.evaluate(batch, tokens, model.routing_groups)
+            total = model.pipeline.evaluate(model.shard_batch(batch), tokens, model.routing_groups)
         else:
             total = torch.zeros((), dtype=torch.float32, device=model.device)
             base = StepContext() if context is None else context
