@@ -46,6 +46,25 @@ def test_slices_draw_the_slices_of_the_whole_mask():
     assert torch.equal(rows, whole[5:8])  # a data-parallel rank's (or microbatch's) rows
 
 
+@pytest.mark.parametrize("load_balance", [False, True])
+def test_sequence_parallel_slices_of_a_context_parallel_slice_draw_their_tokens(load_balance):
+    """cp=2 x tp=2 with sequence parallelism: tp rank t holds slice t of its cp rank's tokens, which may be two
+    chunks of the sequence (load balanced); each draws exactly those tokens' rows of the whole mask."""
+    from xscale.parallel.context import SequenceSlice
+
+    whole = mask()
+    for cp_rank in range(2):
+        layout = SequenceSlice(2, cp_rank, load_balance)
+        tokens = layout.coordinates(SHAPE[1] // 2, torch.device("cpu"))
+        for tp_rank in range(2):
+            dropout = Dropout(0.1)
+            dropout.site = 7
+            context = POSITION.with_sequence(layout).with_tensor_parallel(tp_rank, 2, sequence_parallel=True)
+            shard = dropout.keep_mask(torch.Size((SHAPE[0], SHAPE[1] // 4, SHAPE[2])), torch.device("cpu"), context)
+            held = tokens[tp_rank * SHAPE[1] // 4:(tp_rank + 1) * SHAPE[1] // 4]
+            assert torch.equal(shard, whole[:, held]), (cp_rank, tp_rank)
+
+
 def test_masks_at_flat_positions_are_the_whole_masks_elements():
     """keep_at(index) is keep_mask at those row-major positions (block-sparse attention's gathered blocks)."""
     whole = mask()

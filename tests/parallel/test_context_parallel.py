@@ -116,6 +116,23 @@ def test_loss_parity_under_pipeline_parallelism(tmp_path):
                                       "pp_stages_per_rank=2,pp_vocab_parallel=true"], tmp_path, same_grad_norms=True)
 
 
+def test_loss_parity_under_tensor_and_sequence_parallelism(tmp_path):
+    """tp=2 x cp=2 (4 processes): each tp rank's heads gather their K/V over the cp ranks; with sequence parallelism
+    tp rank t holds slice t of its cp rank's (load-balanced) tokens, dropout included."""
+    assert_parity(DECODER + DROPOUT, ["tp=2,cp=2,cp_load_balance=true,sequence_parallel=true"], tmp_path,
+                  same_grad_norms=True)
+
+
+@pytest.mark.slow
+def test_loss_parity_tensor_x_context_parallel_encoder_and_every_dimension(tmp_path):
+    """tp x cp without sequence parallelism for a BERT-style encoder with dropout and full recomputation; pp x tp x cp
+    with sequence parallelism (8 processes)."""
+    assert_parity(ENCODER + DROPOUT, ["tp=2,cp=2,activation_checkpointing=full"], tmp_path / "encoder",
+                  same_grad_norms=True)
+    assert_parity(DECODER, ["pp=2,tp=2,cp=2,microbatches=2,sequence_parallel=true"], tmp_path / "pipeline",
+                  same_grad_norms=True)
+
+
 @pytest.mark.slow
 def test_loss_parity_data_x_pipeline_x_context_parallel(tmp_path):
     """dp_shard=2 x pp=2 x cp=2 (8 processes), ZeRO-3 over dp x cp on every stage."""
@@ -125,6 +142,11 @@ def test_loss_parity_data_x_pipeline_x_context_parallel(tmp_path):
 @pytest.mark.slow
 def test_checkpoint_saved_by_a_context_parallel_pipeline_resumes_on_one_process(tmp_path):
     check_resharding("pp=2,cp=2,microbatches=2,cp_load_balance=true", "single", tmp_path)
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_at_tp_x_cp_resumes_on_one_process(tmp_path):
+    check_resharding("tp=2,cp=2,sequence_parallel=true", "single", tmp_path)
 
 
 @pytest.mark.slow
@@ -139,7 +161,6 @@ def test_checkpoint_saved_at_cp2_zero3_resumes_at_dp_x_cp(tmp_path):
 
 # ------------------------------------------------------------------------------------------------------ refusals
 REFUSALS = [
-    (["parallel.tp=2"], 4, "does not combine with tensor parallelism .*set parallel.tp=1 or parallel.cp=1"),
     (["model.moe.num_experts=4", "parallel.ep=2"], 4, "does not combine with expert parallelism"),
     (["model.moe.num_experts=4"], 2, "does not combine with MoE layers .*model.moe.num_experts=0"),
     (["model.family=encoder_decoder"], 2, "not encoder-decoder models.*model.family=decoder"),

@@ -152,14 +152,17 @@ def _element_hashes(site: int, shape: torch.Size, device: torch.device, context:
     z = _sample_keys(site, shape[0], device, context).view(-1, *[1] * (len(shape) - 1))
     full = list(shape)  # the global shape, whose row-major strides the flat index uses
     sliced = context is not None and context.sequence is not None and token_dim < len(shape)
+    # sequence parallelism inside a context-parallel slice: dim 1 holds slice shard_index of the slice's tokens
+    split = context.tensor_size if sliced and token_dim == 1 and context.sequence_parallel else 1
     if sliced:
-        full[token_dim] = context.sequence_length(shape[token_dim])
+        full[token_dim] = context.sequence_length(shape[token_dim] * split)
     # index * golden = sum over dims of coordinate * stride * golden (mod 2^64): one broadcast add per dim,
     # outermost first, so that only the last add is full-sized.
     for dim in range(1, len(shape)):
         stride = math.prod(full[dim + 1:])
         if sliced and dim == token_dim:
-            coordinates = context.positions(shape[dim], device)
+            coordinates = context.positions(shape[dim] * split, device)
+            coordinates = coordinates[shard_index * shape[dim]:(shard_index + 1) * shape[dim]] if split > 1 else coordinates
         else:
             first = shard_index * shape[dim] if dim == 1 else 0
             coordinates = torch.arange(first, first + shape[dim], device=device, dtype=torch.int64)

@@ -24,8 +24,10 @@ reduce-scatter, on the thread that runs autograd), so every rank issues the same
 the cp group and no work handle outlives its tensors.
 
 Scope: decoders and encoders whose attention cores declare ``cp`` in their parallel_traits (dense/mha/gqa/mqa),
-under any data-parallel layout and under pipeline parallelism (every stage's cores hooked alike; the pipeline runs
-the rank's tokens of the batch). Refused up front (:func:`check_context_parallel`): tensor and expert parallelism, MoE, encoder-decoder models, ``train.compile``, every other attention kind, and sequence lengths that
+under any data-parallel layout, under pipeline parallelism (every stage's cores hooked alike; the pipeline runs
+the rank's tokens of the batch) and under tensor parallelism (each tp rank's heads gather over the cp ranks; with
+sequence parallelism tp rank t holds slice t of the cp rank's tokens). Refused up front
+(:func:`check_context_parallel`): expert parallelism, MoE, encoder-decoder models, ``train.compile``, every other attention kind, and sequence lengths that
 do not split into cp (2cp) equal chunks.
 """
 
@@ -197,12 +199,10 @@ def check_context_parallel_model(model: ModelConfig, cp: int) -> None:
 def check_context_parallel(config: Config, dims: ParallelDims) -> None:
     """Every refusal of ``parallel.cp > 1`` that needs only the degrees and the config (ParallelDims.validate)."""
     cp, parallel = dims.cp, config.parallel
-    for name, degree in (("tp", dims.tp), ("ep", dims.ep)):
-        if degree > 1:
-            what = {"tp": "tensor", "ep": "expert"}[name]
-            raise ConfigError(f"parallel.cp={cp} does not combine with {what} parallelism (parallel.{name}="
-                              f"{degree}); context parallelism composes with data and pipeline parallelism only: "
-                              f"set parallel.{name}=1 or parallel.cp=1")
+    if dims.ep > 1:
+        raise ConfigError(f"parallel.cp={cp} does not combine with expert parallelism (parallel.ep={dims.ep}); "
+                          f"context parallelism composes with data, pipeline and tensor parallelism: set parallel.ep=1 "
+                          f"or parallel.cp=1")
     if config.train.compile:
         raise ConfigError(f"parallel.cp={cp} does not combine with train.compile=true (the attention cores' "
                           "all-gather hooks are not traced); set train.compile=false or parallel.cp=1")
