@@ -140,18 +140,10 @@ def test_loss_parity_data_x_pipeline_x_context_parallel(tmp_path):
 
 
 @pytest.mark.slow
-def test_checkpoint_saved_by_a_context_parallel_pipeline_resumes_on_one_process(tmp_path):
-    check_resharding("pp=2,cp=2,microbatches=2,cp_load_balance=true", "single", tmp_path)
-
-
-@pytest.mark.slow
-def test_checkpoint_saved_at_tp_x_cp_resumes_on_one_process(tmp_path):
-    check_resharding("tp=2,cp=2,sequence_parallel=true", "single", tmp_path)
-
-
-@pytest.mark.slow
-def test_checkpoint_saved_at_cp2_resumes_on_one_process(tmp_path):
-    check_resharding("cp=2", "single", tmp_path)
+@pytest.mark.parametrize("save_layout", ["cp=2", "pp=2,cp=2,microbatches=2,cp_load_balance=true",
+                                         "tp=2,cp=2,sequence_parallel=true"])
+def test_checkpoint_saved_under_context_parallelism_resumes_on_one_process(save_layout, tmp_path):
+    check_resharding(save_layout, "single", tmp_path)
 
 
 @pytest.mark.slow

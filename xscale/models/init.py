@@ -49,7 +49,8 @@ def initial_value(name: str, shape: torch.Size, config: ModelConfig, seed: int) 
     return torch.randn(shape, generator=generator) * std
 
 
-def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
+def copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the full-size value ``full`` into ``param``: the whole of it, or a DTensor's local shard of it."""
     from torch.distributed.tensor import DTensor, distribute_tensor  # models/ runs without torch.distributed
 
     if isinstance(param, DTensor):
@@ -69,7 +70,7 @@ def init_weights(model: nn.Module, config: ModelConfig, seed: int, names: dict[i
             continue
         seen.add(id(param))
         canonical = names.get(id(param), canonical_name(name)) if names else canonical_name(name)
-        _copy_into(param, initial_value(canonical, param.shape, config, seed))
+        copy_into(param, initial_value(canonical, param.shape, config, seed))
     for module in model.modules():
         if isinstance(module, ResetsBuffers):
             with _full_size_buffers(module):
@@ -90,7 +91,7 @@ def _full_size_buffers(module: nn.Module) -> Iterator[None]:
                 swapped.append((name, state))
         yield
         for name, state in swapped:
-            _copy_into(state, module._buffers[name])
+            copy_into(state, module._buffers[name])
     finally:
         for name, state in swapped:
             module._buffers[name] = state

@@ -16,29 +16,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from xscale.models.init import canonical_name
 from xscale.parallel.data import is_expert_parameter
+from xscale.parallel.row_pieces import as_held, as_piece
 
 StateDict = dict[str, Any]
-
-
-def _global_view(local_slice: torch.Tensor, ep_mesh: DeviceMesh) -> DTensor:
-    """The [E/P, ...] slice of this ep rank as a view of the [E, ...] tensor (a copy only under ZeRO-3)."""
-    if isinstance(local_slice, DTensor):  # ZeRO-3: this rank's FSDP shard of the slice
-        local_slice = local_slice.full_tensor()
-    shape = (local_slice.shape[0] * ep_mesh.size(), *local_slice.shape[1:])
-    return DTensor.from_local(local_slice, ep_mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
-                              stride=torch.empty(shape, device="meta").stride())
-
-
-def _local(value: torch.Tensor, like: nn.Parameter) -> torch.Tensor:
-    """A loaded global expert tensor -> what this rank's parameter holds (its slice, or its FSDP shard of it)."""
-    local_slice = value.to_local() if isinstance(value, DTensor) else value
-    if isinstance(like, DTensor):
-        return distribute_tensor(local_slice, like.device_mesh, like.placements, src_data_rank=None)
-    return local_slice
 
 
 def _map_expert_tensors(state: StateDict, convert) -> StateDict:
@@ -61,11 +44,11 @@ def globalize_expert_state(state: StateDict, ep_mesh: DeviceMesh) -> StateDict:
 
     Without ZeRO-3 the DTensors share storage with the parameters, so a DCP load into them is in place.
     """
-    return _map_expert_tensors(state, lambda name, value: _global_view(value, ep_mesh))
+    return _map_expert_tensors(state, lambda name, value: as_piece(value, ep_mesh))
 
 
 def localize_expert_state(state: StateDict, model: nn.Module | list[nn.Module]) -> StateDict:
     """Undo :func:`globalize_expert_state` after a load: each expert tensor back to this rank's local form."""
     parts = model if isinstance(model, list) else [model]
     params = {canonical_name(name): param for part in parts for name, param in part.named_parameters()}
-    return _map_expert_tensors(state, lambda name, value: _local(value, params[name]))
+    return _map_expert_tensors(state, lambda name, value: as_held(value, params[name]))

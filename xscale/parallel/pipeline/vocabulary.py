@@ -34,10 +34,10 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from xscale.config import ParallelConfig
-from xscale.models.init import initial_value
+from xscale.models.init import copy_into, initial_value
 from xscale.models.transformer import Transformer
 from xscale.parallel.tensor.replicated import SumValues
 
@@ -122,12 +122,7 @@ class VocabularyShard(nn.Module):
         parallelism this tp rank's share of them."""
         for name, param in self.output.named_parameters():
             shape = torch.Size((self.config.vocab_size, *param.shape[1:]))
-            rows = initial_value(self.source_name(name), shape, self.config, seed)[self.start:self.end]
-            if isinstance(param, DTensor):
-                rows = distribute_tensor(rows.to(param.device), param.device_mesh, param.placements,
-                                         src_data_rank=None).to_local()
-                param = param.to_local()
-            param.copy_(rows)
+            copy_into(param, initial_value(self.source_name(name), shape, self.config, seed)[self.start:self.end])
 
     @property
     def ends(self) -> bool:

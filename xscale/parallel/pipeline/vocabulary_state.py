@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from xscale.parallel.pipeline.checkpoint import names_param, renamed_key
 from xscale.parallel.pipeline.stages import TIED_SOURCE
 from xscale.parallel.pipeline.vocabulary import VocabularyShard, vocabulary_rows
+from xscale.parallel.row_pieces import as_held, as_piece, piece_rows
 
 StateDict = dict[str, Any]
 
@@ -50,21 +50,13 @@ class VocabularyRows:
     def _saved_name(self, name: str) -> str:
         return TIED_SOURCE if self.tied and name == "output.weight" else name
 
-    def _global(self, rows: torch.Tensor) -> DTensor:
-        """This rank's rows (a ZeRO-3 shard of them gathered first) as its piece of the [V, ...] tensor."""
-        if isinstance(rows, DTensor):
-            rows = rows.full_tensor()
-        shape = torch.Size((self.vocab_size, *rows.shape[1:]))
-        return DTensor.from_local(rows, self.mesh, [Shard(0)], run_check=False, shape=shape,
-                                  stride=torch.empty(shape, device="meta").stride())
-
     def globalize(self, state: StateDict) -> StateDict:
         """A {"model", "optimizer"} state (single-process names, DCP's flattened optimizer keys) with this rank's
         rows as pieces of the [V, ...] tensors; a tied projection's optimizer entries under ``embedding.weight``
         (a rank holding the whole embedding drops the table's own: equal to the rows on the pp ranks)."""
         model, optimizer = dict(state["model"]), dict(state["optimizer"])
         for name in self._params():
-            model[name] = self._global(model[name])
+            model[name] = as_piece(model[name], self.mesh, self.vocab_size)
         if self.tied and self.embedding() is not None:
             for key in [key for key in optimizer if names_param(key, TIED_SOURCE)]:
                 del optimizer[key]
@@ -72,7 +64,7 @@ class VocabularyRows:
             for key in [key for key in optimizer if names_param(key, name)]:
                 value = optimizer.pop(key)
                 optimizer[renamed_key(key, name, self._saved_name(name))] = (
-                    self._global(value) if _is_moment(key, value) else value)
+                    as_piece(value, self.mesh, self.vocab_size) if _is_moment(key, value) else value)
         return {**state, "model": model, "optimizer": optimizer}
 
     def localize(self, state: StateDict) -> StateDict:
@@ -81,7 +73,7 @@ class VocabularyRows:
         model, optimizer = dict(state["model"]), dict(state["optimizer"])
         params = self._params()
         for name, param in params.items():
-            model[name] = _as_param(_rows(model[name]), param)
+            model[name] = as_held(model[name], param)
         embedding = self.embedding() if self.tied else None
         for name, param in params.items():
             saved = self._saved_name(name)
@@ -89,12 +81,12 @@ class VocabularyRows:
                 value = optimizer[key]
                 local_key = renamed_key(key, saved, name)
                 if _is_moment(key, value):
-                    rows = _rows(value)
-                    optimizer[local_key] = _as_param(rows, param)
+                    rows = piece_rows(value)
+                    optimizer[local_key] = as_held(rows, param)
                     if saved != name:  # every pp rank sends its rows to the whole-embedding ranks
                         whole = self._gather_rows(rows)
                         if embedding is not None:
-                            optimizer[key] = _as_param(whole, embedding)
+                            optimizer[key] = as_held(whole, embedding)
                 else:
                     optimizer[local_key] = value.clone() if isinstance(value, torch.Tensor) else value
                 if saved != name and embedding is None:
@@ -120,17 +112,6 @@ class VocabularyRows:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
         return whole
-
-
-def _rows(value: torch.Tensor) -> torch.Tensor:
-    return value.to_local() if isinstance(value, DTensor) else value
-
-
-def _as_param(value: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
-    """``value`` (whole, as this rank's parameter holds it before ZeRO-3) in ``param``'s form."""
-    if isinstance(param, DTensor):
-        return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
-    return value
 
 
 def _is_moment(key: str, value: Any) -> bool:
