@@ -23,14 +23,18 @@ if python3 -c "import xdist" 2>/dev/null; then workers=(-n 6); fi
 if [[ $phase == tests || $phase == all ]]; then
   run pytest timeout "${TESTS_TIMEOUT:-0}" python3 -m pytest -m gpu tests/gpu -q -rfE -p no:cacheprovider "${workers[@]}" --timeout 900
 fi
+limit=${BENCH_TIMEOUT:-0}  # seconds per benchmark, 0: none
 if [[ $phase == train || $phase == all ]]; then
-  run bench_train_gpt2 python3 -m xscale bench train --device cuda --precision bf16 --layers 12 --width 768 \
-    --heads 12 --vocab 50304 --batch 8 --seq 1024 --steps 10 --warmup 3
-  run bench_train_1b python3 -m xscale bench train --device cuda --precision bf16 --layers 24 --width 2048 \
-    --heads 16 --vocab 32000 --batch 4 --seq 2048 --steps 10 --warmup 3
+  run bench_train_gpt2 timeout "$limit" python3 -m xscale bench train --device cuda --precision bf16 --layers 12 \
+    --width 768 --heads 12 --vocab 50304 --batch 8 --seq 1024 --steps 10 --warmup 3
+  for mode in eager compiled; do  # the ~1B decoder, eager, then each block of both models compiled
+    flags=(); [[ $mode == compiled ]] && flags=(--compile)
+    run "bench_train_1b_$mode" timeout "$limit" python3 -m xscale bench train --device cuda --precision bf16 \
+      --layers 24 --width 2048 --heads 16 --vocab 32000 --batch 4 --seq 2048 --steps 10 --warmup 3 \
+      "${flags[@]}"
+  done
 fi
 if [[ $phase == ops || $phase == all ]]; then
-  limit=${BENCH_TIMEOUT:-0}  # seconds per benchmark, 0: none
   run bench_kernels timeout "$limit" python3 -m xscale bench kernels --device cuda --dtype bf16 --csv "$OUT/kernels.csv"
   run bench_attention timeout "$limit" python3 -m xscale bench attention --device cuda \
     --gpu-lengths "${ATTENTION_LENGTHS:-4096,8192,16384,32768,65536}" --out "$OUT/attention"

@@ -67,12 +67,17 @@ def _then(first: Placement, second: Placement) -> Placement:
     return lambda context: second(first(context))
 
 
+def compile_blocks(model: nn.Module) -> None:
+    """Compile each Transformer block's forward in place (``nn.Module.compile``): parameter names do not change."""
+    for block in _blocks(model):
+        block.compile()
+
+
 def _compile_blocks(model: nn.Module, config: Config) -> None:
-    """``train.compile``: compile each block's forward in place (after activation checkpointing, before FSDP, as
-    torchtitan orders them); parameter names do not change."""
+    """``train.compile``: :func:`compile_blocks` after activation checkpointing, before FSDP, as torchtitan orders
+    them."""
     if config.train.compile:
-        for block in _blocks(model):
-            block.compile()
+        compile_blocks(model)
 
 
 def micro_batch_size(config: Config, dims: ParallelDims) -> int:

@@ -7,6 +7,8 @@ alternates between them so that machine noise hits both, and prints tokens/s, th
 MFU against this device's peak (:mod:`xscale.train.peak_flops`: the best of several GEMM shapes in that dtype, cached;
 or ``--peak-flops``), on a GPU also against its datasheet dense peak and with each model's peak memory.
 ``--device``: cpu, cuda, or auto (cuda when there is one); one code path, GPU steps timed between synchronizations.
+``--compile``: each Transformer block of both models compiled (``nn.Module.compile``, xscale's
+``train.compile=true``).
 ``--profile``: a torch.profiler breakdown of one xscale step (the top ops by self time and the share of the step spent
 in matrix products).
 """
@@ -26,6 +28,7 @@ from xscale.interop.hf.load import model_config_from_hf, state_dict_from_hf
 from xscale.models import build_model
 from xscale.models.parameters import count_parameters
 from xscale.parallel.model import ParallelModel
+from xscale.parallel.parallelize import compile_blocks
 from xscale.tools.bench.device import bench_device, synchronize
 from xscale.tools.bench.spread import median_and_quartiles
 from xscale.train.bf16_support import bf16_warning
@@ -108,6 +111,8 @@ def _arguments(argv: list[str] | None):
                         help="fp32, or bf16 autocast (fp32 weights) for both models")
     parser.add_argument("--peak-flops", type=float, default=None,
                         help="FLOP/s for MFU (default: the measured, cached best GEMM rate in --precision's dtype)")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile each Transformer block of both models (xscale's train.compile=true)")
     parser.add_argument("--profile", action="store_true", help="print a torch.profiler breakdown of one xscale step")
     return parser.parse_args(argv)
 
@@ -147,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     ours = build_model(config, device)
     ours.load_state_dict(state_dict_from_hf(hf.state_dict(), config, "gpt2"))
     ours.train()
+    if args.compile:
+        for block in hf.transformer.h:
+            block.compile()
+        compile_blocks(ours)
     parallel = ParallelModel([ours], micro_batch_size=args.batch, autocast_dtype=autocast_dtype)
     hf_optimizer = torch.optim.AdamW(hf.parameters(), lr=1e-4, fused=True)
     our_optimizer = build_optimizer(ours.parameters(), TrainConfig(lr=1e-4))
@@ -165,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else f"{torch.get_num_threads()} threads")
     print(f"GPT-2-shaped: {args.layers} layers, width {args.width}, {args.heads} heads, vocab {args.vocab}, "
-          f"batch {args.batch}x{args.seq}, {args.precision}, {where}")
+          f"batch {args.batch}x{args.seq}, {args.precision}, {'compiled blocks' if args.compile else 'eager'}, "
+          f"{where}")
     source = "given" if args.peak_flops else "best of several GEMM shapes, cached"
     print(f"{args.precision} matmul peak: {peak / 1e9:.1f} GFLOP/s ({source})")
     if datasheet is not None:
