@@ -17,10 +17,10 @@ _BLOCK_V = 1024
 
 
 @triton.jit
-def _cross_entropy_rows_forward(LOGITS, LABELS, LOSS, LSE, vocab, ignore_index, BLOCK_V: tl.constexpr):
+def _cross_entropy_rows_forward(LOGITS, LABELS, LOSS, LSE, vocab, row_stride, ignore_index, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     label = tl.load(LABELS + row)
-    row_start = LOGITS + row * vocab
+    row_start = LOGITS + row * row_stride
     running_max = tl.full((BLOCK_V,), float("-inf"), tl.float32)
     running_sum = tl.zeros((BLOCK_V,), tl.float32)
     for start in range(0, vocab, BLOCK_V):
@@ -40,12 +40,13 @@ def _cross_entropy_rows_forward(LOGITS, LABELS, LOSS, LSE, vocab, ignore_index, 
 
 
 @triton.jit
-def _cross_entropy_rows_backward(LOGITS, LABELS, LSE, GRAD, vocab, ignore_index, BLOCK_V: tl.constexpr):
+def _cross_entropy_rows_backward(LOGITS, LABELS, LSE, GRAD, vocab, row_stride, ignore_index,
+                                 BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     label = tl.load(LABELS + row)
     lse = tl.load(LSE + row)
     scale = tl.where(label != ignore_index, tl.load(GRAD).to(tl.float32), 0.0)
-    row_start = LOGITS + row * vocab
+    row_start = LOGITS + row * row_stride
     for start in range(0, vocab, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < vocab
@@ -54,30 +55,36 @@ def _cross_entropy_rows_backward(LOGITS, LABELS, LSE, GRAD, vocab, ignore_index,
         tl.store(row_start + cols, dz.to(LOGITS.dtype.element_ty), mask=mask)
 
 
+def _rows(logits: torch.Tensor) -> torch.Tensor:
+    """The logits with unit column stride (the chunk loop's padded-row view as it is; anything else copied)."""
+    return logits if logits.stride(1) == 1 and logits.stride(0) >= logits.shape[1] else logits.contiguous()
+
+
 class TritonRowLoss:
-    """The :class:`xscale.ops.chunked_cross_entropy.RowLoss` of the Triton kernels."""
+    """The :class:`xscale.ops.chunked_cross_entropy.RowLoss` of the Triton kernels (rows ``stride(0)`` apart)."""
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = logits.contiguous()
+        logits = _rows(logits)
         rows, vocab = logits.shape
         loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(loss)
-        _cross_entropy_rows_forward[(rows,)](logits, labels.contiguous(), loss, lse, vocab, IGNORE_INDEX,
-                                             BLOCK_V=min(_BLOCK_V, triton.next_power_of_2(vocab)))
+        _cross_entropy_rows_forward[(rows,)](logits, labels.contiguous(), loss, lse, vocab, logits.stride(0),
+                                             IGNORE_INDEX, BLOCK_V=min(_BLOCK_V, triton.next_power_of_2(vocab)))
         return loss, lse
 
     def backward(self, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
                  grad: torch.Tensor) -> torch.Tensor:
-        logits = logits.contiguous()
+        logits = _rows(logits)
         rows, vocab = logits.shape
         grad = grad.reshape(1).to(device=logits.device, dtype=torch.float32)
         _cross_entropy_rows_backward[(rows,)](logits, labels.contiguous(), lse.contiguous(), grad, vocab,
-                                              IGNORE_INDEX, BLOCK_V=min(_BLOCK_V, triton.next_power_of_2(vocab)))
+                                              logits.stride(0), IGNORE_INDEX,
+                                              BLOCK_V=min(_BLOCK_V, triton.next_power_of_2(vocab)))
         return logits
 
     def forward_backward(self, logits: torch.Tensor,
                          labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logits = logits.contiguous()
+        logits = _rows(logits)
         loss, lse = self.forward(logits, labels)  # reads the logits without writing them
         return loss, lse, self.backward(logits, labels, lse, torch.ones((), device=logits.device))
 

@@ -36,6 +36,10 @@ if [[ $phase == train || $phase == all ]]; then
 fi
 if [[ $phase == ops || $phase == all ]]; then
   run bench_kernels timeout "$limit" python3 -m xscale bench kernels --device cuda --dtype bf16 --csv "$OUT/kernels.csv"
+  # the head's GEMMs at an aligned vocabulary (50304 = 786 x 64) beside GPT-2's odd 50257 above: how much of the
+  # cross-entropy row is cuBLAS on unaligned rows (the eager reference) and what the padded logits buffer leaves
+  run bench_kernels_ce_aligned timeout "$limit" python3 -m xscale bench kernels --device cuda --dtype bf16 \
+    --ops linear_cross_entropy --vocab 50304
   run bench_attention timeout "$limit" python3 -m xscale bench attention --device cuda \
     --gpu-lengths "${ATTENTION_LENGTHS:-4096,8192,16384,32768,65536}" --out "$OUT/attention"
   run bench_moe timeout "$limit" python3 -m xscale bench moe --device cuda --ep 1 --dtype bf16

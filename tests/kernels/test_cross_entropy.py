@@ -56,3 +56,21 @@ def test_rows_with_extreme_logits():
     one_pass_loss, one_pass_lse, one_pass_grad = rows.forward_backward(logits.clone(), labels)
     assert torch.allclose(one_pass_loss, want) and torch.allclose(one_pass_lse, lse)
     assert torch.allclose(one_pass_grad * 0.5, want_grad)
+
+
+def test_row_kernels_on_padded_rows_read_and_write_only_the_vocabulary():
+    """The chunk loop hands the kernels rows stride(0) apart (padded to ROW_ALIGNMENT): the padding, filled with nan,
+    is neither read (finite loss) nor written, and the results equal the contiguous rows'."""
+    logits = torch.randn(5, 37)
+    labels = torch.tensor([0, 36, -100, 7, 20])
+    buffer = torch.full((5, 64), float("nan"))
+    padded = buffer[:, :37]
+    padded.copy_(logits)
+    rows = TritonRowLoss()
+    loss, lse = rows.forward(padded, labels)
+    want_loss, want_lse = rows.forward(logits.clone(), labels)
+    assert torch.isfinite(loss).all() and torch.equal(loss, want_loss) and torch.equal(lse, want_lse)
+    got = rows.backward(padded, labels, lse, torch.tensor(2.0))
+    want = rows.backward(logits.clone(), labels, lse, torch.tensor(2.0))
+    assert got.data_ptr() == buffer.data_ptr() and got.stride() == (64, 1) and torch.equal(got, want)
+    assert buffer[:, 37:].isnan().all()

@@ -175,3 +175,35 @@ def test_mismatched_shapes_are_refused():
     with pytest.raises(ValueError, match="cast one"):
         chunked_linear_cross_entropy_sum(torch.randn(4, 8), torch.randn(10, 8, dtype=torch.bfloat16),
                                          torch.zeros(4, dtype=torch.long))
+
+
+class LayoutRecordingRowLoss(TorchRowLoss):
+    """Records the row stride of the logits it gets and whether the gradient rows come back in the same buffer."""
+
+    def __init__(self):
+        self.strides, self.in_place = set(), []
+
+    def forward_backward(self, logits, labels):
+        self.strides.add(logits.stride())
+        loss, lse, rows = super().forward_backward(logits, labels)
+        self.in_place.append(rows.data_ptr() == logits.data_ptr() and rows.stride() == logits.stride())
+        return loss, lse, rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_logit_rows_are_aligned_for_an_odd_vocabulary(dtype):
+    """vocab 997: each chunk's logits are rows 1024 elements apart (ROW_ALIGNMENT), so the GEMMs that write and read
+    them get an aligned leading dimension; the gradient rows are written back into that buffer, and the loss and
+    gradients still match the unfused loss."""
+    from xscale.ops.chunked_cross_entropy import ROW_ALIGNMENT, padded_row_length
+
+    assert padded_row_length(997) == 1024 and padded_row_length(1024) == 1024 and ROW_ALIGNMENT == 64
+    hidden, weight, labels = _problem(dtype)
+    rows = LayoutRecordingRowLoss()
+    got = chunked_linear_cross_entropy_sum(hidden, weight, labels, rows, chunk_tokens=8)
+    assert rows.strides == {(1024, 1)} and all(rows.in_place) and len(rows.in_place) == 7
+    want = reference.linear_cross_entropy_sum(hidden, weight, labels)
+    _check(got, want, dtype, "loss")
+    for g, w, name in zip(torch.autograd.grad(got, [hidden, weight]), torch.autograd.grad(want, [hidden, weight]),
+                          ["hidden", "weight"]):
+        _check(g, w, dtype, f"grad {name}")

@@ -68,3 +68,13 @@ def test_nothing_kept_gives_zeros():
     assert torch.equal(out, torch.zeros(3, 2))
     out.sum().backward()
     assert torch.equal(tokens.grad, torch.zeros(3, 2))
+
+
+@pytest.mark.parametrize("bad", [-1, 4])
+def test_expert_ids_out_of_range_are_refused_with_the_range(bad):
+    from xscale.ops.moe_permute import plan_permutation
+
+    ids = torch.tensor([[0, 1], [2, bad]])
+    with pytest.raises(ValueError, match=rf"must lie in \[0, 4\); got \[{min(bad, 0)}, {max(bad, 2)}\]"):
+        plan_permutation(ids, 4)
+    assert plan_permutation(torch.tensor([[0, 3], [2, 1]]), 4).tokens_per_expert.tolist() == [1, 1, 1, 1]

@@ -25,9 +25,13 @@ import torch
 
 IGNORE_INDEX = -100
 CHUNK_LOGIT_ELEMENTS = 1 << 25  # ~128 MiB of float32 logits per chunk
+ROW_ALIGNMENT = 64  # elements between the starts of two rows of logits: 128-byte aligned rows in bf16
 
 
 class RowLoss(Protocol):
+    """The logits it gets are a (chunk, V) view with unit column stride and rows ``stride(0) >= V`` apart; what it
+    returns in their place keeps that layout (the GEMMs after it read the rows aligned)."""
+
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss per row, log-sum-exp per row), both float32; loss is 0 where labels == -100; may overwrite logits."""
 
@@ -53,7 +57,7 @@ class TorchRowLoss:
         valid = labels != IGNORE_INDEX
         # softmax without a second exp pass over the logits, and 0 on ignored rows, in one pass over the chunk
         probs = exp_rows.mul_((valid.float() / sums).unsqueeze(1))
-        return loss, lse, self._subtract_onehot(probs, labels, valid).to(logits.dtype)
+        return loss, lse, self._into(logits, self._subtract_onehot(probs, labels, valid))
 
     @staticmethod
     def _exp_rows(logits32: torch.Tensor, labels: torch.Tensor):
@@ -73,7 +77,12 @@ class TorchRowLoss:
                  grad: torch.Tensor) -> torch.Tensor:
         # in place: a float32 chunk of logits becomes its own softmax, one (chunk, vocab) buffer in all
         probs = logits.float().sub_(lse.unsqueeze(1)).exp_()
-        return self._minus_onehot(probs, labels, grad).to(logits.dtype)
+        return self._into(logits, self._minus_onehot(probs, labels, grad))
+
+    @staticmethod
+    def _into(logits: torch.Tensor, rows32: torch.Tensor) -> torch.Tensor:
+        """The float32 rows back in the logits' buffer and dtype (the same tensor when the logits are float32)."""
+        return rows32 if rows32.data_ptr() == logits.data_ptr() else logits.copy_(rows32)
 
     @classmethod
     def _minus_onehot(cls, probs: torch.Tensor, labels: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -122,14 +131,25 @@ class _GradientSums:
             self.grad_weight.zero_()
 
 
+def padded_row_length(vocab: int) -> int:
+    """The row stride of the logits buffer: the vocabulary rounded up to ``ROW_ALIGNMENT`` elements."""
+    return -(-vocab // ROW_ALIGNMENT) * ROW_ALIGNMENT
+
+
 class _ChunkLogits:
     """Each chunk's logits h W^T written into one (chunk, V) buffer for the whole pass: a fresh buffer per chunk
     is a fresh mapping above glibc's 32 MiB mmap threshold, page-faulted on first touch (~50 ms of a 180 ms logits
-    GEMM at 1048 x 768 x 32000 on 2 cores)."""
+    GEMM at 1048 x 768 x 32000 on 2 cores).
+
+    The buffer's rows are :func:`padded_row_length` apart, so every GEMM that writes or reads the logits sees an
+    aligned leading dimension whatever the vocabulary (GPT-2's 50257 is odd: 2-byte aligned bf16 rows, which
+    cuBLAS's vectorised tensor-core kernels cannot load). The chunk is the (chunk, V) view of it."""
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, chunk_tokens: int) -> None:
         self.weight = weight
-        self.buffer = hidden.new_empty((min(chunk_tokens, hidden.shape[0]), weight.shape[0]))
+        vocab = weight.shape[0]
+        rows = min(chunk_tokens, hidden.shape[0])
+        self.buffer = hidden.new_empty((rows, padded_row_length(vocab)))[:, :vocab]
 
     def __call__(self, chunk: torch.Tensor) -> torch.Tensor:
         return torch.matmul(chunk, self.weight.t(), out=self.buffer[:chunk.shape[0]])

@@ -26,8 +26,10 @@ def plan_permutation(expert_ids: torch.Tensor, num_experts: int) -> Permutation:
     if expert_ids.dim() != 2:
         raise ValueError(f"expert_ids must be (tokens, top_k), got shape {tuple(expert_ids.shape)}")
     flat = expert_ids.reshape(-1)
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
-        raise ValueError(f"expert ids must lie in [0, {num_experts}); got [{int(flat.min())}, {int(flat.max())}]")
+    if flat.numel():
+        low, high = torch.stack(torch.aminmax(flat)).tolist()  # one device-to-host copy (one GPU sync), not four
+        if low < 0 or high >= num_experts:
+            raise ValueError(f"expert ids must lie in [0, {num_experts}); got [{low}, {high}]")
     top_k = expert_ids.shape[1]
     pair_of = torch.argsort(flat, stable=True)
     position = torch.empty_like(pair_of)

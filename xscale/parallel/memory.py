@@ -36,7 +36,7 @@ import torch
 
 from xscale.config import Config
 from xscale.models import build_model
-from xscale.ops.chunked_cross_entropy import default_chunk_tokens
+from xscale.ops.chunked_cross_entropy import default_chunk_tokens, padded_row_length
 from xscale.parallel.data import is_expert_parameter, local_tensor
 from xscale.parallel.data.gather import GATHER_WINDOW_BYTES
 from xscale.parallel.dims import ParallelDims
@@ -267,7 +267,7 @@ def fused_loss_chunk_bytes(config: Config, tokens: int) -> float:
     if config.model.num_classes > 0:
         return 0.0
     vocab = config.model.vocab_size
-    return float(BYTES_PER_VALUE * default_chunk_tokens(tokens, vocab) * vocab)
+    return float(BYTES_PER_VALUE * default_chunk_tokens(tokens, vocab) * padded_row_length(vocab))
 
 
 def pipeline_buffer_bytes(config: Config, dims: ParallelDims, tokens: int, stages: list[int]) -> float:
