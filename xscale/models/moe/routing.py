@@ -144,7 +144,9 @@ def token_choice_routing(*, expert_index: torch.Tensor, gate: torch.Tensor, disp
     # index_select, not gate[rows, cols]: the backward of advanced indexing is a slow accumulating index_put
     local_gate = gate.reshape(-1).index_select(0, token_index * top_k + choice.index_select(0, mine))
 
-    tokens_per_expert = torch.bincount(sorted_expert[kept], minlength=num_experts)
+    # dropped assignments counted in a last bin and cut off: no boolean index, so no copy to the host
+    tokens_per_expert = torch.bincount(torch.where(kept, sorted_expert, num_experts),
+                                       minlength=num_experts + 1)[:num_experts]
     dropped = 1.0 - kept.sum() / routed.sum().clamp_min(1)
     zero = gate.new_zeros(())
     aux = zero if probs is None else load_balancing_loss(probs, all_expert[:, 0], num_experts, group_tokens)
