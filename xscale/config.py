@@ -199,6 +199,8 @@ class TrainConfig:
     output_dir: str = "runs/default"
     kernels: str = "auto"  # auto | triton | apex | torch
     sdpa_backend: str = "auto"  # scaled_dot_product_attention's kernel: auto | flash | efficient | cudnn | math
+    # the position-sparse cores (local, bigbird, ...): gather (every device) | flex (FlexAttention on CUDA tensors)
+    sparse_attention: str = "gather"
     # AdamW's update: auto (torch's fused kernel, on CPU as on CUDA) | true (foreach) | false (per parameter)
     optimizer_foreach: bool | str = "auto"
     compile: bool = False

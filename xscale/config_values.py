@@ -38,6 +38,7 @@ CHOICES = {
     "train.precision": ("fp32", "bf16"),
     "train.kernels": ("auto", "triton", "apex", "torch"),
     "train.sdpa_backend": ("auto", "flash", "efficient", "cudnn", "math"),
+    "train.sparse_attention": ("gather", "flex"),
     "train.optimizer_foreach": ("auto", True, False),
     "train.on_nonfinite": ("stop", "skip"),
     "checkpoint.verify": ("full", "size", "none"),

@@ -52,6 +52,15 @@ def check_padding_masks(config: Config) -> None:
                               f"the generated lra_* tasks, data.options.{PAD_AS_CONTENT}=true)")
 
 
+def check_sparse_attention(config: Config) -> None:
+    """train.sparse_attention=flex compiles its own FlexAttention kernel; inside blocks that train.compile traces,
+    the BlockMask would be built during tracing, a path not yet run on a GPU: one of the two until it is."""
+    if config.train.sparse_attention == "flex" and config.train.compile:
+        raise ConfigError("train.sparse_attention=flex with train.compile=true is not supported yet (the compiled "
+                          "blocks would trace FlexAttention's BlockMask construction): set train.compile=false, or "
+                          "train.sparse_attention=gather")
+
+
 def validate(config: Config) -> None:
     """Refuse configurations that cannot run: values (:func:`xscale.config_values.check_values`), then component names."""
     check_values(config)
@@ -74,6 +83,7 @@ def validate(config: Config) -> None:
     check_funnel_config(model)
     check_early_exit_config(model, config.train.task)
     check_segment_memory_config(config)
+    check_sparse_attention(config)
     check_installed(config.train.logger_names())  # an optional logger's package (wandb), before anything runs
 
 

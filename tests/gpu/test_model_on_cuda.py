@@ -13,6 +13,8 @@ from gpu_checks import BF16_TOLERANCE, DEVICE, DRY_RUN, FP32_TOLERANCE, cosine, 
 
 from xscale.config import AttentionConfig, ModelConfig, MoEConfig
 from xscale.models import build_model
+from xscale.models.attention.sparse import PatternAttention
+from xscale.models.registry import ATTENTION
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models" / "attention"))
 from test_in_model import SMALL_OPTIONS, _cases  # noqa: E402  (the zoo's core matrix, one place)
@@ -38,20 +40,22 @@ def _run(model: torch.nn.Module, tokens: torch.Tensor, bf16: bool = False):
     return logits, loss, {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
 
 
-def _compare_fp32(config: ModelConfig) -> None:
+def _compare_fp32(config: ModelConfig, sparse_attention: str = "gather") -> None:
     cpu_model = build_model(config)
-    cuda_model = copy.deepcopy(cpu_model).to(DEVICE)
+    cuda_model = copy.deepcopy(cpu_model).to(DEVICE).use_kernels("auto", sparse_attention)
     tokens = torch.randint(0, 64, (2, 37), generator=torch.Generator().manual_seed(0))
     cpu_logits, cpu_loss, cpu_grads = _run(cpu_model, tokens)
     cuda_logits, cuda_loss, cuda_grads = _run(cuda_model, tokens.to(DEVICE))
+    if sparse_attention == "flex":  # the CUDA model's pattern cores went through FlexAttention
+        assert all(core._block_masks for core in cuda_model.modules() if isinstance(core, PatternAttention))
     assert relative_error(cuda_logits, cpu_logits) < FP32_TOLERANCE
     assert cuda_grads.keys() == cpu_grads.keys()
     for name, grad in cpu_grads.items():
         assert relative_error(cuda_grads[name], grad) < 10 * FP32_TOLERANCE, name
 
 
-def _compare_bf16(config: ModelConfig) -> None:
-    model = build_model(config).to(DEVICE)
+def _compare_bf16(config: ModelConfig, sparse_attention: str = "gather") -> None:
+    model = build_model(config).to(DEVICE).use_kernels("auto", sparse_attention)
     tokens = torch.randint(0, 64, (2, 37), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     fp32_logits, fp32_loss, fp32_grads = _run(model, tokens)
     bf16_logits, bf16_loss, bf16_grads = _run(model, tokens, bf16=True)
@@ -72,6 +76,19 @@ def _compare_bf16(config: ModelConfig) -> None:
 @pytest.mark.parametrize("kind,family,allowed", CORES)
 def test_core_on_cuda_matches_cpu_in_fp32(kind, family, allowed):
     _compare_fp32(_config(kind, family))
+
+
+PATTERN_CORES = [case for case in CORES if issubclass(ATTENTION.get(case.values[0]), PatternAttention)]
+
+
+@pytest.mark.parametrize("kind,family,allowed", PATTERN_CORES)
+def test_pattern_core_through_flex_on_cuda_matches_the_gathered_cpu_core(kind, family, allowed):
+    """train.sparse_attention=flex: FlexAttention's forward and backward on CUDA against the gathered path on CPU,
+    in fp32, and under bf16 autocast against its own fp32."""
+    if DRY_RUN:
+        pytest.skip("FlexAttention trains on CUDA only")
+    _compare_fp32(_config(kind, family), sparse_attention="flex")
+    _compare_bf16(_config(kind, family), sparse_attention="flex")
 
 
 @pytest.mark.parametrize("kind,family,allowed", CORES)

@@ -77,6 +77,19 @@ def test_each_pinned_sdpa_backend_trains_like_math(tmp_path, backend):
     _assert_curves_close(pinned, reference, 3e-2)
 
 
+def test_flex_sparse_attention_trains_like_the_gathered_path(tmp_path):
+    """A BigBird decoder (band, global tokens, random blocks) for 5 steps: FlexAttention against the gathered path."""
+    if DRY_RUN:
+        pytest.skip("FlexAttention trains on CUDA only")
+    bigbird = ["model.attention.kind=bigbird", "model.attention.options.window=8",
+               "model.attention.options.global_tokens=4", "model.attention.options.random_blocks=1",
+               "model.attention.options.block_size=8", "train.steps=5", "train.kernels=torch"]
+    gathered, _, _ = _train(tmp_path, "gather", *bigbird)
+    flex, trainer, _ = _train(tmp_path, "flex", *bigbird, "train.sparse_attention=flex")
+    assert trainer.config.train.sparse_attention == "flex"
+    _assert_curves_close(flex, gathered, 1e-3)
+
+
 def test_fused_adamw_and_cuda_peak_memory_in_the_metrics(tmp_path):
     _, trainer, _ = _train(tmp_path, "run", "train.steps=3")
     if not DRY_RUN:

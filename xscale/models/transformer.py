@@ -32,7 +32,7 @@ from xscale.models.reversible import reversible_stack
 from xscale.ops import check_backend
 from xscale.ops.reference import ACTIVATIONS
 from xscale.runtime import StepContext
-from xscale.runtime.hooks import CallsFusedOps
+from xscale.runtime.hooks import CallsFusedOps, RunsSparseAttention
 
 # Model options that change how a stack runs its blocks (``xscale inspect`` names those set; the zoo matrix has a case
 # for each): option -> what it is.
@@ -43,6 +43,8 @@ STACK_VARIANTS = {
     "funnel": "sequence pooled between block groups (Funnel-Transformer, Dai et al. 2020)",
     "early_exit": "a classifier after every layer, exits per example (DeeBERT, Xin et al. 2020; PABEE, Zhou et al. 2020)",
 }
+
+SPARSE_ATTENTION = ("gather", "flex")  # train.sparse_attention
 
 
 def stack_variants(config: ModelConfig) -> list[str]:
@@ -221,14 +223,20 @@ class Transformer(nn.Module):
         if self.config.tie_embeddings and not self.reads_pixels and self.embedding is not None and self.output is not None:
             self.output.weight = self.embedding.weight
 
-    def use_kernels(self, backend: str) -> Transformer:
+    def use_kernels(self, backend: str, sparse_attention: str = "gather") -> Transformer:
         """Run the fused ops (norms, RoPE, gated activations, the loss) through ``backend`` (``train.kernels``:
-        auto | triton | apex | torch; :mod:`xscale.ops.dispatch`): set on every module that calls one, as
+        auto | triton | apex | torch; :mod:`xscale.ops.dispatch`) and the position-sparse attention cores through
+        ``sparse_attention`` (``train.sparse_attention``: gather | flex): set on every module that calls one, as
         :meth:`nn.Module.train` sets the mode."""
         check_backend(backend)
+        if sparse_attention not in SPARSE_ATTENTION:
+            raise ValueError(f"sparse attention '{sparse_attention}' is not one of {', '.join(SPARSE_ATTENTION)} "
+                             "(train.sparse_attention)")
         for module in self.modules():
             if isinstance(module, CallsFusedOps):
                 module.kernels = backend
+            if isinstance(module, RunsSparseAttention):
+                module.sparse_attention = sparse_attention
         return self
 
     @property

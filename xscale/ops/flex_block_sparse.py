@@ -15,6 +15,7 @@ it eagerly, forward only, so training needs a GPU: the CPU paths are the ``trito
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -40,21 +41,31 @@ def _blocks_of(fine: torch.Tensor, factor: int) -> torch.Tensor:
 
 
 def block_mask_from_layout(layout: BlockLayout, seq_q: int, seq_k: int, causal: bool, device: torch.device):
-    """The FlexAttention ``BlockMask`` of a layout (one head, or one per head).
+    """The FlexAttention ``BlockMask`` of a layout (one head, or one per head): :func:`block_mask_of`."""
+    return block_mask_of(layout.mask, layout.block_size, seq_q, seq_k, causal, device)
+
+
+def block_mask_of(mask: torch.Tensor, size: int, seq_q: int, seq_k: int, causal: bool, device: torch.device,
+                  token_rule: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
+    """The FlexAttention ``BlockMask`` of a (Hp, n_q, n_k) bool block layout of ``size``-token blocks (Hp = 1 or
+    one per head), under ``causal``, for seq_q queries and seq_k keys.
 
     A layout finer than the kernel's 128-row tile is described in 128-blocks: one is listed when any of its fine
     blocks is, full when all of them are full, and ``mask_mod`` (which reads the fine layout) does the rest.
+    ``token_rule(head, query, key)``: an exact rule inside the listed blocks (a :mod:`patterns` rule); with one, no
+    block is taken as full and ``mask_mod`` applies it everywhere.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
-    size = layout.block_size
-    mask = layout.mask.to(device)
+    mask = mask.to(device)
     n_q, n_k = mask.shape[1:]
     row = torch.arange(n_q, device=device).view(n_q, 1)
     column = torch.arange(n_k, device=device).view(1, n_k)
     whole = column < (seq_k // size)  # key blocks with no position past seq_k
     if causal:
         whole = whole & (column < row)  # every key of the block precedes every query of the row
+    if token_rule is not None:
+        whole = torch.zeros_like(whole)
     factor = max(1, FLEX_BLOCK // size)
     listed = _blocks_of(mask, factor).any(4).any(2)
     full = _blocks_of(mask & whole, factor).all(4).all(2)
@@ -65,6 +76,8 @@ def block_mask_from_layout(layout: BlockLayout, seq_q: int, seq_k: int, causal: 
     def visible(batch, head, query, key):
         listed = mask[head if per_head else 0, (query // size).clamp(max=n_q - 1), (key // size).clamp(max=n_k - 1)]
         inside = listed & (key < seq_k)
+        if token_rule is not None:
+            inside = inside & token_rule(head, query, key)
         return inside & (key <= query) if causal else inside
 
     return BlockMask.from_kv_blocks(partial_count, partial_index, full_count, full_index, BLOCK_SIZE=size * factor,
@@ -102,3 +115,14 @@ def flex_block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     block_mask = _cached_block_mask(layout, q.shape[-2], k.shape[-2], causal, q.device)
     attend = _compiled_flex_attention() if q.is_cuda else flex_attention
     return attend(q, k, v, block_mask=block_mask, scale=scale)
+
+
+def flex_attention_with(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask,
+                        compiled: bool | None = None) -> torch.Tensor:
+    """q (B, H, Tq, hd), k/v (B, Hkv, Tk, hd) -> (B, H, Tq, hd) through FlexAttention with ``block_mask``
+    (:func:`block_mask_of`); grouped kv heads are FlexAttention's ``enable_gqa``. ``compiled``: the compiled kernel
+    (default: on CUDA; on CPU it runs forward only)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    attend = _compiled_flex_attention() if (q.is_cuda if compiled is None else compiled) else flex_attention
+    return attend(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])

@@ -90,7 +90,8 @@ def parallelize(config: Config, dims: ParallelDims, mesh: DeviceMesh | None, dev
     autocast = torch.bfloat16 if config.train.precision == "bf16" else None
     check_sdpa_backend(config.train.sdpa_backend, device.type)
     if mesh is None or dims.world_size == 1:
-        model = build_model(config.model, device, seed=config.train.seed).use_kernels(config.train.kernels)
+        model = build_model(config.model, device, seed=config.train.seed).use_kernels(
+            config.train.kernels, config.train.sparse_attention)
         apply_activation_checkpointing(_stacks(model), config.parallel.activation_checkpointing)
         _compile_blocks(model, config)
         return ParallelModel([model], micro_batch_size=micro_batch_size(config, dims), autocast_dtype=autocast,
@@ -98,7 +99,8 @@ def parallelize(config: Config, dims: ParallelDims, mesh: DeviceMesh | None, dev
     if dims.pp > 1:
         return _parallelize_pipeline(config, dims, mesh, device, autocast)
 
-    model = build_model(config.model, materialize=False).use_kernels(config.train.kernels)
+    model = build_model(config.model, materialize=False).use_kernels(
+        config.train.kernels, config.train.sparse_attention)
     place, shard_batch = _tensor_parallel_place(config, dims, mesh), whole_batch
     if dims.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=config.parallel.sequence_parallel)
@@ -167,7 +169,8 @@ def _parallelize_pipeline(config: Config, dims: ParallelDims, mesh: DeviceMesh, 
         apply_activation_checkpointing(_stacks(stage), config.parallel.activation_checkpointing)
         _compile_blocks(stage, config)
 
-    model = build_model(config.model, materialize=False).use_kernels(config.train.kernels)
+    model = build_model(config.model, materialize=False).use_kernels(
+        config.train.kernels, config.train.sparse_attention)
     # Each stage's cores sum their running statistics over the stage's dp replicas.
     place = _then(_tensor_parallel_place(config, dims, mesh), replica_statistics(mesh, dims))
     shard_batch = whole_batch

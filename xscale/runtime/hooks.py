@@ -45,4 +45,11 @@ class CallsFusedOps(Protocol):
     kernels: str
 
 
-__all__ = ["CallsFusedOps", "DrawsNoise", "PerStepComponent", "ReportsLayerMetrics", "ResetsBuffers"]
+@runtime_checkable
+class RunsSparseAttention(Protocol):
+    """A position-sparse attention core whose kernel is ``sparse_attention`` (``Transformer.use_kernels``)."""
+
+    sparse_attention: str
+
+
+__all__ = ["RunsSparseAttention", "CallsFusedOps", "DrawsNoise", "PerStepComponent", "ReportsLayerMetrics", "ResetsBuffers"]

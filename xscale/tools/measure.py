@@ -103,7 +103,8 @@ class RankMemory:
 
 def _fake_model(config: Config) -> nn.Module:
     """The single-device model with fake parameters and buffers (built on meta, then given fake storage)."""
-    model = build_model(config.model, materialize=False).use_kernels(config.train.kernels)
+    model = build_model(config.model, materialize=False).use_kernels(
+        config.train.kernels, config.train.sparse_attention)
     for module in model.modules():
         for name, param in list(module._parameters.items()):
             if param is not None:

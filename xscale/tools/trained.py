@@ -72,7 +72,8 @@ def load_trained_model(checkpoint: str | Path, overrides: typing.Sequence[str] =
     step_dir = resolve_checkpoint(path)
     meta = Checkpointer.read_meta(step_dir, verify="full")
     config = checkpoint_config(meta, overrides)
-    model = build_model(config.model, device, seed=config.train.seed).use_kernels(config.train.kernels)
+    model = build_model(config.model, device, seed=config.train.seed).use_kernels(
+        config.train.kernels, config.train.sparse_attention)
     state = model.state_dict()
     check_fingerprint(meta.get("fingerprint", {}), shape_fingerprint(state), step_dir)
     load_state({"model": state}, step_dir)

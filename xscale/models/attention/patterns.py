@@ -163,6 +163,7 @@ class RandomBlocks(Pattern):
     def __init__(self, per_block: int, seed: int) -> None:
         self.per_block, self.seed = per_block, seed
         self._cache: dict[tuple[int, int, bool], Tensor] = {}
+        self._tables: dict[tuple[int, bool, str], Tensor] = {}  # the (n, n) draw on each device ``allows`` ran on
 
     def layout(self, n_query_blocks: int, n_key_blocks: int, block: int, causal: bool) -> Tensor:
         key = (n_query_blocks, n_key_blocks, causal)
@@ -178,8 +179,11 @@ class RandomBlocks(Pattern):
         return self._cache[key]
 
     def allows(self, head: Tensor, query: Tensor, key: Tensor, block: int, causal: bool, n_blocks: int) -> Tensor:
-        table = self.layout(n_blocks, n_blocks, block, causal)[0].to(query.device)
-        return table[query // block, key // block]
+        # one copy per device, kept: a compiled kernel reading the rule (FlexAttention's mask_mod) captures it
+        place = (n_blocks, causal, str(query.device))
+        if place not in self._tables:
+            self._tables[place] = self.layout(n_blocks, n_blocks, block, causal)[0].to(query.device)
+        return self._tables[place][query // block, key // block]
 
 
 class SplitHeads(Pattern):

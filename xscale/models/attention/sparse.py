@@ -19,6 +19,7 @@ from xscale.models.attention.block_sparse import BlockPlan, block_sparse_attenti
 from xscale.models.attention.core import AttentionCore, causal_over_longer_keys
 from xscale.models.registry import ATTENTION
 from xscale.models.traits import ParallelTraits
+from xscale.ops.flex_block_sparse import block_mask_of, flex_attention_with
 from xscale.runtime import StepContext
 
 
@@ -39,14 +40,22 @@ def require_non_negative(kind: str, **values: int) -> None:
 
 
 class PatternAttention(AttentionCore):
-    """Base for the position-sparse cores: subclasses return their pattern from ``make_pattern``."""
+    """Base for the position-sparse cores: subclasses return their pattern from ``make_pattern``.
+
+    ``sparse_attention`` (``train.sparse_attention``, set by ``Transformer.use_kernels``): ``gather`` runs the
+    pattern through :mod:`block_sparse` on every device; ``flex`` runs CUDA tensors through FlexAttention, the
+    pattern's block layout as its ``BlockMask`` and its token rule as ``mask_mod`` (the gathered path stays for
+    CPU tensors, which FlexAttention cannot train on, and for attention dropout, which it does not have).
+    """
 
     parallel_traits = ParallelTraits(tp="split_heads")
+    sparse_attention = "gather"
 
     def __init__(self, model: ModelConfig, layer_index: int, options: Any) -> None:
         super().__init__(model, layer_index, options)
         self.pattern = self.make_pattern()
         self._plans: dict[tuple, BlockPlan] = {}
+        self._block_masks: dict[tuple, Any] = {}
 
     def make_pattern(self) -> P.Pattern:
         raise NotImplementedError
@@ -61,12 +70,37 @@ class PatternAttention(AttentionCore):
                                           n_kv_heads, device, dtype)
         return self._plans[key]
 
+    def block_mask(self, length: int, causal: bool, n_heads: int, device: torch.device):
+        """FlexAttention's ``BlockMask`` of the pattern for ``length`` tokens and the ``n_heads`` heads this core
+        sees, built once per shape (:func:`xscale.ops.flex_block_sparse.block_mask_of`)."""
+        key = (length, causal, n_heads, str(device))
+        if key not in self._block_masks:
+            if len(self._block_masks) >= 8:
+                self._block_masks.clear()
+            block = self.options.block_size
+            n_blocks = -(-length // block)
+            layout = self.pattern.layout(n_blocks, n_blocks, block, causal)
+            if causal:
+                layout = layout & torch.ones(n_blocks, n_blocks, dtype=torch.bool).tril()
+            if layout.shape[0] > 1:
+                layout = layout.expand(n_heads, n_blocks, n_blocks)
+
+            def token_rule(head: Tensor, query: Tensor, key: Tensor) -> Tensor:
+                return self.pattern.allows(head, query, key, block, causal, n_blocks)
+
+            index = torch.zeros(1, dtype=torch.long, device=device)
+            token_rule(index, index, index)  # fills the rule's per-device tables before a kernel captures them
+            self._block_masks[key] = block_mask_of(layout, block, length, length, causal, device, token_rule)
+        return self._block_masks[key]
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None, context: StepContext | None = None) -> Tensor:
         if q.shape[2] != k.shape[2] and not (causal and self.attends_to_memory):
             raise ValueError(f"position-sparse attention is self-attention: query length {q.shape[2]} "
                              f"!= key length {k.shape[2]}")
 
         def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            if self.sparse_attention == "flex" and q.is_cuda and not self.drops_probabilities:
+                return flex_attention_with(q, k, v, self.block_mask(q.shape[2], causal, q.shape[1], q.device))
             plan = self.plan(q.shape[2], causal, q.shape[1], k.shape[1], q.device, q.dtype)
             return block_sparse_attention(q, k, v, plan, self.options.block_size, dropout=self.dropout,
                                           context=context)

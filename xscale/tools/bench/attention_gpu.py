@@ -9,13 +9,17 @@ Rows per length:
     the blocks before it within ``--window`` tokens (128 and 1024: itself and 7 more), through
     ``xscale.ops.block_sparse_attention(..., causal=True, backend="triton")``;
   * ``local_flex``: the same layout through the op's ``backend="flex"`` (FlexAttention with a BlockMask built
-    from the layout); "flex: unavailable (why)" where the op has no such backend.
+    from the layout); "flex: unavailable (why)" where the op has no such backend;
+  * ``zoo_local``: what a model with ``attention.kind=local`` runs, the zoo's core (token window ``--window``,
+    blocks of ``--block``) through its gathered path (``train.sparse_attention=gather``);
+  * ``zoo_local_flex`` (CUDA only): the same core with ``train.sparse_attention=flex``.
 Each row: median milliseconds of ``--repeats`` forward + backward steps timed with CUDA events, after two untimed
 steps (where Triton and FlexAttention compile); peak CUDA memory of one step (``max_memory_allocated`` after a
 reset, so q, k, v and the upstream gradient are included); ratio = flash ms / row ms; the seconds of the two
 untimed steps (compilation included). A row whose untimed step takes longer than ``--max-seconds`` is not timed,
 nor run at longer lengths. At the first length every local row's output and q/k/v gradients are checked against
-the op's PyTorch reference (dense, masked, float32). The CSV is rewritten after each length.
+the op's PyTorch reference (dense, masked, float32), the zoo rows against SDPA over the pattern's token mask in
+float32. The CSV is rewritten after each length.
 
 The same code runs on CPU for the tests: SDPA without forcing a kernel, the local rows through the backend passed.
 """
@@ -33,6 +37,9 @@ import torch
 import torch.nn.functional as F
 
 from xscale import ops
+from xscale.config import ModelConfig
+from xscale.models.attention.core import build_core
+from xscale.models.attention.patterns import reference_mask
 from xscale.ops.block_sparse_attention import BlockLayout
 from xscale.tools.bench.kernels import TOLERANCE, max_relative_error, short_reason
 
@@ -51,8 +58,34 @@ def sliding_window_layout(length: int, block: int, window: int, device: torch.de
     return ops.build_layout(index, count, block, length, length)
 
 
-def make_rows(layout: BlockLayout, device: torch.device, sparse_backend: str) -> dict[str, Attention]:
-    """The attention each row runs; the flash row forces the flash kernel only on CUDA."""
+def zoo_local_core(heads: int, head_dim: int, length: int, block: int, window: int, sparse_attention: str,
+                   device: torch.device) -> torch.nn.Module:
+    """The model zoo's causal ``local`` core (|i - j| <= window, blocks of ``block``) as a model would run it."""
+    config = ModelConfig(n_heads=heads, d_model=heads * head_dim, max_seq_len=length)
+    core = build_core("local", config, 0, {"window": window, "block_size": block}, True, False).to(device)
+    core.sparse_attention = sparse_attention
+    return core
+
+
+def op_reference(layout: BlockLayout) -> Attention:
+    """The op's PyTorch reference over ``layout`` (dense, masked; the check of the local rows)."""
+    return lambda q, k, v: ops.block_sparse_attention(q, k, v, layout, causal=True, backend="torch")
+
+
+def zoo_reference(core: torch.nn.Module) -> Attention:
+    """SDPA over the core's dense token mask, in float32 (the quadratic check of the zoo rows)."""
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        length = q.shape[2]
+        mask = reference_mask(core.pattern, length, core.options.block_size, True)[0].to(q.device)
+        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
+        return out.to(q.dtype)
+    return attend
+
+
+def make_rows(layout: BlockLayout, device: torch.device, sparse_backend: str,
+              zoo: dict[str, torch.nn.Module] | None = None) -> dict[str, Attention]:
+    """The attention each row runs; the flash row forces the flash kernel only on CUDA. ``zoo``: row name -> the
+    zoo core it runs (:func:`zoo_local_core`)."""
 
     def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if device.type == "cuda":
@@ -67,7 +100,10 @@ def make_rows(layout: BlockLayout, device: torch.device, sparse_backend: str) ->
     def local(backend: str) -> Attention:
         return lambda q, k, v: ops.block_sparse_attention(q, k, v, layout, causal=True, backend=backend)
 
-    return {"sdpa_flash": flash, f"local_{sparse_backend}": local(sparse_backend), "local_flex": local("flex")}
+    rows = {"sdpa_flash": flash, f"local_{sparse_backend}": local(sparse_backend), "local_flex": local("flex")}
+    for name, core in (zoo or {}).items():
+        rows[name] = lambda q, k, v, core=core: core(q, k, v, causal=True)
+    return rows
 
 
 def _step(fn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor) -> None:
@@ -104,11 +140,11 @@ def peak_mib(fn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     return torch.cuda.max_memory_allocated(q.device) / 2**20
 
 
-def check_error(fn: Attention, layout: BlockLayout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def check_error(fn: Attention, reference: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 grad: torch.Tensor) -> float:
-    """Max error of output and q/k/v gradients against the op's PyTorch reference, over the reference's scale."""
+    """Max error of output and q/k/v gradients against ``reference``, over the reference's scale."""
     results = []
-    for attend in (fn, lambda q, k, v: ops.block_sparse_attention(q, k, v, layout, causal=True, backend="torch")):
+    for attend in (fn, reference):
         for t in (q, k, v):
             t.grad = None
         out = attend(q, k, v)
@@ -139,8 +175,13 @@ def run_gpu(lengths: list[int], device: torch.device, dtype: torch.dtype, heads:
                          for _ in range(4))
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         layout = sliding_window_layout(length, block, window, device)
+        zoo = {"zoo_local": zoo_local_core(heads, head_dim, length, block, window, "gather", device)}
+        if device.type == "cuda":
+            zoo["zoo_local_flex"] = zoo_local_core(heads, head_dim, length, block, window, "flex", device)
+        references = {name: zoo_reference(core) for name, core in zoo.items()}
+        references[f"local_{sparse_backend}"] = references["local_flex"] = op_reference(layout)
         current, started = [], time.perf_counter()
-        for name, fn in make_rows(layout, device, sparse_backend).items():
+        for name, fn in make_rows(layout, device, sparse_backend, zoo).items():
             row = {"row": name, "length": length, "ms": None, "peak_mib": None, "vs_flash": None,
                    "max_error": None, "warmup_s": None, "note": stopped.get(name, "")}
             rows.append(row)
@@ -160,8 +201,8 @@ def run_gpu(lengths: list[int], device: torch.device, dtype: torch.dtype, heads:
                     continue
                 row["ms"] = statistics.median(time_ms(fn, q, k, v, grad) for _ in range(repeats))
                 row["peak_mib"] = peak_mib(fn, q, k, v, grad)
-                if index == 0 and name.startswith("local_"):
-                    row["max_error"] = check_error(fn, layout, q, k, v, grad)
+                if index == 0 and name.startswith(("local_", "zoo_")):
+                    row["max_error"] = check_error(fn, references[name], q, k, v, grad)
                     if row["max_error"] > TOLERANCE[dtype]:
                         row["note"] = f"MISMATCH vs torch reference (> {TOLERANCE[dtype]:g})"
             except Exception as error:  # one row's failure (no flex backend, OOM, a compile error) skips only it
@@ -178,7 +219,7 @@ def run_gpu(lengths: list[int], device: torch.device, dtype: torch.dtype, heads:
         log(f"T={length:6d} done in {time.perf_counter() - started:.1f} s")
         if after_length is not None:
             after_length(rows)
-        del q, k, v, grad, layout
+        del q, k, v, grad, layout, zoo, references
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -186,7 +227,7 @@ def run_gpu(lengths: list[int], device: torch.device, dtype: torch.dtype, heads:
 
 def target_verdict(row: dict) -> str:
     """The issue's target for a local row at 32K: ">= 3x flash", met or missed."""
-    if not row["row"].startswith("local_") or row["length"] != TARGET_LENGTH:
+    if not row["row"].startswith(("local_", "zoo_")) or row["length"] != TARGET_LENGTH:
         return ""
     verdict = "not measured" if row["vs_flash"] is None else ("met" if row["vs_flash"] >= TARGET_RATIO else "MISSED")
     return f"target >= {TARGET_RATIO:g}x flash: {verdict}"

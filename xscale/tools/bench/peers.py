@@ -56,7 +56,8 @@ def peer_for(zero_stage: int) -> str:
 
 
 def _fresh_model(config: Config, device: torch.device) -> LossModel:
-    model = build_model(config.model, materialize=False).use_kernels(config.train.kernels)
+    model = build_model(config.model, materialize=False).use_kernels(
+        config.train.kernels, config.train.sparse_attention)
     model.to_empty(device=device)
     model.tie_weights()
     init_weights(model, config.model, config.train.seed)
