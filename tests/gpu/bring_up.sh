@@ -18,8 +18,8 @@ run() {  # run NAME COMMAND...: the command's output to $OUT/NAME.txt and to the
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nvidia-smi -L
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
 } 2>&1 | tee "$OUT/device.txt"
-workers=()  # pytest-xdist, where installed, spreads the tier over 6 processes sharing the GPU
-if python3 -c "import xdist" 2>/dev/null; then workers=(-n 6); fi
+workers=()  # pytest-xdist, where installed, spreads the tier over 8 processes sharing the GPU (~4 min)
+if python3 -c "import xdist" 2>/dev/null; then workers=(-n 8); fi
 if [[ $phase == tests || $phase == all ]]; then
   run pytest timeout "${TESTS_TIMEOUT:-0}" python3 -m pytest -m gpu tests/gpu -q -rfE -p no:cacheprovider "${workers[@]}" --timeout 900
 fi
@@ -40,6 +40,9 @@ if [[ $phase == ops || $phase == all ]]; then
   # cross-entropy row is cuBLAS on unaligned rows (the eager reference) and what the padded logits buffer leaves
   run bench_kernels_ce_aligned timeout "$limit" python3 -m xscale bench kernels --device cuda --dtype bf16 \
     --ops linear_cross_entropy --vocab 50304
+  # the memory-bound ops at 8x the tokens (100-800 MB a pass): past the launch overhead that bounds them at 8192
+  run bench_kernels_large timeout "$limit" python3 -m xscale bench kernels --device cuda --dtype bf16 --tokens 65536 \
+    --ops rms_norm,rms_norm_residual,layer_norm_residual,swiglu,geglu,rope,moe_permute --csv "$OUT/kernels_large.csv"
   run bench_attention timeout "$limit" python3 -m xscale bench attention --device cuda \
     --gpu-lengths "${ATTENTION_LENGTHS:-4096,8192,16384,32768,65536}" --out "$OUT/attention"
   run bench_moe timeout "$limit" python3 -m xscale bench moe --device cuda --ep 1 --dtype bf16
