@@ -81,8 +81,10 @@ class TorchRowLoss:
 
     @staticmethod
     def _into(logits: torch.Tensor, rows32: torch.Tensor) -> torch.Tensor:
-        """The float32 rows back in the logits' buffer and dtype (the same tensor when the logits are float32)."""
-        return rows32 if rows32.data_ptr() == logits.data_ptr() else logits.copy_(rows32)
+        """The float32 rows back in the logits' buffer and dtype. Float32 logits are already them: ``.float()``
+        returned the logits themselves and every op since ran in place (no data pointers compared: the step also
+        runs on fake tensors, as ``xscale inspect --measure`` does)."""
+        return rows32 if logits.dtype == torch.float32 else logits.copy_(rows32)
 
     @classmethod
     def _minus_onehot(cls, probs: torch.Tensor, labels: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
