@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from xscale.config import ModelConfig
+from xscale.config_values import CHOICES
 from xscale.models.act import AdaptiveComputationTime
 from xscale.models.block import PRE_NORM_PLACEMENTS, TransformerBlock
 from xscale.models.classifier import ClassificationHead
@@ -44,7 +45,7 @@ STACK_VARIANTS = {
     "early_exit": "a classifier after every layer, exits per example (DeeBERT, Xin et al. 2020; PABEE, Zhou et al. 2020)",
 }
 
-SPARSE_ATTENTION = ("gather", "flex")  # train.sparse_attention
+SPARSE_ATTENTION = CHOICES["train.sparse_attention"]
 
 
 def stack_variants(config: ModelConfig) -> list[str]:

@@ -61,11 +61,12 @@ def block_mask_of(mask: torch.Tensor, size: int, seq_q: int, seq_k: int, causal:
     n_q, n_k = mask.shape[1:]
     row = torch.arange(n_q, device=device).view(n_q, 1)
     column = torch.arange(n_k, device=device).view(1, n_k)
-    whole = column < (seq_k // size)  # key blocks with no position past seq_k
-    if causal:
-        whole = whole & (column < row)  # every key of the block precedes every query of the row
-    if token_rule is not None:
-        whole = torch.zeros_like(whole)
+    if token_rule is not None:  # the rule may cut inside any block: none is full
+        whole = torch.zeros((n_q, n_k), dtype=torch.bool, device=device)
+    else:
+        whole = column < (seq_k // size)  # key blocks with no position past seq_k
+        if causal:
+            whole = whole & (column < row)  # every key of the block precedes every query of the row
     factor = max(1, FLEX_BLOCK // size)
     listed = _blocks_of(mask, factor).any(4).any(2)
     full = _blocks_of(mask & whole, factor).all(4).all(2)

@@ -27,8 +27,9 @@ Scope: decoders and encoders whose attention cores declare ``cp`` in their paral
 under any data-parallel layout, under pipeline parallelism (every stage's cores hooked alike; the pipeline runs
 the rank's tokens of the batch) and under tensor parallelism (each tp rank's heads gather over the cp ranks; with
 sequence parallelism tp rank t holds slice t of the cp rank's tokens). Refused up front
-(:func:`check_context_parallel`): expert parallelism, MoE, encoder-decoder models, ``train.compile``, every other attention kind, and sequence lengths that
-do not split into cp (2cp) equal chunks.
+(:func:`check_context_parallel`): expert parallelism, encoder-decoder models, ``train.compile``, every other attention
+kind, and sequence lengths that do not split into cp (2cp) equal chunks. MoE layers route each microbatch's whole
+sequences over the cp group (:mod:`xscale.parallel.context_experts`).
 """
 
 from __future__ import annotations
@@ -181,9 +182,6 @@ def check_context_parallel_model(model: ModelConfig, cp: int) -> None:
         raise ConfigError(f"parallel.cp={cp}: context parallelism shards decoders and encoders, not encoder-decoder "
                           "models (cross-attention to a sharded memory is not implemented); use model.family=decoder "
                           "or encoder, or parallel.cp=1")
-    if model.moe.num_experts > 0:
-        raise ConfigError(f"parallel.cp={cp} does not combine with MoE layers (model.moe.num_experts="
-                          f"{model.moe.num_experts}); set model.moe.num_experts=0 or parallel.cp=1")
     for kind in sorted(_attention_kinds(model)):
         if not traits_of(ATTENTION.get(kind)).cp:
             served = [name for name in ATTENTION.names() if traits_of(ATTENTION.get(name)).cp]

@@ -27,6 +27,7 @@ from xscale.models.init import init_weights
 from xscale.models.moe import moe_layers
 from xscale.parallel.activation import apply_activation_checkpointing
 from xscale.parallel.context import SequenceSlice, apply_context_parallel
+from xscale.parallel.context_experts import context_parallel_experts
 from xscale.parallel.data import DataParallel, ReplicatedDataParallel, ZeroDataParallel
 from xscale.parallel.data.fsdp import FullyShardedDataParallel, apply_fsdp
 from xscale.parallel.dims import ParallelDims
@@ -110,7 +111,7 @@ def parallelize(config: Config, dims: ParallelDims, mesh: DeviceMesh | None, dev
         place = _then(place, apply_expert_parallel(model, mesh["ep"]))
     if dims.cp > 1:
         layout = apply_context_parallel(model, mesh["cp"], load_balance=config.parallel.cp_load_balance)
-        place, shard_batch = _then(place, lambda context: context.with_sequence(layout)), layout.shard_batch
+        place, shard_batch = _then(place, _context_parallel_place(mesh, layout)), layout.shard_batch
     apply_activation_checkpointing(_stacks(model), config.parallel.activation_checkpointing)
     _compile_blocks(model, config)
     make_data_parallel = _data_parallel([model], dims, mesh, autocast, config.parallel)
@@ -125,6 +126,11 @@ def _tensor_parallel_place(config: Config, dims: ParallelDims, mesh: DeviceMesh)
     if dims.tp == 1:
         return unplaced
     return tensor_parallel_context(mesh["tp"], config.parallel.sequence_parallel)
+
+
+def _context_parallel_place(mesh: DeviceMesh, layout: SequenceSlice) -> Placement:
+    """Every forward holds this cp rank's tokens; its MoE layers (if any) route over the cp group."""
+    return _then(lambda context: context.with_sequence(layout), context_parallel_experts(mesh["cp"].get_group(), layout))
 
 
 def _materialize(model: nn.Module, config: Config, device: torch.device) -> None:
@@ -176,7 +182,7 @@ def _parallelize_pipeline(config: Config, dims: ParallelDims, mesh: DeviceMesh, 
     shard_batch = whole_batch
     if dims.cp > 1:  # the pipeline runs this cp rank's tokens of the batch
         layout = SequenceSlice(dims.cp, mesh["cp"].get_local_rank(), config.parallel.cp_load_balance)
-        place, shard_batch = _then(place, lambda context: context.with_sequence(layout)), layout.shard_batch
+        place, shard_batch = _then(place, _context_parallel_place(mesh, layout)), layout.shard_batch
     if dims.ep > 1:  # every stage's MoE layers exchange tokens over this rank's ep group
         place = _then(place, expert_parallel_context(mesh["ep"]))
     if config.parallel.microbatches is None and dims.microbatches is not None:  # resolved against the batch

@@ -60,10 +60,13 @@ class RecurrentMemory(Protocol):
 
 
 class TokenGroup(Protocol):
-    """The tokens an MoE layer routes together (a routing group): this forward's, or every expert-parallel rank's."""
+    """The tokens an MoE layer routes together (a routing group): this forward's, every expert-parallel rank's, or
+    every context-parallel rank's slice of the same sequences."""
 
-    def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Rows of every member in member order, and the index of this member's first row."""
+    def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This member's rows, batch first ([B, T, c], or [n, c]) -> the group's rows [N, c] in the order one device
+        would hold them, and where this member's rows lie in it ([n] row indices; None: they are the whole group,
+        in order)."""
         ...
 
     def all_reduce(self, value: torch.Tensor) -> torch.Tensor:

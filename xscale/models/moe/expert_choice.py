@@ -13,7 +13,7 @@ import torch
 
 from xscale.config import ConfigError, ModelConfig
 from xscale.models.moe.routers import LearnedRouter
-from xscale.models.moe.routing import Routing, router_probabilities, router_z_loss
+from xscale.models.moe.routing import Routing, local_rows, router_probabilities, router_z_loss
 from xscale.models.registry import ROUTER
 from xscale.runtime import StepContext, TokenGroup
 
@@ -33,15 +33,16 @@ class ExpertChoiceRouter(LearnedRouter):
 
     def forward(self, x: torch.Tensor, group: TokenGroup, context: StepContext | None = None) -> Routing:
         scores, log_normaliser = router_probabilities(self.router_logits(x, context))  # affinities S = softmax(X W)
-        everyone, offset = group.gather(scores.detach())
-        group_tokens, n = everyone.shape[0], scores.shape[0]
+        everyone, member_rows = group.gather(scores.detach().view(*x.shape[:-1], -1))
+        group_tokens = everyone.shape[0]
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
         capacity = min(max(math.ceil(group_tokens * factor / self.num_experts), self.min_capacity), group_tokens)
         chosen = everyone.topk(capacity, dim=0).indices.t()  # [E, c]: each expert's tokens (I = TopK(S^T, c))
         expert_flat = torch.arange(self.num_experts, device=x.device).repeat_interleave(capacity)
         token_flat = chosen.reshape(-1)
-        mine = (token_flat >= offset) & (token_flat < offset + n)
-        token_index = token_flat[mine] - offset
+        local_token = local_rows(token_flat, member_rows, group_tokens)
+        mine = local_token >= 0
+        token_index = local_token[mine]
         expert_index = expert_flat[mine]
         covered = torch.zeros(group_tokens, dtype=torch.bool, device=x.device)
         covered[token_flat] = True

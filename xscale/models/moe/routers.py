@@ -60,11 +60,13 @@ class LearnedRouter(nn.Module):
         return self.capacity_factor if self.training else self.eval_capacity_factor
 
     def route(self, expert_index: torch.Tensor, gate: torch.Tensor, dispatched: torch.Tensor,
-              probs: torch.Tensor, log_normaliser: torch.Tensor, group: TokenGroup) -> Routing:
+              probs: torch.Tensor, log_normaliser: torch.Tensor, group: TokenGroup,
+              token_shape: tuple[int, ...]) -> Routing:
         return token_choice_routing(
             expert_index=expert_index, gate=gate, dispatched=dispatched, num_experts=self.num_experts,
             capacity_factor=self.active_capacity_factor(), min_capacity=self.min_capacity,
             drop_policy=self.drop_policy, group=group, probs=probs, log_normaliser=log_normaliser,
+            token_shape=token_shape,
         )
 
 
@@ -82,7 +84,7 @@ class SwitchRouter(LearnedRouter):
         probs, log_normaliser = router_probabilities(self.router_logits(x, context))
         gate, expert_index = probs.max(dim=-1, keepdim=True)
         return self.route(expert_index, gate, torch.ones_like(expert_index, dtype=torch.bool), probs, log_normaliser,
-                          group)
+                          group, x.shape[:-1])
 
 
 @ROUTER.register("gshard")
@@ -110,4 +112,4 @@ class GShardRouter(LearnedRouter):
         if self.second_expert_policy == "sampling" and self.training:
             draws = uniform_draws(self.site ^ SAMPLING_STREAM, x.shape[:-1], x.device, context).reshape(-1)
             dispatched[:, 1] = draws < 2.0 * gate[:, 1].detach()
-        return self.route(expert_index, gate, dispatched, probs, log_normaliser, group)
+        return self.route(expert_index, gate, dispatched, probs, log_normaliser, group, x.shape[:-1])

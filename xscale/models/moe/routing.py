@@ -23,9 +23,9 @@ from xscale.runtime import TokenGroup
 class LocalTokens:
     """The routing group of one device: the forward call's own tokens."""
 
-    def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Rows of every member in member order, and the index of this member's first row."""
-        return rows, 0
+    def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The rows flattened to [n, c]: this device's tokens are the whole group."""
+        return rows.reshape(-1, rows.shape[-1]), None
 
     def all_reduce(self, value: torch.Tensor) -> torch.Tensor:
         """Sum over the members (detached)."""
@@ -79,6 +79,16 @@ def router_z_loss(log_normaliser: torch.Tensor, group_tokens: int) -> torch.Tens
     return log_normaliser.square().sum() / group_tokens
 
 
+def local_rows(group_rows: torch.Tensor, member_rows: torch.Tensor | None, group_tokens: int) -> torch.Tensor:
+    """This member's row of each group row in ``group_rows``, -1 where another member holds it (``member_rows``:
+    :meth:`TokenGroup.gather`'s placement of this member's rows; None: every row is this member's)."""
+    if member_rows is None:
+        return group_rows
+    local = torch.full((group_tokens,), -1, dtype=torch.long, device=group_rows.device)
+    local[member_rows] = torch.arange(member_rows.numel(), device=group_rows.device)
+    return local.index_select(0, group_rows)
+
+
 def rank_within_expert(expert: torch.Tensor, priority: torch.Tensor | None,
                        num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Order assignments by (expert, priority) and number them within their expert from 0.
@@ -102,7 +112,8 @@ def rank_within_expert(expert: torch.Tensor, priority: torch.Tensor | None,
 def token_choice_routing(*, expert_index: torch.Tensor, gate: torch.Tensor, dispatched: torch.Tensor,
                          num_experts: int, capacity_factor: float | None, min_capacity: int,
                          drop_policy: str, group: TokenGroup,
-                         probs: torch.Tensor | None, log_normaliser: torch.Tensor | None) -> Routing:
+                         probs: torch.Tensor | None, log_normaliser: torch.Tensor | None,
+                         token_shape: tuple[int, ...] | None = None) -> Routing:
     """Each token picked k experts (``expert_index`` [n, k], ``gate`` [n, k]); cut every expert at capacity.
 
     ``dispatched`` [n, k] marks the picks that are sent at all (GShard's sampled second expert).
@@ -110,11 +121,12 @@ def token_choice_routing(*, expert_index: torch.Tensor, gate: torch.Tensor, disp
     ``drop_policy="position"`` keeps tokens in order (earlier first), ``"probs"`` keeps higher gates first.
     Capacity comes from the group's token count (:func:`expert_capacity`); ``capacity_factor=None``: dropless.
     ``probs`` [n, E] and ``log_normaliser`` [n] (:func:`router_probabilities`) feed the auxiliary losses (None: no
-    router).
+    router). ``token_shape``: the batch-first shape (B, T) of the n tokens (a context-parallel group places each
+    rank's tokens in the sequence by it; None: flat).
     """
     n, top_k = expert_index.shape
     packed = torch.cat([expert_index.to(gate.dtype), gate.detach(), dispatched.to(gate.dtype)], dim=1)
-    everyone, offset = group.gather(packed)
+    everyone, member_rows = group.gather(packed if token_shape is None else packed.view(*token_shape, -1))
     group_tokens = everyone.shape[0]
     capacity = (None if capacity_factor is None
                 else expert_capacity(group_tokens, num_experts, top_k, capacity_factor, min_capacity))
@@ -138,8 +150,9 @@ def token_choice_routing(*, expert_index: torch.Tensor, gate: torch.Tensor, disp
 
     token_global = order % group_tokens
     choice = order // group_tokens
-    mine = (kept & (token_global >= offset) & (token_global < offset + n)).nonzero().squeeze(1)
-    token_index = token_global.index_select(0, mine) - offset
+    local_token = local_rows(token_global, member_rows, group_tokens)
+    mine = (kept if member_rows is None else kept & (local_token >= 0)).nonzero().squeeze(1)
+    token_index = local_token.index_select(0, mine)
     local_expert = sorted_expert.index_select(0, mine)
     # index_select, not gate[rows, cols]: the backward of advanced indexing is a slow accumulating index_put
     local_gate = gate.reshape(-1).index_select(0, token_index * top_k + choice.index_select(0, mine))

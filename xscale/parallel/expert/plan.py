@@ -68,7 +68,8 @@ class ExpertParallelTokens:
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
 
-    def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = rows.reshape(-1, rows.shape[-1])
         count = torch.tensor([rows.shape[0]], dtype=torch.long, device=rows.device)
         counts = count.new_empty(self.size)
         all_gather_flat(counts, count, group=self.group)
@@ -79,7 +80,8 @@ class ExpertParallelTokens:
         everyone = rows.new_empty((self.size * longest, *rows.shape[1:]))
         all_gather_flat(everyone, padded.contiguous(), group=self.group)
         pieces = [everyone[r * longest: r * longest + counts[r]] for r in range(self.size)]
-        return torch.cat(pieces), sum(counts[: self.rank])
+        first = sum(counts[: self.rank])
+        return torch.cat(pieces), torch.arange(first, first + rows.shape[0], device=rows.device)
 
     def all_reduce(self, value: torch.Tensor) -> torch.Tensor:
         total = value.detach().clone()

@@ -1,9 +1,11 @@
 """MoE layers over the routing groups of one step: the auxiliary-loss weight and the step's routing statistics.
 
 A routing group is the tokens one forward routes together: one microbatch on one rank, gathered over the ep group
-under expert parallelism (capacity and load-balancing fractions are computed over it, Lepikhin et al. 2020). A step
-of k microbatches on dp data-parallel ranks has G = k x dp / ep of them, in every layout: the single process with
-micro_batch_size = one group's sequences routes exactly the same groups.
+under expert parallelism (capacity and load-balancing fractions are computed over it, Lepikhin et al. 2020), and over
+the cp group under context parallelism (whose ranks hold slices of the same sequences,
+:mod:`xscale.parallel.context_experts`). A step of k microbatches on dp data-parallel ranks has G = k x dp / ep of
+them, in every layout: the single process with micro_batch_size = one group's sequences routes exactly the same
+groups.
 
 - Auxiliary losses (Switch eq. 4, ST-MoE eq. 5) count as their mean over the G groups: each forward's are weighted
   1/G (``StepContext.moe_loss_scale``, which the step gives every forward), and gradients sum over microbatches

@@ -1,0 +1,149 @@
+"""MoE layers under context parallelism (parallel.cp with model.moe): the cp group routes the microbatch's whole
+sequences, so capacity cuts, dropped tokens, auxiliary losses and gradients are one process's.
+
+Module level (2 gloo ranks): for token-choice routers (Switch with position and probs drop policies, GShard's sampled
+second expert, hash routing) and expert choice in an encoder, contiguous and load balanced, each rank's hidden
+states, the summed loss and gradients, and the layer's tokens per expert equal the single-process model's, with
+tokens dropped at capacity. Trainer level: 10-step loss and gradient-norm parity.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from parity_models import DECODER, assert_parity
+from spawned import WORLD, spawn
+
+from xscale.validate import load_config
+
+SEQ, BATCH, SEED = 16, 3, 11
+SMALL = ["model.vocab_size=32", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=16",
+         "train.seq_len=16", "model.moe.num_experts=4", "model.moe.every=1", "model.moe.capacity_factor=1.0",
+         "model.moe.min_capacity=0", "model.moe.aux_loss_coef=0.01", "model.moe.z_loss_coef=0.001",
+         "model.moe.router_dtype=float32", "model.dropout=0.1", "model.moe.jitter=0.1"]
+# (family, router overrides): capacity 1.0 drops tokens, so the order of the routing group's tokens matters.
+CASES = [
+    ("decoder", ["model.moe.router=switch", "model.moe.top_k=1", "model.moe.drop_policy=position"]),
+    ("decoder", ["model.moe.router=switch", "model.moe.top_k=1", "model.moe.drop_policy=probs"]),
+    ("decoder", ["model.moe.router=gshard", "model.moe.top_k=2", "model.moe.second_expert_policy=sampling"]),
+    ("decoder", ["model.moe.router=hash", "model.moe.top_k=1", "model.moe.drop_policy=position"]),
+    ("encoder", ["model.moe.router=expert_choice", "model.moe.top_k=1", "model.position=sinusoidal"]),
+]
+
+
+def _tokens_per_expert(model) -> list[torch.Tensor]:
+    from xscale.models.moe import moe_layers
+
+    return [layer.metrics["tokens_per_expert"].clone() for layer in moe_layers(model)]
+
+
+def _run(model, loss_fn, batch, tokens, context):
+    from xscale.parallel.loss import model_loss_sum
+
+    loss = loss_fn(model_loss_sum, model, batch, context) / tokens
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters()}, _tokens_per_expert(model)
+
+
+def _check_cases(rank: int) -> None:
+    for load_balance in (False, True):
+        _check_layout(rank, load_balance)
+
+
+def _check_layout(rank: int, load_balance: bool) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from xscale.models import build_model
+    from xscale.models.moe import moe_layers
+    from xscale.parallel.context import apply_context_parallel
+    from xscale.parallel.context_experts import context_parallel_experts
+    from xscale.runtime import StepContext
+
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("cp",))
+    generator = torch.Generator().manual_seed(SEED)
+    for family, router in CASES:
+        case = f"{family}/{' '.join(router)}/{'balanced' if load_balance else 'contiguous'}"
+        config = load_config(None, [*SMALL, f"model.family={family}", *router])
+        ids = torch.randint(0, 32, (BATCH, SEQ), generator=generator)
+        labels = torch.randint(0, 32, (BATCH, SEQ), generator=generator)
+        batch = {"input_ids": ids, "labels": labels}
+        tokens = labels.numel()
+        context = StepContext(SEED, step=2)
+
+        reference = build_model(config.model, "cpu", seed=SEED).train()
+        loss, grads, loads = _run(reference, lambda f, m, b, c: f(m, b, c), batch, tokens, context)
+        dropped = [float(layer.metrics["dropped_fraction"]) for layer in moe_layers(reference)]
+        assert max(dropped) > 0, f"{case}: no token dropped, so capacity is not exercised"
+
+        model = build_model(config.model, "cpu", seed=SEED).train()
+        layout = apply_context_parallel(model, mesh, load_balance=load_balance)
+        place = context_parallel_experts(mesh.get_group(), layout)
+
+        def local(f, m, b, c, layout=layout, place=place):  # the trainer's step under cp
+            return f(m, layout.shard_batch(b), place(c.with_sequence(layout)))
+
+        local_loss, local_grads, local_loads = _run(model, local, batch, tokens, context)
+        for got, expected in zip(local_loads, loads, strict=True):
+            assert torch.equal(got, expected), f"{case}: tokens per expert {got.tolist()} != {expected.tolist()}"
+        dist.all_reduce(local_loss, group=mesh.get_group())
+        torch.testing.assert_close(local_loss, loss, rtol=1e-5, atol=1e-6, msg=lambda m, case=case: f"{case}: {m}")
+        for name, grad in local_grads.items():
+            assert grad is not None and grads[name] is not None, f"{case}: no gradient for {name}"
+            dist.all_reduce(grad, group=mesh.get_group())
+            torch.testing.assert_close(grad, grads[name], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, case=case, name=name: f"{case} grad {name}: {m}")
+
+
+def test_moe_under_context_parallelism_equals_one_process():
+    """Every router case, contiguous and load balanced, in one pair of processes."""
+    spawn(_check_cases)
+
+
+def _check_gather_order(rank: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from xscale.parallel.context import SequenceSlice
+    from xscale.parallel.context_experts import ContextParallelTokens
+
+    group = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("cp",)).get_group()
+    for load_balance in (False, True):
+        layout = SequenceSlice(WORLD, rank, load_balance)
+        positions = layout.positions_of(rank, 8, torch.device("cpu"))
+        rows = torch.stack([100 * b + positions for b in range(2)]).unsqueeze(-1).float()  # value = 100 b + t
+        everyone, member_rows = ContextParallelTokens(group, layout).gather(rows)
+        assert everyone.squeeze(-1).tolist() == [100 * b + t for b in range(2) for t in range(8)]
+        assert torch.equal(everyone[member_rows], rows.reshape(-1, 1))
+        with pytest.raises(ValueError, match=r"batch first \[B, T/cp, c\].*token_shape"):
+            ContextParallelTokens(group, layout).gather(rows.reshape(-1, 1))
+
+
+def test_gathered_routing_rows_are_in_global_token_order():
+    spawn(_check_gather_order)
+
+
+# ------------------------------------------------------------------------------------------------ trainer level
+MOE = ["model.moe.num_experts=4", "model.moe.every=1", "model.moe.capacity_factor=1.0", "model.moe.min_capacity=0",
+       "model.moe.router=switch", "model.moe.top_k=1", "model.moe.aux_loss_coef=0.01", "model.moe.z_loss_coef=0.001",
+       "model.moe.router_dtype=float32", "train.micro_batch_size=2"]
+
+
+def test_loss_parity_moe_context_parallel_load_balanced(tmp_path):
+    assert_parity(DECODER + MOE, ["cp=2,cp_load_balance=true,zero_stage=1"], tmp_path, same_grad_norms=True)
+
+
+@pytest.mark.slow
+def test_loss_parity_moe_context_parallel_with_pipeline_tensor_and_data(tmp_path):
+    """pp=2 x cp=2 (1F1B), tp=2 x cp=2 with sequence parallelism (the MoE input gathered over tp first), and
+    dp_shard=2 x cp=2 under ZeRO-3 (4 processes each)."""
+    assert_parity(DECODER + MOE, ["pp=2,cp=2,microbatches=4", "tp=2,cp=2,sequence_parallel=true",
+                                  "dp_shard=2,cp=2,zero_stage=3,cp_load_balance=true"], tmp_path, same_grad_norms=True)
+
+
+def test_context_and_expert_parallelism_together_are_refused():
+    from xscale.config import ConfigError
+    from xscale.parallel.checks import resolve_dims
+
+    config = load_config(None, [*DECODER, *MOE, "parallel.cp=2", "parallel.ep=2"])
+    with pytest.raises(ConfigError, match="does not combine with expert parallelism.*set parallel.ep=1"):
+        resolve_dims(config, 4)
