@@ -2,9 +2,11 @@
 sequences, so capacity cuts, dropped tokens, auxiliary losses and gradients are one process's.
 
 Module level (2 gloo ranks): for token-choice routers (Switch with position and probs drop policies, GShard's sampled
-second expert, hash routing) and expert choice in an encoder, contiguous and load balanced, each rank's hidden
-states, the summed loss and gradients, and the layer's tokens per expert equal the single-process model's, with
-tokens dropped at capacity. Trainer level: 10-step loss and gradient-norm parity.
+second expert, hash routing) and expert choice in an encoder, contiguous and load balanced, the summed loss and
+gradients and the layer's tokens per expert equal the single-process model's, with tokens dropped at capacity.
+Trainer level: 10-step loss and gradient-norm parity, with pipeline, tensor and data parallelism, and with expert
+parallelism (ep x cp: losses and the logged MoE metrics of every step), and an ep x cp checkpoint resumed on one
+process.
 """
 
 from __future__ import annotations
@@ -14,6 +16,15 @@ import torch
 from parity_models import DECODER, assert_parity
 from spawned import WORLD, spawn
 
+from tests.parallel.test_expert_layouts import (
+    GSHARD,
+    HASH,
+    RESHARD_MODEL,
+    SWITCH,
+    TRAINING,
+    assert_layouts_match,
+)
+from tests.parallel.test_resharding import check_resharding
 from xscale.validate import load_config
 
 SEQ, BATCH, SEED = 16, 3, 11
@@ -140,10 +151,38 @@ def test_loss_parity_moe_context_parallel_with_pipeline_tensor_and_data(tmp_path
                                   "dp_shard=2,cp=2,zero_stage=3,cp_load_balance=true"], tmp_path, same_grad_norms=True)
 
 
-def test_context_and_expert_parallelism_together_are_refused():
-    from xscale.config import ConfigError
-    from xscale.parallel.checks import resolve_dims
+# ------------------------------------------------------------------------------------- with expert parallelism
+# ep x cp: an ep group's routing group is its ranks' whole sequences (each gathered over its cp group), so the single
+# process routes ep x (per-rank microbatch) sequences at once; tokens and MoE metrics are compared step by step.
+def test_switch_ep2_by_cp2_matches_one_process(tmp_path):
+    """dp_shard=2 = ep=2 x cp=2 (4 processes), load balanced, ZeRO-1: expert states sharded over dp_expert x cp."""
+    assert_layouts_match([*TRAINING, *SWITCH], 8, ["dp_shard=2,ep=2,cp=2,cp_load_balance=true,zero_stage=1"],
+                         tmp_path)
 
-    config = load_config(None, [*DECODER, *MOE, "parallel.cp=2", "parallel.ep=2"])
-    with pytest.raises(ConfigError, match="does not combine with expert parallelism.*set parallel.ep=1"):
-        resolve_dims(config, 4)
+
+@pytest.mark.slow
+def test_gshard_and_hash_ep_by_cp_match_one_process(tmp_path):
+    """GShard top-2 at ep=2 x cp=2 under ZeRO-3 (the experts FSDP units over dp_expert x cp); hash routing at
+    dp_shard=4 (dp_expert=2 x ep=2) x cp=2 under ZeRO-2 (8 processes: dp_expert x cp is a strided mesh view)."""
+    assert_layouts_match([*TRAINING, *GSHARD], 8, ["dp_shard=2,ep=2,cp=2,zero_stage=3"], tmp_path / "gshard")
+    assert_layouts_match([*TRAINING, *HASH], 4, ["dp_shard=4,ep=2,cp=2,zero_stage=2,cp_load_balance=true"],
+                         tmp_path / "hash")
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_at_ep_by_cp_resumes_on_one_process(tmp_path):
+    check_resharding("dp_shard=2,ep=2,cp=2,zero_stage=3", "single", tmp_path, model=RESHARD_MODEL)
+
+
+def test_inspect_reports_experts_sharded_over_dp_expert_and_cp():
+    from xscale.parallel.checks import resolve_dims
+    from xscale.parallel.memory import predicted_state_bytes
+    from xscale.tools.inspect import layout_report
+
+    config = load_config(None, [*TRAINING, *SWITCH, "parallel.dp_shard=2", "parallel.ep=2", "parallel.cp=2",
+                                "parallel.zero_stage=3"])
+    dims = resolve_dims(config, 4)
+    assert (dims.dp_expert, dims.edp, dims.cp) == (1, 1, 2)
+    state = predicted_state_bytes(1000, dims, expert_params=600)
+    assert state["parameters"] == 4 * (400 / 4 + 600 / 2 / 2)  # dense over dp x cp; experts / ep, over edp x cp
+    assert "ZeRO-3 over dp_expert=1 x cp=2" in "\n".join(layout_report(config, 4))

@@ -153,7 +153,6 @@ def test_checkpoint_saved_at_cp2_zero3_resumes_at_dp_x_cp(tmp_path):
 
 # ------------------------------------------------------------------------------------------------------ refusals
 REFUSALS = [
-    (["model.moe.num_experts=4", "parallel.ep=2"], 4, "does not combine with expert parallelism"),
     (["model.family=encoder_decoder"], 2, "not encoder-decoder models.*model.family=decoder"),
     (["train.compile=true"], 2, r"does not combine with train.compile=true .*; set train.compile=false"),
     (["model.attention.kind=linformer"], 2, "attention 'linformer' is not sharded by context parallelism.*dense, gqa, mha, mqa"),

@@ -34,8 +34,6 @@ REFUSED = [
     (["parallel.pp=8", "parallel.dp_shard=1"], 8, "model.n_layers=4 cannot fill 8 pipeline stages"),
     (["parallel.pp=2", "parallel.dp_shard=1", "parallel.microbatches=3"], 2, "does not split into parallel.microbatches=3"),
     (["parallel.zero_stage=4"], 2, "must be 0 (DDP)"),
-    (["parallel.cp=2", "parallel.ep=2", "model.moe.num_experts=4"], 4,
-     "parallel.cp=2 does not combine with expert parallelism"),
     (["parallel.cp=3"], 4, "not divisible by pp x dp_replicate x cp x tp = 1 x 1 x 3 x 1 = 3"),
     (["parallel.dp_shard=0"], 2, "dp_shard must be >= 1"),
     (["parallel.tp=0"], 2, "parallel.tp must be >= 1"),

@@ -27,9 +27,9 @@ Scope: decoders and encoders whose attention cores declare ``cp`` in their paral
 under any data-parallel layout, under pipeline parallelism (every stage's cores hooked alike; the pipeline runs
 the rank's tokens of the batch) and under tensor parallelism (each tp rank's heads gather over the cp ranks; with
 sequence parallelism tp rank t holds slice t of the cp rank's tokens). Refused up front
-(:func:`check_context_parallel`): expert parallelism, encoder-decoder models, ``train.compile``, every other attention
-kind, and sequence lengths that do not split into cp (2cp) equal chunks. MoE layers route each microbatch's whole
-sequences over the cp group (:mod:`xscale.parallel.context_experts`).
+(:func:`check_context_parallel`): encoder-decoder models, ``train.compile``, every other attention kind, and sequence
+lengths that do not split into cp (2cp) equal chunks. MoE layers route each microbatch's whole sequences over the cp
+group, and under expert parallelism over the ep group's cp groups (:mod:`xscale.parallel.context_experts`).
 """
 
 from __future__ import annotations
@@ -197,10 +197,6 @@ def check_context_parallel_model(model: ModelConfig, cp: int) -> None:
 def check_context_parallel(config: Config, dims: ParallelDims) -> None:
     """Every refusal of ``parallel.cp > 1`` that needs only the degrees and the config (ParallelDims.validate)."""
     cp, parallel = dims.cp, config.parallel
-    if dims.ep > 1:
-        raise ConfigError(f"parallel.cp={cp} does not combine with expert parallelism (parallel.ep={dims.ep}); "
-                          f"context parallelism composes with data, pipeline and tensor parallelism: set parallel.ep=1 "
-                          f"or parallel.cp=1")
     if config.train.compile:
         raise ConfigError(f"parallel.cp={cp} does not combine with train.compile=true (the attention cores' "
                           "all-gather hooks are not traced); set train.compile=false or parallel.cp=1")

@@ -9,22 +9,26 @@ states), puts them in global token order, makes the capacity cut as one device w
 its own kept tokens. No hidden state moves between ranks. The auxiliary losses are each rank's share of the group's
 (:mod:`xscale.models.moe.routing`), so with gradients summed over dp x cp they are one device's.
 
-Expert parallelism combined with context parallelism is refused (:func:`xscale.parallel.context.check_context_parallel`).
+Under expert parallelism as well (``ep x cp``) the ep group's routing group is the cp-gathered sequences of each of its
+ranks (:class:`xscale.parallel.expert.plan.ExpertParallelTokens` ``within``), and the kept tokens travel to their
+experts' ranks over the ep group of this rank's cp coordinate.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from xscale.models.moe import LocalExperts
 from xscale.parallel.collectives import all_gather_flat
 from xscale.parallel.context import SequenceSlice
 from xscale.runtime import Placement
 
 
-class ContextParallelTokens(LocalExperts):
+class ContextParallelTokens:
     """The routing group of a cp group (a :class:`~xscale.runtime.ExpertExchange` whose experts are all local)."""
+
+    experts_local = True
 
     def __init__(self, group: dist.ProcessGroup, layout: SequenceSlice) -> None:
         self.group, self.layout = group, layout
@@ -53,8 +57,18 @@ class ContextParallelTokens(LocalExperts):
         dist.all_reduce(total, group=self.group)
         return total
 
+    def dispatch(self, tokens_by_expert: torch.Tensor, tokens_per_expert: torch.Tensor,
+                 experts: nn.Module) -> torch.Tensor:
+        """Every expert is here: apply them to this rank's tokens, sorted by expert."""
+        return experts(tokens_by_expert, tokens_per_expert.tolist())
+
+
+def moe_routing_over(tokens: ContextParallelTokens) -> Placement:
+    """What a forward under context parallelism (without expert parallelism) tells its MoE layers: route over the cp
+    group."""
+    return lambda context: context.with_experts(tokens)
+
 
 def context_parallel_experts(group: dist.ProcessGroup, layout: SequenceSlice) -> Placement:
-    """What a forward under context parallelism tells its MoE layers: route over the cp group ``group``."""
-    exchange = ContextParallelTokens(group, layout)
-    return lambda context: context.with_experts(exchange)
+    """:func:`moe_routing_over` the cp group ``group`` of this rank's ``layout``."""
+    return moe_routing_over(ContextParallelTokens(group, layout))

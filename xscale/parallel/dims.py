@@ -8,7 +8,8 @@ Mesh dimensions, outermost first: ``pp, dp_replicate, dp_expert, ep, cp, tp``; f
 (dp_expert x ep), ``dp`` (every data-parallel rank) and ``edp`` (dp_replicate x dp_expert: the ranks that share
 experts). Context parallelism (``cp``, :mod:`xscale.parallel.context`) gives the ranks of one cp group the same
 samples and a slice of each sequence's tokens: under it gradients and losses are summed over ``dp_cp``
-(dp x cp) and ZeRO shards over ``dp_shard_cp`` (dp_shard x cp), two more flattened views. Every other module
+(dp x cp) and ZeRO shards over ``dp_shard_cp`` (dp_shard x cp), two more flattened views; expert gradients are
+summed over ``edp_cp`` (edp x cp) and ZeRO shards experts over ``dp_expert_cp`` (dp_expert x cp). Every other module
 asks a :class:`ParallelDims` for sizes, ranks and groups, never the world directly.
 """
 
@@ -88,6 +89,8 @@ class ParallelDims:
         if self.cp > 1:
             mesh["dp_expert", "ep", "cp"]._flatten("dp_shard_cp")
             mesh["dp_replicate", "dp_expert", "ep", "cp"]._flatten("dp_cp")
+            mesh["dp_expert", "cp"]._flatten("dp_expert_cp")  # not adjacent (ep between): a strided view
+            mesh["dp_replicate", "dp_expert", "cp"]._flatten("edp_cp")
         return mesh
 
 

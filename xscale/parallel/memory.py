@@ -15,7 +15,7 @@ embedding, the last the head, and with tied embeddings the last its own copy, as
 one of the embedding (so the stages hold more than Psi). Under expert parallelism the Psi_E expert
 parameters are divided by ep x pp instead (experts are replicated over tp) and ZeRO shards them over the edp
 ranks that hold the same experts, N_E = dp / ep, instead of N. Context parallelism (cp) does not divide Psi: its
-ranks hold the same parameters, and ZeRO shards over them too, N = dp x cp.
+ranks hold the same parameters, and ZeRO shards over them too, N = dp x cp (N_E = dp / ep x cp).
 
 A rank's peak (:class:`PeakTerms`, ``xscale inspect --measure``, ``xscale bench memory``) adds to the model state
 the largest of two phases: forward/backward (activations, each rank's share by
@@ -55,7 +55,8 @@ def predicted_state_bytes(num_params: int, dims: ParallelDims, expert_params: in
     ``expert_params`` of the ``num_params`` are MoE expert weights (they matter only when ep > 1)."""
     stage = dims.zero_stage if dims.dp_cp > 1 else 0
     if dims.ep > 1:
-        kinds = [(num_params - expert_params, dims.tp * dims.pp, dims.dp), (expert_params, dims.ep * dims.pp, dims.edp)]
+        kinds = [(num_params - expert_params, dims.tp * dims.pp, dims.dp_cp),
+                 (expert_params, dims.ep * dims.pp, dims.edp * dims.cp)]
     else:  # context-parallel ranks hold the same parameters: ZeRO shards over dp x cp
         kinds = [(num_params, dims.tp * dims.pp, dims.dp_cp)]
     state = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0}

@@ -27,7 +27,7 @@ from xscale.models.init import init_weights
 from xscale.models.moe import moe_layers
 from xscale.parallel.activation import apply_activation_checkpointing
 from xscale.parallel.context import SequenceSlice, apply_context_parallel
-from xscale.parallel.context_experts import context_parallel_experts
+from xscale.parallel.context_experts import ContextParallelTokens, moe_routing_over
 from xscale.parallel.data import DataParallel, ReplicatedDataParallel, ZeroDataParallel
 from xscale.parallel.data.fsdp import FullyShardedDataParallel, apply_fsdp
 from xscale.parallel.dims import ParallelDims
@@ -105,13 +105,17 @@ def parallelize(config: Config, dims: ParallelDims, mesh: DeviceMesh | None, dev
     place, shard_batch = _tensor_parallel_place(config, dims, mesh), whole_batch
     if dims.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=config.parallel.sequence_parallel)
+    routing_within = None
+    if dims.cp > 1:
+        layout = apply_context_parallel(model, mesh["cp"], load_balance=config.parallel.cp_load_balance)
+        place, shard_batch = _then(place, lambda context: context.with_sequence(layout)), layout.shard_batch
+        routing_within = ContextParallelTokens(mesh["cp"].get_group(), layout)
     if dims.ep > 1:
         # Expert parallelism slices materialised experts, so the slices are rows of the single-process init.
         _materialize(model, config, device)
-        place = _then(place, apply_expert_parallel(model, mesh["ep"]))
-    if dims.cp > 1:
-        layout = apply_context_parallel(model, mesh["cp"], load_balance=config.parallel.cp_load_balance)
-        place, shard_batch = _then(place, _context_parallel_place(mesh, layout)), layout.shard_batch
+        place = _then(place, apply_expert_parallel(model, mesh["ep"], within=routing_within))
+    elif routing_within is not None:  # MoE layers (if any) route over the cp group
+        place = _then(place, moe_routing_over(routing_within))
     apply_activation_checkpointing(_stacks(model), config.parallel.activation_checkpointing)
     _compile_blocks(model, config)
     make_data_parallel = _data_parallel([model], dims, mesh, autocast, config.parallel)
@@ -126,11 +130,6 @@ def _tensor_parallel_place(config: Config, dims: ParallelDims, mesh: DeviceMesh)
     if dims.tp == 1:
         return unplaced
     return tensor_parallel_context(mesh["tp"], config.parallel.sequence_parallel)
-
-
-def _context_parallel_place(mesh: DeviceMesh, layout: SequenceSlice) -> Placement:
-    """Every forward holds this cp rank's tokens; its MoE layers (if any) route over the cp group."""
-    return _then(lambda context: context.with_sequence(layout), context_parallel_experts(mesh["cp"].get_group(), layout))
 
 
 def _materialize(model: nn.Module, config: Config, device: torch.device) -> None:
@@ -180,11 +179,15 @@ def _parallelize_pipeline(config: Config, dims: ParallelDims, mesh: DeviceMesh, 
     # Each stage's cores sum their running statistics over the stage's dp replicas.
     place = _then(_tensor_parallel_place(config, dims, mesh), replica_statistics(mesh, dims))
     shard_batch = whole_batch
+    routing_within = None
     if dims.cp > 1:  # the pipeline runs this cp rank's tokens of the batch
         layout = SequenceSlice(dims.cp, mesh["cp"].get_local_rank(), config.parallel.cp_load_balance)
-        place, shard_batch = _then(place, _context_parallel_place(mesh, layout)), layout.shard_batch
+        place, shard_batch = _then(place, lambda context: context.with_sequence(layout)), layout.shard_batch
+        routing_within = ContextParallelTokens(mesh["cp"].get_group(), layout)
     if dims.ep > 1:  # every stage's MoE layers exchange tokens over this rank's ep group
-        place = _then(place, expert_parallel_context(mesh["ep"]))
+        place = _then(place, expert_parallel_context(mesh["ep"], within=routing_within))
+    elif routing_within is not None:
+        place = _then(place, moe_routing_over(routing_within))
     if config.parallel.microbatches is None and dims.microbatches is not None:  # resolved against the batch
         config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel,
                                                                           microbatches=dims.microbatches))

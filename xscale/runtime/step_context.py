@@ -76,7 +76,11 @@ class TokenGroup(Protocol):
 
 class ExpertExchange(TokenGroup, Protocol):
     """Expert parallelism's routing group and token exchange (:mod:`xscale.parallel.expert`): the routing group is
-    every ep rank's tokens; each rank holds some experts and the tokens go to the rank holding theirs."""
+    every ep rank's tokens; each rank holds some experts and the tokens go to the rank holding theirs.
+    ``experts_local``: every expert is on this rank (no token moves), so a top-1 layer may dispatch and combine
+    inside the experts' pass."""
+
+    experts_local: bool
 
     def dispatch(self, tokens_by_expert: torch.Tensor, tokens_per_expert: torch.Tensor, experts: Any) -> torch.Tensor: ...
 

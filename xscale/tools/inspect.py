@@ -125,8 +125,10 @@ def _model_slice(config: Config, dims, at: dict[str, int]) -> str:
         parts.append("tokens " + " + ".join(f"[{c * size}, {(c + 1) * size})" for c in chunks))
     if dims.ep > 1:
         experts = f"experts {_share(at['ep'], model.moe.num_experts, dims.ep)}"
-        if dims.fsdp and dims.dp_expert > 1:  # ZeRO-3 shards them further over the ranks holding the same experts
-            experts += f" (at rest 1/{dims.dp_expert} of their weights, ZeRO-3 over dp_expert={dims.dp_expert})"
+        shards = dims.dp_expert * dims.cp  # ZeRO-3 shards them further over the ranks holding the same experts
+        if dims.fsdp and shards > 1:
+            over = f"dp_expert={dims.dp_expert}" + (f" x cp={dims.cp}" if dims.cp > 1 else "")
+            experts += f" (at rest 1/{shards} of their weights, ZeRO-3 over {over})"
         parts.append(experts)
     return "; ".join(parts)
 

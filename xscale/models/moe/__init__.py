@@ -3,7 +3,6 @@
 from xscale.models.moe import expert_choice, hash_router, routers  # noqa: F401  (register the routers)
 from xscale.models.moe.layer import (
     AttachAuxiliaryLoss,
-    LocalExperts,
     MoELayer,
     build_moe,
     check_moe_config,
@@ -12,5 +11,5 @@ from xscale.models.moe.layer import (
     routing_summary,
 )
 
-__all__ = ["AttachAuxiliaryLoss", "LocalExperts", "MoELayer", "build_moe", "check_moe_config", "collect_moe_metrics", "moe_layers",
+__all__ = ["AttachAuxiliaryLoss", "MoELayer", "build_moe", "check_moe_config", "collect_moe_metrics", "moe_layers",
            "routing_summary"]

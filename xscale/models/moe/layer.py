@@ -40,6 +40,8 @@ class AttachAuxiliaryLoss(torch.autograd.Function):
 class LocalExperts(LocalTokens):
     """Every expert on this device: the forward's own tokens are the routing group, applied to the experts directly."""
 
+    experts_local = True
+
     def dispatch(self, tokens_by_expert: torch.Tensor, tokens_per_expert: torch.Tensor,
                  experts: StackedExperts) -> torch.Tensor:
         return experts(tokens_by_expert, tokens_per_expert.tolist())
@@ -97,7 +99,7 @@ class MoELayer(nn.Module):
         tokens = x.reshape(-1, x.shape[-1])
         exchange = self._exchange(context)
         routing = self.router(x, exchange, context)
-        if routing.one_per_token and isinstance(exchange, LocalExperts):  # dispatch and combine in the experts' pass
+        if routing.one_per_token and exchange.experts_local:  # dispatch and combine in the experts' pass
             output = self.experts(tokens, routing.local_tokens_per_expert.tolist(), routing.token_index, routing.gate)
         else:
             assignment = assignment_of_token(routing.token_index, tokens.shape[0]) if routing.one_per_token else None

@@ -41,8 +41,11 @@ from xscale.parallel.dims import ParallelDims
 
 def data_parallel_mesh(mesh: DeviceMesh, dims: ParallelDims, expert: bool = False) -> DeviceMesh:
     """The mesh FSDP shards over: (dp_replicate, dp_shard) for HSDP, else dp_shard (dp_expert for experts;
-    dp_shard x cp under context parallelism, whose ranks hold the same parameters)."""
-    shard = "dp_expert" if expert else "dp_shard_cp" if dims.cp > 1 else "dp_shard"
+    x cp under context parallelism, whose ranks hold the same parameters)."""
+    if expert:
+        shard = "dp_expert_cp" if dims.cp > 1 else "dp_expert"
+    else:
+        shard = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
     return mesh["dp_replicate", shard] if dims.dp_replicate > 1 else mesh[shard]
 
 
@@ -87,7 +90,7 @@ def _prefetch_on_cpu(blocks: list[nn.Module]) -> None:
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, param_dtype: torch.dtype | None,
                blocks: list[nn.Module], expert_modules: list[nn.Module] = ()) -> None:
-    """Shard ``model`` in place: each of ``blocks`` one unit (experts their own unit over ``edp``), then the root."""
+    """Shard ``model`` in place: each of ``blocks`` one unit (experts their own unit over ``edp``, x cp), then the root."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else \
         MixedPrecisionPolicy()
     dense_mesh = data_parallel_mesh(mesh, dims)

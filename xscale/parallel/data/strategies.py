@@ -102,6 +102,9 @@ class DataParallel:
         context_parallel = dims is not None and dims.cp > 1
         self.reduce_dim = "dp_cp" if context_parallel else "dp"
         self.shard_dim = "dp_shard_cp" if context_parallel else "dp_shard"
+        # Expert gradients: over the ranks holding the same experts (edp), and the cp ranks of each.
+        self.expert_reduce_dim = "edp_cp" if context_parallel else "edp"
+        self.expert_shard_dim = "dp_expert_cp" if context_parallel else "dp_expert"
 
     # Whether the forward gathers parameters with the other ranks (ZeRO-3), so that every rank must run the same
     # blocks (no rank may stop a forward early).
@@ -225,7 +228,7 @@ class ReplicatedDataParallel(DataParallel):
         bucketed = []
         for entry in self.parameters:
             expert = is_expert_parameter(entry.name) and self.expert_parallel > 1
-            dimension = "edp" if expert else self.reduce_dim
+            dimension = self.expert_reduce_dim if expert else self.reduce_dim
             if entry.param.requires_grad and self.mesh[dimension].size() > 1:
                 bucketed.append((entry.param, BucketGroups(None, 1, self.mesh[dimension].get_group(), dimension)))
         return bucketed
@@ -301,7 +304,7 @@ class ZeroDataParallel(ReplicatedDataParallel):
 
     def _groups(self, name: str) -> tuple[DeviceMesh, DeviceMesh]:
         expert = is_expert_parameter(name) and self.expert_parallel > 1
-        return self.mesh["dp_expert" if expert else self.shard_dim], self.mesh["dp_replicate"]
+        return self.mesh[self.expert_shard_dim if expert else self.shard_dim], self.mesh["dp_replicate"]
 
     def _partition(self, entry: NamedParameter) -> _Partition:
         shard_mesh, replicate_mesh = self._groups(entry.name)

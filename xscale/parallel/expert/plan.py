@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from xscale.config import ConfigError
 from xscale.models.moe import MoELayer, moe_layers
 from xscale.parallel.collectives import all_gather_flat
-from xscale.runtime import Placement
+from xscale.runtime import Placement, TokenGroup
 
 
 class _AllToAll(torch.autograd.Function):
@@ -61,15 +61,17 @@ def all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int
 
 
 class ExpertParallelTokens:
-    """The routing group of an ep group: every rank's tokens, in rank order."""
+    """The routing group of an ep group: every rank's tokens, in rank order. ``within``: the group each rank's own
+    tokens belong to when that spans ranks too (under context parallelism its cp group, which holds slices of the same
+    sequences), gathered first; then the ep group concatenates whole sequences, as one device holds them."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup, within: TokenGroup | None = None) -> None:
+        self.group, self.within = group, within
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
 
     def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = rows.reshape(-1, rows.shape[-1])
+        rows, inner = (rows.reshape(-1, rows.shape[-1]), None) if self.within is None else self.within.gather(rows)
         count = torch.tensor([rows.shape[0]], dtype=torch.long, device=rows.device)
         counts = count.new_empty(self.size)
         all_gather_flat(counts, count, group=self.group)
@@ -81,10 +83,11 @@ class ExpertParallelTokens:
         all_gather_flat(everyone, padded.contiguous(), group=self.group)
         pieces = [everyone[r * longest: r * longest + counts[r]] for r in range(self.size)]
         first = sum(counts[: self.rank])
-        return torch.cat(pieces), torch.arange(first, first + rows.shape[0], device=rows.device)
+        mine = torch.arange(first, first + rows.shape[0], device=rows.device) if inner is None else inner + first
+        return torch.cat(pieces), mine
 
     def all_reduce(self, value: torch.Tensor) -> torch.Tensor:
-        total = value.detach().clone()
+        total = value.detach().clone() if self.within is None else self.within.all_reduce(value)
         dist.all_reduce(total, group=self.group)
         return total
 
@@ -92,6 +95,8 @@ class ExpertParallelTokens:
 class ExpertParallelExchange(ExpertParallelTokens):
     """The MoE layers' :class:`~xscale.runtime.ExpertExchange` over an ep group: route over every rank's tokens;
     send expert-sorted tokens to the ranks that own their experts, apply the local experts, send the outputs back."""
+
+    experts_local = False
 
     def dispatch(self, tokens_by_expert: torch.Tensor, tokens_per_expert: torch.Tensor,
                  experts: nn.Module) -> torch.Tensor:
@@ -156,12 +161,14 @@ def _shard_experts(layer: MoELayer, first: int, last: int) -> None:
             module.register_parameter(name, nn.Parameter(rows, requires_grad=param.requires_grad))
 
 
-def apply_expert_parallel(model: nn.Module, ep_group_or_mesh: dist.ProcessGroup | DeviceMesh) -> Placement:
+def apply_expert_parallel(model: nn.Module, ep_group_or_mesh: dist.ProcessGroup | DeviceMesh,
+                          within: TokenGroup | None = None) -> Placement:
     """Keep this rank's experts in every MoE layer of a materialised model; returns the placement that gives each
     forward's context the exchange routing tokens by all-to-all (``ParallelModel(place=...)``; a forward without
     it is refused).
 
-    ``ep_group_or_mesh``: the ep process group, a 1-D mesh, or a mesh with an ``ep`` dimension.
+    ``ep_group_or_mesh``: the ep process group, a 1-D mesh, or a mesh with an ``ep`` dimension; ``within``: see
+    :class:`ExpertParallelTokens`.
     """
     group = _resolve_group(ep_group_or_mesh)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -173,10 +180,11 @@ def apply_expert_parallel(model: nn.Module, ep_group_or_mesh: dist.ProcessGroup 
             raise ValueError(f"MoE layer {layer.layer_index} is already expert-parallel")
         first, last = shard_range(layer.num_experts, rank, size)
         _shard_experts(layer, first, last)
-    return expert_parallel_context(group)
+    return expert_parallel_context(group, within)
 
 
-def expert_parallel_context(ep_group_or_mesh: dist.ProcessGroup | DeviceMesh) -> Placement:
+def expert_parallel_context(ep_group_or_mesh: dist.ProcessGroup | DeviceMesh,
+                            within: TokenGroup | None = None) -> Placement:
     """What a forward of an expert-parallel model must be told: the ep group's token exchange."""
-    exchange = ExpertParallelExchange(_resolve_group(ep_group_or_mesh))
+    exchange = ExpertParallelExchange(_resolve_group(ep_group_or_mesh), within)
     return lambda context: context.with_experts(exchange)
