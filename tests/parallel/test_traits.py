@@ -82,9 +82,12 @@ def test_a_head_mixing_core_must_declare_that_it_gathers_heads(monkeypatch) -> N
 def test_context_parallelism_serves_the_cores_that_declare_it(monkeypatch) -> None:
     kind = _register(monkeypatch, ParallelTraits(tp="split_heads"), supports_bias=True)
     with pytest.raises(ConfigError, match=f"attention '{kind}' is not sharded by context parallelism.*only "
-                                          r"dense, gqa, mha, mqa all-gather K/V .*parallel_traits declare cp"):
+                                          r"axial, .*dense, .*mqa, .*strided all-gather K/V .*parallel_traits "
+                                          "declare cp or cp_positions"):
         check_context_parallel_model(_model(kind), 2)
     kind = _register(monkeypatch, ParallelTraits(tp="split_heads", cp=True), supports_bias=True)
+    check_context_parallel_model(_model(kind), 2)
+    kind = _register(monkeypatch, ParallelTraits(tp="split_heads", cp_positions=True))
     check_context_parallel_model(_model(kind), 2)
 
 

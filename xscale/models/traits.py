@@ -19,6 +19,9 @@ Tensor parallelism (``tp``; Megatron-LM, Shoeybi et al. 2019) gives rank r the h
 ``cp``: context parallelism (:mod:`xscale.parallel.context`) serves it: an attention core that is exact with K/V
 all-gathered over the cp ranks and the causal mask passed as an additive bias over global positions (it takes a bias
 and reads no position of its own); a position encoding whose hooks that plan evaluates at global positions.
+``cp_positions``: context parallelism serves an attention core that places its queries itself: it takes this rank's
+queries with K/V all-gathered and ``causal`` unchanged, and reads the queries' global positions from its context
+(``StepContext.sequence``), computing only the rows it holds (the position-sparse cores).
 ``dp_statistics``: the core keeps running statistics of the tokens it sees, which it sums over the data-parallel
 ranks with its context's ``sum_over_replicas`` (the data-parallel plan provides it), so every replica moves them
 alike.
@@ -40,6 +43,7 @@ class ParallelTraits:
     row_parallel: tuple[str, ...] = ()
     replicated_parts: tuple[str, ...] = ()
     cp: bool = False
+    cp_positions: bool = False
     dp_statistics: bool = False
 
     def __post_init__(self) -> None:

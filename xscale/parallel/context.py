@@ -23,9 +23,10 @@ Collectives are plain blocking ones issued in program order (the forward's all-g
 reduce-scatter, on the thread that runs autograd), so every rank issues the same collectives in the same order on
 the cp group and no work handle outlives its tensors.
 
-Scope: decoders and encoders whose attention cores declare ``cp`` in their parallel_traits (dense/mha/gqa/mqa),
-under any data-parallel layout, under pipeline parallelism (every stage's cores hooked alike; the pipeline runs
-the rank's tokens of the batch) and under tensor parallelism (each tp rank's heads gather over the cp ranks; with
+Scope: decoders and encoders whose attention cores declare ``cp`` in their parallel_traits (dense/mha/gqa/mqa) or
+``cp_positions`` (the position-sparse cores: local, dilated, longformer, bigbird, ..., which compute only the
+query blocks of this rank's global positions against the gathered K/V), under any data-parallel layout, under
+pipeline parallelism (every stage's cores hooked alike; the pipeline runs the rank's tokens of the batch) and under tensor parallelism (each tp rank's heads gather over the cp ranks; with
 sequence parallelism tp rank t holds slice t of the cp rank's tokens). Refused up front
 (:func:`check_context_parallel`): encoder-decoder models, ``train.compile``, every other attention kind, and sequence
 lengths that do not split into cp (2cp) equal chunks. MoE layers route each microbatch's whole sequences over the cp
@@ -142,11 +143,15 @@ def _causal_mask(query_positions: torch.Tensor, length: int, dtype: torch.dtype)
 
 def _shard_attention_core(core: nn.Module, group: dist.ProcessGroup, layout: SequenceSlice) -> None:
     """Before the core runs: gather K/V, and replace ``causal`` by the mask of this rank's global query positions
-    (the core then runs unmasked with that bias, as its own code: dense attention adds it to the logits)."""
+    (the core then runs unmasked with that bias, as its own code: dense attention adds it to the logits). A core
+    that places its queries itself (``cp_positions``) gets the gathered K/V and ``causal`` as it was."""
+    places_queries = traits_of(core).cp_positions
 
     def gather(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         q, k, v = args
         k, v = gather_sequence(k, v, group, layout)
+        if places_queries:
+            return (q, k, v), kwargs
         bias = kwargs.get("bias")
         if kwargs.get("causal", False):
             mask = _causal_mask(layout.coordinates(q.shape[2], q.device), k.shape[2], q.dtype)
@@ -176,6 +181,11 @@ def _attention_kinds(model: ModelConfig) -> set[str]:
     return {model.attention.kind_for_layer(index) for index in range(model.n_layers)}
 
 
+def _served(kind: str) -> bool:
+    traits = traits_of(ATTENTION.get(kind))
+    return traits.cp or traits.cp_positions
+
+
 def check_context_parallel_model(model: ModelConfig, cp: int) -> None:
     """Refuse a model whose attention or positions the all-gather plan does not shard."""
     if model.family == "encoder_decoder":
@@ -183,11 +193,11 @@ def check_context_parallel_model(model: ModelConfig, cp: int) -> None:
                           "models (cross-attention to a sharded memory is not implemented); use model.family=decoder "
                           "or encoder, or parallel.cp=1")
     for kind in sorted(_attention_kinds(model)):
-        if not traits_of(ATTENTION.get(kind)).cp:
-            served = [name for name in ATTENTION.names() if traits_of(ATTENTION.get(name)).cp]
+        if not _served(kind):
+            served = [name for name in ATTENTION.names() if _served(name)]
             raise ConfigError(f"attention '{kind}' is not sharded by context parallelism (parallel.cp={cp}): only "
                               f"{', '.join(served)} all-gather K/V over the cp ranks (their parallel_traits declare "
-                              "cp); use one of them (model.attention.kind) or parallel.cp=1")
+                              "cp or cp_positions); use one of them (model.attention.kind) or parallel.cp=1")
     if not traits_of(POSITION.get(model.position)).cp:
         served = [name for name in POSITION.names() if traits_of(POSITION.get(name)).cp]
         raise ConfigError(f"model.position={model.position} has no context-parallel plan (its parallel_traits do not "

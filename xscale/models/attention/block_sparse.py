@@ -53,12 +53,18 @@ class BlockPlan:
 
 
 def build_plan(pattern: Pattern, length: int, block: int, causal: bool, n_heads: int, n_kv_heads: int,
-               device: torch.device, dtype: torch.dtype = torch.float32) -> BlockPlan:
-    """Turn a pattern into gather indices and token masks for a sequence of ``length`` tokens."""
+               device: torch.device, dtype: torch.dtype = torch.float32,
+               query_blocks: Tensor | None = None) -> BlockPlan:
+    """Turn a pattern into gather indices and token masks for a sequence of ``length`` tokens; ``query_blocks``:
+    plan only these query blocks (the other rows output zeros)."""
     n_blocks = math.ceil(length / block)
     layout = pattern.layout(n_blocks, n_blocks, block, causal)
     if causal:
         layout = layout & torch.ones(n_blocks, n_blocks, dtype=torch.bool).tril()
+    if query_blocks is not None:
+        held = torch.zeros(n_blocks, 1, dtype=torch.bool)
+        held[query_blocks] = True
+        layout = layout & held
     layout = layout.expand(n_heads, n_blocks, n_blocks).reshape(n_heads * n_blocks, n_blocks)
     counts = layout.sum(1)
     # Selected key blocks first, in increasing block order.

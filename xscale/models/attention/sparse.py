@@ -48,7 +48,7 @@ class PatternAttention(AttentionCore):
     CPU tensors, which FlexAttention cannot train on, and for attention dropout, which it does not have).
     """
 
-    parallel_traits = ParallelTraits(tp="split_heads")
+    parallel_traits = ParallelTraits(tp="split_heads", cp_positions=True)
     sparse_attention = "gather"
 
     def __init__(self, model: ModelConfig, layer_index: int, options: Any) -> None:
@@ -61,13 +61,17 @@ class PatternAttention(AttentionCore):
         raise NotImplementedError
 
     def plan(self, length: int, causal: bool, n_heads: int, n_kv_heads: int, device: torch.device,
-             dtype: torch.dtype) -> BlockPlan:
-        key = (length, causal, n_heads, n_kv_heads, str(device), dtype)
+             dtype: torch.dtype, query_positions: Tensor | None = None) -> BlockPlan:
+        """The pattern's plan for ``length`` tokens, built once per shape; ``query_positions``: only the query blocks
+        holding these positions (context parallelism: this rank's, a tensor its layout keeps for the run)."""
+        key = (length, causal, n_heads, n_kv_heads, str(device), dtype,
+               None if query_positions is None else (id(query_positions), query_positions.numel()))
         if key not in self._plans:
             if len(self._plans) >= 8:
                 self._plans.clear()
+            query_blocks = None if query_positions is None else query_positions.cpu() // self.options.block_size
             self._plans[key] = build_plan(self.pattern, length, self.options.block_size, causal, n_heads,
-                                          n_kv_heads, device, dtype)
+                                          n_kv_heads, device, dtype, query_blocks=query_blocks)
         return self._plans[key]
 
     def block_mask(self, length: int, causal: bool, n_heads: int, device: torch.device):
@@ -94,6 +98,9 @@ class PatternAttention(AttentionCore):
         return self._block_masks[key]
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None, context: StepContext | None = None) -> Tensor:
+        sequence = None if context is None else context.sequence
+        if sequence is not None and q.shape[2] != k.shape[2]:  # some of the sequence's queries, all of its keys
+            return self._attend_at(sequence.coordinates(q.shape[2], q.device), q, k, v, causal, context)
         if q.shape[2] != k.shape[2] and not (causal and self.attends_to_memory):
             raise ValueError(f"position-sparse attention is self-attention: query length {q.shape[2]} "
                              f"!= key length {k.shape[2]}")
@@ -106,6 +113,18 @@ class PatternAttention(AttentionCore):
                                           context=context)
 
         return causal_over_longer_keys(attend, q, k, v) if causal else attend(q, k, v)
+
+    def _attend_at(self, positions: Tensor, q: Tensor, k: Tensor, v: Tensor, causal: bool,
+                   context: StepContext | None) -> Tensor:
+        """Queries q (B, H, Tq, hd) at global ``positions`` (Tq) of the sequence of k, v (B, Hkv, T, hd): placed in
+        a zero (B, H, T, hd), only the query blocks holding them computed (the gathered path, on every device), and
+        their rows returned. A block shared with positions held elsewhere computes those rows too, then drops them."""
+        batch, heads, _, head_dim = q.shape
+        placed = q.new_zeros(batch, heads, k.shape[2], head_dim).index_copy(2, positions, q)
+        plan = self.plan(k.shape[2], causal, heads, k.shape[1], q.device, q.dtype, query_positions=positions)
+        out = block_sparse_attention(placed, k, v, plan, self.options.block_size, dropout=self.dropout,
+                                     context=context)
+        return out.index_select(2, positions)
 
 
 @dataclasses.dataclass
@@ -188,7 +207,7 @@ class StridedAttention(PatternAttention):
     (``split_heads``: half the heads each, else their union in every head)."""
 
     Options = StridedOptions
-    parallel_traits = ParallelTraits(tp="split_heads", head_dependent_options=("split_heads",))
+    parallel_traits = ParallelTraits(tp="split_heads", head_dependent_options=("split_heads",), cp_positions=True)
 
     def make_pattern(self) -> P.Pattern:
         local, strided = P.Band(self.options.stride), P.Strided(self.options.stride)
@@ -214,7 +233,7 @@ class FixedAttention(PatternAttention):
     """Sparse Transformer fixed: own chunk of ``stride`` plus the last ``summary`` positions of every chunk."""
 
     Options = FixedOptions
-    parallel_traits = ParallelTraits(tp="split_heads", head_dependent_options=("split_heads",))
+    parallel_traits = ParallelTraits(tp="split_heads", head_dependent_options=("split_heads",), cp_positions=True)
 
     def make_pattern(self) -> P.Pattern:
         own, summary = P.BlockLocal(self.options.stride, 0), P.SummaryColumns(self.options.stride, self.options.summary)
