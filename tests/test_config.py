@@ -99,3 +99,17 @@ def test_yaml_is_loaded_safely(tmp_path):
 def test_parse_override_reads_yaml_values():
     assert parse_override("a.b=[1, 2]") == (["a", "b"], [1, 2])
     assert parse_override("a=true") == (["a"], True)
+
+
+def test_context_parallel_span_corruption_lengths_must_split():
+    """Span corruption of text windows gives an encoder-decoder shorter inputs and targets than train.seq_len; under
+    cp both must split into the chunks, and the message names seq_len values whose three lengths do."""
+    base = ["model.family=encoder_decoder", "data.dataset=stdlib_text", "parallel.cp=2", "model.max_seq_len=128"]
+    with pytest.raises(ConfigError, match=r"4 chunks.*train.seq_len=128 windows gives 116 encoder and 26 decoder "
+                                          r"tokens: use train.seq_len=96 or 92 or 56"):
+        load_config(None, [*base, "parallel.cp_load_balance=true", "train.seq_len=128"])
+    from xscale.models.objectives import span_corruption_lengths
+
+    assert [length % 4 for length in (96, *span_corruption_lengths(96))] == [0, 0, 0]
+    load_config(None, [*base, "parallel.cp_load_balance=true", "train.seq_len=96"])
+    load_config(None, [*base, "data.dataset=copy", "train.seq_len=16"])  # task lengths are checked when cut

@@ -13,14 +13,15 @@ from pathlib import Path
 
 from xscale.config import Config, ConfigError
 from xscale.config_loading import config_from_tree, read_config, split_cli_arguments
-from xscale.config_values import check_values, closest
+from xscale.config_values import check_values, closest, resolve_objective
+from xscale.data import TEXT_DATASETS
 from xscale.data.lra import PAD_AS_CONTENT
 from xscale.interop.hf.families import with_init_model
 from xscale.models.act import check_act_config
 from xscale.models.early_exit import check_early_exit_config
 from xscale.models.funnel import check_funnel_config
 from xscale.models.moe import check_moe_config
-from xscale.models.objectives import check_bart_config
+from xscale.models.objectives import check_bart_config, span_corruption_lengths
 from xscale.models.patch_embedding import check_patch_config
 from xscale.models.registry import REGISTRIES
 from xscale.models.reversible import check_reversible_config
@@ -61,6 +62,34 @@ def check_sparse_attention(config: Config) -> None:
                           "train.sparse_attention=gather")
 
 
+def check_context_parallel_lengths(config: Config) -> None:
+    """Context parallelism cuts each stack's sequences into cp (2cp) chunks: span corruption of text windows gives
+    an encoder-decoder shorter encoder inputs and decoder targets than train.seq_len, and both must split."""
+    parallel = config.parallel
+    if parallel.cp <= 1 or config.model.family != "encoder_decoder" or config.data.dataset not in TEXT_DATASETS \
+            or resolve_objective(config) != "span":
+        return
+    chunks = 2 * parallel.cp if parallel.cp_load_balance else parallel.cp
+    options = config.data.options
+    density = float(options.get("noise_density", 0.15))
+    mean_span = float(options.get("mean_span_length", 3.0))
+
+    def split(seq_len: int) -> bool:
+        lengths = (seq_len, *span_corruption_lengths(seq_len, density, mean_span))
+        return all(length % chunks == 0 for length in lengths)
+
+    if split(config.train.seq_len):
+        return
+    encoder, decoder = span_corruption_lengths(config.train.seq_len, density, mean_span)
+    nearby = [n for n in range(max(chunks, config.train.seq_len - 32 * chunks), config.train.seq_len + 32 * chunks)
+              if split(n)]
+    nearest = sorted(nearby, key=lambda n: (n > config.model.max_seq_len, abs(n - config.train.seq_len), n))[:3]
+    hint = f"use train.seq_len={' or '.join(map(str, nearest))}" if nearest else "change data.options.noise_density"
+    raise ConfigError(f"parallel.cp={parallel.cp} cuts every sequence into {chunks} chunks, but span corruption of "
+                      f"train.seq_len={config.train.seq_len} windows gives {encoder} encoder and {decoder} decoder "
+                      f"tokens: {hint}")
+
+
 def validate(config: Config) -> None:
     """Refuse configurations that cannot run: values (:func:`xscale.config_values.check_values`), then component names."""
     check_values(config)
@@ -84,6 +113,7 @@ def validate(config: Config) -> None:
     check_early_exit_config(model, config.train.task)
     check_segment_memory_config(config)
     check_sparse_attention(config)
+    check_context_parallel_lengths(config)
     check_installed(config.train.logger_names())  # an optional logger's package (wandb), before anything runs
 
 

@@ -2,7 +2,8 @@
 
 Module level (2 gloo ranks): the hidden states of each rank's tokens, the loss and every gradient (summed over the
 cp ranks) equal the single-process model's, for every position encoding, with residual and attention dropout,
-contiguous and load-balanced. Trainer level: 10-step loss parity, checkpoints resharded across cp, and each
+contiguous and load-balanced; an encoder-decoder's loss and gradients likewise (its cross-attention gathers the
+sharded memory). Trainer level: 10-step loss parity, checkpoints resharded across cp, and each
 refusal's message.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity_models import DECODER, DROPOUT, ENCODER, assert_parity
+from parity_models import DECODER, DROPOUT, ENCODER, ENCODER_DECODER, assert_parity
 from spawned import WORLD, spawn
 from test_resharding import check_resharding
 
@@ -93,9 +94,73 @@ def test_sharded_attention_equals_one_process():
     spawn(_check_module_parity)
 
 
+def _check_encoder_decoder(rank: int) -> None:
+    """Encoder and decoder both sharded (16 and 8 tokens): the decoder's self-attention gathers its K/V, its
+    cross-attention the encoder memory's; the loss and every gradient equal one process's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from xscale.models import build_model
+    from xscale.parallel.context import apply_context_parallel
+    from xscale.parallel.loss import model_loss_sum
+    from xscale.runtime import StepContext
+
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("cp",))
+    generator = torch.Generator().manual_seed(SEED)
+    for position, load_balance in (("t5_bias", True), ("learned", False), ("rope", True)):
+        case = f"encoder_decoder/{position}/{'balanced' if load_balance else 'contiguous'}"
+        config = load_config(None, [*SMALL, "model.family=encoder_decoder", "model.n_decoder_layers=2",
+                                    f"model.position={position}", "model.n_kv_heads=2"])
+        ids = torch.randint(0, 32, (BATCH, SEQ), generator=generator)
+        decoder_ids = torch.randint(0, 32, (BATCH, SEQ // 2), generator=generator)
+        labels = torch.randint(0, 32, (BATCH, SEQ // 2), generator=generator)
+        labels[torch.rand(BATCH, SEQ // 2, generator=generator) < 0.3] = -100
+        batch = {"input_ids": ids, "decoder_input_ids": decoder_ids, "labels": labels}
+        tokens = (labels != -100).sum()
+        context = StepContext(SEED, step=3)
+        reference = build_model(config.model, "cpu", seed=SEED).train()
+        loss = model_loss_sum(reference, batch, context) / tokens
+        loss.backward()
+
+        model = build_model(config.model, "cpu", seed=SEED).train()
+        layout = apply_context_parallel(model, mesh, load_balance=load_balance)
+        local = layout.shard_batch(batch)
+        assert local["decoder_input_ids"].shape[1] == SEQ // 4 and local["input_ids"].shape[1] == SEQ // 2
+        local_loss = model_loss_sum(model, local, context.with_sequence(layout)) / tokens
+        local_loss.backward()
+        local_loss = local_loss.detach()
+        dist.all_reduce(local_loss, group=mesh.get_group())
+        torch.testing.assert_close(local_loss, loss.detach(), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, case=case: f"{case} loss: {m}")
+        expected = dict(reference.named_parameters())
+        for name, param in model.named_parameters():
+            assert param.grad is not None, f"{case}: no gradient for {name}"
+            dist.all_reduce(param.grad, group=mesh.get_group())
+            torch.testing.assert_close(param.grad, expected[name].grad, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, case=case, name=name: f"{case} grad {name}: {m}")
+
+
+def test_encoder_decoder_under_context_parallelism_equals_one_process():
+    spawn(_check_encoder_decoder)
+
+
 # ------------------------------------------------------------------------------------------------ trainer level
 def test_loss_parity_with_dropout_load_balanced_zero3(tmp_path):
     assert_parity(DECODER + DROPOUT, ["cp=2,cp_load_balance=true,zero_stage=3"], tmp_path)
+
+
+def test_loss_parity_encoder_decoder_load_balanced_with_dropout(tmp_path):
+    """A T5-style encoder-decoder (copy task, span objective: 16 encoder and 8 decoder tokens), cp=2 load balanced."""
+    assert_parity(ENCODER_DECODER + DROPOUT, ["cp=2,cp_load_balance=true,zero_stage=1"], tmp_path,
+                  same_grad_norms=True)
+
+
+@pytest.mark.slow
+def test_loss_parity_encoder_decoder_under_pipeline_and_tensor_parallelism(tmp_path):
+    """pp=2 x cp=2 (1F1B: the memory travels the stages as this rank's slice) and tp=2 x cp=2 with sequence
+    parallelism, 4 processes each."""
+    assert_parity(ENCODER_DECODER, ["pp=2,cp=2,microbatches=4", "tp=2,cp=2,sequence_parallel=true"], tmp_path,
+                  same_grad_norms=True)
 
 
 @pytest.mark.slow
@@ -153,7 +218,6 @@ def test_checkpoint_saved_at_cp2_zero3_resumes_at_dp_x_cp(tmp_path):
 
 # ------------------------------------------------------------------------------------------------------ refusals
 REFUSALS = [
-    (["model.family=encoder_decoder"], 2, "not encoder-decoder models.*model.family=decoder"),
     (["train.compile=true"], 2, r"does not combine with train.compile=true .*; set train.compile=false"),
     (["model.attention.kind=linformer"], 2, "attention 'linformer' is not sharded by context parallelism.*bigbird.*dense.*local, longformer"),
     (["model.position=shaw"], 2, r"model.position=shaw has no context-parallel plan.*or parallel.cp=1"),

@@ -10,7 +10,6 @@ import pytest
 from xscale.cli import main
 from xscale.config import ConfigError
 from xscale.data.sentencepiece_tokenizer import SentencePieceTokenizer
-from xscale.parallel.checks import resolve_dims
 from xscale.tools.parity import compare_layouts
 from xscale.validate import load_config_from_cli
 
@@ -56,11 +55,14 @@ def test_bart_needs_text_and_an_encoder_decoder():
                                     "data.options={mask_ratio: 0.9}"])
 
 
-def test_context_parallelism_is_refused_by_name(corpus):
-    """As for span corruption: context parallelism shards one stack's sequence, not an encoder-decoder's two."""
-    config = load_config_from_cli(None, [*BART, f"data.path={corpus['data']}", "parallel.cp=2"])
-    with pytest.raises(ConfigError, match="parallel.cp.*not encoder-decoder models.*model.family=decoder"):
-        resolve_dims(config, 2)
+def test_context_parallelism_matches_one_process(corpus, tmp_path):
+    """cp=2, load balanced: both stacks' sequences (24 encoder and 24 decoder tokens) cut into the ranks' chunks,
+    the cross-attention gathering the memory; the losses are one process's."""
+    overrides = [*BART, f"data.path={corpus['data']}", f"data.tokenizer={corpus['tokenizer']}",
+                 "model.dropout=0.1", "train.micro_batch_size=4"]
+    reference, results = compare_layouts(None, overrides, ["cp=2,cp_load_balance=true"], 4, tmp_path)
+    assert reference[-1] < reference[0], f"the reference run must train: {reference}"
+    assert len(results[0].losses) == 4 and results[0].passed(1e-5), (reference, results[0])
 
 
 @pytest.mark.slow

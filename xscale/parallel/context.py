@@ -23,13 +23,14 @@ Collectives are plain blocking ones issued in program order (the forward's all-g
 reduce-scatter, on the thread that runs autograd), so every rank issues the same collectives in the same order on
 the cp group and no work handle outlives its tensors.
 
-Scope: decoders and encoders whose attention cores declare ``cp`` in their parallel_traits (dense/mha/gqa/mqa) or
+Scope: decoders, encoders and encoder-decoders whose attention cores declare ``cp`` in their parallel_traits (dense/mha/gqa/mqa) or
 ``cp_positions`` (the position-sparse cores: local, dilated, longformer, bigbird, ..., which compute only the
 query blocks of this rank's global positions against the gathered K/V), under any data-parallel layout, under
 pipeline parallelism (every stage's cores hooked alike; the pipeline runs the rank's tokens of the batch) and under tensor parallelism (each tp rank's heads gather over the cp ranks; with
 sequence parallelism tp rank t holds slice t of the cp rank's tokens). Refused up front
-(:func:`check_context_parallel`): encoder-decoder models, ``train.compile``, every other attention kind, and sequence
-lengths that do not split into cp (2cp) equal chunks. MoE layers route each microbatch's whole sequences over the cp
+(:func:`check_context_parallel`): ``train.compile``, every other attention kind, and sequence lengths that do not
+split into cp (2cp) equal chunks. An encoder-decoder's two stacks are cut alike, each sequence by its own length; the
+decoder's cross-attention gathers the encoder memory's K/V as self-attention gathers its own. MoE layers route each microbatch's whole sequences over the cp
 group, and under expert parallelism over the ep group's cp groups (:mod:`xscale.parallel.context_experts`).
 """
 
@@ -71,8 +72,10 @@ class SequenceSlice:
         if key not in self._cache:
             if length % self.chunks:
                 how = f"2 x cp = {self.chunks} chunks (load balanced)" if self.load_balance else f"cp={self.cp} slices"
-                raise ValueError(f"context parallelism cuts every sequence into {how}; got length {length}: make "
-                                 f"train.seq_len a multiple of {self.chunks}")
+                raise ValueError(f"context parallelism cuts every sequence into {how}; got a sequence of {length} "
+                                 f"tokens: make train.seq_len a multiple of {self.chunks} (an encoder-decoder's encoder "
+                                 f"inputs and decoder targets must both split: for span corruption choose train.seq_len "
+                                 f"so that both lengths of xscale.models.objectives.span_corruption_lengths do)")
             size = length // self.chunks
             if self.load_balance:
                 firsts = (rank * size, (self.chunks - 1 - rank) * size)
@@ -86,10 +89,10 @@ class SequenceSlice:
         return self.positions_of(self.rank, local_size * self.cp, device)
 
     def shard_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's tokens of every sequence of ``batch`` (ids and labels: (B, T) -> (B, T/cp))."""
-        positions = self.positions_of(self.rank, batch["input_ids"].shape[TOKENS], batch["input_ids"].device)
-        return {key: value.index_select(TOKENS, positions) if value.dim() > TOKENS else value
-                for key, value in batch.items()}
+        """This rank's tokens of every sequence of ``batch`` (ids and labels: (B, T) -> (B, T/cp)), each cut by its
+        own length (an encoder-decoder's decoder inputs and labels are another length than its encoder inputs)."""
+        return {key: value.index_select(TOKENS, self.positions_of(self.rank, value.shape[TOKENS], value.device))
+                if value.dim() > TOKENS else value for key, value in batch.items()}
 
     def global_order(self, length: int, device: torch.device) -> torch.Tensor | None:
         """Index that puts the rank-major gathered tokens in global order (None: they already are)."""
@@ -188,10 +191,6 @@ def _served(kind: str) -> bool:
 
 def check_context_parallel_model(model: ModelConfig, cp: int) -> None:
     """Refuse a model whose attention or positions the all-gather plan does not shard."""
-    if model.family == "encoder_decoder":
-        raise ConfigError(f"parallel.cp={cp}: context parallelism shards decoders and encoders, not encoder-decoder "
-                          "models (cross-attention to a sharded memory is not implemented); use model.family=decoder "
-                          "or encoder, or parallel.cp=1")
     for kind in sorted(_attention_kinds(model)):
         if not _served(kind):
             served = [name for name in ATTENTION.names() if _served(name)]
