@@ -28,8 +28,8 @@ Scope: decoders, encoders and encoder-decoders whose attention cores declare ``c
 query blocks of this rank's global positions against the gathered K/V), under any data-parallel layout, under
 pipeline parallelism (every stage's cores hooked alike; the pipeline runs the rank's tokens of the batch) and under tensor parallelism (each tp rank's heads gather over the cp ranks; with
 sequence parallelism tp rank t holds slice t of the cp rank's tokens). Refused up front
-(:func:`check_context_parallel`): ``train.compile``, every other attention kind, and sequence lengths that do not
-split into cp (2cp) equal chunks. An encoder-decoder's two stacks are cut alike, each sequence by its own length; the
+(:func:`check_context_parallel`): every other attention kind, and sequence lengths that do not split into cp (2cp)
+equal chunks. An encoder-decoder's two stacks are cut alike, each sequence by its own length; the
 decoder's cross-attention gathers the encoder memory's K/V as self-attention gathers its own. MoE layers route each microbatch's whole sequences over the cp
 group, and under expert parallelism over the ep group's cp groups (:mod:`xscale.parallel.context_experts`).
 """
@@ -206,9 +206,6 @@ def check_context_parallel_model(model: ModelConfig, cp: int) -> None:
 def check_context_parallel(config: Config, dims: ParallelDims) -> None:
     """Every refusal of ``parallel.cp > 1`` that needs only the degrees and the config (ParallelDims.validate)."""
     cp, parallel = dims.cp, config.parallel
-    if config.train.compile:
-        raise ConfigError(f"parallel.cp={cp} does not combine with train.compile=true (the attention cores' "
-                          "all-gather hooks are not traced); set train.compile=false or parallel.cp=1")
     check_context_parallel_model(config.model, cp)
     chunks = 2 * cp if parallel.cp_load_balance else cp
     if config.train.seq_len % chunks:
