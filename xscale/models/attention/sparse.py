@@ -54,7 +54,7 @@ class PatternAttention(AttentionCore):
     def __init__(self, model: ModelConfig, layer_index: int, options: Any) -> None:
         super().__init__(model, layer_index, options)
         self.pattern = self.make_pattern()
-        self._plans: dict[tuple, BlockPlan] = {}
+        self._plans: dict[tuple, tuple[Tensor | None, BlockPlan]] = {}
         self._block_masks: dict[tuple, Any] = {}
 
     def make_pattern(self) -> P.Pattern:
@@ -64,15 +64,17 @@ class PatternAttention(AttentionCore):
              dtype: torch.dtype, query_positions: Tensor | None = None) -> BlockPlan:
         """The pattern's plan for ``length`` tokens, built once per shape; ``query_positions``: only the query blocks
         holding these positions (context parallelism: this rank's, a tensor its layout keeps for the run)."""
+        # keyed by the positions tensor's identity; the entry holds the tensor, so its id is not reused while cached
         key = (length, causal, n_heads, n_kv_heads, str(device), dtype,
-               None if query_positions is None else (id(query_positions), query_positions.numel()))
+               None if query_positions is None else id(query_positions))
         if key not in self._plans:
             if len(self._plans) >= 8:
                 self._plans.clear()
             query_blocks = None if query_positions is None else query_positions.cpu() // self.options.block_size
-            self._plans[key] = build_plan(self.pattern, length, self.options.block_size, causal, n_heads,
-                                          n_kv_heads, device, dtype, query_blocks=query_blocks)
-        return self._plans[key]
+            self._plans[key] = (query_positions, build_plan(self.pattern, length, self.options.block_size, causal,
+                                                            n_heads, n_kv_heads, device, dtype,
+                                                            query_blocks=query_blocks))
+        return self._plans[key][1]
 
     def block_mask(self, length: int, causal: bool, n_heads: int, device: torch.device):
         """FlexAttention's ``BlockMask`` of the pattern for ``length`` tokens and the ``n_heads`` heads this core
