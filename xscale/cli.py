@@ -8,6 +8,7 @@ import sys
 
 import xscale
 from xscale.command_line import CommandParser
+from xscale.launcher.openmp_spin import limit_openmp_spin
 
 # command -> (module, function, one-line help); modules load lazily so `xscale --help` is instant.
 COMMANDS = {
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"xscale: unknown command '{command}'{hint}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     module_name, function, _ = COMMANDS[command]
+    limit_openmp_spin()  # before the command imports torch (xscale/launcher/openmp_spin.py)
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as error:
