@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from xscale.ops.expert_threads import balanced_groups, expert_rows, for_each_expert
+from xscale.ops.expert_threads import expert_rows, for_each_expert
 from xscale.ops.grouped_mlp import grouped_mlp
 
 CPU = torch.device("cpu")
@@ -25,22 +25,36 @@ def test_expert_rows_skip_empty_experts_and_follow_the_sorted_rows():
     assert expert_rows([2, 0, 3, 1]) == [(0, slice(0, 2)), (2, slice(2, 5)), (3, slice(5, 6))]
 
 
-def test_balanced_groups_cover_every_expert_with_rows_once_and_balance_the_rows():
+def test_two_threads_take_the_largest_experts_first_from_one_queue(two_threads):
+    """Each runner takes the largest expert left; the barrier holds both runners on their first expert, so the first
+    two taken are the two largest (and a single runner taking everything fails the barrier)."""
     counts = [500, 0, 480, 530, 470, 510, 0, 520]
-    groups = balanced_groups(counts, 2)
-    assert sorted(e for group in groups for e in group) == [0, 2, 3, 4, 5, 7]
-    loads = [sum(counts[e] for e in group) for group in groups]
-    assert max(loads) - min(loads) <= max(counts)
-    assert balanced_groups([0, 4, 0], 2) == [[1]]  # one expert with rows: one group, nothing to share
+    taken, lock, both = [], threading.Lock(), threading.Barrier(2, timeout=30)
+
+    def work(expert, rows):
+        with lock:
+            taken.append(expert)
+            first_two = len(taken) <= 2
+        if first_two:
+            both.wait()
+
+    for_each_expert(work, counts, CPU)
+    assert set(taken[:2]) == {3, 7}
+    assert sorted(taken) == [0, 2, 3, 4, 5, 7]
 
 
 def test_every_expert_runs_once_on_its_rows_on_two_threads_each_with_one_intra_op_thread(two_threads):
     counts = [3, 0, 5, 1, 4, 2]
     seen, lock = {}, threading.Lock()
 
+    both = threading.Barrier(2, timeout=30)  # each runner holds its first expert until the other has one
+
     def work(expert, rows):
         with lock:
             seen[expert] = (rows, threading.get_ident(), torch.get_num_threads(), torch.is_grad_enabled())
+            first_two = len(seen) <= 2
+        if first_two:
+            both.wait()
 
     for_each_expert(work, counts, CPU)
     assert {e: s[0] for e, s in seen.items()} == dict(expert_rows(counts))

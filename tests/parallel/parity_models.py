@@ -50,3 +50,18 @@ def assert_parity(overrides: list[str], layouts: list[str], tmp_path, *, same_gr
             got = grad_norms(tmp_path / f"layout{index}")
             difference = max(abs(a - b) / abs(a) for a, b in zip(expected, got, strict=True))
             assert difference <= RTOL, f"{result.layout}: max relative gradient-norm difference {difference}"
+
+
+def assert_sums_equal_one_process(case: str, group, local_loss, loss, local_grads: dict, grads: dict) -> None:
+    """Context-parallel ranks' loss and gradients, each summed over ``group`` (all-reduced in place), equal one
+    process's ``loss`` and ``grads`` (loss to 1e-5 / 1e-6, gradients to 1e-5); ``case`` names the failure."""
+    import torch
+    import torch.distributed as dist
+
+    dist.all_reduce(local_loss, group=group)
+    torch.testing.assert_close(local_loss, loss, rtol=1e-5, atol=1e-6, msg=lambda m: f"{case} loss: {m}")
+    for name, grad in local_grads.items():
+        assert grad is not None and grads[name] is not None, f"{case}: no gradient for {name}"
+        dist.all_reduce(grad, group=group)
+        torch.testing.assert_close(grad, grads[name], rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, name=name: f"{case} grad {name}: {m}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity_models import DECODER, assert_parity
+from parity_models import DECODER, assert_parity, assert_sums_equal_one_process
 from spawned import WORLD, spawn
 
 from tests.parallel.test_expert_layouts import (
@@ -62,13 +62,12 @@ def _check_cases(rank: int) -> None:
 
 
 def _check_layout(rank: int, load_balance: bool) -> None:
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from xscale.models import build_model
     from xscale.models.moe import moe_layers
     from xscale.parallel.context import apply_context_parallel
-    from xscale.parallel.context_experts import context_parallel_experts
+    from xscale.parallel.context_experts import ContextParallelTokens, moe_routing_over
     from xscale.runtime import StepContext
 
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("cp",))
@@ -89,7 +88,7 @@ def _check_layout(rank: int, load_balance: bool) -> None:
 
         model = build_model(config.model, "cpu", seed=SEED).train()
         layout = apply_context_parallel(model, mesh, load_balance=load_balance)
-        place = context_parallel_experts(mesh.get_group(), layout)
+        place = moe_routing_over(ContextParallelTokens(mesh.get_group(), layout))
 
         def local(f, m, b, c, layout=layout, place=place):  # the trainer's step under cp
             return f(m, layout.shard_batch(b), place(c.with_sequence(layout)))
@@ -97,13 +96,7 @@ def _check_layout(rank: int, load_balance: bool) -> None:
         local_loss, local_grads, local_loads = _run(model, local, batch, tokens, context)
         for got, expected in zip(local_loads, loads, strict=True):
             assert torch.equal(got, expected), f"{case}: tokens per expert {got.tolist()} != {expected.tolist()}"
-        dist.all_reduce(local_loss, group=mesh.get_group())
-        torch.testing.assert_close(local_loss, loss, rtol=1e-5, atol=1e-6, msg=lambda m, case=case: f"{case}: {m}")
-        for name, grad in local_grads.items():
-            assert grad is not None and grads[name] is not None, f"{case}: no gradient for {name}"
-            dist.all_reduce(grad, group=mesh.get_group())
-            torch.testing.assert_close(grad, grads[name], rtol=1e-5, atol=1e-5,
-                                       msg=lambda m, case=case, name=name: f"{case} grad {name}: {m}")
+        assert_sums_equal_one_process(case, mesh.get_group(), local_loss, loss, local_grads, grads)
 
 
 def test_moe_under_context_parallelism_equals_one_process():

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity_models import DECODER, DROPOUT, ENCODER, ENCODER_DECODER, assert_parity
+from parity_models import (
+    DECODER,
+    DROPOUT,
+    ENCODER,
+    ENCODER_DECODER,
+    assert_parity,
+    assert_sums_equal_one_process,
+)
 from spawned import WORLD, spawn
 from test_resharding import check_resharding
 
@@ -51,7 +58,6 @@ def _check_module_parity(rank: int) -> None:
 
 
 def _check_layout(rank: int, load_balance: bool) -> None:
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from xscale.models import build_model
@@ -80,13 +86,7 @@ def _check_layout(rank: int, load_balance: bool) -> None:
         local_loss, local_hidden, local_grads = _run(model, local_loss_sum, batch, tokens, ids[:, positions], layout)
         torch.testing.assert_close(local_hidden, hidden[:, positions], rtol=1e-5, atol=1e-5,
                                    msg=lambda m, case=case: f"{case} hidden states: {m}")
-        dist.all_reduce(local_loss, group=mesh.get_group())
-        torch.testing.assert_close(local_loss, loss, rtol=1e-5, atol=1e-6, msg=lambda m, case=case: f"{case} loss: {m}")
-        for name, grad in local_grads.items():
-            assert grad is not None and grads[name] is not None, f"{case}: no gradient for {name}"
-            dist.all_reduce(grad, group=mesh.get_group())
-            torch.testing.assert_close(grad, grads[name], rtol=1e-5, atol=1e-5,
-                                       msg=lambda m, case=case, name=name: f"{case} grad {name}: {m}")
+        assert_sums_equal_one_process(case, mesh.get_group(), local_loss, loss, local_grads, grads)
 
 
 def test_sharded_attention_equals_one_process():
@@ -97,7 +97,6 @@ def test_sharded_attention_equals_one_process():
 def _check_encoder_decoder(rank: int) -> None:
     """Encoder and decoder both sharded (16 and 8 tokens): the decoder's self-attention gathers its K/V, its
     cross-attention the encoder memory's; the loss and every gradient equal one process's."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from xscale.models import build_model
@@ -128,16 +127,9 @@ def _check_encoder_decoder(rank: int) -> None:
         assert local["decoder_input_ids"].shape[1] == SEQ // 4 and local["input_ids"].shape[1] == SEQ // 2
         local_loss = model_loss_sum(model, local, context.with_sequence(layout)) / tokens
         local_loss.backward()
-        local_loss = local_loss.detach()
-        dist.all_reduce(local_loss, group=mesh.get_group())
-        torch.testing.assert_close(local_loss, loss.detach(), rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, case=case: f"{case} loss: {m}")
-        expected = dict(reference.named_parameters())
-        for name, param in model.named_parameters():
-            assert param.grad is not None, f"{case}: no gradient for {name}"
-            dist.all_reduce(param.grad, group=mesh.get_group())
-            torch.testing.assert_close(param.grad, expected[name].grad, rtol=1e-5, atol=1e-5,
-                                       msg=lambda m, case=case, name=name: f"{case} grad {name}: {m}")
+        assert_sums_equal_one_process(case, mesh.get_group(), local_loss.detach(), loss.detach(),
+                                      {name: p.grad for name, p in model.named_parameters()},
+                                      {name: p.grad for name, p in reference.named_parameters()})
 
 
 def test_encoder_decoder_under_context_parallelism_equals_one_process():

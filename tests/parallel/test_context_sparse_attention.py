@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity_models import DECODER, ENCODER, assert_parity
+from parity_models import DECODER, ENCODER, assert_parity, assert_sums_equal_one_process
 from spawned import WORLD, spawn
 
 from xscale.models.registry import ATTENTION
@@ -57,7 +57,6 @@ def _check_cases(rank: int) -> None:
 
 
 def _check_layout(rank: int, load_balance: bool) -> None:
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from xscale.models import build_model
@@ -94,13 +93,7 @@ def _check_layout(rank: int, load_balance: bool) -> None:
             local_hidden = model(ids[:, positions], context=context.with_sequence(layout), project=False)
         torch.testing.assert_close(local_hidden, hidden[:, positions], rtol=1e-5, atol=1e-5,
                                    msg=lambda m, case=case: f"{case} hidden states: {m}")
-        dist.all_reduce(local_loss, group=mesh.get_group())
-        torch.testing.assert_close(local_loss, loss, rtol=1e-5, atol=1e-6, msg=lambda m, case=case: f"{case} loss: {m}")
-        for name, grad in local_grads.items():
-            assert grad is not None and grads[name] is not None, f"{case}: no gradient for {name}"
-            dist.all_reduce(grad, group=mesh.get_group())
-            torch.testing.assert_close(grad, grads[name], rtol=1e-5, atol=1e-5,
-                                       msg=lambda m, case=case, name=name: f"{case} grad {name}: {m}")
+        assert_sums_equal_one_process(case, mesh.get_group(), local_loss, loss, local_grads, grads)
 
 
 def test_position_sparse_cores_under_context_parallelism_equal_one_process():

@@ -16,22 +16,24 @@ the same elements.
 The model stays single-device PyTorch: this module registers a forward pre-hook on each attention core (it
 gathers K/V and turns ``causal`` into an explicit mask over global positions); the trainer's step cuts each
 microbatch to the rank's tokens (:meth:`SequenceSlice.shard_batch`) and runs the model with the slice in its
-context. Each rank's token losses are summed and divided by the global token count, so the losses summed over dp x cp and the
-gradients summed over dp x cp (:mod:`xscale.parallel.data`; ZeRO shards over dp_shard x cp) are one process's.
+context. Each rank's token losses are summed and divided by the global token count, so the losses summed over
+dp x cp and the gradients summed over dp x cp (:mod:`xscale.parallel.data`; ZeRO shards over dp_shard x cp) are
+one process's.
 
 Collectives are plain blocking ones issued in program order (the forward's all-gather, the backward's
 reduce-scatter, on the thread that runs autograd), so every rank issues the same collectives in the same order on
 the cp group and no work handle outlives its tensors.
 
-Scope: decoders, encoders and encoder-decoders whose attention cores declare ``cp`` in their parallel_traits (dense/mha/gqa/mqa) or
-``cp_positions`` (the position-sparse cores: local, dilated, longformer, bigbird, ..., which compute only the
-query blocks of this rank's global positions against the gathered K/V), under any data-parallel layout, under
-pipeline parallelism (every stage's cores hooked alike; the pipeline runs the rank's tokens of the batch) and under tensor parallelism (each tp rank's heads gather over the cp ranks; with
-sequence parallelism tp rank t holds slice t of the cp rank's tokens). Refused up front
-(:func:`check_context_parallel`): every other attention kind, and sequence lengths that do not split into cp (2cp)
-equal chunks. An encoder-decoder's two stacks are cut alike, each sequence by its own length; the
-decoder's cross-attention gathers the encoder memory's K/V as self-attention gathers its own. MoE layers route each microbatch's whole sequences over the cp
-group, and under expert parallelism over the ep group's cp groups (:mod:`xscale.parallel.context_experts`).
+Scope: decoders, encoders and encoder-decoders whose attention cores declare ``cp`` in their parallel_traits
+(dense/mha/gqa/mqa) or ``cp_positions`` (the position-sparse cores: local, dilated, longformer, bigbird, ..., which
+compute only the query blocks of this rank's global positions against the gathered K/V), under any data-parallel
+layout, under pipeline parallelism (every stage's cores hooked alike; the pipeline runs the rank's tokens of the
+batch) and under tensor parallelism (each tp rank's heads gather over the cp ranks; with sequence parallelism tp
+rank t holds slice t of the cp rank's tokens). Refused up front (:func:`check_context_parallel`): every other
+attention kind, and sequence lengths that do not split into cp (2cp) equal chunks. An encoder-decoder's two stacks
+are cut alike, each sequence by its own length; the decoder's cross-attention gathers the encoder memory's K/V as
+self-attention gathers its own. MoE layers route each microbatch's whole sequences over the cp group, and under
+expert parallelism over the ep group's cp groups (:mod:`xscale.parallel.context_experts`).
 """
 
 from __future__ import annotations
@@ -73,9 +75,10 @@ class SequenceSlice:
             if length % self.chunks:
                 how = f"2 x cp = {self.chunks} chunks (load balanced)" if self.load_balance else f"cp={self.cp} slices"
                 raise ValueError(f"context parallelism cuts every sequence into {how}; got a sequence of {length} "
-                                 f"tokens: make train.seq_len a multiple of {self.chunks} (an encoder-decoder's encoder "
-                                 f"inputs and decoder targets must both split: for span corruption choose train.seq_len "
-                                 f"so that both lengths of xscale.models.objectives.span_corruption_lengths do)")
+                                 f"tokens: make train.seq_len a multiple of {self.chunks} (an encoder-decoder's "
+                                 f"encoder inputs and decoder targets must both split: for span corruption choose "
+                                 f"train.seq_len so that both lengths of "
+                                 f"xscale.models.objectives.span_corruption_lengths do)")
             size = length // self.chunks
             if self.load_balance:
                 firsts = (rank * size, (self.chunks - 1 - rank) * size)

@@ -67,8 +67,3 @@ def moe_routing_over(tokens: ContextParallelTokens) -> Placement:
     """What a forward under context parallelism (without expert parallelism) tells its MoE layers: route over the cp
     group."""
     return lambda context: context.with_experts(tokens)
-
-
-def context_parallel_experts(group: dist.ProcessGroup, layout: SequenceSlice) -> Placement:
-    """:func:`moe_routing_over` the cp group ``group`` of this rank's ``layout``."""
-    return moe_routing_over(ContextParallelTokens(group, layout))
