@@ -1,13 +1,13 @@
 """A shorter OpenMP spin-wait for the ``xscale`` command on CPU: idle worker threads yield their core sooner.
 
 GNU OpenMP (libgomp, which torch's Linux wheels use) keeps a team's threads spinning after each parallel region for
-``GOMP_SPINCOUNT`` iterations, 300,000 by default, before they sleep. An iteration is a PAUSE instruction, about 140
-cycles on Intel cores since Skylake-SP, so an idle thread holds its core for up to ~14 ms after every multi-threaded
-op. Work on threads of our own then shares the core with it: the MoE layer's experts run side by side on worker
-threads (:mod:`xscale.ops.expert_threads`), and on a 2-core AVX-512 machine they ran 1.08-1.14x the dense FFN's
-time right after a multi-threaded op against 1.01-1.04x with a spin count of 10,000 (~0.5 ms), and the whole MoE
-layer 1.21-1.28x against 1.12-1.17x (``xscale bench moe``, README "Benchmarks"). GPT-2-shaped training steps (xscale
-and Hugging Face's) were as fast or faster with it (docs/benchmarks.md, 2026-11-27).
+``GOMP_SPINCOUNT`` iterations, 300,000 by default, before they sleep. An iteration is a PAUSE instruction, which
+takes up to ~140 cycles on recent Intel server cores, so an idle thread can hold its core for milliseconds after
+every multi-threaded op. Work on threads of our own then shares the core with it: the MoE layer's experts run side
+by side on worker threads (:mod:`xscale.ops.expert_threads`). On a 2-core AVX-512 machine the MoE layer's step ran
+1.24-1.26x the dense FFN's with libgomp's default and 1.17-1.19x with 10,000 iterations (``xscale bench moe --ep 1``,
+alternating runs; docs/benchmarks.md, 2026-11-28), and GPT-2-shaped training steps (xscale's and Hugging Face's)
+were as fast or faster with it.
 
 libgomp reads the variable once, when torch loads it, so :func:`limit_openmp_spin` runs before ``import torch``
 (the ``xscale`` command's entry, inherited by the processes it starts). A user's own ``GOMP_SPINCOUNT`` or
