@@ -56,7 +56,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"xscale: unknown command '{command}'{hint}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     module_name, function, _ = COMMANDS[command]
-    limit_openmp_spin()  # before the command imports torch (xscale/launcher/openmp_spin.py)
+    try:
+        limit_openmp_spin()  # before the command imports torch (xscale/launcher/openmp_spin.py)
+    except ValueError as error:
+        print(f"xscale: {error}", file=sys.stderr)
+        return 2
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as error:

@@ -23,6 +23,20 @@ def test_the_users_setting_wins(user):
     assert environ == user
 
 
+def test_short_is_the_default_by_name():
+    environ = {"XSCALE_OPENMP_SPIN": "short"}
+    assert limit_openmp_spin(environ, torch_loaded=False)
+    assert environ["GOMP_SPINCOUNT"] == SPIN_COUNT
+
+
+def test_an_unknown_choice_is_an_error_not_ignored(monkeypatch, capsys):
+    with pytest.raises(ValueError, match="XSCALE_OPENMP_SPIN='off' is not one of short, default"):
+        limit_openmp_spin({"XSCALE_OPENMP_SPIN": "off"}, torch_loaded=False)
+    monkeypatch.setenv("XSCALE_OPENMP_SPIN", "off")
+    assert xscale.cli.main(["inspect"]) == 2
+    assert "XSCALE_OPENMP_SPIN='off'" in capsys.readouterr().err
+
+
 def test_nothing_once_torch_is_loaded():
     """libgomp has read its environment by then: setting the variable would claim an effect it cannot have."""
     environ = {}

@@ -18,9 +18,10 @@ write only its own rows of preallocated outputs; it runs under ``torch.no_grad()
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -93,8 +94,15 @@ class _LargestFirst:
             return self.left.pop(0) if self.left else None
 
 
-def _drain(work: Work, queue: _LargestFirst, rows: dict[int, slice]) -> None:
+@contextlib.contextmanager
+def _plain_arithmetic() -> Iterator[None]:
+    """What ``work`` runs under on every path: no autograd graph, autocast off (the caller chose the dtypes)."""
     with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        yield
+
+
+def _drain(work: Work, queue: _LargestFirst, rows: dict[int, slice]) -> None:
+    with _plain_arithmetic():
         while (expert := queue.take()) is not None:
             work(expert, rows[expert])
 
@@ -105,7 +113,7 @@ def for_each_expert(work: Work, counts: list[int], device: torch.device) -> None
     threads = torch.get_num_threads()
     runners = min(threads, len(rows))
     if device.type != "cpu" or runners < 2:
-        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        with _plain_arithmetic():
             for expert in sorted(rows):
                 work(expert, rows[expert])
         return
