@@ -65,3 +65,57 @@ def assert_sums_equal_one_process(case: str, group, local_loss, loss, local_grad
         dist.all_reduce(grad, group=group)
         torch.testing.assert_close(grad, grads[name], rtol=1e-5, atol=1e-5,
                                    msg=lambda m, name=name: f"{case} grad {name}: {m}")
+
+
+def _loss_and_grads(model, loss_fn, batch, tokens, context):
+    loss = loss_fn(model, batch, context) / tokens
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+def assert_cores_under_cp_equal_one_process(rank: int, cases: list[tuple[str, str, list[str]]], overrides: list[str],
+                                            load_balance: bool, *, seq: int, batch_size: int, seed: int) -> None:
+    """For each (attention kind, model family, its options) case, a model under context parallelism over every
+    spawned rank (``load_balance``: chunks r and 2cp-1-r) gives this rank's rows of the one-process hidden states
+    (1e-5), and the loss and gradients summed over the ranks equal one process's
+    (:func:`assert_sums_equal_one_process`)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from xscale.models import build_model
+    from xscale.parallel.context import apply_context_parallel
+    from xscale.parallel.loss import model_loss_sum
+    from xscale.runtime import StepContext
+    from xscale.validate import load_config
+
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),), mesh_dim_names=("cp",))
+    generator = torch.Generator().manual_seed(seed)
+    vocab = int(next(o for o in overrides if o.startswith("model.vocab_size=")).split("=")[1])
+    for kind, family, options in cases:
+        case = f"{kind}/{family}/{' '.join(options)}/{'balanced' if load_balance else 'contiguous'}"
+        config = load_config(None, [*overrides, f"model.family={family}", f"model.attention.kind={kind}",
+                                    *(f"model.attention.options.{option}" for option in options)])
+        ids = torch.randint(0, vocab, (batch_size, seq), generator=generator)
+        labels = torch.randint(0, vocab, (batch_size, seq), generator=generator)
+        labels[torch.rand(batch_size, seq, generator=generator) < 0.3] = -100
+        batch = {"input_ids": ids, "labels": labels}
+        tokens = (labels != -100).sum()
+        context = StepContext(seed, step=4)
+        reference = build_model(config.model, "cpu", seed=seed).train()
+        loss, grads = _loss_and_grads(reference, model_loss_sum, batch, tokens, context)
+        with torch.no_grad():
+            hidden = reference(ids, context=context, project=False)
+
+        model = build_model(config.model, "cpu", seed=seed).train()
+        layout = apply_context_parallel(model, mesh, load_balance=load_balance)
+        positions = layout.positions_of(rank, seq, torch.device("cpu"))
+
+        def local_loss_sum(model, batch, context, layout=layout):  # the trainer's step under cp
+            return model_loss_sum(model, layout.shard_batch(batch), context.with_sequence(layout))
+
+        local_loss, local_grads = _loss_and_grads(model, local_loss_sum, batch, tokens, context)
+        with torch.no_grad():
+            local_hidden = model(ids[:, positions], context=context.with_sequence(layout), project=False)
+        torch.testing.assert_close(local_hidden, hidden[:, positions], rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, case=case: f"{case} hidden states: {m}")
+        assert_sums_equal_one_process(case, mesh.get_group(), local_loss, loss, local_grads, grads)

@@ -217,7 +217,8 @@ def test_checkpoint_saved_at_cp2_zero3_resumes_at_dp_x_cp(tmp_path):
 
 # ------------------------------------------------------------------------------------------------------ refusals
 REFUSALS = [
-    (["model.attention.kind=linformer"], 2, "attention 'linformer' is not sharded by context parallelism.*bigbird.*dense.*local, longformer"),
+    (["model.attention.kind=nystrom"], 2,
+     "attention 'nystrom' is not sharded by context parallelism.*bigbird.*dense.*linear.*linformer.*local, longformer"),
     (["model.position=shaw"], 2, r"model.position=shaw has no context-parallel plan.*or parallel.cp=1"),
     (["model.position=xl"], 2, r"model.position=xl has no context-parallel plan.*or parallel.cp=1"),
     (["train.seq_len=15"], 2, "cut.* into cp=2 equal slices; make train.seq_len=15 a multiple of 2"),

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity_models import DECODER, ENCODER, assert_parity, assert_sums_equal_one_process
-from spawned import WORLD, spawn
+from parity_models import DECODER, ENCODER, assert_cores_under_cp_equal_one_process, assert_parity
+from spawned import spawn
 
 from xscale.models.registry import ATTENTION
-from xscale.validate import load_config
 
 SEQ, BATCH, SEED = 32, 2, 5
 SMALL = ["model.vocab_size=32", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
@@ -45,55 +44,10 @@ def _cases() -> list[tuple[str, str, list[str]]]:
     return cases
 
 
-def _run(model, loss_fn, batch, tokens, context):
-    loss = loss_fn(model, batch, context) / tokens
-    loss.backward()
-    return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
-
-
 def _check_cases(rank: int) -> None:
     for load_balance in (False, True):
-        _check_layout(rank, load_balance)
-
-
-def _check_layout(rank: int, load_balance: bool) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from xscale.models import build_model
-    from xscale.parallel.context import apply_context_parallel
-    from xscale.parallel.loss import model_loss_sum
-    from xscale.runtime import StepContext
-
-    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("cp",))
-    generator = torch.Generator().manual_seed(SEED)
-    for kind, family, options in _cases():
-        case = f"{kind}/{family}/{' '.join(options)}/{'balanced' if load_balance else 'contiguous'}"
-        config = load_config(None, [*SMALL, f"model.family={family}", f"model.attention.kind={kind}",
-                                    *(f"model.attention.options.{option}" for option in options)])
-        ids = torch.randint(0, 32, (BATCH, SEQ), generator=generator)
-        labels = torch.randint(0, 32, (BATCH, SEQ), generator=generator)
-        labels[torch.rand(BATCH, SEQ, generator=generator) < 0.3] = -100
-        batch = {"input_ids": ids, "labels": labels}
-        tokens = (labels != -100).sum()
-        context = StepContext(SEED, step=4)
-        reference = build_model(config.model, "cpu", seed=SEED).train()
-        loss, grads = _run(reference, model_loss_sum, batch, tokens, context)
-        with torch.no_grad():
-            hidden = reference(ids, context=context, project=False)
-
-        model = build_model(config.model, "cpu", seed=SEED).train()
-        layout = apply_context_parallel(model, mesh, load_balance=load_balance)
-        positions = layout.positions_of(rank, SEQ, torch.device("cpu"))
-
-        def local_loss_sum(model, batch, context, layout=layout):  # the trainer's step under cp
-            return model_loss_sum(model, layout.shard_batch(batch), context.with_sequence(layout))
-
-        local_loss, local_grads = _run(model, local_loss_sum, batch, tokens, context)
-        with torch.no_grad():
-            local_hidden = model(ids[:, positions], context=context.with_sequence(layout), project=False)
-        torch.testing.assert_close(local_hidden, hidden[:, positions], rtol=1e-5, atol=1e-5,
-                                   msg=lambda m, case=case: f"{case} hidden states: {m}")
-        assert_sums_equal_one_process(case, mesh.get_group(), local_loss, loss, local_grads, grads)
+        assert_cores_under_cp_equal_one_process(rank, _cases(), SMALL, load_balance, seq=SEQ, batch_size=BATCH,
+                                                seed=SEED)
 
 
 def test_position_sparse_cores_under_context_parallelism_equal_one_process():

@@ -37,6 +37,7 @@ from xscale.launcher.cpu_allocator import keep_freed_memory
 from xscale.launcher.env import detect_world, init_distributed, local_device
 from xscale.launcher.parent_death import exit_with_launcher
 from xscale.launcher.preemption import PreemptionHandler
+from xscale.models.attention.core import unused_attention_dropout
 from xscale.models.init import canonical_name
 from xscale.models.parameters import count_parameters
 from xscale.models.segment_memory import SegmentMemory
@@ -410,6 +411,8 @@ class Trainer:
             dtype = torch.bfloat16 if train.precision == "bf16" else torch.float32
             self.peak_flops = peak_flops(dtype, str(self.device))
         if self.rank == 0 and (warning := bf16_warning(train.precision, self.device.type)):
+            print(warning, flush=True)
+        if self.rank == 0 and (warning := unused_attention_dropout(self.config.model)):
             print(warning, flush=True)
         if self.config.model.early_exit and (reason := exit_path_refusal(self.model)):
             self._announce(f"xscale: early-exit evaluation computes every layer: {reason}")

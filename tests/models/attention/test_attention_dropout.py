@@ -16,9 +16,10 @@ from tests.models.attention.test_in_model import SMALL_OPTIONS
 from xscale.config import AttentionConfig, ModelConfig
 from xscale.models import build_model
 from xscale.models.attention import patterns as P
-from xscale.models.attention.core import AttentionCore
+from xscale.models.attention.core import AttentionCore, unused_attention_dropout
 from xscale.models.registry import ATTENTION
 from xscale.runtime import StepContext
+from xscale.validate import load_config
 
 P_DROP = 0.3
 POSITION = StepContext(seed=5, step=2)
@@ -152,3 +153,17 @@ def test_routing_attention_drops_by_global_position(causal: bool) -> None:
         out = _run(copy.deepcopy(fresh), *(x[rows] for x in (q, k, v)), causal,
                    StepContext(seed=5, step=2, first_sample=first))
         torch.testing.assert_close(out, whole[rows], atol=1e-12, rtol=1e-12)
+
+
+def test_attention_dropout_on_cores_without_probabilities_is_named():
+    """model.attention_dropout does nothing on the layers whose cores form no probabilities: one warning names them
+    (Luna's causal form only); none when every layer drops or the rate is 0."""
+    def warning(*overrides):
+        return unused_attention_dropout(load_config(None, ["model.attention_dropout=0.1", *overrides]).model)
+
+    mixed = warning("model.attention.per_layer=[dense,linear,performer]", "model.n_layers=3")
+    assert mixed is not None and "no effect on the layers with attention linear, performer" in mixed
+    assert warning("model.attention.kind=dense") is None
+    assert warning("model.attention.kind=luna") is not None
+    assert warning("model.attention.kind=luna", "model.family=encoder") is None
+    assert unused_attention_dropout(load_config(None, ["model.attention.kind=linear"]).model) is None

@@ -121,3 +121,31 @@ def test_feature_maps_keep_their_saved_features_outside_the_chunked_backward(kin
     second = torch.autograd.grad(out, (q, k, v), grad)
     for a, b in zip(first, second):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("fraction", [8, 10**9], ids=["one-segment", "segment-per-chunk"])
+@pytest.mark.parametrize("positions", [[20, 21, 22, 23, 24, 25, 26, 27], [0, 1, 2, 3, 4, 5, 36, 37, 38, 39, 40, 41],
+                                       [9, 10, 11, 12, 30, 31, 32, 33, 34]],
+                         ids=["one-run", "balanced-first-and-last", "two-inner-runs"])
+def test_queries_at_positions_equal_those_rows_of_the_whole_sequence(monkeypatch, positions, fraction) -> None:
+    """Context parallelism's path: a rank's queries at global positions against every key give the rows (and, summed
+    over the queries, the q/k/v gradients) of the whole sequence's causal kernel attention, each run of positions
+    from the state of the keys before it."""
+    monkeypatch.setattr(linear, "SEGMENT_FRACTION", fraction)
+    q, k, v = random_qkv(2, 3, 42, 8)
+    index = torch.tensor(positions)
+    grad = torch.randn(2, 3, len(positions), 8, dtype=q.dtype)
+    whole = kernel_attention(q, k, v, elu_feature, elu_feature, causal=True, chunk=4).index_select(2, index)
+    local_q = q.detach().index_select(2, index).requires_grad_()
+    mine = linear.kernel_attention_at(index, local_q, k, v, elu_feature, elu_feature, causal=True, chunk=4)
+    expected = _grads(whole, (q, k, v), grad)
+    got = _grads(mine, (local_q, k, v), grad)
+    torch.testing.assert_close(got[0], expected[0], atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(got[1], expected[1].index_select(2, index), atol=1e-10, rtol=1e-10)
+    for name, mine_grad, ref in zip(("k", "v"), got[2:], expected[2:]):
+        torch.testing.assert_close(mine_grad, ref, atol=1e-10, rtol=1e-10, msg=lambda m, name=name: f"d{name}: {m}")
+
+
+def test_consecutive_runs() -> None:
+    assert linear.consecutive_runs(torch.tensor([0, 1, 2, 7, 8, 10])) == [(0, 3), (7, 9), (10, 11)]
+    assert linear.consecutive_runs(torch.tensor([4])) == [(4, 5)]

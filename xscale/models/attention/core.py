@@ -75,6 +75,12 @@ class AttentionCore(nn.Module):
                 bias: torch.Tensor | None = None, context: StepContext | None = None) -> torch.Tensor:
         raise NotImplementedError
 
+    @classmethod
+    def applies_attention_dropout(cls, causal: bool) -> bool:
+        """Whether ``model.attention_dropout`` reaches this core's attention probabilities (a core that forms none,
+        such as the kernel cores, says False; :func:`unused_attention_dropout` warns of it)."""
+        return True
+
     @property
     def drops_probabilities(self) -> bool:
         """Training with attention dropout (then probabilities must be formed where ``self.dropout`` sees them)."""
@@ -161,3 +167,18 @@ def build_core(kind: str, model: ModelConfig, layer_index: int, options: dict[st
             f"model.position={model.position} adds relative value embeddings with; use model.attention.kind=dense"
         )
     return cls(model, layer_index, parsed)
+
+
+def unused_attention_dropout(model: ModelConfig) -> str | None:
+    """One warning line when ``model.attention_dropout`` > 0 but some layers' cores form no attention probabilities
+    for it to drop (it then does nothing there), naming them; else None."""
+    if model.attention_dropout <= 0:
+        return None
+    causal = {"decoder": (True,), "encoder": (False,)}.get(model.family, (True, False))
+    layers = model.n_layers + (model.decoder_layers if model.family == "encoder_decoder" else 0)
+    kinds = sorted({kind for kind in map(model.attention.kind_for_layer, range(layers))
+                    if not all(ATTENTION.get(kind).applies_attention_dropout(mask) for mask in causal)})
+    if not kinds:
+        return None
+    return (f"xscale: warning: model.attention_dropout={model.attention_dropout} has no effect on the layers with "
+            f"attention {', '.join(kinds)}: they form no attention probabilities to drop (model.dropout still applies)")

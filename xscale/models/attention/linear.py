@@ -37,6 +37,25 @@ def kernelized_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, *, causal: boo
     return out[..., :-1] / out[..., -1:].clamp_min(eps)
 
 
+def kernelized_attention_at(positions: Tensor, phi_q: Tensor, phi_k: Tensor, v: Tensor, *, causal: bool, chunk: int,
+                            eps: float = 1e-6) -> Tensor:
+    """:func:`kernelized_attention` for queries at the global ``positions`` (Tq, ascending) of the sequence of phi_k,
+    v (context parallelism: this rank's queries, every rank's keys): causal, each run of consecutive positions [a, b)
+    from the state phi_k[:a]^T [v[:a], 1] of the keys before it, then eq. 8-9 over its own keys."""
+    if not causal:
+        return kernelized_attention(phi_q, phi_k, v, causal=False, chunk=chunk, eps=eps)
+    values = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
+    outputs, first = [], 0
+    for start, stop in consecutive_runs(positions):
+        size = stop - start
+        state = phi_k.narrow(2, 0, start).transpose(-1, -2) @ values.narrow(2, 0, start) if start else None
+        outputs.append(causal_chunks(phi_q.narrow(2, first, size), phi_k.narrow(2, start, size),
+                                     values.narrow(2, start, size), chunk, state)[0])
+        first += size
+    out = torch.cat(outputs, dim=2)
+    return out[..., :-1] / out[..., -1:].clamp_min(eps)
+
+
 def causal_chunks(phi_q: Tensor, phi_k: Tensor, values: Tensor, chunk: int,
                   state: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Eq. 8-9 unnormalised over chunks of ``chunk`` positions, every chunk at once: (phi_q (B, H, T, m),
@@ -112,6 +131,68 @@ def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_q: FeatureMap, fea
     return kernelized_attention(feature_q(q), feature_k(k), v, causal=False, chunk=chunk, eps=eps)
 
 
+def kernel_attention_at(positions: Tensor, q: Tensor, k: Tensor, v: Tensor, feature_q: FeatureMap,
+                        feature_k: FeatureMap, *, causal: bool, chunk: int, eps: float = 1e-6) -> Tensor:
+    """Queries q (B, H, Tq, d) at the global ``positions`` (Tq, ascending) of the sequence of k, v (B, H, T, d) ->
+    their rows of :func:`kernel_attention` over the whole sequence (context parallelism: this rank's queries, every
+    rank's keys). Causal: each run of consecutive positions [a, b) starts from the state of the keys before a,
+    S_a = phi(K_<a)^T [V_<a, 1] (:class:`KeyState`), and runs eq. 8-9 over its own keys; the work is the run's and
+    one pass over the earlier keys, not the whole sequence's."""
+    if not causal:
+        return kernel_attention(q, k, v, feature_q, feature_k, causal=False, chunk=chunk, eps=eps)
+    outputs, first = [], 0
+    for start, stop in consecutive_runs(positions):
+        size = stop - start
+        state = KeyState.apply(k.narrow(2, 0, start), v.narrow(2, 0, start), feature_k) if start else None
+        outputs.append(ChunkedCausalKernel.apply(q.narrow(2, first, size), k.narrow(2, start, size),
+                                                 v.narrow(2, start, size), feature_q, feature_k, chunk, eps, state))
+        first += size
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
+
+def consecutive_runs(positions: Tensor) -> list[tuple[int, int]]:
+    """[start, stop) of each run of consecutive values in the ascending ``positions``."""
+    values = positions.tolist()
+    runs, start = [], 0
+    for index in range(1, len(values) + 1):
+        if index == len(values) or values[index] != values[index - 1] + 1:
+            runs.append((values[start], values[index - 1] + 1))
+            start = index
+    return runs
+
+
+class KeyState(torch.autograd.Function):
+    """S = phi(K)^T [V, 1] (B, H, m, d + 1) of keys and values (B, H, T, d), a segment of keys at a time (features
+    within 1/``SEGMENT_FRACTION`` of k's elements); the backward recomputes each segment's features: dV = phi(K)
+    dS[:, :d], dphi(K) = [V, 1] dS^T, then through the feature map."""
+
+    @staticmethod
+    def forward(ctx, k: Tensor, v: Tensor, feature_k: FeatureMap) -> Tensor:
+        state = _zero_state(k, v, feature_k)
+        segment = max(1, k.numel() // SEGMENT_FRACTION // max(1, state.shape[0] * state.shape[1] * state.shape[2]))
+        for start in range(0, k.shape[2], segment):
+            size = min(segment, k.shape[2] - start)
+            state = _state_after(k.narrow(2, start, size), v.narrow(2, start, size), state, feature_k)
+        ctx.save_for_backward(k, v)
+        ctx.feature_k, ctx.segment = feature_k, segment
+        return state
+
+    @staticmethod
+    def backward(ctx, grad_state: Tensor) -> tuple[Tensor, Tensor, None]:
+        k, v = ctx.saved_tensors
+        grad_k, grad_v = torch.empty_like(k), torch.empty_like(v)
+        for start in range(0, k.shape[2], ctx.segment):
+            size = min(ctx.segment, k.shape[2] - start)
+            part = k.narrow(2, start, size).detach().requires_grad_()
+            with torch.enable_grad():  # a graph differentiated once, below, and dropped
+                phi = ctx.feature_k(part, single_use=True)
+            values = F.pad(v.narrow(2, start, size), (0, 1), value=1.0)
+            grad_v.narrow(2, start, size).copy_((phi.detach() @ grad_state)[..., :-1])
+            torch.autograd.backward(phi, values @ grad_state.transpose(-1, -2))
+            grad_k.narrow(2, start, size).copy_(part.grad)
+        return grad_k, grad_v, None
+
+
 def _segment_forward(q: Tensor, k: Tensor, v: Tensor, state: Tensor, feature_q: FeatureMap,
                      feature_k: FeatureMap, chunk: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """One segment of whole chunks (eq. 8-9): (output (B, H, S, d), the state after it, the normaliser
@@ -134,7 +215,8 @@ SEGMENT_FRACTION = 8
 
 
 class ChunkedCausalKernel(torch.autograd.Function):
-    """Causal kernel attention over segments of chunks of C tokens (every chunk of a segment at once,
+    """Causal kernel attention over segments of chunks of C tokens, from the state ``initial`` of earlier keys
+    (B, H, m, d + 1; None: none), differentiable in it too (every chunk of a segment at once,
     :func:`causal_chunks`; a segment's features and scores within 1/``SEGMENT_FRACTION`` of q) that saves q, k, v,
     the output and its normaliser (T values: the backward needs neither product again) and the running state every
     ~sqrt(segments) segments; the backward walks the segments in reverse, recomputes the
@@ -144,9 +226,9 @@ class ChunkedCausalKernel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, feature_q: FeatureMap, feature_k: FeatureMap, chunk: int,
-                eps: float) -> Tensor:
+                eps: float, initial: Tensor | None = None) -> Tensor:
         length = q.shape[2]
-        state = _zero_state(k, v, feature_k)
+        state = _zero_state(k, v, feature_k) if initial is None else initial.detach()
         per_chunk = state.shape[0] * state.shape[1] * chunk * (state.shape[2] + chunk)  # its features and scores
         segment = chunk * max(1, min(-(-length // chunk), q.numel() // SEGMENT_FRACTION // per_chunk))
         starts = list(range(0, length, segment))
@@ -162,6 +244,7 @@ class ChunkedCausalKernel(torch.autograd.Function):
             normaliser.narrow(2, start, result.shape[2]).copy_(sums)
         ctx.save_for_backward(q, k, v, out, normaliser, *checkpoints)
         ctx.features, ctx.chunk, ctx.eps, ctx.segment, ctx.span = (feature_q, feature_k), chunk, eps, segment, span
+        ctx.has_initial = initial is not None
         return out
 
     @staticmethod
@@ -184,7 +267,7 @@ class ChunkedCausalKernel(torch.autograd.Function):
                 for target, grad in zip(grads, segment_grads[:3]):
                     target.narrow(2, start, size).copy_(grad)
                 grad_state = segment_grads[3]
-        return *grads, None, None, None, None
+        return *grads, None, None, None, None, grad_state if ctx.has_initial else None
 
 
 def _segment_backward(q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, out: Tensor, normaliser: Tensor,
@@ -268,12 +351,20 @@ class LinearAttention(AttentionCore):
     the remembered keys and values are a prefix every query sums over, S_i = sum_{j <= M + i} phi(k_j) v_j^T."""
 
     Options = LinearOptions
-    parallel_traits = ParallelTraits(tp="split_heads")
+    parallel_traits = ParallelTraits(tp="split_heads", cp_positions=True)
     attends_to_memory = True
+
+    @classmethod
+    def applies_attention_dropout(cls, causal: bool) -> bool:
+        return False  # a kernel feature map forms no attention probabilities
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None, context: StepContext | None = None) -> Tensor:
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
         chunk = self.options.chunk
+        sequence = None if context is None else context.sequence
+        if sequence is not None and q.shape[2] != k.shape[2]:  # context parallelism: some queries, every key
+            return kernel_attention_at(sequence.coordinates(q.shape[2], q.device), q, k, v, elu_feature, elu_feature,
+                                       causal=causal, chunk=chunk)
         if not causal:
             return kernel_attention(q, k, v, elu_feature, elu_feature, causal=False, chunk=chunk)
         return causal_over_longer_keys(

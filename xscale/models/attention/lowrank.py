@@ -30,11 +30,13 @@ class LinformerOptions:
 
 @ATTENTION.register("linformer")
 class LinformerAttention(AttentionCore):
-    """Keys and values projected along the length by learned E, F (k x max_seq_len), shared by the heads."""
+    """Keys and values projected along the length by learned E, F (k x max_seq_len), shared by the heads. Each query
+    reads only the projected keys and values, so a context-parallel rank's queries against the all-gathered K/V (in
+    global order, E and F over the whole length) give their rows of the whole sequence's output."""
 
     Options = LinformerOptions
     causal_capable = False
-    parallel_traits = ParallelTraits(tp="split_heads")
+    parallel_traits = ParallelTraits(tp="split_heads", cp_positions=True)
 
     def __init__(self, model: ModelConfig, layer_index: int, options: LinformerOptions) -> None:
         super().__init__(model, layer_index, options)

@@ -108,6 +108,10 @@ class LSHAttention(AttentionCore):
     shares_qk = True
     parallel_traits = ParallelTraits(tp="split_heads")
 
+    @classmethod
+    def applies_attention_dropout(cls, causal: bool) -> bool:
+        return False  # its bucketed attention applies no dropout
+
     def __init__(self, model: ModelConfig, layer_index: int, options: LSHOptions) -> None:
         super().__init__(model, layer_index, options)
         half = max(options.buckets // 2, 1)

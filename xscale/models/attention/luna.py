@@ -92,6 +92,10 @@ class LunaOptions:
 class LunaAttention(PooledAttention):
     Options = LunaOptions
 
+    @classmethod
+    def applies_attention_dropout(cls, causal: bool) -> bool:
+        return not causal  # the causal form (online-softmax prefix packs) applies none
+
     def __init__(self, model: ModelConfig, layer_index: int, options: LunaOptions) -> None:
         super().__init__(model, layer_index, options, options.packed_length)
 

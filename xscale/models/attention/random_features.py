@@ -19,7 +19,7 @@ from torch import Tensor
 from xscale.config import ModelConfig
 from xscale.models.attention.block_sparse import LOG2_E
 from xscale.models.attention.core import AttentionCore, causal_over_longer_keys, expand_kv
-from xscale.models.attention.linear import kernel_attention
+from xscale.models.attention.linear import kernel_attention, kernel_attention_at
 from xscale.models.attention.sparse import layer_seed, require, require_non_negative, require_positive
 from xscale.models.registry import ATTENTION
 from xscale.models.traits import ParallelTraits
@@ -43,8 +43,12 @@ class RandomFeatureAttention(AttentionCore):
     """Holds the projection buffer and its redraw schedule; subclasses define ``features``. Causal with a segment
     memory: the remembered keys are a prefix of the running sums, as in :class:`LinearAttention`."""
 
-    parallel_traits = ParallelTraits(tp="split_heads")
+    parallel_traits = ParallelTraits(tp="split_heads", cp_positions=True)
     attends_to_memory = True
+
+    @classmethod
+    def applies_attention_dropout(cls, causal: bool) -> bool:
+        return False  # a kernel feature map forms no attention probabilities
 
     def __init__(self, model: ModelConfig, layer_index: int, options) -> None:
         super().__init__(model, layer_index, options)
@@ -87,13 +91,22 @@ class RandomFeatureAttention(AttentionCore):
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
         dtype = torch.promote_types(q.dtype, torch.float32)
 
+        def feature_q(x: Tensor, single_use: bool = False) -> Tensor:
+            return self.features(x, True, causal, single_use)
+
+        def feature_k(x: Tensor, single_use: bool = False) -> Tensor:
+            return self.features(x, False, causal, single_use)
+
         def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            return kernel_attention(q, k, v, lambda x, single_use=False: self.features(x, True, causal, single_use),
-                                    lambda x, single_use=False: self.features(x, False, causal, single_use),
-                                    causal=causal, chunk=self.options.chunk)
+            return kernel_attention(q, k, v, feature_q, feature_k, causal=causal, chunk=self.options.chunk)
 
         q32, k32, v32 = q.to(dtype), k.to(dtype), v.to(dtype)
-        out = causal_over_longer_keys(attend, q32, k32, v32) if causal else attend(q32, k32, v32)
+        sequence = None if context is None else context.sequence
+        if sequence is not None and q.shape[2] != k.shape[2]:  # context parallelism: some queries, every key
+            out = kernel_attention_at(sequence.coordinates(q.shape[2], q.device), q32, k32, v32, feature_q, feature_k,
+                                      causal=causal, chunk=self.options.chunk)
+        else:
+            out = causal_over_longer_keys(attend, q32, k32, v32) if causal else attend(q32, k32, v32)
         return out.to(q.dtype)
 
 
