@@ -78,11 +78,13 @@ def assert_cores_under_cp_equal_one_process(rank: int, cases: list[tuple[str, st
     """For each (attention kind, model family, its options) case, a model under context parallelism over every
     spawned rank (``load_balance``: chunks r and 2cp-1-r) gives this rank's rows of the one-process hidden states
     (1e-5), and the loss and gradients summed over the ranks equal one process's
-    (:func:`assert_sums_equal_one_process`)."""
+    (:func:`assert_sums_equal_one_process`). Both models begin a training step first, the cp model's with one forward
+    per rank (the trainer's count: a per-step penalty such as adaptive span's is shared out over them)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
     from xscale.models import build_model
+    from xscale.models.training_step import begin_training_step
     from xscale.parallel.context import apply_context_parallel
     from xscale.parallel.loss import model_loss_sum
     from xscale.runtime import StepContext
@@ -102,12 +104,14 @@ def assert_cores_under_cp_equal_one_process(rank: int, cases: list[tuple[str, st
         tokens = (labels != -100).sum()
         context = StepContext(seed, step=4)
         reference = build_model(config.model, "cpu", seed=seed).train()
+        begin_training_step([reference], 1)
         loss, grads = _loss_and_grads(reference, model_loss_sum, batch, tokens, context)
         with torch.no_grad():
             hidden = reference(ids, context=context, project=False)
 
         model = build_model(config.model, "cpu", seed=seed).train()
         layout = apply_context_parallel(model, mesh, load_balance=load_balance)
+        begin_training_step([model], mesh.size())  # the step's forwards: one per cp rank, as the trainer counts them
         positions = layout.positions_of(rank, seq, torch.device("cpu"))
 
         def local_loss_sum(model, batch, context, layout=layout):  # the trainer's step under cp

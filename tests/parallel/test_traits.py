@@ -81,13 +81,15 @@ def test_a_head_mixing_core_must_declare_that_it_gathers_heads(monkeypatch) -> N
 
 def test_context_parallelism_serves_the_cores_that_declare_it(monkeypatch) -> None:
     kind = _register(monkeypatch, ParallelTraits(tp="split_heads"), supports_bias=True)
-    with pytest.raises(ConfigError, match=f"attention '{kind}' is not sharded by context parallelism.*only "
-                                          r"axial, .*dense, .*mqa, .*strided all-gather K/V .*parallel_traits "
-                                          "declare cp or cp_positions"):
+    with pytest.raises(ConfigError, match=f"attention '{kind}' is not sharded by context parallelism.*only .*"
+                                          r"axial, .*dense, .*mqa, .*strided, .* all-gather over the cp ranks "
+                                          r".*parallel_traits declare cp, cp_positions or cp_whole_sequence"):
         check_context_parallel_model(_model(kind), 2)
     kind = _register(monkeypatch, ParallelTraits(tp="split_heads", cp=True), supports_bias=True)
     check_context_parallel_model(_model(kind), 2)
     kind = _register(monkeypatch, ParallelTraits(tp="split_heads", cp_positions=True))
+    check_context_parallel_model(_model(kind), 2)
+    kind = _register(monkeypatch, ParallelTraits(tp="split_heads", cp_whole_sequence=True))
     check_context_parallel_model(_model(kind), 2)
 
 

@@ -22,6 +22,11 @@ and reads no position of its own); a position encoding whose hooks that plan eva
 ``cp_positions``: context parallelism serves an attention core that places its queries itself: it takes this rank's
 queries with K/V all-gathered and ``causal`` unchanged, and reads the queries' global positions from its context
 (``StepContext.sequence``), computing only the rows it holds (the position-sparse cores).
+``cp_whole_sequence``: context parallelism serves an attention core by giving every rank the whole sequence: it
+all-gathers the queries too, runs the core's single-device code on every position (its own causal mask, dropout
+by global position) and keeps the rank's rows of the output. Exact for a core whose output depends only on the
+sequence and its parameters; no saving in the core's own work (the rest of the layer is sharded). Not with a
+position encoding that biases the logits (the bias holds the rank's rows only).
 ``dp_statistics``: the core keeps running statistics of the tokens it sees, which it sums over the data-parallel
 ranks with its context's ``sum_over_replicas`` (the data-parallel plan provides it), so every replica moves them
 alike.
@@ -44,6 +49,7 @@ class ParallelTraits:
     replicated_parts: tuple[str, ...] = ()
     cp: bool = False
     cp_positions: bool = False
+    cp_whole_sequence: bool = False
     dp_statistics: bool = False
 
     def __post_init__(self) -> None:

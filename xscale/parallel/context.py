@@ -27,14 +27,16 @@ the cp group and no work handle outlives its tensors.
 Scope: decoders, encoders and encoder-decoders whose attention cores declare ``cp`` in their parallel_traits
 (dense/mha/gqa/mqa) or ``cp_positions`` (the position-sparse cores: local, dilated, longformer, bigbird, ..., which
 compute only the query blocks of this rank's global positions against the gathered K/V; the kernel cores linear,
-performer, rfa, which start each run of this rank's positions from the state of the keys before it), under any
-data-parallel layout, under pipeline parallelism (every stage's cores hooked alike; the pipeline runs the rank's
-tokens of the batch) and under tensor parallelism (each tp rank's heads gather over the cp ranks; with sequence
-parallelism tp rank t holds slice t of the cp rank's tokens). Refused up front (:func:`check_context_parallel`):
-every other attention kind, and sequence lengths that do not split into cp (2cp) equal chunks. An encoder-decoder's
-two stacks are cut alike, each sequence by its own length; the decoder's cross-attention gathers the encoder
-memory's K/V as self-attention gathers its own. MoE layers route each microbatch's whole sequences over the cp
-group, and under expert parallelism over the ep group's cp groups (:mod:`xscale.parallel.context_experts`).
+performer, rfa, cosformer, which start each run of this rank's positions from the state of the keys before it) or
+``cp_whole_sequence`` (every other kind but routing: each rank all-gathers Q, K and V, runs the core on the whole
+sequence and keeps its rows), under any data-parallel layout, under pipeline parallelism (every stage's cores hooked
+alike; the pipeline runs the rank's tokens of the batch) and under tensor parallelism (each tp rank's heads gather
+over the cp ranks; with sequence parallelism tp rank t holds slice t of the cp rank's tokens). Refused up front
+(:func:`check_context_parallel`): every other attention kind, and sequence lengths that do not split into cp (2cp)
+equal chunks. An encoder-decoder's two stacks are cut alike, each sequence by its own length; the decoder's
+cross-attention gathers the encoder memory's K/V as self-attention gathers its own. MoE layers route each
+microbatch's whole sequences over the cp group, and under expert parallelism over the ep group's cp groups
+(:mod:`xscale.parallel.context_experts`).
 """
 
 from __future__ import annotations
@@ -168,6 +170,45 @@ def _shard_attention_core(core: nn.Module, group: dist.ProcessGroup, layout: Seq
     core.register_forward_pre_hook(gather, with_kwargs=True)
 
 
+def gather_tokens(x: torch.Tensor, group: dist.ProcessGroup, layout: SequenceSlice) -> torch.Tensor:
+    """Every rank's (B, H, T/cp, hd) rows -> the whole sequence's (B, H, T, hd) in global order; a (B, H, T/cp, 0)
+    placeholder (heads a core does not read) becomes a placeholder of the whole length."""
+    length = x.shape[2] * layout.cp
+    if x.shape[-1] == 0:
+        return x.new_empty(*x.shape[:2], length, 0)
+    return _GatherSequence.apply(x.unsqueeze(0), group, layout.cp, layout.global_order(length, x.device))[0]
+
+
+def _run_on_whole_sequence(core: nn.Module, group: dist.ProcessGroup, layout: SequenceSlice) -> None:
+    """A ``cp_whole_sequence`` core: before it runs, gather Q, K and V (K is Q for a core that shares them) and take
+    the layout out of its context (it then masks and drops as on one device); after, keep this rank's rows."""
+
+    def gather(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        q, k, v = args
+        if kwargs.get("bias") is not None:
+            raise ValueError(f"{type(module).__name__} runs on the whole sequence under context parallelism and "
+                             "cannot take a logit bias of this rank's rows (check_context_parallel refuses the "
+                             "position encodings that bias the logits)")
+        whole_q = gather_tokens(q, group, layout)
+        if k is q:
+            whole_k, whole_v = whole_q, gather_tokens(v, group, layout)
+        elif k.shape == v.shape:
+            whole_k, whole_v = gather_sequence(k, v, group, layout)
+        else:
+            whole_k, whole_v = gather_tokens(k, group, layout), gather_tokens(v, group, layout)
+        context = kwargs.get("context")
+        return (whole_q, whole_k, whole_v), {**kwargs, "context": None if context is None else
+                                                 context.with_sequence(None)}
+
+    def keep_rows(module: nn.Module, args: tuple, kwargs: dict, output):
+        out = output[0] if isinstance(output, tuple) else output
+        mine = out.index_select(2, layout.coordinates(out.shape[2] // layout.cp, out.device))
+        return (mine, *output[1:]) if isinstance(output, tuple) else mine
+
+    core.register_forward_pre_hook(gather, with_kwargs=True)
+    core.register_forward_hook(keep_rows, with_kwargs=True)
+
+
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, *, load_balance: bool = False) -> SequenceSlice:
     """Shard ``model`` (meta or materialised) over the 1-D mesh ``cp_mesh`` in place; returns this rank's slice,
     which cuts each microbatch (``shard_batch``) and goes in every forward's context (``with_sequence``)."""
@@ -179,7 +220,10 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, *, load_balanc
     group = cp_mesh.get_group()
     for module in model.modules():
         if isinstance(module, Attention):
-            _shard_attention_core(module.core, group, layout)
+            if traits_of(module.core).cp_whole_sequence:
+                _run_on_whole_sequence(module.core, group, layout)
+            else:
+                _shard_attention_core(module.core, group, layout)
     return layout
 
 
@@ -190,7 +234,7 @@ def _attention_kinds(model: ModelConfig) -> set[str]:
 
 def _served(kind: str) -> bool:
     traits = traits_of(ATTENTION.get(kind))
-    return traits.cp or traits.cp_positions
+    return traits.cp or traits.cp_positions or traits.cp_whole_sequence
 
 
 def check_context_parallel_model(model: ModelConfig, cp: int) -> None:
@@ -199,8 +243,14 @@ def check_context_parallel_model(model: ModelConfig, cp: int) -> None:
         if not _served(kind):
             served = [name for name in ATTENTION.names() if _served(name)]
             raise ConfigError(f"attention '{kind}' is not sharded by context parallelism (parallel.cp={cp}): only "
-                              f"{', '.join(served)} all-gather K/V over the cp ranks (their parallel_traits declare "
-                              "cp or cp_positions); use one of them (model.attention.kind) or parallel.cp=1")
+                              f"{', '.join(served)} all-gather over the cp ranks (their parallel_traits declare "
+                              "cp, cp_positions or cp_whole_sequence); use one of them (model.attention.kind) or "
+                              "parallel.cp=1")
+        position = POSITION.get(model.position)
+        if traits_of(ATTENTION.get(kind)).cp_whole_sequence and position.biases_logits:
+            raise ConfigError(f"attention '{kind}' runs on the whole sequence on every cp rank, which a logit bias of "
+                              f"this rank's rows (model.position={model.position}) cannot follow; use "
+                              "model.position=rope, learned or sinusoidal, or parallel.cp=1")
     if not traits_of(POSITION.get(model.position)).cp:
         served = [name for name in POSITION.names() if traits_of(POSITION.get(name)).cp]
         raise ConfigError(f"model.position={model.position} has no context-parallel plan (its parallel_traits do not "

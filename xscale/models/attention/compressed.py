@@ -45,7 +45,7 @@ def blocks_of(x: Tensor, size: int) -> Tensor:
 @ATTENTION.register("memory_compressed", "compressed")
 class MemoryCompressedAttention(AttentionCore):
     Options = CompressedOptions
-    parallel_traits = ParallelTraits(tp="split_heads")
+    parallel_traits = ParallelTraits(tp="split_heads", cp_whole_sequence=True)
 
     def __init__(self, model: ModelConfig, layer_index: int, options: CompressedOptions) -> None:
         super().__init__(model, layer_index, options)

@@ -33,7 +33,7 @@ class PooledAttention(AttentionCore):
     """Holds the per-head points (H, m, d_head); subclasses name the option that sets m."""
 
     per_head_state = ("points",)
-    parallel_traits = ParallelTraits(tp="head_state")
+    parallel_traits = ParallelTraits(tp="head_state", cp_whole_sequence=True)
 
     def __init__(self, model: ModelConfig, layer_index: int, options, n_points: int) -> None:
         super().__init__(model, layer_index, options)

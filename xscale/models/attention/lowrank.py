@@ -93,7 +93,7 @@ class NystromAttention(AttentionCore):
 
     Options = NystromOptions
     causal_capable = False
-    parallel_traits = ParallelTraits(tp="split_heads")
+    parallel_traits = ParallelTraits(tp="split_heads", cp_whole_sequence=True)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None, context: StepContext | None = None) -> Tensor:
         require(not causal, "nystrom cannot be causally masked (landmarks average the future); use an encoder")

@@ -106,7 +106,7 @@ class LSHAttention(AttentionCore):
 
     Options = LSHOptions
     shares_qk = True
-    parallel_traits = ParallelTraits(tp="split_heads")
+    parallel_traits = ParallelTraits(tp="split_heads", cp_whole_sequence=True)
 
     @classmethod
     def applies_attention_dropout(cls, causal: bool) -> bool:

@@ -59,7 +59,7 @@ class GaussianPriorAttention(AttentionCore):
     supports_bias = True
     takes_padding_mask = True  # the padding mask enters as a -inf logit bias on the padded keys
     per_head_state = ("log_sigma_offset",)
-    parallel_traits = ParallelTraits(tp="head_state")
+    parallel_traits = ParallelTraits(tp="head_state", cp_whole_sequence=True)
 
     def __init__(self, model: ModelConfig, layer_index: int, options: GaussianOptions) -> None:
         super().__init__(model, layer_index, options)
@@ -108,7 +108,7 @@ class AdaptiveSpanAttention(AttentionCore):
     supports_bias = True
     takes_padding_mask = True  # the padding mask enters as a -inf logit bias on the padded keys
     per_head_state = ("span_fraction",)
-    parallel_traits = ParallelTraits(tp="head_state")
+    parallel_traits = ParallelTraits(tp="head_state", cp_whole_sequence=True)
 
     def __init__(self, model: ModelConfig, layer_index: int, options: AdaptiveSpanOptions) -> None:
         super().__init__(model, layer_index, options)

@@ -26,7 +26,7 @@ class RealFormerAttention(AttentionCore):
     supports_bias = True
     takes_padding_mask = True  # the padding mask enters as a -inf logit bias on the padded keys
     carries_scores = True
-    parallel_traits = ParallelTraits(tp="split_heads")
+    parallel_traits = ParallelTraits(tp="split_heads", cp_whole_sequence=True)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None, context: StepContext | None = None,
                 previous_scores: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -54,7 +54,7 @@ def sinkhorn(log_scores: Tensor, iterations: int) -> Tensor:
 @ATTENTION.register("sinkhorn")
 class SinkhornAttention(AttentionCore):
     Options = SinkhornOptions
-    parallel_traits = ParallelTraits(tp="split_heads")
+    parallel_traits = ParallelTraits(tp="split_heads", cp_whole_sequence=True)
 
     def __init__(self, model: ModelConfig, layer_index: int, options: SinkhornOptions) -> None:
         super().__init__(model, layer_index, options)

@@ -47,7 +47,7 @@ class SynthesizerAttention(AttentionCore):
     takes_padding_mask = True  # the padding mask enters as a -inf logit bias on the padded keys
     per_head_state = ("hidden_weight", "hidden_bias", "output_weight", "output_bias", "random_logits",
                       "random_left", "random_right")
-    parallel_traits = ParallelTraits(tp="head_state")
+    parallel_traits = ParallelTraits(tp="head_state", cp_whole_sequence=True)
 
     def __init__(self, model: ModelConfig, layer_index: int, options: SynthesizerOptions) -> None:
         super().__init__(model, layer_index, options)

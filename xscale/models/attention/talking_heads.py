@@ -27,7 +27,7 @@ class TalkingHeadsAttention(AttentionCore):
     supports_bias = True
     takes_padding_mask = True  # the padding mask enters as a -inf logit bias on the padded keys
     mixes_heads = True
-    parallel_traits = ParallelTraits(tp="gather_heads")
+    parallel_traits = ParallelTraits(tp="gather_heads", cp_whole_sequence=True)
 
     def __init__(self, model: ModelConfig, layer_index: int, options) -> None:
         super().__init__(model, layer_index, options)
