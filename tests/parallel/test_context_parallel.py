@@ -217,9 +217,6 @@ def test_checkpoint_saved_at_cp2_zero3_resumes_at_dp_x_cp(tmp_path):
 
 # ------------------------------------------------------------------------------------------------------ refusals
 REFUSALS = [
-    (["model.attention.kind=routing"], 2,
-     "attention 'routing' is not sharded by context parallelism.*bigbird.*dense.*linear.*linformer.*local, longformer"
-     ".*cp, cp_positions or cp_whole_sequence"),
     (["model.position=shaw"], 2, r"model.position=shaw has no context-parallel plan.*or parallel.cp=1"),
     (["model.position=xl"], 2, r"model.position=xl has no context-parallel plan.*or parallel.cp=1"),
     (["train.seq_len=15"], 2, "cut.* into cp=2 equal slices; make train.seq_len=15 a multiple of 2"),

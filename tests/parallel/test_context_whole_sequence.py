@@ -1,11 +1,13 @@
 """Context parallelism for the attention cores that run on the whole sequence (``cp_whole_sequence``): content-based
 (LSH, Sinkhorn), low-rank and pooled (Nystromformer, memory-compressed, Set Transformer, Luna), synthesizers,
-priors (Gaussian, adaptive span), RealFormer and talking heads.
+priors (Gaussian, adaptive span), RealFormer, talking heads and routing (its k-means statistics, the same on every cp
+rank, summed over the data-parallel ranks only).
 
 Every cp rank all-gathers Q, K and V, runs the core's single-device code on every position and keeps its rows. Module
 level (2 gloo ranks), each kind as decoder and encoder where it can be, contiguous and load balanced, with dropout
 and attention dropout: each rank's hidden states, the summed loss and every gradient equal one process's. Trainer
-level: 10-step loss parity of a Nystromformer encoder under cp=2 x ZeRO-1; the refusal of a logit-biasing position.
+level: 10-step loss parity of a Nystromformer encoder under cp=2 x ZeRO-1, of routing attention (centroids moving
+every step) under dp x cp, of talking heads under tp x cp; the refusal of a logit-biasing position.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ SMALL = ["model.vocab_size=32", "model.d_model=32", "model.n_layers=2", "model.n
 OPTIONS = {"lsh": ["buckets=4", "rounds=2", "chunk=8"], "sinkhorn": ["block_size=8"], "nystrom": ["landmarks=4"],
            "memory_compressed": ["compression=3"], "inducing": ["inducing_points=4"], "luna": ["packed_length=4"],
            "synthesizer": [], "gaussian": [], "adaptive_span": ["max_span=16", "ramp=4"], "realformer": [],
-           "talking_heads": []}
+           "talking_heads": [], "routing": ["clusters=2", "window=8"]}
 WHOLE = sorted({ATTENTION.get(kind) for kind in ATTENTION.names() if traits_of(ATTENTION.get(kind)).cp_whole_sequence},
                key=lambda cls: cls.__name__)
 
@@ -72,3 +74,11 @@ def test_loss_parity_talking_heads_decoder_tensor_x_context(tmp_path):
     """Talking heads gathers every head's q and k over tp (``gather_heads``) and the whole sequence over cp."""
     talking = ["model.attention.kind=talking_heads", "model.dropout=0.1", "model.attention_dropout=0.1"]
     assert_parity(DECODER + talking, ["tp=2,cp=2,cp_load_balance=true"], tmp_path, same_grad_norms=True)
+
+
+@pytest.mark.slow
+def test_loss_parity_routing_decoder_data_x_context(tmp_path):
+    """The centroids move every step by statistics summed over dp only: each cp rank computed the whole sequence's."""
+    routing = ["model.attention.kind=routing", "model.attention.options.clusters=2", "model.attention.options.window=8",
+               "model.attention.options.decay=0.5"]
+    assert_parity(DECODER + routing, ["dp_shard=2,cp=2,cp_load_balance=true"], tmp_path, same_grad_norms=True)

@@ -28,15 +28,15 @@ Scope: decoders, encoders and encoder-decoders whose attention cores declare ``c
 (dense/mha/gqa/mqa) or ``cp_positions`` (the position-sparse cores: local, dilated, longformer, bigbird, ..., which
 compute only the query blocks of this rank's global positions against the gathered K/V; the kernel cores linear,
 performer, rfa, cosformer, which start each run of this rank's positions from the state of the keys before it) or
-``cp_whole_sequence`` (every other kind but routing: each rank all-gathers Q, K and V, runs the core on the whole
-sequence and keeps its rows), under any data-parallel layout, under pipeline parallelism (every stage's cores hooked
-alike; the pipeline runs the rank's tokens of the batch) and under tensor parallelism (each tp rank's heads gather
-over the cp ranks; with sequence parallelism tp rank t holds slice t of the cp rank's tokens). Refused up front
-(:func:`check_context_parallel`): every other attention kind, and sequence lengths that do not split into cp (2cp)
-equal chunks. An encoder-decoder's two stacks are cut alike, each sequence by its own length; the decoder's
-cross-attention gathers the encoder memory's K/V as self-attention gathers its own. MoE layers route each
-microbatch's whole sequences over the cp group, and under expert parallelism over the ep group's cp groups
-(:mod:`xscale.parallel.context_experts`).
+``cp_whole_sequence`` (every other kind: each rank all-gathers Q, K and V, runs the core on the whole sequence and
+keeps its rows), under any data-parallel layout, under pipeline parallelism (every stage's cores hooked alike; the
+pipeline runs the rank's tokens of the batch) and under tensor parallelism (each tp rank's heads gather over the cp
+ranks; with sequence parallelism tp rank t holds slice t of the cp rank's tokens). Refused up front
+(:func:`check_context_parallel`): an attention kind that declares none of these, a position encoding that biases the
+logits with a whole-sequence core, and sequence lengths that do not split into cp (2cp) equal chunks. An
+encoder-decoder's two stacks are cut alike, each sequence by its own length; the decoder's cross-attention gathers
+the encoder memory's K/V as self-attention gathers its own. MoE layers route each microbatch's whole sequences over
+the cp group, and under expert parallelism over the ep group's cp groups (:mod:`xscale.parallel.context_experts`).
 """
 
 from __future__ import annotations

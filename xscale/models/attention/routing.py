@@ -89,7 +89,7 @@ def blocked(x: Tensor, size: int, fill: int | float) -> Tensor:
 class RoutingAttention(AttentionCore):
     Options = RoutingOptions
     per_head_state = ("centroids", "pending_statistics")
-    parallel_traits = ParallelTraits(tp="head_state", dp_statistics=True)
+    parallel_traits = ParallelTraits(tp="head_state", cp_whole_sequence=True, dp_statistics=True)
 
     def __init__(self, model: ModelConfig, layer_index: int, options: RoutingOptions) -> None:
         super().__init__(model, layer_index, options)
