@@ -75,7 +75,8 @@ def _loss_and_grads(model, loss_fn, batch, tokens, context):
 
 def assert_cores_under_cp_equal_one_process(rank: int, cases: list[tuple[str, str, list[str]]], overrides: list[str],
                                             load_balance: bool, *, seq: int, batch_size: int, seed: int) -> None:
-    """For each (attention kind, model family, its options) case, a model under context parallelism over every
+    """For each (attention kind, model family, its options: ``key=value`` of model.attention.options, or a whole
+    ``model.<key>=value``) case, a model under context parallelism over every
     spawned rank (``load_balance``: chunks r and 2cp-1-r) gives this rank's rows of the one-process hidden states
     (1e-5), and the loss and gradients summed over the ranks equal one process's
     (:func:`assert_sums_equal_one_process`). Both models begin a training step first, the cp model's with one forward
@@ -96,7 +97,8 @@ def assert_cores_under_cp_equal_one_process(rank: int, cases: list[tuple[str, st
     for kind, family, options in cases:
         case = f"{kind}/{family}/{' '.join(options)}/{'balanced' if load_balance else 'contiguous'}"
         config = load_config(None, [*overrides, f"model.family={family}", f"model.attention.kind={kind}",
-                                    *(f"model.attention.options.{option}" for option in options)])
+                                    *(option if option.startswith("model.") else f"model.attention.options.{option}"
+                                      for option in options)])
         ids = torch.randint(0, vocab, (batch_size, seq), generator=generator)
         labels = torch.randint(0, vocab, (batch_size, seq), generator=generator)
         labels[torch.rand(batch_size, seq, generator=generator) < 0.3] = -100

@@ -7,7 +7,8 @@ Every cp rank all-gathers Q, K and V, runs the core's single-device code on ever
 level (2 gloo ranks), each kind as decoder and encoder where it can be, contiguous and load balanced, with dropout
 and attention dropout: each rank's hidden states, the summed loss and every gradient equal one process's. Trainer
 level: 10-step loss parity of a Nystromformer encoder under cp=2 x ZeRO-1, of routing attention (centroids moving
-every step) under dp x cp, of talking heads under tp x cp; the refusal of a logit-biasing position.
+every step) under dp x cp, of talking heads under tp x cp. With ALiBi and T5 biases the rank's bias rows are
+gathered with Q.
 """
 
 from __future__ import annotations
@@ -16,11 +17,8 @@ import pytest
 from parity_models import DECODER, ENCODER, assert_cores_under_cp_equal_one_process, assert_parity
 from spawned import spawn
 
-from xscale.config import ConfigError
 from xscale.models.registry import ATTENTION
 from xscale.models.traits import traits_of
-from xscale.parallel.context import check_context_parallel_model
-from xscale.validate import load_config
 
 SEQ, BATCH, SEED = 32, 2, 11
 SMALL = ["model.vocab_size=32", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
@@ -40,7 +38,8 @@ def _cases() -> list[tuple[str, str, list[str]]]:
         families = [family for family, capable in (("decoder", core.causal_capable),
                                                    ("encoder", core.bidirectional_capable)) if capable]
         cases += [(kind, family, options) for family in families]
-    cases.append(("synthesizer", "decoder", ["mode=random"]))
+    cases += [("synthesizer", "decoder", ["mode=random"]), ("synthesizer", "decoder", ["model.position=alibi"]),
+              ("gaussian", "encoder", ["model.position=t5_bias"]), ("talking_heads", "decoder", ["model.position=alibi"])]
     return cases
 
 
@@ -63,10 +62,6 @@ def test_loss_parity_nystrom_encoder_cp_zero1(tmp_path):
     assert_parity(ENCODER + nystrom, ["cp=2,cp_load_balance=true,zero_stage=1"], tmp_path, same_grad_norms=True)
 
 
-def test_a_logit_biasing_position_is_refused():
-    config = load_config(None, [*SMALL, "model.attention.kind=synthesizer", "model.position=alibi"])
-    with pytest.raises(ConfigError, match="attention 'synthesizer' runs on the whole sequence.*model.position=alibi"):
-        check_context_parallel_model(config.model, 2)
 
 
 @pytest.mark.slow

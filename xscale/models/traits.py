@@ -25,8 +25,8 @@ queries with K/V all-gathered and ``causal`` unchanged, and reads the queries' g
 ``cp_whole_sequence``: context parallelism serves an attention core by giving every rank the whole sequence: it
 all-gathers the queries too, runs the core's single-device code on every position (its own causal mask, dropout
 by global position) and keeps the rank's rows of the output. Exact for a core whose output depends only on the
-sequence and its parameters; no saving in the core's own work (the rest of the layer is sharded). Not with a
-position encoding that biases the logits (the bias holds the rank's rows only).
+sequence and its parameters; no saving in the core's own work (the rest of the layer is sharded). A position
+encoding's logit bias (ALiBi, T5) is gathered with the queries.
 ``dp_statistics``: the core keeps running statistics of the tokens it sees, which it sums over the data-parallel
 ranks with its context's ``sum_over_replicas`` (the data-parallel plan provides it), so every replica moves them
 alike.

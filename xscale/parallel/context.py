@@ -32,11 +32,11 @@ performer, rfa, cosformer, which start each run of this rank's positions from th
 keeps its rows), under any data-parallel layout, under pipeline parallelism (every stage's cores hooked alike; the
 pipeline runs the rank's tokens of the batch) and under tensor parallelism (each tp rank's heads gather over the cp
 ranks; with sequence parallelism tp rank t holds slice t of the cp rank's tokens). Refused up front
-(:func:`check_context_parallel`): an attention kind that declares none of these, a position encoding that biases the
-logits with a whole-sequence core, and sequence lengths that do not split into cp (2cp) equal chunks. An
-encoder-decoder's two stacks are cut alike, each sequence by its own length; the decoder's cross-attention gathers
-the encoder memory's K/V as self-attention gathers its own. MoE layers route each microbatch's whole sequences over
-the cp group, and under expert parallelism over the ep group's cp groups (:mod:`xscale.parallel.context_experts`).
+(:func:`check_context_parallel`): an attention kind that declares none of these, and sequence lengths that do not
+split into cp (2cp) equal chunks. An encoder-decoder's two stacks are cut alike, each sequence by its own length;
+the decoder's cross-attention gathers the encoder memory's K/V as self-attention gathers its own. MoE layers route
+each microbatch's whole sequences over the cp group, and under expert parallelism over the ep group's cp groups
+(:mod:`xscale.parallel.context_experts`).
 """
 
 from __future__ import annotations
@@ -180,15 +180,17 @@ def gather_tokens(x: torch.Tensor, group: dist.ProcessGroup, layout: SequenceSli
 
 
 def _run_on_whole_sequence(core: nn.Module, group: dist.ProcessGroup, layout: SequenceSlice) -> None:
-    """A ``cp_whole_sequence`` core: before it runs, gather Q, K and V (K is Q for a core that shares them) and take
-    the layout out of its context (it then masks and drops as on one device); after, keep this rank's rows."""
+    """A ``cp_whole_sequence`` core: before it runs, gather Q, K and V (K is Q for a core that shares them) and the
+    rows of a position encoding's logit bias, and take the layout out of its context (it then masks and drops as on
+    one device); after, keep this rank's rows."""
 
     def gather(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         q, k, v = args
-        if kwargs.get("bias") is not None:
-            raise ValueError(f"{type(module).__name__} runs on the whole sequence under context parallelism and "
-                             "cannot take a logit bias of this rank's rows (check_context_parallel refuses the "
-                             "position encodings that bias the logits)")
+        bias = kwargs.get("bias")
+        if bias is not None:  # (H, Tq, Tk) or (B, H, Tq, Tk): this rank's query rows -> every row
+            rows = bias if bias.dim() == 4 else bias.unsqueeze(0)
+            whole = gather_tokens(rows, group, layout)
+            kwargs = {**kwargs, "bias": whole if bias.dim() == 4 else whole.squeeze(0)}
         whole_q = gather_tokens(q, group, layout)
         if k is q:
             whole_k, whole_v = whole_q, gather_tokens(v, group, layout)
@@ -246,11 +248,6 @@ def check_context_parallel_model(model: ModelConfig, cp: int) -> None:
                               f"{', '.join(served)} all-gather over the cp ranks (their parallel_traits declare "
                               "cp, cp_positions or cp_whole_sequence); use one of them (model.attention.kind) or "
                               "parallel.cp=1")
-        position = POSITION.get(model.position)
-        if traits_of(ATTENTION.get(kind)).cp_whole_sequence and position.biases_logits:
-            raise ConfigError(f"attention '{kind}' runs on the whole sequence on every cp rank, which a logit bias of "
-                              f"this rank's rows (model.position={model.position}) cannot follow; use "
-                              "model.position=rope, learned or sinusoidal, or parallel.cp=1")
     if not traits_of(POSITION.get(model.position)).cp:
         served = [name for name in POSITION.names() if traits_of(POSITION.get(name)).cp]
         raise ConfigError(f"model.position={model.position} has no context-parallel plan (its parallel_traits do not "
