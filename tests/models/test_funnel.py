@@ -188,10 +188,16 @@ def test_options_a_funnel_cannot_run_with_are_refused(overrides, message):
 @pytest.mark.parametrize("layout,message", [
     (["parallel.pp=2"], "parallel.pp=2 is refused with model.funnel"),
     (["parallel.tp=2"], "parallel.tp=2 is refused with model.funnel"),
-    (["parallel.cp=2"], "parallel.cp=2 is refused with model.funnel"),
+    (["parallel.cp=2", "parallel.cp_load_balance=true", "train.seq_len=24", "model.max_seq_len=24"],
+     r"halves the sequence 2 time\(s\).*4 context-parallel chunks.*train.seq_len=24 a multiple of 16"),
     (["parallel.tp=2", "parallel.sequence_parallel=true"], "is refused with model.funnel"),
 ])
 def test_model_and_sequence_parallel_layouts_are_refused(layout, message):
     config = load_config_from_cli(None, [*FUNNEL, "train.seq_len=16", "model.max_seq_len=16", *layout])
     with pytest.raises(ConfigError, match=message):
         resolve_dims(config, 2)
+
+
+def test_context_parallel_takes_a_funnel_whose_halvings_keep_the_chunks_whole():
+    resolve_dims(load_config_from_cli(None, [*FUNNEL, "train.seq_len=16", "model.max_seq_len=16", "parallel.cp=2",
+                                             "parallel.cp_load_balance=true"]), 2)

@@ -16,6 +16,7 @@ from parity_models import (
     DROPOUT,
     ENCODER,
     ENCODER_DECODER,
+    assert_cores_under_cp_equal_one_process,
     assert_parity,
     assert_sums_equal_one_process,
 )
@@ -134,6 +135,40 @@ def _check_encoder_decoder(rank: int) -> None:
 
 def test_encoder_decoder_under_context_parallelism_equals_one_process():
     spawn(_check_encoder_decoder)
+
+
+ACT = ["model.share_layers=true", "model.act=true", "model.n_layers=3", "model.ponder_cost=0.05"]
+REVERSIBLE = ["model.reversible=true"]
+FUNNEL = ["model.funnel=[1,1]", "model.n_layers=2", "model.position=learned"]
+
+
+def _check_stack_variants(rank: int) -> None:
+    """ACT's ponder cost: each rank's mean over its T/cp positions, shared out over one forward per cp rank, sums
+    to the mean over the whole sequence (equal shares); every step runs on every rank. The reversible stack's
+    backward re-runs each block, its attention's K/V exchange included, in the same order on every rank. The
+    funnel pools each rank's even chunks on their own and its pooled queries read the gathered unpooled keys."""
+    small = ["model.vocab_size=32", "model.d_model=32", "model.n_heads=4", "model.max_seq_len=32", "train.seq_len=32",
+             "model.dropout=0.1"]
+    cases = [("dense", "decoder", ACT), ("local", "encoder", ACT), ("dense", "decoder", REVERSIBLE),
+             ("performer", "decoder", REVERSIBLE), ("nystrom", "encoder", REVERSIBLE), ("dense", "encoder", FUNNEL)]
+    for load_balance in (False, True):
+        assert_cores_under_cp_equal_one_process(rank, cases, small, load_balance, seq=32, batch_size=2, seed=3)
+
+
+def test_act_reversible_and_funnel_stacks_under_context_parallelism_equal_one_process():
+    spawn(_check_stack_variants)
+
+
+STACK_LAYOUTS = {"act": (DECODER, [*ACT, "model.ponder_cost=0.05"], "cp=2,cp_load_balance=true"),
+                 "reversible": (DECODER, REVERSIBLE, "cp=2,cp_load_balance=true,zero_stage=1"),
+                 "funnel": (ENCODER, ["model.funnel=[1,1]"], "cp=2")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", list(STACK_LAYOUTS))
+def test_loss_parity_stack_variants_under_context_parallelism(variant, tmp_path):
+    base, overrides, layout = STACK_LAYOUTS[variant]
+    assert_parity([*base, *DROPOUT, *overrides], [layout], tmp_path, same_grad_norms=True)
 
 
 # ------------------------------------------------------------------------------------------------ trainer level

@@ -73,7 +73,7 @@ ROUTER_CASES = {"switch": SWITCH, "gshard": GSHARD, "hash": HASH,
                 "expert_choice": ["model.family=encoder", "model.moe.router=expert_choice"]}
 # ALBERT sharing's layouts (pipeline, ZeRO-3, tp) are test_layouts.py's test_shared_layers_* cases.
 STACK_CASES = {"share_layers": None,
-               "reversible": (["model.reversible=true"], "dp_replicate=2,zero_stage=2"),
+               "reversible": (["model.reversible=true"], "dp_replicate=2,tp=2,zero_stage=2,sequence_parallel=true"),
                "act": (["model.share_layers=true", "model.act=true", "model.n_layers=3", "model.ponder_cost=0.05"],
                        "dp_shard=2,tp=2,zero_stage=3"),
                "funnel": (["model.family=encoder", "model.position=learned", "model.max_seq_len=16",

@@ -13,7 +13,9 @@ Its remainder is R(t) = 1 - sum_{n < N(t)} p_t^n, and its output the weighted me
 The ponder cost rho_t = N(t) + R(t) (only R carries a gradient) is added to the loss as
 ``model.ponder_cost`` * mean_t rho_t. As in the Universal Transformer, halted positions keep being transformed
 (later positions may attend to them) but their output no longer changes. Every application runs on every step,
-so each rank runs the same blocks whatever its data (collectives inside the block stay matched).
+so each rank runs the same blocks whatever its data (collectives inside the block stay matched). Under context
+parallelism each rank's ponder cost is the mean over its T/cp positions; shared out over one forward per cp rank
+(``begin_training_step``), the shares sum to the whole sequence's mean.
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ its backward rebuilds each block's inputs from its outputs, last block first, re
 on to get their gradients. Activation memory is therefore one block's, whatever the depth. Dropout replays the
 forward's masks: under a positioned :class:`~xscale.runtime.StepContext` they are functions of the position
 (:mod:`xscale.models.dropout`); without one torch's generator state before each branch is saved and restored.
+The re-run calls the same modules, so a plan's hooks run again in it: tensor parallelism's collectives (with
+sequence parallelism) and context parallelism's K/V exchange, in the same order on every rank.
 """
 
 from __future__ import annotations

@@ -99,8 +99,6 @@ def _check_stack_variants(config: Config, dims: ParallelDims) -> None:
         "reversible": {
             "pp": (dims.pp > 1, "a pipeline stage would hold part of the two-half stream and its backward could "
                                 "not rebuild the inputs of blocks held elsewhere"),
-            "tp": (dims.tp > 1, "its backward re-runs the blocks outside the tensor-parallel collectives' graph"),
-            "cp": (dims.cp > 1, "its backward re-runs attention outside the context-parallel exchange's graph"),
             "zero_stage": (parallel.zero_stage == 3,
                            "FSDP2 gathers a block's parameters in hooks around the block's forward, which the "
                            "reversible backward's re-run branches go around; ZeRO-1/2 work"),
@@ -110,8 +108,6 @@ def _check_stack_variants(config: Config, dims: ParallelDims) -> None:
         "act": {
             "pp": (dims.pp > 1, "the depth is dynamic per position: every step's state enters the halting-weighted "
                                 "output, so the whole ACT loop must run on one stage"),
-            "cp": (dims.cp > 1, "the ponder cost is a mean over each sequence's positions, which context "
-                                "parallelism splits"),
             "sequence_parallel": (parallel.sequence_parallel,
                                   "the ponder cost is a mean over each sequence's positions, which sequence "
                                   "parallelism splits"),
@@ -119,11 +115,17 @@ def _check_stack_variants(config: Config, dims: ParallelDims) -> None:
         "funnel": {
             "pp": (dims.pp > 1, "the up-sampling adds the first group's output to the last group's, across stages"),
             "tp": (dims.tp > 1, "its pooled-query attention is not in the tensor-parallel plan"),
-            "cp": (dims.cp > 1, "strided pooling would mix windows that context parallelism splits over ranks"),
             "sequence_parallel": (parallel.sequence_parallel,
                                   "strided pooling would mix windows that sequence parallelism splits over ranks"),
         },
     }
+    if config.model.funnel and dims.cp > 1:
+        chunks = 2 * dims.cp if parallel.cp_load_balance else dims.cp
+        multiple = chunks * 2 ** (len(config.model.funnel) - 1)
+        if config.train.seq_len % multiple:
+            raise ConfigError(f"model.funnel={config.model.funnel} halves the sequence {len(config.model.funnel) - 1} "
+                              f"time(s), and every halving must keep the {chunks} context-parallel chunks whole and "
+                              f"even: make train.seq_len={config.train.seq_len} a multiple of {multiple}")
     fixes = {"activation_checkpointing": "none", "zero_stage": "2", "sequence_parallel": "false"}
     for variant, layouts in refused.items():
         if not getattr(config.model, variant):

@@ -31,8 +31,8 @@ class LinformerOptions:
 @ATTENTION.register("linformer")
 class LinformerAttention(AttentionCore):
     """Keys and values projected along the length by learned E, F (k x max_seq_len), shared by the heads. Each query
-    reads only the projected keys and values, so a context-parallel rank's queries against the all-gathered K/V (in
-    global order, E and F over the whole length) give their rows of the whole sequence's output."""
+    reads only the projected keys and values, so a context-parallel rank's queries against the all-gathered K/V
+    (E and F over the whole length, in the sequence's order) give their rows of the whole sequence's output."""
 
     Options = LinformerOptions
     causal_capable = False
