@@ -280,3 +280,6 @@ def test_layout_world_size_and_inspect_report():
     report = "\n".join(layout_report(config, 4))
     assert "cp=2" in report and "tokens [0, 4) + [12, 16)" in report and "tokens [4, 8) + [8, 12)" in report
     assert "activations" in report.split("per-rank model state")[1]  # per-rank activations: T/cp tokens
+    assert "whole sequence" not in report
+    nystrom = load_config(None, [*ENCODER, "parallel.cp=2", "model.attention.per_layer=[dense,nystrom]"])
+    assert "(attention nystrom runs on the whole sequence on every cp rank" in "\n".join(layout_report(nystrom, 2))

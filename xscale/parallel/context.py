@@ -234,6 +234,11 @@ def _attention_kinds(model: ModelConfig) -> set[str]:
     return {model.attention.kind_for_layer(index) for index in range(model.n_layers)}
 
 
+def whole_sequence_kinds(model: ModelConfig) -> list[str]:
+    """The model's attention kinds that context parallelism runs on the whole sequence on every rank."""
+    return sorted(kind for kind in _attention_kinds(model) if traits_of(ATTENTION.get(kind)).cp_whole_sequence)
+
+
 def _served(kind: str) -> bool:
     traits = traits_of(ATTENTION.get(kind))
     return traits.cp or traits.cp_positions or traits.cp_whole_sequence

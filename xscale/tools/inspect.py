@@ -19,6 +19,7 @@ from xscale.models.parameters import ModelCount, count_parameters, experts_per_t
 from xscale.models.registry import REGISTRIES
 from xscale.models.transformer import STACK_VARIANTS, stack_variants
 from xscale.parallel.checks import resolve_layout
+from xscale.parallel.context import whole_sequence_kinds
 from xscale.parallel.dims import rank_coordinates
 from xscale.parallel.memory import predicted_pipeline_state_bytes, predicted_state_bytes
 from xscale.parallel.pipeline import SCHEDULES, ideal_bubble, stage_to_rank
@@ -224,6 +225,9 @@ def layout_report(config: Config, world_size: int) -> list[str]:
     if dims.cp > 1:
         lines.append(f"  {'activations':<12} {_human(context_parallel_activation_bytes(config, dims))} "
                      f"(T/cp tokens per rank, plus the gathered K/V)")
+        if whole := whole_sequence_kinds(config.model):
+            lines.append(f"  (attention {', '.join(whole)} runs on the whole sequence on every cp rank: what the "
+                         "core itself saves is not divided by cp, nor counted here)")
     return lines
 
 
