@@ -74,7 +74,16 @@ def _loss_and_grads(model, loss_fn, batch, tokens, context):
 
 
 def assert_cores_under_cp_equal_one_process(rank: int, cases: list[tuple[str, str, list[str]]], overrides: list[str],
-                                            load_balance: bool, *, seq: int, batch_size: int, seed: int) -> None:
+                                            *, seq: int, batch_size: int, seed: int) -> None:
+    """:func:`assert_cores_under_cp_slicing_equal_one_process` with contiguous slices, then load balanced."""
+    for load_balance in (False, True):
+        assert_cores_under_cp_slicing_equal_one_process(rank, cases, overrides, load_balance, seq=seq,
+                                                        batch_size=batch_size, seed=seed)
+
+
+def assert_cores_under_cp_slicing_equal_one_process(rank: int, cases: list[tuple[str, str, list[str]]],
+                                                    overrides: list[str], load_balance: bool, *, seq: int,
+                                                    batch_size: int, seed: int) -> None:
     """For each (attention kind, model family, its options: ``key=value`` of model.attention.options, or a whole
     ``model.<key>=value``) case, a model under context parallelism over every
     spawned rank (``load_balance``: chunks r and 2cp-1-r) gives this rank's rows of the one-process hidden states

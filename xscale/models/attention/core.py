@@ -132,6 +132,15 @@ def causal_over_longer_keys(attend: Callable[[torch.Tensor, torch.Tensor, torch.
     return attend(F.pad(q, (0, 0, extra, 0)), k, v)[:, :, extra:]
 
 
+def held_query_positions(q: torch.Tensor, k: torch.Tensor, context: StepContext | None) -> torch.Tensor | None:
+    """Under context parallelism (a ``cp_positions`` core: this rank's queries, every rank's keys), where the
+    queries sit in the sequence of the keys (their global positions); None when the queries are the keys' own."""
+    sequence = None if context is None else context.sequence
+    if sequence is None or q.shape[2] == k.shape[2]:
+        return None
+    return sequence.coordinates(q.shape[2], q.device)
+
+
 def expand_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
     """(B, Hkv, T, hd) -> (B, H, T, hd) by repeating each kv head for its H/Hkv query heads."""
     groups = n_heads // x.shape[1]

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from xscale.models.attention.core import AttentionCore, expand_kv
+from xscale.models.attention.core import AttentionCore, expand_kv, held_query_positions
 from xscale.models.attention.linear import kernelized_attention, kernelized_attention_at
 from xscale.models.attention.sparse import require, require_positive
 from xscale.models.registry import ATTENTION
@@ -62,9 +62,7 @@ class CosFormerAttention(AttentionCore):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None, context: StepContext | None = None) -> Tensor:
         max_length = self.model_config.max_seq_len
-        sequence = None if context is None else context.sequence
-        if sequence is not None and q.shape[2] != k.shape[2]:  # context parallelism: some queries, every key
-            positions = sequence.coordinates(q.shape[2], q.device)
+        if (positions := held_query_positions(q, k, context)) is not None:  # context parallelism
             k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
             return kernelized_attention_at(positions, cos_reweighted_features(q, max_length, positions),
                                            cos_reweighted_features(k, max_length), v, causal=causal,

@@ -16,7 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from xscale.models.attention.core import AttentionCore, causal_over_longer_keys, expand_kv
+from xscale.models.attention.core import (
+    AttentionCore,
+    causal_over_longer_keys,
+    expand_kv,
+    held_query_positions,
+)
 from xscale.models.attention.sparse import require_positive
 from xscale.models.registry import ATTENTION
 from xscale.models.traits import ParallelTraits
@@ -45,14 +50,13 @@ def kernelized_attention_at(positions: Tensor, phi_q: Tensor, phi_k: Tensor, v: 
     if not causal:
         return kernelized_attention(phi_q, phi_k, v, causal=False, chunk=chunk, eps=eps)
     values = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
-    outputs, first = [], 0
-    for start, stop in consecutive_runs(positions):
-        size = stop - start
+
+    def attend_run(first: int, start: int, size: int) -> Tensor:
         state = phi_k.narrow(2, 0, start).transpose(-1, -2) @ values.narrow(2, 0, start) if start else None
-        outputs.append(causal_chunks(phi_q.narrow(2, first, size), phi_k.narrow(2, start, size),
-                                     values.narrow(2, start, size), chunk, state)[0])
-        first += size
-    out = torch.cat(outputs, dim=2)
+        return causal_chunks(phi_q.narrow(2, first, size), phi_k.narrow(2, start, size),
+                             values.narrow(2, start, size), chunk, state)[0]
+
+    out = over_runs(positions, attend_run)
     return out[..., :-1] / out[..., -1:].clamp_min(eps)
 
 
@@ -140,13 +144,22 @@ def kernel_attention_at(positions: Tensor, q: Tensor, k: Tensor, v: Tensor, feat
     one pass over the earlier keys, not the whole sequence's."""
     if not causal:
         return kernel_attention(q, k, v, feature_q, feature_k, causal=False, chunk=chunk, eps=eps)
+
+    def attend_run(first: int, start: int, size: int) -> Tensor:
+        state = KeyState.apply(k.narrow(2, 0, start), v.narrow(2, 0, start), feature_k) if start else None
+        return ChunkedCausalKernel.apply(q.narrow(2, first, size), k.narrow(2, start, size),
+                                         v.narrow(2, start, size), feature_q, feature_k, chunk, eps, state)
+
+    return over_runs(positions, attend_run)
+
+
+def over_runs(positions: Tensor, attend_run: Callable[[int, int, int], Tensor]) -> Tensor:
+    """``attend_run(first query, first position, size)`` for each run of consecutive ``positions``, concatenated
+    along the tokens (dim 2) in query order."""
     outputs, first = [], 0
     for start, stop in consecutive_runs(positions):
-        size = stop - start
-        state = KeyState.apply(k.narrow(2, 0, start), v.narrow(2, 0, start), feature_k) if start else None
-        outputs.append(ChunkedCausalKernel.apply(q.narrow(2, first, size), k.narrow(2, start, size),
-                                                 v.narrow(2, start, size), feature_q, feature_k, chunk, eps, state))
-        first += size
+        outputs.append(attend_run(first, start, stop - start))
+        first += stop - start
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
 
@@ -361,10 +374,8 @@ class LinearAttention(AttentionCore):
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None, context: StepContext | None = None) -> Tensor:
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
         chunk = self.options.chunk
-        sequence = None if context is None else context.sequence
-        if sequence is not None and q.shape[2] != k.shape[2]:  # context parallelism: some queries, every key
-            return kernel_attention_at(sequence.coordinates(q.shape[2], q.device), q, k, v, elu_feature, elu_feature,
-                                       causal=causal, chunk=chunk)
+        if (positions := held_query_positions(q, k, context)) is not None:  # context parallelism
+            return kernel_attention_at(positions, q, k, v, elu_feature, elu_feature, causal=causal, chunk=chunk)
         if not causal:
             return kernel_attention(q, k, v, elu_feature, elu_feature, causal=False, chunk=chunk)
         return causal_over_longer_keys(

@@ -18,7 +18,12 @@ from torch import Tensor
 
 from xscale.config import ModelConfig
 from xscale.models.attention.block_sparse import LOG2_E
-from xscale.models.attention.core import AttentionCore, causal_over_longer_keys, expand_kv
+from xscale.models.attention.core import (
+    AttentionCore,
+    causal_over_longer_keys,
+    expand_kv,
+    held_query_positions,
+)
 from xscale.models.attention.linear import kernel_attention, kernel_attention_at
 from xscale.models.attention.sparse import layer_seed, require, require_non_negative, require_positive
 from xscale.models.registry import ATTENTION
@@ -101,10 +106,9 @@ class RandomFeatureAttention(AttentionCore):
             return kernel_attention(q, k, v, feature_q, feature_k, causal=causal, chunk=self.options.chunk)
 
         q32, k32, v32 = q.to(dtype), k.to(dtype), v.to(dtype)
-        sequence = None if context is None else context.sequence
-        if sequence is not None and q.shape[2] != k.shape[2]:  # context parallelism: some queries, every key
-            out = kernel_attention_at(sequence.coordinates(q.shape[2], q.device), q32, k32, v32, feature_q, feature_k,
-                                      causal=causal, chunk=self.options.chunk)
+        if (positions := held_query_positions(q, k, context)) is not None:  # context parallelism
+            out = kernel_attention_at(positions, q32, k32, v32, feature_q, feature_k, causal=causal,
+                                      chunk=self.options.chunk)
         else:
             out = causal_over_longer_keys(attend, q32, k32, v32) if causal else attend(q32, k32, v32)
         return out.to(q.dtype)

@@ -16,7 +16,7 @@ from torch import Tensor
 from xscale.config import ConfigError, ModelConfig
 from xscale.models.attention import patterns as P
 from xscale.models.attention.block_sparse import BlockPlan, block_sparse_attention, build_plan
-from xscale.models.attention.core import AttentionCore, causal_over_longer_keys
+from xscale.models.attention.core import AttentionCore, causal_over_longer_keys, held_query_positions
 from xscale.models.registry import ATTENTION
 from xscale.models.traits import ParallelTraits
 from xscale.ops.flex_block_sparse import block_mask_of, flex_attention_with
@@ -100,9 +100,8 @@ class PatternAttention(AttentionCore):
         return self._block_masks[key]
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None = None, context: StepContext | None = None) -> Tensor:
-        sequence = None if context is None else context.sequence
-        if sequence is not None and q.shape[2] != k.shape[2]:  # some of the sequence's queries, all of its keys
-            return self._attend_at(sequence.coordinates(q.shape[2], q.device), q, k, v, causal, context)
+        if (positions := held_query_positions(q, k, context)) is not None:  # some of the queries, all the keys
+            return self._attend_at(positions, q, k, v, causal, context)
         if q.shape[2] != k.shape[2] and not (causal and self.attends_to_memory):
             raise ValueError(f"position-sparse attention is self-attention: query length {q.shape[2]} "
                              f"!= key length {k.shape[2]}")
