@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from xscale.config import ConfigError, ModelConfig
-from xscale.models.moe import AttachAuxiliaryLoss
+from xscale.models.moe import attach_auxiliary_loss
 from xscale.models.registry import ATTENTION
 
 
@@ -87,5 +87,5 @@ class AdaptiveComputationTime(nn.Module):
         cost = ponder.mean()
         self.ponder_mean = cost.detach()
         if self.ponder_cost > 0 and torch.is_grad_enabled() and cost.requires_grad:
-            output = AttachAuxiliaryLoss.apply(output, self.aux_loss_scale * self.ponder_cost * cost.float())
+            output = attach_auxiliary_loss(output, self.aux_loss_scale * self.ponder_cost * cost.float())
         return output

@@ -25,7 +25,7 @@ from xscale.models.compressive_memory import MemoryCompression, reconstruction_l
 from xscale.models.deepnorm import deepnorm_scales
 from xscale.models.dropout import Dropout
 from xscale.models.ffn import build_ffn
-from xscale.models.moe import AttachAuxiliaryLoss, build_moe
+from xscale.models.moe import attach_auxiliary_loss, build_moe
 from xscale.models.norm import build_norm
 from xscale.models.position import PositionEncoding
 from xscale.runtime import StepContext
@@ -152,4 +152,4 @@ class TransformerBlock(nn.Module):
         if not (self.training and self.compression.learns and torch.is_grad_enabled()):
             return x
         loss = reconstruction_loss(self.attention.sublayer, x, leaving, compressed)
-        return AttachAuxiliaryLoss.apply(x, loss * context.moe_loss_scale)
+        return attach_auxiliary_loss(x, loss * context.moe_loss_scale)

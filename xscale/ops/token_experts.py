@@ -29,11 +29,13 @@ from xscale.ops.grouped_mlp import (
     expert_forward,
 )
 from xscale.ops.moe_permute import assignment_of_token
+from xscale.ops.shared_input_gradient import SharedInputGradient
 
 
 class _TokenExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tokens, token_index, gate, w1, b1, w_up, b_up, w2, b2, counts, activation, out_dtype):
+    def forward(ctx, tokens, token_index, gate, w1, b1, w_up, b_up, w2, b2, counts, activation, out_dtype,
+                input_gradient):
         weights = ExpertWeights(w1, b1, w_up, b_up, w2, b2, activation)
         assigned = token_index.shape[0]
         saved = ExpertActivations.empty(tokens.new_empty((assigned, tokens.shape[1])), weights)
@@ -53,6 +55,7 @@ class _TokenExperts(torch.autograd.Function):
         ctx.save_for_backward(token_index, slot, gate_rows, w1, b1, w_up, b_up, w2, b2, saved.x, saved.pre,
                               saved.up, saved.act, expert_out)
         ctx.counts, ctx.activation, ctx.gate_dtype = counts, activation, gate.dtype
+        ctx.input_gradient = input_gradient
         return out
 
     @staticmethod
@@ -78,21 +81,31 @@ class _TokenExperts(torch.autograd.Function):
         for_each_expert(backward_rows, ctx.counts, x.device)
         grad_tokens = grad_sorted.index_select(0, slot) if ctx.needs_input_grad[0] else None
         grad_gate = None if grad_gate is None else grad_gate.to(ctx.gate_dtype)
-        return (grad_tokens, None, grad_gate, *grads.as_tuple(), None, None, None)
+        if grad_tokens is not None and ctx.input_gradient is not None:  # the router adds its own and returns both
+            ctx.input_gradient.leave(grad_tokens)
+            grad_tokens = None
+        return (grad_tokens, None, grad_gate, *grads.as_tuple(), None, None, None, None)
 
 
 def token_experts(tokens: torch.Tensor, token_index: torch.Tensor, gate: torch.Tensor, counts: list[int],
-                  weights: ExpertWeights, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  weights: ExpertWeights, out_dtype: torch.dtype | None = None,
+                  input_gradient: SharedInputGradient | None = None) -> torch.Tensor:
     """tokens [N, d] -> [N, d]: y_t = gate[a] * FFN_e(tokens[t]) for the kept assignment a = (t, e), 0 for a token
     without one. ``token_index`` [A] (each token at most once) sorted by expert, ``counts[e]`` of them for expert e;
     ``gate`` [A]. Under autocast the FFN runs in the autocast dtype (as ``F.linear`` would); the output is
-    ``out_dtype`` (default: the tokens' dtype)."""
+    ``out_dtype`` (default: the tokens' dtype). ``input_gradient``: the router's, when it reads the same rows
+    (:mod:`xscale.ops.shared_input_gradient`): the tokens' gradient is left there for the router's backward, which
+    gate-dependence runs after this one's."""
     check_experts(counts, weights)
     if sum(counts) != token_index.shape[0] or gate.shape != token_index.shape:
         raise ValueError(f"the row counts add up to {sum(counts)}; token_index {tuple(token_index.shape)} and gate "
                          f"{tuple(gate.shape)} must both have one entry per kept assignment")
     out_dtype = out_dtype or tokens.dtype
     tokens, weights = autocast_operands(tokens, weights)
+    tokens = tokens.contiguous()
+    if input_gradient is not None and not input_gradient.serves(tokens):
+        input_gradient = None  # the router read other rows (a cast or jittered copy): autograd sums the two
     with torch.autocast(tokens.device.type, enabled=False):
-        return _TokenExperts.apply(tokens.contiguous(), token_index, gate, weights.w1, weights.b1, weights.w_up,
-                                   weights.b_up, weights.w2, weights.b2, counts, weights.activation, out_dtype)
+        return _TokenExperts.apply(tokens, token_index, gate, weights.w1, weights.b1, weights.w_up,
+                                   weights.b_up, weights.w2, weights.b2, counts, weights.activation, out_dtype,
+                                   input_gradient)

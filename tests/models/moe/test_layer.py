@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from xscale.config import ConfigError, ModelConfig, MoEConfig
 from xscale.models import build_model
-from xscale.models.moe import build_moe, collect_moe_metrics, moe_layers
+from xscale.models.moe import attach_auxiliary_loss, build_moe, collect_moe_metrics, moe_layers
 from xscale.models.moe.hash_router import hash_expert
 from xscale.runtime import StepContext
 from xscale.validate import config_from_dict
@@ -187,3 +187,35 @@ def test_expert_choice_allowed_in_an_encoder():
     layer = build_moe(model_config(router="expert_choice"), 0)
     layer(torch.randn(3, 8, 8)).sum().backward()
     assert layer.router.weight.grad is not None
+
+
+def test_auxiliary_loss_reaches_its_graph_through_a_compiled_view():
+    """Compiled, a view of the attached output aliases a graph input; the auxiliary gradient must still arrive."""
+    def attach_then_view(output, weight):
+        return attach_auxiliary_loss(output, (weight ** 2).sum()).view(2, 6)
+
+    output, weight = torch.randn(4, 3, requires_grad=True), torch.randn(3, requires_grad=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(attach_then_view)(output, weight)
+    (got,) = torch.autograd.grad(compiled.sum(), weight, allow_unused=True)
+    torch.testing.assert_close(got, 2 * weight.detach())
+
+
+@pytest.mark.slow  # compiling the layer: ~17 s
+def test_compiled_layer_gradients_equal_eager():
+    """train.compile compiles each block: the router's gradient keeps its auxiliary and z-loss terms."""
+    layer = build_moe(model_config(router="switch", aux_loss_coef=0.5, z_loss_coef=0.25, capacity_factor=1.0), 0)
+    randomise(layer)
+    x, upstream = torch.randn(2, 6, 8), torch.randn(2, 6, 8)
+
+    def gradients(forward):
+        layer.zero_grad()
+        x_leaf = x.clone().requires_grad_()
+        (forward(x_leaf) * upstream).sum().backward()
+        return x_leaf.grad, layer.router.weight.grad.clone()
+
+    eager = gradients(layer)
+    torch._dynamo.reset()
+    compiled = gradients(torch.compile(layer.forward))
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

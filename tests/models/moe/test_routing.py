@@ -23,7 +23,7 @@ def route(experts, gates, *, capacity_factor, drop_policy="position", num_expert
         dispatched = torch.ones_like(expert_index, dtype=torch.bool)
     return token_choice_routing(expert_index=expert_index, gate=gate, dispatched=dispatched,
                                 num_experts=num_experts, capacity_factor=capacity_factor, min_capacity=0,
-                                drop_policy=drop_policy, group=LocalTokens(), probs=None, log_normaliser=None)
+                                drop_policy=drop_policy, group=LocalTokens(), prob_sum=None, log_normaliser=None)
 
 
 def kept_pairs(routing):

@@ -20,7 +20,7 @@ from xscale.config import ModelConfig
 from xscale.models.attention.core import AttentionCore, check_heads, expand_kv
 from xscale.models.attention.dense import causal_bias
 from xscale.models.attention.sparse import require, require_positive
-from xscale.models.moe.layer import AttachAuxiliaryLoss
+from xscale.models.moe.layer import attach_auxiliary_loss
 from xscale.models.registry import ATTENTION
 from xscale.models.traits import ParallelTraits
 from xscale.runtime import StepContext
@@ -144,7 +144,7 @@ class AdaptiveSpanAttention(AttentionCore):
         logit_bias = log_mask if bias is None else log_mask + bias
         out = attend_with_logit_bias(self, q, k, v, logit_bias, causal=causal, context=context)
         if self.options.span_loss > 0 and torch.is_grad_enabled() and self.span_fraction.requires_grad:
-            out = AttachAuxiliaryLoss.apply(out, self.aux_loss_scale * self.span_penalty())
+            out = attach_auxiliary_loss(out, self.aux_loss_scale * self.span_penalty())
         return out
 
 

@@ -4,6 +4,7 @@ from xscale.models.moe import expert_choice, hash_router, routers  # noqa: F401 
 from xscale.models.moe.layer import (
     AttachAuxiliaryLoss,
     MoELayer,
+    attach_auxiliary_loss,
     build_moe,
     check_moe_config,
     collect_moe_metrics,
@@ -11,5 +12,5 @@ from xscale.models.moe.layer import (
     routing_summary,
 )
 
-__all__ = ["AttachAuxiliaryLoss", "MoELayer", "build_moe", "check_moe_config", "collect_moe_metrics", "moe_layers",
-           "routing_summary"]
+__all__ = ["AttachAuxiliaryLoss", "MoELayer", "attach_auxiliary_loss", "build_moe", "check_moe_config",
+           "collect_moe_metrics", "moe_layers", "routing_summary"]

@@ -16,6 +16,7 @@ from xscale.models.ffn import GatedMLP
 from xscale.models.registry import FFN
 from xscale.ops.grouped_mlp import ExpertWeights, grouped_mlp
 from xscale.ops.grouped_mm_mlp import grouped_mm_applies, grouped_mm_mlp, grouped_mm_token_experts
+from xscale.ops.shared_input_gradient import SharedInputGradient
 from xscale.ops.token_experts import token_experts
 
 
@@ -67,15 +68,15 @@ class StackedExperts(nn.Module):
                              self.activation)
 
     def forward(self, tokens_by_expert: torch.Tensor, counts: list[int], token_index: torch.Tensor | None = None,
-                gate: torch.Tensor | None = None) -> torch.Tensor:
+                gate: torch.Tensor | None = None, input_gradient: SharedInputGradient | None = None) -> torch.Tensor:
         """Tokens [sum(counts), d] sorted by expert, ``counts[i]`` of them for expert i -> outputs, same order.
 
         Variable-size expert batches (dropless-capable): each expert's whole FFN runs on its own rows
         (:func:`xscale.ops.grouped_mlp.grouped_mlp`). With ``token_index`` and ``gate`` (top-1: each token kept at
         most once) the first argument is the layer's tokens [N, d] in token order, and the result the gated
         combination per token [N, d] (:func:`xscale.ops.token_experts.token_experts`: dispatch and combine inside
-        each expert's pass). On CUDA in bf16 the experts run as grouped GEMMs (``torch._grouped_mm``,
-        :mod:`xscale.ops.grouped_mm_mlp`).
+        each expert's pass; ``input_gradient``: the router's, see :mod:`xscale.ops.shared_input_gradient`). On
+        CUDA in bf16 the experts run as grouped GEMMs (``torch._grouped_mm``, :mod:`xscale.ops.grouped_mm_mlp`).
         """
         if len(counts) != self.num_experts:
             raise ValueError(f"got token counts for {len(counts)} experts, this module holds {self.num_experts}")
@@ -85,6 +86,6 @@ class StackedExperts(nn.Module):
                 return grouped_mm_token_experts(tokens_by_expert, token_index, gate, counts, weights)
             return grouped_mm_mlp(tokens_by_expert, counts, weights)
         if token_index is not None:
-            return token_experts(tokens_by_expert, token_index, gate, counts, weights)
+            return token_experts(tokens_by_expert, token_index, gate, counts, weights, input_gradient=input_gradient)
         return grouped_mlp(tokens_by_expert, counts, weights.activation, weights.w1, weights.b1, weights.w2,
                            weights.b2, weights.w_up, weights.b_up)

@@ -49,5 +49,5 @@ class HashRouter(nn.Module):
         return token_choice_routing(
             expert_index=expert_index, gate=gate, dispatched=torch.ones_like(expert_index, dtype=torch.bool),
             num_experts=self.num_experts, capacity_factor=factor, min_capacity=self.min_capacity,
-            drop_policy=self.drop_policy, group=group, probs=None, log_normaliser=None, token_shape=x.shape[:-1],
+            drop_policy=self.drop_policy, group=group, prob_sum=None, log_normaliser=None, token_shape=x.shape[:-1],
         )

@@ -2,7 +2,7 @@
 
 y(x) = sum over x's kept assignments (e, g) of g * FFN_e(x); a token whose every assignment overflowed
 its expert's capacity gets 0 (the residual connection passes it through). The auxiliary losses reach
-the gradients through :class:`AttachAuxiliaryLoss`, so no trainer step or pipeline schedule needs to
+the gradients through :func:`attach_auxiliary_loss`, so no trainer step or pipeline schedule needs to
 know they exist.
 """
 
@@ -35,6 +35,14 @@ class AttachAuxiliaryLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return grad_output, torch.ones((), dtype=torch.float32, device=grad_output.device)
+
+
+@torch.compiler.disable
+def attach_auxiliary_loss(output: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+    """:class:`AttachAuxiliaryLoss` applied eagerly, also inside a compiled module (``train.compile``): traced, its
+    output aliases an input of the graph, so a view of it (the layer's ``view_as(x)``) was replayed by AOTAutograd
+    from that input outside the graph and the auxiliary loss's gradient was dropped without a word."""
+    return AttachAuxiliaryLoss.apply(output, aux)
 
 
 class LocalExperts(LocalTokens):
@@ -100,7 +108,8 @@ class MoELayer(nn.Module):
         exchange = self._exchange(context)
         routing = self.router(x, exchange, context)
         if routing.one_per_token and exchange.experts_local:  # dispatch and combine in the experts' pass
-            output = self.experts(tokens, routing.local_tokens_per_expert.tolist(), routing.token_index, routing.gate)
+            output = self.experts(tokens, routing.local_tokens_per_expert.tolist(), routing.token_index, routing.gate,
+                                  routing.input_gradient)
         else:
             assignment = assignment_of_token(routing.token_index, tokens.shape[0]) if routing.one_per_token else None
             outputs_by_expert = exchange.dispatch(gather_tokens(tokens, routing.token_index, assignment),
@@ -113,7 +122,7 @@ class MoELayer(nn.Module):
         scale = 1.0 if context is None else context.moe_loss_scale
         aux = scale * (self.aux_loss_coef * routing.aux_loss + self.z_loss_coef * routing.z_loss)
         if torch.is_grad_enabled() and aux.requires_grad:
-            output = AttachAuxiliaryLoss.apply(output, aux)
+            output = attach_auxiliary_loss(output, aux)
         return output.view_as(x)
 
     def _record(self, routing, group: ExpertExchange) -> None:

@@ -10,6 +10,7 @@ from xscale.config import ConfigError, ModelConfig
 from xscale.models.dropout import uniform_draws
 from xscale.models.moe.routing import Routing, router_probabilities, token_choice_routing
 from xscale.models.registry import ROUTER
+from xscale.ops.switch_gate import switch_gate
 from xscale.runtime import StepContext, TokenGroup
 
 SAMPLING_STREAM = 0x5EC0  # GShard's second-expert draws: another stream of the router's site than its jitter
@@ -44,15 +45,19 @@ class LearnedRouter(nn.Module):
         if not self.weight.is_meta:
             nn.init.normal_(self.weight, std=0.1 * config.init_std)  # small router init (Switch sec. 2.4)
 
+    def router_input(self, x: torch.Tensor, context: StepContext | None = None) -> torch.Tensor:
+        """The n tokens of x [..., d] as rows [n, d] in the router dtype; multiplicative jitter, uniform in
+        [1 - jitter, 1 + jitter], while training (Switch, sec. 2.4). Call with autocast off."""
+        x = x.to(self.router_dtype)
+        if self.training and self.jitter > 0:
+            noise = uniform_draws(self.site, x.shape, x.device, context).to(x.dtype)
+            x = x * (noise * (2.0 * self.jitter) + (1.0 - self.jitter))
+        return x.reshape(-1, x.shape[-1])
+
     def router_logits(self, x: torch.Tensor, context: StepContext | None = None) -> torch.Tensor:
-        """Logits [n, E] of the n tokens of x [..., d], in the router dtype; multiplicative jitter on the input,
-        uniform in [1 - jitter, 1 + jitter], while training (Switch, sec. 2.4)."""
+        """Logits [n, E] of the n tokens of x [..., d], in the router dtype (:meth:`router_input`)."""
         with torch.autocast(x.device.type, enabled=False):
-            x = x.to(self.router_dtype)
-            if self.training and self.jitter > 0:
-                noise = uniform_draws(self.site, x.shape, x.device, context).to(x.dtype)
-                x = x * (noise * (2.0 * self.jitter) + (1.0 - self.jitter))
-            return F.linear(x.reshape(-1, x.shape[-1]), self.weight.to(self.router_dtype))
+            return F.linear(self.router_input(x, context), self.weight.to(self.router_dtype))
 
     def active_capacity_factor(self) -> float | None:
         if self.dropless:
@@ -60,12 +65,12 @@ class LearnedRouter(nn.Module):
         return self.capacity_factor if self.training else self.eval_capacity_factor
 
     def route(self, expert_index: torch.Tensor, gate: torch.Tensor, dispatched: torch.Tensor,
-              probs: torch.Tensor, log_normaliser: torch.Tensor, group: TokenGroup,
+              prob_sum: torch.Tensor, log_normaliser: torch.Tensor, group: TokenGroup,
               token_shape: tuple[int, ...]) -> Routing:
         return token_choice_routing(
             expert_index=expert_index, gate=gate, dispatched=dispatched, num_experts=self.num_experts,
             capacity_factor=self.active_capacity_factor(), min_capacity=self.min_capacity,
-            drop_policy=self.drop_policy, group=group, probs=probs, log_normaliser=log_normaliser,
+            drop_policy=self.drop_policy, group=group, prob_sum=prob_sum, log_normaliser=log_normaliser,
             token_shape=token_shape,
         )
 
@@ -81,10 +86,13 @@ class SwitchRouter(LearnedRouter):
                               f"(got {self.top_k}) or use router=gshard for top-2")
 
     def forward(self, x: torch.Tensor, group: TokenGroup, context: StepContext | None = None) -> Routing:
-        probs, log_normaliser = router_probabilities(self.router_logits(x, context))
-        gate, expert_index = probs.max(dim=-1, keepdim=True)
-        return self.route(expert_index, gate, torch.ones_like(expert_index, dtype=torch.bool), probs, log_normaliser,
-                          group, x.shape[:-1])
+        with torch.autocast(x.device.type, enabled=False):  # one autograd node (xscale.ops.switch_gate)
+            top1 = switch_gate(self.router_input(x, context), self.weight.to(self.router_dtype))
+        expert_index = top1.expert.unsqueeze(1)
+        routing = self.route(expert_index, top1.gate.unsqueeze(1), torch.ones_like(expert_index, dtype=torch.bool),
+                             top1.prob_sum, top1.log_normaliser, group, x.shape[:-1])
+        routing.input_gradient = top1.input_gradient
+        return routing
 
 
 @ROUTER.register("gshard")
@@ -112,4 +120,4 @@ class GShardRouter(LearnedRouter):
         if self.second_expert_policy == "sampling" and self.training:
             draws = uniform_draws(self.site ^ SAMPLING_STREAM, x.shape[:-1], x.device, context).reshape(-1)
             dispatched[:, 1] = draws < 2.0 * gate[:, 1].detach()
-        return self.route(expert_index, gate, dispatched, probs, log_normaliser, group, x.shape[:-1])
+        return self.route(expert_index, gate, dispatched, probs.sum(0), log_normaliser, group, x.shape[:-1])

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from xscale.ops.shared_input_gradient import SharedInputGradient
 from xscale.runtime import TokenGroup
 
 
@@ -45,6 +46,7 @@ class Routing:
     aux_loss: torch.Tensor  # this device's share of the group's load-balancing loss (shares sum to it)
     z_loss: torch.Tensor  # this device's share of the group's router z-loss
     one_per_token: bool = False  # no token has two kept assignments (top-1): dispatch and combine can gather
+    input_gradient: SharedInputGradient | None = None  # the router's, for an experts' pass reading the same rows
 
 
 def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float,
@@ -53,16 +55,16 @@ def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_fact
     return max(math.ceil(num_tokens * top_k / num_experts * capacity_factor), min_capacity)
 
 
-def load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor, num_experts: int,
+def load_balancing_loss(prob_sum: torch.Tensor, first_choice: torch.Tensor, num_experts: int,
                         group_tokens: int) -> torch.Tensor:
-    """Switch eq. 4: E * sum_e f_e * P_e; f_e from the group's first choices, P_e from this device's probs.
+    """Switch eq. 4: E * sum_e f_e * P_e; f_e from the group's first choices, P_e from this device's router
+    probabilities, summed over its tokens (``prob_sum`` [E]).
 
     P_e = (sum of this device's probs) / group tokens, so the devices' shares add up to the group's loss and
     the gradient of each share is the single-device gradient w.r.t. that device's tokens.
     """
-    fraction = torch.bincount(first_choice, minlength=num_experts).to(probs.dtype) / group_tokens
-    mean_prob_share = probs.sum(0) / group_tokens
-    return num_experts * (fraction * mean_prob_share).sum()
+    fraction = torch.bincount(first_choice, minlength=num_experts).to(prob_sum.dtype) / group_tokens
+    return num_experts * (fraction * prob_sum).sum() / group_tokens
 
 
 def router_probabilities(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,7 +114,7 @@ def rank_within_expert(expert: torch.Tensor, priority: torch.Tensor | None,
 def token_choice_routing(*, expert_index: torch.Tensor, gate: torch.Tensor, dispatched: torch.Tensor,
                          num_experts: int, capacity_factor: float | None, min_capacity: int,
                          drop_policy: str, group: TokenGroup,
-                         probs: torch.Tensor | None, log_normaliser: torch.Tensor | None,
+                         prob_sum: torch.Tensor | None, log_normaliser: torch.Tensor | None,
                          token_shape: tuple[int, ...] | None = None) -> Routing:
     """Each token picked k experts (``expert_index`` [n, k], ``gate`` [n, k]); cut every expert at capacity.
 
@@ -120,8 +122,8 @@ def token_choice_routing(*, expert_index: torch.Tensor, gate: torch.Tensor, disp
     Priority in an expert's queue (GShard): all first choices before any second choice; then
     ``drop_policy="position"`` keeps tokens in order (earlier first), ``"probs"`` keeps higher gates first.
     Capacity comes from the group's token count (:func:`expert_capacity`); ``capacity_factor=None``: dropless.
-    ``probs`` [n, E] and ``log_normaliser`` [n] (:func:`router_probabilities`) feed the auxiliary losses (None: no
-    router). ``token_shape``: the batch-first shape (B, T) of the n tokens (a context-parallel group places each
+    ``prob_sum`` [E] (the router probabilities summed over the n tokens) and ``log_normaliser`` [n]
+    (:func:`router_probabilities`) feed the auxiliary losses (None: no router). ``token_shape``: the batch-first shape (B, T) of the n tokens (a context-parallel group places each
     rank's tokens in the sequence by it; None: flat).
     """
     n, top_k = expert_index.shape
@@ -162,7 +164,7 @@ def token_choice_routing(*, expert_index: torch.Tensor, gate: torch.Tensor, disp
                                        minlength=num_experts + 1)[:num_experts]
     dropped = 1.0 - kept.sum() / routed.sum().clamp_min(1)
     zero = gate.new_zeros(())
-    aux = zero if probs is None else load_balancing_loss(probs, all_expert[:, 0], num_experts, group_tokens)
+    aux = zero if prob_sum is None else load_balancing_loss(prob_sum, all_expert[:, 0], num_experts, group_tokens)
     z_loss = zero if log_normaliser is None else router_z_loss(log_normaliser, group_tokens)
     return Routing(token_index=token_index, expert_index=local_expert, gate=local_gate,
                    local_tokens_per_expert=torch.bincount(local_expert, minlength=num_experts),
