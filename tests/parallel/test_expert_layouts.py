@@ -68,9 +68,10 @@ def _moe_metrics(output_dir: Path) -> list[dict[str, float]]:
 
 
 def assert_layouts_match(overrides: list[str], routing_group: int, layouts: list[str], tmp_path: Path, *,
-                         dropless: bool = False) -> None:
+                         dropless: bool = False, layout_overrides_too: tuple[str, ...] = ()) -> None:
     """Each layout's 10 losses and MoE metrics equal the single process routing ``routing_group`` sequences at once.
-    ``dropless``: the run must drop no token (else it must drop some, so that capacity is exercised)."""
+    ``dropless``: the run must drop no token (else it must drop some, so that capacity is exercised);
+    ``layout_overrides_too``: settings of the layouts' runs only (the reference runs without them)."""
     reference_dir = tmp_path / "single"
     reference = _losses([*overrides, f"train.micro_batch_size={routing_group}"], "single", reference_dir)
     assert len(reference) == STEPS and reference[-1] < reference[0], "the reference run must train"
@@ -86,7 +87,7 @@ def assert_layouts_match(overrides: list[str], routing_group: int, layouts: list
         assert dropped > 0, "the case must drop tokens, so capacity over the routing group is exercised"
     for index, layout in enumerate(layouts):
         layout_dir = tmp_path / f"layout{index}"
-        losses = _losses(overrides, layout, layout_dir)
+        losses = _losses([*overrides, *layout_overrides_too], layout, layout_dir)
         difference = max_relative_difference(reference, losses)
         assert difference <= RTOL, f"{layout}: max relative loss difference {difference}"
         for step, (expected, got) in enumerate(zip(reference_metrics, _moe_metrics(layout_dir)), start=1):
@@ -107,6 +108,15 @@ def test_switch_ep2_with_zero_stages_matches_one_process(tmp_path):
     """ep=2 over dp_shard=2: one routing group per step (all 8 sequences), with DDP, ZeRO-1 and ZeRO-3."""
     assert_layouts_match([*TRAINING, *SWITCH], 8, ["dp_shard=2,ep=2", "dp_shard=2,ep=2,zero_stage=1",
                                                    "dp_shard=2,ep=2,zero_stage=3"], tmp_path)
+
+
+@pytest.mark.slow
+def test_compiled_blocks_under_tp2_and_ep2_match_eager_one_process(tmp_path):
+    """train.compile=true against an eager single process. Under tp the MoE layer is replicated and forward hooks
+    swap its parameters' local tensors in; traced into the compiled block, the swap was baked into the graph and
+    the second step's backward ran through the first step's freed graph (the hooks now run eagerly)."""
+    assert_layouts_match([*TRAINING, *SWITCH], 8, ["tp=2", "dp_shard=2,ep=2"], tmp_path,
+                         layout_overrides_too=("train.compile=true",))
 
 
 def test_switch_zero1_with_a_bucket_per_parameter_matches_one_process(tmp_path):

@@ -67,6 +67,8 @@ class LocalSlots:
     rank's gradient is partial); ``sharded``: Shard(0) parameters and buffers used as this rank's rows (their
     gradients keep the shards' placements; in-place updates of a buffer land in the DTensor's local storage).
     A slot that already holds a plain tensor (an enclosing forward swapped it) is left to whoever swapped it.
+    The swaps run eagerly inside compiled blocks (``train.compile``): traced, the first step's swapped-in tensor was
+    baked into the graph, and the second step's backward ran through the first step's freed graph.
     """
 
     def __init__(self, module: nn.Module, replicated: tuple[str, ...], sharded: tuple[str, ...],
@@ -78,6 +80,7 @@ class LocalSlots:
         module.register_forward_pre_hook(self.swap_in)
         module.register_forward_hook(self.swap_back, always_call=True)
 
+    @torch.compiler.disable
     def swap_in(self, *_) -> None:
         swapped: list[tuple[dict, str, torch.Tensor]] = []
         slots = self.module._parameters
@@ -99,6 +102,7 @@ class LocalSlots:
                 swapped.append((slots, name, state))
         self._swapped.append(swapped)
 
+    @torch.compiler.disable
     def swap_back(self, *_) -> None:
         if not self._swapped:
             return  # a pre-hook before ours raised, so ours never ran
