@@ -46,6 +46,8 @@ BAD_INPUTS = [
     (["checkpoint.every=-1"], "checkpoint.every must be >= 0"),
     (["train.output_dir="], "train.output_dir is empty"),
     (["train.lr=!!python/object/apply:os.system [echo]"], "the value is not plain YAML"),
+    (["model.family=encoder_decoder", "parallel.tp=2", "train.compile=true"],
+     "train.compile=true with an encoder-decoder under parallel.tp>1 is not supported"),
 ]
 
 

@@ -62,6 +62,16 @@ def check_sparse_attention(config: Config) -> None:
                           "train.sparse_attention=gather")
 
 
+def check_compiled_layout(config: Config) -> None:
+    """train.compile with an encoder-decoder under tensor parallelism: compiling the first decoder block, torch
+    2.13's AOTAutograd recursed without end tracing the cross-attention (RecursionError, also with a recursion limit
+    of 20,000). The same model compiles under dp_shard, pp and one process, and decoders compile under tp."""
+    if config.train.compile and config.model.family == "encoder_decoder" and config.parallel.tp > 1:
+        raise ConfigError("train.compile=true with an encoder-decoder under parallel.tp>1 is not supported: torch's "
+                          "compiler recurses without end tracing the decoder's cross-attention; set "
+                          "train.compile=false, or keep parallel.tp=1 (dp_shard, dp_replicate and pp compile)")
+
+
 def check_context_parallel_lengths(config: Config) -> None:
     """Context parallelism cuts each stack's sequences into cp (2cp) chunks: span corruption of text windows gives
     an encoder-decoder shorter encoder inputs and decoder targets than train.seq_len, and both must split."""
@@ -113,6 +123,7 @@ def validate(config: Config) -> None:
     check_early_exit_config(model, config.train.task)
     check_segment_memory_config(config)
     check_sparse_attention(config)
+    check_compiled_layout(config)
     check_context_parallel_lengths(config)
     check_installed(config.train.logger_names())  # an optional logger's package (wandb), before anything runs
 
