@@ -76,8 +76,11 @@ def compile_blocks(model: nn.Module) -> None:
 
 def _compile_blocks(model: nn.Module, config: Config) -> None:
     """``train.compile``: :func:`compile_blocks` after activation checkpointing, before FSDP, as torchtitan orders
-    them."""
+    them. The zero-bubble schedule runs each stage's backward in two halves over one graph (``retain_graph``), which
+    compiled backwards refuse while AOTAutograd donates their saved buffers: donation is turned off for it."""
     if config.train.compile:
+        if config.parallel.pp > 1 and config.parallel.pp_schedule == "zero_bubble":
+            torch._functorch.config.donated_buffer = False
         compile_blocks(model)
 
 
