@@ -47,7 +47,9 @@ BAD_INPUTS = [
     (["train.output_dir="], "train.output_dir is empty"),
     (["train.lr=!!python/object/apply:os.system [echo]"], "the value is not plain YAML"),
     (["model.family=encoder_decoder", "parallel.tp=2", "train.compile=true"],
-     "train.compile=true with an encoder-decoder under parallel.tp>1 is not supported"),
+     "train.compile=true with an encoder-decoder (torch's compiler"),
+    (["model.position=xl", "model.segment_memory=8", "data.dataset=stdlib_text", "data.order=streams",
+      "parallel.tp=2", "train.compile=true"], "train.compile=true with model.segment_memory (torch's compiler"),
 ]
 
 

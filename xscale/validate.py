@@ -63,13 +63,20 @@ def check_sparse_attention(config: Config) -> None:
 
 
 def check_compiled_layout(config: Config) -> None:
-    """train.compile with an encoder-decoder under tensor parallelism: compiling the first decoder block, torch
-    2.13's AOTAutograd recursed without end tracing the cross-attention (RecursionError, also with a recursion limit
-    of 20,000). The same model compiles under dp_shard, pp and one process, and decoders compile under tp."""
-    if config.train.compile and config.model.family == "encoder_decoder" and config.parallel.tp > 1:
-        raise ConfigError("train.compile=true with an encoder-decoder under parallel.tp>1 is not supported: torch's "
-                          "compiler recurses without end tracing the decoder's cross-attention; set "
-                          "train.compile=false, or keep parallel.tp=1 (dp_shard, dp_replicate and pp compile)")
+    """train.compile where torch 2.13's compiler fails under tensor parallelism (both compile in one process, under
+    dp_shard and pp): an encoder-decoder, whose first decoder block's trace recursed without end in AOTAutograd
+    (RecursionError, also with a recursion limit of 20,000), and Transformer-XL's segment memory, whose backward
+    through the remembered states' concatenation failed to trace ("unhashable type: non-nested SymInt")."""
+    if not config.train.compile or config.parallel.tp <= 1:
+        return
+    if config.model.family == "encoder_decoder":
+        what = "an encoder-decoder (torch's compiler recurses without end tracing the decoder's cross-attention)"
+    elif config.model.segment_memory:
+        what = "model.segment_memory (torch's compiler fails to trace the remembered states' concatenation)"
+    else:
+        return
+    raise ConfigError(f"train.compile=true with {what} under parallel.tp>1 is not supported: set "
+                      "train.compile=false, or keep parallel.tp=1 (dp_shard, dp_replicate and pp compile)")
 
 
 def check_context_parallel_lengths(config: Config) -> None:
