@@ -162,3 +162,21 @@ def test_a_usage_error_is_one_line_too(argv, capsys):
         code = exit_.code
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, err
+
+
+def _train_and_report(argv: list[str]) -> list:
+    code = main(argv)
+    import torch.distributed as dist
+
+    return [code, dist.is_initialized()]
+
+
+def test_a_launched_run_tears_its_process_group_down(tmp_path):
+    """Each rank of a finished ``xscale train`` destroys the group it made: left to exit-time destructors, gloo's
+    threads aborted a rank after a successful run ("terminate called without an active exception")."""
+    from xscale.tools.parity import run_local
+
+    argv = ["train", "train.steps=1", "train.global_batch_size=4", "train.seq_len=16", "model.n_layers=1",
+            "model.d_model=32", "model.n_heads=2", "model.vocab_size=512", "data.tokenizer_vocab_size=512",
+            "parallel.dp_shard=2", "train.plot=false", f"train.output_dir={tmp_path}"]
+    assert run_local(_train_and_report, 2, argv) == [[0, False], [0, False]]

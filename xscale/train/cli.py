@@ -32,17 +32,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(config_to_yaml(config), end="")
         return 0
+    import torch.distributed as dist
+
+    ours, finished = not dist.is_initialized(), False  # a group the caller set up stays theirs
     try:
         summary = Trainer(config).fit()
+        finished = True
     except (ConfigError, CheckpointError, RunLocked) as error:
         print(f"xscale train: {error}", file=sys.stderr)
         return 2
     except NonFiniteTraining as error:
         print(f"xscale train: training diverged: {error}", file=sys.stderr)
         return 1
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_rank() != 0:
+    finally:
+        # Tear the process group down before the interpreter exits: left to exit-time destructors, gloo's
+        # threads can abort a rank ("terminate called without an active exception") after training succeeded.
+        if ours and dist.is_initialized():
+            if finished:
+                dist.barrier()  # no rank closes its connections while a peer still talks to it
+            dist.destroy_process_group()
+    if summary["rank"] != 0:
         return 0
     if summary["preempted"]:
         print(f"preempted at step {summary['step']}: checkpoint written to {summary['checkpoint']}; the job resumes "

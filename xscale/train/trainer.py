@@ -426,7 +426,7 @@ class Trainer:
                 print(f"xscale: stop requested; checkpoint of step {self.step} written", flush=True)
             self.preemption.requeue()
         plot = self.metrics.close(plot=train.plot and not self.stop_requested)
-        return {"step": self.step, "losses": losses, "plot": str(plot) if plot else None,
+        return {"step": self.step, "rank": self.rank, "losses": losses, "plot": str(plot) if plot else None,
                 "checkpoint": str(self.checkpointer.directory), "preempted": self.stop_requested}
 
     def _loop(self) -> list[float]:
