@@ -26,6 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from xscale.ops.intra_op_threads import intra_op_threads
+
 Work = Callable[[int, slice], None]
 
 
@@ -121,10 +123,9 @@ def for_each_expert(work: Work, counts: list[int], device: torch.device) -> None
     pool = _pool(runners - 1, threads_each)
     queue = _LargestFirst(counts, list(rows))
     pending = [pool.submit(_drain, work, queue, rows) for _ in range(runners - 1)]
-    torch.set_num_threads(threads_each)
     try:
-        _drain(work, queue, rows)
+        with intra_op_threads(threads_each):
+            _drain(work, queue, rows)
     finally:
-        torch.set_num_threads(threads)
         for future in pending:
             future.result()

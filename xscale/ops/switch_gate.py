@@ -19,11 +19,11 @@ region cost more than the few hundred KiB these passes touch. The GEMMs keep eve
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
 
+from xscale.ops.intra_op_threads import intra_op_threads
 from xscale.ops.shared_input_gradient import SharedInputGradient
 
 ONE_THREAD_ELEMENTS = 1 << 20  # [E, n] passes below this size run on one intra-op thread (CPU)
@@ -37,18 +37,10 @@ class SwitchGate(NamedTuple):
     input_gradient: SharedInputGradient | None  # where a later reader of x may leave its gradient (x needs one)
 
 
-@contextlib.contextmanager
-def _small_work_threads(elements: int, device: torch.device) -> Iterator[None]:
+def _small_work_threads(elements: int, device: torch.device) -> contextlib.AbstractContextManager:
     """One intra-op thread for a CPU pass over fewer than ``ONE_THREAD_ELEMENTS`` elements."""
-    threads = torch.get_num_threads()
-    if device.type != "cpu" or elements >= ONE_THREAD_ELEMENTS or threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+    small = device.type == "cpu" and elements < ONE_THREAD_ELEMENTS
+    return intra_op_threads(1) if small else contextlib.nullcontext()
 
 
 class _SwitchGate(torch.autograd.Function):
