@@ -34,6 +34,7 @@ from xscale.parallel.dims import ParallelDims
 from xscale.parallel.expert import apply_expert_parallel, expert_parallel_context
 from xscale.parallel.model import ParallelModel, Placement, named_parameters, unplaced, whole_batch
 from xscale.parallel.pipeline import PipelineSchedule
+from xscale.parallel.pipeline.schedules import SCHEDULES
 from xscale.parallel.sdpa_backend import check_sdpa_backend
 from xscale.parallel.tensor import apply_tensor_parallel, tensor_parallel_context
 
@@ -76,10 +77,10 @@ def compile_blocks(model: nn.Module) -> None:
 
 def _compile_blocks(model: nn.Module, config: Config) -> None:
     """``train.compile``: :func:`compile_blocks` after activation checkpointing, before FSDP, as torchtitan orders
-    them. The zero-bubble schedule runs each stage's backward in two halves over one graph (``retain_graph``), which
-    compiled backwards refuse while AOTAutograd donates their saved buffers: donation is turned off for it."""
+    them. A schedule that splits each stage's backward in two halves over one graph (``retain_graph``, zero bubble)
+    needs the compiled backwards to keep their saved buffers: AOTAutograd's donation of them is turned off."""
     if config.train.compile:
-        if config.parallel.pp > 1 and config.parallel.pp_schedule == "zero_bubble":
+        if config.parallel.pp > 1 and SCHEDULES[config.parallel.pp_schedule].splits_backward:
             torch._functorch.config.donated_buffer = False
         compile_blocks(model)
 

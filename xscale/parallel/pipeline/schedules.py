@@ -57,6 +57,9 @@ class ScheduleSpec:
     # compute its gradient in the forward (xscale.ops.chunked_cross_entropy). Not under GPipe (every forward's
     # gradient would wait for the backwards), nor ZB-V (its split backward runs the loss's backward twice).
     loss_gradient_in_forward: bool = False
+    # The backward runs in two halves (inputs, then weights) over one retained graph: compiled blocks must then keep
+    # their saved buffers (AOTAutograd's buffer donation off), or the second half finds them freed.
+    splits_backward: bool = False
 
     @property
     def single_stage(self) -> bool:
@@ -76,7 +79,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     "1f1b": ScheduleSpec(Schedule1F1B, "loop", 1, 1, needs_microbatch_per_stage=True, loss_gradient_in_forward=True),
     "interleaved_1f1b": ScheduleSpec(ScheduleInterleaved1F1B, "loop", 2, None, needs_microbatch_per_stage=True),
     "zero_bubble": ScheduleSpec(ScheduleZBVZeroBubble, "v", 2, 2, needs_microbatch_per_stage=True,
-                                eval_cls=ForwardOnlyZBV),
+                                eval_cls=ForwardOnlyZBV, splits_backward=True),
 }
 
 
