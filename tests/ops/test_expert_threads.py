@@ -13,14 +13,6 @@ from xscale.ops.grouped_mlp import grouped_mlp
 CPU = torch.device("cpu")
 
 
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_expert_rows_skip_empty_experts_and_follow_the_sorted_rows():
     assert expert_rows([2, 0, 3, 1]) == [(0, slice(0, 2)), (2, slice(2, 5)), (3, slice(5, 6))]
 

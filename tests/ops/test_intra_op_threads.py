@@ -6,14 +6,6 @@ import torch
 from xscale.ops.intra_op_threads import intra_op_threads
 
 
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_the_block_runs_with_the_count_and_the_callers_comes_back(two_threads):
     with intra_op_threads(1):
         assert torch.get_num_threads() == 1
