@@ -17,7 +17,9 @@ import torch
 
 
 def _layout(rows: torch.Tensor) -> tuple:
-    return (rows.data_ptr(), tuple(rows.shape), rows.stride(), rows.dtype, rows.device)
+    """Where in its base the rows lie: with the base's identity this names them (no ``data_ptr``, which a fake or
+    traced tensor does not have)."""
+    return (rows.storage_offset(), tuple(rows.shape), rows.stride(), rows.dtype, rows.device)
 
 
 def _autograd_base(rows: torch.Tensor) -> torch.Tensor:
