@@ -87,6 +87,7 @@ class _TokenExperts(torch.autograd.Function):
         return (grad_tokens, None, grad_gate, *grads.as_tuple(), None, None, None, None)
 
 
+@torch.compiler.disable  # eager in a compiled block too: the experts run on worker threads, which dynamo cannot trace
 def token_experts(tokens: torch.Tensor, token_index: torch.Tensor, gate: torch.Tensor, counts: list[int],
                   weights: ExpertWeights, out_dtype: torch.dtype | None = None,
                   input_gradient: SharedInputGradient | None = None) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -201,7 +203,7 @@ def test_auxiliary_loss_reaches_its_graph_through_a_compiled_view():
     torch.testing.assert_close(got, 2 * weight.detach())
 
 
-@pytest.mark.slow  # compiling the layer: ~17 s
+@pytest.mark.slow  # compiling the layer: ~6 s
 def test_compiled_layer_gradients_equal_eager():
     """train.compile compiles each block: the router's gradient keeps its auxiliary and z-loss terms."""
     layer = build_moe(model_config(router="switch", aux_loss_coef=0.5, z_loss_coef=0.25, capacity_factor=1.0), 0)
@@ -216,6 +218,10 @@ def test_compiled_layer_gradients_equal_eager():
 
     eager = gradients(layer)
     torch._dynamo.reset()
-    compiled = gradients(torch.compile(layer.forward))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = gradients(torch.compile(layer.forward))
     for got, want in zip(compiled, eager):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # The threaded expert pass runs eagerly by design: dynamo is not sent into it (it warned, asking for a bug report).
+    assert not [str(w.message) for w in caught if "Dynamo does not know how to trace" in str(w.message)]
