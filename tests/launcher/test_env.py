@@ -229,3 +229,13 @@ def test_each_torchrun_attempt_meets_under_its_own_store_prefix(monkeypatch):
     assert not stores[1].check(["default_pg/rank_1"])
     stores[1].set("default_pg/rank_1", "the new worker's address")
     assert stores[0].get("default_pg/rank_1") == b"the dead worker's address"
+
+
+def test_close_distributed_without_a_group_does_nothing():
+    import torch.distributed as dist
+
+    from xscale.launcher.env import close_distributed
+
+    assert not dist.is_initialized()
+    close_distributed()
+    assert not dist.is_initialized()

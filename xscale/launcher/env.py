@@ -358,6 +358,20 @@ def init_distributed(
     return world
 
 
+def close_distributed(*, meet_first: bool = True) -> None:
+    """Destroy the process group (nothing without one), after a barrier unless ``meet_first`` is false (a run that
+    failed: its peers may never arrive). Left to exit-time destructors, gloo's threads can abort a rank after a
+    successful run ("terminate called without an active exception"); the barrier keeps a rank from closing its
+    connections while a peer still talks to it."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    if meet_first:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
 def _attempt_store(timeout: datetime.timedelta | None) -> Any:
     """Under torchrun, the env:// store with a prefix per restart attempt (None elsewhere).
 

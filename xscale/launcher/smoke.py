@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from xscale.launcher.env import init_distributed
+from xscale.launcher.env import close_distributed, init_distributed
 from xscale.launcher.preemption import PreemptionHandler
 from xscale.validate import load_config
 
@@ -114,8 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         save(directory, train.steps, weights, momentum)
         print(f"smoke: done world {size} steps {train.steps} loss {loss.item():.10f} "
               f"params {parameter_digest(weights)}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    close_distributed()
     return 0
 
 

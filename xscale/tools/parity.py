@@ -24,6 +24,7 @@ from typing import Any
 
 from xscale.command_line import CommandParser
 from xscale.config import Config, ConfigError
+from xscale.launcher.env import close_distributed
 from xscale.launcher.local import start_local
 from xscale.models.registry import ATTENTION
 from xscale.train.trainer import Trainer
@@ -71,17 +72,15 @@ def _run_rank(local_rank: int, world_size: int, port: int, function: Callable[..
                        "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
                        "LOCAL_WORLD_SIZE": str(world_size), "TORCHELASTIC_USE_AGENT_STORE": "True"})
     import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # the cores shared out, none oversubscribed
+    finished = False
     try:
         result = function(*args)
         Path(result_dir, f"rank{local_rank}.json").write_text(json.dumps(result))
-        if dist.is_initialized():
-            dist.barrier()  # no rank tears its connections down while a peer still talks to it
+        finished = True
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        close_distributed(meet_first=finished)
 
 
 def run_local(function: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:

@@ -7,6 +7,7 @@ import sys
 from xscale.command_line import CommandParser
 from xscale.config import ConfigError
 from xscale.config_loading import config_to_yaml
+from xscale.launcher.env import close_distributed
 from xscale.train.checkpoint import CheckpointError
 from xscale.train.run_lock import RunLocked
 from xscale.train.trainer import NonFiniteTraining, Trainer
@@ -45,12 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"xscale train: training diverged: {error}", file=sys.stderr)
         return 1
     finally:
-        # Tear the process group down before the interpreter exits: left to exit-time destructors, gloo's
-        # threads can abort a rank ("terminate called without an active exception") after training succeeded.
-        if ours and dist.is_initialized():
-            if finished:
-                dist.barrier()  # no rank closes its connections while a peer still talks to it
-            dist.destroy_process_group()
+        if ours:
+            close_distributed(meet_first=finished)
     if summary["rank"] != 0:
         return 0
     if summary["preempted"]:
