@@ -27,3 +27,10 @@ if _gpu_tier_session():
     os.environ.pop("TRITON_INTERPRET", None)
 else:
     os.environ["TRITON_INTERPRET"] = "1"
+
+# The layers' config checks register when their packages are imported (xscale.config.check.register_check); the
+# commands import them all, and so does every test session, so ``xscale.config.load_config`` runs every check.
+import xscale.data  # noqa: E402, F401
+import xscale.interop.hf.families  # noqa: E402, F401
+import xscale.models  # noqa: E402, F401
+import xscale.train.loggers  # noqa: E402, F401

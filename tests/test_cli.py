@@ -9,8 +9,7 @@ import pytest
 
 from tests.reliability.test_bad_input import ENV
 from xscale.cli import COMMANDS, main, version
-from xscale.config_loading import read_config
-from xscale.validate import load_config
+from xscale.config.load import load_config, read_config
 
 # reStructuredText that argparse would print as it is: ``literals`` and :roles:`targets`.
 MARKUP = re.compile(r"``|:[a-z]+:`")

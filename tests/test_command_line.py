@@ -2,7 +2,7 @@
 
 import pytest
 
-from xscale.command_line import CommandParser, plain
+from xscale.command_parser import CommandParser, plain
 
 
 def test_plain_removes_literals_and_roles():

@@ -2,9 +2,8 @@
 
 import pytest
 
-from xscale.config import Config, ConfigError
-from xscale.config_loading import parse_override
-from xscale.validate import load_config, load_config_from_cli
+from xscale.config.load import load_config, load_config_from_cli, parse_override
+from xscale.config.schema import Config, ConfigError
 
 BAD_INPUTS = [
     (["model.n_head=8"], "did you mean 'n_heads'"),

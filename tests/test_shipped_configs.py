@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
+from xscale.config.load import load_config
 from xscale.models.parameters import count_parameters
-from xscale.validate import load_config
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 

@@ -7,7 +7,7 @@ import importlib.metadata
 import sys
 
 import xscale
-from xscale.command_line import CommandParser
+from xscale.command_parser import CommandParser
 from xscale.launcher.openmp_spin import limit_openmp_spin
 
 # command -> (module, function, one-line help); modules load lazily so `xscale --help` is instant.

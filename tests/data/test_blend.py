@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from tests.data.conftest import lines
+from xscale.config.load import load_config
 from xscale.data import GlobalSampler, build_datasets
 from xscale.data.blend import BlendedDataset, SourceTokenCounter, blending_indices
 from xscale.train.trainer import Trainer
-from xscale.validate import load_config
 
 TINY = ["model.vocab_size=96", "model.d_model=16", "model.n_layers=1", "model.n_heads=2",
         "train.global_batch_size=4", "train.seq_len=8", "train.warmup_steps=1", "train.log_every=100",

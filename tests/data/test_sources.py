@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 
 from tests.data.conftest import lines, write_jsonl
-from xscale.config import ConfigError
+from xscale.config.load import load_config
+from xscale.config.schema import ConfigError
 from xscale.data import build_datasets
 from xscale.data.datasets import ArrayTokens, PackedTextDataset, tokenize_documents
 from xscale.data.indexed import IndexedTokens
 from xscale.data.load_tokenizer import load_tokenizer
 from xscale.data.preprocess import tokenize_to_indexed
-from xscale.validate import load_config
 
 TINY = ["model.vocab_size=96", "model.d_model=16", "model.n_layers=1", "model.n_heads=2", "train.global_batch_size=4",
         "train.seq_len=8", "data.dataset=text"]

@@ -4,8 +4,8 @@ Face GPT-2's greedy generate, and non-caching cores decode through the recompute
 import pytest
 import torch
 
-from xscale.config import ModelConfig
-from xscale.config_loading import from_dict
+from xscale.config.load import from_dict
+from xscale.config.schema import ModelConfig
 from xscale.generation import Sampling, decodes_with_cache, generate
 from xscale.generation.decode import check_decoder
 from xscale.interop.hf.load import model_config_from_hf, state_dict_from_hf

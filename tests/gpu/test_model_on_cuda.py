@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from gpu_checks import BF16_TOLERANCE, DEVICE, DRY_RUN, FP32_TOLERANCE, cosine, gpu, relative_error
 
-from xscale.config import AttentionConfig, ModelConfig, MoEConfig
+from xscale.config.schema import AttentionConfig, ModelConfig, MoEConfig
 from xscale.models import build_model
 from xscale.models.attention.sparse import PatternAttention
 from xscale.models.registry import ATTENTION

@@ -71,7 +71,7 @@ def test_grouped_mm_experts_match_the_per_expert_path_in_bf16(gated):
 
 
 def test_fused_adamw_matches_the_foreach_update():
-    from xscale.config import TrainConfig
+    from xscale.config.schema import TrainConfig
     from xscale.train.optim import build_optimizer
 
     params = [torch.randn(33, 17, device=DEVICE, requires_grad=True) for _ in range(3)]

@@ -12,9 +12,9 @@ import pytest
 import torch
 from gpu_checks import DEVICE, DRY_RUN, gpu
 
+from xscale.config.load import load_config
 from xscale.ops import functional
 from xscale.train.trainer import Trainer
-from xscale.validate import load_config
 
 pytestmark = gpu
 ROOT = Path(__file__).resolve().parents[2]

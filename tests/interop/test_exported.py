@@ -3,11 +3,11 @@
 
 import torch
 
+from xscale.config.load import load_config
 from xscale.interop import load_exported
 from xscale.tools.convert import main as convert
 from xscale.tools.export import export_safetensors
 from xscale.train.trainer import Trainer
-from xscale.validate import load_config
 
 TINY = ["model.vocab_size=48", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
         "train.global_batch_size=4", "train.seq_len=16", "train.steps=2", "train.log_every=100",

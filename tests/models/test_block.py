@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from xscale.config import ModelConfig
+from xscale.config.schema import ModelConfig
 from xscale.models import build_model
 
 REZERO = ModelConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, norm_placement="rezero")

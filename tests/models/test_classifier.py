@@ -4,12 +4,12 @@ attention kind that takes a key-padding mask; the others are refused for padded 
 import pytest
 import torch
 
-from xscale.config import AttentionConfig, ConfigError, ModelConfig
+from xscale.config.load import load_config_from_cli
+from xscale.config.schema import AttentionConfig, ConfigError, ModelConfig
 from xscale.models import build_model
 from xscale.models.attention.core import padding_mask_kinds
 from xscale.models.classifier import pool
 from xscale.models.registry import ATTENTION
-from xscale.validate import load_config_from_cli
 
 VOCAB, REAL, PADDED = 40, 5, 11
 

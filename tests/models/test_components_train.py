@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from xscale.config import AttentionConfig, ModelConfig, MoEConfig
+from xscale.config.schema import AttentionConfig, ModelConfig, MoEConfig
 from xscale.models import build_model
 from xscale.models.registry import FFN, NORM, POSITION, ROUTER
 from xscale.parallel.model import ParallelModel

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from xscale.config import Config, ConfigError, ModelConfig
+from xscale.config.schema import Config, ConfigError, ModelConfig
 from xscale.models.attention import Attention
 from xscale.models.compressive_memory import MemoryCompression, content_attention, reconstruction_loss
 from xscale.models.init import init_weights

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from xscale.config import ModelConfig
+from xscale.config.schema import ModelConfig
 from xscale.models import build_model
 from xscale.models.deepnorm import deepnorm_scales
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from xscale.config import ModelConfig, MoEConfig
+from xscale.config.schema import ModelConfig, MoEConfig
 from xscale.models import build_model
 from xscale.models.dropout import Dropout, uniform_draws
 from xscale.runtime import StepContext

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from xscale.cli import main
-from xscale.config import ConfigError, ModelConfig, MoEConfig
+from xscale.config.load import load_config_from_cli
+from xscale.config.schema import ConfigError, ModelConfig, MoEConfig
 from xscale.models import build_model
 from xscale.models.early_exit import exit_layers, exit_predictions, joint_exit_loss_sum
 from xscale.parallel.checks import resolve_dims
@@ -19,7 +20,6 @@ from xscale.parallel.data.strategies import DataParallel
 from xscale.parallel.loss import model_loss_sum, prediction_counts
 from xscale.parallel.model import ParallelModel
 from xscale.train.step import evaluation_predictions, exit_path_refusal
-from xscale.validate import load_config_from_cli
 
 LOGITS = torch.randn(4, 64, 3, generator=torch.Generator().manual_seed(0)) * 3
 CLASSIFY = ["model.family=encoder", "train.task=classify", "data.dataset=lra_listops", "model.position=learned",

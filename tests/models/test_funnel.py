@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from xscale.config import Config, ConfigError, ModelConfig
+from xscale.config.load import load_config_from_cli
+from xscale.config.schema import Config, ConfigError, ModelConfig
 from xscale.models import build_model
 from xscale.models.funnel import pool_sequence, upsample
 from xscale.models.parameters import count_parameters
 from xscale.parallel.checks import resolve_dims
 from xscale.parallel.loss import model_loss_sum
-from xscale.validate import load_config_from_cli
 
 VOCAB = 40
 FUNNEL = ["model.family=encoder", "model.position=learned", "model.n_layers=3", "model.funnel=[1,1,1]"]

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from xscale.config import ModelConfig
-from xscale.config_loading import from_dict
+from xscale.config.load import from_dict
+from xscale.config.schema import ModelConfig
 from xscale.models import build_model
 from xscale.models.kv_cache import KVCache, cached_forward, can_cache
 from xscale.models.registry import ATTENTION

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from xscale.config.load import load_config
 from xscale.models.parameters import count_parameters
 from xscale.train.metrics import flops_per_token
-from xscale.validate import load_config
 
 D, FF, E, LAYERS, SEQ, VOCAB = 16, 32, 4, 2, 8, 64
 TINY_MOE = [f"model.vocab_size={VOCAB}", f"model.d_model={D}", f"model.n_layers={LAYERS}", "model.n_heads=2",

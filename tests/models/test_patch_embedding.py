@@ -4,7 +4,7 @@ convolution, the class token leading them, and learned positions added before th
 import torch
 import torch.nn.functional as F
 
-from xscale.config import ModelConfig
+from xscale.config.schema import ModelConfig
 from xscale.models import build_model
 from xscale.models.patch_embedding import PatchEmbedding, patchify
 from xscale.runtime import StepContext

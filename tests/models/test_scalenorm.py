@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from xscale.config import ModelConfig
+from xscale.config.schema import ModelConfig
 from xscale.models import build_model
 from xscale.models.norm import ScaleNorm
 from xscale.tools.parity import run_local

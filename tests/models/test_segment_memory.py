@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from xscale.config import AttentionConfig, Config, ConfigError, ModelConfig
+from xscale.config.check import validate
+from xscale.config.schema import AttentionConfig, Config, ConfigError, ModelConfig
 from xscale.models.attention.core import NoOptions
 from xscale.models.attention.dense import DenseAttention
 from xscale.models.attention.linear import elu_feature
@@ -16,7 +17,6 @@ from xscale.models.positions.xl import TransformerXLPosition, relative_sinusoid
 from xscale.models.segment_memory import SegmentMemory, check_segment_memory_config
 from xscale.models.transformer import Transformer
 from xscale.runtime import StepContext
-from xscale.validate import validate
 
 D, HEADS, T = 16, 2, 6
 

@@ -7,7 +7,7 @@ import copy
 
 import torch
 
-from xscale.config import AttentionConfig, ModelConfig
+from xscale.config.schema import AttentionConfig, ModelConfig
 from xscale.models import build_model
 from xscale.models.attention.random_features import RandomFeatureAttention
 from xscale.models.training_step import begin_training_step

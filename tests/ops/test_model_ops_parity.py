@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from xscale import ops
-from xscale.config import ModelConfig
+from xscale.config.schema import ModelConfig
 from xscale.models import build_model
 from xscale.parallel.model import ParallelModel
 from xscale.train.step import forward_backward_step

@@ -5,7 +5,7 @@ rows (a jittered or autocast copy)."""
 import pytest
 import torch
 
-from xscale.config import ModelConfig, MoEConfig
+from xscale.config.schema import ModelConfig, MoEConfig
 from xscale.models.moe import build_moe
 from xscale.ops.shared_input_gradient import SharedInputGradient
 

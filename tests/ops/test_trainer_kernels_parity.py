@@ -2,9 +2,9 @@
 
 import pytest
 
+from xscale.config.load import load_config
 from xscale.ops import functional
 from xscale.train.trainer import Trainer
-from xscale.validate import load_config
 
 # The default decoder (RMSNorm, RoPE, SwiGLU, tied LM head) reaches four fused ops: norm, rope, gated, cross_entropy.
 TINY = [

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from parity_models import DECODER
 
-from xscale.config import ConfigError
+from xscale.config.load import load_config_from_cli
+from xscale.config.schema import ConfigError
 from xscale.parallel.checks import resolve_dims
-from xscale.validate import load_config_from_cli
 
 REVERSIBLE = ["model.reversible=true"]
 

@@ -25,7 +25,7 @@ from tests.parallel.test_expert_layouts import (
     assert_layouts_match,
 )
 from tests.parallel.test_resharding import check_resharding
-from xscale.validate import load_config
+from xscale.config.load import load_config
 
 SEQ, BATCH, SEED = 16, 3, 11
 SMALL = ["model.vocab_size=32", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=16",

@@ -23,9 +23,9 @@ from parity_models import (
 from spawned import WORLD, spawn
 from test_resharding import check_resharding
 
-from xscale.config import ConfigError
+from xscale.config.load import load_config
+from xscale.config.schema import ConfigError
 from xscale.parallel.checks import resolve_dims
-from xscale.validate import load_config
 
 SEQ, BATCH, SEED = 16, 3, 7
 SMALL = ["model.vocab_size=32", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=16",

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from xscale.config import ConfigError
+from xscale.config.load import load_config
+from xscale.config.schema import ConfigError
 from xscale.parallel.checks import resolve_dims
 from xscale.parallel.dims import rank_coordinates
 from xscale.parallel.memory import (
@@ -13,7 +14,6 @@ from xscale.parallel.memory import (
     predicted_state_bytes,
 )
 from xscale.tools.inspect import main as inspect_main
-from xscale.validate import load_config
 
 BASE = ["model.vocab_size=64", "model.d_model=32", "model.n_layers=4", "model.n_heads=4", "train.global_batch_size=8",
         "train.seq_len=16", "data.dataset=copy"]

@@ -18,6 +18,7 @@ import torch
 
 from tests.parallel.test_resharding import GLOBAL_BATCH, SAMPLES, check_resharding
 from tests.parallel.test_resharding import STEPS as RESHARD_STEPS
+from xscale.config.load import load_config
 from xscale.data import GlobalSampler
 from xscale.models import build_model
 from xscale.models.moe import moe_layers
@@ -36,7 +37,6 @@ from xscale.tools.parity import (
     world_size_of,
 )
 from xscale.train.step import forward_backward_step
-from xscale.validate import load_config
 
 # tiny-switch at test size: d_model 32, 2 layers (both MoE), 4 experts, capacity 1.0 so tokens get dropped.
 ARCHITECTURE = ["model.vocab_size=48", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.position=rope",

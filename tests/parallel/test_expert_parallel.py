@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from spawned import WORLD, spawn
 
-from xscale.config import ConfigError, ModelConfig, MoEConfig
+from xscale.config.schema import ConfigError, ModelConfig, MoEConfig
 from xscale.models import build_model
 from xscale.models.moe import build_moe, collect_moe_metrics
 from xscale.parallel.expert import apply_expert_parallel, shard_expert_state_dict

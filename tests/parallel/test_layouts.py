@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from parity_models import DECODER, DROPOUT, ENCODER, ENCODER_DECODER, assert_parity
 
-from xscale.config import ConfigError
+from xscale.config.schema import ConfigError
 
 PIPELINE_TENSOR = ["pp=2,tp=2,microbatches=2",
                    "pp=2,tp=2,sequence_parallel=true,microbatches=2,activation_checkpointing=full"]

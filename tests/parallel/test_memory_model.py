@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from xscale.config.load import load_config
 from xscale.models.parameters import count_parameters
 from xscale.parallel.data.gather import GATHER_WINDOW_BYTES
 from xscale.parallel.dims import ParallelDims
@@ -25,7 +26,6 @@ from xscale.parallel.memory import (
     unit_sizes,
     vocab_parallel_loss_bytes,
 )
-from xscale.validate import load_config
 
 BASE = ["model.vocab_size=64", "model.d_model=32", "model.n_layers=3", "model.n_heads=4", "train.seq_len=16",
         "train.global_batch_size=8"]

@@ -20,14 +20,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from spawned import WORLD, spawn
 
-from xscale.config import (
-    AttentionConfig,
-    Config,
-    ModelConfig,
-    MoEConfig,
-    ParallelConfig,
-    TrainConfig,
-)
+from xscale.config.schema import AttentionConfig, Config, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
 from xscale.models import build_model
 from xscale.models.init import canonical_name
 from xscale.parallel.model import ParallelModel

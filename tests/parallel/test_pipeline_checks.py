@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from xscale.config import (
+from xscale.config.load import load_config
+from xscale.config.schema import (
     AttentionConfig,
     Config,
     ConfigError,
@@ -15,7 +16,6 @@ from xscale.config import (
 )
 from xscale.parallel.checks import resolve_dims, resolve_layout
 from xscale.parallel.pipeline import check_pipeline, resolve_microbatches, split_layers
-from xscale.validate import load_config
 
 
 def decoder_config(n_layers: int) -> ModelConfig:

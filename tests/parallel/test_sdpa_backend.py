@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from xscale.config import ConfigError
+from xscale.config.schema import ConfigError
 from xscale.parallel.model import ParallelModel
 from xscale.parallel.sdpa_backend import check_sdpa_backend, sdpa_backend_context
 

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from xscale.config import AttentionConfig, ConfigError, ModelConfig, MoEConfig
+from xscale.config.schema import AttentionConfig, ConfigError, ModelConfig, MoEConfig
 from xscale.launcher.local import local_context
 from xscale.models import build_model
 from xscale.models.init import init_weights

@@ -8,7 +8,7 @@ import pytest
 from parity_models import DECODER, DROPOUT, assert_parity
 from torch import nn
 
-from xscale.config import AttentionConfig, ConfigError, ModelConfig
+from xscale.config.schema import AttentionConfig, ConfigError, ModelConfig
 from xscale.models.attention import AttentionCore
 from xscale.models.registry import ATTENTION, FFN
 from xscale.models.traits import NO_TRAITS, ParallelTraits, traits_of

@@ -27,8 +27,7 @@ import pytest
 from parity_models import DECODER, ENCODER, assert_parity
 
 from tests.parallel.test_expert_layouts import GSHARD, HASH, SWITCH, TRAINING, assert_layouts_match
-from xscale.config import ModelConfig
-from xscale.config_values import CHOICES
+from xscale.config.schema import CHOICES, ModelConfig
 from xscale.models.registry import ATTENTION, FFN, NORM, POSITION, ROUTER
 from xscale.models.segment_memory import MEMORY_OPTIONS, MEMORY_POSITIONS
 from xscale.models.transformer import STACK_VARIANTS

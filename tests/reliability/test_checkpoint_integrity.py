@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import xscale.train.checkpoint as checkpoint_module
+from xscale.config.load import load_config
 from xscale.tools.export import export_safetensors
 from xscale.train.checkpoint import Checkpointer, CheckpointError
 from xscale.train.trainer import Trainer
-from xscale.validate import load_config
 
 TINY = [
     "model.vocab_size=48", "model.d_model=32", "model.n_layers=2", "model.n_heads=4",

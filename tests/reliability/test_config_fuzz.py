@@ -14,9 +14,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from xscale.config import Config, ConfigError
+from xscale.config.load import load_config_from_cli
+from xscale.config.schema import Config, ConfigError
 from xscale.parallel.checks import resolve_dims
-from xscale.validate import load_config_from_cli
 
 # mutation -> the override's YAML text; "wrong_type" depends on the field (see wrong_type()).
 MUTATIONS = {"wrong_type": None, "negative": "-1", "zero": "0", "nan": ".nan", "inf": ".inf", "huge": "1.0e+30",

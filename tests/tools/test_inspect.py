@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from xscale.cli import main
+from xscale.config.load import load_config
 from xscale.tools.inspect import activation_bytes
 from xscale.tools.measure import measured_activation_bytes, per_layer_and_head, rank_memory
-from xscale.validate import load_config
 
 TINY = ["model.vocab_size=64", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "train.seq_len=32",
         "train.global_batch_size=4"]
@@ -67,7 +67,7 @@ def test_verdict_flips_when_the_device_memory_is_below_the_prediction(capsys):
 
 REAL_STEP = """
 import sys, torch
-from xscale.validate import load_config
+from xscale.config.load import load_config
 from xscale.parallel.checks import resolve_dims
 from xscale.parallel.parallelize import parallelize
 from xscale.train.step import forward_backward_step, model_optimizer, optimizer_step

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from xscale.config import ConfigError
+from xscale.config.schema import ConfigError
 from xscale.data.fixed_vocab import FixedVocab
 from xscale.tools.trained import load_tokenizer, load_trained_model, tokenizer_path
 from xscale.train.checkpoint import CheckpointError

@@ -10,12 +10,12 @@ import json
 import pytest
 
 from xscale.cli import main
-from xscale.config import ConfigError, TrainConfig
+from xscale.config.load import load_config
+from xscale.config.schema import ConfigError, TrainConfig
 from xscale.train import loggers
 from xscale.train.checkpoint import Checkpointer
 from xscale.train.loggers import CsvLogger, build_loggers
 from xscale.train.trainer import Trainer
-from xscale.validate import load_config
 
 TINY = ["model.vocab_size=48", "model.d_model=32", "model.n_layers=1", "model.n_heads=4", "train.global_batch_size=4",
         "train.seq_len=16", "train.log_every=100", "train.plot=false", "train.progress=false",

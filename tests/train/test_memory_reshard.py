@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from xscale.config.load import load_config
 from xscale.data import GlobalSampler
 from xscale.data.datasets import ArrayTokens, PackedTextDataset, causal_lm
 from xscale.models.segment_memory import SegmentMemory, memory_name
@@ -16,7 +17,6 @@ from xscale.train.checkpoint import CheckpointError
 from xscale.train.memory_reshard import MemoryRows, StreamMemory, parse_memory_name
 from xscale.train.recurrence import MEMORY_FILES, MEMORY_META_KEY, load_memory
 from xscale.train.trainer import Trainer
-from xscale.validate import load_config
 
 STREAMS, LAYERS, LENGTH, WIDTH = 4, 2, 3, 2
 

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
+from xscale.config.load import load_config
 from xscale.data import build_datasets
 from xscale.train.metrics import MetricsLogger
 from xscale.train.trainer import Trainer
-from xscale.validate import load_config
 
 
 def test_each_logged_step_is_on_disk_before_the_logger_closes(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from xscale.config import TrainConfig
+from xscale.config.schema import TrainConfig
 from xscale.train.optim import build_optimizer, update_mode
 
 

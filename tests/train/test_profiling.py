@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
+from xscale.config.load import load_config
 from xscale.train.trainer import Trainer
-from xscale.validate import load_config
 
 TINY = ["model.vocab_size=48", "model.d_model=32", "model.n_layers=1", "model.n_heads=4", "train.global_batch_size=4",
         "train.seq_len=16", "train.steps=3", "train.log_every=100", "train.loggers=[]", "train.plot=false",

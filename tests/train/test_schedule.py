@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from xscale.config import ConfigError, TrainConfig
+from xscale.config.load import load_config
+from xscale.config.schema import ConfigError, TrainConfig
 from xscale.train.checkpoint import Checkpointer
 from xscale.train.schedule import lr_factor, saved_schedule, schedule_change, schedule_parameters
 from xscale.train.trainer import Trainer
-from xscale.validate import load_config
 
 # warmup 2 steps, then 10 steps of decay to 0.1 (steps 2..12), floor afterwards
 BASE = {"steps": 12, "warmup_steps": 2, "min_lr_ratio": 0.1}

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
+from xscale.config.load import load_config
 from xscale.train import trainer as trainer_module
 from xscale.train.spikes import MIN_HISTORY, LossSpikeDetector
 from xscale.train.trainer import Trainer
-from xscale.validate import load_config
 
 
 def feed(detector: LossSpikeDetector, losses: list[float]) -> list[int]:

@@ -6,9 +6,9 @@ import shutil
 import pytest
 import torch
 
+from xscale.config.load import load_config
 from xscale.train.checkpoint import Checkpointer, CheckpointError
 from xscale.train.trainer import Trainer
-from xscale.validate import load_config
 
 TINY = [
     "model.vocab_size=48", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",

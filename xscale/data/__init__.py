@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 from torch.utils.data import Dataset
 
-from xscale.config import Config, ConfigError
-from xscale.config_values import resolve_objective
+import xscale.data.checks  # noqa: F401  (the data layer's config checks register themselves)
+from xscale.config.schema import Config, ConfigError, resolve_objective
 from xscale.data.blend import BlendedDataset, HasSources, SourceTokenCounter
 from xscale.data.corpus import stdlib_documents, text_documents
 from xscale.data.datasets import (

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from xscale.command_line import CommandParser
-from xscale.config_values import closest
+from xscale.command_parser import CommandParser
+from xscale.config.check import closest
 from xscale.data.corpus import stdlib_documents, text_documents
 from xscale.data.load_tokenizer import load_tokenizer, tokenizer_source_file
 from xscale.data.preprocess import input_bytes, tokenize_to_indexed

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from xscale.config import ConfigError, DataSource
+from xscale.config.schema import ConfigError, DataSource
 from xscale.data.corpus import text_documents
 from xscale.data.indexed import IndexedDataError, IndexedTokens
 from xscale.data.preprocess import tokenize_to_indexed

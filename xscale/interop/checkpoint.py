@@ -14,12 +14,12 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from xscale.config import Config, ModelConfig
+from xscale.config.check import validate
+from xscale.config.schema import Config, ModelConfig
 from xscale.interop.hf.save import TOKENIZER_FILES, TOKENIZER_FOLDER
 from xscale.models import build_model
 from xscale.models.parameters import count_parameters
 from xscale.train.checkpoint import Checkpointer
-from xscale.validate import validate
 
 WEIGHTS_ONLY = "weights_only"
 

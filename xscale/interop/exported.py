@@ -13,8 +13,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from xscale.config import ConfigError, ModelConfig
-from xscale.config_loading import from_dict
+from xscale.config.load import from_dict
+from xscale.config.schema import ConfigError, ModelConfig
 from xscale.models import Transformer, build_model
 
 MODEL_METADATA = "xscale_model"

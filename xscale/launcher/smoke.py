@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from xscale.config.load import load_config
 from xscale.launcher.env import close_distributed, init_distributed
 from xscale.launcher.preemption import PreemptionHandler
-from xscale.validate import load_config
 
 FEATURES = 8
 

@@ -21,9 +21,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from xscale.command_line import CommandParser
-from xscale.config import Config, ConfigError
-from xscale.validate import load_config
+from xscale.command_parser import CommandParser
+from xscale.config.load import load_config
+from xscale.config.schema import Config, ConfigError
 
 
 class SubmitError(ValueError):

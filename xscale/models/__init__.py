@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+import xscale.models.checks  # noqa: F401  (the zoo's config checks register themselves)
 import xscale.models.zoo  # noqa: F401  (every component registers itself)
-from xscale.config import ModelConfig
+from xscale.config.schema import ModelConfig
 from xscale.models.init import init_weights
 from xscale.models.transformer import Transformer
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from xscale.config import ConfigError, ModelConfig
+from xscale.config.schema import ConfigError, ModelConfig
 from xscale.models.moe import attach_auxiliary_loss
 from xscale.models.registry import ATTENTION
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from xscale.config import ModelConfig
+from xscale.config.schema import ModelConfig
 from xscale.models.attention import Attention
 from xscale.models.compressive_memory import MemoryCompression, reconstruction_loss
 from xscale.models.deepnorm import deepnorm_scales

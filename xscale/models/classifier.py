@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from xscale.config import ModelConfig
+from xscale.config.schema import ModelConfig
 
 POOLINGS = ("cls", "mean", "max")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from xscale.config import ModelConfig
+from xscale.config.schema import ModelConfig
 
 # The projections initialised with gain beta (in a block's attention or feed-forward sub-layer); wq, wk get gain 1.
 BETA_PROJECTIONS = ("wv", "wo", "w_in", "w_out", "w_gate", "w_up", "w_down")

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xscale.config import ConfigError, ModelConfig
+from xscale.config.schema import ConfigError, ModelConfig
 from xscale.models.classifier import pool
 
 

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xscale.config import ConfigError, ModelConfig
+from xscale.config.schema import ConfigError, ModelConfig
 from xscale.models.position import PositionEncoding
 from xscale.models.registry import ATTENTION, POSITION
 from xscale.runtime import StepContext

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from xscale.config import ModelConfig
+from xscale.config.schema import ModelConfig
 from xscale.models.deepnorm import deepnorm_init_std
 from xscale.runtime.hooks import ResetsBuffers
 

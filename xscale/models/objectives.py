@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from xscale.config import Config, ConfigError
+from xscale.config.schema import Config, ConfigError
 
 IGNORE_INDEX = -100
 

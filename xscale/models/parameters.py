@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xscale.config import Config, MoEConfig
+from xscale.config.schema import Config, MoEConfig
 from xscale.models import build_model
 
 

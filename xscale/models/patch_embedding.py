@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from xscale.config import Config, ConfigError, ModelConfig
+from xscale.config.schema import Config, ConfigError, ModelConfig
 
 
 def patchify(pixels: torch.Tensor, patch_size: int) -> torch.Tensor:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from xscale.config import ConfigError, ModelConfig
+from xscale.config.schema import ConfigError, ModelConfig
 from xscale.models.registry import ATTENTION
 
 Branch = Callable[[torch.Tensor], torch.Tensor]

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from xscale.config import Config, ConfigError
+from xscale.config.schema import Config, ConfigError
 from xscale.models.registry import ATTENTION
 
 MEMORY_POSITIONS = ("xl", "rope")  # relative over memory and segment; xl needs a core that takes a logit bias

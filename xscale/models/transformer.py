@@ -18,8 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from xscale.config import ModelConfig
-from xscale.config_values import CHOICES
+from xscale.config.schema import CHOICES, ModelConfig
 from xscale.models.act import AdaptiveComputationTime
 from xscale.models.block import PRE_NORM_PLACEMENTS, TransformerBlock
 from xscale.models.classifier import ClassificationHead

@@ -8,7 +8,7 @@ import dataclasses
 
 import torch
 
-from xscale.config import Config, ConfigError
+from xscale.config.schema import Config, ConfigError
 from xscale.parallel.context import check_context_parallel
 from xscale.parallel.dims import ParallelDims
 from xscale.parallel.pipeline import check_pipeline, resolve_microbatches

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from xscale.config import Config, ConfigError, ModelConfig
+from xscale.config.schema import Config, ConfigError, ModelConfig
 from xscale.models.attention import Attention
 from xscale.models.registry import ATTENTION, POSITION
 from xscale.models.traits import traits_of

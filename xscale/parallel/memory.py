@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from xscale.config import Config
+from xscale.config.schema import Config
 from xscale.models import build_model
 from xscale.ops.chunked_cross_entropy import default_chunk_tokens, padded_row_length
 from xscale.parallel.data import is_expert_parameter, local_tensor

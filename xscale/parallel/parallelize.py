@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from xscale.config import Config, ParallelConfig
+from xscale.config.schema import Config, ParallelConfig
 from xscale.models import build_model
 from xscale.models.init import init_weights
 from xscale.models.moe import moe_layers

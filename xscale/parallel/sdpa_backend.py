@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 
-from xscale.config import ConfigError
+from xscale.config.schema import ConfigError
 
 SDPA_BACKENDS = ("auto", "flash", "efficient", "cudnn", "math")
 CUDA_ONLY = ("efficient", "cudnn")

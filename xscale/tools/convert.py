@@ -13,9 +13,9 @@ import argparse
 import sys
 from typing import Any
 
-from xscale.command_line import CommandParser
-from xscale.config import ConfigError
-from xscale.config_loading import parse_override, set_path
+from xscale.command_parser import CommandParser
+from xscale.config.load import parse_override, set_path
+from xscale.config.schema import ConfigError
 from xscale.interop.checkpoint import copy_hf_tokenizer, write_weights_checkpoint
 from xscale.interop.exported import exported_model_config, exported_state_dict
 from xscale.interop.hf.load import fill_from_hf, hf_model_config

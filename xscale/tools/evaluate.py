@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Dataset
 
-from xscale.command_line import CommandParser
-from xscale.config import Config, ConfigError
+from xscale.command_parser import CommandParser
+from xscale.config.schema import Config, ConfigError
 from xscale.data import TEXT_DATASETS, BlendedDataset, PackedTextDataset, build_datasets, collate
 from xscale.data.labeled import LABELS_META_KEY
 from xscale.parallel.loss import model_inputs

@@ -15,8 +15,9 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from xscale.command_line import CommandParser
-from xscale.config import ConfigError
+from xscale.command_parser import CommandParser
+from xscale.config.load import config_from_dict
+from xscale.config.schema import ConfigError
 from xscale.interop.exported import MODEL_METADATA
 from xscale.interop.hf.rules import InteropError
 from xscale.interop.hf.save import DEFAULT_SHARD_BYTES, export_hf
@@ -28,7 +29,6 @@ from xscale.train.checkpoint import (
     load_state,
     shape_fingerprint,
 )
-from xscale.validate import config_from_dict
 
 
 def resolve_checkpoint(path: Path) -> Path:

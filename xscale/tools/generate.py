@@ -15,8 +15,8 @@ import sys
 
 import torch
 
-from xscale.command_line import CommandParser
-from xscale.config import ConfigError
+from xscale.command_parser import CommandParser
+from xscale.config.schema import ConfigError
 from xscale.data.fixed_vocab import FixedVocab
 from xscale.data.tokenizer import Tokenizer
 from xscale.generation import Sampling, generate

@@ -11,9 +11,9 @@ import dataclasses
 import sys
 
 import xscale.models.zoo  # noqa: F401  (registers every component, for --components)
-from xscale.command_line import CommandParser
-from xscale.config import Config, ConfigError
-from xscale.config_values import CHOICES
+from xscale.command_parser import CommandParser
+from xscale.config.load import load_config_from_cli
+from xscale.config.schema import CHOICES, Config, ConfigError
 from xscale.models.funnel import funnel_decoder_blocks
 from xscale.models.parameters import ModelCount, count_parameters, experts_per_token
 from xscale.models.registry import REGISTRIES
@@ -32,7 +32,6 @@ from xscale.parallel.pipeline.vocabulary import (
 )
 from xscale.tools.measure import MeasureError, measure_report
 from xscale.train.metrics import flops_per_token
-from xscale.validate import load_config_from_cli
 
 
 def activation_bytes(config: Config, micro_batch: int) -> float:

@@ -39,7 +39,7 @@ from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTenso
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 
-from xscale.config import Config
+from xscale.config.schema import Config
 from xscale.models import build_model
 from xscale.models.parameters import count_parameters
 from xscale.parallel.activation import apply_activation_checkpointing

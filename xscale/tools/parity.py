@@ -22,13 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from xscale.command_line import CommandParser
-from xscale.config import Config, ConfigError
+from xscale.command_parser import CommandParser
+from xscale.config.load import load_config_from_cli
+from xscale.config.schema import Config, ConfigError
 from xscale.launcher.env import close_distributed
 from xscale.launcher.local import start_local
 from xscale.models.registry import ATTENTION
 from xscale.train.trainer import Trainer
-from xscale.validate import load_config_from_cli
 
 PARITY_SETTINGS = ("train.eval_every=0", "train.plot=false", "train.tensorboard=false", "train.progress=false",
                    "train.log_every=1000000", "train.precision=fp32", "checkpoint.resume=none")

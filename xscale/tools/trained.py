@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from xscale.config import Config, ConfigError
-from xscale.config_loading import parse_override, set_path
+from xscale.config.load import config_from_dict, parse_override, set_path
+from xscale.config.schema import Config, ConfigError
 from xscale.data import TASKS, trained_tokenizer_name
 from xscale.data.fixed_vocab import FixedVocab
 from xscale.data.load_tokenizer import load_tokenizer as load_tokenizer_file
@@ -32,7 +32,6 @@ from xscale.train.checkpoint import (
     load_state,
     shape_fingerprint,
 )
-from xscale.validate import config_from_dict
 
 
 @dataclass

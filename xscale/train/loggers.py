@@ -17,7 +17,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from xscale.config import ConfigError
+from xscale.config.check import register_check
+from xscale.config.schema import Config, ConfigError
 
 WANDB_INSTALL = "pip install 'xscale[wandb]'"
 
@@ -172,3 +173,11 @@ def build_loggers(names: list[str], output_dir: Path, config: dict[str, Any]) ->
         except ImportError:  # tensorboard is a dependency; an environment without it still trains
             print(f"{name} is not installed: its scalars are not written", flush=True)
     return loggers
+
+
+def check_loggers_installed(config: Config) -> None:
+    """The config check :func:`check_installed` (an optional logger's package, before anything runs)."""
+    check_installed(config.train.logger_names())
+
+
+register_check("xscale.train", check_loggers_installed)

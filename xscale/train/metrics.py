@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from xscale.config import ModelConfig
+from xscale.config.schema import ModelConfig
 from xscale.models.funnel import funnel_decoder_blocks
 from xscale.train.loggers import ResumableLogger, ScalarLogger, build_loggers
 

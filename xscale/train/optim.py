@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.optim import optimizer as torch_optimizer
 
-from xscale.config import TrainConfig
+from xscale.config.schema import TrainConfig
 
 
 def parameter_groups(params: Iterable[nn.Parameter], weight_decay: float,

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from xscale.config import Config, ConfigError
+from xscale.config.schema import Config, ConfigError
 from xscale.data import GlobalSampler, PackedTextDataset, StreamSampler
 from xscale.models.segment_memory import SegmentMemory
 from xscale.parallel.model import Batch, ParallelModel

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from xscale.config import TrainConfig
+from xscale.config.schema import TrainConfig
 
 WSD_DEFAULT_DECAY_FRACTION = 0.2  # wsd without train.decay_steps: the last 20% of the schedule decays
 

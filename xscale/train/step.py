@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from xscale.config import TrainConfig
+from xscale.config.schema import TrainConfig
 from xscale.models.training_step import begin_training_step
 from xscale.parallel.data.grad_norm import clip_gradients
 from xscale.parallel.loss import model_inputs, model_loss_sum, prediction_counts

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from xscale.config import Config, ConfigError
+from xscale.config.schema import Config, ConfigError
 from xscale.data import (
     GlobalSampler,
     HasSources,

@@ -6,10 +6,10 @@ import random
 import pytest
 import torch
 
-from xscale.config import ConfigError
+from xscale.config.load import load_config_from_cli
+from xscale.config.schema import ConfigError
 from xscale.data import build_datasets
 from xscale.data.lra import ListOpsClassification
-from xscale.validate import load_config_from_cli
 
 
 def test_listops_class_is_the_value_digit():

@@ -2,10 +2,10 @@
 
 import torch
 
+from xscale.config.load import load_config_from_cli
 from xscale.data import build_datasets
 from xscale.data.datasets import sample_rng
 from xscale.data.lra.shapes import SHAPES, ShapesTask, shape_mask
-from xscale.validate import load_config_from_cli
 
 
 def test_the_same_seed_and_index_give_the_same_image_and_others_differ():

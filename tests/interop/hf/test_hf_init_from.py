@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from xscale.config import ConfigError
+from xscale.config.load import load_config
+from xscale.config.schema import ConfigError
 from xscale.train.trainer import Trainer
-from xscale.validate import load_config
 
 transformers = pytest.importorskip("transformers", reason="transformers is a dev dependency (pip install -e .[dev])")
 from hf_models import save  # noqa: E402

@@ -124,8 +124,8 @@ def test_tied_llama_stores_its_head_once_and_reloads(tmp_path):
 
 
 def test_a_trained_checkpoint_exports_as_llama(tmp_path):
+    from xscale.config.load import load_config
     from xscale.train.trainer import Trainer
-    from xscale.validate import load_config
 
     config = load_config(None, ["model.vocab_size=48", "model.d_model=32", "model.n_layers=2", "model.n_heads=4",
                                 "model.n_kv_heads=2", "model.tie_embeddings=false", "train.global_batch_size=4",

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from xscale.config import ModelConfig
+from xscale.config.schema import ModelConfig
 from xscale.models.attention.core import AttentionCore, build_core
 
 

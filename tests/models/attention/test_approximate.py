@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.models.attention.conftest import dense_reference, make_core, random_qkv, relative_error
-from xscale.config import AttentionConfig, ConfigError, ModelConfig
+from xscale.config.schema import AttentionConfig, ConfigError, ModelConfig
 from xscale.models import build_model
 from xscale.models.attention.linear import kernelized_reference
 from xscale.models.attention.lsh import SELF_LOGIT

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from xscale.config.load import load_config
 from xscale.models.attention.block_sparse import build_plan
 from xscale.models.attention.core import build_core
 from xscale.models.parameters import count_parameters
-from xscale.validate import load_config
 
 CONFIGS = Path(__file__).parents[3] / "configs"
 HIDDEN = 768

@@ -13,13 +13,13 @@ from torch import nn
 
 from tests.models.attention.conftest import make_core, random_qkv
 from tests.models.attention.test_in_model import SMALL_OPTIONS
-from xscale.config import AttentionConfig, ModelConfig
+from xscale.config.load import load_config
+from xscale.config.schema import AttentionConfig, ModelConfig
 from xscale.models import build_model
 from xscale.models.attention import patterns as P
 from xscale.models.attention.core import AttentionCore, unused_attention_dropout
 from xscale.models.registry import ATTENTION
 from xscale.runtime import StepContext
-from xscale.validate import load_config
 
 P_DROP = 0.3
 POSITION = StepContext(seed=5, step=2)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from tests.models.attention.conftest import dense_reference, make_core, random_qkv, relative_error
-from xscale.config import ConfigError
+from xscale.config.schema import ConfigError
 
 LENGTH = 45  # not a multiple of any block or window used here
 

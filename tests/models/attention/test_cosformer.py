@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.models.attention.conftest import make_core, random_qkv
-from xscale.config import ConfigError
+from xscale.config.schema import ConfigError
 
 LENGTH, MAX_LENGTH = 45, 48  # M close to T, so the cosine re-weighting is far from 1 at long distances
 

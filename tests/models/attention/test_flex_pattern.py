@@ -101,7 +101,7 @@ def test_flex_is_taken_by_cuda_tensors_only():
 
 
 def test_use_kernels_sets_the_sparse_attention_of_every_pattern_core():
-    from xscale.config import AttentionConfig, ModelConfig
+    from xscale.config.schema import AttentionConfig, ModelConfig
 
     attention = AttentionConfig(kind="longformer", options={"window": 4, "global_tokens": 2, "block_size": 8})
     config = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_seq_len=64, attention=attention)
@@ -113,8 +113,8 @@ def test_use_kernels_sets_the_sparse_attention_of_every_pattern_core():
 
 
 def test_flex_with_compiled_blocks_is_refused_with_the_fix():
-    from xscale.config import ConfigError
-    from xscale.validate import load_config
+    from xscale.config.load import load_config
+    from xscale.config.schema import ConfigError
 
     assert load_config(None, ["train.sparse_attention=flex"]).train.sparse_attention == "flex"
     with pytest.raises(ConfigError, match="train.compile=false, or train.sparse_attention=gather"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from xscale.config import AttentionConfig, ConfigError, ModelConfig
+from xscale.config.schema import AttentionConfig, ConfigError, ModelConfig
 from xscale.models import build_model
 from xscale.models.registry import ATTENTION
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.models.attention.conftest import dense_reference, make_core, random_qkv
-from xscale.config import ConfigError
+from xscale.config.schema import ConfigError
 
 LENGTH = 45
 

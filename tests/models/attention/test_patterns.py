@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.models.attention.conftest import dense_reference, make_core, random_qkv
-from xscale.config import ConfigError
+from xscale.config.schema import ConfigError
 from xscale.models.attention import patterns as P
 from xscale.models.attention.block_sparse import build_plan
 

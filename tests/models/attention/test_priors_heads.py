@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.models.attention.conftest import dense_reference, make_core, random_qkv
-from xscale.config import AttentionConfig, ConfigError, ModelConfig
+from xscale.config.schema import AttentionConfig, ConfigError, ModelConfig
 from xscale.models import build_model
 from xscale.models.attention.priors import adaptive_span_metrics
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from xscale.config import AttentionConfig, ModelConfig
+from xscale.config.schema import AttentionConfig, ModelConfig
 from xscale.data.datasets import TaskDataset, collate
 from xscale.data.tasks import CopyTask
 from xscale.models import build_model

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from xscale.config.load import load_config
 from xscale.models import build_model
 from xscale.models.moe import collect_moe_metrics
 from xscale.parallel.model import ParallelModel
 from xscale.train.step import forward_backward_step
-from xscale.validate import load_config
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xscale.config import ModelConfig, MoEConfig
+from xscale.config.schema import ModelConfig, MoEConfig
 from xscale.models.moe import build_moe
 
 deepspeed_layer = pytest.importorskip("deepspeed.moe.layer", reason="deepspeed is not installed")

@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from xscale.config import ConfigError, ModelConfig, MoEConfig
+from xscale.config.load import config_from_dict
+from xscale.config.schema import ConfigError, ModelConfig, MoEConfig
 from xscale.models import build_model
 from xscale.models.moe import attach_auxiliary_loss, build_moe, collect_moe_metrics, moe_layers
 from xscale.models.moe.hash_router import hash_expert
 from xscale.runtime import StepContext
-from xscale.validate import config_from_dict
 
 
 def model_config(ffn="gelu", family="encoder", **moe) -> ModelConfig:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from xscale.config import ModelConfig, MoEConfig
+from xscale.config.schema import ModelConfig, MoEConfig
 from xscale.models.dropout import uniform_draws
 from xscale.models.moe.expert_choice import ExpertChoiceRouter
 from xscale.models.moe.hash_router import HASH_MULTIPLIER, HashRouter, hash_expert

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import xscale.models.zoo  # noqa: F401  (registers every component)
-from xscale.config import AttentionConfig, ConfigError, ModelConfig
+from xscale.config.schema import AttentionConfig, ConfigError, ModelConfig
 from xscale.models import build_model
 from xscale.models.attention import Attention
 from xscale.models.positions.shaw import ShawRelativePosition

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import xscale.models.zoo  # noqa: F401  (registers every component)
-from xscale.config import ModelConfig
+from xscale.config.schema import ModelConfig
 from xscale.models.attention import Attention
 from xscale.models.positions.xl import TransformerXLPosition
 

@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from xscale.config import ConfigError
+from xscale.config.load import load_config
+from xscale.config.schema import ConfigError
 from xscale.parallel.pipeline.cost import PipelineCosts, balanced_split, pipeline_costs, stage_layers
-from xscale.validate import load_config
 
 D, FF, V, T, B = 16, 32, 64, 8, 4
 TINY = ["model.family=decoder", f"model.vocab_size={V}", f"model.d_model={D}", "model.n_layers=2", "model.n_heads=2",

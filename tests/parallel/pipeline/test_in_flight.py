@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from xscale.config.load import load_config
 from xscale.parallel.pipeline.in_flight import blocks_in_flight, schedule_actions
-from xscale.validate import load_config
 
 
 def pipeline_config(*overrides: str):

@@ -24,7 +24,8 @@ from test_pipeline import (
     make_batch,
 )
 
-from xscale.config import ConfigError, TrainConfig
+from xscale.config.load import load_config
+from xscale.config.schema import ConfigError, TrainConfig
 from xscale.models import build_model
 from xscale.models.init import canonical_name
 from xscale.parallel.model import ParallelModel
@@ -38,7 +39,6 @@ from xscale.parallel.pipeline.vocabulary import (
 )
 from xscale.train.optim import build_optimizer
 from xscale.train.step import evaluation_loss, forward_backward_step
-from xscale.validate import load_config
 
 VOCAB_LAYOUT = "pp=2,microbatches=4,pp_schedule=interleaved_1f1b,pp_stages_per_rank=2,pp_vocab_parallel=true"
 

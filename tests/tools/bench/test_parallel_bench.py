@@ -8,9 +8,9 @@ import time
 
 import pytest
 
+from xscale.config.load import load_config
 from xscale.parallel.pipeline import ideal_bubble
 from xscale.tools.bench import parallel as bench
-from xscale.validate import load_config
 
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1", "train.global_batch_size=4",
         "train.seq_len=16", "data.num_samples=64"]

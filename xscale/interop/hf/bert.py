@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from xscale.config import ModelConfig
+from xscale.config.schema import ModelConfig
 from xscale.interop.hf.rules import Family, Rule, linear, require, same
 
 EMBEDDINGS = "bert.embeddings."

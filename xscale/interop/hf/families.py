@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from xscale.config import ConfigError, ModelConfig
+from xscale.config.load import register_completer
+from xscale.config.schema import ConfigError, ModelConfig
 from xscale.interop.hf.bert import BERT
 from xscale.interop.hf.gpt2 import GPT2
 from xscale.interop.hf.llama import LLAMA
@@ -79,3 +80,6 @@ def with_init_model(tree: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"checkpoint.init_from={source}: {error}") from error
     given = tree.get("model")
     return {**tree, "model": laid_over(fields, given if isinstance(given, dict) else {})}
+
+
+register_completer(with_init_model)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from xscale.config import ModelConfig
+from xscale.config.schema import ModelConfig
 from xscale.interop.hf.rules import Family, InteropError, Rule, fused, require, same, transposed
 
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from xscale.config import ModelConfig
+from xscale.config.schema import ModelConfig
 from xscale.interop.hf.rules import Family, InteropError, Rule, linear, require, same
 
 

@@ -15,8 +15,8 @@ import torch
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from xscale.config import ConfigError, ModelConfig
-from xscale.config_loading import from_dict
+from xscale.config.load import from_dict
+from xscale.config.schema import ConfigError, ModelConfig
 from xscale.interop.hf.families import family_of, laid_over, model_fields, read_hf_config
 from xscale.interop.hf.rules import Family, InteropError
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from xscale.config import ModelConfig
+from xscale.config.schema import ModelConfig
 
 Tensors = tuple[torch.Tensor, ...]
 

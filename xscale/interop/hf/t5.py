@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from xscale.config import ModelConfig
+from xscale.config.schema import ModelConfig
 from xscale.interop.hf.rules import Family, InteropError, Rule, require, same, scaled
 
 NUM_BUCKETS, MAX_DISTANCE = 32, 128  # xscale's T5RelativeBias

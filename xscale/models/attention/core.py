@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xscale.config import ConfigError, ModelConfig
-from xscale.config_loading import from_dict
+from xscale.config.load import from_dict
+from xscale.config.schema import ConfigError, ModelConfig
 from xscale.models.dropout import Dropout
 from xscale.models.registry import ATTENTION
 from xscale.models.traits import NO_TRAITS, ParallelTraits

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from xscale.config import ModelConfig
+from xscale.config.schema import ModelConfig
 from xscale.models.attention.core import check_heads, expand_kv
 from xscale.models.attention.inducing import PooledAttention
 from xscale.models.attention.sparse import require, require_positive

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from xscale.config import ModelConfig
+from xscale.config.schema import ModelConfig
 from xscale.models.attention.core import build_core, check_padding_mask, expand_kv, padding_bias
 from xscale.models.attention.dense import causal_bias
 from xscale.models.kv_cache import can_cache

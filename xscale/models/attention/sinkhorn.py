@@ -22,7 +22,7 @@ import dataclasses
 import torch
 from torch import Tensor, nn
 
-from xscale.config import ModelConfig
+from xscale.config.schema import ModelConfig
 from xscale.models.attention.compressed import blocks_of
 from xscale.models.attention.core import AttentionCore, expand_kv
 from xscale.models.attention.sparse import require, require_positive

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from xscale.config import ConfigError, ModelConfig
+from xscale.config.schema import ConfigError, ModelConfig
 from xscale.models.attention import patterns as P
 from xscale.models.attention.block_sparse import BlockPlan, block_sparse_attention, build_plan
 from xscale.models.attention.core import AttentionCore, causal_over_longer_keys, held_query_positions

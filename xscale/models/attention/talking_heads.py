@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from xscale.config import ModelConfig
+from xscale.config.schema import ModelConfig
 from xscale.models.attention.core import AttentionCore, check_heads, expand_kv
 from xscale.models.attention.dense import causal_bias
 from xscale.models.registry import ATTENTION

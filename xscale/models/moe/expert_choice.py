@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from xscale.config import ConfigError, ModelConfig
+from xscale.config.schema import ConfigError, ModelConfig
 from xscale.models.moe.routers import LearnedRouter
 from xscale.models.moe.routing import Routing, local_rows, router_probabilities, router_z_loss
 from xscale.models.registry import ROUTER

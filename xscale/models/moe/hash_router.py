@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from xscale.config import ModelConfig
+from xscale.config.schema import ModelConfig
 from xscale.models.moe.routing import Routing, token_choice_routing
 from xscale.models.registry import ROUTER
 from xscale.runtime import StepContext, TokenGroup

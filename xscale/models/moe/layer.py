@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from xscale.config import ConfigError, ModelConfig
+from xscale.config.schema import ConfigError, ModelConfig
 from xscale.models.ffn import build_ffn
 from xscale.models.moe.experts import StackedExperts
 from xscale.models.moe.routing import LocalTokens

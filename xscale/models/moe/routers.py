@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xscale.config import ConfigError, ModelConfig
+from xscale.config.schema import ConfigError, ModelConfig
 from xscale.models.dropout import uniform_draws
 from xscale.models.moe.routing import Routing, router_probabilities, token_choice_routing
 from xscale.models.registry import ROUTER

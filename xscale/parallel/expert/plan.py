@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from xscale.config import ConfigError
+from xscale.config.schema import ConfigError
 from xscale.models.moe import MoELayer, moe_layers
 from xscale.parallel.collectives import all_gather_flat
 from xscale.runtime import Placement, TokenGroup

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xscale.config import Config
+from xscale.config.schema import Config
 from xscale.models import build_model
 from xscale.models.parameters import experts_per_token
 from xscale.parallel.pipeline.stages import pipeline_layers, split_layers

@@ -18,7 +18,7 @@ import dataclasses
 
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _ComputationType
 
-from xscale.config import Config
+from xscale.config.schema import Config
 from xscale.parallel.memory import microbatches_in_flight
 from xscale.parallel.pipeline.schedules import SCHEDULES, resolve_microbatches
 

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
-from xscale.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from xscale.config.schema import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from xscale.models.init import canonical_name
 from xscale.models.transformer import Transformer
 from xscale.parallel.expert.routing_groups import RoutingGroups

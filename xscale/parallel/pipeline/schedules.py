@@ -19,7 +19,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from xscale.config import Config, ConfigError, ModelConfig
+from xscale.config.schema import Config, ConfigError, ModelConfig
 from xscale.parallel.pipeline.stages import pipeline_layers, split_layers
 from xscale.parallel.pipeline.vocabulary import every_shard_has_rows, vocabulary_rows
 

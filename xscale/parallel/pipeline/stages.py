@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from xscale.config import ConfigError, ModelConfig
+from xscale.config.schema import ConfigError, ModelConfig
 from xscale.models.init import canonical_name, init_weights
 from xscale.models.transformer import Transformer
 from xscale.parallel.pipeline.vocabulary import VocabularyPlace, VocabularyShard

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from xscale.config import ParallelConfig
+from xscale.config.schema import ParallelConfig
 from xscale.models.init import copy_into, initial_value
 from xscale.models.transformer import Transformer
 from xscale.parallel.tensor.replicated import SumValues

@@ -48,7 +48,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from xscale.config import ConfigError, ModelConfig
+from xscale.config.schema import ConfigError, ModelConfig
 from xscale.models.attention import Attention, AttentionCore
 from xscale.models.block import Residual, TransformerBlock
 from xscale.models.registry import ATTENTION, FFN

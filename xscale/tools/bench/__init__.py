@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from xscale.config_values import closest
+from xscale.config.check import closest
 from xscale.launcher.cpu_allocator import keep_freed_memory
 
 BENCHMARKS = {

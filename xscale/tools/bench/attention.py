@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from xscale.command_line import CommandParser
-from xscale.config import ModelConfig
+from xscale.command_parser import CommandParser
+from xscale.config.schema import ModelConfig
 from xscale.models.attention.core import build_core
 from xscale.models.registry import ATTENTION
 from xscale.tools.bench import attention_gpu

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from xscale import ops
-from xscale.config import ModelConfig
+from xscale.config.schema import ModelConfig
 from xscale.models.attention.core import build_core
 from xscale.models.attention.patterns import reference_mask
 from xscale.ops.block_sparse_attention import BlockLayout

@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from xscale.command_line import CommandParser
+from xscale.command_parser import CommandParser
 from xscale.parallel.collectives import (
     direct_all_gather,
     direct_reduce_scatter,

@@ -11,8 +11,8 @@ import time
 import torch
 from torch import nn
 
-from xscale.command_line import CommandParser
-from xscale.config import ModelConfig
+from xscale.command_parser import CommandParser
+from xscale.config.schema import ModelConfig
 from xscale.models.block import TransformerBlock
 from xscale.models.dropout import Dropout
 from xscale.runtime import StepContext

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from xscale import ops
-from xscale.command_line import CommandParser
+from xscale.command_parser import CommandParser
 from xscale.ops import dispatch, reference
 from xscale.ops.block_sparse_attention import block_sparse_attention_reference
 from xscale.ops.moe_permute import Permutation, permute_reference, plan_permutation, unpermute_reference

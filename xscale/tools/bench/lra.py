@@ -17,13 +17,13 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
-from xscale.command_line import CommandParser
+from xscale.command_parser import CommandParser
+from xscale.config.load import load_config_from_cli
 from xscale.data.lra import PAD_AS_CONTENT
 from xscale.models.classifier import POOLINGS
 from xscale.models.registry import ATTENTION
 from xscale.tools.bench.memory import peak_memory, reset_peak_memory
 from xscale.train.trainer import Trainer
-from xscale.validate import load_config_from_cli
 
 TASKS = ("listops", "retrieval", "pathfinder")
 CELLS_FILE = "cells.jsonl"  # one finished (task, kind) cell per line, with the size it ran at

@@ -29,8 +29,9 @@ from pathlib import Path
 
 import torch
 
-from xscale.command_line import CommandParser
-from xscale.config import Config, ConfigError
+from xscale.command_parser import CommandParser
+from xscale.config.load import load_config_from_cli
+from xscale.config.schema import Config, ConfigError
 from xscale.data import build_datasets
 from xscale.launcher.cpu_allocator import return_freed_memory
 from xscale.launcher.env import init_distributed
@@ -41,7 +42,6 @@ from xscale.tools.measure import MeasureError, rank_memory
 from xscale.tools.parity import PARITY_SETTINGS, run_local, world_size_of
 from xscale.train.optim import build_optimizer
 from xscale.train.trainer import Trainer
-from xscale.validate import load_config_from_cli
 
 DEFAULT_LAYOUTS = ("single", "dp_shard=2,zero_stage=1", "dp_shard=2,zero_stage=3", "tp=2,dp_shard=1",
                    "pp=2,dp_shard=1")

@@ -39,8 +39,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from xscale.command_line import CommandParser
-from xscale.config import ModelConfig, MoEConfig
+from xscale.command_parser import CommandParser
+from xscale.config.schema import ModelConfig, MoEConfig
 from xscale.launcher.cpu_allocator import keep_freed_memory
 from xscale.launcher.env import free_port
 from xscale.models.ffn import build_ffn

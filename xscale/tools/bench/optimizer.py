@@ -15,10 +15,10 @@ import time
 
 import torch
 
-from xscale.command_line import CommandParser
+from xscale.command_parser import CommandParser
+from xscale.config.load import load_config_from_cli
 from xscale.models import build_model
 from xscale.train.optim import build_optimizer
-from xscale.validate import load_config_from_cli
 
 MODES = {"fused": "auto", "per_parameter": False, "foreach": True}
 # The model of ``xscale bench parallel``: a 4-layer decoder of width 256 (5M parameters).

@@ -38,15 +38,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from xscale.command_line import CommandParser
-from xscale.config import Config, ConfigError
+from xscale.command_parser import CommandParser
+from xscale.config.load import load_config_from_cli
+from xscale.config.schema import Config, ConfigError
 from xscale.parallel.checks import resolve_layout
 from xscale.parallel.pipeline import ideal_bubble
 from xscale.tools.bench.peers import LOCAL, build_peer, peer_for
 from xscale.tools.bench.spread import median_and_quartiles
 from xscale.tools.parity import PARITY_SETTINGS, layout_overrides, run_local, world_size_of
 from xscale.train.trainer import Trainer
-from xscale.validate import load_config_from_cli
 
 PIPELINES = (*(f"pp=2,dp_shard=1,microbatches={m},pp_schedule={schedule}"
                 for schedule in ("gpipe", "1f1b") for m in (2, 4, 8)),

@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from xscale.config import Config
+from xscale.config.schema import Config
 from xscale.models import build_model
 from xscale.models.init import init_weights
 from xscale.parallel.loss import model_loss_sum

@@ -22,8 +22,8 @@ from collections.abc import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from xscale.command_line import CommandParser
-from xscale.config import Config, TrainConfig
+from xscale.command_parser import CommandParser
+from xscale.config.schema import Config, TrainConfig
 from xscale.interop.hf.load import model_config_from_hf, state_dict_from_hf
 from xscale.models import build_model
 from xscale.models.parameters import count_parameters

@@ -1,8 +1,10 @@
 """A :class:`~xscale.config.Config` from YAML and dotted overrides: nested mappings coerced into the typed sections
 (and back to YAML, :func:`config_to_yaml`).
 
-An unknown key names the closest valid key; a wrong type says what was expected. Values are then checked by
-:func:`xscale.config_values.check_values` (and against the registries by :mod:`xscale.validate`).
+An unknown key names the closest valid key; a wrong type says what was expected. :func:`load_config` then checks
+the values and runs every registered check (:func:`xscale.config.check.validate`). Layers above may register a
+completer (:func:`register_completer`): a function that fills in what a tree implies before it is checked, such as
+the model of ``checkpoint.init_from=hf:DIR``.
 """
 
 from __future__ import annotations
@@ -15,10 +17,19 @@ from typing import Any, Union
 
 import yaml
 
-from xscale.config import Config, ConfigError
-from xscale.config_values import check_values, closest
+from xscale.config.check import check_values, closest, validate
+from xscale.config.schema import Config, ConfigError
 
 INT_LIMIT = 2**63
+Completer = typing.Callable[[dict[str, Any]], dict[str, Any]]
+_COMPLETERS: list[Completer] = []
+
+
+def register_completer(completer: Completer) -> Completer:
+    """Run ``completer`` on every tree :func:`load_config` reads, before it is checked (once per function)."""
+    if completer not in _COMPLETERS:
+        _COMPLETERS.append(completer)
+    return completer
 
 
 def coerce(value: Any, annotation: Any, where: str) -> Any:
@@ -123,11 +134,9 @@ def set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
     node[path[-1]] = value
 
 
-def read_config(path: str | Path | None = None, overrides: typing.Sequence[str] = (),
-                complete: typing.Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> Config:
-    """Read a YAML config (or the built-in default when ``path`` is None) and apply overrides; checks values
-    only (:func:`check_values`). :func:`xscale.validate.load_config` adds the checks against the registries.
-    ``complete``: fills in what the tree implies before it is checked (the model of ``checkpoint.init_from``)."""
+def read_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Read a YAML config (or the built-in default when ``path`` is None), apply overrides and the registered
+    completers; checks values only (:func:`check_values`). :func:`load_config` adds the registered checks."""
     tree: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -145,7 +154,28 @@ def read_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     for text in overrides:
         keys, value = parse_override(text)
         set_path(tree, keys, value)
-    return config_from_tree(complete(tree) if complete is not None else tree)
+    for completer in _COMPLETERS:
+        tree = completer(tree)
+    return config_from_tree(tree)
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Read a YAML config (or the built-in default when ``path`` is None), apply overrides, validate."""
+    config = read_config(path, overrides)
+    validate(config)
+    return config
+
+
+def load_config_from_cli(config: str | None, overrides: typing.Sequence[str]) -> Config:
+    """CLI form: ``[CONFIG] [overrides...]`` where a first argument containing '=' is an override."""
+    return load_config(*split_cli_arguments(config, overrides))
+
+
+def config_from_dict(tree: dict[str, Any]) -> Config:
+    """A validated :class:`Config` from nested mappings (e.g. the config a checkpoint saved)."""
+    config = config_from_tree(tree)
+    validate(config)
+    return config
 
 
 def split_cli_arguments(config: str | None, overrides: typing.Sequence[str]) -> tuple[str | None, list[str]]:

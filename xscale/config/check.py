@@ -1,6 +1,10 @@
-"""The values a :class:`xscale.config.Config` may take: the choices and ranges of every field, checked before
-anything is built (:func:`check_values`, called by :mod:`xscale.validate`); each refusal names the field and what to
-set instead. Component names are checked against the registries in :mod:`xscale.validate`.
+"""Checks of a :class:`~xscale.config.schema.Config` before anything is built: the choices and ranges of every
+field (:func:`check_values`), cross-section rules that need nothing else, and the checks other layers register
+(:func:`register_check`: the zoo's component names and options, the data objectives, the loggers). Each refusal
+names the field and what to set instead.
+
+Layers above ``config`` contribute their checks by registering them when they are imported, so this package imports
+nothing of xscale's but itself; :func:`validate` runs them all, in registration order.
 """
 
 from __future__ import annotations
@@ -11,7 +15,70 @@ import math
 import typing
 from typing import Any
 
-from xscale.config import SOURCE_KINDS, Config, ConfigError, TrainConfig
+from xscale.config.schema import (
+    CHOICES,
+    CLASSIFICATION_DATASETS,
+    SOURCE_KINDS,
+    Config,
+    ConfigError,
+    TrainConfig,
+    resolve_objective,
+)
+
+Check = typing.Callable[[Config], None]
+# provider (the registering package, e.g. "xscale.models") -> its checks, in registration order
+_CHECKS: dict[str, list[Check]] = {}
+
+
+def register_check(provider: str, check: Check) -> Check:
+    """Add ``check`` to what :func:`validate` runs; ``provider`` names the registering package (listed by
+    :func:`check_providers`). Registering the same function twice is a no-op."""
+    checks = _CHECKS.setdefault(provider, [])
+    if check not in checks:
+        checks.append(check)
+    return check
+
+
+def check_providers() -> list[str]:
+    """The packages whose checks :func:`validate` runs (those imported so far)."""
+    return list(_CHECKS)
+
+
+def validate(config: Config) -> None:
+    """Refuse configurations that cannot run: values (:func:`check_values`), then every registered check."""
+    check_values(config)
+    check_sparse_attention(config)
+    check_compiled_layout(config)
+    for checks in _CHECKS.values():
+        for check in checks:
+            check(config)
+
+
+def check_sparse_attention(config: Config) -> None:
+    """train.sparse_attention=flex compiles its own FlexAttention kernel; inside blocks that train.compile traces,
+    the BlockMask would be built during tracing, a path not yet run on a GPU: one of the two until it is."""
+    if config.train.sparse_attention == "flex" and config.train.compile:
+        raise ConfigError("train.sparse_attention=flex with train.compile=true is not supported yet (the compiled "
+                          "blocks would trace FlexAttention's BlockMask construction): set train.compile=false, or "
+                          "train.sparse_attention=gather")
+
+
+def check_compiled_layout(config: Config) -> None:
+    """train.compile where torch 2.13's compiler fails under tensor parallelism (both compile in one process, under
+    dp_shard and pp): an encoder-decoder, whose first decoder block's trace recursed without end in AOTAutograd
+    (RecursionError, also with a recursion limit of 20,000), and Transformer-XL's segment memory, whose backward
+    through the remembered states' concatenation failed to trace ("unhashable type: non-nested SymInt")."""
+    if not config.train.compile or config.parallel.tp <= 1:
+        return
+    if config.model.family == "encoder_decoder":
+        what = "an encoder-decoder (torch's compiler recurses without end tracing the decoder's cross-attention)"
+    elif config.model.segment_memory:
+        what = "model.segment_memory (torch's compiler fails to trace the remembered states' concatenation)"
+    else:
+        return
+    raise ConfigError(f"train.compile=true with {what} under parallel.tp>1 is not supported: set "
+                      "train.compile=false, or keep parallel.tp=1 (dp_shard, dp_replicate and pp compile)")
+
 
 # --------------------------------------------------------------------------- building from dicts
 
@@ -21,37 +88,6 @@ def closest(name: str, choices: typing.Iterable[str]) -> str:
 
 
 # --------------------------------------------------------------------------- validation
-
-CHOICES = {
-    "model.family": ("decoder", "encoder", "encoder_decoder"),
-    "model.norm_placement": ("pre", "post", "sandwich", "rezero", "deepnorm"),
-    "model.pooling": ("cls", "mean", "max"),
-    "model.input": ("tokens", "patches"),
-    "train.task": ("lm", "classify"),
-    "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"),
-    "parallel.activation_checkpointing": ("none", "full", "selective"),
-    "parallel.backend": ("auto", "gloo", "nccl"),
-    "train.objective": ("auto", "clm", "mlm", "span", "bart"),
-    "train.schedule": ("cosine", "linear", "constant", "wsd"),
-    "train.decay_shape": ("linear", "cosine", "sqrt"),
-    "train.loggers": ("tensorboard", "jsonl", "csv", "wandb"),  # a list: each item one of these
-    "train.precision": ("fp32", "bf16"),
-    "train.kernels": ("auto", "triton", "apex", "torch"),
-    "train.sdpa_backend": ("auto", "flash", "efficient", "cudnn", "math"),
-    "train.sparse_attention": ("gather", "flex"),
-    "train.optimizer_foreach": ("auto", True, False),
-    "train.on_nonfinite": ("stop", "skip"),
-    "checkpoint.verify": ("full", "size", "none"),
-    "model.moe.drop_policy": ("probs", "position"),
-    "model.moe.router_dtype": ("float32", "bfloat16", "float16", "float64"),
-    "model.moe.second_expert_policy": ("sampling", "all"),
-    "data.order": ("shuffled", "streams"),
-    "model.compression": ("conv", "mean"),
-    "data.dataset": ("stdlib_text", "text", "indexed", "copy", "assoc_recall", "listops", "labeled",
-                     "lra_listops", "lra_retrieval", "lra_pathfinder", "images_shapes"),
-}
-CLASSIFICATION_DATASETS = ("labeled", "lra_listops", "lra_retrieval", "lra_pathfinder", "images_shapes")
-
 
 def _value(config: Config, dotted: str) -> Any:
     node: Any = config
@@ -76,15 +112,9 @@ def _check_choice(config: Config, dotted: str) -> None:
         raise ConfigError(f"{dotted}='{value}' is not one of {', '.join(names)}{closest(str(value), names)}")
 
 
-def resolve_objective(config: Config) -> str:
-    if config.train.objective != "auto":
-        return config.train.objective
-    return {"decoder": "clm", "encoder": "mlm", "encoder_decoder": "span"}[config.model.family]
-
-
 def check_values(config: Config) -> None:
     """Refuse values that cannot run (choices, ranges, family vs objective); the checks that need the component
-    registries live in :mod:`xscale.validate`."""
+    registries are registered by the layers that own them (:func:`register_check`)."""
     _check_filled(config)
     for dotted in CHOICES:
         _check_choice(config, dotted)

@@ -1,7 +1,7 @@
 """Typed run configuration: model, parallel layout, training, data, checkpoint, launch.
 
 A run is described by one YAML file plus dotted command-line overrides
-(``train.steps=50 model.norm=rmsnorm``), read by :mod:`xscale.config_loading`. Everything is validated before any
+(``train.steps=50 model.norm=rmsnorm``), read by :mod:`xscale.config.load`. Everything is validated before any
 process group, model or dataset exists: an unknown key names the closest valid
 key, a wrong type or an impossible value says what to change.
 """
@@ -129,6 +129,11 @@ class ModelConfig:
     @property
     def decoder_layers(self) -> int:
         return self.n_decoder_layers if self.n_decoder_layers is not None else self.n_layers
+
+    @property
+    def total_layers(self) -> int:
+        """Blocks a pipeline cuts: the encoder's (or the one stack's), then the decoder's of an encoder-decoder."""
+        return self.n_layers + (self.decoder_layers if self.family == "encoder_decoder" else 0)
 
 
 @dataclass
@@ -291,3 +296,41 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# The values a field may take (checked by :func:`xscale.config.check.check_values`).
+CHOICES = {
+    "model.family": ("decoder", "encoder", "encoder_decoder"),
+    "model.norm_placement": ("pre", "post", "sandwich", "rezero", "deepnorm"),
+    "model.pooling": ("cls", "mean", "max"),
+    "model.input": ("tokens", "patches"),
+    "train.task": ("lm", "classify"),
+    "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"),
+    "parallel.activation_checkpointing": ("none", "full", "selective"),
+    "parallel.backend": ("auto", "gloo", "nccl"),
+    "train.objective": ("auto", "clm", "mlm", "span", "bart"),
+    "train.schedule": ("cosine", "linear", "constant", "wsd"),
+    "train.decay_shape": ("linear", "cosine", "sqrt"),
+    "train.loggers": ("tensorboard", "jsonl", "csv", "wandb"),  # a list: each item one of these
+    "train.precision": ("fp32", "bf16"),
+    "train.kernels": ("auto", "triton", "apex", "torch"),
+    "train.sdpa_backend": ("auto", "flash", "efficient", "cudnn", "math"),
+    "train.sparse_attention": ("gather", "flex"),
+    "train.optimizer_foreach": ("auto", True, False),
+    "train.on_nonfinite": ("stop", "skip"),
+    "checkpoint.verify": ("full", "size", "none"),
+    "model.moe.drop_policy": ("probs", "position"),
+    "model.moe.router_dtype": ("float32", "bfloat16", "float16", "float64"),
+    "model.moe.second_expert_policy": ("sampling", "all"),
+    "data.order": ("shuffled", "streams"),
+    "model.compression": ("conv", "mean"),
+    "data.dataset": ("stdlib_text", "text", "indexed", "copy", "assoc_recall", "listops", "labeled",
+                     "lra_listops", "lra_retrieval", "lra_pathfinder", "images_shapes"),
+}
+CLASSIFICATION_DATASETS = ("labeled", "lra_listops", "lra_retrieval", "lra_pathfinder", "images_shapes")
+
+
+def resolve_objective(config: Config) -> str:
+    if config.train.objective != "auto":
+        return config.train.objective
+    return {"decoder": "clm", "encoder": "mlm", "encoder_decoder": "span"}[config.model.family]

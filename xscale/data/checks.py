@@ -1,0 +1,61 @@
+"""The data layer's checks of a config, registered with :mod:`xscale.config.check` when :mod:`xscale.data` is
+imported: padding under classification, BART's options, and span corruption's lengths under context parallelism."""
+
+from __future__ import annotations
+
+from xscale.config.check import register_check
+from xscale.config.schema import Config, ConfigError, resolve_objective
+from xscale.data.lra import PAD_AS_CONTENT
+from xscale.models.objectives import check_bart_config, span_corruption_lengths
+from xscale.models.registry import REGISTRIES
+
+TEXT_DATASETS = ("stdlib_text", "text", "indexed")
+
+
+def check_padding_masks(config: Config) -> None:
+    """train.task=classify pads variable-length examples: every attention kind must take a key-padding mask
+    (unless a generated task reads its pads as content: ``data.options.pad_as_content``)."""
+    if config.train.task != "classify":
+        return
+    if config.data.dataset.startswith("lra_") and config.data.options.get(PAD_AS_CONTENT) is True:
+        return
+    attention = REGISTRIES["attention"]
+    able = [name for name in attention.names() if attention.get(name).takes_padding_mask]
+    for kind in dict.fromkeys(config.model.attention.per_layer or [config.model.attention.kind]):
+        if kind in attention and not attention.get(kind).takes_padding_mask:
+            raise ConfigError(f"attention '{kind}' takes no key-padding mask, so it would attend to the padding of "
+                              f"train.task=classify's variable-length examples; use one that does: {', '.join(able)} (or, for "
+                              f"the generated lra_* tasks, data.options.{PAD_AS_CONTENT}=true)")
+
+
+def check_context_parallel_lengths(config: Config) -> None:
+    """Context parallelism cuts each stack's sequences into cp (2cp) chunks: span corruption of text windows gives
+    an encoder-decoder shorter encoder inputs and decoder targets than train.seq_len, and both must split."""
+    parallel = config.parallel
+    if parallel.cp <= 1 or config.model.family != "encoder_decoder" or config.data.dataset not in TEXT_DATASETS \
+            or resolve_objective(config) != "span":
+        return
+    chunks = 2 * parallel.cp if parallel.cp_load_balance else parallel.cp
+    options = config.data.options
+    density = float(options.get("noise_density", 0.15))
+    mean_span = float(options.get("mean_span_length", 3.0))
+
+    def split(seq_len: int) -> bool:
+        lengths = (seq_len, *span_corruption_lengths(seq_len, density, mean_span))
+        return all(length % chunks == 0 for length in lengths)
+
+    if split(config.train.seq_len):
+        return
+    encoder, decoder = span_corruption_lengths(config.train.seq_len, density, mean_span)
+    nearby = [n for n in range(max(chunks, config.train.seq_len - 32 * chunks), config.train.seq_len + 32 * chunks)
+              if split(n)]
+    nearest = sorted(nearby, key=lambda n: (n > config.model.max_seq_len, abs(n - config.train.seq_len), n))[:3]
+    hint = f"use train.seq_len={' or '.join(map(str, nearest))}" if nearest else "change data.options.noise_density"
+    raise ConfigError(f"parallel.cp={parallel.cp} cuts every sequence into {chunks} chunks, but span corruption of "
+                      f"train.seq_len={config.train.seq_len} windows gives {encoder} encoder and {decoder} decoder "
+                      f"tokens: {hint}")
+
+
+register_check("xscale.data", check_padding_masks)
+register_check("xscale.data", check_bart_config)
+register_check("xscale.data", check_context_parallel_lengths)

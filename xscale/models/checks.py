@@ -1,0 +1,55 @@
+"""The zoo's checks of a config, registered with :mod:`xscale.config.check` when the zoo is imported: every
+component name is looked up in its registry (naming the closest and every available one), and each variant's
+options are checked by the variant."""
+
+from __future__ import annotations
+
+from xscale.config.check import closest, register_check
+from xscale.config.schema import Config, ConfigError
+from xscale.models.act import check_act_config
+from xscale.models.early_exit import check_early_exit_config
+from xscale.models.funnel import check_funnel_config
+from xscale.models.moe import check_moe_config
+from xscale.models.patch_embedding import check_patch_config
+from xscale.models.registry import REGISTRIES
+from xscale.models.reversible import check_reversible_config
+from xscale.models.segment_memory import check_segment_memory_config
+
+
+def check_registered(kind: str, name: str, where: str) -> None:
+    """Refuse a component name that no module registered, naming the closest and every available one."""
+    registry = REGISTRIES[kind]
+    if name not in registry:
+        raise ConfigError(
+            f"{where}='{name}' is not a known {kind}{closest(name, registry.names())}; "
+            f"available: {', '.join(registry.names())}"
+        )
+
+
+def check_component_names(config: Config) -> None:
+    """Every component the model section names is registered (a router typo is refused even while MoE is off)."""
+    model = config.model
+    check_registered("position", model.position, "model.position")
+    check_registered("norm", model.norm, "model.norm")
+    check_registered("ffn", model.ffn, "model.ffn")
+    for kind in dict.fromkeys(model.attention.per_layer or [model.attention.kind]):
+        where = "model.attention.per_layer" if model.attention.per_layer else "model.attention.kind"
+        check_registered("attention", kind, where)
+    check_registered("router", model.moe.router, "model.moe.router")
+
+
+def check_variants(config: Config) -> None:
+    """Each variant's own option checks (MoE, stacks, patches, early exit, segment memory)."""
+    model = config.model
+    if model.moe.num_experts:
+        check_moe_config(model, config.parallel.ep)
+    check_reversible_config(model)
+    check_act_config(model)
+    check_patch_config(config)
+    check_funnel_config(model)
+    check_early_exit_config(model, config.train.task)
+    check_segment_memory_config(config)
+
+
+register_check("xscale.models", check_component_names)
+register_check("xscale.models", check_variants)
