@@ -32,5 +32,6 @@ else:
 # commands import them all, and so does every test session, so ``xscale.config.load_config`` runs every check.
 import xscale.data  # noqa: E402, F401
 import xscale.interop.hf.families  # noqa: E402, F401
+import xscale.interop.hf.load  # noqa: E402, F401
 import xscale.models  # noqa: E402, F401
 import xscale.train.loggers  # noqa: E402, F401

@@ -7,12 +7,12 @@ import json
 import pytest
 
 from tests.data.conftest import lines
+from xscale.checkpoint.checkpointer import Checkpointer, CheckpointError
 from xscale.config.load import load_config
 from xscale.data.hf_tokenizer import HFTokenizer
 from xscale.data.load_tokenizer import load_tokenizer, tokenizer_from_checkpoint, tokenizer_kind
 from xscale.data.sentencepiece_tokenizer import SentencePieceTokenizer
 from xscale.data.tiktoken_tokenizer import TiktokenTokenizer
-from xscale.train.checkpoint import Checkpointer, CheckpointError
 from xscale.train.trainer import Trainer
 
 TINY = ["model.vocab_size=96", "model.d_model=16", "model.n_layers=1", "model.n_heads=2", "train.global_batch_size=4",

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from xscale.checkpoint.checkpointer import CheckpointError, check_fingerprint
 from xscale.config.schema import ModelConfig
 from xscale.models import build_model
 from xscale.models.norm import ScaleNorm
 from xscale.tools.parity import run_local
-from xscale.train.checkpoint import CheckpointError, check_fingerprint
 
 
 def _fully_shard_scalenorm_model() -> list[float]:

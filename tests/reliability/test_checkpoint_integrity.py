@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import xscale.train.checkpoint as checkpoint_module
+import xscale.checkpoint.checkpointer as checkpoint_module
+from xscale.checkpoint.checkpointer import Checkpointer, CheckpointError
 from xscale.config.load import load_config
 from xscale.tools.export import export_safetensors
-from xscale.train.checkpoint import Checkpointer, CheckpointError
 from xscale.train.trainer import Trainer
 
 TINY = [

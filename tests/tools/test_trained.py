@@ -7,10 +7,10 @@ import shutil
 import pytest
 import torch
 
+from xscale.checkpoint.checkpointer import CheckpointError
 from xscale.config.schema import ConfigError
 from xscale.data.fixed_vocab import FixedVocab
 from xscale.tools.trained import load_tokenizer, load_trained_model, tokenizer_path
-from xscale.train.checkpoint import CheckpointError
 
 
 def test_step_dir_root_and_run_dir_load_the_same_weights(trained_run):

@@ -9,11 +9,11 @@ import json
 
 import pytest
 
+from xscale.checkpoint.checkpointer import Checkpointer
 from xscale.cli import main
 from xscale.config.load import load_config
 from xscale.config.schema import ConfigError, TrainConfig
 from xscale.train import loggers
-from xscale.train.checkpoint import Checkpointer
 from xscale.train.loggers import CsvLogger, build_loggers
 from xscale.train.trainer import Trainer
 

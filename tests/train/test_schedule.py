@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from xscale.checkpoint.checkpointer import Checkpointer
 from xscale.config.load import load_config
 from xscale.config.schema import ConfigError, TrainConfig
-from xscale.train.checkpoint import Checkpointer
 from xscale.train.schedule import lr_factor, saved_schedule, schedule_change, schedule_parameters
 from xscale.train.trainer import Trainer
 

@@ -6,8 +6,8 @@ import shutil
 import pytest
 import torch
 
+from xscale.checkpoint.checkpointer import Checkpointer, CheckpointError
 from xscale.config.load import load_config
-from xscale.train.checkpoint import Checkpointer, CheckpointError
 from xscale.train.trainer import Trainer
 
 TINY = [

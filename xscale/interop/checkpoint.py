@@ -14,14 +14,13 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+from xscale.checkpoint.checkpointer import Checkpointer
+from xscale.checkpoint.init_sources import WEIGHTS_ONLY
 from xscale.config.check import validate
 from xscale.config.schema import Config, ModelConfig
 from xscale.interop.hf.save import TOKENIZER_FILES, TOKENIZER_FOLDER
 from xscale.models import build_model
 from xscale.models.parameters import count_parameters
-from xscale.train.checkpoint import Checkpointer
-
-WEIGHTS_ONLY = "weights_only"
 
 
 def run_config(model: ModelConfig) -> Config:

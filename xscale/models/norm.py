@@ -41,7 +41,7 @@ class ScaleNorm(nn.Module):
 
     g is held as a tensor of shape [1], not 0-d: FSDP2 (ZeRO-3) refuses 0-d parameters. A state dict with the
     0-d gain of earlier versions still loads through ``load_state_dict``; checkpoints are refused with a message
-    (:func:`xscale.train.checkpoint.check_fingerprint`).
+    (:func:`xscale.checkpoint.checkpointer.check_fingerprint`).
     """
 
     def __init__(self, dim: int, eps: float = 1e-5) -> None:

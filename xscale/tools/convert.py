@@ -13,6 +13,7 @@ import argparse
 import sys
 from typing import Any
 
+from xscale.checkpoint.checkpointer import CheckpointError
 from xscale.command_parser import CommandParser
 from xscale.config.load import parse_override, set_path
 from xscale.config.schema import ConfigError
@@ -20,7 +21,6 @@ from xscale.interop.checkpoint import copy_hf_tokenizer, write_weights_checkpoin
 from xscale.interop.exported import exported_model_config, exported_state_dict
 from xscale.interop.hf.load import fill_from_hf, hf_model_config
 from xscale.interop.hf.rules import InteropError
-from xscale.train.checkpoint import CheckpointError
 
 
 def _model_overrides(texts: list[str]) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Dataset
 
+from xscale.checkpoint.checkpointer import CheckpointError
 from xscale.command_parser import CommandParser
 from xscale.config.schema import Config, ConfigError
 from xscale.data import TEXT_DATASETS, BlendedDataset, PackedTextDataset, build_datasets, collate
@@ -33,7 +34,6 @@ from xscale.parallel.loss import model_inputs
 from xscale.parallel.model import ParallelModel
 from xscale.runtime import StepContext
 from xscale.tools.trained import TrainedModel, load_trained_model, tokenizer_path
-from xscale.train.checkpoint import CheckpointError
 from xscale.train.recurrence import stream_evaluation
 from xscale.train.step import evaluation_loss, evaluation_predictions, exit_path_refusal
 

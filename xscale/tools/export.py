@@ -15,6 +15,13 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from xscale.checkpoint.checkpointer import (
+    Checkpointer,
+    CheckpointError,
+    check_fingerprint,
+    load_state,
+    shape_fingerprint,
+)
 from xscale.command_parser import CommandParser
 from xscale.config.load import config_from_dict
 from xscale.config.schema import ConfigError
@@ -22,13 +29,6 @@ from xscale.interop.exported import MODEL_METADATA
 from xscale.interop.hf.rules import InteropError
 from xscale.interop.hf.save import DEFAULT_SHARD_BYTES, export_hf
 from xscale.models import build_model
-from xscale.train.checkpoint import (
-    Checkpointer,
-    CheckpointError,
-    check_fingerprint,
-    load_state,
-    shape_fingerprint,
-)
 
 
 def resolve_checkpoint(path: Path) -> Path:

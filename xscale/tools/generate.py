@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from xscale.checkpoint.checkpointer import CheckpointError
 from xscale.command_parser import CommandParser
 from xscale.config.schema import ConfigError
 from xscale.data.fixed_vocab import FixedVocab
@@ -22,7 +23,6 @@ from xscale.data.tokenizer import Tokenizer
 from xscale.generation import Sampling, generate
 from xscale.generation.decode import check_decoder
 from xscale.tools.trained import TrainedModel, load_tokenizer, load_trained_model
-from xscale.train.checkpoint import CheckpointError
 
 
 def _parser() -> CommandParser:

@@ -17,6 +17,13 @@ from pathlib import Path
 
 import torch
 
+from xscale.checkpoint.checkpointer import (
+    Checkpointer,
+    CheckpointError,
+    check_fingerprint,
+    load_state,
+    shape_fingerprint,
+)
 from xscale.config.load import config_from_dict, parse_override, set_path
 from xscale.config.schema import Config, ConfigError
 from xscale.data import TASKS, trained_tokenizer_name
@@ -25,13 +32,6 @@ from xscale.data.load_tokenizer import load_tokenizer as load_tokenizer_file
 from xscale.data.tokenizer import Tokenizer
 from xscale.models import Transformer, build_model
 from xscale.tools.export import resolve_checkpoint
-from xscale.train.checkpoint import (
-    Checkpointer,
-    CheckpointError,
-    check_fingerprint,
-    load_state,
-    shape_fingerprint,
-)
 
 
 @dataclass

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import sys
 
+from xscale.checkpoint.checkpointer import CheckpointError
 from xscale.command_parser import CommandParser
 from xscale.config.load import config_to_yaml, load_config_from_cli
 from xscale.config.schema import ConfigError
 from xscale.launcher.env import close_distributed
-from xscale.train.checkpoint import CheckpointError
 from xscale.train.run_lock import RunLocked
 from xscale.train.trainer import NonFiniteTraining, Trainer
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from xscale.checkpoint.integrity import CheckpointError
 from xscale.models.segment_memory import COMPRESSED, memory_name
-from xscale.train.integrity import CheckpointError
 
 NAME = re.compile(rf"^\((\d+), (\d+)\)({re.escape(COMPRESSED)})?$")  # memory_name's text
 Part = tuple[int, bool]  # (layer, compressed): one memory of one layer, over every stream

@@ -16,12 +16,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from xscale.checkpoint.checkpointer import CheckpointError, load_per_rank, per_rank_file
 from xscale.config.schema import Config, ConfigError
 from xscale.data import GlobalSampler, PackedTextDataset, StreamSampler
 from xscale.models.segment_memory import SegmentMemory
 from xscale.parallel.model import Batch, ParallelModel
 from xscale.runtime import StepContext
-from xscale.train.checkpoint import CheckpointError, load_per_rank, per_rank_file
 from xscale.train.memory_reshard import MemoryRows, StreamMemory
 from xscale.train.step import evaluation_loss
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from xscale.checkpoint.checkpointer import Checkpointer, CheckpointError
+from xscale.checkpoint.init_sources import WEIGHTS_ONLY, fill_from_source, init_source_prefix
 from xscale.config.schema import Config, ConfigError
 from xscale.data import (
     GlobalSampler,
@@ -30,9 +32,6 @@ from xscale.data.labeled import LABELS_META_KEY
 from xscale.data.load_tokenizer import META_KEY as TOKENIZER_META_KEY
 from xscale.data.load_tokenizer import checkpoint_tokenizer_name
 from xscale.data.prefetch import Prefetcher
-from xscale.interop.checkpoint import WEIGHTS_ONLY
-from xscale.interop.hf.load import fill_from_hf
-from xscale.interop.hf.rules import InteropError
 from xscale.launcher.cpu_allocator import keep_freed_memory
 from xscale.launcher.env import detect_world, init_distributed, local_device
 from xscale.launcher.parent_death import exit_with_launcher
@@ -47,7 +46,6 @@ from xscale.parallel.parallelize import parallelize
 from xscale.runtime import StepContext
 from xscale.runtime.hooks import ReportsLayerMetrics
 from xscale.train.bf16_support import bf16_warning
-from xscale.train.checkpoint import Checkpointer, CheckpointError
 from xscale.train.memory_reshard import MemoryRows
 from xscale.train.metrics import MetricsLogger, flops_per_token, peak_memory_bytes
 from xscale.train.peak_flops import peak_flops
@@ -254,15 +252,13 @@ class Trainer:
 
     def initialize_from(self) -> None:
         """checkpoint.init_from=hf:DIR: copy a Hugging Face model's weights into this rank's part of the model (each
-        tensor converted whole, then sliced to the rank's shard), through the state dict a checkpoint loads into."""
+        tensor converted whole, then sliced to the rank's shard), through the state dict a checkpoint loads into
+        (the source is registered by its layer: :mod:`xscale.checkpoint.init_sources`)."""
         source = self.config.checkpoint.init_from
-        if not source.startswith("hf:"):
+        if init_source_prefix(source) is None:
             return
         state = self.state()
-        try:
-            fill_from_hf(state["model"], source[3:], self.config.model)
-        except InteropError as error:
-            raise CheckpointError(f"checkpoint.init_from={source}: {error}") from error
+        fill_from_source(source, state["model"], self.config.model)
         self.model.load_state_dict(state, self.optimizer)
         self.parent = source
         self._announce(f"initialised from {source}")

@@ -15,6 +15,8 @@ import torch
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from xscale.checkpoint.init_sources import register_init_source
+from xscale.checkpoint.integrity import CheckpointError
 from xscale.config.load import from_dict
 from xscale.config.schema import ConfigError, ModelConfig
 from xscale.interop.hf.families import family_of, laid_over, model_fields, read_hf_config
@@ -119,3 +121,15 @@ def fill_from_hf(state: dict[str, torch.Tensor], directory: str | Path, model: M
     if missing:
         raise InteropError(f"the Hugging Face weights give no value for {', '.join(sorted(missing)[:5])}; the "
                            f"{family.model_type} map covers only the model config.json describes")
+
+
+def fill_init_source(state: dict[str, torch.Tensor], directory: str, model: ModelConfig) -> None:
+    """``checkpoint.init_from=hf:DIR`` (:mod:`xscale.checkpoint.init_sources`): :func:`fill_from_hf`, its errors
+    as a checkpoint error that names the setting."""
+    try:
+        fill_from_hf(state, directory, model)
+    except InteropError as error:
+        raise CheckpointError(f"checkpoint.init_from=hf:{directory}: {error}") from error
+
+
+register_init_source("hf", fill_init_source)

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from xscale.checkpoint.checkpointer import Checkpointer, check_fingerprint, load_state, shape_fingerprint
+from xscale.checkpoint.integrity import read_metadata_safely
 from xscale.config.load import config_from_dict
 from xscale.config.schema import Config
 from xscale.data.load_tokenizer import META_KEY as TOKENIZER_META_KEY
@@ -24,8 +26,6 @@ from xscale.interop.hf.families import exportable_family
 from xscale.interop.hf.load import INDEX, SINGLE
 from xscale.interop.hf.rules import Family, Rule
 from xscale.models import build_model
-from xscale.train.checkpoint import Checkpointer, check_fingerprint, load_state, shape_fingerprint
-from xscale.train.integrity import read_metadata_safely
 
 DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' save_pretrained default (5 GB)
 # Files a Hugging Face tokenizer is saved as (AutoTokenizer.save_pretrained), copied as they are.

@@ -6,7 +6,7 @@ Layout of ``<dir>``::
     latest                  text file naming the newest complete step directory
 
 A save checks the free space first, writes into ``.tmp-step_N`` and is renamed into place only after every rank
-finished and meta.json (with the size and SHA-256 of every file, :mod:`~xscale.train.integrity`) is written;
+finished and meta.json (with the size and SHA-256 of every file, :mod:`~xscale.checkpoint.integrity`) is written;
 ``latest`` is replaced atomically afterwards. A crash mid-save therefore leaves the previous checkpoint and
 ``latest`` untouched, and the next start removes the partial ``.tmp-*`` directory. On load, the files are checked
 against meta.json (``checkpoint.verify``: full = SHA-256, size, none), the model's parameter shapes against the
@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from xscale.train.integrity import (
+from xscale.checkpoint.integrity import (
     VERIFY_CHOICES,
     CheckpointError,
     SafeFileSystemReader,
