@@ -7,10 +7,10 @@ import torch
 
 from xscale.config.load import load_config_from_cli
 from xscale.config.schema import Config, ConfigError, ModelConfig
+from xscale.estimate.measure import ActivationPeakTracker
 from xscale.models import build_model
 from xscale.models.transformer import Stack
 from xscale.runtime import StepContext
-from xscale.tools.measure import ActivationPeakTracker
 
 SMALL = dict(vocab_size=64, d_model=16, n_layers=3, n_heads=2, max_seq_len=16, dropout=0.1, attention_dropout=0.1,
              reversible=True)

@@ -268,7 +268,7 @@ def test_refusals_say_what_to_change(overrides, world, message):
 
 
 def test_layout_world_size_and_inspect_report():
-    from xscale.parallel.memory import predicted_state_bytes
+    from xscale.estimate.memory import predicted_state_bytes
     from xscale.tools.inspect import layout_report
 
     config = load_config(None, [*DECODER, "parallel.cp=2", "parallel.cp_load_balance=true", "parallel.zero_stage=3"])

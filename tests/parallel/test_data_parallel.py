@@ -6,9 +6,9 @@ import pytest
 from parity_models import DECODER, DROPOUT, ENCODER, assert_parity
 
 from xscale.config.load import load_config
+from xscale.estimate.memory import predicted_pipeline_state_bytes, predicted_state_bytes
 from xscale.parallel.checks import resolve_dims
 from xscale.parallel.dims import rank_coordinates
-from xscale.parallel.memory import predicted_pipeline_state_bytes, predicted_state_bytes
 from xscale.tools.parity import run_local
 
 
@@ -54,7 +54,7 @@ MEMORY = ["model.vocab_size=256", "model.d_model=64", "model.n_layers=2", "model
 
 
 def _measure(config):
-    from xscale.parallel.memory import measured_state_bytes
+    from xscale.estimate.memory import measured_state_bytes
     from xscale.train.step import forward_backward_step
     from xscale.train.trainer import Trainer
 

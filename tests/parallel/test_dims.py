@@ -6,13 +6,13 @@ import pytest
 
 from xscale.config.load import load_config
 from xscale.config.schema import ConfigError
-from xscale.parallel.checks import resolve_dims
-from xscale.parallel.dims import rank_coordinates
-from xscale.parallel.memory import (
+from xscale.estimate.memory import (
     pipeline_rank_parameters,
     predicted_pipeline_state_bytes,
     predicted_state_bytes,
 )
+from xscale.parallel.checks import resolve_dims
+from xscale.parallel.dims import rank_coordinates
 from xscale.tools.inspect import main as inspect_main
 
 BASE = ["model.vocab_size=64", "model.d_model=32", "model.n_layers=4", "model.n_heads=4", "train.global_batch_size=8",

@@ -20,12 +20,12 @@ from tests.parallel.test_resharding import GLOBAL_BATCH, SAMPLES, check_reshardi
 from tests.parallel.test_resharding import STEPS as RESHARD_STEPS
 from xscale.config.load import load_config
 from xscale.data import GlobalSampler
+from xscale.estimate.memory import predicted_state_bytes
 from xscale.models import build_model
 from xscale.models.moe import moe_layers
 from xscale.models.parameters import count_parameters
 from xscale.parallel.checks import resolve_dims
 from xscale.parallel.loss import model_loss_sum
-from xscale.parallel.memory import predicted_state_bytes
 from xscale.parallel.model import ParallelModel
 from xscale.runtime import StepContext
 from xscale.tools.parity import (
@@ -186,7 +186,7 @@ def test_auxiliary_losses_are_the_mean_over_microbatches():
 # ---------------------------------------------------------------------------------------------------- memory
 
 def _measure_state_bytes(config) -> dict:
-    from xscale.parallel.memory import measured_state_bytes
+    from xscale.estimate.memory import measured_state_bytes
     from xscale.train.trainer import Trainer
 
     trainer = Trainer(config)

@@ -12,8 +12,9 @@ import pytest
 
 from xscale.cli import main
 from xscale.config.load import load_config
+from xscale.estimate.measure import measured_activation_bytes, per_layer_and_head, rank_memory
 from xscale.tools.inspect import activation_bytes
-from xscale.tools.measure import measured_activation_bytes, per_layer_and_head, rank_memory
+from xscale.train.step import TRAINING_STEP
 
 TINY = ["model.vocab_size=64", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "train.seq_len=32",
         "train.global_batch_size=4"]
@@ -24,27 +25,27 @@ def _tiny(*overrides: str):
 
 
 def test_measured_activations_grow_with_batch_and_length_and_shrink_with_recomputation():
-    base = measured_activation_bytes(_tiny(), 2)
-    assert measured_activation_bytes(_tiny(), 4) > 1.5 * base
-    assert measured_activation_bytes(_tiny("train.seq_len=64"), 2) > 1.5 * base
-    assert measured_activation_bytes(_tiny("parallel.activation_checkpointing=full"), 2) < 0.8 * base
+    base = measured_activation_bytes(_tiny(), 2, TRAINING_STEP)
+    assert measured_activation_bytes(_tiny(), 4, TRAINING_STEP) > 1.5 * base
+    assert measured_activation_bytes(_tiny("train.seq_len=64"), 2, TRAINING_STEP) > 1.5 * base
+    assert measured_activation_bytes(_tiny("parallel.activation_checkpointing=full"), 2, TRAINING_STEP) < 0.8 * base
 
 
 def test_sequence_parallel_ranks_hold_less_activation_than_one_device():
-    one = rank_memory(_tiny(), 1)[0]
-    tensor_parallel = rank_memory(_tiny("parallel.tp=2", "parallel.sequence_parallel=true"), 2)[0]
+    one = rank_memory(_tiny(), 1, TRAINING_STEP)[0]
+    tensor_parallel = rank_memory(_tiny("parallel.tp=2", "parallel.sequence_parallel=true"), 2, TRAINING_STEP)[0]
     # 4 x 32 tokens: the fused loss's (128, 64) fp32 logits give way to 3 fp32 (128, 32) vocabulary shards
     assert tensor_parallel.activations == pytest.approx((one.activations - 4 * 128 * 64) / 2)
     assert tensor_parallel.terms.vocab_parallel_loss == 3 * 4 * 128 * 32
     assert tensor_parallel.peak < one.peak
-    without_sp = rank_memory(_tiny("parallel.tp=2"), 2)[0]  # the replicated norm/residual activations stay whole
+    without_sp = rank_memory(_tiny("parallel.tp=2"), 2, TRAINING_STEP)[0]  # the replicated norm/residual activations stay whole
     assert tensor_parallel.activations < without_sp.activations < one.activations
 
 
 def test_pipeline_first_rank_holds_more_microbatches_in_flight_and_the_last_the_head():
     config = _tiny("model.n_layers=4", "parallel.pp=2")
-    first, last = rank_memory(config, 2)
-    per_layer, head = per_layer_and_head(config, 2)  # 4 sequences over 2 microbatches
+    first, last = rank_memory(config, 2, TRAINING_STEP)
+    per_layer, head = per_layer_and_head(config, 2, TRAINING_STEP)  # 4 sequences over 2 microbatches
     assert per_layer > 0 and head > 0
     assert first.activations == pytest.approx(2 * 2 * per_layer)  # 1F1B: 2 microbatches in flight of 2 blocks
     assert last.activations == pytest.approx(2 * per_layer + head)  # 1 in flight; the head and the loss
@@ -70,14 +71,14 @@ import sys, torch
 from xscale.config.load import load_config
 from xscale.parallel.checks import resolve_dims
 from xscale.parallel.parallelize import parallelize
-from xscale.train.step import forward_backward_step, model_optimizer, optimizer_step
-from xscale.tools.measure import rank_memory
+from xscale.train.step import TRAINING_STEP, forward_backward_step, model_optimizer, optimizer_step
+from xscale.estimate.measure import rank_memory
 
 def status(key):
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
 
 config = load_config("configs/tiny-gpt.yaml", sys.argv[1:])
-predicted = rank_memory(config, 1)[0].peak
+predicted = rank_memory(config, 1, TRAINING_STEP)[0].peak
 torch.set_num_threads(1)
 ids = torch.randint(0, config.model.vocab_size, (config.train.global_batch_size, config.train.seq_len))
 before = status("VmRSS")

@@ -10,7 +10,8 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from xscale.config.schema import TrainConfig
-from xscale.train.optim import build_optimizer, update_mode
+from xscale.ops.optimizer_update import update_mode
+from xscale.train.optim import build_optimizer
 
 
 def _parameters(seed: int = 0) -> list[torch.nn.Parameter]:

@@ -14,6 +14,8 @@ import xscale.models.zoo  # noqa: F401  (registers every component, for --compon
 from xscale.command_parser import CommandParser
 from xscale.config.load import load_config_from_cli
 from xscale.config.schema import CHOICES, Config, ConfigError
+from xscale.estimate.measure import MeasureError, measure_report
+from xscale.estimate.memory import predicted_pipeline_state_bytes, predicted_state_bytes
 from xscale.models.funnel import funnel_decoder_blocks
 from xscale.models.parameters import ModelCount, count_parameters, experts_per_token
 from xscale.models.registry import REGISTRIES
@@ -21,7 +23,6 @@ from xscale.models.transformer import STACK_VARIANTS, stack_variants
 from xscale.parallel.checks import resolve_layout
 from xscale.parallel.context import whole_sequence_kinds
 from xscale.parallel.dims import rank_coordinates
-from xscale.parallel.memory import predicted_pipeline_state_bytes, predicted_state_bytes
 from xscale.parallel.pipeline import SCHEDULES, ideal_bubble, stage_to_rank
 from xscale.parallel.pipeline.cost import pipeline_costs, stage_layers
 from xscale.parallel.pipeline.stages import pipeline_layers
@@ -30,8 +31,8 @@ from xscale.parallel.pipeline.vocabulary import (
     vocabulary_shard,
     vocabulary_stage_count,
 )
-from xscale.tools.measure import MeasureError, measure_report
 from xscale.train.metrics import flops_per_token
+from xscale.train.step import TRAINING_STEP
 
 
 def activation_bytes(config: Config, micro_batch: int) -> float:
@@ -314,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         if world_size > 1:
             text += "\n" + "\n".join(layout_report(config, world_size))
         if args.measure:
-            text += "\n" + "\n".join(measure_report(config, world_size, args.device_memory))
+            text += "\n" + "\n".join(measure_report(config, world_size, TRAINING_STEP, args.device_memory))
     except ConfigError as error:
         print(f"xscale inspect: invalid configuration: {error}", file=sys.stderr)
         return 2

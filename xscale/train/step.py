@@ -16,6 +16,7 @@ from dataclasses import replace
 import torch
 
 from xscale.config.schema import TrainConfig
+from xscale.estimate.measure import StepRunner
 from xscale.models.training_step import begin_training_step
 from xscale.parallel.data.grad_norm import clip_gradients
 from xscale.parallel.loss import model_inputs, model_loss_sum, prediction_counts
@@ -151,3 +152,7 @@ def model_optimizer(model: ParallelModel, train: TrainConfig) -> torch.optim.Opt
 def optimizer_step(model: ParallelModel, optimizer: torch.optim.Optimizer) -> None:
     """Step and zero the gradients (ZeRO: each rank its chunk, then the updated chunks gathered)."""
     model.data_parallel.optimizer_step(optimizer)
+
+
+# The step a memory measurement runs (``xscale inspect --measure``, :mod:`xscale.estimate.measure`).
+TRAINING_STEP = StepRunner(optimizer=model_optimizer, forward_backward=forward_backward_step)

@@ -1,9 +1,9 @@
 """``xscale bench memory``: each rank's predicted peak memory against the measured one, per layout.
 
-Predicted: :func:`xscale.tools.measure.rank_memory` (``xscale inspect --measure``): the model state from the ZeRO
+Predicted: :func:`xscale.estimate.measure.rank_memory` (``xscale inspect --measure``): the model state from the ZeRO
 formulas, activations from a fake-tensor step, ZeRO-3's gathered weights, the optimizer step's temporaries, tensor
 parallelism's vocabulary-parallel loss, the pipeline's receive buffers and the last microbatch's backward with the
-accumulated gradients (:mod:`xscale.parallel.memory`). Measured, in fresh local processes (one per rank) running ``--steps`` real
+accumulated gradients (:mod:`xscale.estimate.memory`). Measured, in fresh local processes (one per rank) running ``--steps`` real
 training steps (and with ``--checkpoint`` a save, then a resume in a new Trainer and one more step):
 
 - on CPU, the peak resident set minus the process baseline. First the rank sets glibc's malloc to give every
@@ -16,7 +16,7 @@ training steps (and with ``--checkpoint`` a save, then a resume in a new Trainer
 - on CUDA, ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` at the same point.
 
 The model state alone is measured right before each optimizer step (the unique bytes of parameters, gradients and
-AdamW moments: :func:`xscale.parallel.memory.measured_state_bytes`) and compared with the formulas; ``largest p``
+AdamW moments: :func:`xscale.estimate.memory.measured_state_bytes`) and compared with the formulas; ``largest p``
 is the largest parameter this rank holds (under ZeRO-3, half the embedding at dp_shard=2: nothing whole).
 """
 
@@ -33,14 +33,15 @@ from xscale.command_parser import CommandParser
 from xscale.config.load import load_config_from_cli
 from xscale.config.schema import Config, ConfigError
 from xscale.data import build_datasets
+from xscale.estimate.measure import MeasureError, rank_memory
+from xscale.estimate.memory import measured_state_bytes
 from xscale.launcher.cpu_allocator import return_freed_memory
 from xscale.launcher.env import init_distributed
 from xscale.parallel.checks import resolve_layout
 from xscale.parallel.data import local_tensor
-from xscale.parallel.memory import measured_state_bytes
-from xscale.tools.measure import MeasureError, rank_memory
 from xscale.tools.parity import PARITY_SETTINGS, run_local, world_size_of
 from xscale.train.optim import build_optimizer
+from xscale.train.step import TRAINING_STEP
 from xscale.train.trainer import Trainer
 
 DEFAULT_LAYOUTS = ("single", "dp_shard=2,zero_stage=1", "dp_shard=2,zero_stage=3", "tp=2,dp_shard=1",
@@ -156,7 +157,7 @@ def measure_layouts(config_path: str | None, overrides: list[str], layouts: list
                                                         f"train.output_dir={Path(scratch) / str(index)}"])
             world_size = world_size_of(config)
             dims, config = resolve_layout(config, world_size)
-            predicted = rank_memory(config, world_size)
+            predicted = rank_memory(config, world_size, TRAINING_STEP)
             ranks = run_local(_measure_rank, world_size, config, steps, checkpoint)
             for rank, measured in enumerate(ranks):
                 pp_rank = rank // (world_size // dims.pp)  # pp is the outermost mesh dimension

@@ -5,8 +5,8 @@ dtypes only: nothing is allocated, no GPU, no cluster) while torch's ``MemTracke
 (``torch.distributed._tools.mem_tracker``) follows every tensor it creates; at the peak of activations plus
 gradients it reads the activations and temporaries (what is neither a parameter, a gradient nor an optimizer state)
 and the share of the gradients that exist. Each distinct rank's share of the activations (Korthikanti et al. 2022,
-sec. 4) goes into its :class:`~xscale.parallel.memory.PeakTerms` with the ZeRO model state, ZeRO-3's gathered
-weights, the live gradients and the optimizer step's temporaries (formulas in :mod:`xscale.parallel.memory`):
+sec. 4) goes into its :class:`~xscale.estimate.memory.PeakTerms` with the ZeRO model state, ZeRO-3's gathered
+weights, the live gradients and the optimizer step's temporaries (formulas in :mod:`xscale.estimate.memory`):
 
 - tensor parallelism divides every activation by tp under sequence parallelism (eq. 5), and without it all but
   the replicated ``10 s b h`` of the ``s b h (34 + 5 a s / h)`` bytes per layer (eq. 2);
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,13 +40,9 @@ from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTenso
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 
-from xscale.config.schema import Config
-from xscale.models import build_model
-from xscale.models.parameters import count_parameters
-from xscale.parallel.activation import apply_activation_checkpointing
-from xscale.parallel.checks import resolve_layout
-from xscale.parallel.dims import ParallelDims
-from xscale.parallel.memory import (
+from xscale.config.schema import Config, TrainConfig
+from xscale.estimate.in_flight import blocks_in_flight
+from xscale.estimate.memory import (
     OPTIMIZER_VALUES,
     PeakTerms,
     UnitSizes,
@@ -64,14 +61,17 @@ from xscale.parallel.memory import (
     unit_sizes,
     vocab_parallel_loss_bytes,
 )
-from xscale.parallel.model import ParallelModel
+from xscale.models import build_model
+from xscale.models.parameters import count_parameters
+from xscale.parallel.activation import apply_activation_checkpointing
+from xscale.parallel.checks import resolve_layout
+from xscale.parallel.dims import ParallelDims
+from xscale.parallel.model import Batch, ParallelModel
 from xscale.parallel.parallelize import micro_batch_size
 from xscale.parallel.pipeline import SCHEDULES
 from xscale.parallel.pipeline.cost import stage_layers
-from xscale.parallel.pipeline.in_flight import blocks_in_flight
 from xscale.parallel.pipeline.stages import stage_to_rank
 from xscale.parallel.pipeline.vocabulary import vocabulary_stage_count
-from xscale.train.step import forward_backward_step, model_optimizer
 
 GIB = 1024**3
 
@@ -81,6 +81,15 @@ class MeasureError(ValueError):
 
 
 @dataclass
+@dataclass(frozen=True)
+class StepRunner:
+    """The training step a measurement runs, passed in by the caller (the train layer's is
+    :data:`xscale.train.step.TRAINING_STEP`): the model's optimizer, and one forward and backward of a batch."""
+
+    optimizer: Callable[[ParallelModel, TrainConfig], torch.optim.Optimizer]
+    forward_backward: Callable[[ParallelModel, Batch], torch.Tensor]
+
+
 class RankMemory:
     """One distinct rank's predicted peak: :class:`PeakTerms` (formulas, activations measured on fake tensors)."""
 
@@ -151,17 +160,17 @@ class ActivationPeakTracker(MemTracker):
                 self.gradient_fraction_at_joint_peak = gradients / max(by_kind.get("Parameter", 0), 1)
 
 
-def measured_activation_bytes(config: Config, micro_batch: int) -> float:
+def measured_activation_bytes(config: Config, micro_batch: int, step: StepRunner) -> float:
     """Peak bytes of activations and temporaries of one training step of ``micro_batch`` sequences of
     ``train.seq_len`` tokens on the single-device model, measured on fake tensors (module docstring)."""
-    return measured_step(config, micro_batch)[0]
+    return measured_step(config, micro_batch, step)[0]
 
 
-def _activation_peak(config: Config, micro_batch: int) -> float:
-    return measured_step(config, micro_batch)[2]
+def _activation_peak(config: Config, micro_batch: int, step: StepRunner) -> float:
+    return measured_step(config, micro_batch, step)[2]
 
 
-def measured_step(config: Config, micro_batch: int) -> tuple[float, float, float]:
+def measured_step(config: Config, micro_batch: int, step: StepRunner) -> tuple[float, float, float]:
     """At the peak of activations plus gradients of one forward and backward (:class:`ActivationPeakTracker`):
     the bytes of activations and temporaries, and the share of the parameters that have a gradient by then; third,
     the peak of the activations and temporaries alone."""
@@ -169,12 +178,12 @@ def measured_step(config: Config, micro_batch: int) -> tuple[float, float, float
     with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()):
         model = _fake_model(config)
         parallel = ParallelModel([model], micro_batch_size=micro_batch, autocast_dtype=autocast)
-        optimizer = model_optimizer(parallel, config.train)
+        optimizer = step.optimizer(parallel, config.train)
         tracker = ActivationPeakTracker()
         tracker.track_external(model, optimizer)
         try:
             with tracker:  # the optimizer step's temporaries are a formula of their own (step_temporary_bytes)
-                forward_backward_step(parallel, _batch(config, micro_batch))
+                step.forward_backward(parallel, _batch(config, micro_batch))
         except (DynamicOutputShapeException, GuardOnDataDependentSymNode) as error:
             raise MeasureError("--measure cannot run this model on fake tensors: an op's output shape depends on "
                                f"the data ({type(error).__name__}; MoE token dispatch is one); "
@@ -183,9 +192,9 @@ def measured_step(config: Config, micro_batch: int) -> tuple[float, float, float
             float(tracker.activation_peak))
 
 
-def rank_memory(config: Config, world_size: int) -> list[RankMemory]:
+def rank_memory(config: Config, world_size: int, step: StepRunner) -> list[RankMemory]:
     """Each distinct rank's predicted peak at ``world_size``: one per pipeline rank (the others are alike); the
-    terms are :mod:`xscale.parallel.memory`'s, the activations measured here on fake tensors."""
+    terms are :mod:`xscale.estimate.memory`'s, the activations measured here on fake tensors."""
     dims, config = resolve_layout(config, world_size)
     if dims.pp > 1:  # a pipeline micro-batch: the local batch over the microbatches
         micro = max(1, config.train.global_batch_size // dims.dp // dims.microbatches)
@@ -194,14 +203,14 @@ def rank_memory(config: Config, world_size: int) -> list[RankMemory]:
         micro = micro_batch_size(config, dims)
         microbatches = max(1, config.train.global_batch_size // dims.dp // micro)
     tokens = micro * config.train.seq_len
-    full, gradient_fraction, deep = measured_step(config, micro)
+    full, gradient_fraction, deep = measured_step(config, micro, step)
     share = activation_share(config, dims)
     if dims.pp == 1:
         count = count_parameters(config)
         state = predicted_state_bytes(count.total, dims, count.expert)
         activations = full * share
         if dims.tp > 1:  # the layers by their share, the head without the fused loss's logits (tp's loss replaces it)
-            per_layer, head = per_layer_and_head(config, micro, full, deep)
+            per_layer, head = per_layer_and_head(config, micro, step, full, deep)
             activations = config.model.n_layers * per_layer * share + head_activation_share(config, dims, head, tokens)
         layout = LayoutTerms(microbatches, 1, activations * deep / max(full, 1.0), 0.0,
                              vocab_parallel_loss_bytes(config, dims, tokens // dims.cp))
@@ -209,8 +218,8 @@ def rank_memory(config: Config, world_size: int) -> list[RankMemory]:
     num_stages = dims.pp * config.parallel.pp_stages_per_rank
     ranks = stage_to_rank(num_stages, dims.pp, SCHEDULES[config.parallel.pp_schedule].placement)
     layers = stage_layers(config, num_stages)
-    per_layer, head = per_layer_and_head(config, micro, full, deep)  # at the joint peak of activations and gradients
-    peak_layer, peak_head = per_layer_and_head(config, micro, deep, deep)  # at the activation peak
+    per_layer, head = per_layer_and_head(config, micro, step, full, deep)  # at the joint peak of activations and gradients
+    peak_layer, peak_head = per_layer_and_head(config, micro, step, deep, deep)  # at the activation peak
     rows = []
     vocabulary = vocabulary_stage_count(config.parallel)
     resolved = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, microbatches=microbatches))
@@ -235,26 +244,26 @@ def rank_memory(config: Config, world_size: int) -> list[RankMemory]:
     return rows
 
 
-def per_layer_and_head(config: Config, micro_batch: int, full: float | None = None,
+def per_layer_and_head(config: Config, micro_batch: int, step: StepRunner, full: float | None = None,
                        deep: float | None = None) -> tuple[float, float]:
     """One block's share of ``full`` activations (default: the measured ones) and the rest's (embedding, final
     norm, head and loss: the last pipeline stage's), split as the activation peaks of fake steps at the model's
     depth L (``deep`` if already measured) and at depth 1 are: A(L) = L a + h. An encoder-decoder is split
     evenly."""
     depth = config.model.n_layers
-    full = measured_activation_bytes(config, micro_batch) if full is None else full
+    full = measured_activation_bytes(config, micro_batch, step) if full is None else full
     if depth == 1 or config.model.family == "encoder_decoder":
         return full / max(depth, 1), 0.0
-    deep = _activation_peak(config, micro_batch) if deep is None else deep
+    deep = _activation_peak(config, micro_batch, step) if deep is None else deep
     one = _activation_peak(dataclasses.replace(config, model=dataclasses.replace(config.model, n_layers=1)),
-                           micro_batch)
+                           micro_batch, step)
     per_layer = min(max(deep - one, 0.0) / (depth - 1) / deep, 1 / depth)  # never a negative head
     return full * per_layer, full * (1 - depth * per_layer)
 
 
 @dataclass
 class LayoutTerms:
-    """What a rank's layout allocates besides the model's activations (:mod:`xscale.parallel.memory`): the
+    """What a rank's layout allocates besides the model's activations (:mod:`xscale.estimate.memory`): the
     microbatches gradients accumulate over, those in flight, one microbatch's activations at their peak (``held``)
     and the head's that come and go (``transient``); tp's vocabulary-parallel loss; the pipeline's receive buffers."""
 
@@ -304,11 +313,12 @@ def verdict(peak: float, available: float) -> str:
     return "fits" if peak <= available else f"does not fit (needs {_gib(peak)}, has {_gib(available)})"
 
 
-def measure_report(config: Config, world_size: int, device_memory_gib: float | None = None) -> list[str]:
+def measure_report(config: Config, world_size: int, step: StepRunner,
+                   device_memory_gib: float | None = None) -> list[str]:
     """Lines of ``xscale inspect --measure``: each distinct rank's predicted peak and whether it fits."""
     available, source = device_memory_bytes(world_size, device_memory_gib)
     lines = [f"measured step (fake tensors, MemTracker; device memory {_gib(available)} from {source}):"]
-    for rank in rank_memory(config, world_size):
+    for rank in rank_memory(config, world_size, step):
         terms = rank.terms
         live = terms.gradients if terms.live_gradients is None else terms.live_gradients
         lines.append(f"  {rank.label}: model state {_gib(terms.model_state)} (parameters {_gib(terms.parameters)}, "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from xscale.config.load import load_config
-from xscale.parallel.pipeline.in_flight import blocks_in_flight, schedule_actions
+from xscale.estimate.in_flight import blocks_in_flight, schedule_actions
 
 
 def pipeline_config(*overrides: str):

@@ -1,4 +1,4 @@
-"""Each rank's peak terms (:mod:`xscale.parallel.memory`) against figures worked out by hand."""
+"""Each rank's peak terms (:mod:`xscale.estimate.memory`) against figures worked out by hand."""
 
 from __future__ import annotations
 
@@ -7,10 +7,7 @@ import dataclasses
 import pytest
 
 from xscale.config.load import load_config
-from xscale.models.parameters import count_parameters
-from xscale.parallel.data.gather import GATHER_WINDOW_BYTES
-from xscale.parallel.dims import ParallelDims
-from xscale.parallel.memory import (
+from xscale.estimate.memory import (
     PeakTerms,
     UnitSizes,
     accumulated_backward_bytes,
@@ -26,6 +23,9 @@ from xscale.parallel.memory import (
     unit_sizes,
     vocab_parallel_loss_bytes,
 )
+from xscale.models.parameters import count_parameters
+from xscale.parallel.data.gather import GATHER_WINDOW_BYTES
+from xscale.parallel.dims import ParallelDims
 
 BASE = ["model.vocab_size=64", "model.d_model=32", "model.n_layers=3", "model.n_heads=4", "train.seq_len=16",
         "train.global_batch_size=8"]

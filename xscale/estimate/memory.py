@@ -37,6 +37,7 @@ import torch
 from xscale.config.schema import Config
 from xscale.models import build_model
 from xscale.ops.chunked_cross_entropy import default_chunk_tokens, padded_row_length
+from xscale.ops.optimizer_update import update_mode
 from xscale.parallel.data import is_expert_parameter, local_tensor
 from xscale.parallel.data.gather import GATHER_WINDOW_BYTES
 from xscale.parallel.dims import ParallelDims
@@ -44,7 +45,6 @@ from xscale.parallel.pipeline import SCHEDULES
 from xscale.parallel.pipeline.cost import stage_layers
 from xscale.parallel.pipeline.stages import cut_stage, stage_to_rank
 from xscale.parallel.pipeline.vocabulary import vocabulary_shard, vocabulary_stage_count
-from xscale.train.optim import update_mode
 
 BYTES_PER_VALUE = 4
 OPTIMIZER_VALUES = 2  # AdamW: exp_avg, exp_avg_sq

@@ -19,7 +19,7 @@ import dataclasses
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _ComputationType
 
 from xscale.config.schema import Config
-from xscale.parallel.memory import microbatches_in_flight
+from xscale.estimate.memory import microbatches_in_flight
 from xscale.parallel.pipeline.schedules import SCHEDULES, resolve_microbatches
 
 FREES = {_ComputationType.FULL_BACKWARD, _ComputationType.BACKWARD_WEIGHT}
