@@ -80,7 +80,6 @@ class MeasureError(ValueError):
     """The step cannot run on fake tensors (an op whose output shape depends on the data, as MoE dispatch)."""
 
 
-@dataclass
 @dataclass(frozen=True)
 class StepRunner:
     """The training step a measurement runs, passed in by the caller (the train layer's is
@@ -90,6 +89,7 @@ class StepRunner:
     forward_backward: Callable[[ParallelModel, Batch], torch.Tensor]
 
 
+@dataclass
 class RankMemory:
     """One distinct rank's predicted peak: :class:`PeakTerms` (formulas, activations measured on fake tensors)."""
 
