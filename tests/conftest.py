@@ -28,10 +28,6 @@ if _gpu_tier_session():
 else:
     os.environ["TRITON_INTERPRET"] = "1"
 
-# The layers' config checks register when their packages are imported (xscale.config.check.register_check); the
-# commands import them all, and so does every test session, so ``xscale.config.load_config`` runs every check.
-import xscale.data  # noqa: E402, F401
-import xscale.interop.hf.families  # noqa: E402, F401
-import xscale.interop.hf.load  # noqa: E402, F401
-import xscale.models  # noqa: E402, F401
-import xscale.train.loggers  # noqa: E402, F401
+# The layers' config checks register when their packages are imported (xscale.config.check.register_check); every
+# command imports them all (xscale.commands.registrations), and so does every test session.
+import xscale.commands.registrations  # noqa: E402, F401

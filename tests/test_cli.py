@@ -173,7 +173,7 @@ def _train_and_report(argv: list[str]) -> list:
 def test_a_launched_run_tears_its_process_group_down(tmp_path):
     """Each rank of a finished ``xscale train`` destroys the group it made: left to exit-time destructors, gloo's
     threads aborted a rank after a successful run ("terminate called without an active exception")."""
-    from xscale.tools.parity import run_local
+    from xscale.commands.parity import run_local
 
     argv = ["train", "train.steps=1", "train.global_batch_size=4", "train.seq_len=16", "model.n_layers=1",
             "model.d_model=32", "model.n_heads=2", "model.vocab_size=512", "data.tokenizer_vocab_size=512",

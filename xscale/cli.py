@@ -7,21 +7,21 @@ import importlib.metadata
 import sys
 
 import xscale
-from xscale.command_parser import CommandParser
+from xscale.commands.parser import CommandParser
 from xscale.launcher.openmp_spin import limit_openmp_spin
 
 # command -> (module, function, one-line help); modules load lazily so `xscale --help` is instant.
 COMMANDS = {
-    "train": ("xscale.train.cli", "main", "train a model: xscale train [CONFIG] [section.key=value ...]"),
-    "eval": ("xscale.tools.evaluate", "main", "loss and perplexity of a checkpoint on its run's data or other data"),
-    "generate": ("xscale.tools.generate", "main", "continue a prompt with a trained decoder (KV cache, sampling)"),
-    "inspect": ("xscale.tools.inspect", "main", "parameters, FLOPs per token and per-rank memory of a config"),
-    "export": ("xscale.tools.export", "main", "write a checkpoint's weights: one safetensors file, or --format hf"),
-    "convert": ("xscale.tools.convert", "main", "Hugging Face weights (or an export) into an xscale checkpoint"),
-    "bench": ("xscale.tools.bench", "main", "benchmarks: train | attention | kernels | moe | parallel | dropout | lra | memory"),
-    "data": ("xscale.data.cli", "main", "data tools: tokenizer | preprocess"),
-    "submit": ("xscale.launcher.submit", "main", "render and submit a Slurm job"),
-    "parity": ("xscale.tools.parity", "main", "compare loss curves across parallel layouts"),
+    "train": ("xscale.commands.train", "main", "train a model: xscale train [CONFIG] [section.key=value ...]"),
+    "eval": ("xscale.commands.eval", "main", "loss and perplexity of a checkpoint on its run's data or other data"),
+    "generate": ("xscale.commands.generate", "main", "continue a prompt with a trained decoder (KV cache, sampling)"),
+    "inspect": ("xscale.commands.inspect", "main", "parameters, FLOPs per token and per-rank memory of a config"),
+    "export": ("xscale.commands.export", "main", "write a checkpoint's weights: one safetensors file, or --format hf"),
+    "convert": ("xscale.commands.convert", "main", "Hugging Face weights (or an export) into an xscale checkpoint"),
+    "bench": ("xscale.commands.bench", "main", "benchmarks: train | attention | kernels | moe | parallel | dropout | lra | memory"),
+    "data": ("xscale.commands.data", "main", "data tools: tokenizer | preprocess"),
+    "submit": ("xscale.commands.submit", "main", "render and submit a Slurm job"),
+    "parity": ("xscale.commands.parity", "main", "compare loss curves across parallel layouts"),
 }
 
 

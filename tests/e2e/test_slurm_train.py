@@ -17,7 +17,7 @@ import torch
 from cluster_tools import TINY_CONFIG, Cluster, Job, latest_step, losses_by_step, run
 from safetensors.torch import load_file
 
-from xscale.tools.export import export_safetensors
+from xscale.commands.export import export_safetensors
 
 pytestmark = pytest.mark.cluster
 

@@ -3,10 +3,10 @@
 
 import torch
 
+from xscale.commands.convert import main as convert
+from xscale.commands.export import export_safetensors
 from xscale.config.load import load_config
 from xscale.interop import load_exported
-from xscale.tools.convert import main as convert
-from xscale.tools.export import export_safetensors
 from xscale.train.trainer import Trainer
 
 TINY = ["model.vocab_size=48", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",

@@ -59,4 +59,4 @@ def test_the_command_sets_it_before_importing_the_subcommand(monkeypatch):
     monkeypatch.setattr(xscale.cli.importlib, "import_module",
                         lambda name: order.append(name) or type("M", (), {"main": staticmethod(lambda argv: 0)}))
     assert xscale.cli.main(["inspect"]) == 0
-    assert order == ["spin", "xscale.tools.inspect"]
+    assert order == ["spin", "xscale.commands.inspect"]

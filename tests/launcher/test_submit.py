@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from xscale.launcher import submit
-from xscale.launcher.submit import SubmitError, time_limit_seconds
+from xscale.commands import submit
+from xscale.launcher.slurm_job import SubmitError, time_limit_seconds
 
 TINY = "model:\n  d_model: 32\n  n_layers: 2\n  n_heads: 2\n  vocab_size: 64\ntrain:\n  global_batch_size: 32\n"
 

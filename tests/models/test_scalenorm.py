@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from xscale.checkpoint.checkpointer import CheckpointError, check_fingerprint
+from xscale.commands.parity import run_local
 from xscale.config.schema import ModelConfig
 from xscale.models import build_model
 from xscale.models.norm import ScaleNorm
-from xscale.tools.parity import run_local
 
 
 def _fully_shard_scalenorm_model() -> list[float]:

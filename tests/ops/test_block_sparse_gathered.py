@@ -84,7 +84,7 @@ def test_auto_on_cpu_takes_the_gathered_path_and_torch_the_reference(monkeypatch
 def test_memory_grows_with_the_listed_blocks_not_with_length_squared():
     """Local attention (each block sees itself and the one before): doubling T doubles the gathered path's
     peak allocation (forward + backward) and quadruples the dense reference's."""
-    from xscale.tools.bench.kernels import local_layout, peak_cpu_allocation
+    from xscale.bench.kernels import local_layout, peak_cpu_allocation
 
     def peaks(length):
         layout = local_layout(length, BLOCK, torch.device("cpu"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from xscale.tools.parity import compare_layouts
+from xscale.commands.parity import compare_layouts
 
 # Llama-style decoder (RoPE + SwiGLU + RMSNorm + GQA) and BERT-style encoder (MLM), small enough for 2 CPU cores.
 DECODER = ["model.vocab_size=48", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",

@@ -168,9 +168,9 @@ def test_checkpoint_saved_at_ep_by_cp_resumes_on_one_process(tmp_path):
 
 
 def test_inspect_reports_experts_sharded_over_dp_expert_and_cp():
+    from xscale.commands.inspect import layout_report
     from xscale.estimate.memory import predicted_state_bytes
     from xscale.parallel.checks import resolve_dims
-    from xscale.tools.inspect import layout_report
 
     config = load_config(None, [*TRAINING, *SWITCH, "parallel.dp_shard=2", "parallel.ep=2", "parallel.cp=2",
                                 "parallel.zero_stage=3"])

@@ -268,8 +268,8 @@ def test_refusals_say_what_to_change(overrides, world, message):
 
 
 def test_layout_world_size_and_inspect_report():
+    from xscale.commands.inspect import layout_report
     from xscale.estimate.memory import predicted_state_bytes
-    from xscale.tools.inspect import layout_report
 
     config = load_config(None, [*DECODER, "parallel.cp=2", "parallel.cp_load_balance=true", "parallel.zero_stage=3"])
     dims = resolve_dims(config, 4)

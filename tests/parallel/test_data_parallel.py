@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from parity_models import DECODER, DROPOUT, ENCODER, assert_parity
 
+from xscale.commands.parity import run_local
 from xscale.config.load import load_config
 from xscale.estimate.memory import predicted_pipeline_state_bytes, predicted_state_bytes
 from xscale.parallel.checks import resolve_dims
 from xscale.parallel.dims import rank_coordinates
-from xscale.tools.parity import run_local
 
 
 def test_decoder_dp_and_zero_stages_match_one_process(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from xscale.commands.inspect import main as inspect_main
 from xscale.config.load import load_config
 from xscale.config.schema import ConfigError
 from xscale.estimate.memory import (
@@ -13,7 +14,6 @@ from xscale.estimate.memory import (
 )
 from xscale.parallel.checks import resolve_dims
 from xscale.parallel.dims import rank_coordinates
-from xscale.tools.inspect import main as inspect_main
 
 BASE = ["model.vocab_size=64", "model.d_model=32", "model.n_layers=4", "model.n_heads=4", "train.global_batch_size=8",
         "train.seq_len=16", "data.dataset=copy"]

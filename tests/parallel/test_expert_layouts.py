@@ -18,6 +18,14 @@ import torch
 
 from tests.parallel.test_resharding import GLOBAL_BATCH, SAMPLES, check_resharding
 from tests.parallel.test_resharding import STEPS as RESHARD_STEPS
+from xscale.commands.parity import (
+    PARITY_SETTINGS,
+    layout_overrides,
+    max_relative_difference,
+    run_local,
+    train_losses,
+    world_size_of,
+)
 from xscale.config.load import load_config
 from xscale.data import GlobalSampler
 from xscale.estimate.memory import predicted_state_bytes
@@ -28,14 +36,6 @@ from xscale.parallel.checks import resolve_dims
 from xscale.parallel.loss import model_loss_sum
 from xscale.parallel.model import ParallelModel
 from xscale.runtime import StepContext
-from xscale.tools.parity import (
-    PARITY_SETTINGS,
-    layout_overrides,
-    max_relative_difference,
-    run_local,
-    train_losses,
-    world_size_of,
-)
 from xscale.train.step import forward_backward_step
 
 # tiny-switch at test size: d_model 32, 2 layers (both MoE), 4 experts, capacity 1.0 so tokens get dropped.

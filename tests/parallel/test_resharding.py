@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from xscale.commands.parity import PARITY_SETTINGS, layout_overrides, run_local, world_size_of
 from xscale.config.load import load_config
-from xscale.tools.parity import PARITY_SETTINGS, layout_overrides, run_local, world_size_of
 
 SAMPLES, GLOBAL_BATCH, STEPS = 64, 8, 8  # 8 steps of 8 = one epoch
 MODEL = ["model.vocab_size=48", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from xscale.cli import main
+from xscale.commands import submit
 from xscale.data.indexed import write_indexed
 from xscale.data.sentencepiece_tokenizer import SentencePieceTokenizer
-from xscale.launcher import submit
 
 TINY = ["model.vocab_size=512", "model.d_model=32", "model.n_layers=1", "model.n_heads=4", "train.steps=2",
         "train.global_batch_size=2", "train.seq_len=16", "train.tensorboard=false", "train.plot=false",

@@ -18,8 +18,8 @@ import torch
 
 import xscale.checkpoint.checkpointer as checkpoint_module
 from xscale.checkpoint.checkpointer import Checkpointer, CheckpointError
+from xscale.commands.export import export_safetensors
 from xscale.config.load import load_config
-from xscale.tools.export import export_safetensors
 from xscale.train.trainer import Trainer
 
 TINY = [

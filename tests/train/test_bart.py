@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from xscale.cli import main
+from xscale.commands.parity import compare_layouts
 from xscale.config.load import load_config_from_cli
 from xscale.config.schema import ConfigError
 from xscale.data.sentencepiece_tokenizer import SentencePieceTokenizer
-from xscale.tools.parity import compare_layouts
 
 WORDS = "the a cat dog bird sat ran saw on under near mat tree house red big small".split()
 BART = ["model.family=encoder_decoder", "train.objective=bart", "data.dataset=text", "model.vocab_size=320",

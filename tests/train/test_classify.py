@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from xscale.cli import main
+from xscale.commands.parity import compare_layouts
 from xscale.data.sentencepiece_tokenizer import SentencePieceTokenizer
-from xscale.tools.parity import compare_layouts
 
 POSITIVE, NEGATIVE = ["good", "great", "fine", "nice"], ["bad", "awful", "poor", "sad"]
 FILLER = ["the", "movie", "was", "very", "a", "plot", "and", "it"]

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from xscale.checkpoint.checkpointer import CheckpointError
+from xscale.commands.parity import PARITY_SETTINGS, run_local
 from xscale.config.load import load_config
 from xscale.data import GlobalSampler
 from xscale.data.datasets import ArrayTokens, PackedTextDataset, causal_lm
 from xscale.models.segment_memory import SegmentMemory, memory_name
-from xscale.tools.parity import PARITY_SETTINGS, run_local
 from xscale.train.memory_reshard import MemoryRows, StreamMemory, parse_memory_name
 from xscale.train.recurrence import MEMORY_FILES, MEMORY_META_KEY, load_memory
 from xscale.train.trainer import Trainer

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from xscale.commands.parity import PARITY_SETTINGS, train_losses
 from xscale.config.load import load_config
-from xscale.tools.parity import PARITY_SETTINGS, train_losses
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "checkpoints"
 # The losses were recorded on another machine's CPU: its float rounding may differ from this one's, far below

@@ -120,8 +120,8 @@ def test_meta_records_config_sampler_and_file_sizes(tmp_path):
 def test_export_writes_one_safetensors_file(tmp_path):
     from safetensors.torch import load_file
 
-    from xscale.tools.export import export_safetensors
-    from xscale.tools.export import main as export_main
+    from xscale.commands.export import export_safetensors
+    from xscale.commands.export import main as export_main
 
     trainer = Trainer(_config(tmp_path, "train.steps=2"))
     trainer.fit()

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from xscale.cli import main
+from xscale.commands.parity import compare_layouts
 from xscale.config.load import load_config_from_cli
 from xscale.config.schema import ConfigError
-from xscale.tools.parity import compare_layouts
 
 VIT = ["model.family=encoder", "train.task=classify", "data.dataset=images_shapes", "model.input=patches",
        "model.image_size=16", "model.patch_size=4", "train.seq_len=17", "model.max_seq_len=17",

@@ -24,7 +24,7 @@ activations of eq. 2, and the runtime's own memory (CUDA context, allocator slac
 non-tensor memory: 13-20 MiB of resident set on each pipeline rank of ``xscale bench memory``'s model, no tensor);
 ``xscale bench memory`` measures how far off that leaves each layout. Models whose step has data-dependent shapes
 (MoE dispatch) cannot run on fake tensors and are refused. On CPU the prediction is within 2% of the peak resident
-set of two real steps of ``configs/tiny-gpt.yaml`` (tests/tools/test_inspect.py).
+set of two real steps of ``configs/tiny-gpt.yaml`` (tests/commands/test_inspect.py).
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ def test_first_loss_equals_huggingface_loss(tmp_path, kind):
 
 
 def test_converted_checkpoint_resumes_as_init_from_does(tmp_path):
-    from xscale.tools.convert import main as convert
+    from xscale.commands.convert import main as convert
 
     hf = save("llama", tmp_path / "hf")
     assert convert(["hf-to-xscale", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 0
@@ -72,8 +72,8 @@ def _first_loss(config) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tp=2", "dp_shard=2", "pp=2"])
 def test_first_loss_equals_huggingface_loss_on_two_ranks(tmp_path, layout):
+    from xscale.commands.parity import PARITY_SETTINGS, layout_overrides, run_local
     from xscale.data import GlobalSampler, build_datasets, collate
-    from xscale.tools.parity import PARITY_SETTINGS, layout_overrides, run_local
 
     hf = save("llama", tmp_path / "hf")
     zero_stage = 3 if layout.startswith("dp_shard") else 0  # ZeRO-3: every parameter a DTensor shard
