@@ -1,8 +1,9 @@
 """xscale's import graph, read from the source (ast): dependencies point down only.
 
-Layers, lowest first: ``config`` and ``parallel.dims`` (no xscale import); ``ops``; ``models`` (plain single-device
-PyTorch); ``parallel`` (plans that read components' declared traits, never a concrete component class); ``train``,
-``data``, ``launcher``; the commands (``cli``, ``inspect``, ``parity``, ``export``, ``bench``).
+Layers, lowest first (``docs/architecture.md``): ``config`` (imports nothing else of xscale); ``runtime`` and
+``ops``; ``models`` (plain single-device PyTorch); ``data``; ``parallel`` (plans that read components' declared
+traits, never a concrete component class) and ``generation``; ``checkpoint``; ``estimate`` and ``launcher``;
+``train``; ``interop``; the commands (``commands``, ``cli``, ``bench``).
 """
 
 from __future__ import annotations
@@ -15,8 +16,21 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "xscale"
 
-COMMANDS = ("xscale.cli", "xscale.tools")
-ABOVE_MODELS = ("xscale.parallel", "xscale.train", "xscale.launcher", "xscale.validate", *COMMANDS)
+COMMANDS = ("xscale.cli", "xscale.commands", "xscale.bench", "xscale.__main__")
+# The layers from the ground up: an import may point down this list or stay within its layer, never up.
+LAYERS = (
+    ("xscale.config",),
+    ("xscale.runtime", "xscale.ops"),
+    ("xscale.models",),
+    ("xscale.data",),
+    ("xscale.parallel", "xscale.generation"),
+    ("xscale.checkpoint",),
+    ("xscale.estimate", "xscale.launcher"),
+    ("xscale.train",),
+    ("xscale.interop",),
+    COMMANDS,
+)
+ABOVE_MODELS = tuple(prefix for layer in LAYERS[3:] for prefix in layer)
 # Modules of xscale.models that parallel/ may import: base classes, traits and protocols, not components.
 MODEL_INTERFACES = ("xscale.models", "xscale.models.attention", "xscale.models.attention.core",
                     "xscale.models.attention.multihead", "xscale.models.moe", "xscale.models.traits",
@@ -121,6 +135,40 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
                 if len(component) > 1:
                     components.append(sorted(component))
     return components
+
+
+def _layer(module: str) -> int | None:
+    return next((rank for rank, layer in enumerate(LAYERS) if _in(module, layer)), None)
+
+
+def test_every_module_but_the_package_root_has_a_layer():
+    assert sorted(module for module in MODULES if module != "xscale" and _layer(module) is None) == []
+
+
+def test_no_import_runs_up_a_layer():
+    upward = sorted((module, target) for module, targets in GRAPH.items() if _layer(module) is not None
+                    for target in targets if _layer(target) is not None and _layer(target) > _layer(module))
+    assert upward == []
+
+
+def test_the_layer_check_finds_an_upward_import():
+    assert _layer("xscale.parallel.checks") < _layer("xscale.train.trainer")
+    assert _layer("xscale.config.schema") == 0 and _layer("xscale.commands.train") == len(LAYERS) - 1
+
+
+def test_the_config_package_imports_nothing_outside_itself():
+    outside = sorted((module, target) for module, targets in GRAPH.items() if _in(module, ("xscale.config",))
+                     for target in targets if not _in(target, ("xscale.config",)))
+    assert outside == []
+
+
+def test_every_command_lives_in_its_own_commands_module():
+    cli = ast.parse((PACKAGE / "cli.py").read_text())
+    table = next(node.value for node in ast.walk(cli) if isinstance(node, ast.Assign)
+                 and any(isinstance(target, ast.Name) and target.id == "COMMANDS" for target in node.targets))
+    commands = {ast.literal_eval(key): ast.literal_eval(value)[0] for key, value in zip(table.keys, table.values)}
+    assert commands and all(module == f"xscale.commands.{name}" for name, module in commands.items()), commands
+    assert not (PACKAGE / "tools").exists()
 
 
 def test_the_import_graph_has_no_cycle():

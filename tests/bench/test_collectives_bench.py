@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import re
 
-from xscale.bench import main as bench_main
+from xscale.commands.bench import main as bench_main
 
 
 def test_tiny_run_reports_both_ratios(capsys):

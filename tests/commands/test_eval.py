@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.tools.conftest import TINY_RUN, WORDS
+from tests.commands.conftest import TINY_RUN, WORDS
 
 from xscale.cli import main
 from xscale.commands.eval import evaluate
