@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.commands.conftest import TINY_RUN, WORDS
 
+from tests.commands.conftest import TINY_RUN, WORDS
 from xscale.cli import main
 from xscale.commands.eval import evaluate
 from xscale.commands.trained import load_trained_model, tokenizer_path
