@@ -16,12 +16,12 @@ from xscale.config_loading import config_from_tree, read_config, split_cli_argum
 from xscale.config_values import check_values, closest, resolve_objective
 from xscale.data import TEXT_DATASETS
 from xscale.data.lra import PAD_AS_CONTENT
+from xscale.data.objectives import check_bart_config, span_corruption_lengths
 from xscale.interop.hf.families import with_init_model
 from xscale.models.act import check_act_config
 from xscale.models.early_exit import check_early_exit_config
 from xscale.models.funnel import check_funnel_config
 from xscale.models.moe import check_moe_config
-from xscale.models.objectives import check_bart_config, span_corruption_lengths
 from xscale.models.patch_embedding import check_patch_config
 from xscale.models.registry import REGISTRIES
 from xscale.models.reversible import check_reversible_config

@@ -15,7 +15,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from xscale.models.objectives import IGNORE_INDEX, bart_denoising, causal_lm, masked_lm, span_corruption
+from xscale.data.objectives import IGNORE_INDEX, bart_denoising, causal_lm, masked_lm, span_corruption
 
 Sample = dict[str, torch.Tensor]
 WindowTransform = Callable[[torch.Tensor, torch.Generator], Sample]
