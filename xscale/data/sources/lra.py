@@ -8,10 +8,6 @@ from xscale.config import Config, ConfigError
 from xscale.data.lra import LRA_TASKS, PAD_AS_CONTENT, GeneratedClassificationDataset
 from xscale.data.sources.registry import Built, generated_splits, generator_options, register
 
-DESCRIPTIONS = {"listops": "ListOps expressions, their value (0-9) as the class",
-                "retrieval": "byte-level matching: do two documents come from the same source",
-                "pathfinder": "Pathfinder: do two dots lie on one dashed curve"}
-
 
 def lra_datasets(config: Config, objective: str, label_names: list[str] | None) -> Built:
     """Train and eval examples of the task ``data.dataset`` names, led by the class token with pooling=cls."""
@@ -33,6 +29,9 @@ def lra_datasets(config: Config, objective: str, label_names: list[str] | None) 
     return train, evaluation, task.vocab.vocab_size
 
 
-for _name, _task in LRA_TASKS.items():
-    register(f"lra_{_name}", lra_datasets, (*generator_options(_task), PAD_AS_CONTENT),
-             f"LRA {DESCRIPTIONS[_name]}", tokenized=False)
+register("lra_listops", lra_datasets, (*generator_options(LRA_TASKS["listops"]), PAD_AS_CONTENT),
+         "LRA ListOps: an expression's tokens, its value (0-9) the class", tokenized=False)
+register("lra_retrieval", lra_datasets, (*generator_options(LRA_TASKS["retrieval"]), PAD_AS_CONTENT),
+         "LRA byte-level matching: were two documents written by the same source", tokenized=False)
+register("lra_pathfinder", lra_datasets, (*generator_options(LRA_TASKS["pathfinder"]), PAD_AS_CONTENT),
+         "LRA Pathfinder: do two dots lie on one dashed curve", tokenized=False)

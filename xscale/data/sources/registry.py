@@ -19,7 +19,7 @@ from xscale.config import Config, ConfigError
 # (train dataset, eval dataset or None, vocabulary size the model needs)
 Built = tuple[Dataset, Dataset | None, int]
 # builder(config, objective, label names of a trained classifier or None)
-Builder = Callable[[Config, str, "list[str] | None"], Built]
+Builder = Callable[[Config, str, list[str] | None], Built]
 DEFAULT_TASK_SAMPLES = 100_000
 
 
