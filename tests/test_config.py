@@ -111,7 +111,7 @@ def test_context_parallel_span_corruption_lengths_must_split():
     with pytest.raises(ConfigError, match=r"4 chunks.*train.seq_len=128 windows gives 116 encoder and 26 decoder "
                                           r"tokens: use train.seq_len=96 or 92 or 56"):
         load_config(None, [*base, "parallel.cp_load_balance=true", "train.seq_len=128"])
-    from xscale.models.objectives import span_corruption_lengths
+    from xscale.data.objectives import span_corruption_lengths
 
     assert [length % 4 for length in (96, *span_corruption_lengths(96))] == [0, 0, 0]
     load_config(None, [*base, "parallel.cp_load_balance=true", "train.seq_len=96"])

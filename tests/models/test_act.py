@@ -8,8 +8,8 @@ import torch
 from xscale.config.load import load_config_from_cli
 from xscale.config.schema import ConfigError, ModelConfig
 from xscale.models import build_model
-from xscale.models.training_step import begin_training_step
 from xscale.runtime import StepContext
+from xscale.train.training_step import begin_training_step
 
 UT = dict(vocab_size=64, d_model=16, n_layers=4, n_heads=2, max_seq_len=16, dropout=0.1, share_layers=True, act=True,
           act_threshold=0.9, ponder_cost=0.05)

@@ -95,10 +95,10 @@ def assert_cores_under_cp_slicing_equal_one_process(rank: int, cases: list[tuple
 
     from xscale.config.load import load_config
     from xscale.models import build_model
-    from xscale.models.training_step import begin_training_step
     from xscale.parallel.context import apply_context_parallel
     from xscale.parallel.loss import model_loss_sum
     from xscale.runtime import StepContext
+    from xscale.train.training_step import begin_training_step
 
     mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),), mesh_dim_names=("cp",))
     generator = torch.Generator().manual_seed(seed)

@@ -17,7 +17,6 @@ from typing import Any
 
 from xscale.config.schema import (
     CHOICES,
-    CLASSIFICATION_DATASETS,
     SOURCE_KINDS,
     Config,
     ConfigError,
@@ -190,9 +189,6 @@ def _check_sources(config: Config) -> None:
     if config.data.sources and config.data.path:
         raise ConfigError("data.path and data.sources are both set; put the corpus in data.sources (one entry "
                           "per corpus) and leave data.path out")
-    if config.data.sources and config.data.dataset in ("copy", "assoc_recall", "listops"):
-        raise ConfigError(f"data.sources holds text corpora but data.dataset='{config.data.dataset}' is a synthetic "
-                          "task; set data.dataset=text (or leave data.sources out)")
     if config.data.eval_sources and not config.data.sources:
         raise ConfigError("data.eval_sources needs data.sources (the training corpora) as well")
 
@@ -200,17 +196,10 @@ def _check_sources(config: Config) -> None:
 def _check_classify(config: Config) -> None:
     """train.task=classify: an encoder reading labelled examples (data.dataset=labeled) under data parallelism."""
     if config.train.task != "classify":
-        if config.data.dataset in CLASSIFICATION_DATASETS:
-            raise ConfigError(f"data.dataset={config.data.dataset} holds labelled examples for train.task=classify; "
-                              "set train.task=classify (or pick a text dataset)")
         return
     if config.model.family != "encoder":
         raise ConfigError(f"train.task=classify needs model.family=encoder (bidirectional attention over the padded "
                           f"example), got {config.model.family}")
-    if config.data.dataset not in CLASSIFICATION_DATASETS:
-        raise ConfigError(f"train.task=classify reads labelled examples: set data.dataset=labeled and data.path to a "
-                          f".jsonl or .tsv file, or data.dataset=lra_listops|lra_retrieval|lra_pathfinder|images_shapes (got "
-                          f"data.dataset={config.data.dataset})")
     parallel = config.parallel
     for name in ("tp", "pp", "cp"):
         if getattr(parallel, name) > 1:

@@ -324,10 +324,7 @@ CHOICES = {
     "model.moe.second_expert_policy": ("sampling", "all"),
     "data.order": ("shuffled", "streams"),
     "model.compression": ("conv", "mean"),
-    "data.dataset": ("stdlib_text", "text", "indexed", "copy", "assoc_recall", "listops", "labeled",
-                     "lra_listops", "lra_retrieval", "lra_pathfinder", "images_shapes"),
 }
-CLASSIFICATION_DATASETS = ("labeled", "lra_listops", "lra_retrieval", "lra_pathfinder", "images_shapes")
 
 
 def resolve_objective(config: Config) -> str:

@@ -3,13 +3,33 @@ imported: padding under classification, BART's options, and span corruption's le
 
 from __future__ import annotations
 
-from xscale.config.check import register_check
+from xscale.config.check import closest, register_check
 from xscale.config.schema import Config, ConfigError, resolve_objective
 from xscale.data.lra import PAD_AS_CONTENT
-from xscale.models.objectives import check_bart_config, span_corruption_lengths
+from xscale.data.objectives import check_bart_config, span_corruption_lengths
+from xscale.data.sources import SOURCES
 from xscale.models.registry import REGISTRIES
 
-TEXT_DATASETS = ("stdlib_text", "text", "indexed")
+
+def check_dataset(config: Config) -> None:
+    """data.dataset names a registered source (:mod:`xscale.data.sources`) that serves the task: labelled examples
+    for train.task=classify, and only those; data.sources (blended corpora) only for a text dataset."""
+    dataset = config.data.dataset
+    if dataset not in SOURCES:
+        raise ConfigError(f"data.dataset='{dataset}' is not one of {', '.join(SOURCES.names())}"
+                          f"{closest(dataset, SOURCES.names())}")
+    source = SOURCES.get(dataset)
+    labelled = [name for name in SOURCES.names() if SOURCES.get(name).labelled]
+    if config.train.task == "classify" and not source.labelled:
+        raise ConfigError(f"train.task=classify reads labelled examples: set data.dataset=labeled and data.path to a "
+                          f".jsonl or .tsv file, or data.dataset={'|'.join(n for n in labelled if n != 'labeled')} "
+                          f"(got data.dataset={dataset})")
+    if config.train.task != "classify" and source.labelled:
+        raise ConfigError(f"data.dataset={dataset} holds labelled examples for train.task=classify; "
+                          "set train.task=classify (or pick a text dataset)")
+    if config.data.sources and not source.text:
+        raise ConfigError(f"data.sources holds text corpora but data.dataset='{dataset}' is not a text dataset; set "
+                          "data.dataset=text (or leave data.sources out)")
 
 
 def check_padding_masks(config: Config) -> None:
@@ -32,7 +52,7 @@ def check_context_parallel_lengths(config: Config) -> None:
     """Context parallelism cuts each stack's sequences into cp (2cp) chunks: span corruption of text windows gives
     an encoder-decoder shorter encoder inputs and decoder targets than train.seq_len, and both must split."""
     parallel = config.parallel
-    if parallel.cp <= 1 or config.model.family != "encoder_decoder" or config.data.dataset not in TEXT_DATASETS \
+    if parallel.cp <= 1 or config.model.family != "encoder_decoder" or not SOURCES.get(config.data.dataset).text \
             or resolve_objective(config) != "span":
         return
     chunks = 2 * parallel.cp if parallel.cp_load_balance else parallel.cp
@@ -56,6 +76,7 @@ def check_context_parallel_lengths(config: Config) -> None:
                       f"tokens: {hint}")
 
 
+register_check("xscale.data", check_dataset)
 register_check("xscale.data", check_padding_masks)
 register_check("xscale.data", check_bart_config)
 register_check("xscale.data", check_context_parallel_lengths)

@@ -15,11 +15,14 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from xscale.models.objectives import IGNORE_INDEX, bart_denoising, causal_lm, masked_lm, span_corruption
+from xscale.data.objectives import IGNORE_INDEX, bart_denoising, causal_lm, masked_lm, span_corruption
 
 Sample = dict[str, torch.Tensor]
 WindowTransform = Callable[[torch.Tensor, torch.Generator], Sample]
 OBJECTIVES = ("clm", "mlm", "span")  # of the synthetic tasks' examples; text windows take "bart" as well
+# The data.options each objective reads from a text window (:func:`text_objective`).
+TEXT_OBJECTIVE_OPTIONS = {"clm": (), "mlm": ("mask_probability",), "span": ("noise_density", "mean_span_length"),
+                          "bart": ("mask_ratio", "poisson_lambda")}
 
 
 class TokenStream(Protocol):

@@ -81,7 +81,7 @@ class SequenceSlice:
                                  f"tokens: make train.seq_len a multiple of {self.chunks} (an encoder-decoder's "
                                  f"encoder inputs and decoder targets must both split: for span corruption choose "
                                  f"train.seq_len so that both lengths of "
-                                 f"xscale.models.objectives.span_corruption_lengths do)")
+                                 f"xscale.data.objectives.span_corruption_lengths do)")
             size = length // self.chunks
             if self.load_balance:
                 firsts = (rank * size, (self.chunks - 1 - rank) * size)

@@ -17,12 +17,12 @@ import torch
 
 from xscale.config.schema import TrainConfig
 from xscale.estimate.measure import StepRunner
-from xscale.models.training_step import begin_training_step
 from xscale.parallel.data.grad_norm import clip_gradients
 from xscale.parallel.loss import model_inputs, model_loss_sum, prediction_counts
 from xscale.parallel.model import Batch, ParallelModel
 from xscale.runtime import StepContext
 from xscale.train.optim import build_optimizer
+from xscale.train.training_step import begin_training_step
 
 
 def split_microbatches(batch: Batch, micro_batch_size: int) -> list[Batch]:

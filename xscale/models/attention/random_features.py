@@ -4,7 +4,7 @@ features for exp(q.k)) and RFA (Peng et al. 2021, eq. 3-4, random Fourier featur
 Features live in a buffer drawn from a generator seeded by (seed, layer, draw count), so every rank holds the
 same draw; in training they are redrawn every ``redraw_every`` optimizer steps (0: never), at the start of the
 step, whatever the step's microbatches, data-parallel replicas or recomputed forwards
-(:mod:`xscale.models.training_step`): a layout redraws at the step one process does.
+(:mod:`xscale.train.training_step`): a layout redraws at the step one process does.
 """
 
 from __future__ import annotations

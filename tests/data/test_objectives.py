@@ -4,7 +4,7 @@ and the decoder's target is the original window."""
 
 import torch
 
-from xscale.models.objectives import bart_denoising, infilling_spans, sentence_permutation, text_infilling
+from xscale.data.objectives import bart_denoising, infilling_spans, sentence_permutation, text_infilling
 
 MASK, PAD, START, END = 1, 0, 2, 3
 TOKENS = torch.arange(10, 20)

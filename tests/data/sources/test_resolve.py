@@ -1,5 +1,5 @@
-"""data.sources: text, jsonl (any text field) and indexed corpora as token files, eval_sources for evaluation, and
-bad entries refused in one line naming data.sources[i]."""
+"""data.sources (:mod:`xscale.data.sources.resolve`): text, jsonl (any text field) and indexed corpora as token
+files, eval_sources for evaluation, and bad entries refused in one line naming data.sources[i]."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Components defined per optimizer step (:mod:`xscale.models.training_step`) behave the same whatever the
+"""Components defined per optimizer step (:mod:`xscale.train.training_step`) behave the same whatever the
 microbatches a step runs: the adaptive-span penalty counts once per step, random features redraw every N steps."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import torch
 from xscale.config.schema import AttentionConfig, ModelConfig
 from xscale.models import build_model
 from xscale.models.attention.random_features import RandomFeatureAttention
-from xscale.models.training_step import begin_training_step
 from xscale.parallel.model import ParallelModel
 from xscale.train.step import forward_backward_step
+from xscale.train.training_step import begin_training_step
 
 VOCAB, LENGTH, BATCH = 32, 12, 8
 
