@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import socket
 import subprocess
@@ -71,3 +72,35 @@ def test_the_cli_refuses_a_second_job_with_exit_2(tmp_path, live_process, monkey
                              "train.tensorboard=false"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr
     assert "in use by another xscale job" in result.stderr and "Traceback" not in result.stderr
+    # refused before the data, tokenizer or model were built: nothing written into the directory
+    assert [path.name for path in tmp_path.iterdir()] == [LOCK_NAME]
+
+
+def _contend(directory, barrier, results, index):
+    barrier.wait()
+    try:
+        RunLock(directory).acquire()
+        results[index] = 1
+    except RunLocked:
+        results[index] = 0
+
+
+@pytest.mark.parametrize("stale", [False, True], ids=["fresh directory", "stale lock to take over"])
+def test_two_jobs_locking_at_the_same_instant_never_both_hold_it(tmp_path, stale, monkeypatch):
+    """Three processes released together by a barrier, 40 times: exactly one holds the lock each time (the lock was
+    created empty and then written, so a reader could take the empty file for stale: 13 of 100 trials held twice)."""
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    context = multiprocessing.get_context("fork")
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    for trial in range(40):
+        directory = tmp_path / str(trial)
+        if stale:
+            _write_lock(directory, pid=int(gone.stdout), token="old")
+        barrier, results = context.Barrier(3), context.Array("i", [-1, -1, -1])
+        workers = [context.Process(target=_contend, args=(directory, barrier, results, i)) for i in range(3)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(30)
+        assert sorted(results) == [0, 0, 1], f"trial {trial}: {list(results)}"
+        assert [path.name for path in directory.iterdir()] == [LOCK_NAME]  # no private or moved-aside file left

@@ -5,6 +5,11 @@ submissions of one config) interleave checkpoints and rotate each other's away. 
 pid, Slurm job id, start time) and is refreshed while the job lives; a lock is stale, and taken over with a message,
 when its process is gone from this host, when it belongs to an earlier run of the same Slurm job (a requeue), or
 when it has not been refreshed for :data:`STALE_AFTER_S`.
+
+Taking the lock is atomic with its content: the holder is written to a private file that is then hard-linked to the
+lock's name (``link`` fails when the name exists), so no reader ever sees an empty lock. A stale lock is taken over
+by renaming it aside and checking, by the unique token every holder writes, that the file moved is the one judged
+stale; had another job taken the lock in between, its file is put back and this job is refused.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import json
 import os
 import socket
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +42,7 @@ def _process_alive(pid: int) -> bool:
 
 def _holder() -> dict[str, Any]:
     return {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "token": uuid.uuid4().hex}
 
 
 def stale_reason(holder: dict[str, Any], age_s: float) -> str | None:
@@ -70,24 +76,35 @@ class RunLock:
 
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        for _ in range(2):  # a stale lock removed once, then created exclusively
-            try:
-                descriptor = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                self._take_over_if_stale()
-                continue
-            with os.fdopen(descriptor, "w") as handle:
-                json.dump(_holder(), handle)
-            self.held = True
-            return
+        for _ in range(3):  # created; or a stale lock moved aside, then created
+            if self._create():
+                self.held = True
+                return
+            self._take_over_if_stale()
         raise RunLocked(f"could not lock {self.path}: another job took it at the same moment; start this job again")
 
-    def _take_over_if_stale(self) -> None:
+    def _create(self) -> bool:
+        """Link a file holding this job's holder to the lock's name; False when the name exists."""
+        private = self.path.with_name(f"{LOCK_NAME}.{os.getpid()}.{uuid.uuid4().hex}")
+        private.write_text(json.dumps(_holder()))
         try:
-            holder = json.loads(self.path.read_text())
-            age = time.time() - self.path.stat().st_mtime
-        except (OSError, json.JSONDecodeError):
-            holder, age = {}, STALE_AFTER_S + 1  # unreadable or removed meanwhile: treat as stale
+            os.link(private, self.path)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            private.unlink(missing_ok=True)
+
+    def _read(self, path: Path) -> tuple[dict[str, Any], float]:
+        """A lock file's holder and how long ago it was refreshed; unreadable or gone: no holder, and stale."""
+        try:
+            holder = json.loads(path.read_text())
+            return (holder if isinstance(holder, dict) else {}), time.time() - path.stat().st_mtime
+        except (OSError, ValueError):
+            return {}, STALE_AFTER_S + 1
+
+    def _take_over_if_stale(self) -> None:
+        holder, age = self._read(self.path)
         reason = stale_reason(holder, age)
         if reason is None:
             raise RunLocked(
@@ -95,8 +112,21 @@ class RunLock:
                 f"{holder.get('pid')}, Slurm job {holder.get('slurm_job_id') or '-'}, started {holder.get('started')}): "
                 "two jobs would overwrite each other's checkpoints. Stop that job or set train.output_dir elsewhere; "
                 f"if it is not running, delete {self.path}")
+        aside = self.path.with_name(f"{LOCK_NAME}.stale.{uuid.uuid4().hex}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return  # another job moved it first: try to create again
+        moved, _ = self._read(aside)
+        if moved.get("token") != holder.get("token"):  # a job took the lock since it was read: give it back
+            try:
+                os.link(aside, self.path)
+            except FileExistsError:
+                pass
+            aside.unlink(missing_ok=True)
+            return
+        aside.unlink(missing_ok=True)
         print(f"xscale: taking over the stale lock {self.path} ({reason})", flush=True)
-        self.path.unlink(missing_ok=True)
 
     def refresh(self) -> None:
         if self.held:

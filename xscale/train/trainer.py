@@ -33,7 +33,7 @@ from xscale.data.load_tokenizer import META_KEY as TOKENIZER_META_KEY
 from xscale.data.load_tokenizer import checkpoint_tokenizer_name
 from xscale.data.prefetch import Prefetcher
 from xscale.launcher.cpu_allocator import keep_freed_memory
-from xscale.launcher.env import detect_world, init_distributed, local_device
+from xscale.launcher.env import World, detect_world, init_distributed, local_device
 from xscale.launcher.parent_death import exit_with_launcher
 from xscale.launcher.preemption import PreemptionHandler
 from xscale.models.attention.core import unused_attention_dropout
@@ -91,6 +91,18 @@ class Trainer:
             exit_with_launcher()
             init_distributed(config.parallel.backend, timeout=datetime.timedelta(seconds=config.parallel.timeout_s))
         self.rank, self.world_size = world.rank, world.world_size
+        # First: a job that will be refused writes nothing into the directory (data cache, tokenizer) and waits for
+        # no dataset or model to be built.
+        self.lock = self._lock_output_dir(Path(train.output_dir))
+        try:
+            self._build(world, train_dataset, eval_dataset)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _build(self, world: World, train_dataset: Any, eval_dataset: Any) -> None:
+        """Everything but the lock: the device, data, mesh, model, optimizer, checkpointer and loggers."""
+        config, train = self.config, self.config.train
         self.device = local_device(world)
         if self.device.type != "cpu":
             torch.accelerator.set_device_index(self.device.index)
@@ -123,7 +135,6 @@ class Trainer:
         self.step = 0
         self.parent: str | None = None  # the checkpoint this run resumed from (its lineage, in each meta.json)
         output_dir = Path(train.output_dir)
-        self.lock = self._lock_output_dir(output_dir)  # before the checkpointer tidies the directory
         # Every checkpoint carries the tokenizer (for export and generation), named in its meta.json.
         tokenizer = run_tokenizer_file(config)
         self.tokenizer_in_checkpoint = checkpoint_tokenizer_name(tokenizer) if tokenizer else None
