@@ -18,6 +18,7 @@ import torch
 
 import xscale.checkpoint.checkpointer as checkpoint_module
 from xscale.checkpoint.checkpointer import Checkpointer, CheckpointError
+from xscale.checkpoint.integrity import sealed_meta
 from xscale.commands.export import export_safetensors
 from xscale.config.load import load_config
 from xscale.train.trainer import Trainer
@@ -54,13 +55,14 @@ def _largest_shard(step_dir: Path) -> Path:
 
 
 def _rewrite_meta_for(step_dir: Path, name: str) -> None:
-    """Record ``name``'s current size and digest in meta.json, as an attacker crafting a whole checkpoint would."""
+    """Record ``name``'s current size and digest in meta.json and reseal it, as an attacker crafting a whole
+    checkpoint would (the checksums guard against damage and edits by hand, not against forgery)."""
     meta_file = step_dir / "meta.json"
     meta = json.loads(meta_file.read_text())
     data = (step_dir / name).read_bytes()
     meta["files"][name] = len(data)
     meta["sha256"][name] = hashlib.sha256(data).hexdigest()
-    meta_file.write_text(json.dumps(meta))
+    meta_file.write_text(json.dumps(sealed_meta(meta)))
 
 
 class _Payload:

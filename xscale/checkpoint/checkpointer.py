@@ -38,7 +38,9 @@ from xscale.checkpoint.integrity import (
     CheckpointError,
     SafeFileSystemReader,
     checkpoint_files,
+    parse_meta,
     read_metadata_safely,
+    sealed_meta,
     shared_digests,
     verify_files,
 )
@@ -195,7 +197,7 @@ class Checkpointer:
         digests = shared_digests(staging, names)
         if _rank() == 0:
             meta = {**meta, "files": {name: (staging / name).stat().st_size for name in names}, "sha256": digests}
-            _write_atomic(staging / META, json.dumps(meta, indent=1, default=str))
+            _write_atomic(staging / META, json.dumps(sealed_meta(meta), indent=1))
             previous = final.with_name(f".old-{final.name}")
             if final.exists():
                 final.rename(previous)
@@ -257,10 +259,7 @@ class Checkpointer:
         meta_file = path / META
         if not meta_file.is_file():
             raise CheckpointError(f"{path} is not a complete xscale checkpoint: {meta_file} is missing")
-        try:
-            meta = json.loads(meta_file.read_text())
-        except json.JSONDecodeError as error:
-            raise CheckpointError(f"{meta_file} is corrupt (not JSON: {error})") from error
+        meta = parse_meta(meta_file)
         verify_files(path, meta.get("files", {}), meta.get("sha256", {}), verify)
         return meta
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import json
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +94,43 @@ def verify_files(directory: Path, sizes: dict[str, int], digests: dict[str, str]
 
 
 # ---------------------------------------------------------------------------------------------- safe metadata
+
+
+META_DIGEST = "meta_sha256"  # meta.json's own checksum, over every other key
+
+
+def meta_digest(meta: dict[str, Any]) -> str:
+    """SHA-256 of meta.json's content without its own checksum, keys sorted (what was written is what is read)."""
+    body = {key: value for key, value in meta.items() if key != META_DIGEST}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def sealed_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    """``meta`` as JSON will hold it (values JSON cannot hold as text), with its checksum added."""
+    plain = json.loads(json.dumps(meta, default=str))
+    return {**plain, META_DIGEST: meta_digest(plain)}
+
+
+def parse_meta(meta_file: Path) -> dict[str, Any]:
+    """meta.json of a checkpoint, refused in one line when it is not JSON, was edited after the save (its checksum;
+    a checkpoint written before checksums were kept has none), or names a step other than its directory's."""
+    try:
+        meta = json.loads(meta_file.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as error:
+        raise CheckpointError(f"{meta_file} is corrupt (not JSON: {str(error).splitlines()[0]}); resume from another "
+                              "checkpoint (checkpoint.resume=DIR)") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{meta_file} is corrupt (a JSON {type(meta).__name__}, not a mapping); resume from "
+                              "another checkpoint (checkpoint.resume=DIR)")
+    if META_DIGEST in meta and meta[META_DIGEST] != meta_digest(meta):
+        raise CheckpointError(f"{meta_file} was changed after the save (its checksum {META_DIGEST} no longer matches "
+                              "its content): its step, data position or config cannot be trusted; restore it or resume "
+                              "from another checkpoint (checkpoint.resume=DIR)")
+    named = re.fullmatch(r"step_0*(\d+)", meta_file.parent.name)
+    if named and "step" in meta and str(meta["step"]) != named.group(1):
+        raise CheckpointError(f"{meta_file} says step {meta['step']} but its directory is {meta_file.parent.name}: "
+                              "meta.json was edited or moved; restore it or resume from another checkpoint")
+    return meta
 
 
 def _metadata_classes() -> dict[tuple[str, str], Any]:
