@@ -35,7 +35,7 @@ BAD_INPUTS = [
     (["train.lr=.inf"], "train.lr=inf is not a finite number"),
     (["train.lr=nan"], "train.lr=nan is not a finite number"),
     (["train.grad_clip=nan"], "train.grad_clip=nan is not a finite number"),
-    (["model.norm_eps=-1"], "model.norm_eps must be positive"),
+    (["model.norm.options.eps=-1"], "model.norm.options.eps must be positive"),
     (["model.init_std=-1"], "model.init_std must be positive"),
     (["model.d_ff=-5"], "model.d_ff must be positive"),
     (["train.beta1=1.5"], "train.beta1 must be in [0, 1)"),

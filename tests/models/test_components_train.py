@@ -75,7 +75,7 @@ CASES = {
                                              (ROUTER, "router")])
 def test_every_registered_component_has_a_training_case(registry, option):
     """A component registered without a case here would never be trained end to end by the suite."""
-    covered = {case["moe"].router if option == "router" else case.get(option, getattr(ModelConfig(), option))
+    covered = {str(case["moe"].router if option == "router" else case.get(option, getattr(ModelConfig(), option)))
                for case in CASES.values() if option != "router" or "moe" in case}
     assert set(registry.names()) <= covered, f"{option}s without a case: {set(registry.names()) - covered}"
 

@@ -58,8 +58,7 @@ VALID = {
     ("parallel.dp_shard", "negative"): "-1: what the world size leaves (the default)",
     # Finite, well defined, and no allocation, loop or timer depends on them; a value that makes training diverge
     # is stopped at the first non-finite loss by train.on_nonfinite.
-    **_valid("finite and well defined", ("model.rope_theta", "huge"), ("model.norm_eps", "huge"),
-             ("model.init_std", "huge"), ("model.ponder_cost", "huge"), ("model.moe.aux_loss_coef", "huge"), ("model.moe.z_loss_coef", "huge"),
+    **_valid("finite and well defined", ("model.init_std", "huge"), ("model.ponder_cost", "huge"), ("model.moe.aux_loss_coef", "huge"), ("model.moe.z_loss_coef", "huge"),
              ("train.lr", "huge"), ("train.weight_decay", "huge"), ("train.eps", "huge"),
              ("train.peak_flops", "huge")),
     ("train.grad_clip", "huge"): "clipping never triggers",

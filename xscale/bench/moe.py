@@ -41,7 +41,7 @@ from torch import nn
 
 from xscale.bench.device import bench_device, synchronize
 from xscale.commands.parser import CommandParser
-from xscale.config.schema import ModelConfig, MoEConfig
+from xscale.config.schema import Component, ModelConfig, MoEConfig
 from xscale.launcher.cpu_allocator import keep_freed_memory
 from xscale.launcher.env import free_port
 from xscale.models.ffn import build_ffn
@@ -175,7 +175,7 @@ def single_process(args: argparse.Namespace) -> dict[str, float]:
     device, dtype = bench_device(args.device), DTYPES[args.dtype]
     torch.manual_seed(0)
     ours = build_moe(layer_config(args), 0).to(device)
-    dense = build_ffn("gelu", args.d_model, args.top_k * args.hidden, False, 0.0).to(device)
+    dense = build_ffn(Component("gelu"), args.d_model, args.top_k * args.hidden, False, 0.0).to(device)
     x = torch.randn(args.tokens, args.d_model).to(device).requires_grad_()
     upstream = torch.randn(args.tokens, args.d_model).to(device)
     runs = {"xscale_moe": _step(ours, x, upstream, dtype=dtype), "dense_ffn": _step(dense, x, upstream, dtype=dtype),

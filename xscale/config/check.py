@@ -131,16 +131,16 @@ def check_values(config: Config) -> None:
         raise ConfigError(
             f"model.n_kv_heads={model.n_kv_heads} must divide model.n_heads={model.n_heads} (1 = MQA, n_heads = MHA)"
         )
-    if model.position == "rope" and model.head_dim % 2:
+    if model.position.kind == "rope" and model.head_dim % 2:
         raise ConfigError(f"rope needs an even head dimension; d_model/n_heads = {model.head_dim}")
     for name, value in (("dropout", model.dropout), ("attention_dropout", model.attention_dropout)):
         if not 0.0 <= value < 1.0:
             raise ConfigError(f"model.{name} must be in [0, 1), got {value}")
-    if model.family == "decoder" and model.position == "none":
+    if model.family == "decoder" and model.position.kind == "none":
         pass  # decoders may run without positions (causal masking leaks order)
-    elif model.position == "none":
+    elif model.position.kind == "none":
         raise ConfigError("model.position=none only works for decoders; encoders need a position encoding")
-    if model.position in ("learned", "sinusoidal") and train.seq_len > model.max_seq_len:
+    if model.position.kind in ("learned", "sinusoidal") and train.seq_len > model.max_seq_len:
         raise ConfigError(
             f"train.seq_len={train.seq_len} exceeds model.max_seq_len={model.max_seq_len} for "
             f"{model.position} positions; raise model.max_seq_len or lower train.seq_len"
@@ -254,8 +254,6 @@ YEAR_S = 365 * 24 * 3600
 # are refused first, as no setting means them).
 RANGES: dict[str, tuple[str, typing.Callable[[float], bool]]] = {
     "model.d_ff": ("positive", _positive),
-    "model.rope_theta": ("positive", _positive),
-    "model.norm_eps": ("positive", _positive),
     "model.init_std": ("positive", _positive),
     "model.act_threshold": ("in (0, 1) (1 - eps)", lambda value: 0 < value < 1),
     "model.ponder_cost": (">= 0 (0: no ponder cost)", _non_negative),

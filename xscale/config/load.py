@@ -10,6 +10,7 @@ the model of ``checkpoint.init_from=hf:DIR``.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import types
 import typing
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any, Union
 import yaml
 
 from xscale.config.check import check_values, closest, validate
-from xscale.config.schema import Config, ConfigError
+from xscale.config.schema import Component, Config, ConfigError
 
 INT_LIMIT = 2**63
 Completer = typing.Callable[[dict[str, Any]], dict[str, Any]]
@@ -48,6 +49,8 @@ def coerce(value: Any, annotation: Any, where: str) -> Any:
             except ConfigError as error:
                 errors.append(str(error))
         raise ConfigError(errors[0] if errors else f"{where}: invalid value {value!r}")
+    if annotation is Component and isinstance(value, str):  # model.norm: layernorm = {kind: layernorm}
+        value = {"kind": value}
     if dataclasses.is_dataclass(annotation):
         if isinstance(value, annotation):
             return value
@@ -96,12 +99,15 @@ def coerce(value: Any, annotation: Any, where: str) -> Any:
 def from_dict(cls: type, values: dict[str, Any], where: str = "") -> Any:
     """An instance of dataclass ``cls`` from ``values``; unknown keys name the closest field."""
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    names = list(fields)
     kwargs = {}
     for key, value in values.items():
         path = f"{where}.{key}" if where else key
         if key not in names:
             raise ConfigError(f"unknown key '{path}'{closest(key, names)}; valid keys: {', '.join(names)}")
+        if hints[key] is Component and isinstance(value, dict) and "kind" not in value:  # options of the default
+            value = {"kind": fields[key].default_factory().kind, **value}
         kwargs[key] = coerce(value, hints[key], path)
     return cls(**kwargs)
 
@@ -123,10 +129,14 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
-    """``tree[a][b][c] = value`` for ``path = [a, b, c]``, creating (or replacing non-mapping) parents."""
+    """``tree[a][b][c] = value`` for ``path = [a, b, c]``, creating (or replacing non-mapping) parents; a component
+    named by its kind alone (``norm: layernorm``) keeps it (``model.norm.options.eps=1e-6`` sets an option of it)."""
     node = tree
     for part in path[:-1]:
         child = node.get(part)
+        if isinstance(child, str) and path[-1] != "kind":
+            child = {"kind": child}
+            node[part] = child
         if not isinstance(child, dict):
             child = {}
             node[part] = child
@@ -193,8 +203,46 @@ def config_to_yaml(config: Config) -> str:
     return yaml.safe_dump(config.to_dict(), sort_keys=False, default_flow_style=False)
 
 
+# Keys of earlier releases, read for one more release as what replaced them (the saved configs of older checkpoints,
+# older YAML files), with one line saying so: old dotted key -> (new key under the same section, the component kind
+# it belongs to or None for any).
+DEPRECATED_KEYS = {
+    "model.rope_theta": ("position.options.theta", "rope"),
+    "model.norm_eps": ("norm.options.eps", None),
+}
+DEFAULT_KINDS = {"position": "rope", "norm": "rmsnorm"}
+_ANNOUNCED: set[str] = set()
+
+
+def upgrade_tree(tree: dict[str, Any]) -> dict[str, Any]:
+    """``tree`` with the keys of :data:`DEPRECATED_KEYS` moved to their new places (printing one line per key, once
+    per process); an old key whose component is not the one set (``rope_theta`` without rope) is dropped, as it was
+    ignored then."""
+    for old, (new, kind) in DEPRECATED_KEYS.items():
+        section, key = old.split(".")
+        branch = tree.get(section)
+        if not isinstance(branch, dict) or key not in branch:
+            continue
+        branch = tree[section] = dict(branch)
+        value = branch.pop(key)
+        component, *rest = new.split(".")
+        current = branch.get(component, DEFAULT_KINDS[component])
+        current = {"kind": current} if isinstance(current, str) else dict(current)
+        applies = kind is None or current.get("kind", DEFAULT_KINDS[component]) == kind
+        if applies:
+            options = dict(current.get("options") or {})
+            options.setdefault(rest[-1], value)
+            branch[component] = {**current, "options": options}
+        if old not in _ANNOUNCED:
+            _ANNOUNCED.add(old)
+            use = f"{section}.{new}" if applies else f"nothing ({section}.{component} is not {kind}: it was ignored)"
+            print(f"xscale: {old} is deprecated and will be removed in the next release; read as {use}",
+                  file=sys.stderr)
+    return tree
+
+
 def config_from_tree(tree: dict[str, Any]) -> Config:
     """A :class:`Config` from nested mappings (a checkpoint's saved config, a parsed YAML), values checked."""
-    config = from_dict(Config, tree)
+    config = from_dict(Config, upgrade_tree(tree))
     check_values(config)
     return config

@@ -10,11 +10,44 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message says what to change."""
+
+
+@dataclass(eq=False)
+class Component:
+    """A named component and its options: ``{kind: NAME, options: {...}}`` (a bare ``NAME`` is short for
+    ``{kind: NAME}``). The options are checked against the component's ``Options`` dataclass, the one place its
+    settings, defaults and ranges live, by the layer that registers it (:mod:`xscale.models.registry`)."""
+
+    kind: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return self.kind
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Component):
+            return (self.kind, self.options) == (other.kind, other.options)
+        # A component compared with its name would always be unequal: a mistake to make loud, not silent.
+        raise TypeError(f"a component ({self.kind}) compared with {other!r}: compare its .kind")
+
+    __hash__ = None  # type: ignore[assignment]  (mutable options; a dict key would be the kind)
+
+
+class NamesComponents:
+    """A section whose component fields (:attr:`COMPONENTS`) take a bare kind too: ``ModelConfig(norm="layernorm")``
+    and ``config.norm = "layernorm"`` hold ``Component("layernorm")``."""
+
+    COMPONENTS: tuple[str, ...] = ()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self.COMPONENTS and isinstance(value, str):
+            value = Component(value)
+        super().__setattr__(name, value)
 
 
 @dataclass
@@ -34,12 +67,14 @@ class AttentionConfig:
 
 
 @dataclass
-class MoEConfig:
+class MoEConfig(NamesComponents):
     """Mixture-of-Experts FFN (GShard / Switch / expert choice / hash); ``num_experts=0`` disables it."""
+
+    COMPONENTS: ClassVar[tuple[str, ...]] = ("router",)
 
     num_experts: int = 0
     top_k: int = 1
-    router: str = "switch"
+    router: Component = field(default_factory=lambda: Component("switch"))  # expert_choice | gshard | hash | switch
     capacity_factor: float = 1.25
     eval_capacity_factor: float = 2.0
     min_capacity: int = 4
@@ -59,8 +94,10 @@ class MoEConfig:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(NamesComponents):
     """The Transformer: family, width, depth and the named component of each kind."""
+
+    COMPONENTS: ClassVar[tuple[str, ...]] = ("position", "norm", "ffn")
 
     family: str = "decoder"  # decoder | encoder | encoder_decoder
     vocab_size: int = 8000
@@ -71,13 +108,12 @@ class ModelConfig:
     n_kv_heads: int | None = None  # None: = n_heads (MHA); 1: MQA; G: GQA
     d_ff: int | None = None  # None: 4*d_model, or 8/3*d_model rounded for GLU FFNs
     max_seq_len: int = 256
-    position: str = "rope"  # sinusoidal | learned | rope | alibi | t5_bias | none
-    rope_theta: float = 10000.0
-    norm: str = "rmsnorm"  # layernorm | rmsnorm
+    # The named components, each {kind, options} (xscale inspect --components lists the kinds and their options).
+    position: Component = field(default_factory=lambda: Component("rope"))
+    norm: Component = field(default_factory=lambda: Component("rmsnorm"))
     norm_placement: str = "pre"  # pre | post | sandwich | rezero | deepnorm
-    norm_eps: float = 1e-5
     embedding_norm: bool = False  # norm after the embeddings (BERT)
-    ffn: str = "swiglu"  # relu | gelu | gelu_tanh | swiglu | geglu | reglu
+    ffn: Component = field(default_factory=lambda: Component("swiglu"))
     bias: bool = False
     dropout: float = 0.0
     attention_dropout: float = 0.0
@@ -120,7 +156,7 @@ class ModelConfig:
     def ffn_hidden(self) -> int:
         if self.d_ff is not None:
             return self.d_ff
-        if self.ffn in ("swiglu", "geglu", "reglu"):
+        if self.ffn.kind in ("swiglu", "geglu", "reglu"):
             # 2/3 of 4d keeps parameters equal to the 4d MLP (Shazeer 2020); round up to a multiple of 64.
             hidden = int(8 * self.d_model / 3)
             return 64 * ((hidden + 63) // 64)

@@ -54,9 +54,9 @@ class Residual(nn.Module):
         super().__init__()
         self.placement = config.norm_placement
         self.sublayer = sublayer
-        self.norm = None if self.placement == "rezero" else build_norm(config.norm, config.d_model, config.norm_eps)
+        self.norm = None if self.placement == "rezero" else build_norm(config.norm, config.d_model)
         if self.placement == "sandwich":
-            self.norm_out = build_norm(config.norm, config.d_model, config.norm_eps)
+            self.norm_out = build_norm(config.norm, config.d_model)
         if self.placement == "rezero":
             self.gain = ReZeroGain()
         self.residual_scale = deepnorm_scales(config, in_decoder)[0] if self.placement == "deepnorm" else 1.0

@@ -11,7 +11,7 @@ from xscale.models.early_exit import check_early_exit_config
 from xscale.models.funnel import check_funnel_config
 from xscale.models.moe import check_moe_config
 from xscale.models.patch_embedding import check_patch_config
-from xscale.models.registry import REGISTRIES
+from xscale.models.registry import FFN, NORM, POSITION, REGISTRIES, ROUTER
 from xscale.models.reversible import check_reversible_config
 from xscale.models.segment_memory import check_segment_memory_config
 
@@ -29,13 +29,22 @@ def check_registered(kind: str, name: str, where: str) -> None:
 def check_component_names(config: Config) -> None:
     """Every component the model section names is registered (a router typo is refused even while MoE is off)."""
     model = config.model
-    check_registered("position", model.position, "model.position")
-    check_registered("norm", model.norm, "model.norm")
-    check_registered("ffn", model.ffn, "model.ffn")
+    check_registered("position", model.position.kind, "model.position")
+    check_registered("norm", model.norm.kind, "model.norm")
+    check_registered("ffn", model.ffn.kind, "model.ffn")
     for kind in dict.fromkeys(model.attention.per_layer or [model.attention.kind]):
         where = "model.attention.per_layer" if model.attention.per_layer else "model.attention.kind"
         check_registered("attention", kind, where)
-    check_registered("router", model.moe.router, "model.moe.router")
+    check_registered("router", model.moe.router.kind, "model.moe.router")
+
+
+def check_component_options(config: Config) -> None:
+    """Every named component's options read into its ``Options`` dataclass: an unknown option is refused naming the
+    valid ones, a value out of range by the option's own check."""
+    model = config.model
+    for registry, component, where in ((POSITION, model.position, "model.position"), (NORM, model.norm, "model.norm"),
+                                       (FFN, model.ffn, "model.ffn"), (ROUTER, model.moe.router, "model.moe.router")):
+        registry.options(component, where)
 
 
 def check_variants(config: Config) -> None:
@@ -52,4 +61,5 @@ def check_variants(config: Config) -> None:
 
 
 register_check("xscale.models", check_component_names)
+register_check("xscale.models", check_component_options)
 register_check("xscale.models", check_variants)

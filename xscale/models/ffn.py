@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from xscale.config.schema import Component
 from xscale.models.dropout import Dropout
 from xscale.models.registry import FFN
 from xscale.models.traits import ParallelTraits
@@ -80,5 +81,7 @@ class ReGLU(GatedMLP):
     activation = "relu"
 
 
-def build_ffn(name: str, d_model: int, hidden: int, bias: bool, dropout: float) -> nn.Module:
-    return FFN.get(name)(d_model, hidden, bias=bias, dropout=dropout)
+def build_ffn(ffn: Component, d_model: int, hidden: int, bias: bool, dropout: float) -> nn.Module:
+    """The feed-forward block ``model.ffn`` names (its options checked: none so far)."""
+    FFN.options(ffn, "model.ffn")
+    return FFN.get(ffn.kind)(d_model, hidden, bias=bias, dropout=dropout)

@@ -52,8 +52,8 @@ def check_funnel_config(model: ModelConfig) -> None:
     if sum(model.funnel) != model.n_layers:
         raise ConfigError(f"model.funnel={model.funnel} holds {sum(model.funnel)} blocks but model.n_layers="
                           f"{model.n_layers}; make them agree")
-    if model.position in POSITION.names() and not POSITION.get(model.position).adds_to_input \
-            and model.position != "none":
+    if model.position.kind in POSITION.names() and not POSITION.get(model.position.kind).adds_to_input \
+            and model.position.kind != "none":
         raise ConfigError(f"model.funnel pools the queries, whose positions then differ from the keys': "
                           f"model.position={model.position} is refused; use learned, sinusoidal or none")
     dense = ATTENTION.get("dense")

@@ -2,16 +2,33 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
+from xscale.config.schema import Component, ConfigError
 from xscale.models.registry import NORM
 from xscale.ops import rms_norm
+
+
+@dataclasses.dataclass
+class NormOptions:
+    """The options every norm takes."""
+
+    eps: float = dataclasses.field(default=1e-5, metadata={"help": "added to the variance (or norm) before the "
+                                                                   "division"})
+
+    def __post_init__(self) -> None:
+        if not self.eps > 0:
+            raise ConfigError(f"model.norm.options.eps must be positive, got {self.eps}")
 
 
 @NORM.register("layernorm")
 class LayerNorm(nn.LayerNorm):
     """y = (x - mean) / sqrt(var + eps) * g + b."""
+
+    Options = NormOptions
 
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__(dim, eps=eps)
@@ -21,6 +38,7 @@ class LayerNorm(nn.LayerNorm):
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * g, computed in float32."""
 
+    Options = NormOptions
     kernels = "auto"  # the fused-op backend (Transformer.use_kernels)
 
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
@@ -44,6 +62,8 @@ class ScaleNorm(nn.Module):
     (:func:`xscale.checkpoint.checkpointer.check_fingerprint`).
     """
 
+    Options = NormOptions
+
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
         self.eps = eps
@@ -65,5 +85,6 @@ class ScaleNorm(nn.Module):
             self.scale.fill_(float(self.dim) ** 0.5)
 
 
-def build_norm(name: str, dim: int, eps: float) -> nn.Module:
-    return NORM.get(name)(dim, eps)
+def build_norm(norm: Component, dim: int) -> nn.Module:
+    """The norm ``model.norm`` names over ``dim`` features, with its options (eps)."""
+    return NORM.get(norm.kind)(dim, NORM.options(norm, "model.norm").eps)

@@ -11,9 +11,9 @@ from xscale.models import build_model
 def experts_per_token(moe: MoEConfig) -> float:
     """Experts a token passes through on average: top_k under token choice (switch, gshard), one under hash
     routing, capacity_factor under expert choice (each expert takes c * n / E of n tokens; Zhou et al. 2022)."""
-    if moe.router == "expert_choice":
+    if moe.router.kind == "expert_choice":
         return moe.capacity_factor
-    if moe.router == "hash":
+    if moe.router.kind == "hash":
         return 1.0
     return float(moe.top_k)
 

@@ -68,6 +68,6 @@ def check_patch_config(config: Config) -> None:
     if seq_len != expected:
         raise ConfigError(f"train.seq_len={seq_len} must be the patch count plus the class token, "
                           f"(image_size / patch_size)^2 + 1 = {expected}: set train.seq_len={expected}")
-    if model.moe.num_experts and model.moe.router == "hash":
+    if model.moe.num_experts and model.moe.router.kind == "hash":
         raise ConfigError("model.moe.router=hash routes by token id and images have none (model.input=patches); "
                           "use another router")

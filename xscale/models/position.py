@@ -9,13 +9,16 @@ sequence (context parallelism) finds their global positions there, and the encod
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from xscale.models.registry import POSITION
+from xscale.config.schema import Component, ConfigError
+from xscale.models.registry import POSITION, NoOptions
 from xscale.models.traits import ParallelTraits
 from xscale.ops import apply_rope
 from xscale.runtime import StepContext
@@ -30,11 +33,14 @@ class PositionEncoding(nn.Module):
     biases_from_content = False  # content_bias reads q and k (Shaw, Transformer-XL)
     mixes_values = False  # value_term adds to the attention output (Shaw's a^V)
 
+    Options: ClassVar[type] = NoOptions
+
     def __init__(self, d_model: int, n_heads: int, head_dim: int, max_seq_len: int, causal: bool,
-                 rope_theta: float = 10000.0) -> None:
+                 options: Any = None) -> None:
         super().__init__()
         self.d_model, self.n_heads, self.head_dim = d_model, n_heads, head_dim
-        self.max_seq_len, self.causal, self.rope_theta = max_seq_len, causal, rope_theta
+        self.max_seq_len, self.causal = max_seq_len, causal
+        self.options = self.Options() if options is None else options
 
     def embed(self, x: torch.Tensor, context: StepContext | None = None) -> torch.Tensor:
         """x: (B, T, D) token embeddings -> with absolute positions added."""
@@ -139,10 +145,20 @@ class LearnedPosition(PositionEncoding):
         return x + _table_rows(self.weight, x.shape[1], context)
 
 
+@dataclasses.dataclass
+class RotaryOptions:
+    theta: float = dataclasses.field(default=10000.0, metadata={"help": "the base of the angles pos * theta^(-2i/d)"})
+
+    def __post_init__(self) -> None:
+        if not self.theta > 0:
+            raise ConfigError(f"model.position.options.theta must be positive, got {self.theta}")
+
+
 @POSITION.register("rope")
 class RotaryPosition(PositionEncoding):
     """RoPE: rotate feature pairs (i, i + d/2) by angle pos * theta^(-2i/d) (Su et al. 2021, eq. 34)."""
 
+    Options = RotaryOptions
     parallel_traits = ParallelTraits(tp="replicated", cp=True)
     rotates_qk = True
     kernels = "auto"  # the fused-op backend (Transformer.use_kernels)
@@ -153,7 +169,7 @@ class RotaryPosition(PositionEncoding):
 
     def _cos_sin(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cache is None or self._cache[0] < length or self._cache[1] != device:
-            inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device)
+            inv_freq = 1.0 / (self.options.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device)
                                             / self.head_dim))
             angles = torch.outer(torch.arange(length, dtype=torch.float32, device=device), inv_freq)
             angles = torch.cat([angles, angles], dim=-1)
@@ -207,17 +223,30 @@ class ALiBiPosition(PositionEncoding):
         return _query_rows(bias_of, q_len, k_len, context)
 
 
+@dataclasses.dataclass
+class T5BiasOptions:
+    num_buckets: int = dataclasses.field(default=32, metadata={"help": "relative-distance buckets (half each way "
+                                                                       "in an encoder)"})
+    max_distance: int = dataclasses.field(default=128, metadata={"help": "distance of the last, log-spaced bucket"})
+
+    def __post_init__(self) -> None:
+        if self.num_buckets < 4 or self.max_distance <= self.num_buckets // 2:
+            raise ConfigError(f"model.position.options: t5_bias needs num_buckets >= 4 and max_distance > "
+                              f"num_buckets / 2, got num_buckets={self.num_buckets}, max_distance={self.max_distance}")
+
+
 @POSITION.register("t5_bias")
 class T5RelativeBias(PositionEncoding):
     """A learned scalar per head and log-spaced relative-distance bucket (Raffel et al. 2020, sec. 2.1)."""
 
+    Options = T5BiasOptions
     parallel_traits = ParallelTraits(tp="replicated", cp=True)
     biases_logits = True
 
-    def __init__(self, *args, num_buckets: int = 32, max_distance: int = 128, **kwargs) -> None:
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.num_buckets, self.max_distance = num_buckets, max_distance
-        self.weight = nn.Parameter(torch.empty(num_buckets, self.n_heads))
+        self.num_buckets, self.max_distance = self.options.num_buckets, self.options.max_distance
+        self.weight = nn.Parameter(torch.empty(self.num_buckets, self.n_heads))
 
     def _bucket(self, relative: torch.Tensor) -> torch.Tensor:
         buckets = self.num_buckets
@@ -247,9 +276,10 @@ class T5RelativeBias(PositionEncoding):
         return _query_rows(bias_of, q_len, k_len, context)
 
 
-def build_position(name: str, d_model: int, n_heads: int, head_dim: int, max_seq_len: int, causal: bool,
-                   rope_theta: float = 10000.0) -> PositionEncoding:
-    return POSITION.get(name)(d_model, n_heads, head_dim, max_seq_len, causal, rope_theta=rope_theta)
+def build_position(position: Component, d_model: int, n_heads: int, head_dim: int, max_seq_len: int,
+                   causal: bool) -> PositionEncoding:
+    """The encoding ``model.position`` names, with its options."""
+    return POSITION.build(position, "model.position", d_model, n_heads, head_dim, max_seq_len, causal)
 
 
 class _GradientTap(torch.autograd.Function):

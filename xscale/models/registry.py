@@ -2,13 +2,24 @@
 
 Adding a variant touches one file (which registers itself) plus its test. Every component module is imported by
 ``xscale.models`` itself (:mod:`xscale.models.zoo`), so a registry read through any ``xscale.models`` import is
-complete.
+complete. A component's settings are its ``Options`` dataclass (defaults, ranges in ``__post_init__``, a one-line
+help per field in ``metadata["help"]``): a config names it as ``{kind: NAME, options: {...}}``
+(:class:`~xscale.config.schema.Component`) and :meth:`Registry.options` reads those into the dataclass.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
+
+from xscale.config.load import from_dict
+from xscale.config.schema import Component, ConfigError
+
+
+@dataclasses.dataclass
+class NoOptions:
+    """A component without options."""
 
 
 class Registry:
@@ -33,6 +44,24 @@ class Registry:
 
     def names(self) -> list[str]:
         return sorted(self._entries)
+
+    def options_class(self, name: str) -> type:
+        """The ``Options`` dataclass of component ``name`` (:class:`NoOptions` when it has none)."""
+        return getattr(self.get(name), "Options", NoOptions)
+
+    def options(self, component: Component, where: str) -> Any:
+        """``component``'s options as its ``Options`` dataclass, defaults filled in; an unknown option is refused
+        naming the closest and every valid one (``where``: the config key, e.g. ``model.position``)."""
+        cls = self.options_class(component.kind)
+        if component.options and not dataclasses.fields(cls):
+            raise ConfigError(f"{where}: {self.kind} '{component.kind}' takes no options; remove "
+                              f"{', '.join(f'{where}.options.{key}' for key in component.options)}")
+        return from_dict(cls, component.options, f"{where}.options")
+
+    def build(self, component: Component, where: str, *args: Any, **kwargs: Any) -> Any:
+        """The registered class of ``component.kind`` called with ``args``, ``kwargs`` and ``options=`` its parsed
+        options."""
+        return self.get(component.kind)(*args, options=self.options(component, where), **kwargs)
 
     def __contains__(self, name: str) -> bool:
         return name in self._entries

@@ -112,7 +112,7 @@ def check_segment_memory_config(config: Config) -> None:
     where = f"model.segment_memory={model.segment_memory}"
     if model.family != "decoder":
         raise ConfigError(f"{where} serves model.family=decoder (a causal stream); set model.segment_memory=0")
-    if model.position not in MEMORY_POSITIONS:
+    if model.position.kind not in MEMORY_POSITIONS:
         raise ConfigError(f"{where} needs relative positions that span memory and segment: set model.position=xl "
                           f"(Transformer-XL's, dense attention) or rope (model.position={model.position} is not "
                           "supported with a memory)")
@@ -150,7 +150,7 @@ def check_memory_cores(config: Config) -> None:
             able = [name for name in ATTENTION.names() if ATTENTION.get(name).attends_to_memory]
             raise ConfigError(f"{where}: attention '{kind}' cannot take the memory as extra keys; use one of "
                               f"{', '.join(able)}")
-        if model.position == "xl" and not core.supports_bias:
+        if model.position.kind == "xl" and not core.supports_bias:
             raise ConfigError(f"{where}: attention '{kind}' cannot add Transformer-XL's relative terms (a logit "
                               "bias) to its scores; set model.position=rope (relative by rotation over memory and "
                               "segment) or use model.attention.kind=dense")

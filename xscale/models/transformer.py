@@ -58,8 +58,8 @@ class LMHeadTransform(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.dense = nn.Linear(config.d_model, config.d_model)
-        self.activation = "gelu" if config.ffn in ("gelu", "relu") else "gelu_tanh"
-        self.norm = build_norm(config.norm, config.d_model, config.norm_eps)
+        self.activation = "gelu" if config.ffn.kind in ("gelu", "relu") else "gelu_tanh"
+        self.norm = build_norm(config.norm, config.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(ACTIVATIONS[self.activation](self.dense(x)))
@@ -84,8 +84,7 @@ class Stack(nn.Module):
         self.act = AdaptiveComputationTime(config) if config.act else None
         self.funnel = Funnel(config) if config.funnel and not causal else None
         self.position: PositionEncoding | None = build_position(
-            config.position, config.d_model, config.n_heads, config.head_dim, config.max_seq_len, causal,
-            config.rope_theta)
+            config.position, config.d_model, config.n_heads, config.head_dim, config.max_seq_len, causal)
         uses_bias = self.position.biases_logits or self.position.biases_from_content
         # A funnel's decoder blocks come after the n_layers it pools between (:mod:`xscale.models.funnel`).
         built = 1 if config.share_layers else n_layers + (self.funnel.decoder_layers if self.funnel is not None else 0)
@@ -95,7 +94,7 @@ class Stack(nn.Module):
             for i in range(built)
         })
         self.final_norm = (
-            build_norm(config.norm, config.d_model, config.norm_eps)
+            build_norm(config.norm, config.d_model)
             if config.norm_placement in PRE_NORM_PLACEMENTS else None
         )
         # Depths whose blocks take and pass on RealFormer scores (the whole stack's, kept when a stage is cut).
@@ -199,7 +198,7 @@ class Transformer(nn.Module):
         self.embedding = (PatchEmbedding(config) if self.reads_pixels
                           else nn.Embedding(config.vocab_size, config.d_model))
         self.embedding_norm = (
-            build_norm(config.norm, config.d_model, config.norm_eps) if config.embedding_norm else None
+            build_norm(config.norm, config.d_model) if config.embedding_norm else None
         )
         self.embedding_dropout = Dropout(config.dropout)
         decoder_only = config.family == "decoder"

@@ -253,7 +253,7 @@ def check_context_parallel_model(model: ModelConfig, cp: int) -> None:
                               f"{', '.join(served)} all-gather over the cp ranks (their parallel_traits declare "
                               "cp, cp_positions or cp_whole_sequence); use one of them (model.attention.kind) or "
                               "parallel.cp=1")
-    if not traits_of(POSITION.get(model.position)).cp:
+    if not traits_of(POSITION.get(model.position.kind)).cp:
         served = [name for name in POSITION.names() if traits_of(POSITION.get(name)).cp]
         raise ConfigError(f"model.position={model.position} has no context-parallel plan (its parallel_traits do not "
                           f"declare cp); use one of {', '.join(served)} or parallel.cp=1")

@@ -58,7 +58,7 @@ def test_converted_checkpoint_resumes_as_init_from_does(tmp_path):
 def test_model_overrides_still_apply_and_bad_sources_are_refused(tmp_path):
     save("gpt2", tmp_path / "hf")
     config = load_config(None, [f"checkpoint.init_from=hf:{tmp_path / 'hf'}", "model.dropout=0.2", "train.seq_len=16"])
-    assert (config.model.dropout, config.model.position) == (0.2, "learned")
+    assert (config.model.dropout, config.model.position.kind) == (0.2, "learned")
     with pytest.raises(ConfigError, match="checkpoint.init_from"):
         load_config(None, ["checkpoint.init_from=gpt2"])
     with pytest.raises(ConfigError, match="checkpoint.init_from=hf:.*config.json is missing"):

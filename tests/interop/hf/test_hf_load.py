@@ -30,7 +30,7 @@ def test_imported_logits_equal_huggingface(tmp_path, kind):
 def test_llama_keeps_grouped_query_attention_and_an_untied_head(tmp_path):
     save("llama", tmp_path)
     config = hf_model_config(tmp_path)
-    assert (config.n_heads, config.kv_heads, config.tie_embeddings, config.rope_theta) == (4, 2, False, 5000.0)
+    assert (config.n_heads, config.kv_heads, config.tie_embeddings, config.position.options) == (4, 2, False, {"theta": 5000.0})
 
 
 def test_overrides_apply_on_top_of_config_json(tmp_path):

@@ -22,7 +22,7 @@ CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 ])
 def test_moe_configs_validate(name, router, experts):
     config = load_config(CONFIGS / f"{name}.yaml")
-    assert config.model.moe.router == router and config.model.moe.num_experts == experts
+    assert config.model.moe.router.kind == router and config.model.moe.num_experts == experts
     assert config.model.moe.num_experts % config.parallel.ep == 0
 
 

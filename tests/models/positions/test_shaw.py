@@ -11,14 +11,14 @@ import xscale.models.zoo  # noqa: F401  (registers every component)
 from xscale.config.schema import AttentionConfig, ConfigError, ModelConfig
 from xscale.models import build_model
 from xscale.models.attention import Attention
-from xscale.models.positions.shaw import ShawRelativePosition
+from xscale.models.positions.shaw import ShawOptions, ShawRelativePosition
 
 
 def _attention(causal: bool, kv_heads: int, max_distance: int) -> tuple[Attention, ShawRelativePosition]:
     torch.manual_seed(0)
     config = ModelConfig(vocab_size=32, d_model=16, n_heads=4, n_kv_heads=kv_heads, position="shaw", max_seq_len=16)
     attention = Attention(config, 0, causal=causal, uses_bias=True, mixes_values=True)
-    position = ShawRelativePosition(16, 4, 4, 16, causal, max_distance=max_distance)
+    position = ShawRelativePosition(16, 4, 4, 16, causal, options=ShawOptions(max_distance))
     torch.nn.init.normal_(position.key_table)
     torch.nn.init.normal_(position.value_table)
     return attention, position
@@ -61,7 +61,7 @@ def test_matches_the_loop_over_pairs_with_gradients(causal: bool, kv_heads: int,
 
 
 def test_clipping_makes_distant_keys_share_a_row() -> None:
-    position = ShawRelativePosition(16, 4, 4, 16, False, max_distance=2)
+    position = ShawRelativePosition(16, 4, 4, 16, False, options=ShawOptions(2))
     rows = position._buckets(6, 6, torch.device("cpu"))
     assert rows[0].tolist() == [2, 3, 4, 4, 4, 4] and rows[5].tolist() == [0, 0, 0, 0, 1, 2]
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from xscale.config.schema import ModelConfig
-from xscale.interop.hf.rules import Family, Rule, linear, require, same
+from xscale.interop.hf.rules import Family, Rule, linear, norm_eps, require, same
 
 EMBEDDINGS = "bert.embeddings."
 TYPE_VOCAB_SIZE = 2
@@ -26,8 +26,8 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "family": "encoder", "vocab_size": hf.get("vocab_size", 30522), "d_model": hf.get("hidden_size", 768),
         "n_layers": hf.get("num_hidden_layers", 12), "n_heads": hf.get("num_attention_heads", 12),
         "n_kv_heads": None, "d_ff": hf.get("intermediate_size", 3072),
-        "max_seq_len": hf.get("max_position_embeddings", 512), "position": "learned", "norm": "layernorm",
-        "norm_placement": "post", "norm_eps": hf.get("layer_norm_eps", 1e-12), "embedding_norm": True,
+        "max_seq_len": hf.get("max_position_embeddings", 512), "position": "learned",
+        "norm": {"kind": "layernorm", "options": {"eps": hf.get("layer_norm_eps", 1e-12)}}, "norm_placement": "post", "embedding_norm": True,
         "ffn": "gelu", "bias": True, "tie_embeddings": True, "lm_head_transform": True, "lm_head_bias": True,
         "dropout": hf.get("hidden_dropout_prob", 0.0), "attention_dropout": hf.get("attention_probs_dropout_prob", 0.0),
     }
@@ -38,7 +38,7 @@ def config_to_hf(model: ModelConfig) -> dict[str, Any]:
         "model_type": "bert", "architectures": ["BertForMaskedLM"], "vocab_size": model.vocab_size,
         "hidden_size": model.d_model, "num_hidden_layers": model.n_layers, "num_attention_heads": model.n_heads,
         "intermediate_size": model.ffn_hidden, "max_position_embeddings": model.max_seq_len, "hidden_act": "gelu",
-        "layer_norm_eps": model.norm_eps, "type_vocab_size": TYPE_VOCAB_SIZE,
+        "layer_norm_eps": norm_eps(model), "type_vocab_size": TYPE_VOCAB_SIZE,
         "hidden_dropout_prob": model.dropout, "attention_probs_dropout_prob": model.attention_dropout,
         "tie_word_embeddings": True, "pad_token_id": 0,
     }
@@ -75,8 +75,8 @@ def rules(model: ModelConfig) -> list[Rule]:
 
 BERT = Family(
     model_type="bert", architecture="BertForMaskedLM", auto_class="AutoModelForMaskedLM", base_prefix="bert.",
-    requires={"family": ("encoder",), "position": ("learned",), "norm": ("layernorm",), "norm_placement": ("post",),
-              "embedding_norm": (True,), "ffn": ("gelu",), "bias": (True,), "tie_embeddings": (True,),
+    requires={"family": ("encoder",), "position.kind": ("learned",), "norm.kind": ("layernorm",), "norm_placement": ("post",),
+              "embedding_norm": (True,), "ffn.kind": ("gelu",), "bias": (True,), "tie_embeddings": (True,),
               "lm_head_transform": (True,), "lm_head_bias": (True,), "n_kv_heads": (None,)},
     config_from_hf=config_from_hf, config_to_hf=config_to_hf, rules=rules,
 )

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from xscale.config.schema import ModelConfig
-from xscale.interop.hf.rules import Family, InteropError, Rule, fused, require, same, transposed
+from xscale.interop.hf.rules import Family, InteropError, Rule, fused, norm_eps, require, same, transposed
 
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 
@@ -26,7 +26,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "family": "decoder", "vocab_size": hf.get("vocab_size", 50257), "d_model": d_model,
         "n_layers": hf.get("n_layer", 12), "n_heads": hf.get("n_head", 12), "n_kv_heads": None,
         "d_ff": hf.get("n_inner") or 4 * d_model, "max_seq_len": hf.get("n_positions", 1024), "position": "learned",
-        "norm": "layernorm", "norm_placement": "pre", "norm_eps": hf.get("layer_norm_epsilon", 1e-5),
+        "norm": {"kind": "layernorm", "options": {"eps": hf.get("layer_norm_epsilon", 1e-5)}}, "norm_placement": "pre",
         "embedding_norm": False, "ffn": ACTIVATIONS[activation], "bias": True, "tie_embeddings": True,
         "lm_head_transform": False, "lm_head_bias": False, "dropout": hf.get("resid_pdrop", 0.0),
         "attention_dropout": hf.get("attn_pdrop", 0.0),
@@ -34,12 +34,12 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def config_to_hf(model: ModelConfig) -> dict[str, Any]:
-    activation = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}[model.ffn]
+    activation = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}[model.ffn.kind]
     special = 50256 if model.vocab_size > 50256 else None  # GPT-2's <|endoftext|>, when the vocabulary has it
     return {
         "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": model.vocab_size,
         "n_embd": model.d_model, "n_layer": model.n_layers, "n_head": model.n_heads, "n_inner": model.ffn_hidden,
-        "n_positions": model.max_seq_len, "activation_function": activation, "layer_norm_epsilon": model.norm_eps,
+        "n_positions": model.max_seq_len, "activation_function": activation, "layer_norm_epsilon": norm_eps(model),
         "resid_pdrop": model.dropout, "embd_pdrop": model.dropout, "attn_pdrop": model.attention_dropout,
         "tie_word_embeddings": True, "bos_token_id": special, "eos_token_id": special,
     }
@@ -67,8 +67,8 @@ def rules(model: ModelConfig) -> list[Rule]:
 
 GPT2 = Family(
     model_type="gpt2", architecture="GPT2LMHeadModel", auto_class="AutoModelForCausalLM", base_prefix="transformer.",
-    requires={"family": ("decoder",), "position": ("learned",), "norm": ("layernorm",), "norm_placement": ("pre",),
-              "embedding_norm": (False,), "ffn": ("gelu_tanh", "gelu", "relu"), "bias": (True,),
+    requires={"family": ("decoder",), "position.kind": ("learned",), "norm.kind": ("layernorm",), "norm_placement": ("pre",),
+              "embedding_norm": (False,), "ffn.kind": ("gelu_tanh", "gelu", "relu"), "bias": (True,),
               "tie_embeddings": (True,), "lm_head_transform": (False,), "lm_head_bias": (False,),
               "n_kv_heads": (None,)},
     config_from_hf=config_from_hf, config_to_hf=config_to_hf, rules=rules,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from xscale.config.schema import ModelConfig
-from xscale.interop.hf.rules import Family, InteropError, Rule, linear, require, same
+from xscale.interop.hf.rules import Family, InteropError, Rule, linear, norm_eps, require, rope_theta, same
 
 
 def _rope_theta(hf: dict[str, Any]) -> float:
@@ -37,8 +37,8 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "family": "decoder", "vocab_size": hf.get("vocab_size", 32000), "d_model": d_model,
         "n_layers": hf.get("num_hidden_layers", 32), "n_heads": n_heads,
         "n_kv_heads": None if kv_heads == n_heads else kv_heads, "d_ff": hf.get("intermediate_size", 11008),
-        "max_seq_len": hf.get("max_position_embeddings", 2048), "position": "rope", "rope_theta": _rope_theta(hf),
-        "norm": "rmsnorm", "norm_placement": "pre", "norm_eps": hf.get("rms_norm_eps", 1e-6),
+        "max_seq_len": hf.get("max_position_embeddings", 2048), "position": {"kind": "rope", "options": {"theta": _rope_theta(hf)}},
+        "norm": {"kind": "rmsnorm", "options": {"eps": hf.get("rms_norm_eps", 1e-6)}}, "norm_placement": "pre",
         "embedding_norm": False, "ffn": "swiglu", "bias": bias, "tie_embeddings": hf.get("tie_word_embeddings", False),
         "lm_head_transform": False, "lm_head_bias": False, "dropout": 0.0,
         "attention_dropout": hf.get("attention_dropout", 0.0),
@@ -50,8 +50,8 @@ def config_to_hf(model: ModelConfig) -> dict[str, Any]:
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": model.vocab_size,
         "hidden_size": model.d_model, "num_hidden_layers": model.n_layers, "num_attention_heads": model.n_heads,
         "num_key_value_heads": model.kv_heads, "head_dim": model.head_dim, "intermediate_size": model.ffn_hidden,
-        "max_position_embeddings": model.max_seq_len, "hidden_act": "silu", "rms_norm_eps": model.norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta}, "rope_theta": model.rope_theta,
+        "max_position_embeddings": model.max_seq_len, "hidden_act": "silu", "rms_norm_eps": norm_eps(model),
+        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta(model)}, "rope_theta": rope_theta(model),
         "attention_bias": model.bias, "mlp_bias": model.bias, "attention_dropout": model.attention_dropout,
         "tie_word_embeddings": model.tie_embeddings, "bos_token_id": None, "eos_token_id": None,
     }
@@ -74,8 +74,8 @@ def rules(model: ModelConfig) -> list[Rule]:
 
 LLAMA = Family(
     model_type="llama", architecture="LlamaForCausalLM", auto_class="AutoModelForCausalLM", base_prefix="model.",
-    requires={"family": ("decoder",), "position": ("rope",), "norm": ("rmsnorm",), "norm_placement": ("pre",),
-              "embedding_norm": (False,), "ffn": ("swiglu",), "lm_head_transform": (False,),
+    requires={"family": ("decoder",), "position.kind": ("rope",), "norm.kind": ("rmsnorm",), "norm_placement": ("pre",),
+              "embedding_norm": (False,), "ffn.kind": ("swiglu",), "lm_head_transform": (False,),
               "lm_head_bias": (False,)},
     config_from_hf=config_from_hf, config_to_hf=config_to_hf, rules=rules,
 )

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from xscale.config.schema import ModelConfig
+from xscale.models.registry import NORM, POSITION
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -89,7 +90,8 @@ class Family:
             value = setting(model, dotted)
             if value not in allowed:
                 wanted = " or ".join(repr(each) for each in allowed)
-                found.append(f"model.{dotted}={value!r} ({self.model_type} needs {wanted})")
+                shown = dotted.removesuffix(".kind") if dotted.split(".")[0] in model.COMPONENTS else dotted
+                found.append(f"model.{shown}={value!r} ({self.model_type} needs {wanted})")
         return found
 
 
@@ -116,3 +118,18 @@ def require(hf_config: dict[str, Any], key: str, allowed: tuple[Any, ...], defau
         wanted = " or ".join(repr(each) for each in allowed)
         raise InteropError(f"config.json {key}={value!r} has no xscale equivalent (xscale supports {wanted})")
     return value
+
+
+def norm_eps(model: ModelConfig) -> float:
+    """The norms' eps (``model.norm.options.eps``, its default when unset)."""
+    return NORM.options(model.norm, "model.norm").eps
+
+
+def position_options(model: ModelConfig) -> Any:
+    """``model.position``'s options, defaults filled in."""
+    return POSITION.options(model.position, "model.position")
+
+
+def rope_theta(model: ModelConfig) -> float:
+    """RoPE's base (``model.position.options.theta``)."""
+    return position_options(model).theta

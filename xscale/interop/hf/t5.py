@@ -12,15 +12,20 @@ import math
 from typing import Any
 
 from xscale.config.schema import ModelConfig
-from xscale.interop.hf.rules import Family, InteropError, Rule, require, same, scaled
-
-NUM_BUCKETS, MAX_DISTANCE = 32, 128  # xscale's T5RelativeBias
+from xscale.interop.hf.rules import (
+    Family,
+    InteropError,
+    Rule,
+    norm_eps,
+    position_options,
+    require,
+    same,
+    scaled,
+)
 
 
 def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     require(hf, "feed_forward_proj", ("relu",), "relu")
-    require(hf, "relative_attention_num_buckets", (NUM_BUCKETS,), NUM_BUCKETS)
-    require(hf, "relative_attention_max_distance", (MAX_DISTANCE,), MAX_DISTANCE)
     # transformers 5 always ties the head and scales the decoder output unless a config said tie_word_embeddings=false
     # (T5 v1.1); xscale's tied encoder-decoder scales (x sqrt(d_model) on the embeddings), so only v1.0 maps.
     require(hf, "scale_decoder_outputs", (True,), hf.get("tie_word_embeddings", True) is not False)
@@ -34,7 +39,9 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "family": "encoder_decoder", "vocab_size": hf.get("vocab_size", 32128), "d_model": d_model,
         "n_layers": layers, "n_decoder_layers": None if decoder_layers == layers else decoder_layers,
         "n_heads": n_heads, "n_kv_heads": None, "d_ff": hf.get("d_ff", 2048), "max_seq_len": hf.get("n_positions", 512),
-        "position": "t5_bias", "norm": "rmsnorm", "norm_placement": "pre", "norm_eps": hf.get("layer_norm_epsilon", 1e-6),
+        "position": {"kind": "t5_bias", "options": {"num_buckets": hf.get("relative_attention_num_buckets", 32),
+                                                    "max_distance": hf.get("relative_attention_max_distance", 128)}},
+        "norm": {"kind": "rmsnorm", "options": {"eps": hf.get("layer_norm_epsilon", 1e-6)}}, "norm_placement": "pre",
         "embedding_norm": False, "ffn": "relu", "bias": False, "tie_embeddings": True,
         "lm_head_transform": False, "lm_head_bias": False, "dropout": hf.get("dropout_rate", 0.0),
         "attention_dropout": hf.get("dropout_rate", 0.0),
@@ -46,8 +53,9 @@ def config_to_hf(model: ModelConfig) -> dict[str, Any]:
         "model_type": "t5", "architectures": ["T5ForConditionalGeneration"], "vocab_size": model.vocab_size,
         "d_model": model.d_model, "d_kv": model.head_dim, "d_ff": model.ffn_hidden, "num_layers": model.n_layers,
         "num_decoder_layers": model.decoder_layers, "num_heads": model.n_heads, "feed_forward_proj": "relu",
-        "relative_attention_num_buckets": NUM_BUCKETS, "relative_attention_max_distance": MAX_DISTANCE,
-        "layer_norm_epsilon": model.norm_eps, "dropout_rate": model.dropout, "is_encoder_decoder": True,
+        "relative_attention_num_buckets": position_options(model).num_buckets,
+        "relative_attention_max_distance": position_options(model).max_distance,
+        "layer_norm_epsilon": norm_eps(model), "dropout_rate": model.dropout, "is_encoder_decoder": True,
         "tie_word_embeddings": True, "scale_decoder_outputs": True, "n_positions": model.max_seq_len, "pad_token_id": 0,
         "eos_token_id": 1, "decoder_start_token_id": 0,
     }
@@ -82,8 +90,8 @@ def rules(model: ModelConfig) -> list[Rule]:
 
 T5 = Family(
     model_type="t5", architecture="T5ForConditionalGeneration", auto_class="AutoModelForSeq2SeqLM", base_prefix="",
-    requires={"family": ("encoder_decoder",), "position": ("t5_bias",), "norm": ("rmsnorm",),
-              "norm_placement": ("pre",), "embedding_norm": (False,), "ffn": ("relu",), "bias": (False,),
+    requires={"family": ("encoder_decoder",), "position.kind": ("t5_bias",), "norm.kind": ("rmsnorm",),
+              "norm_placement": ("pre",), "embedding_norm": (False,), "ffn.kind": ("relu",), "bias": (False,),
               "lm_head_transform": (False,), "lm_head_bias": (False,), "n_kv_heads": (None,),
               "tie_embeddings": (True,)},
     config_from_hf=config_from_hf, config_to_hf=config_to_hf, rules=rules,

@@ -85,8 +85,8 @@ class MoELayer(nn.Module):
         self.num_experts = moe.num_experts
         self.aux_loss_coef = moe.aux_loss_coef
         self.z_loss_coef = moe.z_loss_coef
-        self.router = ROUTER.get(moe.router)(config, layer_index)
-        self.experts = StackedExperts(moe.num_experts, config.ffn, config.d_model, config.ffn_hidden, config.bias)
+        self.router = build_router(config, layer_index)
+        self.experts = StackedExperts(moe.num_experts, config.ffn.kind, config.d_model, config.ffn_hidden, config.bias)
         self.shared_expert = (
             build_ffn(config.ffn, config.d_model, config.ffn_hidden, config.bias, 0.0) if moe.shared_expert else None
         )
@@ -157,6 +157,12 @@ def routing_summary(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
     return summary
 
 
+def build_router(config: ModelConfig, layer_index: int) -> nn.Module:
+    """The router ``model.moe.router`` names (its options checked: none so far)."""
+    ROUTER.options(config.moe.router, "model.moe.router")
+    return ROUTER.get(config.moe.router.kind)(config, layer_index)
+
+
 def check_moe_config(config: ModelConfig, ep: int = 1) -> None:
     """Refuse MoE settings that cannot run, with a ConfigError saying what to change (before any build)."""
     moe = config.moe
@@ -173,8 +179,8 @@ def check_moe_config(config: ModelConfig, ep: int = 1) -> None:
         raise ConfigError(f"model.moe.min_capacity must be >= 0, got {moe.min_capacity}")
     if moe.drop_policy not in ("probs", "position"):
         raise ConfigError(f"model.moe.drop_policy='{moe.drop_policy}' is not one of probs, position")
-    if moe.router not in ROUTER:
-        raise ConfigError(f"model.moe.router='{moe.router}' is not one of {', '.join(ROUTER.names())}")
+    if moe.router.kind not in ROUTER:
+        raise ConfigError(f"model.moe.router='{moe.router.kind}' is not one of {', '.join(ROUTER.names())}")
     if ep < 1 or moe.num_experts % ep:
         raise ConfigError(
             f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.ep={ep}; pick ep from "
@@ -184,7 +190,7 @@ def check_moe_config(config: ModelConfig, ep: int = 1) -> None:
     with torch.device("meta"):  # the routers check their own options (top_k, causality) when built
         for layer_index in range(layers):
             if moe.is_moe_layer(layer_index):
-                ROUTER.get(moe.router)(config, layer_index)
+                build_router(config, layer_index)
 
 
 def build_moe(config: ModelConfig, layer_index: int) -> nn.Module:

@@ -11,26 +11,40 @@ value term is added to the attention output from the probabilities, so only a co
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
+from xscale.config.schema import ConfigError
 from xscale.models.position import PositionEncoding, relative_distances
 from xscale.models.registry import POSITION
 from xscale.models.traits import ParallelTraits
 from xscale.runtime import StepContext
 
 
+@dataclasses.dataclass
+class ShawOptions:
+    max_distance: int = dataclasses.field(default=16, metadata={"help": "k: relative distances are clipped to "
+                                                                        "[-k, k] (2k + 1 table rows)"})
+
+    def __post_init__(self) -> None:
+        if self.max_distance < 1:
+            raise ConfigError(f"model.position.options.max_distance must be >= 1, got {self.max_distance}")
+
+
 @POSITION.register("shaw")
 class ShawRelativePosition(PositionEncoding):
     """Clipped relative embeddings a^K on the keys and a^V on the values (Shaw et al. 2018, eqs. 3-5)."""
 
+    Options = ShawOptions
     parallel_traits = ParallelTraits(tp="replicated")
     biases_from_content = True
     mixes_values = True
 
-    def __init__(self, *args, max_distance: int = 16, **kwargs) -> None:
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.max_distance = max_distance
+        max_distance = self.max_distance = self.options.max_distance
         self.key_table = nn.Parameter(torch.empty(2 * max_distance + 1, self.head_dim))
         self.value_table = nn.Parameter(torch.empty(2 * max_distance + 1, self.head_dim))
 

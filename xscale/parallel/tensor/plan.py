@@ -104,7 +104,7 @@ def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
             f"model.vocab_size={config.vocab_size} is not divisible by parallel.tp={tp}: the embedding and the "
             f"output projection are split by vocabulary; pad the vocabulary to {padded} (model.vocab_size)"
         )
-    if has_dense_ffn and traits_of(FFN.get(config.ffn)).tp != "split_hidden":
+    if has_dense_ffn and traits_of(FFN.get(config.ffn.kind)).tp != "split_hidden":
         raise ConfigError(f"the feed-forward network model.ffn={config.ffn} declares no column/row-parallel split "
                           "(its parallel_traits), so the tensor-parallel plan refuses it; use parallel.tp=1")
     for kind in sorted(_attention_kinds(config)):
