@@ -15,8 +15,10 @@ import xscale.models.zoo  # noqa: F401  (registers every component, for --compon
 from xscale.commands.parser import CommandParser
 from xscale.config.load import load_config_from_cli
 from xscale.config.schema import CHOICES, Config, ConfigError
+from xscale.data.sources import SOURCES
 from xscale.estimate.measure import MeasureError, measure_report
 from xscale.estimate.memory import predicted_pipeline_state_bytes, predicted_state_bytes
+from xscale.models.catalog import options_catalog
 from xscale.models.funnel import funnel_decoder_blocks
 from xscale.models.parameters import ModelCount, count_parameters, experts_per_token
 from xscale.models.registry import REGISTRIES
@@ -286,6 +288,13 @@ def components_report() -> str:
         if key.startswith("model.") or key in ("train.objective", "train.task"):
             lines.append(f"  {key:<32} {', '.join(values)}")
     lines.append(f"  {'model.<stack option>':<32} {', '.join(STACK_VARIANTS)}")
+    lines.append("options (KEY: {kind: NAME, options: {OPTION: VALUE}}; the default after each =):")
+    for key, kind, described in options_catalog():
+        lines.append(f"  {key + ': ' + kind:<32} {described}")
+    for name in SOURCES.names():
+        source = SOURCES.get(name)
+        if source.options:
+            lines.append(f"  {'data.options: ' + name:<32} {', '.join(source.options)}")
     return "\n".join(lines)
 
 
