@@ -67,6 +67,10 @@ def plan_table(config_path: str, config: Config, cluster: Cluster, devices: int,
     exposed = ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in best.step.communication.items()
                         if seconds > 0)
     lines.append(f"first choice's exposed communication: {exposed or 'none'}")
+    if devices > config.train.global_batch_size:
+        lines.append(f"note: the global batch of {config.train.global_batch_size} sequences leaves at most that many "
+                     f"data-parallel ranks, so model parallelism takes the rest of the {devices} devices; a larger "
+                     f"train.global_batch_size uses them better")
     lines.append("run it: " + " ".join(f"{key}={_yaml_value(value)}" for key, value in best.overrides.items()))
     return lines
 

@@ -77,7 +77,7 @@ class Layout:
         text += f" zero{self.zero_stage}" if self.dp * self.cp > 1 else ""
         text += " sp" if self.sequence_parallel else ""
         if self.pp > 1:
-            text += f" {self.schedule}" + (f"x{self.stages_per_rank}" if self.stages_per_rank > 1 else "")
+            text += f" {self.schedule}" + (f"(v={self.stages_per_rank})" if self.stages_per_rank > 1 else "")
         text += f" mb={self.micro_batch}x{self.microbatches}"
         text += f" ckpt={self.checkpointing}" if self.checkpointing != "none" else ""
         return text
