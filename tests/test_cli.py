@@ -131,6 +131,7 @@ def test_each_tool_prints_plain_help(argv, capsys):
 BAD_INPUT = {  # command -> (arguments, what the one stderr line says)
     "train": (["model.n_heads=7"], "does not divide model.d_model"),
     "inspect": (["model.n_heads=7"], "does not divide model.d_model"),
+    "plan": (["{tmp}/missing.yaml", "--cluster", "{tmp}/cluster.yaml", "--devices", "8"], "cluster.yaml: cannot be read"),
     "export": (["{tmp}/missing", "{tmp}/out.safetensors"], "missing is not a complete xscale checkpoint"),
     "bench": (["atention"], "unknown benchmark 'atention' (did you mean 'attention'?)"),
     "data": (["tokenizer", "--input", "{tmp}/missing.txt", "--vocab-size", "1000", "--output", "{tmp}/tok"],

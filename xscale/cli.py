@@ -16,6 +16,7 @@ COMMANDS = {
     "eval": ("xscale.commands.eval", "main", "loss and perplexity of a checkpoint on its run's data or other data"),
     "generate": ("xscale.commands.generate", "main", "continue a prompt with a trained decoder (KV cache, sampling)"),
     "inspect": ("xscale.commands.inspect", "main", "parameters, FLOPs per token and per-rank memory of a config"),
+    "plan": ("xscale.commands.plan", "main", "the fastest layouts that fit N devices of a cluster, predicted"),
     "export": ("xscale.commands.export", "main", "write a checkpoint's weights: one safetensors file, or --format hf"),
     "convert": ("xscale.commands.convert", "main", "Hugging Face weights (or an export) into an xscale checkpoint"),
     "bench": ("xscale.commands.bench", "main", "benchmarks: train | attention | kernels | moe | parallel | dropout | lra | memory"),

@@ -1,0 +1,62 @@
+"""``xscale plan``: the layouts it prints for real configs pass the validator, in seconds; bad input is one line
+and exit 2; ``--emit`` writes a config that ``xscale train`` reads."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from xscale.cli import main
+from xscale.config.load import load_config
+from xscale.parallel.checks import resolve_layout
+
+H100 = "configs/clusters/h100-ib.yaml"
+LAYOUT_ROW = re.compile(r"^\s+\d+\s+(?P<layout>.+?)\s{2,}\d+\.\d GiB")
+
+
+def _overrides(line: str) -> list[str]:
+    return line.removeprefix("run it: ").split()
+
+
+@pytest.mark.parametrize("config, devices", [
+    ("configs/tinyllama-1.1b.yaml", 8), ("configs/tinyllama-1.1b.yaml", 4096),
+    ("configs/llama2-7b.yaml", 8), ("configs/llama2-7b.yaml", 4096),
+    ("configs/gpt3-175b.yaml", 4096), ("configs/gshard-600b.yaml", 4096),
+])
+def test_plans_for_real_models_pass_the_validator(capsys, tmp_path, config, devices):
+    start = time.perf_counter()
+    emitted = tmp_path / "plan.yaml"
+    assert main(["plan", config, "--cluster", H100, "--devices", str(devices), "--tokens", "1T", "--top", "3",
+                 "--emit", str(emitted)]) == 0
+    assert time.perf_counter() - start < 30
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if LAYOUT_ROW.match(line)]
+    assert 1 <= len(rows) <= 3
+    run_line = next(line for line in out.splitlines() if line.startswith("run it: "))
+    dims, _ = resolve_layout(load_config(config, _overrides(run_line)), devices)
+    assert dims.world_size == devices
+    chosen = load_config(emitted)
+    assert resolve_layout(chosen, devices)[0] == dims
+    assert chosen.launch.nodes * chosen.launch.gpus_per_node == devices
+
+
+@pytest.mark.parametrize("config", ["configs/gpt3-175b.yaml", "configs/gshard-600b.yaml"])
+def test_nothing_fits_on_one_node(capsys, config):
+    assert main(["plan", config, "--cluster", H100, "--devices", "8"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("xscale plan: nothing fits on 8 devices") and "\n" not in error
+
+
+def test_bad_cluster_file_is_one_line(capsys, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(open(H100).read().replace("memory_gib: 74.5", "memory_gib: -1"))
+    assert main(["plan", "configs/tinyllama-1.1b.yaml", "--cluster", str(bad), "--devices", "8"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "memory_gib must be positive" in error and str(bad) in error and "\n" not in error
+
+
+def test_bad_tokens(capsys):
+    assert main(["plan", "configs/tinyllama-1.1b.yaml", "--cluster", H100, "--devices", "8", "--tokens", "lots"]) == 2
+    assert "--tokens" in capsys.readouterr().err

@@ -1,0 +1,75 @@
+"""Cluster files (:mod:`xscale.estimate.cluster`): the presets load, the GEMM curve interpolates, and every bad
+figure is one error naming the key and the file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from xscale.estimate.cluster import ClusterError, cluster_from_dict, cluster_to_dict, load_cluster
+
+PRESETS = sorted((Path(__file__).resolve().parents[2] / "configs" / "clusters").glob("*.yaml"))
+
+
+def _figures() -> dict:
+    link = {name: {"bandwidth_gbs": 100, "latency_us": 2} for name in
+            ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")}
+    return {"name": "test", "devices_per_node": 8, "memory_gib": 80, "memory_bandwidth_gbs": 2000,
+            "peak_tflops": {"bf16": 100, "fp32": 10}, "gemm_efficiency": [[100, 0.2], [300, 0.6]],
+            "links": {"intra_node": link, "inter_node": dict(link)}}
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda path: path.stem)
+def test_presets_load(path):
+    cluster = load_cluster(path)
+    assert cluster.devices_per_node >= 1 and cluster.peak_flops["bf16"] > 0
+    assert cluster_from_dict(cluster_to_dict(cluster)) == cluster
+
+
+def test_presets_include_gpus_and_this_machine():
+    assert {"h100-ib", "a100-ib", "cpu-2core"} <= {path.stem for path in PRESETS}
+
+
+def test_units_and_efficiency_curve():
+    cluster = cluster_from_dict(_figures())
+    assert cluster.memory_bytes == 80 * 2**30 and cluster.peak_flops["bf16"] == 100e12
+    assert cluster.link(True, "all_gather").latency_s == pytest.approx(2e-6)
+    assert cluster.link(False, "send_recv").bandwidth == 100e9
+    # flat beyond the ends, linear between points: 0.2 + (0.6 - 0.2) * (200 - 100) / (300 - 100) = 0.4
+    assert cluster.efficiency(10) == 0.2 and cluster.efficiency(1000) == 0.6
+    assert cluster.efficiency(200) == pytest.approx(0.4)
+
+
+@pytest.mark.parametrize("edit, key", [
+    (lambda f: f.pop("memory_gib"), "memory_gib is missing"),
+    (lambda f: f.update(devices_per_node=-8), "devices_per_node must be positive"),
+    (lambda f: f["peak_tflops"].update(bf16="fast"), "peak_tflops.bf16 must be a number"),
+    (lambda f: f["links"]["inter_node"].pop("all_to_all"), "links.inter_node.all_to_all is missing"),
+    (lambda f: f["links"]["intra_node"]["send_recv"].update(latency_us=-1),
+     "links.intra_node.send_recv.latency_us must be non-negative"),
+    (lambda f: f.update(gemm_efficiency=[[100, 1.5]]), "gemm_efficiency[0].fraction must be at most 1"),
+    (lambda f: f.update(gemm_efficiency=[[300, 0.5], [100, 0.6]]), "gemm_efficiency dimensions must be"),
+    (lambda f: f.pop("links"), "links is missing"),
+])
+def test_bad_figures_name_the_key_and_file(tmp_path, edit, key):
+    figures = _figures()
+    edit(figures)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(figures))
+    with pytest.raises(ClusterError) as error:
+        load_cluster(path)
+    assert str(path) in str(error.value) and key in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_unreadable_and_invalid_files(tmp_path):
+    with pytest.raises(ClusterError, match="cannot be read"):
+        load_cluster(tmp_path / "absent.yaml")
+    (tmp_path / "broken.yaml").write_text("links: [unclosed")
+    with pytest.raises(ClusterError, match="not valid YAML"):
+        load_cluster(tmp_path / "broken.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    with pytest.raises(ClusterError, match="must be a mapping"):
+        load_cluster(tmp_path / "list.yaml")

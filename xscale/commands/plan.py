@@ -1,0 +1,124 @@
+"""``xscale plan CONFIG --cluster FILE --devices N``: the fastest layouts that fit, before anything is launched.
+
+Searches tp, pp (schedule, microbatches, interleaving), dp with its ZeRO stage, ep, cp and recomputation
+(:mod:`xscale.estimate.search`), predicts each layout's step time and per-rank memory with the cost model
+(:mod:`xscale.estimate.step_time`, docs/planning.md) and prints the best ones: memory per rank, the step split into
+compute, exposed communication, pipeline bubble and optimizer, MFU, tokens/s and days to ``--tokens``. ``--emit OUT``
+writes the first one as a config that ``xscale train OUT`` and ``xscale submit OUT`` run.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from pathlib import Path
+
+import xscale.commands.registrations  # noqa: F401  (every layer's config checks and adapters)
+from xscale.commands.parser import CommandParser
+from xscale.config.load import config_to_yaml, load_config_from_cli
+from xscale.config.schema import Config, ConfigError
+from xscale.estimate.cluster import Cluster, load_cluster
+from xscale.estimate.model_shape import model_shape
+from xscale.estimate.search import Plan, search
+
+SUFFIXES = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+
+
+def parse_tokens(text: str) -> float:
+    """``2e12``, ``300B``, ``1.4T`` -> tokens."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([KMBGT]?)\s*", text, flags=re.IGNORECASE)
+    if not match:
+        raise ValueError(f"--tokens {text!r} is not a count of tokens (e.g. 2e12, 300B, 1.4T)")
+    return float(match.group(1)) * SUFFIXES[match.group(2).upper()]
+
+
+def _gib(value: float) -> str:
+    return f"{value / 2**30:.1f} GiB"
+
+
+def _format_count(tokens: float) -> str:
+    for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6)):
+        if tokens >= scale:
+            return f"{tokens / scale:g}{suffix}"
+    return f"{tokens:g}"
+
+
+def plan_table(config_path: str, config: Config, cluster: Cluster, devices: int, plans: list[Plan],
+               tokens: float) -> list[str]:
+    """The header and one row per plan (what the command prints)."""
+    width = max(len(plan.layout.describe()) for plan in plans)
+    lines = [
+        f"plan: {config_path} on {devices} x {cluster.name} ({cluster.devices_per_node} per node, "
+        f"{_gib(cluster.memory_bytes)}, {cluster.peak_flops['bf16'] / 1e12:g} TFLOP/s bf16)",
+        f"global batch {config.train.global_batch_size} x {config.train.seq_len} tokens; days to "
+        f"{_format_count(tokens)} tokens",
+        f"  #  {'layout':<{width}}  {'mem/rank':>9}  {'step s':>7}  {'compute':>7}  {'comm':>6}  {'bubble':>6}  "
+        f"{'optim':>6}  {'MFU':>5}  {'tokens/s':>11}  {'days':>7}",
+    ]
+    for index, plan in enumerate(plans, 1):
+        step = plan.step
+        days = tokens / plan.tokens_per_s / 86400
+        lines.append(
+            f"  {index:>1}  {plan.layout.describe():<{width}}  {_gib(plan.peak_bytes):>9}  {step.total:>7.3f}  "
+            f"{step.compute:>7.3f}  {step.exposed_communication:>6.3f}  {step.bubble:>6.3f}  {step.optimizer:>6.3f}  "
+            f"{plan.mfu:>5.1%}  {plan.tokens_per_s:>11,.0f}  {days:>7.1f}")
+    best = plans[0]
+    exposed = ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in best.step.communication.items()
+                        if seconds > 0)
+    lines.append(f"first choice's exposed communication: {exposed or 'none'}")
+    if devices > config.train.global_batch_size:
+        lines.append(f"note: the global batch of {config.train.global_batch_size} sequences leaves at most that many "
+                     f"data-parallel ranks, so model parallelism takes the rest of the {devices} devices; a larger "
+                     f"train.global_batch_size uses them better")
+    lines.append("run it: " + " ".join(f"{key}={_yaml_value(value)}" for key, value in best.overrides.items()))
+    return lines
+
+
+def _yaml_value(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def emitted_config(config: Config, cluster: Cluster, devices: int, plan: Plan) -> Config:
+    """``config`` with the plan's layout and a launch section for ``devices`` devices of ``cluster``."""
+    chosen = plan.layout.apply(config)
+    per_node = min(devices, cluster.devices_per_node)
+    chosen.launch.nodes = math.ceil(devices / per_node)
+    chosen.launch.gpus_per_node = per_node if cluster.device == "gpu" else 0
+    chosen.launch.nproc_per_node = per_node
+    return chosen
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = CommandParser(prog="xscale plan", description=__doc__.splitlines()[0])
+    parser.add_argument("config", help="YAML config of the model and the run (configs/*.yaml)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.global_batch_size=1024")
+    parser.add_argument("--cluster", required=True, help="cluster file (configs/clusters/*.yaml)")
+    parser.add_argument("--devices", type=int, required=True, help="devices to plan for")
+    parser.add_argument("--tokens", default=None,
+                        help="tokens to train on, for days (e.g. 2e12, 300B; default: the config's steps x batch)")
+    parser.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
+    parser.add_argument("--emit", default=None, metavar="OUT",
+                        help="write the first layout as a config for xscale train / xscale submit")
+    args = parser.parse_args(argv)
+    try:
+        if args.top < 1:
+            raise ValueError(f"--top must be at least 1, got {args.top}")
+        cluster = load_cluster(args.cluster)
+        config = load_config_from_cli(args.config, args.overrides)
+        tokens = (parse_tokens(args.tokens) if args.tokens is not None
+                  else float(config.train.steps * config.train.global_batch_size * config.train.seq_len))
+        plans = search(model_shape(config), cluster, args.devices, args.top)
+    except (ConfigError, ValueError) as error:
+        print(f"xscale plan: {error}", file=sys.stderr)
+        return 2
+    print("\n".join(plan_table(args.config, config, cluster, args.devices, plans, tokens)))
+    if args.emit:
+        Path(args.emit).write_text(f"# xscale plan {args.config} --cluster {args.cluster} --devices {args.devices}\n"
+                                   + config_to_yaml(emitted_config(config, cluster, args.devices, plans[0])))
+        print(f"wrote {args.emit}: xscale train {args.emit} | xscale submit {args.emit}")
+    return 0

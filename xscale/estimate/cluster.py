@@ -1,0 +1,179 @@
+"""A cluster description: what the cost model (:mod:`~xscale.estimate.step_time`) knows of the hardware.
+
+One YAML file (presets in ``configs/clusters/``) gives, per device: its memory and memory bandwidth, its peak
+FLOP/s per dtype and the share of that peak a GEMM reaches by its smallest dimension (a piecewise-linear curve);
+and, per link (``intra_node``: between devices of one node, ``inter_node``: between nodes) and per collective
+(all_reduce, all_gather, reduce_scatter, all_to_all, send_recv), a latency and a bus bandwidth in the sense of
+NCCL's tests (``busbw``: the rate that makes time = latency term + ring factor x bytes / busbw,
+:mod:`~xscale.estimate.communication`). Every figure is checked when the file is read; a missing, negative or
+ill-typed one is a :class:`ClusterError` naming the key and the file.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from xscale.config.schema import ConfigError
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+LINKS = ("intra_node", "inter_node")
+DTYPES = ("bf16", "fp32")
+
+
+class ClusterError(ConfigError):
+    """A cluster file that cannot describe a cluster; the message names the key and the file."""
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """One collective on one link: ``latency_s`` per algorithm step, ``bandwidth`` bus bytes per second."""
+
+    latency_s: float
+    bandwidth: float
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Devices per node, per-device memory (bytes) and bandwidth (bytes/s), peak FLOP/s per dtype, the GEMM
+    efficiency curve ((smallest dimension, fraction of peak) points, ascending) and the link costs."""
+
+    name: str
+    devices_per_node: int
+    memory_bytes: float
+    memory_bandwidth: float
+    peak_flops: dict[str, float]
+    gemm_efficiency: tuple[tuple[float, float], ...]
+    links: dict[str, dict[str, LinkCost]]
+    device: str = "gpu"  # gpu | cpu: what ``xscale plan --emit`` launches (launch.gpus_per_node or CPU processes)
+
+    def efficiency(self, smallest_dimension: float) -> float:
+        """The fraction of peak a GEMM whose smallest dimension is ``smallest_dimension`` reaches: linear between
+        the curve's points, flat beyond its ends."""
+        points = self.gemm_efficiency
+        sizes = [size for size, _ in points]
+        index = bisect.bisect_left(sizes, smallest_dimension)
+        if index == 0:
+            return points[0][1]
+        if index == len(points):
+            return points[-1][1]
+        (x0, y0), (x1, y1) = points[index - 1], points[index]
+        return y0 + (y1 - y0) * (smallest_dimension - x0) / (x1 - x0)
+
+    def link(self, spans_nodes: bool, collective: str) -> LinkCost:
+        return self.links["inter_node" if spans_nodes else "intra_node"][collective]
+
+
+class _Reader:
+    """Reads typed, checked figures out of the loaded YAML, naming ``source`` and the dotted key in every error."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, key: str, problem: str) -> ClusterError:
+        return ClusterError(f"cluster file {self.source}: {key} {problem}")
+
+    def mapping(self, data: dict, key: str, path: str = "") -> dict:
+        if key not in data:
+            raise self.fail(f"{path}{key}", "is missing")
+        if not isinstance(data[key], dict):
+            raise self.fail(f"{path}{key}", f"must be a mapping, got {data[key]!r}")
+        return data[key]
+
+    def number(self, data: dict, key: str, path: str, positive: bool = True) -> float:
+        if key not in data:
+            raise self.fail(f"{path}{key}", "is missing")
+        value = data[key]
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.fail(f"{path}{key}", f"must be a number, got {value!r}")
+        if value < 0 or (positive and value == 0):
+            raise self.fail(f"{path}{key}", f"must be {'positive' if positive else 'non-negative'}, got {value}")
+        return float(value)
+
+
+def cluster_from_dict(data: Any, source: str = "<dict>") -> Cluster:
+    """A :class:`Cluster` from the loaded YAML (units in the file: GiB, GB/s, TFLOP/s, microseconds)."""
+    reader = _Reader(source)
+    if not isinstance(data, dict):
+        raise reader.fail("the top level", f"must be a mapping, got {type(data).__name__}")
+    devices = reader.number(data, "devices_per_node", "")
+    if devices != int(devices):
+        raise reader.fail("devices_per_node", f"must be a whole number, got {devices}")
+    peaks = reader.mapping(data, "peak_tflops")
+    curve = data.get("gemm_efficiency")
+    if not isinstance(curve, list) or not curve:
+        raise reader.fail("gemm_efficiency", "must be a non-empty list of [smallest dimension, fraction] points")
+    points = []
+    for index, point in enumerate(curve):
+        if not isinstance(point, list | tuple) or len(point) != 2:
+            raise reader.fail(f"gemm_efficiency[{index}]", f"must be a [smallest dimension, fraction] pair, got {point!r}")
+        pair = dict(zip(("dimension", "fraction"), point))
+        dimension = reader.number(pair, "dimension", f"gemm_efficiency[{index}].")
+        fraction = reader.number(pair, "fraction", f"gemm_efficiency[{index}].")
+        if fraction > 1:
+            raise reader.fail(f"gemm_efficiency[{index}].fraction", f"must be at most 1, got {fraction}")
+        points.append((dimension, fraction))
+    if [size for size, _ in points] != sorted({size for size, _ in points}):
+        raise reader.fail("gemm_efficiency", "dimensions must be strictly ascending")
+    links_data = reader.mapping(data, "links")
+    links = {}
+    for link in LINKS:
+        per_collective = reader.mapping(links_data, link, "links.")
+        links[link] = {}
+        for collective in COLLECTIVES:
+            key = f"links.{link}.{collective}"
+            figures = reader.mapping(per_collective, collective, f"links.{link}.")
+            links[link][collective] = LinkCost(
+                latency_s=reader.number(figures, "latency_us", f"{key}.", positive=False) * 1e-6,
+                bandwidth=reader.number(figures, "bandwidth_gbs", f"{key}.") * 1e9)
+    return Cluster(
+        name=str(data.get("name", Path(source).stem)),
+        devices_per_node=int(devices),
+        memory_bytes=reader.number(data, "memory_gib", "") * 2**30,
+        memory_bandwidth=reader.number(data, "memory_bandwidth_gbs", "") * 1e9,
+        peak_flops={dtype: reader.number(peaks, dtype, "peak_tflops.") * 1e12 for dtype in DTYPES},
+        gemm_efficiency=tuple(points),
+        links=links,
+        device=_device(reader, data),
+    )
+
+
+def _device(reader: _Reader, data: dict) -> str:
+    device = data.get("device", "gpu")
+    if device not in ("gpu", "cpu"):
+        raise reader.fail("device", f"must be gpu or cpu, got {device!r}")
+    return device
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    """Read and check a cluster file (module docstring)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ClusterError(f"cluster file {path}: cannot be read ({error.strerror or error})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ClusterError(f"cluster file {path}: not valid YAML ({str(error).splitlines()[0]})") from None
+    return cluster_from_dict(data, str(path))
+
+
+def cluster_to_dict(cluster: Cluster) -> dict:
+    """The YAML form of ``cluster`` (what :func:`cluster_from_dict` reads), e.g. for a calibrated file."""
+    return {
+        "name": cluster.name,
+        "device": cluster.device,
+        "devices_per_node": cluster.devices_per_node,
+        "memory_gib": cluster.memory_bytes / 2**30,
+        "memory_bandwidth_gbs": cluster.memory_bandwidth / 1e9,
+        "peak_tflops": {dtype: value / 1e12 for dtype, value in cluster.peak_flops.items()},
+        "gemm_efficiency": [[size, fraction] for size, fraction in cluster.gemm_efficiency],
+        "links": {link: {collective: {"latency_us": cost.latency_s * 1e6, "bandwidth_gbs": cost.bandwidth / 1e9}
+                         for collective, cost in per_collective.items()}
+                  for link, per_collective in cluster.links.items()},
+    }

@@ -1,0 +1,67 @@
+"""A candidate layout's peak bytes per rank, from :mod:`~xscale.estimate.memory`'s terms, without building a model
+per layout (the fake-tensor measure is for one chosen layout: ``xscale inspect --measure``).
+
+Activations per block and microbatch: :func:`~xscale.estimate.activations.block_activation_bytes`; under full
+recomputation one block's whole activations besides, while it is rebuilt. A rank's share of them is
+:func:`~xscale.estimate.memory.activation_share` (tp, sequence parallelism, cp); the microbatches it holds come from
+the schedule (:func:`xscale.estimate.in_flight.blocks_in_flight`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from xscale.config.schema import Config
+from xscale.estimate.activations import block_activation_bytes
+from xscale.estimate.layout import Layout
+from xscale.estimate.memory import (
+    PeakTerms,
+    UnitSizes,
+    activation_share,
+    all_gather_bytes,
+    fused_loss_chunk_bytes,
+    pipeline_buffer_bytes,
+    predicted_state_bytes,
+    vocab_parallel_loss_bytes,
+)
+from xscale.estimate.model_shape import ModelShape
+from xscale.estimate.placement import Placement, rank_parameters
+from xscale.parallel.pipeline import SCHEDULES, stage_to_rank
+
+
+def rank_peak(shape: ModelShape, config: Config, layout: Layout, where: Placement, rank: int,
+              held_microbatch_blocks: float) -> PeakTerms:
+    """The :class:`PeakTerms` of pp rank ``rank``; ``config`` is the layout applied (:meth:`Layout.apply`),
+    ``held_microbatch_blocks`` the (block, microbatch) activations it holds at once."""
+    dims = layout.dims()
+    total, expert = rank_parameters(shape, where, rank)
+    state = predicted_state_bytes(total, dataclasses.replace(dims, pp=1), expert)
+    blocks = where.rank_blocks[rank]
+    share = activation_share(config, dims)
+    mean_block = (sum(block_activation_bytes(shape, shape.blocks[index], layout.micro_batch, layout.checkpointing)
+                      for index in blocks) / len(blocks)) if blocks else 0.0
+    activations = held_microbatch_blocks * mean_block * share
+    if layout.checkpointing == "full" and blocks:  # one block rebuilt whole during its backward
+        activations += share * max(block_activation_bytes(shape, shape.blocks[index], layout.micro_batch, "none")
+                                   for index in blocks)
+    tokens = layout.micro_batch * shape.seq_len // layout.cp
+    loss = 0.0
+    if rank == where.head_rank:
+        loss = (vocab_parallel_loss_bytes(config, dims, tokens) if layout.tp > 1
+                else fused_loss_chunk_bytes(config, tokens))
+    sizes = UnitSizes(total - sum(shape.blocks[index].held for index in blocks),
+                      [shape.blocks[index].held for index in blocks], shape.largest_parameter)
+    num_stages = layout.pp * layout.stages_per_rank
+    ranks = stage_to_rank(num_stages, layout.pp, SCHEDULES[layout.schedule].placement)
+    stages = [stage for stage in range(num_stages) if ranks[stage] == rank]
+    return PeakTerms(parameters=state["parameters"], gradients=state["gradients"], optimizer=state["optimizer"],
+                     activations=activations, all_gather=all_gather_bytes(config, dims, sizes),
+                     vocab_parallel_loss=loss,
+                     pipeline_buffers=pipeline_buffer_bytes(config, dims, tokens, stages))
+
+
+def peak_bytes(shape: ModelShape, config: Config, layout: Layout, where: Placement,
+               held_microbatch_blocks: list[float]) -> float:
+    """The largest predicted peak over the pp ranks (every rank of one pp stage holds the same)."""
+    return max(rank_peak(shape, config, layout, where, rank, held_microbatch_blocks[rank]).peak
+               for rank in range(layout.pp))

@@ -1,0 +1,133 @@
+"""What the cost model needs to know of a model, read once from the model built on the meta device: each block's
+parameters (held, and those a token multiplies by), its experts, its attention reach, and the embedding and head.
+
+A block's forward FLOPs per token (Kaplan et al. 2020, sec. 2.1): 2 per parameter a token uses (a MoE layer's
+``experts_per_token`` experts, at their capacity factor when the router pads to a capacity) plus 4 x keys x d for the
+attention scores and values, keys the positions a query reads (:func:`keys_per_query`), and as much again with T keys
+for a decoder block's cross-attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xscale.config.schema import Config, ModelConfig
+from xscale.models import build_model
+from xscale.models.parameters import count_parameters, experts_per_token
+
+GLU_FFNS = ("swiglu", "geglu", "reglu")
+# Cores whose cost grows with a window, not the sequence (their ``window`` option; docs/planning.md).
+WINDOWED_KINDS = ("local", "band", "sliding_window", "dilated", "longformer", "bigbird")
+
+
+def keys_per_query(model: ModelConfig, layer_index: int, seq_len: int) -> float:
+    """Keys a query multiplies with: a windowed core's window (each side without a causal mask), else the whole
+    sequence, half of it on average under a causal mask (the masked blocks a fused kernel skips)."""
+    causal = model.family == "decoder" or (model.family == "encoder_decoder" and layer_index >= model.n_layers)
+    kind = model.attention.kind_for_layer(layer_index % max(model.n_layers, 1))
+    window = model.attention.options.get("window") if kind in WINDOWED_KINDS else None
+    if window:
+        return float(min(seq_len, window if causal else 2 * window + 1))
+    return seq_len / 2 if causal else float(seq_len)
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """One block: parameters ``held``, ``used`` per token (experts at their share: ``expert_used`` of them),
+    ``expert`` weights held, whether it is a MoE layer, its attention keys per query and a cross-attention's (0:
+    none)."""
+
+    held: int
+    used: float
+    expert: int
+    expert_used: float
+    moe: bool
+    keys: float
+    cross_keys: float
+
+    def forward_flops_per_token(self, d_model: int) -> float:
+        """2 x used + 4 x keys x d (+ 4 x cross keys x d) (module docstring)."""
+        return 2.0 * self.used + 4.0 * (self.keys + self.cross_keys) * d_model
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The model as the cost model sees it (module docstring); ``embedding`` the token table, ``head`` the output
+    projection's weights (a tied head's too: it is a matmul), ``outside`` final norms and head transform,
+    ``model_flops_per_token`` the 6N + 12 L T d of MFU (PaLM, Chowdhery et al. 2022, app. B)."""
+
+    config: Config
+    blocks: tuple[BlockShape, ...]
+    embedding: int
+    head: int
+    outside: int
+    tied: bool
+    largest_parameter: int
+    total_parameters: int
+    expert_parameters: int
+    model_flops_per_token: float
+
+    @property
+    def model(self) -> ModelConfig:
+        return self.config.model
+
+    @property
+    def seq_len(self) -> int:
+        return self.config.train.seq_len
+
+    @property
+    def global_batch(self) -> int:
+        return self.config.train.global_batch_size
+
+    @property
+    def glu(self) -> bool:
+        return self.model.ffn in GLU_FFNS
+
+    @property
+    def expert_share(self) -> float:
+        """The share of a layer's experts one token runs through, padded to capacity (module docstring)."""
+        moe = self.model.moe
+        return experts_per_token(moe) * capacity_share(self.config) / moe.num_experts if moe.num_experts else 0.0
+
+
+def capacity_share(config: Config) -> float:
+    """Expert compute per routed token: the capacity factor when a token-choice router pads each expert to its
+    capacity (expert choice's is in :func:`experts_per_token` already), 1 when dropless."""
+    moe = config.model.moe
+    if moe.dropless or moe.router == "expert_choice":
+        return 1.0
+    return max(moe.capacity_factor, 1.0)
+
+
+def model_shape(config: Config) -> ModelShape:
+    """Read :class:`ModelShape` off the meta-device model (no memory)."""
+    model = config.model
+    meta = build_model(model, materialize=False)
+    moe = model.moe
+    share = experts_per_token(moe) * capacity_share(config) / moe.num_experts if moe.num_experts else 0.0
+    layers = model.total_layers
+    held, used, expert = [0] * layers, [0.0] * layers, [0] * layers
+    outside = largest = 0
+    for name, param in meta.named_parameters():
+        largest = max(largest, param.numel())
+        parts = name.split(".")
+        if len(parts) > 2 and parts[0] in ("stack", "decoder") and parts[1] == "layers":
+            index = int(parts[2]) + (model.n_layers if parts[0] == "decoder" else 0)
+            is_expert = ".experts." in name
+            held[index] += param.numel()
+            used[index] += param.numel() * (share if is_expert else 1.0)
+            expert[index] += param.numel() if is_expert else 0
+        elif name != "embedding.weight" and not name.startswith("output.") and ".position." not in name:
+            outside += param.numel()
+    if model.share_layers:  # one block run at every depth: each depth costs the first block's FLOPs
+        used = [used[0] if index < model.n_layers else used[model.n_layers] for index in range(layers)]
+    seq = config.train.seq_len
+    blocks = tuple(
+        BlockShape(held[index], used[index], expert[index], expert[index] * share, expert[index] > 0, keys_per_query(model, index, seq),
+                   float(seq) if model.family == "encoder_decoder" and index >= model.n_layers else 0.0)
+        for index in range(layers))
+    count = count_parameters(config)
+    head = model.vocab_size * model.d_model if model.num_classes == 0 else model.num_classes * model.d_model
+    flops = 6.0 * count.matmul_per_token + 12.0 * layers * seq * model.d_model
+    return ModelShape(config, blocks, model.vocab_size * model.d_model, head, outside, count.tied_head > 0, largest,
+                      count.total, count.expert, flops)

@@ -1,0 +1,227 @@
+"""A training step's time under one layout: compute, the pipeline bubble, the communication left exposed, and the
+optimizer step (docs/planning.md derives and bounds each term).
+
+Compute, per microbatch of ``b`` sequences on one rank (tokens t = b T / cp), from :mod:`~xscale.estimate.model_shape`'s
+FLOPs, each GEMM at ``peak x efficiency(smallest dimension)`` (:class:`~xscale.estimate.cluster.Cluster`):
+dense weights 2 t used / tp (smallest dimension min(t, d / tp)), experts 2 t used_E (replicated over tp; rows per
+expert t ep share), attention 4 t keys d / tp (smallest min(head_dim, keys)), the head 2 t d V / tp. Backward is twice
+the forward (Kaplan et al. 2020); full recomputation adds the blocks' forward, selective their attention cores'.
+Memory-bound ops (norms, activation functions, residual adds, dropout) move each block's stored activations
+(:func:`~xscale.estimate.activations.block_activation_bytes`, the rank's share) once in the forward and twice in the
+backward: ``ELEMENTWISE_PASSES`` / 3 of that per pass, over the memory bandwidth.
+The slowest pp rank sets the pace: compute = m x t_mb (m microbatches per step).
+
+Bubble (Narayanan et al. 2021, sec. 2.2): (pp - 1) t_mb for GPipe and 1F1B ((p-1)/(m+p-1) of the step), divided by
+v stages per rank for interleaved 1F1B; ZB-V (Qi et al. 2024, sec. 6): (pp - 1) max(0, T_F + T_B - 2 T_W) per
+stage, with T_B (input half) = T_W (weight half) = T_F, so zero unless recomputation lengthens T_B.
+
+Communication per step (alpha-beta times, :mod:`~xscale.estimate.communication`; activations in the compute dtype):
+* tp: per block and microbatch 2 all-reduces of t d forward and 2 backward (+2 for a cross-attention, 1 fewer for a
+  MoE layer whose experts are replicated over tp; reduce-scatter + all-gather under sequence parallelism, the same
+  bytes); full recomputation repeats the forward's. Exposed: nothing overlaps them.
+* cp: per block an all-gather of K and V (2 b T kv_heads head_dim / tp) forward, a reduce-scatter of their
+  gradients backward (Llama 3's all-gather attention); exposed.
+* ep: per MoE block 2 all-to-alls (dispatch, combine) of t k c d per rank (k experts per token, c the capacity
+  factor) forward, 2 backward (+2 recomputed); exposed.
+* pp: each stage receives t d (/ tp under sp) forward and its gradient backward: 2 m v receives on the slowest rank,
+  exposed.
+* dp: gradients (fp32) all-reduced (DDP) or reduce-scattered (ZeRO-1/2/3) in ``bucket_mb`` buckets during the last
+  microbatch's backward: exposed max(t_reduce - backward of one microbatch, one bucket). ZeRO-1/2 all-gather the
+  updated fp32 parameters during the next forward: exposed max(t_gather - forward of one microbatch, one bucket).
+  ZeRO-3 all-gathers the compute-dtype parameters block by block with the next one prefetched, each forward and
+  backward of each microbatch (once per step under a pipeline, whose stages stay gathered): exposed max(t_gather -
+  that pass's compute, one block's gather). Expert weights travel over the ranks that share them (dp / ep x cp).
+
+Optimizer (memory-bound): 28 bytes per parameter the rank updates (reads fp32 weight, gradient and two moments,
+writes weight and moments) over the memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from xscale.estimate.activations import block_activation_bytes
+from xscale.estimate.cluster import Cluster
+from xscale.estimate.communication import collective_seconds
+from xscale.estimate.layout import Layout
+from xscale.estimate.model_shape import ModelShape
+from xscale.estimate.placement import Placement, rank_parameters
+
+GRADIENT_BYTES = 4  # fp32 gradients and weights (fp32 master weights under bf16 autocast)
+OPTIMIZER_BYTES_PER_PARAMETER = 28  # read weight, gradient, 2 moments (16); write weight, 2 moments (12)
+ELEMENTWISE_PASSES = 3  # a block's stored activations: written in the forward, read twice in the backward
+
+
+@dataclass
+class StepTime:
+    """Seconds of one step: ``compute`` (all microbatches on the slowest rank), ``bubble``, exposed
+    ``communication`` per dimension, ``optimizer``."""
+
+    compute: float
+    bubble: float
+    optimizer: float
+    communication: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def exposed_communication(self) -> float:
+        return sum(self.communication.values())
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.bubble + self.exposed_communication + self.optimizer
+
+
+@dataclass(frozen=True)
+class MicrobatchTimes:
+    """One microbatch on one rank: forward of the blocks, of their attention cores, and of the embedding/head."""
+
+    blocks: float
+    attention: float
+    head: float
+
+    def forward(self) -> float:
+        return self.blocks + self.head
+
+    def recompute(self, checkpointing: str) -> float:
+        return {"none": 0.0, "selective": self.attention, "full": self.blocks}[checkpointing]
+
+
+def value_bytes(shape: ModelShape) -> int:
+    return 2 if shape.config.train.precision == "bf16" else 4
+
+
+def microbatch_times(shape: ModelShape, cluster: Cluster, layout: Layout, blocks: tuple[int, ...],
+                     holds_head: bool) -> MicrobatchTimes:
+    """Forward seconds of one microbatch through ``blocks`` (and the head) on one rank (module docstring)."""
+    model = shape.model
+    peak = cluster.peak_flops["bf16" if shape.config.train.precision == "bf16" else "fp32"]
+    tokens = layout.micro_batch * shape.seq_len / layout.cp
+    dense_rate = peak * cluster.efficiency(min(tokens, model.d_model / layout.tp))
+    expert_rows = tokens * layout.ep * shape.expert_share
+    expert_rate = peak * cluster.efficiency(min(expert_rows, model.d_model))
+    gemms = attention = 0.0
+    share = tokens / (layout.micro_batch * shape.seq_len) / (layout.tp if layout.sequence_parallel else 1)
+    for index in blocks:
+        block = shape.blocks[index]
+        moved = block_activation_bytes(shape, block, layout.micro_batch, "none") * share
+        gemms += moved * ELEMENTWISE_PASSES / 3 / cluster.memory_bandwidth
+        gemms += 2 * tokens * (block.used - block.expert_used) / layout.tp / dense_rate
+        gemms += 2 * tokens * block.expert_used / expert_rate if block.expert_used else 0.0
+        keys = block.keys + block.cross_keys
+        attention += 4 * tokens * keys * model.d_model / layout.tp / (
+            peak * cluster.efficiency(min(model.head_dim, keys)))
+    head = 2 * tokens * (shape.head + shape.outside) / layout.tp / dense_rate if holds_head else 0.0
+    return MicrobatchTimes(gemms + attention, attention, head)
+
+
+def bubble_seconds(layout: Layout, times: MicrobatchTimes) -> float:
+    """The pipeline's idle time per step (module docstring); ``times``: the slowest rank's microbatch."""
+    if layout.pp == 1:
+        return 0.0
+    forward = times.forward()
+    recompute = times.recompute(layout.checkpointing)
+    if layout.schedule == "zero_bubble":  # per stage: T_F = T_W = forward / v, T_B = (forward + recompute) / v
+        per_stage = recompute / layout.stages_per_rank
+        return (layout.pp - 1) * max(0.0, per_stage)
+    step = 3 * forward + recompute
+    return (layout.pp - 1) * step / (layout.stages_per_rank if layout.schedule == "interleaved_1f1b" else 1)
+
+
+def _tp_seconds(shape: ModelShape, cluster: Cluster, layout: Layout, blocks: tuple[int, ...]) -> float:
+    tokens = layout.micro_batch * shape.seq_len / layout.cp
+    size = tokens * shape.model.d_model * value_bytes(shape)
+    per_forward = sum(2 - shape.blocks[index].moe + (2 if shape.blocks[index].cross_keys else 0) for index in blocks)
+    passes = 2 + (1 if layout.checkpointing == "full" else 0)  # forward, backward (same count), recomputed forward
+    collective = "reduce_scatter" if layout.sequence_parallel else "all_reduce"
+    one = collective_seconds(cluster, collective, layout.tp, size)
+    if layout.sequence_parallel:  # each all-reduce becomes a reduce-scatter and an all-gather
+        one += collective_seconds(cluster, "all_gather", layout.tp, size)
+    return layout.microbatches * passes * per_forward * one
+
+
+def _cp_seconds(shape: ModelShape, cluster: Cluster, layout: Layout, blocks: tuple[int, ...]) -> float:
+    model = shape.model
+    size = 2 * layout.micro_batch * shape.seq_len * model.kv_heads * model.head_dim / layout.tp * value_bytes(shape)
+    gather = collective_seconds(cluster, "all_gather", layout.cp, size, stride=layout.tp)
+    scatter = collective_seconds(cluster, "reduce_scatter", layout.cp, size, stride=layout.tp)
+    gathers = 2 if layout.checkpointing == "full" else 1
+    return layout.microbatches * len(blocks) * (gathers * gather + scatter)
+
+
+def _ep_seconds(shape: ModelShape, cluster: Cluster, layout: Layout, blocks: tuple[int, ...]) -> float:
+    moe_blocks = sum(shape.blocks[index].moe for index in blocks)
+    if not moe_blocks or layout.ep == 1:
+        return 0.0
+    tokens = layout.micro_batch * shape.seq_len / layout.cp
+    size = tokens * shape.expert_share * shape.model.moe.num_experts * shape.model.d_model * value_bytes(shape)
+    one = collective_seconds(cluster, "all_to_all", layout.ep, size, stride=layout.tp * layout.cp)
+    passes = 2 + (1 if layout.checkpointing == "full" else 0)
+    return layout.microbatches * moe_blocks * passes * 2 * one
+
+
+def _pp_seconds(shape: ModelShape, cluster: Cluster, layout: Layout) -> float:
+    if layout.pp == 1:
+        return 0.0
+    tokens = layout.micro_batch * shape.seq_len / layout.cp
+    size = tokens * shape.model.d_model * value_bytes(shape) / (layout.tp if layout.sequence_parallel else 1)
+    stride = layout.tp * layout.cp * layout.dp
+    one = collective_seconds(cluster, "send_recv", 2, size, stride=stride)
+    return 2 * layout.microbatches * layout.stages_per_rank * one
+
+
+def _dp_seconds(shape: ModelShape, cluster: Cluster, layout: Layout, where: Placement, rank: int,
+                times: MicrobatchTimes) -> float:
+    """Exposed data-parallel time of one pp rank (module docstring)."""
+    total, expert = rank_parameters(shape, where, rank)
+    bucket = shape.config.parallel.bucket_mb * 2**20
+    backward = 2 * times.forward() + times.recompute(layout.checkpointing)
+    # (parameters, group size, stride) per kind: dense over dp x cp, experts over dp / ep x cp
+    groups = [((total - expert) / layout.tp, layout.dp * layout.cp, layout.tp),
+              (expert / layout.ep, layout.dp // layout.ep * layout.cp, layout.tp * layout.cp * layout.ep)]
+    exposed = 0.0
+    for parameters, ranks, stride in groups:
+        if ranks <= 1 or parameters == 0:
+            continue
+        size = GRADIENT_BYTES * parameters
+        buckets = max(1, math.ceil(size / bucket))
+        reduce = "all_reduce" if layout.zero_stage == 0 else "reduce_scatter"
+        reduce_time = collective_seconds(cluster, reduce, ranks, size, stride, calls=buckets)
+        exposed += max(reduce_time - backward, reduce_time / buckets)
+        if layout.zero_stage in (1, 2):
+            gather = collective_seconds(cluster, "all_gather", ranks, size, stride, calls=buckets)
+            exposed += max(gather - times.forward(), gather / buckets)
+        elif layout.zero_stage == 3:
+            units = max(1, len(where.rank_blocks[rank]))
+            size = value_bytes(shape) * parameters
+            gather = collective_seconds(cluster, "all_gather", ranks, size, stride, calls=units)
+            passes = [(times.forward(), gather)] if layout.pp > 1 else [
+                (times.forward(), gather), (backward, gather)] * layout.microbatches
+            exposed += sum(max(moved - computed, moved / units) for computed, moved in passes)
+    return exposed
+
+
+def step_time(shape: ModelShape, cluster: Cluster, layout: Layout, where: Placement) -> StepTime:
+    """The predicted :class:`StepTime` of ``layout`` (module docstring): every term taken on the pp rank whose
+    microbatch is slowest."""
+    per_rank = [microbatch_times(shape, cluster, layout, blocks, rank == where.head_rank)
+                for rank, blocks in enumerate(where.rank_blocks)]
+    slowest = max(range(layout.pp), key=lambda rank: 3 * per_rank[rank].forward()
+                  + per_rank[rank].recompute(layout.checkpointing))
+    times, blocks = per_rank[slowest], where.rank_blocks[slowest]
+    compute = layout.microbatches * (3 * times.forward() + times.recompute(layout.checkpointing))
+    communication = {
+        "tp": _tp_seconds(shape, cluster, layout, blocks),
+        "cp": _cp_seconds(shape, cluster, layout, blocks),
+        "ep": _ep_seconds(shape, cluster, layout, blocks),
+        "pp": _pp_seconds(shape, cluster, layout),
+        "dp": max(_dp_seconds(shape, cluster, layout, where, rank, per_rank[rank]) for rank in range(layout.pp)),
+    }
+    optimizer = 0.0
+    for rank in range(layout.pp):
+        total, expert = rank_parameters(shape, where, rank)
+        shards = layout.dp * layout.cp if layout.zero_stage >= 1 else 1
+        expert_shards = max(1, layout.dp // layout.ep * layout.cp) if layout.zero_stage >= 1 else 1
+        updated = (total - expert) / layout.tp / shards + expert / layout.ep / expert_shards
+        optimizer = max(optimizer, OPTIMIZER_BYTES_PER_PARAMETER * updated / cluster.memory_bandwidth)
+    return StepTime(compute, bubble_seconds(layout, times), optimizer, communication)
