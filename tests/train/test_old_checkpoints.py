@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from xscale.commands.parity import PARITY_SETTINGS, train_losses
 from xscale.checkpoint.checkpointer import Checkpointer
+from xscale.commands.parity import PARITY_SETTINGS, train_losses
 from xscale.config.load import config_from_dict, load_config
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "checkpoints"

@@ -24,7 +24,7 @@ def block_activation_bytes(shape: ModelShape, block: BlockShape, micro_batch: in
     if checkpointing == "full":
         return 2.0 * s * b * h * scale
     routed = shape.expert_share * model.moe.num_experts if block.moe else 1.0
-    per_width = 8 if model.ffn in GLU_FFNS else 4
+    per_width = 8 if model.ffn.kind in GLU_FFNS else 4
     stored = s * b * (18 * h + per_width * model.ffn_hidden * routed) + (13 * s * b * h if block.cross_keys else 0)
     if model.attention.kind not in FUSED_ATTENTION_KINDS and checkpointing == "none":
         stored += 5 * model.n_heads * s * block.keys * b

@@ -81,7 +81,7 @@ class ModelShape:
 
     @property
     def glu(self) -> bool:
-        return self.model.ffn in GLU_FFNS
+        return self.model.ffn.kind in GLU_FFNS
 
     @property
     def expert_share(self) -> float:
@@ -94,7 +94,7 @@ def capacity_share(config: Config) -> float:
     """Expert compute per routed token: the capacity factor when a token-choice router pads each expert to its
     capacity (expert choice's is in :func:`experts_per_token` already), 1 when dropless."""
     moe = config.model.moe
-    if moe.dropless or moe.router == "expert_choice":
+    if moe.dropless or moe.router.kind == "expert_choice":
         return 1.0
     return max(moe.capacity_factor, 1.0)
 
