@@ -16,34 +16,20 @@ from __future__ import annotations
 
 import dataclasses
 
-from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _ComputationType
-
 from xscale.config.schema import Config
 from xscale.estimate.memory import microbatches_in_flight
 from xscale.parallel.pipeline.schedules import SCHEDULES, resolve_microbatches
+from xscale.parallel.pipeline.torch_actions import ComputationType, rank_actions
 
-FREES = {_ComputationType.FULL_BACKWARD, _ComputationType.BACKWARD_WEIGHT}
+FREES = {ComputationType.FULL_BACKWARD, ComputationType.BACKWARD_WEIGHT}
 
 
 def schedule_actions(config: Config, pp: int) -> dict[int, list] | None:
-    """Each rank's actions (torch's ``_Action``: stage, computation, microbatch) of a multi-stage schedule, computed
-    as the schedule's constructor does without building stages; None for a one-stage schedule (or a torch whose
-    schedules compute them otherwise)."""
-    spec = SCHEDULES[config.parallel.pp_schedule]
-    if not issubclass(spec.cls, PipelineScheduleMulti):
-        return None
+    """Each rank's actions (stage, computation, microbatch) of a multi-stage schedule
+    (:func:`~xscale.parallel.pipeline.torch_actions.rank_actions`); None for a one-stage schedule."""
     microbatches = config.parallel.microbatches or resolve_microbatches(config)
-    stages_per_rank = config.parallel.pp_stages_per_rank
-    schedule = object.__new__(spec.cls)
-    schedule.pp_group_size, schedule.n_local_stages = pp, stages_per_rank
-    schedule._n_microbatches, schedule.num_stages = microbatches, pp * stages_per_rank
-    schedule.number_of_rounds = max(1, microbatches // pp)
-    schedule.microbatches_per_round = microbatches // schedule.number_of_rounds
-    try:
-        return {rank: [action for action in schedule._calculate_single_rank_operations(rank) if action is not None]
-                for rank in range(pp)}
-    except (AttributeError, TypeError):
-        return None
+    return rank_actions(SCHEDULES[config.parallel.pp_schedule].cls, pp, config.parallel.pp_stages_per_rank,
+                        microbatches)
 
 
 def blocks_in_flight(config: Config, pp: int, stage_ranks: list[int], layers: list[list[int]]) -> list[float]:
@@ -60,16 +46,16 @@ def blocks_in_flight(config: Config, pp: int, stage_ranks: list[int], layers: li
         alive, pending, blocks, peak = set(), set(), 0, 0
         for action in actions[rank]:
             key, kind = (action.stage_index, action.microbatch_index), action.computation_type
-            if kind == _ComputationType.FORWARD and key not in alive:
+            if kind == ComputationType.FORWARD and key not in alive:
                 alive.add(key)
                 blocks += len(layers[action.stage_index])
                 peak = max(peak, blocks)
-            elif key in alive and (kind in FREES or (kind == _ComputationType.BACKWARD_INPUT
+            elif key in alive and (kind in FREES or (kind == ComputationType.BACKWARD_INPUT
                                                      and action.stage_index == 0)):
                 alive.discard(key)
                 blocks -= len(layers[action.stage_index]) * (2 if key in pending else 1)
                 pending.discard(key)
-            elif key in alive and kind == _ComputationType.BACKWARD_INPUT:
+            elif key in alive and kind == ComputationType.BACKWARD_INPUT:
                 pending.add(key)
                 blocks += len(layers[action.stage_index])
                 peak = max(peak, blocks)
