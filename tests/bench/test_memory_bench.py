@@ -10,7 +10,7 @@ import pytest
 from xscale.cli import main
 
 TINY = ["model.vocab_size=64", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "train.seq_len=32",
-        "train.global_batch_size=4", "data.options={num_symbols: 8}"]
+        "train.global_batch_size=4", "data.dataset.options={num_symbols: 8}"]
 
 
 @pytest.mark.parametrize("layout, named", [("tp=2,banana=3", "'banana=3' is not name=value"),

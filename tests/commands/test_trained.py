@@ -39,7 +39,7 @@ def test_the_checkpoint_carries_its_tokenizer_and_an_older_one_finds_it_beside_a
 
 def test_overrides_apply_and_a_task_run_uses_its_vocabulary(trained_run):
     trained = load_trained_model(trained_run, ["data.dataset=copy", "data.eval_fraction=0"])
-    assert trained.config.data.dataset == "copy"
+    assert trained.config.data.dataset.kind == "copy"
     assert isinstance(load_tokenizer(trained), FixedVocab)
 
 

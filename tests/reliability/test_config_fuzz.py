@@ -155,5 +155,5 @@ def test_the_allow_list_is_not_stale(base):
 def test_the_fields_come_from_the_dataclasses():
     assert len(FIELDS) > 100
     for field in ("model", "model.moe.top_k", "model.attention.per_layer", "train.spike_factor",
-                  "launch.max_requeues", "data.options"):
+                  "launch.max_requeues", "data.dataset.options"):
         assert field in FIELDS

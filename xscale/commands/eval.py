@@ -88,7 +88,7 @@ def evaluation_sources(config: Config, label_names: list[str] | None = None) -> 
         evaluation, split = train, "all"
     if isinstance(evaluation, BlendedDataset):
         return [(name, split, dataset) for name, dataset in zip(evaluation.source_names, evaluation.datasets)]
-    return [(config.data.path or config.data.dataset, split, evaluation)]
+    return [(config.data.path or config.data.dataset.kind, split, evaluation)]
 
 
 def evaluate_dataset(model: ParallelModel, dataset: Dataset, batch_size: int, batches: int, classify: bool = False,
@@ -147,7 +147,7 @@ def _load(model: ParallelModel, dataset: Dataset, rows: list[int]) -> dict[str, 
 
 def evaluate(trained: TrainedModel, batches: int) -> list[SourceResult]:
     config = trained.config
-    reads_text = config.data.dataset in TEXT_DATASETS + ("labeled",) and config.data.dataset != "indexed"
+    reads_text = config.data.dataset.kind in TEXT_DATASETS + ("labeled",) and config.data.dataset.kind != "indexed"
     if reads_text and not config.data.tokenizer:
         config.data.tokenizer = str(tokenizer_path(trained))  # the run's, never a new one trained here
     train = config.train

@@ -294,7 +294,7 @@ def components_report() -> str:
     for name in SOURCES.names():
         source = SOURCES.get(name)
         if source.options:
-            lines.append(f"  {'data.options: ' + name:<32} {', '.join(source.options)}")
+            lines.append(f"  {'data.dataset.options: ' + name:<32} {', '.join(source.options)}")
     return "\n".join(lines)
 
 

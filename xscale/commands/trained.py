@@ -83,7 +83,7 @@ def load_trained_model(checkpoint: str | Path, overrides: typing.Sequence[str] =
 def tokenizer_path(trained: TrainedModel) -> Path | None:
     """The tokenizer file the run used (its checkpoint copy first), when it had one (None: a synthetic task's vocabulary)."""
     data = trained.config.data
-    if data.dataset in TASKS:
+    if data.dataset.kind in TASKS:
         return None
     recorded = trained.meta.get("tokenizer")
     if recorded:
@@ -104,7 +104,7 @@ def load_tokenizer(trained: TrainedModel, given: str | None = None) -> Tokenizer
     path = Path(given) if given else tokenizer_path(trained)
     if path is None:
         data = trained.config.data
-        return TASKS[data.dataset](trained.config.train.seq_len, **data.options).vocab
+        return TASKS[data.dataset.kind](trained.config.train.seq_len, **data.dataset.options).vocab
     try:
         return load_tokenizer_file(path)
     except (OSError, ValueError) as error:

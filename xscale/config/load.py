@@ -141,7 +141,11 @@ def set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
             child = {}
             node[part] = child
         node = child
-    node[path[-1]] = value
+    current = node.get(path[-1])
+    if isinstance(current, dict) and ("kind" in current or "options" in current) and isinstance(value, str):
+        node[path[-1]] = {**current, "kind": value}  # a component's kind set after its options: they stay
+    else:
+        node[path[-1]] = value
 
 
 def read_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
@@ -209,8 +213,9 @@ def config_to_yaml(config: Config) -> str:
 DEPRECATED_KEYS = {
     "model.rope_theta": ("position.options.theta", "rope"),
     "model.norm_eps": ("norm.options.eps", None),
+    "data.options": ("dataset.options", None),  # the whole mapping
 }
-DEFAULT_KINDS = {"position": "rope", "norm": "rmsnorm"}
+DEFAULT_KINDS = {"position": "rope", "norm": "rmsnorm", "dataset": "stdlib_text"}
 _ANNOUNCED: set[str] = set()
 
 
@@ -231,7 +236,10 @@ def upgrade_tree(tree: dict[str, Any]) -> dict[str, Any]:
         applies = kind is None or current.get("kind", DEFAULT_KINDS[component]) == kind
         if applies:
             options = dict(current.get("options") or {})
-            options.setdefault(rest[-1], value)
+            if rest == ["options"]:  # a whole mapping of options: the new key's own win
+                options = {**(value if isinstance(value, dict) else {}), **options}
+            else:
+                options.setdefault(rest[-1], value)
             branch[component] = {**current, "options": options}
         if old not in _ANNOUNCED:
             _ANNOUNCED.add(old)

@@ -275,8 +275,11 @@ SOURCE_KINDS = ("auto", "text", "jsonl", "indexed")
 
 
 @dataclass
-class DataConfig:
-    dataset: str = "stdlib_text"  # stdlib_text | text | indexed | copy | assoc_recall | listops | labeled | lra_*
+class DataConfig(NamesComponents):
+    COMPONENTS: ClassVar[tuple[str, ...]] = ("dataset",)
+
+    # A registered dataset and its options (data.dataset.options.length=8; xscale inspect --components lists them).
+    dataset: Component = field(default_factory=lambda: Component("stdlib_text"))
     path: str | None = None  # text file/folder (text) or .bin/.idx prefix (indexed)
     # A weighted blend of corpora (replaces dataset/path); eval_sources: held-out corpora for evaluation.
     sources: list[DataSource] = field(default_factory=list)
@@ -290,7 +293,6 @@ class DataConfig:
     num_samples: int = 0  # samples per epoch of a task or a blend (0: the task's default / the sources' windows)
     eval_fraction: float = 0.02
     order: str = "shuffled"  # shuffled | streams (consecutive windows per batch row: model.segment_memory)
-    options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -30,7 +30,7 @@ def build_datasets(config: Config, label_names: list[str] | None = None) -> tupl
     ``label_names``: a trained classifier's classes (None: the labels found in the data)."""
     data = config.data
     objective = resolve_objective(config)
-    source = SOURCES.get(data.dataset)
+    source = SOURCES.get(data.dataset.kind)
     if not 0.0 <= data.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction must be in [0, 1), got {data.eval_fraction}")
     train, evaluation, vocab_size = source.build(config, objective, label_names)
@@ -43,7 +43,7 @@ def build_datasets(config: Config, label_names: list[str] | None = None) -> tupl
 def run_tokenizer_file(config: Config) -> Path | None:
     """The file of the tokenizer this run uses (``data.tokenizer``, or the one trained on its corpus once it
     exists); None for the synthetic tasks and images, whose vocabulary is built in."""
-    if config.data.dataset in SOURCES and not SOURCES.get(config.data.dataset).tokenized:
+    if config.data.dataset.kind in SOURCES and not SOURCES.get(config.data.dataset.kind).tokenized:
         return None
     if config.data.tokenizer:
         return tokenizer_source_file(config.data.tokenizer)

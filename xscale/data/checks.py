@@ -14,7 +14,7 @@ from xscale.models.registry import REGISTRIES
 def check_dataset(config: Config) -> None:
     """data.dataset names a registered source (:mod:`xscale.data.sources`) that serves the task: labelled examples
     for train.task=classify, and only those; data.sources (blended corpora) only for a text dataset."""
-    dataset = config.data.dataset
+    dataset = config.data.dataset.kind
     if dataset not in SOURCES:
         raise ConfigError(f"data.dataset='{dataset}' is not one of {', '.join(SOURCES.names())}"
                           f"{closest(dataset, SOURCES.names())}")
@@ -34,10 +34,10 @@ def check_dataset(config: Config) -> None:
 
 def check_padding_masks(config: Config) -> None:
     """train.task=classify pads variable-length examples: every attention kind must take a key-padding mask
-    (unless a generated task reads its pads as content: ``data.options.pad_as_content``)."""
+    (unless a generated task reads its pads as content: ``data.dataset.options.pad_as_content``)."""
     if config.train.task != "classify":
         return
-    if config.data.dataset.startswith("lra_") and config.data.options.get(PAD_AS_CONTENT) is True:
+    if config.data.dataset.kind.startswith("lra_") and config.data.dataset.options.get(PAD_AS_CONTENT) is True:
         return
     attention = REGISTRIES["attention"]
     able = [name for name in attention.names() if attention.get(name).takes_padding_mask]
@@ -45,18 +45,18 @@ def check_padding_masks(config: Config) -> None:
         if kind in attention and not attention.get(kind).takes_padding_mask:
             raise ConfigError(f"attention '{kind}' takes no key-padding mask, so it would attend to the padding of "
                               f"train.task=classify's variable-length examples; use one that does: {', '.join(able)} (or, for "
-                              f"the generated lra_* tasks, data.options.{PAD_AS_CONTENT}=true)")
+                              f"the generated lra_* tasks, data.dataset.options.{PAD_AS_CONTENT}=true)")
 
 
 def check_context_parallel_lengths(config: Config) -> None:
     """Context parallelism cuts each stack's sequences into cp (2cp) chunks: span corruption of text windows gives
     an encoder-decoder shorter encoder inputs and decoder targets than train.seq_len, and both must split."""
     parallel = config.parallel
-    if parallel.cp <= 1 or config.model.family != "encoder_decoder" or not SOURCES.get(config.data.dataset).text \
+    if parallel.cp <= 1 or config.model.family != "encoder_decoder" or not SOURCES.get(config.data.dataset.kind).text \
             or resolve_objective(config) != "span":
         return
     chunks = 2 * parallel.cp if parallel.cp_load_balance else parallel.cp
-    options = config.data.options
+    options = config.data.dataset.options
     density = float(options.get("noise_density", 0.15))
     mean_span = float(options.get("mean_span_length", 3.0))
 
@@ -70,7 +70,7 @@ def check_context_parallel_lengths(config: Config) -> None:
     nearby = [n for n in range(max(chunks, config.train.seq_len - 32 * chunks), config.train.seq_len + 32 * chunks)
               if split(n)]
     nearest = sorted(nearby, key=lambda n: (n > config.model.max_seq_len, abs(n - config.train.seq_len), n))[:3]
-    hint = f"use train.seq_len={' or '.join(map(str, nearest))}" if nearest else "change data.options.noise_density"
+    hint = f"use train.seq_len={' or '.join(map(str, nearest))}" if nearest else "change data.dataset.options.noise_density"
     raise ConfigError(f"parallel.cp={parallel.cp} cuts every sequence into {chunks} chunks, but span corruption of "
                       f"train.seq_len={config.train.seq_len} windows gives {encoder} encoder and {decoder} decoder "
                       f"tokens: {hint}")

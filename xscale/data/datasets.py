@@ -20,7 +20,7 @@ from xscale.data.objectives import IGNORE_INDEX, bart_denoising, causal_lm, mask
 Sample = dict[str, torch.Tensor]
 WindowTransform = Callable[[torch.Tensor, torch.Generator], Sample]
 OBJECTIVES = ("clm", "mlm", "span")  # of the synthetic tasks' examples; text windows take "bart" as well
-# The data.options each objective reads from a text window (:func:`text_objective`).
+# The data.dataset.options each objective reads from a text window (:func:`text_objective`).
 TEXT_OBJECTIVE_OPTIONS = {"clm": (), "mlm": ("mask_probability",), "span": ("noise_density", "mean_span_length"),
                           "bart": ("mask_ratio", "poisson_lambda")}
 
@@ -90,7 +90,7 @@ def text_objective(objective: str, tokenizer, seq_len: int, options: dict | None
     if objective == "bart":
         ratio, rate = float(options.get("mask_ratio", 0.3)), float(options.get("poisson_lambda", 3.0))
         if not (0 < ratio <= 0.5 and rate >= 0):
-            raise ValueError(f"BART's data.options mask_ratio={ratio} must be in (0, 0.5] and poisson_lambda={rate} "
+            raise ValueError(f"BART's data.dataset.options mask_ratio={ratio} must be in (0, 0.5] and poisson_lambda={rate} "
                              ">= 0")
         ends = sentence_end_ids(tokenizer)
         return seq_len, lambda window, generator: bart_denoising(

@@ -217,11 +217,11 @@ def check_bart_config(config: Config) -> None:
     if config.train.objective != "bart":
         return
     data = config.data
-    if data.dataset not in ("stdlib_text", "text", "indexed") and not data.sources:
+    if data.dataset.kind not in ("stdlib_text", "text", "indexed") and not data.sources:
         raise ConfigError(f"train.objective=bart corrupts windows of text: set data.dataset=stdlib_text, text or "
                           f"indexed (or data.sources), not data.dataset={data.dataset}")
-    ratio, rate = data.options.get("mask_ratio", 0.3), data.options.get("poisson_lambda", 3.0)
+    ratio, rate = data.dataset.options.get("mask_ratio", 0.3), data.dataset.options.get("poisson_lambda", 3.0)
     if not (isinstance(ratio, (int, float)) and 0 < ratio <= 0.5):
-        raise ConfigError(f"data.options.mask_ratio={ratio!r} (BART's masked fraction) must be in (0, 0.5]")
+        raise ConfigError(f"data.dataset.options.mask_ratio={ratio!r} (BART's masked fraction) must be in (0, 0.5]")
     if not (isinstance(rate, (int, float)) and 0 <= rate <= 64):
-        raise ConfigError(f"data.options.poisson_lambda={rate!r} (BART's mean span length) must be in [0, 64]")
+        raise ConfigError(f"data.dataset.options.poisson_lambda={rate!r} (BART's mean span length) must be in [0, 64]")

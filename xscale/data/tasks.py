@@ -23,7 +23,7 @@ class CopyTask:
         self.length = length if length is not None else (seq_len - 2) // 2
         if self.length < 1 or 2 * self.length + 2 > seq_len:
             raise ValueError(f"copy task: length={self.length} does not fit seq_len={seq_len} "
-                             f"(needs 2*length+2 <= seq_len); raise train.seq_len or lower data.options.length")
+                             f"(needs 2*length+2 <= seq_len); raise train.seq_len or lower data.dataset.options.length")
         self.num_symbols = num_symbols
 
     def example(self, rng: random.Random) -> Example:
@@ -40,7 +40,7 @@ class AssociativeRecallTask:
         self.pairs = pairs if pairs is not None else min((seq_len - 3) // 2, num_keys)
         if self.pairs < 1 or 2 * self.pairs + 3 > seq_len or self.pairs > num_keys:
             raise ValueError(f"associative recall: pairs={self.pairs} needs 2*pairs+3 <= seq_len={seq_len} and "
-                             f"pairs <= num_keys={num_keys}; change data.options or train.seq_len")
+                             f"pairs <= num_keys={num_keys}; change data.dataset.options or train.seq_len")
         self.num_keys, self.num_values = num_keys, num_values
 
     def example(self, rng: random.Random) -> Example:
@@ -78,7 +78,7 @@ class ListOpsTask:
         self.min_length = min_length if min_length is not None else max(3, self.max_length // 4)
         if not 3 <= self.min_length <= self.max_length <= seq_len - 1:
             raise ValueError(f"listops: need 3 <= min_length={self.min_length} <= max_length={self.max_length} <= "
-                             f"seq_len-1={seq_len - 1}; change data.options or train.seq_len")
+                             f"seq_len-1={seq_len - 1}; change data.dataset.options or train.seq_len")
         if max_args < 2 or max_depth < 1:
             raise ValueError(f"listops: max_args={max_args} must be >= 2 and max_depth={max_depth} >= 1")
         self.max_depth, self.max_args = max_depth, max_args

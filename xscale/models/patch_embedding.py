@@ -55,7 +55,7 @@ def check_patch_config(config: Config) -> None:
     position per patch plus the class token (train.seq_len), and no token ids (hash routing needs them)."""
     model, seq_len = config.model, config.train.seq_len
     patches = model.input == "patches"
-    if patches != (config.data.dataset == "images_shapes"):
+    if patches != (config.data.dataset.kind == "images_shapes"):
         raise ConfigError("data.dataset=images_shapes (images) and model.input=patches go together: set both, or "
                           f"neither (got data.dataset={config.data.dataset}, model.input={model.input})")
     if not patches:

@@ -35,7 +35,7 @@ def test_pathfinder_for_classify_is_class_token_then_the_whole_image():
 
 
 def test_listops_for_classify_is_padded_and_masked():
-    train, _, _ = build_datasets(_config("lra_listops", "model.pooling=mean", "data.options={max_depth: 3}"))
+    train, _, _ = build_datasets(_config("lra_listops", "model.pooling=mean", "data.dataset.options={max_depth: 3}"))
     masks = torch.stack([train[i]["padding_mask"] for i in range(16)])
     assert not masks.all() and masks[:, 0].all() and train.num_samples == 64
     assert train.label_names == [str(digit) for digit in range(10)]
@@ -49,14 +49,14 @@ def test_lra_datasets_are_refused_for_language_modelling():
 def test_pad_as_content_drops_the_mask_and_lets_maskless_kinds_train():
     with pytest.raises(ConfigError, match="attention 'linear' takes no key-padding mask.*pad_as_content=true"):
         _config("lra_listops", "model.attention.kind=linear")
-    config = _config("lra_listops", "model.attention.kind=linear", "data.options={pad_as_content: true, max_depth: 3}")
+    config = _config("lra_listops", "model.attention.kind=linear", "data.dataset.options={pad_as_content: true, max_depth: 3}")
     train, evaluation, _ = build_datasets(config)
-    masked, _, _ = build_datasets(_config("lra_listops", "data.options={max_depth: 3}"))
+    masked, _, _ = build_datasets(_config("lra_listops", "data.dataset.options={max_depth: 3}"))
     assert "padding_mask" not in train[0] and "padding_mask" not in evaluation[0]
     assert torch.equal(train[3]["input_ids"], masked[3]["input_ids"])  # the same tokens: the pads are read
     assert (train[3]["input_ids"] == train.task.vocab.pad_id).any()
 
 
 def test_pad_as_content_must_be_a_boolean():
-    with pytest.raises(ConfigError, match="data.options.pad_as_content must be true or false, got 'yes'"):
-        build_datasets(_config("lra_retrieval", "data.options={pad_as_content: 'yes'}"))
+    with pytest.raises(ConfigError, match="data.dataset.options.pad_as_content must be true or false, got 'yes'"):
+        build_datasets(_config("lra_retrieval", "data.dataset.options={pad_as_content: 'yes'}"))

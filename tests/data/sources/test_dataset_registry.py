@@ -57,8 +57,8 @@ def test_a_name_registered_twice_is_refused():
 
 
 def test_an_option_the_source_does_not_read_is_refused(build_config):
-    config = build_config("copy", "data.options={num_symbols: 8, width: 3}")
-    with pytest.raises(ConfigError, match=r"data.options \['width'\] are not options of data.dataset='copy' with "
+    config = build_config("copy", "data.dataset.options={num_symbols: 8, width: 3}")
+    with pytest.raises(ConfigError, match=r"data.dataset.options \['width'\] are not options of data.dataset='copy' with "
                                           "this objective; allowed: num_symbols, length"):
         data_options(config, SOURCES.get("copy").options)
 

@@ -1,4 +1,4 @@
-"""Generated images (:mod:`xscale.data.sources.images`): of model.image_size, no vocabulary, data.options noise."""
+"""Generated images (:mod:`xscale.data.sources.images`): of model.image_size, no vocabulary, data.dataset.options noise."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from xscale.data.sources import SOURCES
 
 
 def test_images_take_the_models_size_and_no_vocabulary(build_config):
-    config = build_config("images_shapes", "data.options={noise: 0.0}")
+    config = build_config("images_shapes", "data.dataset.options={noise: 0.0}")
     train, _, vocab_size = build_datasets(config)
     assert vocab_size == 0 and train[0]["pixels"].shape == (config.model.image_channels, config.model.image_size,
                                                             config.model.image_size)
@@ -18,6 +18,6 @@ def test_images_take_the_models_size_and_no_vocabulary(build_config):
 
 
 def test_an_unknown_option_is_refused_naming_the_dataset(build_config):
-    with pytest.raises(ConfigError, match=r"^data.dataset='images_shapes' \(data.options \{'blur': 1\}\): "
-                                          r"data.options \['blur'\] are not options"):
-        build_datasets(build_config("images_shapes", "data.options={blur: 1}"))
+    with pytest.raises(ConfigError, match=r"^data.dataset='images_shapes' \(data.dataset.options \{'blur': 1\}\): "
+                                          r"data.dataset.options \['blur'\] are not options"):
+        build_datasets(build_config("images_shapes", "data.dataset.options={blur: 1}"))

@@ -1,4 +1,4 @@
-"""The LRA-style tasks (:mod:`xscale.data.sources.lra`): data.options are the generator's keywords plus
+"""The LRA-style tasks (:mod:`xscale.data.sources.lra`): data.dataset.options are the generator's keywords plus
 pad_as_content; an unknown one is refused naming the dataset and its options."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ def test_the_options_are_the_generators_keywords_and_pad_as_content():
 
 
 def test_an_option_the_generator_lacks_is_refused(build_config):
-    with pytest.raises(ConfigError, match=r"^data.dataset='lra_pathfinder' \(data.options \{'width': 3\}\): .*width"):
-        build_datasets(build_config("lra_pathfinder", "data.options={width: 3}"))
+    with pytest.raises(ConfigError, match=r"^data.dataset='lra_pathfinder' \(data.dataset.options \{'width': 3\}\): .*width"):
+        build_datasets(build_config("lra_pathfinder", "data.dataset.options={width: 3}"))
 
 
 def test_pad_as_content_drops_the_padding_mask(build_config):
-    train, _, _ = build_datasets(build_config("lra_listops", "data.options={max_depth: 3, pad_as_content: true}"))
+    train, _, _ = build_datasets(build_config("lra_listops", "data.dataset.options={max_depth: 3, pad_as_content: true}"))
     assert "padding_mask" not in train[0] and train.pad_as_content

@@ -1,4 +1,4 @@
-"""The synthetic tasks (:mod:`xscale.data.sources.synthetic`): data.options are the generator's keywords, a bad
+"""The synthetic tasks (:mod:`xscale.data.sources.synthetic`): data.dataset.options are the generator's keywords, a bad
 value is refused naming the dataset, eval examples continue the global index."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def test_the_options_are_the_generators_keywords():
 
 def test_a_value_the_generator_refuses_names_the_dataset(build_config):
     with pytest.raises(ConfigError, match="^data.dataset='listops': listops: need 3 <= min_length"):
-        build_datasets(build_config("listops", "data.options={min_length: 2}"))
+        build_datasets(build_config("listops", "data.dataset.options={min_length: 2}"))
 
 
 def test_eval_examples_are_a_disjoint_stream(build_config):

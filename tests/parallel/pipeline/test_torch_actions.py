@@ -22,7 +22,7 @@ def test_every_multi_stage_schedule_gives_an_order(name, pp, microbatches):
     actions = rank_actions(spec.cls, pp, stages, microbatches)
     assert actions is not None, f"torch no longer exposes {name}'s action order the way torch_actions reads it"
     forwards, backwards = {}, {}
-    for rank, ordered in actions.items():
+    for ordered in actions.values():
         for position, action in enumerate(ordered):
             key = (action.stage_index, action.microbatch_index)
             if action.computation_type == ComputationType.FORWARD:

@@ -40,7 +40,7 @@ class ListOpsClassification:
         return prompt, answer[0] - self.first_digit
 
 
-PAD_AS_CONTENT = "pad_as_content"  # the data.options key: the model reads the pads (no padding mask)
+PAD_AS_CONTENT = "pad_as_content"  # the data.dataset.options key: the model reads the pads (no padding mask)
 LRA_TASKS = {"listops": ListOpsClassification, "retrieval": RetrievalTask, "pathfinder": PathfinderTask}
 
 

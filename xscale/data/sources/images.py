@@ -11,12 +11,12 @@ SHAPES_OPTIONS = generator_options(ShapesTask, leading=2)  # after the image's s
 
 
 def shapes_datasets(config: Config, objective: str, label_names: list[str] | None) -> Built:
-    """Train and eval images; data.options: ``noise`` (the pixel noise's standard deviation)."""
+    """Train and eval images; data.dataset.options: ``noise`` (the pixel noise's standard deviation)."""
     data, model = config.data, config.model
     try:
         task = ShapesTask(model.image_size, model.image_channels, **data_options(config, SHAPES_OPTIONS))
     except (TypeError, ValueError) as error:
-        raise ConfigError(f"data.dataset='{data.dataset}' (data.options {data.options}): {error}") from error
+        raise ConfigError(f"data.dataset='{data.dataset}' (data.dataset.options {data.dataset.options}): {error}") from error
     train, evaluation = generated_splits(
         config, lambda num_samples, first_sample: GeneratedImageDataset(task, config.train.seed, num_samples,
                                                                         first_sample=first_sample))

@@ -1,5 +1,5 @@
 """The Long Range Arena-style tasks (:mod:`xscale.data.lra`) for train.task=classify: ``lra_listops``,
-``lra_retrieval`` and ``lra_pathfinder``. ``data.options`` go to the task's generator, except
+``lra_retrieval`` and ``lra_pathfinder``. ``data.dataset.options`` go to the task's generator, except
 ``pad_as_content`` (the model reads the pads: no padding mask)."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ def lra_datasets(config: Config, objective: str, label_names: list[str] | None) 
     """Train and eval examples of the task ``data.dataset`` names, led by the class token with pooling=cls."""
     data, seq_len, seed = config.data, config.train.seq_len, config.train.seed
     cls = config.model.pooling == "cls"
-    options = dict(data.options)
+    options = dict(data.dataset.options)
     pad_as_content = options.pop(PAD_AS_CONTENT, False)
     if not isinstance(pad_as_content, bool):
-        raise ConfigError(f"data.options.{PAD_AS_CONTENT} must be true or false, got {pad_as_content!r}")
+        raise ConfigError(f"data.dataset.options.{PAD_AS_CONTENT} must be true or false, got {pad_as_content!r}")
     try:  # the generator writes seq_len - 1 tokens when the class token leads them
-        task = LRA_TASKS[data.dataset.removeprefix("lra_")](seq_len - cls, **options)
+        task = LRA_TASKS[data.dataset.kind.removeprefix("lra_")](seq_len - cls, **options)
     except (TypeError, ValueError) as error:
-        raise ConfigError(f"data.dataset='{data.dataset}' (data.options {data.options}): {error}") from error
+        raise ConfigError(f"data.dataset='{data.dataset}' (data.dataset.options {data.dataset.options}): {error}") from error
     class_token = task.vocab.bos_id if cls else None
     train, evaluation = generated_splits(
         config, lambda num_samples, first_sample: GeneratedClassificationDataset(

@@ -1,6 +1,6 @@
 """Name -> dataset source: ``data.dataset`` names a registered source, whose builder makes the run's datasets.
 
-A source module registers each of its names with :func:`register` (builder, the ``data.options`` it reads, a
+A source module registers each of its names with :func:`register` (builder, the ``data.dataset.options`` it reads, a
 one-line description); every module of :mod:`xscale.data.sources` is imported by the package itself, so the
 registry read through it is complete. Adding a dataset is one module there plus its test.
 """
@@ -25,7 +25,7 @@ DEFAULT_TASK_SAMPLES = 100_000
 
 @dataclass(frozen=True)
 class DatasetSource:
-    """A registered dataset: its builder, the ``data.options`` it reads and what it is, in one line."""
+    """A registered dataset: its builder, the ``data.dataset.options`` it reads and what it is, in one line."""
 
     name: str
     build: Builder
@@ -75,12 +75,12 @@ def generator_options(generator: type, leading: int = 1) -> tuple[str, ...]:
 
 
 def data_options(config: Config, allowed: tuple[str, ...]) -> dict:
-    """``data.options``, refused when one is not among ``allowed``."""
-    unknown = sorted(set(config.data.options) - set(allowed))
+    """``data.dataset.options``, refused when one is not among ``allowed``."""
+    unknown = sorted(set(config.data.dataset.options) - set(allowed))
     if unknown:
-        raise ConfigError(f"data.options {unknown} are not options of data.dataset='{config.data.dataset}' with this "
+        raise ConfigError(f"data.dataset.options {unknown} are not options of data.dataset='{config.data.dataset}' with this "
                           f"objective; allowed: {', '.join(allowed) or 'none'}")
-    return dict(config.data.options)
+    return dict(config.data.dataset.options)
 
 
 def generated_splits(config: Config, make: Callable[[int, int], Dataset]) -> tuple[Dataset, Dataset | None]:

@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 def trained_tokenizer_name(config: Config) -> str:
     """The file name, under ``<output_dir>/tokenizer/``, of the SentencePiece model trained on the run's corpus."""
-    corpus = "sources" if config.data.sources else config.data.dataset
+    corpus = "sources" if config.data.sources else config.data.dataset.kind
     return f"{corpus}-{config.data.tokenizer_vocab_size}.model"
 
 
@@ -36,13 +36,13 @@ def build_tokenizer(config: Config, documents: list[str] | None = None) -> Token
     if data.tokenizer:
         with user_file("data.tokenizer"):
             return load_tokenizer(data.tokenizer)
-    if data.dataset == "indexed" and not data.sources:
+    if data.dataset.kind == "indexed" and not data.sources:
         raise ConfigError("data.dataset='indexed' holds tokens already: set data.tokenizer to the tokenizer file "
                           "they were made with")
     cache = trained_tokenizer_file(config)
     if cache.is_file():
         return SentencePieceTokenizer.load(cache)
-    logger.info("training a %d-token SentencePiece model on %s -> %s", data.tokenizer_vocab_size, data.dataset, cache)
+    logger.info("training a %d-token SentencePiece model on %s -> %s", data.tokenizer_vocab_size, data.dataset.kind, cache)
     try:
         tokenizer = SentencePieceTokenizer.train(documents if documents is not None else corpus_documents(config),
                                                  data.tokenizer_vocab_size)
@@ -64,7 +64,7 @@ def corpus_documents(config: Config) -> Iterable[str]:
                               "they were made with")
         return itertools.chain.from_iterable(text_documents(source.path, data.text_field, jsonl=kind == "jsonl")
                                              for source, kind in text)
-    if data.dataset == "stdlib_text":
+    if data.dataset.kind == "stdlib_text":
         return stdlib_documents()
     if not data.path:
         raise ConfigError("data.dataset='text' needs data.path: a .txt/.jsonl file or a folder of them")

@@ -1,5 +1,5 @@
 """The synthetic tasks (:mod:`xscale.data.tasks`): copy, associative recall and ListOps, generated per global
-sample index for a pre-training objective over their built-in vocabularies. ``data.options`` go to the task's
+sample index for a pre-training objective over their built-in vocabularies. ``data.dataset.options`` go to the task's
 generator."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ TASKS = {"copy": CopyTask, "assoc_recall": AssociativeRecallTask, "listops": Lis
 def task_datasets(config: Config, objective: str, label_names: list[str] | None) -> Built:
     """Train and eval examples of the task ``data.dataset`` names."""
     data, seq_len, seed = config.data, config.train.seq_len, config.train.seed
-    generator = TASKS[data.dataset]
+    generator = TASKS[data.dataset.kind]
     options = data_options(config, generator_options(generator))
     try:
         task = generator(seq_len, **options)
