@@ -4,6 +4,7 @@ from xscale.models.attention import (  # noqa: F401  (each module registers its 
     compressed,
     cosformer,
     dense,
+    entmax,
     inducing,
     linear,
     lowrank,
