@@ -86,6 +86,6 @@ def assert_loss_falls(kind: str, options: dict | None = None, family: str = "dec
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < 0.6 * first, f"{kind}: loss went from {first:.3f} to {last:.3f}"
