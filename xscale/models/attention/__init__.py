@@ -12,6 +12,7 @@ from xscale.models.attention import (  # noqa: F401  (each module registers its 
     lsh,
     luna,
     priors,
+    probsparse,
     random_features,
     residual,
     routing,
