@@ -11,6 +11,7 @@ from xscale.models.attention import (  # noqa: F401  (each module registers its 
     lowrank,
     lsh,
     luna,
+    multiscale,
     priors,
     probsparse,
     random_features,
