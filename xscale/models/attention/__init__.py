@@ -1,6 +1,7 @@
 """Attention: the multi-head module and the registry of cores (dense and the efficient zoo)."""
 
 from xscale.models.attention import (  # noqa: F401  (each module registers its cores)
+    average,
     clustered,
     compressed,
     cosformer,
