@@ -9,6 +9,7 @@ from xscale.models.attention import (  # noqa: F401  (each module registers its 
     entmax,
     inducing,
     linear,
+    long_short,
     lowrank,
     lsh,
     luna,
