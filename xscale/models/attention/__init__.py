@@ -20,6 +20,7 @@ from xscale.models.attention import (  # noqa: F401  (each module registers its 
     residual,
     routing,
     sinkhorn,
+    skyformer,
     sparse,
     synthesizer,
     talking_heads,
