@@ -4,6 +4,7 @@ switches of the previous release read as it with one line each, refused by name,
 from __future__ import annotations
 
 import pytest
+import torch
 
 import xscale.config.load as config_load
 from xscale.cli import main
@@ -11,6 +12,7 @@ from xscale.config.load import load_config, read_config
 from xscale.config.schema import ConfigError
 from xscale.models import build_model
 from xscale.models.registry import STACK
+from xscale.models.stacks.plain import PlainStack
 from xscale.models.traits import StackTraits
 
 TINY = ["model.d_model=16", "model.n_heads=2", "model.vocab_size=32", "model.n_layers=2"]
@@ -77,3 +79,22 @@ def test_inspect_lists_the_stack_kinds_with_their_options(capsys):
     assert "model.stack: act" in out and "threshold=0.99 (a position halts once" in out
     assert "model.stack: funnel" in out and "decoder_layers=2" in out
     assert "model.stack: early_exit" in out and "patience=0" in out
+
+
+def test_a_new_variant_is_one_registered_class(monkeypatch):
+    """A variant registered here (the blocks run deepest first) is built and run by the Transformer as it is:
+    nothing else names it."""
+    class DeepestFirst(PlainStack):
+        def run(self, x, position, memory, scores, context, layer_states):
+            for depth, block in reversed(list(zip(self.depths, self.blocks()))):
+                x, scores = self.run_block(depth, block, x, position, memory, scores, context)
+            return x, scores
+
+    monkeypatch.setitem(STACK._entries, "deepest_first", DeepestFirst)
+    config = load_config(None, [*TINY, "model.stack=deepest_first"])
+    model = build_model(config.model, seed=0)
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    x = model.embedding(tokens)
+    for block in reversed(model.stack.blocks()):
+        x = block(x, model.stack.position)
+    torch.testing.assert_close(model(tokens), model.output(model.stack.final_norm(x)))
