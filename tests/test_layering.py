@@ -36,7 +36,8 @@ MODEL_INTERFACES = ("xscale.models", "xscale.models.attention", "xscale.models.a
                     "xscale.models.attention.multihead", "xscale.models.moe", "xscale.models.traits",
                     "xscale.models.registry", "xscale.models.init", "xscale.models.dropout", "xscale.models.block",
                     "xscale.models.transformer", "xscale.models.position", "xscale.models.norm",
-                    "xscale.models.parameters")  # parameters: counts, no component
+                    "xscale.models.parameters",  # parameters: counts, no component
+                    "xscale.models.stacks")  # the stack base class and the lookup of model.stack, no variant
 # Imports inside a function that stay: lazy CLI dispatch (``xscale --help`` without importing torch's stack).
 LAZY_CLI = {("xscale.cli", "*")}
 # Imports inside a function that are not lazy CLI dispatch (importer -> imported): none left.

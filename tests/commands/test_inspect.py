@@ -115,11 +115,11 @@ def test_measure_refuses_what_it_cannot_run_in_one_line(capsys):
 
 
 def test_inspect_names_the_stack_variants_and_counts_one_reversible_block(capsys):
-    assert main(["inspect", *TINY, "model.reversible=true", "model.share_layers=true"]) == 0
+    assert main(["inspect", *TINY, "model.stack=reversible", "model.share_layers=true"]) == 0
     assert "stack share_layers + reversible" in capsys.readouterr().out
     assert main(["inspect", *TINY]) == 0
     assert "stack plain" in capsys.readouterr().out
-    from_depth = [activation_bytes(_tiny("model.reversible=true", f"model.n_layers={n}"), 2) for n in (2, 8)]
+    from_depth = [activation_bytes(_tiny("model.stack=reversible", f"model.n_layers={n}"), 2) for n in (2, 8)]
     assert from_depth[0] == from_depth[1]
 
 
@@ -182,7 +182,7 @@ def test_components_lists_the_relative_positions_and_residual_placements(capsys)
     lines = {line.split()[0]: line.split(maxsplit=1)[1] for line in capsys.readouterr().out.splitlines()[1:]}
     assert {"shaw", "xl"} <= set(lines["model.position"].split(", "))
     assert {"rezero", "deepnorm"} <= set(lines["model.norm_placement"].split(", "))
-    assert {"funnel", "early_exit"} <= set(lines["model.<stack"].split(maxsplit=1)[1].split(", "))
+    assert {"plain", "reversible", "act", "funnel", "early_exit"} <= set(lines["model.stack"].split(", "))
 
 
 def test_components_lists_patch_inputs_and_the_bart_objective(capsys):
@@ -199,7 +199,8 @@ def test_inspect_names_the_segment_memory(capsys):
 def test_inspect_counts_the_funnel_decoder_blocks(capsys):
     """An MLM funnel's 2 decoder blocks (sec. 2.3) are named, and their parameters and FLOPs counted: each block
     4 d^2 attention + 3 d * 128 SwiGLU + 2 d RMSNorm weights at d = 32; FLOPs 6 N + 12 * 2 * T * d more."""
-    funnel = [*TINY, "model.family=encoder", "model.position=learned", "model.funnel=[1,1]"]
+    funnel = [*TINY, "model.family=encoder", "model.position=learned", "model.stack=funnel",
+              "model.stack.options.groups=[1,1]"]
 
     def parameters_and_flops(*overrides: str) -> tuple[int, float]:
         assert main(["inspect", *funnel, *overrides]) == 0
@@ -210,7 +211,7 @@ def test_inspect_counts_the_funnel_decoder_blocks(capsys):
         return int(total.replace(",", "")), float(flops)
 
     (with_decoder, flops), (without, flops_without) = parameters_and_flops(), parameters_and_flops(
-        "model.funnel_decoder_layers=0")
+        "model.stack.options.decoder_layers=0")
     block = 4 * 32 * 32 + 3 * 32 * 128 + 2 * 32
     assert with_decoder - without == 2 * block
     assert flops - flops_without == pytest.approx(6 * 2 * block + 12 * 2 * 32 * 32, rel=1e-3)

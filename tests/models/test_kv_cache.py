@@ -25,8 +25,8 @@ def _model(**fields):
     {"position": "shaw", "n_kv_heads": 2},
     {"position": "xl", "n_kv_heads": 1},
     {"position": "rope", "share_layers": True},
-    {"position": "rope", "share_layers": True, "act": True},
-    {"position": "rope", "reversible": True},
+    {"position": "rope", "share_layers": True, "stack": "act"},
+    {"position": "rope", "stack": "reversible"},
 ], ids=["rope-gqa", "learned", "alibi-mqa", "sinusoidal", "t5_bias", "shaw-gqa", "xl-mqa", "rope-shared-layers", "act",
         "reversible"])
 def test_pieces_through_the_cache_equal_one_forward(fields):

@@ -150,6 +150,7 @@ def test_memory_keeps_the_last_m_inputs_across_short_segments():
     ({"parallel": {"pp": 2}}, "parallel.pp"),
     ({"parallel": {"cp": 2}}, "parallel.cp"),
     ({"model": {"share_layers": True}}, "model.share_layers"),
+    ({"model": {"stack": "reversible"}}, "does not combine with model.stack=reversible"),
 ])
 def test_refusals_name_what_to_change(change, words):
     config = Config()

@@ -137,9 +137,9 @@ def test_encoder_decoder_under_context_parallelism_equals_one_process():
     spawn(_check_encoder_decoder)
 
 
-ACT = ["model.share_layers=true", "model.act=true", "model.n_layers=3", "model.ponder_cost=0.05"]
-REVERSIBLE = ["model.reversible=true"]
-FUNNEL = ["model.funnel=[1,1]", "model.n_layers=2", "model.position=learned"]
+ACT = ["model.share_layers=true", "model.stack=act", "model.n_layers=3", "model.stack.options.ponder_cost=0.05"]
+REVERSIBLE = ["model.stack=reversible"]
+FUNNEL = ["model.stack=funnel", "model.stack.options.groups=[1,1]", "model.n_layers=2", "model.position=learned"]
 
 
 def _check_stack_variants(rank: int) -> None:
@@ -158,9 +158,9 @@ def test_act_reversible_and_funnel_stacks_under_context_parallelism_equal_one_pr
     spawn(_check_stack_variants)
 
 
-STACK_LAYOUTS = {"act": (DECODER, [*ACT, "model.ponder_cost=0.05"], "cp=2,cp_load_balance=true"),
+STACK_LAYOUTS = {"act": (DECODER, ACT, "cp=2,cp_load_balance=true"),
                  "reversible": (DECODER, REVERSIBLE, "cp=2,cp_load_balance=true,zero_stage=1"),
-                 "funnel": (ENCODER, ["model.funnel=[1,1]"], "cp=2")}
+                 "funnel": (ENCODER, ["model.stack=funnel", "model.stack.options.groups=[1,1]"], "cp=2")}
 
 
 @pytest.mark.slow

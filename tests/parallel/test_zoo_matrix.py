@@ -9,7 +9,7 @@ layout-independent too).
 - FFN, norm, position encoding and residual placement: dp2 x tp2 + ZeRO-3 (the newer ones two to a case);
 - MoE router: dp4 x ep2 and pp2 x dp2 x ep2 (4 processes each; one routing group of 4 sequences per microbatch,
   as the single process routes them), with the MoE metrics checked too;
-- stack variant (``STACK_VARIANTS``): the layouts it takes (those it refuses are tested in
+- stack variant (``model.stack``, and ``model.share_layers``): the layouts it takes (those it refuses are tested in
   tests/parallel/test_checks_stack_variants.py), with the per-step gradient norms too;
 - memory option (``MEMORY_OPTIONS``): trained on streams (data.order=streams), each rank carrying the memory of its
   own rows, with the gradient norms too: the segment memory under dp_shard2 x tp2 x ZeRO-3 with xl (dense) and with
@@ -28,9 +28,8 @@ from parity_models import DECODER, ENCODER, assert_parity
 
 from tests.parallel.test_expert_layouts import GSHARD, HASH, SWITCH, TRAINING, assert_layouts_match
 from xscale.config.schema import CHOICES, ModelConfig
-from xscale.models.registry import ATTENTION, FFN, NORM, POSITION, ROUTER
+from xscale.models.registry import ATTENTION, FFN, NORM, POSITION, ROUTER, STACK
 from xscale.models.segment_memory import MEMORY_OPTIONS, MEMORY_POSITIONS
-from xscale.models.transformer import STACK_VARIANTS
 
 DROPOUT = ["model.dropout=0.1", "model.attention_dropout=0.1"]
 ATTENTION_LAYOUT = "pp=2,tp=2,sequence_parallel=true,activation_checkpointing=full,microbatches=2"
@@ -72,16 +71,17 @@ ROUTER_CASES = {"switch": SWITCH, "gshard": GSHARD, "hash": HASH,
                 "expert_choice": ["model.family=encoder", "model.moe.router=expert_choice"]}
 # ALBERT sharing's layouts (pipeline, ZeRO-3, tp) are test_layouts.py's test_shared_layers_* cases.
 STACK_CASES = {"share_layers": None,
-               "reversible": (["model.reversible=true"], "dp_replicate=2,tp=2,zero_stage=2,sequence_parallel=true"),
-               "act": (["model.share_layers=true", "model.act=true", "model.n_layers=3", "model.ponder_cost=0.05"],
+               "reversible": (["model.stack=reversible"], "dp_replicate=2,tp=2,zero_stage=2,sequence_parallel=true"),
+               "act": (["model.share_layers=true", "model.stack=act", "model.n_layers=3",
+                        "model.stack.options.ponder_cost=0.05"],
                        "dp_shard=2,tp=2,zero_stage=3"),
                "funnel": (["model.family=encoder", "model.position=learned", "model.max_seq_len=16",
-                           "model.funnel=[1,1]"], "dp_shard=2,zero_stage=3"),
+                           "model.stack=funnel", "model.stack.options.groups=[1,1]"], "dp_shard=2,zero_stage=3"),
                # Classification runs under data parallelism only (tp/pp/cp refused for train.task=classify).
                "early_exit": (["model.family=encoder", "model.position=learned", "model.max_seq_len=16",
                                "train.task=classify", "data.dataset=lra_retrieval", "model.vocab_size=272",
                                "model.pooling=mean",
-                               "model.early_exit=true"], "dp_shard=2,zero_stage=3")}
+                               "model.stack=early_exit"], "dp_shard=2,zero_stage=3")}
 
 
 @pytest.mark.parametrize("option,registry", [("attention", ATTENTION), ("ffn", FFN), ("norm", NORM),
@@ -99,7 +99,9 @@ def test_every_registered_component_has_a_matrix_case(option, registry):
 
 
 def test_every_stack_variant_has_a_matrix_case():
-    assert set(STACK_CASES) == set(STACK_VARIANTS), "stack variants without a zoo-matrix case"
+    """Every registered model.stack kind but plain (every other case runs it), and ALBERT's model.share_layers."""
+    assert set(STACK_CASES) == set(STACK.names()) - {"plain"} | {"share_layers"}, \
+        "stack variants without a zoo-matrix case"
 
 
 @pytest.mark.slow

@@ -33,17 +33,13 @@ VALID = {
     # Zero switches a feature off or is the natural lower end of the range.
     **_valid("0 turns the feature off", ("model.dropout", "zero"), ("model.attention_dropout", "zero"),
              ("model.moe.aux_loss_coef", "zero"), ("model.moe.z_loss_coef", "zero"), ("model.moe.jitter", "zero"),
-             ("model.ponder_cost", "zero"), ("train.grad_clip", "zero"), ("train.spike_factor", "zero"), ("train.eval_every", "zero"),
+             ("train.grad_clip", "zero"), ("train.spike_factor", "zero"), ("train.eval_every", "zero"),
              ("train.weight_decay", "zero"), ("train.warmup_steps", "zero"), ("launch.max_restarts", "zero"),
              ("launch.max_requeues", "zero"), ("train.profile_steps", "zero"), ("model.segment_memory", "zero"),
              ("model.compressed_memory", "zero")),
     ("model.moe.num_experts", "zero"): "no experts: a dense FFN (the default)",
     ("model.moe.min_capacity", "zero"): "no floor under the expert capacity",
     ("model.num_classes", "zero"): "no classification head (train.task=classify takes the count from the labels)",
-    ("model.funnel_decoder_layers", "zero"): "a funnel without decoder blocks: h^(1) + Up(h^(G)) straight to the head",
-    ("model.exit_entropy", "zero"): "early exit: no example leaves before the last layer",
-    ("model.exit_patience", "zero"): "early exit: the entropy rule instead of PABEE's patience",
-    ("model.exit_entropy", "huge"): "early exit: every example leaves at the first layer",
     ("parallel.zero_stage", "zero"): "ZeRO stage 0 is plain DDP (the default)",
     ("train.min_lr_ratio", "zero"): "the schedule decays to 0",
     ("train.beta1", "zero"): "Adam without momentum (torch allows [0, 1))",
@@ -58,7 +54,7 @@ VALID = {
     ("parallel.dp_shard", "negative"): "-1: what the world size leaves (the default)",
     # Finite, well defined, and no allocation, loop or timer depends on them; a value that makes training diverge
     # is stopped at the first non-finite loss by train.on_nonfinite.
-    **_valid("finite and well defined", ("model.init_std", "huge"), ("model.ponder_cost", "huge"), ("model.moe.aux_loss_coef", "huge"), ("model.moe.z_loss_coef", "huge"),
+    **_valid("finite and well defined", ("model.init_std", "huge"), ("model.moe.aux_loss_coef", "huge"), ("model.moe.z_loss_coef", "huge"),
              ("train.lr", "huge"), ("train.weight_decay", "huge"), ("train.eps", "huge"),
              ("train.peak_flops", "huge")),
     ("train.grad_clip", "huge"): "clipping never triggers",

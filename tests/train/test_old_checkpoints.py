@@ -36,10 +36,11 @@ def test_a_checkpoint_from_before_the_redesign_resumes_on_one_process(name, tmp_
 
 def test_the_saved_config_of_the_previous_release_reads_its_flat_keys_as_component_options(capsys):
     """163e901 saved model.rope_theta and model.norm_eps; they read as the options of model.position and model.norm,
-    with one deprecation line each."""
+    and its stack switches (model.reversible=true, model.act=false, ...) as model.stack, with one deprecation line
+    each."""
     meta = Checkpointer.read_meta(DATA / "reversible_flat_keys" / "step_00000003")
     assert meta["config"]["model"]["rope_theta"] == 5000.0  # as written by that release
     model = config_from_dict(meta["config"]).model
     assert (model.position.kind, model.position.options) == ("rope", {"theta": 5000.0})
     assert (model.norm.kind, model.norm.options) == ("layernorm", {"eps": 1e-6})
-    assert model.reversible
+    assert (model.stack.kind, model.stack.options) == ("reversible", {})

@@ -171,7 +171,7 @@ def test_compiled_blocks_train_like_eager_ones(tmp_path):
     ["model.moe.num_experts=4", "model.moe.router=switch", "model.moe.top_k=1", "model.moe.aux_loss_coef=0.5",
      "model.moe.z_loss_coef=0.1"],
     ["model.attention.kind=adaptive_span", "model.attention.options.span_loss=0.5"],
-    ["model.act=true", "model.share_layers=true", "model.ponder_cost=0.5"],
+    ["model.stack=act", "model.share_layers=true", "model.stack.options.ponder_cost=0.5"],
 ], ids=["moe", "adaptive-span", "act"])
 def test_compiled_blocks_keep_the_auxiliary_losses(tmp_path, model):
     """The auxiliary losses reach the gradients in compiled blocks too (they were dropped: AOTAutograd replayed a

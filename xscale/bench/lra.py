@@ -21,7 +21,7 @@ from xscale.bench.memory import peak_memory, reset_peak_memory
 from xscale.commands.parser import CommandParser
 from xscale.config.load import load_config_from_cli
 from xscale.data.lra import PAD_AS_CONTENT
-from xscale.models.classifier import POOLINGS
+from xscale.models.heads.classifier import POOLINGS
 from xscale.models.registry import ATTENTION
 from xscale.train.trainer import Trainer
 

@@ -8,7 +8,7 @@ accuracy, its labels mapped to classes as in training (the checkpoint's label li
 A model with a segment memory (``model.segment_memory``, Transformer-XL) also walks train.global_batch_size streams
 of the split segment by segment (``--batches`` segments), carrying the memory, and reports that loss beside the
 loss of the same windows without it.
-An early-exit classifier (model.early_exit) reports the accuracy at the exits and at full depth, the mean exit layer,
+An early-exit classifier (model.stack=early_exit) reports the accuracy at the exits and at full depth, the mean exit layer,
 the share of the full depth's layer-rows computed (each example stopped at its exit), and the wall-clock of that
 forward against the full-depth one on the same batches, measured here, as a ratio.
 """
@@ -47,7 +47,7 @@ class SourceResult:
     tokens: int
     batches: int
     accuracy: float | None = None  # a classifier's (then ``tokens`` counts examples); early exit: at the exits
-    accuracy_full_depth: float | None = None  # early exit (model.early_exit): every example read to the last layer
+    accuracy_full_depth: float | None = None  # early exit (model.stack=early_exit): every example read to the last layer
     mean_exit_layer: float | None = None  # early exit: the mean 1-based layer the examples leave at
     exit_compute_fraction: float | None = None  # early exit: layer-rows computed / layer-rows at full depth
     exit_timing: str | None = None  # early exit: the measured wall-clock ratio, or why every layer is computed
@@ -157,7 +157,7 @@ def evaluate(trained: TrainedModel, batches: int) -> list[SourceResult]:
     label_names = trained.meta.get(LABELS_META_KEY) if classify else None
     results = []
     for source, split, dataset in evaluation_sources(config, label_names):
-        exits = {} if classify and config.model.early_exit else None
+        exits = {} if classify and config.model.stack.kind == "early_exit" else None
         loss, tokens, read, accuracy = evaluate_dataset(model, dataset, train.global_batch_size, batches, classify,
                                                         exits)
         streams = None

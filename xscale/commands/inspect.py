@@ -19,10 +19,9 @@ from xscale.data.sources import SOURCES
 from xscale.estimate.measure import MeasureError, measure_report
 from xscale.estimate.memory import predicted_pipeline_state_bytes, predicted_state_bytes
 from xscale.models.catalog import options_catalog
-from xscale.models.funnel import funnel_decoder_blocks
 from xscale.models.parameters import ModelCount, count_parameters, experts_per_token
 from xscale.models.registry import REGISTRIES
-from xscale.models.transformer import STACK_VARIANTS, stack_variants
+from xscale.models.stacks import extra_blocks, stack_description
 from xscale.parallel.checks import resolve_layout
 from xscale.parallel.context import whole_sequence_kinds
 from xscale.parallel.dims import rank_coordinates
@@ -42,9 +41,8 @@ def activation_bytes(config: Config, micro_batch: int) -> float:
     """Stored activations per micro-batch for backward (Korthikanti et al. 2022, eq. 1:
     s*b*h*(34 + 5*a*s/h) bytes per layer at 16-bit; doubled for fp32)."""
     model, seq = config.model, config.train.seq_len
-    layers = model.n_layers + (model.decoder_layers if model.family == "encoder_decoder" else 0)
-    layers += funnel_decoder_blocks(model)
-    if model.reversible:
+    layers = model.total_layers + extra_blocks(model)
+    if model.stack.kind == "reversible":
         layers = 1  # one block's, rebuilt in backward; the stack keeps only its two output halves
     per_layer = seq * micro_batch * model.d_model * (34 + 5 * model.n_heads * seq / model.d_model)
     scale = 1.0 if config.train.precision == "bf16" else 2.0
@@ -252,13 +250,13 @@ def report(config: Config) -> str:
     count = count_parameters(config)
     flops = flops_per_token(config.model, config.train.seq_len, count.matmul_per_token)
     memory = f"segment memory {config.model.segment_memory} (Transformer-XL), " if config.model.segment_memory else ""
-    decoder_blocks = funnel_decoder_blocks(config.model)
+    decoder_blocks = extra_blocks(config.model)
     funnel = f" + {decoder_blocks} funnel decoder blocks" if decoder_blocks else ""
     lines = [
         f"model: {config.model.family}, {config.model.n_layers} layers{funnel}, d_model {config.model.d_model}, "
         f"{config.model.n_heads} heads ({config.model.kv_heads} kv), ffn {config.model.ffn} {config.model.ffn_hidden}, "
         f"attention {config.model.attention.kind}, position {config.model.position}, {memory}"
-        f"stack {' + '.join(stack_variants(config.model)) or 'plain'}",
+        f"stack {stack_description(config.model)}",
         f"parameters: {count.total:,} ({count.total / 1e6:.2f}M; non-embedding {count.non_embedding:,})",
     ]
     for name, value in sorted(count.per_component.items(), key=lambda kv: -kv[1]):
@@ -277,9 +275,8 @@ def report(config: Config) -> str:
 
 
 def components_report() -> str:
-    """Every registered component (``model.<kind>``; router: ``model.moe.router``), every ``model.*`` choice, the
-    stack options (``model.<option>``: share_layers, reversible, act, funnel, early_exit) and the objectives and tasks
-    (``train.objective``, ``train.task``)."""
+    """Every registered component (``model.<kind>``; router: ``model.moe.router``; the stack variants:
+    ``model.stack``), every ``model.*`` choice and the objectives and tasks (``train.objective``, ``train.task``)."""
     keys = {"attention": "model.attention.kind", "router": "model.moe.router"}
     lines = ["components:"]
     for kind, registry in REGISTRIES.items():
@@ -287,7 +284,6 @@ def components_report() -> str:
     for key, values in CHOICES.items():
         if key.startswith("model.") or key in ("train.objective", "train.task"):
             lines.append(f"  {key:<32} {', '.join(values)}")
-    lines.append(f"  {'model.<stack option>':<32} {', '.join(STACK_VARIANTS)}")
     lines.append("options (KEY: {kind: NAME, options: {OPTION: VALUE}}; the default after each =):")
     for key, kind, described in options_catalog():
         lines.append(f"  {key + ': ' + kind:<32} {described}")

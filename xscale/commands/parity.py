@@ -118,7 +118,7 @@ def check_dropout_comparable(layout: str, config: Config) -> None:
     """Refuse a comparison whose dropout masks depend on the layout, so losses could not match: attention cores
     flagged ``rng_dropout`` (none of the registered ones now: every core draws hashed, layout-independent masks)."""
     model = config.model
-    layers = model.n_layers + (model.decoder_layers if model.family == "encoder_decoder" else 0)
+    layers = model.total_layers
     rng_kinds = sorted({kind for kind in map(model.attention.kind_for_layer, range(layers))
                         if ATTENTION.get(kind).rng_dropout})
     if model.attention_dropout and rng_kinds:

@@ -255,13 +255,8 @@ YEAR_S = 365 * 24 * 3600
 RANGES: dict[str, tuple[str, typing.Callable[[float], bool]]] = {
     "model.d_ff": ("positive", _positive),
     "model.init_std": ("positive", _positive),
-    "model.act_threshold": ("in (0, 1) (1 - eps)", lambda value: 0 < value < 1),
-    "model.ponder_cost": (">= 0 (0: no ponder cost)", _non_negative),
     "model.num_classes": (">= 0 (0: no classification head)", _non_negative),
     **{f"model.{name}": ("positive", _positive) for name in ("image_size", "image_channels", "patch_size")},
-    "model.funnel_decoder_layers": ("in [0, 64] (0: no decoder blocks)", lambda value: 0 <= value <= 64),
-    "model.exit_entropy": (">= 0 (0: no early exit)", _non_negative),
-    "model.exit_patience": (">= 0 (0: the entropy rule)", _non_negative),
     "model.segment_memory": (">= 0 (0: no memory)", _non_negative),
     "model.compressed_memory": (">= 0 (0: no compressed memory)", _non_negative),
     "model.compression_rate": ("in [1, 64]", lambda value: 1 <= value <= 64),

@@ -214,15 +214,67 @@ DEPRECATED_KEYS = {
     "model.rope_theta": ("position.options.theta", "rope"),
     "model.norm_eps": ("norm.options.eps", None),
     "data.options": ("dataset.options", None),  # the whole mapping
+    "model.act_threshold": ("stack.options.threshold", "act"),
+    "model.ponder_cost": ("stack.options.ponder_cost", "act"),
+    "model.funnel_decoder_layers": ("stack.options.decoder_layers", "funnel"),
+    "model.exit_entropy": ("stack.options.entropy", "early_exit"),
+    "model.exit_patience": ("stack.options.patience", "early_exit"),
 }
-DEFAULT_KINDS = {"position": "rope", "norm": "rmsnorm", "dataset": "stdlib_text"}
+# Switches of earlier releases that chose a component's kind: old dotted key -> (the component under the same
+# section, the kind a set value chooses, the option that takes the value itself or None). A false or empty value
+# chose nothing.
+DEPRECATED_SWITCHES = {
+    "model.reversible": ("stack", "reversible", None),
+    "model.act": ("stack", "act", None),
+    "model.funnel": ("stack", "funnel", "groups"),
+    "model.early_exit": ("stack", "early_exit", None),
+}
+DEFAULT_KINDS = {"position": "rope", "norm": "rmsnorm", "dataset": "stdlib_text", "stack": "plain"}
 _ANNOUNCED: set[str] = set()
+
+
+def _announce(old: str, use: str) -> None:
+    if old not in _ANNOUNCED:
+        _ANNOUNCED.add(old)
+        print(f"xscale: {old} is deprecated and will be removed in the next release; read as {use}", file=sys.stderr)
+
+
+def _upgrade_switches(tree: dict[str, Any]) -> None:
+    """Move the :data:`DEPRECATED_SWITCHES` that ``tree`` sets to the kinds they chose (two set: refused)."""
+    chosen: dict[str, str] = {}
+    for old, (component, kind, option) in DEPRECATED_SWITCHES.items():
+        section, key = old.split(".")
+        branch = tree.get(section)
+        if not isinstance(branch, dict) or key not in branch:
+            continue
+        branch = tree[section] = dict(branch)
+        value = branch.pop(key)
+        if not value:
+            _announce(old, f"nothing ({old}={value!r} chose no {component})")
+            continue
+        if component in chosen:
+            raise ConfigError(f"{chosen[component]} and {old} each choose {section}.{component}; keep one "
+                              f"({section}.{component}.kind={kind} or another)")
+        chosen[component] = old
+        current = branch.get(component, DEFAULT_KINDS[component])
+        current = {"kind": current} if isinstance(current, str) else dict(current)
+        if current.get("kind", kind) not in (kind, DEFAULT_KINDS[component]):
+            raise ConfigError(f"{old}={value} chooses {section}.{component}.kind={kind} but {section}.{component}."
+                              f"kind={current['kind']} is set; keep {section}.{component} alone")
+        options = dict(current.get("options") or {})
+        if option is not None:
+            options.setdefault(option, value)
+        branch[component] = {**current, "kind": kind, "options": options}
+        setting = f"{section}.{component}.kind={kind}"
+        _announce(old, setting if option is None else f"{setting} with {section}.{component}.options.{option}")
 
 
 def upgrade_tree(tree: dict[str, Any]) -> dict[str, Any]:
     """``tree`` with the keys of :data:`DEPRECATED_KEYS` moved to their new places (printing one line per key, once
     per process); an old key whose component is not the one set (``rope_theta`` without rope) is dropped, as it was
-    ignored then."""
+    ignored then). The switches of :data:`DEPRECATED_SWITCHES` are read first, so the options they choose a kind for
+    follow them."""
+    _upgrade_switches(tree)
     for old, (new, kind) in DEPRECATED_KEYS.items():
         section, key = old.split(".")
         branch = tree.get(section)
@@ -241,11 +293,8 @@ def upgrade_tree(tree: dict[str, Any]) -> dict[str, Any]:
             else:
                 options.setdefault(rest[-1], value)
             branch[component] = {**current, "options": options}
-        if old not in _ANNOUNCED:
-            _ANNOUNCED.add(old)
-            use = f"{section}.{new}" if applies else f"nothing ({section}.{component} is not {kind}: it was ignored)"
-            print(f"xscale: {old} is deprecated and will be removed in the next release; read as {use}",
-                  file=sys.stderr)
+        _announce(old, f"{section}.{new}" if applies
+                  else f"nothing ({section}.{component} is not {kind}: it was ignored)")
     return tree
 
 

@@ -97,7 +97,7 @@ class MoEConfig(NamesComponents):
 class ModelConfig(NamesComponents):
     """The Transformer: family, width, depth and the named component of each kind."""
 
-    COMPONENTS: ClassVar[tuple[str, ...]] = ("position", "norm", "ffn")
+    COMPONENTS: ClassVar[tuple[str, ...]] = ("position", "norm", "ffn", "stack")
 
     family: str = "decoder"  # decoder | encoder | encoder_decoder
     vocab_size: int = 8000
@@ -119,15 +119,8 @@ class ModelConfig(NamesComponents):
     attention_dropout: float = 0.0
     tie_embeddings: bool = True
     share_layers: bool = False  # ALBERT / Universal Transformer: one block reused across depth
-    reversible: bool = False  # RevNet/Reformer reversible residuals: activations rebuilt from outputs in backward
-    act: bool = False  # Universal Transformer + ACT: the shared block applied up to n_layers times, halting per position
-    act_threshold: float = 0.99  # ACT halts a position once its summed halting probability reaches 1 - eps = this
-    ponder_cost: float = 0.01  # ACT's tau: weight of the ponder cost N(t) + R(t) (mean over positions) in the loss
-    funnel: list[int] = field(default_factory=list)  # Funnel-Transformer block groups, e.g. [2, 2]; [] off
-    funnel_decoder_layers: int = 2  # funnel MLM: full-length blocks on h^(1) + Up(h^(G)) (sec. 2.3); 0: none
-    early_exit: bool = False  # classify: an exit classifier after every layer, trained jointly (DeeBERT / PABEE)
-    exit_entropy: float = 0.1  # early exit: leave at the first layer whose prediction entropy (nats) is below this
-    exit_patience: int = 0  # early exit: > 0: leave once the prediction held for this many layers (PABEE) instead
+    # How the stack runs its blocks: plain | reversible | act | funnel | early_exit (xscale.models.stacks)
+    stack: Component = field(default_factory=lambda: Component("plain"))
     lm_head_transform: bool = False  # BERT MLM head: dense + act + norm before the vocab projection
     lm_head_bias: bool = False
     init_std: float = 0.02

@@ -77,7 +77,7 @@ class Residual(nn.Module):
     def branch(self, x: torch.Tensor, *args, context: StepContext | None = None,
                **kwargs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """What a pre/sandwich/rezero residual adds to ``x``: dropout(f(norm(x))) (sandwich: dropout(norm_out(f(norm(x)))),
-        rezero: alpha dropout(f(x))); the reversible stack (:mod:`xscale.models.reversible`) adds it to the other half
+        rezero: alpha dropout(f(x))); the reversible stack (:mod:`xscale.models.stacks.reversible`) adds it to the other half
         of the stream."""
         normed = self.placement in PRE_NORM_PLACEMENTS
         if normed and kwargs.get("remembered") is not None:  # the memory holds layer inputs: normed as x is
@@ -119,7 +119,7 @@ class TransformerBlock(nn.Module):
                 keys: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Returns x, or ``(x, scores)`` when ``carries_scores`` (``scores``: None before the first such block).
         ``keys``: the sequence self-attention takes its keys and values from when ``x`` is a pooled one (Funnel-
-        Transformer, :mod:`xscale.models.funnel`), normalised as the placement normalises ``x``.
+        Transformer, :mod:`xscale.models.stacks.funnel`), normalised as the placement normalises ``x``.
         A context with a ``segment_memory`` gives the self-attention the previous segments' inputs to this layer
         as extra keys and records this segment's (Transformer-XL: :mod:`xscale.models.segment_memory`)."""
         remembered = None

@@ -6,13 +6,9 @@ from __future__ import annotations
 
 from xscale.config.check import closest, register_check
 from xscale.config.schema import Config, ConfigError
-from xscale.models.act import check_act_config
-from xscale.models.early_exit import check_early_exit_config
-from xscale.models.funnel import check_funnel_config
 from xscale.models.moe import check_moe_config
 from xscale.models.patch_embedding import check_patch_config
-from xscale.models.registry import FFN, NORM, POSITION, REGISTRIES, ROUTER
-from xscale.models.reversible import check_reversible_config
+from xscale.models.registry import FFN, NORM, POSITION, REGISTRIES, ROUTER, STACK
 from xscale.models.segment_memory import check_segment_memory_config
 
 
@@ -36,6 +32,7 @@ def check_component_names(config: Config) -> None:
         where = "model.attention.per_layer" if model.attention.per_layer else "model.attention.kind"
         check_registered("attention", kind, where)
     check_registered("router", model.moe.router.kind, "model.moe.router")
+    check_registered("stack", model.stack.kind, "model.stack")
 
 
 def check_component_options(config: Config) -> None:
@@ -43,20 +40,18 @@ def check_component_options(config: Config) -> None:
     valid ones, a value out of range by the option's own check."""
     model = config.model
     for registry, component, where in ((POSITION, model.position, "model.position"), (NORM, model.norm, "model.norm"),
-                                       (FFN, model.ffn, "model.ffn"), (ROUTER, model.moe.router, "model.moe.router")):
+                                       (FFN, model.ffn, "model.ffn"), (ROUTER, model.moe.router, "model.moe.router"),
+                                       (STACK, model.stack, "model.stack")):
         registry.options(component, where)
 
 
 def check_variants(config: Config) -> None:
-    """Each variant's own option checks (MoE, stacks, patches, early exit, segment memory)."""
+    """Each variant's own option checks (MoE, the stack variant, patches, segment memory)."""
     model = config.model
     if model.moe.num_experts:
         check_moe_config(model, config.parallel.ep)
-    check_reversible_config(model)
-    check_act_config(model)
+    STACK.get(model.stack.kind).check(config, STACK.options(model.stack, "model.stack"))
     check_patch_config(config)
-    check_funnel_config(model)
-    check_early_exit_config(model, config.train.task)
     check_segment_memory_config(config)
 
 

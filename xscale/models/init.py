@@ -43,7 +43,7 @@ def initial_value(name: str, shape: torch.Size, config: ModelConfig, seed: int) 
     if deepnorm_std is not None:
         return torch.randn(shape, generator=generator) * deepnorm_std
     if name.endswith(RESIDUAL_OUTPUTS):
-        std = std / math.sqrt(2 * (config.n_layers + (config.decoder_layers if config.family == "encoder_decoder" else 0)))
+        std = std / math.sqrt(2 * config.total_layers)
     if "router" in name:
         std = std * 0.1  # small router init (Switch, Fedus et al. 2021, sec. 2.4)
     return torch.randn(shape, generator=generator) * std

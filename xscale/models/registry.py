@@ -72,5 +72,7 @@ POSITION = Registry("position")
 NORM = Registry("norm")
 FFN = Registry("ffn")
 ROUTER = Registry("router")
-REGISTRIES = {"attention": ATTENTION, "position": POSITION, "norm": NORM, "ffn": FFN, "router": ROUTER}
+STACK = Registry("stack")
+REGISTRIES = {"attention": ATTENTION, "position": POSITION, "norm": NORM, "ffn": FFN, "router": ROUTER,
+              "stack": STACK}
 

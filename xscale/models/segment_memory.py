@@ -117,10 +117,12 @@ def check_segment_memory_config(config: Config) -> None:
                           f"(Transformer-XL's, dense attention) or rope (model.position={model.position} is not "
                           "supported with a memory)")
     check_memory_cores(config)
-    for option, reason in (("share_layers", "one block at every depth"), ("reversible", "reversible residuals"),
-                           ("act", "adaptive computation")):
-        if getattr(model, option):
-            raise ConfigError(f"{where} does not combine with model.{option}=true ({reason}); set one of them off")
+    if model.share_layers:
+        raise ConfigError(f"{where} does not combine with model.share_layers=true (one block at every depth); set "
+                          "one of them off")
+    if model.stack.kind != "plain":
+        raise ConfigError(f"{where} does not combine with model.stack={model.stack.kind} (it keeps the inputs of "
+                          "each layer run once, in order); set model.stack=plain or model.segment_memory=0")
     if config.train.task != "lm":
         raise ConfigError(f"{where} trains a language model; set train.task=lm")
     if config.data.order != "streams":

@@ -58,6 +58,32 @@ class ParallelTraits:
                              f"names them); got {self}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """Why a stack variant cannot take a layout: the reason, said to the user with what to change."""
+
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StackTraits:
+    """What a stack variant (``model.stack``) allows the layouts to do with it, declared on its class as
+    ``stack_traits``: each field names a layout setting and holds the :class:`Refusal` where the variant cannot take
+    it (None: it can). ``pp``: a pipeline cut through its blocks; ``tp``: tensor parallelism; ``sequence_parallel``;
+    ``zero3``: FSDP2's parameter gathering around each block; ``activation_checkpointing``."""
+
+    pp: Refusal | None = None
+    tp: Refusal | None = None
+    sequence_parallel: Refusal | None = None
+    zero3: Refusal | None = None
+    activation_checkpointing: Refusal | None = None
+
+    def refusals(self) -> dict[str, Refusal]:
+        """The layout settings it refuses, by field name."""
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
+                if getattr(self, field.name) is not None}
+
+
 def traits_of(component: object) -> ParallelTraits:
     """The traits a component (class or instance) declares; none declared: no parallel plan may split it."""
     return getattr(component, "parallel_traits", NO_TRAITS)

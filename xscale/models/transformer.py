@@ -15,173 +15,46 @@ comes back the same way.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
 from xscale.config.schema import CHOICES, ModelConfig
-from xscale.models.act import AdaptiveComputationTime
-from xscale.models.block import PRE_NORM_PLACEMENTS, TransformerBlock
-from xscale.models.classifier import ClassificationHead
 from xscale.models.dropout import Dropout, name_dropout_sites
-from xscale.models.early_exit import LayerExits, run_until_exit
-from xscale.models.funnel import Funnel
+from xscale.models.heads.classifier import ClassificationHead
+from xscale.models.heads.early_exit import LayerExits, run_until_exit
+from xscale.models.heads.lm import LMHeadTransform
 from xscale.models.norm import build_norm
 from xscale.models.patch_embedding import PatchEmbedding
-from xscale.models.position import PositionEncoding, TappedPosition, build_position
-from xscale.models.reversible import reversible_stack
+from xscale.models.registry import STACK
+from xscale.models.stacks import Stack
+from xscale.models.stacks.plain import PlainStack
 from xscale.ops import check_backend
-from xscale.ops.reference import ACTIVATIONS
 from xscale.runtime import StepContext
 from xscale.runtime.hooks import CallsFusedOps, RunsSparseAttention
-
-# Model options that change how a stack runs its blocks (``xscale inspect`` names those set; the zoo matrix has a case
-# for each): option -> what it is.
-STACK_VARIANTS = {
-    "share_layers": "one block at every depth (ALBERT, Lan et al. 2020)",
-    "reversible": "reversible residuals (RevNet, Gomez et al. 2017; Reformer, Kitaev et al. 2020)",
-    "act": "Universal Transformer with Adaptive Computation Time (Dehghani et al. 2019; Graves 2016)",
-    "funnel": "sequence pooled between block groups (Funnel-Transformer, Dai et al. 2020)",
-    "early_exit": "a classifier after every layer, exits per example (DeeBERT, Xin et al. 2020; PABEE, Zhou et al. 2020)",
-}
 
 SPARSE_ATTENTION = CHOICES["train.sparse_attention"]
 
 
-def stack_variants(config: ModelConfig) -> list[str]:
-    """The :data:`STACK_VARIANTS` options ``config`` sets."""
-    return [name for name in STACK_VARIANTS if getattr(config, name)]
+@dataclasses.dataclass
+class StageValues:
+    """What a stack's run of blocks reads and passes on (module docstring): the hidden states, the memory a
+    decoder's cross-attention reads, the RealFormer scores, and each layer's output where the stack keeps them."""
 
+    hidden: torch.Tensor
+    memory: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
+    layer_states: list[torch.Tensor] | None = None
 
-class LMHeadTransform(nn.Module):
-    """BERT's MLM head transform: norm(act(x W + b)) before the vocabulary projection."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.dense = nn.Linear(config.d_model, config.d_model)
-        self.activation = "gelu" if config.ffn.kind in ("gelu", "relu") else "gelu_tanh"
-        self.norm = build_norm(config.norm, config.d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(ACTIVATIONS[self.activation](self.dense(x)))
-
-
-class Stack(nn.Module):
-    """A stack of blocks with its own position encoding and (for pre/sandwich) final norm.
-
-    ``held``: the depths [first, stop) whose blocks this module runs (all of them, or a pipeline stage's run).
-    With ``share_layers`` (ALBERT, Lan et al. 2020) one block, ``layers.0``, runs at every held depth and draws
-    its own dropout masks at each (the context's ``depth``). With ``reversible`` the blocks run as reversible
-    residuals (:mod:`xscale.models.reversible`); with ``act`` the shared block is applied up to ``n_layers``
-    times with per-position halting (:mod:`xscale.models.act`).
-    """
-
-    def __init__(self, config: ModelConfig, n_layers: int, *, causal: bool, cross: bool, first_index: int) -> None:
-        super().__init__()
-        self.n_layers = n_layers
-        self.held = (0, n_layers)
-        self.share_layers = config.share_layers
-        self.reversible = config.reversible
-        self.act = AdaptiveComputationTime(config) if config.act else None
-        self.funnel = Funnel(config) if config.funnel and not causal else None
-        self.position: PositionEncoding | None = build_position(
-            config.position, config.d_model, config.n_heads, config.head_dim, config.max_seq_len, causal)
-        uses_bias = self.position.biases_logits or self.position.biases_from_content
-        # A funnel's decoder blocks come after the n_layers it pools between (:mod:`xscale.models.funnel`).
-        built = 1 if config.share_layers else n_layers + (self.funnel.decoder_layers if self.funnel is not None else 0)
-        self.layers = nn.ModuleDict({
-            str(i): TransformerBlock(config, first_index + i, causal=causal, cross=cross, uses_bias=uses_bias,
-                                     mixes_values=self.position.mixes_values)
-            for i in range(built)
-        })
-        self.final_norm = (
-            build_norm(config.norm, config.d_model)
-            if config.norm_placement in PRE_NORM_PLACEMENTS else None
-        )
-        # Depths whose blocks take and pass on RealFormer scores (the whole stack's, kept when a stage is cut).
-        self.carrying = tuple(depth for depth, block in zip(range(n_layers), self.blocks()) if block.carries_scores)
-
-    @property
-    def depths(self) -> range:
-        return range(*self.held)
-
-    @property
-    def starts(self) -> bool:
-        """Whether the stack's first block is held here (its input is the embedded tokens)."""
-        return self.held[0] == 0
-
-    @property
-    def ends(self) -> bool:
-        """Whether the stack's last block is held here (its final norm follows)."""
-        return self.held[1] == self.n_layers
-
-    def blocks(self) -> list[nn.Module]:
-        """The held blocks in execution order (one block repeated when weights are shared)."""
-        if self.share_layers:
-            return [self.layers["0"]] * len(self.depths)
-        return list(self.layers.values())
-
-    def scores_cross(self, boundary: int) -> bool:
-        """Whether RealFormer scores cross the boundary before depth ``boundary``: a carrying block on each side."""
-        return any(d < boundary for d in self.carrying) and any(d >= boundary for d in self.carrying)
-
-    def keep(self, depths: range) -> None:
-        """Delete every block outside ``depths`` (a pipeline stage's run), the final norm unless the run ends the
-        stack, and an absolute position table unless it starts it (positions are added once, before the first)."""
-        kept = {"0"} if self.share_layers else {str(depth) for depth in depths}
-        for name in [name for name in self.layers if name not in kept]:
-            del self.layers[name]
-        self.held = (depths.start, depths.stop)
-        if not self.ends:
-            self.final_norm = None
-        if not self.starts and self.position is not None and self.position.adds_to_input:
-            self.position = None
-
-    def forward(self, x: torch.Tensor, memory: torch.Tensor | None, scores: torch.Tensor | None,
-                context: StepContext,
-                layer_states: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Apply the held blocks in order; returns (x, scores), ``scores`` being the RealFormer scores that
-        ``carries_scores`` blocks pass on (other blocks leave them as they are). ``layer_states``: a list that
-        receives each block's output (early exit; the plain loop)."""
-        position = self.position
-        if position is not None and not self.starts:
-            position = TappedPosition.around(position, x)
-        if self.reversible:
-            return self._reversible(x, position, context), scores
-        if self.funnel is not None:
-            return self.funnel(x, self.blocks(), position, context), scores
-        if self.act is not None:
-            block = self.layers["0"]
-            return self.act(x, lambda h, depth: block(h, position, memory, context=context.at_depth(depth)),
-                            len(self.depths)), scores
-        for depth, block in zip(self.depths, self.blocks()):
-            x, scores = self._run_block(depth, block, x, position, memory, scores, context)
-            if layer_states is not None:
-                layer_states.append(x)
-        return x, scores
-
-    def run_depth(self, depth: int, x: torch.Tensor, scores: torch.Tensor | None,
-                  context: StepContext) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Block ``depth`` alone, as the plain loop runs it, in a whole stack (realised early exit runs the stack
-        layer by layer on fewer and fewer rows)."""
-        return self._run_block(depth, self.blocks()[depth], x, self.position, None, scores, context)
-
-    def _run_block(self, depth: int, block: nn.Module, x: torch.Tensor, position: PositionEncoding | None,
-                   memory: torch.Tensor | None, scores: torch.Tensor | None,
-                   context: StepContext) -> tuple[torch.Tensor, torch.Tensor | None]:
-        block_context = context.at_depth(depth) if self.share_layers else context
-        if block.carries_scores:
-            return block(x, position, memory, scores=scores, context=block_context)
-        return block(x, position, memory, context=block_context), scores
-
-    def _reversible(self, x: torch.Tensor, position: PositionEncoding | None, context: StepContext) -> torch.Tensor:
-        """The held blocks as reversible residuals: F = the attention branch, G = the feed-forward branch."""
-        branches = []
-        for depth, block in zip(self.depths, self.blocks()):
-            block_context = context.at_depth(depth) if self.share_layers else context
-            branches.append((
-                lambda h, block=block, c=block_context: block.attention.branch(h, position, context=c),
-                lambda h, block=block, c=block_context: block.feed_forward.branch(h, context=c)))
-        return reversible_stack(x, branches, list(self.parameters()))
+    def sent(self, stack: Stack, arrived: torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """What a stage ending inside ``stack`` sends on: the hidden states, a decoder's memory (a new tensor, not a
+        view: schedules detach their outputs in place, and the memory's gradient must go back), then the scores
+        when they cross (passed through untouched as a new tensor, so the pipeline's backward reaches them)."""
+        outputs = (self.hidden,) if self.memory is None else (self.hidden, self.memory.clone())
+        if stack.scores_cross(stack.held[1]):
+            outputs = (*outputs, self.scores.clone() if self.scores is arrived else self.scores)
+        return outputs[0] if len(outputs) == 1 else outputs
 
 
 class Transformer(nn.Module):
@@ -202,14 +75,16 @@ class Transformer(nn.Module):
         )
         self.embedding_dropout = Dropout(config.dropout)
         decoder_only = config.family == "decoder"
-        self.stack: Stack | None = Stack(config, config.n_layers, causal=decoder_only, cross=False, first_index=0)
+        self.stack: Stack | None = STACK.build(config.stack, "model.stack", config, config.n_layers,
+                                               causal=decoder_only, cross=False, first_index=0)
         self.decoder = (
-            Stack(config, config.decoder_layers, causal=True, cross=True, first_index=config.n_layers)
+            PlainStack(config, config.decoder_layers, causal=True, cross=True, first_index=config.n_layers)
             if self.seq2seq else None
         )
         # A classifier (model.num_classes > 0) maps the pooled sequence to class logits instead of tokens to words.
         self.classifier = ClassificationHead(config) if config.num_classes else None
-        self.exits = LayerExits(config) if config.early_exit and self.classifier is not None else None
+        exits = self.stack.keeps_layer_states and self.classifier is not None
+        self.exits = LayerExits(config, self.stack.options.entropy, self.stack.options.patience) if exits else None
         self.head_transform = LMHeadTransform(config) if config.lm_head_transform and not self.classifier else None
         self.output = (nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
                        if self.classifier is None else None)
@@ -237,11 +112,6 @@ class Transformer(nn.Module):
             if isinstance(module, RunsSparseAttention):
                 module.sparse_attention = sparse_attention
         return self
-
-    @property
-    def layer_count(self) -> int:
-        """Blocks a pipeline cuts: the encoder's, then the decoder's for an encoder-decoder model."""
-        return self.config.n_layers + (self.config.decoder_layers if self.seq2seq else 0)
 
     def keep_layers(self, layers: list[int]) -> None:
         """Cut this model down to a pipeline stage holding the consecutive ``layers`` (indices into the encoder's
@@ -279,25 +149,11 @@ class Transformer(nn.Module):
             x = self.embedding_norm(x)
         return self.embedding_dropout(x, context=context)
 
-    def _head(self, x: torch.Tensor, project: bool) -> torch.Tensor:
-        if self.head_transform is not None:
-            x = self.head_transform(x)
-        return self.output(x) if project else x
-
-    @staticmethod
-    def _send(outputs: tuple[torch.Tensor, ...], stack: Stack, scores: torch.Tensor | None,
-              received: torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """What a stage ending inside ``stack`` sends on: ``outputs``, with the scores last when they cross (passed
-        through untouched, as a new tensor, so the pipeline's backward reaches them)."""
-        if stack.scores_cross(stack.held[1]):
-            outputs = (*outputs, scores.clone() if scores is received else scores)
-        return outputs[0] if len(outputs) == 1 else outputs
-
     def _exit_early(self, x: torch.Tensor, stack: Stack, context: StepContext) -> torch.Tensor:
-        """Realised early exit (:func:`~xscale.models.early_exit.run_until_exit`) from the embedded ``x``: block l
+        """Realised early exit (:func:`~xscale.models.heads.early_exit.run_until_exit`) from the embedded ``x``: block l
         and exit l on the rows still in, their padding masks and token ids with them."""
         if self.exits is None or not (stack.starts and stack.ends):
-            raise ValueError("exit_early=True needs a whole early-exit classifier (model.early_exit=true)")
+            raise ValueError("exit_early=True needs a whole early-exit classifier (model.stack=early_exit)")
         if self.exits.rows_coupled is not None:
             raise ValueError(f"exit_early=True drops the exited rows, but {self.exits.rows_coupled}; compute every "
                              "exit instead (the forward without exit_early)")
@@ -330,60 +186,79 @@ class Transformer(nn.Module):
         PyTorch draws). ``project=False`` returns the hidden states the output projection reads (after BERT's head
         transform), for a loss that fuses the projection. ``padding_mask`` (B, T), True at real tokens: attention takes
         no padded key; a classifier (``model.num_classes``) returns class logits (B, classes) pooled over the real
-        tokens, with ``model.early_exit`` every layer's (layers, B, classes), and with ``exit_early=True`` (inference)
-        each example stopped at its exit layer: (B, 3) int64, its class, 0-based exit layer and layers run
-        (:func:`~xscale.models.early_exit.run_until_exit`). A pipeline stage takes what the previous one sent
-        (``inputs``, then ``received``) and returns what it sends on (see the module docstring).
+        tokens, with ``model.stack=early_exit`` every layer's (layers, B, classes), and with ``exit_early=True``
+        (inference) each example stopped at its exit layer: (B, 3) int64, its class, 0-based exit layer and layers
+        run (:func:`~xscale.models.heads.early_exit.run_until_exit`). A pipeline stage takes what the previous one
+        sent (``inputs``, then ``received``) and returns what it sends on (see the module docstring).
         """
-        context = StepContext() if context is None else context
-        if padding_mask is not None:
-            if self.seq2seq:
-                raise ValueError("padding masks serve encoder and decoder stacks; an encoder-decoder takes none")
-            context = context.with_padding_mask(padding_mask.to(torch.bool))
-        stack, decoder = self.stack, self.decoder
+        context = self._context(context, padding_mask)
         memory = None
-        if stack is not None:
-            if stack.starts:
-                if received:
-                    raise TypeError("Transformer.forward takes the token ids and, by keyword, decoder_input_ids= "
-                                    f"(got {len(received)} more positional tensors)")
-                x, scores = self._embed(inputs, stack, context), None
-                context = context if self.reads_pixels else context.with_token_ids(inputs)
-            else:
-                x, scores = inputs, (received[-1] if stack.scores_cross(stack.held[0]) else None)
+        if self.stack is not None:
+            values, stack_context = self._arrive(self.stack, inputs, received, context, inputs)
             if exit_early:
-                return self._exit_early(x, stack, context)
-            arrived = scores
-            layer_states = [] if self.exits is not None else None
-            x, scores = stack(x, None, scores, context, layer_states)
-            if not stack.ends:
-                return self._send((x,), stack, scores, arrived)
-            if stack.final_norm is not None:
-                x = stack.final_norm(x)
-            if self.classifier is not None:
-                mask = context.padding_mask if stack.funnel is None else stack.funnel.output_mask(context.padding_mask)
-                logits = self.classifier(x, mask)
-                if self.exits is not None:  # every layer's exit, (layers, B, classes)
-                    return self.exits(layer_states[:-1], stack.final_norm, mask, logits)
+                return self._exit_early(values.hidden, self.stack, stack_context)
+            values = self._through(self.stack, values, stack_context)
+            if not (self.stack.ends and self.seq2seq):
+                return self._head(values, self.stack, stack_context, project)
+            if self.decoder is None:
+                return values.hidden  # the memory, for the stage holding the decoder's first block
+            memory = values.hidden
+        values, _ = self._arrive(self.decoder, inputs, received, context, decoder_input_ids, memory)
+        decoder_context = context.with_token_ids(decoder_input_ids)
+        return self._head(self._through(self.decoder, values, decoder_context), self.decoder, context, project)
+
+    def _context(self, context: StepContext | None, padding_mask: torch.Tensor | None) -> StepContext:
+        context = StepContext() if context is None else context
+        if padding_mask is None:
+            return context
+        if self.seq2seq:
+            raise ValueError("padding masks serve encoder and decoder stacks; an encoder-decoder takes none")
+        return context.with_padding_mask(padding_mask.to(torch.bool))
+
+    def _arrive(self, stack: Stack, inputs: torch.Tensor, received: tuple[torch.Tensor, ...], context: StepContext,
+                tokens: torch.Tensor | None, memory: torch.Tensor | None = None) -> tuple[StageValues, StepContext]:
+        """What the held run of ``stack`` starts from, and its context: the embedded ``tokens`` where it starts the
+        stack (a decoder's memory being the encoder's output, computed here or sent as ``inputs``), else what the
+        previous stage sent."""
+        decoder = stack is self.decoder
+        if not stack.starts:
+            scores = received[-1] if stack.scores_cross(stack.held[0]) else None
+            return StageValues(inputs, memory=received[0] if decoder else None, scores=scores), context
+        if decoder:
+            if tokens is None:
+                raise ValueError("an encoder-decoder model needs decoder_input_ids")
+            return StageValues(self._embed(tokens, stack, context), memory=inputs if memory is None else memory), \
+                context
+        if received:
+            raise TypeError("Transformer.forward takes the token ids and, by keyword, decoder_input_ids= "
+                            f"(got {len(received)} more positional tensors)")
+        context = context if self.reads_pixels else context.with_token_ids(tokens)
+        return StageValues(self._embed(tokens, stack, context)), context
+
+    def _through(self, stack: Stack, values: StageValues, context: StepContext) -> StageValues | tuple:
+        """``values`` through the held blocks of ``stack``, then its final norm where the stack ends here; a stage
+        ending inside the stack returns what it sends on (:meth:`StageValues.sent`)."""
+        layer_states = [] if stack.keeps_layer_states and self.exits is not None else None
+        hidden, scores = stack(values.hidden, values.memory, values.scores, context, layer_states)
+        after = dataclasses.replace(values, hidden=hidden, scores=scores, layer_states=layer_states)
+        if not stack.ends:
+            return after.sent(stack, values.scores)
+        if stack.final_norm is not None:
+            after.hidden = stack.final_norm(after.hidden)
+        return after
+
+    def _head(self, values: StageValues | tuple, stack: Stack, context: StepContext,
+              project: bool) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The classifier's logits (every exit's with early exit), the vocabulary logits, or (``project=False``)
+        the hidden states the projection reads; a stage ending inside the stack passes its values on."""
+        if not isinstance(values, StageValues):
+            return values
+        if self.classifier is not None:
+            mask = stack.output_mask(context.padding_mask)
+            logits = self.classifier(values.hidden, mask)
+            if self.exits is None:
                 return logits
-            if not self.seq2seq:
-                return self._head(x, project)
-            if decoder is None:
-                return x  # the memory, for the stage holding the decoder's first block
-            memory = x
-        if decoder_input_ids is None and decoder.starts:
-            raise ValueError("an encoder-decoder model needs decoder_input_ids")
-        if decoder.starts:
-            memory = inputs if memory is None else memory
-            y, scores = self._embed(decoder_input_ids, decoder, context), None
-        else:
-            y, memory = inputs, received[0]
-            scores = received[-1] if decoder.scores_cross(decoder.held[0]) else None
-        arrived = scores
-        y, scores = decoder(y, memory, scores, context.with_token_ids(decoder_input_ids))
-        if not decoder.ends:
-            # A new tensor (not a view: schedules detach their outputs in place), so the memory's gradient goes back.
-            return self._send((y, memory.clone()), decoder, scores, arrived)
-        if decoder.final_norm is not None:
-            y = decoder.final_norm(y)
-        return self._head(y, project)
+            return self.exits(values.layer_states[:-1], stack.final_norm, mask, logits)  # (layers, B, classes)
+        hidden = values.hidden if self.head_transform is None else self.head_transform(values.hidden)
+        return self.output(hidden) if project else hidden
+

@@ -9,6 +9,7 @@ import dataclasses
 import torch
 
 from xscale.config.schema import Config, ConfigError
+from xscale.models.stacks import stack_variant
 from xscale.parallel.context import check_context_parallel
 from xscale.parallel.dims import ParallelDims
 from xscale.parallel.pipeline import check_pipeline, resolve_microbatches
@@ -79,7 +80,7 @@ def check_layout(config: Config, dims: ParallelDims) -> None:
     if parallel.sequence_parallel and config.train.seq_len % dims.tp:
         raise ConfigError(f"sequence parallelism splits each sequence over tp={dims.tp} ranks; make "
                           f"train.seq_len={config.train.seq_len} a multiple of {dims.tp}")
-    _check_stack_variants(config, dims)
+    _check_stack_variant(config, dims)
     if dims.cp > 1:
         check_context_parallel(config, dims)
     if dims.tp > 1:
@@ -91,52 +92,36 @@ def check_layout(config: Config, dims: ParallelDims) -> None:
         if not torch.cuda.is_available():
             raise ConfigError("parallel.backend=nccl needs CUDA GPUs; on CPU use parallel.backend=auto (gloo)")
 
-def _check_stack_variants(config: Config, dims: ParallelDims) -> None:
-    """Layouts the reversible stack (``model.reversible``), ACT (``model.act``) and the funnel (``model.funnel``)
-    cannot take, with the reasons."""
-    parallel = config.parallel
-    refused = {
-        "reversible": {
-            "pp": (dims.pp > 1, "a pipeline stage would hold part of the two-half stream and its backward could "
-                                "not rebuild the inputs of blocks held elsewhere"),
-            "zero_stage": (parallel.zero_stage == 3,
-                           "FSDP2 gathers a block's parameters in hooks around the block's forward, which the "
-                           "reversible backward's re-run branches go around; ZeRO-1/2 work"),
-            "activation_checkpointing": (parallel.activation_checkpointing != "none",
-                                         "it already recomputes every block in backward"),
-        },
-        "act": {
-            "pp": (dims.pp > 1, "the depth is dynamic per position: every step's state enters the halting-weighted "
-                                "output, so the whole ACT loop must run on one stage"),
-            "sequence_parallel": (parallel.sequence_parallel,
-                                  "the ponder cost is a mean over each sequence's positions, which sequence "
-                                  "parallelism splits"),
-        },
-        "funnel": {
-            "pp": (dims.pp > 1, "the up-sampling adds the first group's output to the last group's, across stages"),
-            "tp": (dims.tp > 1, "its pooled-query attention is not in the tensor-parallel plan"),
-            "sequence_parallel": (parallel.sequence_parallel,
-                                  "strided pooling would mix windows that sequence parallelism splits over ranks"),
-        },
-    }
-    if config.model.funnel and dims.cp > 1:
+# The layout settings a stack variant's traits may refuse (:class:`~xscale.models.traits.StackTraits`): trait ->
+# (the parallel.* key, whether the layout sets it, the value that lifts the refusal).
+STACK_LAYOUT_SETTINGS = {
+    "pp": ("pp", lambda parallel, dims: dims.pp > 1, "1"),
+    "tp": ("tp", lambda parallel, dims: dims.tp > 1, "1"),
+    "sequence_parallel": ("sequence_parallel", lambda parallel, dims: parallel.sequence_parallel, "false"),
+    "zero3": ("zero_stage", lambda parallel, dims: parallel.zero_stage == 3, "2"),
+    "activation_checkpointing": ("activation_checkpointing",
+                                 lambda parallel, dims: parallel.activation_checkpointing != "none", "none"),
+}
+
+
+def _check_stack_variant(config: Config, dims: ParallelDims) -> None:
+    """The layouts the stack variant (``model.stack``) refuses by its declared traits, with its reasons; under
+    context parallelism, a sequence length its pooling keeps in whole, even chunks."""
+    parallel, model = config.parallel, config.model
+    variant, options = stack_variant(model)
+    divisor = variant.sequence_divisor(model, options)
+    if dims.cp > 1 and divisor > 1:
         chunks = 2 * dims.cp if parallel.cp_load_balance else dims.cp
-        multiple = chunks * 2 ** (len(config.model.funnel) - 1)
-        if config.train.seq_len % multiple:
-            raise ConfigError(f"model.funnel={config.model.funnel} halves the sequence {len(config.model.funnel) - 1} "
-                              f"time(s), and every halving must keep the {chunks} context-parallel chunks whole and "
-                              f"even: make train.seq_len={config.train.seq_len} a multiple of {multiple}")
-    fixes = {"activation_checkpointing": "none", "zero_stage": "2", "sequence_parallel": "false"}
-    for variant, layouts in refused.items():
-        if not getattr(config.model, variant):
-            continue
-        for name, (applies, reason) in layouts.items():
-            if applies:
-                value = str(getattr(parallel, name)).lower()
-                setting = f"model.{variant}={str(getattr(config.model, variant)).lower()}"
-                off = "[]" if variant == "funnel" else "false"
-                raise ConfigError(f"parallel.{name}={value} is refused with {setting}: {reason}; set "
-                                  f"parallel.{name}={fixes.get(name, '1')} or model.{variant}={off}")
+        if config.train.seq_len % (chunks * divisor):
+            raise ConfigError(f"model.stack={model.stack.kind} divides the sequence by {divisor}, and every chunk "
+                              f"of the {chunks} context-parallel chunks must stay whole and even: make "
+                              f"train.seq_len={config.train.seq_len} a multiple of {chunks * divisor}")
+    for trait, refusal in variant.stack_traits.refusals().items():
+        name, applies, fix = STACK_LAYOUT_SETTINGS[trait]
+        if applies(parallel, dims):
+            value = str(getattr(parallel, name)).lower()
+            raise ConfigError(f"parallel.{name}={value} is refused with model.stack={model.stack.kind}: "
+                              f"{refusal.reason}; set parallel.{name}={fix} or model.stack=plain")
 
 
 def _check_batch(config: Config, dims: ParallelDims) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from xscale.config.schema import ModelConfig
-from xscale.models.funnel import funnel_decoder_blocks
+from xscale.models.stacks import extra_blocks
 from xscale.train.loggers import ResumableLogger, ScalarLogger, build_loggers
 
 
@@ -25,8 +25,7 @@ def flops_per_token(model: ModelConfig, seq_len: int, num_params: float) -> floa
     included and the embedding lookup not (a MoE layer's top-k experts, not all:
     :attr:`~xscale.models.parameters.ModelCount.matmul_per_token`).
     L counts a funnel's decoder blocks too (full length; its pooled groups are counted at full length)."""
-    layers = model.n_layers + (model.decoder_layers if model.family == "encoder_decoder" else 0)
-    layers += funnel_decoder_blocks(model)
+    layers = model.total_layers + extra_blocks(model)
     return 6.0 * num_params + 12.0 * layers * seq_len * model.d_model
 
 

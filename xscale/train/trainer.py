@@ -305,11 +305,11 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """eval/loss over up to train.eval_batches whole batches of the eval split, and eval/accuracy for a
-        classifier (NaN without an eval split); with model.early_exit, eval/accuracy_full_depth,
+        classifier (NaN without an eval split); with model.stack=early_exit, eval/accuracy_full_depth,
         eval/mean_exit_layer and eval/exit_compute_fraction too (eval/accuracy being the early exits')."""
         self.model.data_parallel.settle()
         classify = self.label_names is not None
-        exits = classify and self.config.model.early_exit
+        exits = classify and self.config.model.stack.kind == "early_exit"
         if self.eval_dataset is None or len(self.eval_dataset) == 0:
             return {"eval/loss": float("nan"), **({"eval/accuracy": float("nan")} if classify else {})}
         size = self.config.train.global_batch_size
@@ -421,7 +421,7 @@ class Trainer:
             print(warning, flush=True)
         if self.rank == 0 and (warning := unused_attention_dropout(self.config.model)):
             print(warning, flush=True)
-        if self.config.model.early_exit and (reason := exit_path_refusal(self.model)):
+        if self.config.model.stack.kind == "early_exit" and (reason := exit_path_refusal(self.model)):
             self._announce(f"xscale: early-exit evaluation computes every layer: {reason}")
         if self.rank == 0:
             print(f"xscale: {self.num_params / 1e6:.2f}M parameters, {self.dims.describe()}, "

@@ -90,7 +90,7 @@ def test_tokenizer_files_travel_with_the_weights(tmp_path):
 
 
 @pytest.mark.parametrize("setting, value", [("position", "alibi"), ("norm_placement", "sandwich"),
-                                            ("share_layers", True), ("reversible", True)])
+                                            ("share_layers", True), ("stack", "reversible")])
 def test_a_variant_without_hf_equivalent_is_refused_naming_it(tmp_path, setting, value):
     save("llama", tmp_path / "hf")
     config = hf_model_config(tmp_path / "hf", {setting: value})

@@ -98,7 +98,7 @@ class Family:
 # What every family needs: dense attention in every layer, no experts, one block per depth, a plain residual stack.
 COMMON_REQUIREMENTS: dict[str, tuple[Any, ...]] = {
     "attention.kind": ("dense",), "attention.per_layer": (None,), "moe.num_experts": (0,),
-    "share_layers": (False,), "reversible": (False,), "act": (False,), "funnel": ([],), "early_exit": (False,),
+    "share_layers": (False,), "stack.kind": ("plain",),
 }
 
 

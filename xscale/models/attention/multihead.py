@@ -35,11 +35,16 @@ class Attention(nn.Module):
                                uses_bias and not cross, mixes_values and not cross)
         if self.core.uses_queries:
             self.wq = nn.Linear(d, config.n_heads * hd, bias=config.bias)
-        if self.core.uses_keys and not self.core.shares_qk:
+        if self.projects_keys:
             self.wk = nn.Linear(d, config.kv_heads * hd, bias=config.bias)
         self.wv = nn.Linear(d, config.kv_heads * hd, bias=config.bias)
         self.wo = nn.Linear(config.n_heads * hd, d, bias=config.bias)
         self.n_heads = config.n_heads
+
+    @property
+    def projects_keys(self) -> bool:
+        """Whether keys have a projection of their own, ``wk`` (not when the core reads no keys or shares q and k)."""
+        return self.core.uses_keys and not self.core.shares_qk
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
@@ -54,7 +59,7 @@ class Attention(nn.Module):
                 context: StepContext | None = None,
                 remembered: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x: (B, T, D); memory: (B, S, D) encoder output for cross-attention, or for self-attention the keys' and
-        values' sequence when the queries are a pooled one (Funnel-Transformer, :mod:`xscale.models.funnel`);
+        values' sequence when the queries are a pooled one (Funnel-Transformer, :mod:`xscale.models.stacks.funnel`);
         ``scores``: the previous layer's pre-softmax scores for a ``carries_scores`` core, which then returns
         ``(out, scores)``; ``remembered``: (B, M, D) the previous segments' inputs to this layer (stop-gradient),
         extra keys (Transformer-XL, :mod:`xscale.models.segment_memory`)."""

@@ -20,6 +20,8 @@ from torch.distributed.pipelining import (
 )
 
 from xscale.config.schema import Config, ConfigError, ModelConfig
+from xscale.models.registry import ATTENTION
+from xscale.models.traits import traits_of
 from xscale.parallel.pipeline.stages import pipeline_layers, split_layers
 from xscale.parallel.pipeline.vocabulary import every_shard_has_rows, vocabulary_rows
 
@@ -97,10 +99,13 @@ def check_pipeline(config: Config, data_parallel: int | None = None) -> None:
     layer_count = pipeline_layers(model)
     # A shared stack's one block is built as its first layer.
     shared_blocks = [0, model.n_layers] if model.family == "encoder_decoder" else [0]
-    if model.share_layers and any(model.attention.kind_for_layer(index) == "routing" for index in shared_blocks):
-        raise ConfigError("routing attention in a shared block (model.share_layers) moves its k-means centroids at "
-                          "every depth, which pipeline stages holding copies of the block would each see only part "
-                          "of; set model.share_layers=false or parallel.pp=1 with routing attention")
+    keeping = sorted({kind for kind in map(model.attention.kind_for_layer, shared_blocks)
+                      if kind in ATTENTION and traits_of(ATTENTION.get(kind)).dp_statistics})
+    if model.share_layers and keeping:
+        raise ConfigError(f"{', '.join(keeping)} attention in a shared block (model.share_layers) moves its running "
+                          "statistics (routing: its k-means centroids) at every depth, which pipeline stages holding "
+                          "copies of the block would each see only part of; set model.share_layers=false or "
+                          f"parallel.pp=1 with {', '.join(keeping)} attention")
     spec = SCHEDULES.get(parallel.pp_schedule)
     if spec is None:
         raise ConfigError(f"parallel.pp_schedule='{parallel.pp_schedule}' is not one of {', '.join(SCHEDULES)}")

@@ -105,12 +105,10 @@ def shared_block_modules(stages: list[Transformer]) -> set[str]:
     (:func:`~xscale.parallel.pipeline.checkpoint.merged_view`)."""
     paths = set()
     for stage in stages:
-        if stage.config.share_layers:
-            for path, _ in stage.named_modules():
-                path = canonical_name(f"{path}.").rstrip(".")
-                if path.startswith(("stack.layers.0.", "decoder.layers.0.")) or path in ("stack.layers.0",
-                                                                                          "decoder.layers.0"):
-                    paths.add(path)
+        stacks = [stack for stack in (stage.stack, stage.decoder) if stack is not None and stack.share_layers]
+        shared = {id(module) for stack in stacks for module in stack.layers["0"].modules()}
+        paths |= {canonical_name(f"{path}.").rstrip(".") for path, module in stage.named_modules()
+                  if id(module) in shared}
     return paths
 
 

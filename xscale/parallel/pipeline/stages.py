@@ -34,7 +34,7 @@ TIED_SOURCE = "embedding.weight"
 
 def pipeline_layers(config: ModelConfig) -> int:
     """The blocks a pipeline cuts: the encoder's then the decoder's for an encoder-decoder model."""
-    return config.n_layers + (config.decoder_layers if config.family == "encoder_decoder" else 0)
+    return config.total_layers
 
 
 def is_first(stage: Transformer) -> bool:

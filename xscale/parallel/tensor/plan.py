@@ -52,8 +52,9 @@ from xscale.config.schema import ConfigError, ModelConfig
 from xscale.models.attention import Attention, AttentionCore
 from xscale.models.block import Residual, TransformerBlock
 from xscale.models.registry import ATTENTION, FFN
+from xscale.models.stacks import Stack
 from xscale.models.traits import traits_of
-from xscale.models.transformer import Stack, Transformer
+from xscale.models.transformer import Transformer
 from xscale.parallel.tensor.head_sharded import shard_head_state
 from xscale.parallel.tensor.replicated import replicate_parameters
 from xscale.parallel.tensor.talking_heads import gather_heads
@@ -70,7 +71,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def _attention_kinds(config: ModelConfig) -> set[str]:
-    layers = config.n_layers + (config.decoder_layers if config.family == "encoder_decoder" else 0)
+    layers = config.total_layers
     return {config.attention.kind_for_layer(index) for index in range(layers)}
 
 
@@ -91,7 +92,7 @@ def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
             f"heads; pick parallel.tp from {_divisors(config.kv_heads)}, or set model.n_kv_heads to a multiple of "
             "tp, or to 1 (MQA: the single kv head is replicated on every rank)"
         )
-    layers = config.n_layers + (config.decoder_layers if config.family == "encoder_decoder" else 0)
+    layers = config.total_layers
     has_dense_ffn = any(not config.moe.is_moe_layer(index) for index in range(layers))
     if has_dense_ffn and config.ffn_hidden % tp:
         raise ConfigError(
@@ -181,7 +182,7 @@ def _parallelize_attention(attention: Attention, mesh: DeviceMesh, config: Model
         "wq": ColwiseParallel(),
         "wo": RowwiseParallel(output_layouts=stream),
     }
-    kv_projections = [name for name in ("wk", "wv") if hasattr(attention, name)]  # no wk: shares_qk, uses_keys
+    kv_projections = ["wk", "wv"] if attention.projects_keys else ["wv"]
     if config.kv_heads % tp == 0:
         plan.update({name: ColwiseParallel() for name in kv_projections})
     else:

@@ -1,4 +1,4 @@
-"""Early exit (xscale/models/early_exit.py): the joint loss against the per-layer losses summed here, the entropy
+"""Early exit (xscale/models/stacks/early_exit.py, xscale/models/heads/early_exit.py): the joint loss against the per-layer losses summed here, the entropy
 and patience rules against loops written here, one forward giving every layer's logits, the forward that stops each
 example at its exit against every exit's predictions and the rows each layer ran on, the fallback where rows are
 coupled, a tiny run reporting the metrics, and the options and layouts refused."""
@@ -13,7 +13,7 @@ from xscale.cli import main
 from xscale.config.load import load_config_from_cli
 from xscale.config.schema import ConfigError, ModelConfig, MoEConfig
 from xscale.models import build_model
-from xscale.models.early_exit import exit_layers, exit_predictions, joint_exit_loss_sum
+from xscale.models.heads.early_exit import exit_layers, exit_predictions, joint_exit_loss_sum
 from xscale.parallel.checks import resolve_dims
 from xscale.parallel.data.fsdp import FullyShardedDataParallel
 from xscale.parallel.data.strategies import DataParallel
@@ -24,12 +24,12 @@ from xscale.train.step import evaluation_predictions, exit_path_refusal
 LOGITS = torch.randn(4, 64, 3, generator=torch.Generator().manual_seed(0)) * 3
 CLASSIFY = ["model.family=encoder", "train.task=classify", "data.dataset=lra_listops", "model.position=learned",
             "model.vocab_size=64", "model.d_model=16", "model.n_layers=3", "model.n_heads=2", "model.max_seq_len=32",
-            "train.seq_len=32", "model.pooling=mean", "model.early_exit=true"]
+            "train.seq_len=32", "model.pooling=mean", "model.stack=early_exit"]
 
 
 def _model(n_layers: int = 3) -> torch.nn.Module:
     config = ModelConfig(family="encoder", vocab_size=40, d_model=16, n_layers=n_layers, n_heads=2, max_seq_len=16,
-                         position="learned", num_classes=3, pooling="mean", early_exit=True)
+                         position="learned", num_classes=3, pooling="mean", stack="early_exit")
     return build_model(config, seed=0).eval()
 
 
@@ -79,7 +79,7 @@ def test_one_forward_counts_right_at_the_exits_right_at_full_depth_and_the_exit_
 def _confident_model(n_layers: int = 4, **options) -> torch.nn.Module:
     """Exits with wide weights (confident early answers: examples leave at every layer)."""
     config = ModelConfig(family="encoder", vocab_size=40, d_model=16, n_layers=n_layers, n_heads=2, max_seq_len=16,
-                         position="learned", num_classes=3, pooling="mean", early_exit=True, **options)
+                         position="learned", num_classes=3, pooling="mean", stack="early_exit", **options)
     model = build_model(config, seed=0).eval()
     with torch.no_grad():
         for linear in model.exits.linears:
@@ -197,7 +197,7 @@ def test_the_patience_rule_matches_the_papers_loop(patience):
 def test_a_tiny_early_exit_run_reports_the_three_metrics(tmp_path, capsys):
     run = tmp_path / "run"
     # ListOps has 10 classes (entropy at most ln 10 = 2.303): 2.25 with wide initial weights lets some examples leave early.
-    assert main(["train", *CLASSIFY, "model.exit_entropy=2.25", "model.init_std=0.3", "data.num_samples=48", "data.eval_fraction=0.34",
+    assert main(["train", *CLASSIFY, "model.stack.options.entropy=2.25", "model.init_std=0.3", "data.num_samples=48", "data.eval_fraction=0.34",
                  "train.global_batch_size=16", "train.steps=2", "train.eval_every=2", "train.eval_batches=1",
                  "train.loggers=[jsonl]", "train.plot=false", "train.progress=false", "train.watchdog=false",
                  f"train.output_dir={run}"]) == 0
@@ -216,10 +216,10 @@ def test_a_tiny_early_exit_run_reports_the_three_metrics(tmp_path, capsys):
 
 @pytest.mark.parametrize("overrides,message", [
     (["train.task=lm", "data.dataset=copy"], "needs train.task=classify"),
-    (["model.reversible=true"], "which model.reversible=true does not keep"),
-    (["model.funnel=[1,2]"], "do not combine"),
-    (["model.exit_entropy=-1"], "model.exit_entropy must be >= 0"),
-    (["model.exit_patience=-1"], "model.exit_patience must be >= 0"),
+    (["model.reversible=true"], "model.reversible=True chooses model.stack.kind=reversible but "
+                                "model.stack.kind=early_exit is set"),
+    (["model.stack.options.entropy=-1"], "model.stack.options.entropy must be >= 0"),
+    (["model.stack.options.patience=-1"], "model.stack.options.patience must be >= 0"),
 ])
 def test_options_early_exit_cannot_run_with_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):

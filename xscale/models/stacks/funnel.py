@@ -1,6 +1,6 @@
 """Funnel-Transformer (Dai et al. 2020): an encoder whose sequence is pooled between groups of blocks.
 
-``model.funnel = [n_1, ..., n_G]`` splits the ``model.n_layers`` = sum n_g blocks into G groups. Before group g > 1
+``model.stack: {kind: funnel, options: {groups: [n_1, ..., n_G]}}`` splits the ``model.n_layers`` = sum n_g blocks into G groups. Before group g > 1
 the sequence is halved by strided mean pooling (stride 2, the paper's), of the *queries only* (sec. 2.2):
 
     h'   = Pool(h),  Pool(h)_j = mean over the real tokens i in [2j, 2j + 2) of h_i
@@ -16,60 +16,44 @@ to the full length and added to the first group's output (the last full-length l
 
     g = h^(1) + Up(h^(G)),  Up(h)_i = h_{floor(i / 2^(G-1))},
 
-then ``model.funnel_decoder_layers`` full-length Transformer blocks (the paper's 2; 0: none) run on g before the LM
+then ``model.stack.options.decoder_layers`` full-length Transformer blocks (the paper's 2; 0: none) run on g before the LM
 head. They are extra blocks: ``model.n_layers`` = sum n_g counts the encoder's blocks only (the paper's "B6-6-6"
 names those too), and they sit in the stack's ``layers`` after them (``stack.layers.<n_layers + i>``), so ZeRO-3,
 activation checkpointing and the parameter counts treat them as any block. A classifier reads the pooled states
 of the last group (no up-sampling) and has no decoder blocks.
 
 The positions must be added to the input (learned, sinusoidal or none) and the attention must take queries of
-another length than its keys (the dense core): :func:`check_funnel_config` refuses the rest.
+another length than its keys (the dense core): :meth:`FunnelStack.check` refuses the rest.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from xscale.config.schema import ConfigError, ModelConfig
+from xscale.config.schema import Config, ConfigError, ModelConfig
 from xscale.models.position import PositionEncoding
-from xscale.models.registry import ATTENTION, POSITION
+from xscale.models.registry import ATTENTION, POSITION, STACK
+from xscale.models.stacks.stack import Stack
+from xscale.models.traits import Refusal, StackTraits
 from xscale.runtime import StepContext
 
 STRIDE = 2  # the paper's pooling stride (sec. 2.2)
 
 
-def check_funnel_config(model: ModelConfig) -> None:
-    """Refuse model options a funnel cannot run with, each with what to change."""
-    if not model.funnel:
-        return
-    if model.family != "encoder":
-        raise ConfigError(f"model.funnel pools an encoder's sequence; set model.family=encoder (got {model.family})")
-    if len(model.funnel) < 2 or any(size < 1 for size in model.funnel):
-        raise ConfigError(f"model.funnel={model.funnel} must list at least two block counts, each at least 1 "
-                          "(e.g. [2, 2]: two blocks, pool, two blocks)")
-    if sum(model.funnel) != model.n_layers:
-        raise ConfigError(f"model.funnel={model.funnel} holds {sum(model.funnel)} blocks but model.n_layers="
-                          f"{model.n_layers}; make them agree")
-    if model.position.kind in POSITION.names() and not POSITION.get(model.position.kind).adds_to_input \
-            and model.position.kind != "none":
-        raise ConfigError(f"model.funnel pools the queries, whose positions then differ from the keys': "
-                          f"model.position={model.position} is refused; use learned, sinusoidal or none")
-    dense = ATTENTION.get("dense")
-    for kind in model.attention.per_layer or [model.attention.kind]:
-        if kind in ATTENTION.names() and ATTENTION.get(kind) is not dense:
-            raise ConfigError(f"model.funnel attends from pooled queries to unpooled keys, which attention '{kind}' "
-                              "cannot (its queries and keys must have one length); use model.attention.kind=dense")
-    for option in ("share_layers", "reversible", "act"):
-        if getattr(model, option):
-            raise ConfigError(f"model.funnel and model.{option}=true do not combine; set one of them off")
+@dataclasses.dataclass
+class FunnelOptions:
+    groups: list[int] = dataclasses.field(default_factory=list, metadata={
+        "help": "blocks per group, pooled between groups (e.g. [2, 2]); they sum to model.n_layers"})
+    decoder_layers: int = dataclasses.field(default=2, metadata={
+        "help": "token-level outputs: full-length blocks on h^(1) + Up(h^(G)) (sec. 2.3); 0: none"})
 
-
-def funnel_decoder_blocks(model: ModelConfig) -> int:
-    """The full-length blocks a funnel runs after up-sampling (sec. 2.3): ``model.funnel_decoder_layers`` for
-    token-level outputs; none for a classifier (it reads the pooled states) or without a funnel."""
-    return model.funnel_decoder_layers if model.funnel and model.num_classes == 0 else 0
+    def __post_init__(self) -> None:
+        if not 0 <= self.decoder_layers <= 64:
+            raise ConfigError(f"model.stack.options.decoder_layers must be in [0, 64] (0: no decoder blocks), got "
+                              f"{self.decoder_layers}")
 
 
 def pool_mask(mask: torch.Tensor, keep_first: bool) -> torch.Tensor:
@@ -103,16 +87,61 @@ def upsample(pooled: torch.Tensor, length: int, factor: int, keep_first: bool) -
     return torch.cat([head, repeated], dim=1)
 
 
-class Funnel(nn.Module):
-    """Runs a stack's blocks in ``model.funnel`` groups with pooling between them, then (token-level outputs) the
-    up-sampling and the decoder blocks (module docstring)."""
+@STACK.register("funnel")
+class FunnelStack(Stack):
+    """Runs the blocks in ``groups`` with pooling between them, then (token-level outputs) the up-sampling and the
+    decoder blocks (module docstring)."""
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.groups = list(config.funnel)
+    Options = FunnelOptions
+    stack_traits = StackTraits(
+        pp=Refusal("the up-sampling adds the first group's output to the last group's, across stages"),
+        tp=Refusal("its pooled-query attention is not in the tensor-parallel plan"),
+        sequence_parallel=Refusal("strided pooling would mix windows that sequence parallelism splits over ranks"),
+    )
+
+    def __init__(self, config: ModelConfig, n_layers: int, *, causal: bool, cross: bool, first_index: int,
+                 options: FunnelOptions) -> None:
+        super().__init__(config, n_layers, causal=causal, cross=cross, first_index=first_index, options=options)
+        self.groups = list(options.groups)
         self.keep_first = config.num_classes > 0 and config.pooling == "cls"
         self.upsamples = config.num_classes == 0  # token-level outputs (MLM) need the full length back
-        self.decoder_layers = funnel_decoder_blocks(config)
+        self.decoder_layers = self.extra_blocks(config, options)
+
+    @classmethod
+    def extra_blocks(cls, config: ModelConfig, options: FunnelOptions) -> int:
+        """The full-length blocks run after up-sampling (sec. 2.3): ``decoder_layers`` for token-level outputs;
+        none for a classifier (it reads the pooled states)."""
+        return options.decoder_layers if config.num_classes == 0 else 0
+
+    @classmethod
+    def sequence_divisor(cls, config: ModelConfig, options: FunnelOptions) -> int:
+        return STRIDE ** (len(options.groups) - 1)
+
+    @classmethod
+    def check(cls, config: Config, options: FunnelOptions) -> None:
+        """Refuse model options a funnel cannot run with, each with what to change."""
+        model, groups = config.model, options.groups
+        if model.family != "encoder":
+            raise ConfigError(f"model.stack=funnel pools an encoder's sequence; set model.family=encoder (got "
+                              f"{model.family})")
+        if len(groups) < 2 or any(size < 1 for size in groups):
+            raise ConfigError(f"model.stack.options.groups={groups} must list at least two block counts, each at "
+                              "least 1 (e.g. [2, 2]: two blocks, pool, two blocks)")
+        if sum(groups) != model.n_layers:
+            raise ConfigError(f"model.stack.options.groups={groups} holds {sum(groups)} blocks but model.n_layers="
+                              f"{model.n_layers}; make them agree")
+        if model.position.kind in POSITION.names() and not POSITION.get(model.position.kind).adds_to_input \
+                and model.position.kind != "none":
+            raise ConfigError(f"model.stack=funnel pools the queries, whose positions then differ from the keys': "
+                              f"model.position={model.position} is refused; use learned, sinusoidal or none")
+        dense = ATTENTION.get("dense")
+        for kind in model.attention.per_layer or [model.attention.kind]:
+            if kind in ATTENTION.names() and ATTENTION.get(kind) is not dense:
+                raise ConfigError(f"model.stack=funnel attends from pooled queries to unpooled keys, which attention "
+                                  f"'{kind}' cannot (its queries and keys must have one length); use "
+                                  "model.attention.kind=dense")
+        if model.share_layers:
+            raise ConfigError("model.stack=funnel and model.share_layers=true do not combine; set one of them off")
 
     def output_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
         """The padding mask of the funnel's output (pooled once per group after the first, unless up-sampled)."""
@@ -122,9 +151,11 @@ class Funnel(nn.Module):
             mask = pool_mask(mask, self.keep_first)
         return mask
 
-    def forward(self, x: torch.Tensor, blocks: list[nn.Module], position: PositionEncoding | None,
-                context: StepContext) -> torch.Tensor:
-        """``blocks``: the groups' sum n_g blocks in order, then the ``decoder_layers`` decoder blocks."""
+    def run(self, x: torch.Tensor, position: PositionEncoding | None, memory: torch.Tensor | None,
+            scores: torch.Tensor | None, context: StepContext,
+            layer_states: list[torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The groups' sum n_g blocks in order, then the ``decoder_layers`` decoder blocks."""
+        blocks = self.blocks()
         full_length = context  # the decoder blocks read the unpooled padding mask
         depth = 0
         first_group_output = x
@@ -143,9 +174,9 @@ class Funnel(nn.Module):
             if group == 0:
                 first_group_output = x
         if not self.upsamples:
-            return x
+            return x, scores
         factor = STRIDE ** (len(self.groups) - 1)
         x = first_group_output + upsample(x, first_group_output.shape[1], factor, self.keep_first)
         for block in blocks[depth:depth + self.decoder_layers]:
             x = block(x, position, context=full_length)
-        return x
+        return x, scores

@@ -1,4 +1,6 @@
-"""Early exit for sequence classification: DeeBERT (Xin et al. 2020) and PABEE (Zhou et al. 2020).
+"""The early-exit heads of a classifier: DeeBERT (Xin et al. 2020) and PABEE (Zhou et al. 2020).
+
+``model.stack=early_exit`` (:mod:`xscale.models.stacks.early_exit`) keeps every layer's output; these heads read it.
 
 Every layer l = 1..L of the encoder ends in an exit: the classifier's pooling (shared) of its hidden state h_l, after
 the stack's final norm when the placement has one, then a linear map of its own, z_l = W_l pool(h_l) + b_l (the
@@ -8,8 +10,8 @@ PABEE's weighted average of the per-layer losses (Zhou et al. 2020, eq. 6):
     L = sum_l l * CE(z_l, y) / sum_l l
 
 At inference each example leaves at the first layer l where
-    entropy (DeeBERT, eq. 3):  H(p_l) = -sum_c p_l,c log p_l,c < ``model.exit_entropy``,  p_l = softmax(z_l)
-    patience (PABEE, eq. 3-4, ``model.exit_patience`` = t > 0):  cnt_l >= t, where cnt_1 = 0 and
+    entropy (DeeBERT, eq. 3):  H(p_l) = -sum_c p_l,c log p_l,c < ``model.stack.options.entropy``,  p_l = softmax(z_l)
+    patience (PABEE, eq. 3-4, ``model.stack.options.patience`` = t > 0):  cnt_l >= t, where cnt_1 = 0 and
                                cnt_l = cnt_{l-1} + 1 if argmax z_l = argmax z_{l-1}, else 0
 and at layer L when no layer meets it; its prediction is argmax z_exit. z_l reads nothing after layer l, so
 computing every exit and taking each example's exit layer's prediction gives the same predictions as stopping.
@@ -27,23 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xscale.config.schema import ConfigError, ModelConfig
-from xscale.models.classifier import pool
-
-
-def check_early_exit_config(model: ModelConfig, task: str) -> None:
-    """Refuse options early exit cannot run with, each with what to change."""
-    if not model.early_exit:
-        return
-    if task != "classify":
-        raise ConfigError("model.early_exit=true puts a classifier after every layer; it needs train.task=classify")
-    for option in ("reversible", "act"):
-        if getattr(model, option):
-            raise ConfigError(f"model.early_exit=true reads every layer's output, which model.{option}=true does "
-                              f"not keep; set one of them off")
-    if model.funnel:
-        raise ConfigError("model.early_exit=true and model.funnel do not combine (the exits would read sequences "
-                          "of several lengths); set model.funnel=[] or model.early_exit=false")
+from xscale.config.schema import ModelConfig
+from xscale.models.heads.classifier import pool
 
 
 def batch_coupling(model: ModelConfig) -> str | None:
@@ -60,10 +47,10 @@ class LayerExits(nn.Module):
     """The exits of layers 1..L-1 (one linear each); layer L's is the model's classification head. The loss and
     the exit rule are methods, so that the loss code reads them from the model (parallel/ imports no component)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, entropy: float, patience: int) -> None:
         super().__init__()
         self.pooling = config.pooling
-        self.entropy, self.patience = config.exit_entropy, config.exit_patience
+        self.entropy, self.patience = entropy, patience
         self.rows_coupled = batch_coupling(config)  # why exited rows cannot be dropped (None: they can)
         self.linears = nn.ModuleList(nn.Linear(config.d_model, config.num_classes)
                                      for _ in range(config.n_layers - 1))

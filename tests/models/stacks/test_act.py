@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from xscale.config.load import load_config_from_cli
-from xscale.config.schema import ConfigError, ModelConfig
+from xscale.config.schema import Component, ConfigError, ModelConfig
 from xscale.models import build_model
 from xscale.runtime import StepContext
 from xscale.train.training_step import begin_training_step
 
-UT = dict(vocab_size=64, d_model=16, n_layers=4, n_heads=2, max_seq_len=16, dropout=0.1, share_layers=True, act=True,
-          act_threshold=0.9, ponder_cost=0.05)
+UT = dict(vocab_size=64, d_model=16, n_layers=4, n_heads=2, max_seq_len=16, dropout=0.1, share_layers=True,
+          stack=Component("act", {"threshold": 0.9, "ponder_cost": 0.05}))
 
 
 def _reference(stack, x: torch.Tensor, context: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +56,7 @@ def test_outputs_ponder_cost_and_gradients_match_the_reference(context):
     weights = torch.linspace(-1, 1, x.numel()).view_as(x)
     y, rho = _reference(stack, x, context)
     assert len(set(rho.floor().tolist())) > 1, "positions should halt after different numbers of steps"
-    (expected_loss := (y * weights).sum() + UT["ponder_cost"] * rho.mean()).backward()
+    (expected_loss := (y * weights).sum() + UT["stack"].options["ponder_cost"] * rho.mean()).backward()
     expected = {name: _grad(p) for name, p in stack.named_parameters()}
     stack.zero_grad(set_to_none=True)
 
@@ -95,10 +95,11 @@ def test_model_trains_and_evaluates():
 @pytest.mark.parametrize("overrides,message", [
     (["model.share_layers=false"], "set model.share_layers=true"),
     (["model.family=encoder_decoder"], "model.family=decoder or encoder"),
-    (["model.reversible=true"], "do not combine"),
+    (["model.reversible=true"], "model.reversible=True chooses model.stack.kind=reversible but model.stack.kind=act is set"),
     (["model.attention.kind=realformer"], "RealFormer"),
-    (["model.act_threshold=1.0"], "model.act_threshold must be in \\(0, 1\\)"),
+    (["model.stack.options.threshold=1.0"], "model.stack.options.threshold must be in \\(0, 1\\)"),
+    (["model.stack.options.ponder_cost=-1"], "model.stack.options.ponder_cost must be >= 0"),
 ])
 def test_refused_model_options(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        load_config_from_cli(None, ["model.act=true", "model.share_layers=true", *overrides])
+        load_config_from_cli(None, ["model.stack=act", "model.share_layers=true", *overrides])

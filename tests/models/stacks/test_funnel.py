@@ -1,4 +1,4 @@
-"""Funnel-Transformer (xscale/models/funnel.py): pooling and up-sampling against loops written here, pooled queries
+"""Funnel-Transformer (xscale/models/stacks/funnel.py): pooling and up-sampling against loops written here, pooled queries
 over unpooled keys and the decoder blocks against the equations run by hand, the decoder blocks counted, padding
 that changes no class logit, full-length MLM logits, a tiny classifier that learns, the options refused, and (slow)
 ZeRO-3 data parallelism at one-process parity."""
@@ -8,21 +8,27 @@ import torch
 import torch.nn.functional as F
 
 from xscale.config.load import load_config_from_cli
-from xscale.config.schema import Config, ConfigError, ModelConfig
+from xscale.config.schema import Component, Config, ConfigError, ModelConfig
 from xscale.models import build_model
-from xscale.models.funnel import pool_sequence, upsample
 from xscale.models.parameters import count_parameters
+from xscale.models.stacks.funnel import pool_sequence, upsample
 from xscale.parallel.checks import resolve_dims
 from xscale.parallel.loss import model_loss_sum
 
 VOCAB = 40
-FUNNEL = ["model.family=encoder", "model.position=learned", "model.n_layers=3", "model.funnel=[1,1,1]"]
+FUNNEL = ["model.family=encoder", "model.position=learned", "model.n_layers=3", "model.stack=funnel",
+          "model.stack.options.groups=[1,1,1]"]
 
 
-def _model(num_classes: int = 3, pooling: str = "mean", funnel: tuple = (1, 1, 1), **options) -> torch.nn.Module:
+def _funnel(groups: tuple, decoder_layers: int = 2) -> Component:
+    return Component("funnel", {"groups": list(groups), "decoder_layers": decoder_layers})
+
+
+def _model(num_classes: int = 3, pooling: str = "mean", funnel: tuple = (1, 1, 1), decoder_layers: int = 2,
+           **options) -> torch.nn.Module:
     config = ModelConfig(family="encoder", vocab_size=VOCAB, d_model=16, n_layers=sum(funnel), n_heads=2,
                          max_seq_len=16, position="learned", num_classes=num_classes, pooling=pooling,
-                         funnel=list(funnel), **options)
+                         stack=_funnel(funnel, decoder_layers), **options)
     return build_model(config, seed=0).eval()
 
 
@@ -95,7 +101,7 @@ def test_the_funnel_forward_matches_the_papers_equations_written_out(decoder_lay
     h'' = FFN(LayerNorm(h' + Attn(Q = h', KV = h))); g = h + Up(h''); then the decoder blocks on g, full length
     (sec. 2.3), which the MLM head reads; the padded keys taken by none of the attentions."""
     model = _model(num_classes=0, funnel=(1, 1), norm_placement="post", norm="layernorm", ffn="gelu",
-                   funnel_decoder_layers=decoder_layers)
+                   decoder_layers=decoder_layers)
     tokens = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(2, 8, dtype=torch.bool)
     mask[1, 5:] = False  # a window half real, half padding: Pool reads row 4 alone
@@ -118,17 +124,18 @@ def test_the_funnel_forward_matches_the_papers_equations_written_out(decoder_lay
 def test_decoder_blocks_are_extra_to_n_layers_and_only_for_token_level_outputs():
     """funnel [1, 1] with 2 decoder blocks: n_layers stays 2 (the pooled groups'), the stack holds 4 blocks for
     MLM, 2 for a classifier (it reads the pooled states); the parameter count holds the decoder's blocks."""
-    def count(**options) -> int:
+    def count(num_classes: int = 0, decoder_layers: int = 2) -> int:
         config = Config(model=ModelConfig(family="encoder", vocab_size=VOCAB, d_model=16, n_layers=2, n_heads=2,
-                                          max_seq_len=16, position="learned", funnel=[1, 1], **options))
+                                          max_seq_len=16, position="learned", num_classes=num_classes,
+                                          stack=_funnel((1, 1), decoder_layers)))
         return count_parameters(config).total
 
     assert len(_model(num_classes=0, funnel=(1, 1)).stack.layers) == 4
-    assert len(_model(num_classes=0, funnel=(1, 1), funnel_decoder_layers=0).stack.layers) == 2
+    assert len(_model(num_classes=0, funnel=(1, 1), decoder_layers=0).stack.layers) == 2
     assert len(_model(num_classes=3, funnel=(1, 1)).stack.layers) == 2
     block = sum(p.numel() for p in _model(num_classes=0, funnel=(1, 1)).stack.layers["2"].parameters())
-    assert count() - count(funnel_decoder_layers=0) == 2 * block
-    assert count(num_classes=3, funnel_decoder_layers=2) == count(num_classes=3, funnel_decoder_layers=0)
+    assert count() - count(decoder_layers=0) == 2 * block
+    assert count(num_classes=3, decoder_layers=2) == count(num_classes=3, decoder_layers=0)
 
 
 @pytest.mark.parametrize("pooling", ["cls", "mean"])
@@ -174,8 +181,10 @@ def test_a_tiny_funnel_classifier_learns():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["model.funnel=[1,1]"], "holds 2 blocks but model.n_layers=3"),
-    (["model.funnel=[3]"], "at least two block counts"),
+    (["model.stack.options.groups=[1,1]"], "holds 2 blocks but model.n_layers=3"),
+    (["model.stack.options.groups=[3]"], "at least two block counts"),
+    (["model.stack.options.decoder_layers=-1"], r"model.stack.options.decoder_layers must be in \[0, 64\]"),
+    (["model.share_layers=true"], "model.stack=funnel and model.share_layers=true do not combine"),
     (["model.position=rope"], "model.position=rope is refused"),
     (["model.attention.kind=linformer"], "attention 'linformer' cannot"),
     (["model.family=decoder"], "set model.family=encoder"),
@@ -186,11 +195,11 @@ def test_options_a_funnel_cannot_run_with_are_refused(overrides, message):
 
 
 @pytest.mark.parametrize("layout,message", [
-    (["parallel.pp=2"], "parallel.pp=2 is refused with model.funnel"),
-    (["parallel.tp=2"], "parallel.tp=2 is refused with model.funnel"),
+    (["parallel.pp=2"], "parallel.pp=2 is refused with model.stack=funnel: the up-sampling"),
+    (["parallel.tp=2"], "parallel.tp=2 is refused with model.stack=funnel"),
     (["parallel.cp=2", "parallel.cp_load_balance=true", "train.seq_len=24", "model.max_seq_len=24"],
-     r"halves the sequence 2 time\(s\).*4 context-parallel chunks.*train.seq_len=24 a multiple of 16"),
-    (["parallel.tp=2", "parallel.sequence_parallel=true"], "is refused with model.funnel"),
+     r"divides the sequence by 4.*4 context-parallel chunks.*train.seq_len=24 a multiple of 16"),
+    (["parallel.tp=2", "parallel.sequence_parallel=true"], "is refused with model.stack=funnel"),
 ])
 def test_model_and_sequence_parallel_layouts_are_refused(layout, message):
     config = load_config_from_cli(None, [*FUNNEL, "train.seq_len=16", "model.max_seq_len=16", *layout])

@@ -9,11 +9,11 @@ from xscale.config.load import load_config_from_cli
 from xscale.config.schema import Config, ConfigError, ModelConfig
 from xscale.estimate.measure import ActivationPeakTracker
 from xscale.models import build_model
-from xscale.models.transformer import Stack
+from xscale.models.stacks import Stack
 from xscale.runtime import StepContext
 
 SMALL = dict(vocab_size=64, d_model=16, n_layers=3, n_heads=2, max_seq_len=16, dropout=0.1, attention_dropout=0.1,
-             reversible=True)
+             stack="reversible")
 
 
 def _reference(stack: Stack, x: torch.Tensor, context: StepContext) -> torch.Tensor:
@@ -76,7 +76,7 @@ def test_output_is_the_mean_of_the_halves_and_evaluation_runs_the_same_blocks():
 def _saved_bytes(n_layers: int, reversible: bool) -> int:
     """Bytes autograd keeps for backward after a forward of the whole model."""
     torch.manual_seed(0)
-    model = build_model(ModelConfig(**{**SMALL, "n_layers": n_layers, "reversible": reversible}))
+    model = build_model(ModelConfig(**{**SMALL, "n_layers": n_layers, "stack": "reversible" if reversible else "plain"}))
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.untyped_storage().nbytes()) or t,
                                                   lambda t: t):
@@ -95,7 +95,7 @@ def _activation_peak(n_layers: int, reversible: bool) -> int:
     on real tensors: parameters, buffers and gradients are not counted)."""
     torch.manual_seed(0)
     model = build_model(ModelConfig(vocab_size=32, d_model=16, n_heads=2, n_layers=n_layers, max_seq_len=32,
-                                    ffn="gelu", reversible=reversible))
+                                    ffn="gelu", stack="reversible" if reversible else "plain"))
     tracker = ActivationPeakTracker()
     tracker.track_external(model)
     with tracker:
@@ -122,8 +122,8 @@ def test_activation_memory_is_flat_in_depth():
 ])
 def test_refused_model_options(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        load_config_from_cli(None, ["model.reversible=true", *overrides])
+        load_config_from_cli(None, ["model.stack=reversible", *overrides])
 
 
-def test_config_default_is_off():
-    assert Config().model.reversible is False
+def test_config_default_is_the_plain_stack():
+    assert Config().model.stack.kind == "plain"

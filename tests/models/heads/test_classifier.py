@@ -8,7 +8,7 @@ from xscale.config.load import load_config_from_cli
 from xscale.config.schema import AttentionConfig, ConfigError, ModelConfig
 from xscale.models import build_model
 from xscale.models.attention.core import padding_mask_kinds
-from xscale.models.classifier import pool
+from xscale.models.heads.classifier import pool
 from xscale.models.registry import ATTENTION
 
 VOCAB, REAL, PADDED = 40, 5, 11

@@ -1,4 +1,4 @@
-"""Reversible residual layers (RevNet, Gomez et al. 2017; Reformer, Kitaev et al. 2020 sec. 3).
+"""Reversible residual layers (RevNet, Gomez et al. 2017; Reformer, Kitaev et al. 2020 sec. 3); ``model.stack=reversible``.
 
 The stream is duplicated into two halves (x1, x2) = (x, x), as the Reformer does, and each block maps them by
 
@@ -25,30 +25,14 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from xscale.config.schema import ConfigError, ModelConfig
-from xscale.models.registry import ATTENTION
+from xscale.config.schema import Config, ConfigError
+from xscale.models.position import PositionEncoding
+from xscale.models.registry import STACK
+from xscale.models.stacks.stack import Stack, carrying_kinds
+from xscale.models.traits import Refusal, StackTraits
+from xscale.runtime import StepContext
 
 Branch = Callable[[torch.Tensor], torch.Tensor]
-
-
-def check_reversible_config(model: ModelConfig) -> None:
-    """Refuse model options the reversible stack cannot invert or replay, each with what to change."""
-    if not model.reversible:
-        return
-    if model.norm_placement in ("post", "deepnorm"):
-        raise ConfigError(f"model.reversible=true needs model.norm_placement=pre, sandwich or rezero: a "
-                          f"{model.norm_placement} layer norm(a x + f(x)) cannot be inverted from its output")
-    if model.family == "encoder_decoder":
-        raise ConfigError("model.reversible=true supports model.family=decoder or encoder (a decoder block's "
-                          "cross-attention is a third branch the two-half scheme has no place for)")
-    carrying = sorted({kind for kind in model.attention.per_layer or [model.attention.kind]
-                       if kind in ATTENTION.names() and ATTENTION.get(kind).carries_scores})
-    if carrying:
-        raise ConfigError(f"model.reversible=true cannot carry attention scores from layer to layer "
-                          f"({', '.join(carrying)}: RealFormer); choose another model.attention.kind")
-    if model.moe.num_experts:
-        raise ConfigError("model.reversible=true with MoE (model.moe.num_experts > 0) is not supported: the "
-                          "recomputed routing would record its load metrics twice; set one of them off")
 
 
 class _GeneratorState:
@@ -133,3 +117,45 @@ def reversible_stack(x: torch.Tensor, branches: Sequence[tuple[Branch, Branch]],
             x1 = x1 + f(x2)
             x2 = x2 + g(x1)
     return (x1 + x2) / 2
+
+
+@STACK.register("reversible")
+class ReversibleStack(Stack):
+    """The held blocks as reversible residuals: F = the attention branch, G = the feed-forward branch."""
+
+    stack_traits = StackTraits(
+        pp=Refusal("a pipeline stage would hold part of the two-half stream and its backward could not rebuild the "
+                   "inputs of blocks held elsewhere"),
+        zero3=Refusal("FSDP2 gathers a block's parameters in hooks around the block's forward, which the reversible "
+                      "backward's re-run branches go around; ZeRO-1/2 work"),
+        activation_checkpointing=Refusal("it already recomputes every block in backward"),
+    )
+
+    @classmethod
+    def check(cls, config: Config, options: object) -> None:
+        """Refuse model options the reversible stack cannot invert or replay, each with what to change."""
+        model = config.model
+        if model.norm_placement in ("post", "deepnorm"):
+            raise ConfigError(f"model.stack=reversible needs model.norm_placement=pre, sandwich or rezero: a "
+                              f"{model.norm_placement} layer norm(a x + f(x)) cannot be inverted from its output")
+        if model.family == "encoder_decoder":
+            raise ConfigError("model.stack=reversible supports model.family=decoder or encoder (a decoder block's "
+                              "cross-attention is a third branch the two-half scheme has no place for)")
+        if carrying := carrying_kinds(model):
+            raise ConfigError(f"model.stack=reversible cannot carry attention scores from layer to layer "
+                              f"({', '.join(carrying)}: RealFormer); choose another model.attention.kind")
+        if model.moe.num_experts:
+            raise ConfigError("model.stack=reversible with MoE (model.moe.num_experts > 0) is not supported: the "
+                              "recomputed routing would record its load metrics twice; set model.stack=plain or "
+                              "model.moe.num_experts=0")
+
+    def run(self, x: torch.Tensor, position: PositionEncoding | None, memory: torch.Tensor | None,
+            scores: torch.Tensor | None, context: StepContext,
+            layer_states: list[torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        branches = []
+        for depth, block in zip(self.depths, self.blocks()):
+            block_context = self.block_context(depth, context)
+            branches.append((
+                lambda h, block=block, c=block_context: block.attention.branch(h, position, context=c),
+                lambda h, block=block, c=block_context: block.feed_forward.branch(h, context=c)))
+        return reversible_stack(x, branches, list(self.parameters())), scores

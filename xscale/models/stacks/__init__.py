@@ -1,0 +1,35 @@
+"""The stack variants (``model.stack``), one file each, registered in :data:`~xscale.models.registry.STACK`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import xscale.models.stacks.act  # noqa: F401  (each variant registers itself)
+import xscale.models.stacks.early_exit  # noqa: F401
+import xscale.models.stacks.funnel  # noqa: F401
+import xscale.models.stacks.plain  # noqa: F401
+import xscale.models.stacks.reversible  # noqa: F401
+from xscale.config.schema import ModelConfig
+from xscale.models.registry import STACK
+from xscale.models.stacks.stack import Stack
+
+
+def stack_variant(model: ModelConfig) -> tuple[type[Stack], Any]:
+    """The class ``model.stack`` names and its options (parsed, defaults filled in)."""
+    return STACK.get(model.stack.kind), STACK.options(model.stack, "model.stack")
+
+
+def extra_blocks(model: ModelConfig) -> int:
+    """Blocks the stack builds beyond ``model.total_layers`` (a funnel's decoder blocks, Dai et al. 2020 sec. 2.3)."""
+    variant, options = stack_variant(model)
+    return 0 if model.share_layers else variant.extra_blocks(model, options)
+
+
+def stack_description(model: ModelConfig) -> str:
+    """How the stack runs its blocks, in words of the config: ``share_layers + reversible``, ``act``, ``plain``."""
+    parts = (["share_layers"] if model.share_layers else []) + ([model.stack.kind] if model.stack.kind != "plain"
+                                                                 else [])
+    return " + ".join(parts) or "plain"
+
+
+__all__ = ["Stack", "extra_blocks", "stack_description", "stack_variant"]
