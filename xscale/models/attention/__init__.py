@@ -8,6 +8,7 @@ from xscale.models.attention import (  # noqa: F401  (each module registers its 
     dense,
     entmax,
     fnet,
+    gmlp,
     inducing,
     linear,
     long_short,
