@@ -40,7 +40,7 @@ ROUTER_LAYOUTS = ("dp_shard=4,ep=2", "pp=2,dp_shard=2,ep=2,microbatches=2")
 # that a penalty counted per microbatch or a redraw counted per forward would show in the losses.
 ATTENTION_OPTIONS = {"block_size": 4, "window": 4, "chunk": 4, "features": 16, "global_tokens": 2, "random_blocks": 1,
                      "buckets": 4, "rounds": 2, "landmarks": 4, "projected_length": 8, "clusters": 2,
-                     "inducing_points": 4, "packed_length": 4, "compression": 2, "max_span": 16, "ramp": 4, "segment": 4,
+                     "inducing_points": 4, "packed_length": 4, "compression": 2, "max_span": 16, "ramp": 4, "segment": 4, "persistent_vectors": 4,
                      "rank": 4, "span_loss": 0.01, "redraw_every": 3, "topk": 4}
 
 

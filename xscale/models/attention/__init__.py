@@ -16,6 +16,7 @@ from xscale.models.attention import (  # noqa: F401  (each module registers its 
     lsh,
     luna,
     multiscale,
+    persistent,
     priors,
     probsparse,
     random_features,
