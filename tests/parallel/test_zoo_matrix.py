@@ -68,6 +68,10 @@ PAIRED_CASES = {"shaw-rezero": {"position": "shaw", "norm_placement": "rezero"},
 PLACEMENTS_ELSEWHERE = {"pre": "the default of every case here",
                         "post": "test_tensor_parallel.py's BERT cases and parity_models.py's encoder",
                         "sandwich": "test_tensor_parallel.py's decoder-untied-sandwich-bias-sp"}
+# Components that declare no tensor-parallel split (refused under tp by name, their tests in tests/models/): dp x
+# ZeRO-3 only, with the options they need.
+UNSPLIT_LAYOUT = "dp_shard=2,zero_stage=3"
+UNSPLIT_CASES = {"ffn": {"product_key": ["model.ffn.options={sub_keys: 8, topk: 4, heads: 2, key_dim: 16}"]}}
 ROUTER_CASES = {"switch": SWITCH, "gshard": GSHARD, "hash": HASH,
                 "expert_choice": ["model.family=encoder", "model.moe.router=expert_choice"]}
 # ALBERT sharing's layouts (pipeline, ZeRO-3, tp) are test_layouts.py's test_shared_layers_* cases.
@@ -94,6 +98,7 @@ def test_every_registered_component_has_a_matrix_case(option, registry):
     else:
         covered = set(ROUTER_CASES) if option == "router" else set(COMPONENT_CASES[option])
         covered |= {case[option] for case in PAIRED_CASES.values() if option in case}
+        covered |= set(UNSPLIT_CASES.get(option, {}))
         missing = set(registry.names()) - covered
     assert not missing, f"{option}s without a zoo-matrix case: {sorted(missing)}"
 
@@ -172,6 +177,14 @@ def test_attention_under_pipeline_tensor_sequence_parallel_and_recomputation(kin
 def test_component_under_data_tensor_parallel_and_zero3(option, name, tmp_path):
     overrides = [*DECODER, *DROPOUT, "train.micro_batch_size=2", "model.max_seq_len=16", f"model.{option}={name}"]
     assert_parity(overrides, [COMPONENT_LAYOUT], tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("option,name", [(option, name) for option, names in UNSPLIT_CASES.items() for name in names])
+def test_unsplit_component_under_data_parallel_and_zero3(option, name, tmp_path):
+    overrides = [*DECODER, *DROPOUT, "train.micro_batch_size=2", "model.max_seq_len=16", f"model.{option}={name}",
+                 *UNSPLIT_CASES[option][name]]
+    assert_parity(overrides, [UNSPLIT_LAYOUT], tmp_path)
 
 
 @pytest.mark.slow
