@@ -34,6 +34,7 @@ CASES = {
     "no-position": dict(position="none"),
     "sinusoidal": dict(position="sinusoidal"),
     "learned": dict(position="learned"),
+    "learned_frequency": dict(position="learned_frequency"),
     "alibi": dict(position="alibi"),
     "t5_bias": dict(position="t5_bias"),
     "shaw": dict(position="shaw"),

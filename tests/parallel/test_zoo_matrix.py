@@ -59,7 +59,7 @@ def _inline(options: dict) -> str:
 ATTENTION_CASES = _attention_kinds()
 COMPONENT_CASES = {"ffn": ["gelu", "gelu_tanh", "geglu", "reglu", "relu", "swiglu"],
                    "norm": ["layernorm", "rmsnorm", "scalenorm"],
-                   "position": ["alibi", "learned", "none", "rope", "sinusoidal", "t5_bias"]}
+                   "position": ["alibi", "learned", "learned_frequency", "none", "rope", "sinusoidal", "t5_bias"]}
 # Components run in pairs, two to a case (one relative position with one residual placement), to keep the slow tier
 # short; they count as covered like COMPONENT_CASES.
 PAIRED_CASES = {"shaw-rezero": {"position": "shaw", "norm_placement": "rezero"},
