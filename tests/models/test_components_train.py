@@ -35,6 +35,7 @@ CASES = {
     "sinusoidal": dict(position="sinusoidal"),
     "learned": dict(position="learned"),
     "learned_frequency": dict(position="learned_frequency"),
+    "tupe": dict(position="tupe"),
     "alibi": dict(position="alibi"),
     "t5_bias": dict(position="t5_bias"),
     "shaw": dict(position="shaw"),
