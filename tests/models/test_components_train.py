@@ -36,6 +36,7 @@ CASES = {
     "learned": dict(position="learned"),
     "learned_frequency": dict(position="learned_frequency"),
     "tupe": dict(position="tupe"),
+    "deberta": dict(position="deberta"),
     "alibi": dict(position="alibi"),
     "t5_bias": dict(position="t5_bias"),
     "shaw": dict(position="shaw"),
