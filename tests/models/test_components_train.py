@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from xscale.config.schema import AttentionConfig, ModelConfig, MoEConfig
+from xscale.config.schema import AttentionConfig, Component, ModelConfig, MoEConfig
 from xscale.models import build_model
 from xscale.models.registry import FFN, NORM, POSITION, ROUTER
 from xscale.parallel.model import ParallelModel
@@ -34,6 +34,9 @@ CASES = {
     "no-position": dict(position="none"),
     "sinusoidal": dict(position="sinusoidal"),
     "learned": dict(position="learned"),
+    "learned_frequency": dict(position="learned_frequency"),
+    "tupe": dict(position="tupe"),
+    "deberta": dict(position="deberta"),
     "alibi": dict(position="alibi"),
     "t5_bias": dict(position="t5_bias"),
     "shaw": dict(position="shaw"),
@@ -51,6 +54,7 @@ CASES = {
     "swiglu": dict(ffn="swiglu"),
     "geglu": dict(ffn="geglu"),
     "reglu": dict(ffn="reglu"),
+    "product_key": dict(ffn=Component("product_key", {"sub_keys": 8, "topk": 4, "heads": 2, "key_dim": 16})),
     "mqa": dict(n_kv_heads=1, attention=AttentionConfig(kind="mqa")),
     "gqa": dict(n_kv_heads=2),
     "dropout": dict(dropout=0.1, attention_dropout=0.1),

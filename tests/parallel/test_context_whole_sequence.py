@@ -26,7 +26,10 @@ SMALL = ["model.vocab_size=32", "model.d_model=32", "model.n_layers=2", "model.n
 OPTIONS = {"lsh": ["buckets=4", "rounds=2", "chunk=8"], "sinkhorn": ["block_size=8"], "nystrom": ["landmarks=4"],
            "memory_compressed": ["compression=3"], "inducing": ["inducing_points=4"], "luna": ["packed_length=4"],
            "synthesizer": [], "gaussian": [], "adaptive_span": ["max_span=16", "ramp=4"], "realformer": [],
-           "talking_heads": [], "routing": ["clusters=2", "window=8"]}
+           "talking_heads": [], "routing": ["clusters=2", "window=8"], "clustered": ["clusters=4", "topk=4"],
+           "probsparse": ["factor=2"], "skyformer": ["landmarks=4"], "multiscale": [], "average": [],
+           "long_short": ["window=4", "rank=4", "segment=8"], "fnet": [], "gmlp": [],
+           "persistent": ["persistent_vectors=4"]}
 WHOLE = sorted({ATTENTION.get(kind) for kind in ATTENTION.names() if traits_of(ATTENTION.get(kind)).cp_whole_sequence},
                key=lambda cls: cls.__name__)
 

@@ -39,7 +39,7 @@ ROUTER_LAYOUTS = ("dp_shard=4,ep=2", "pp=2,dp_shard=2,ep=2,microbatches=2")
 # that a penalty counted per microbatch or a redraw counted per forward would show in the losses.
 ATTENTION_OPTIONS = {"block_size": 4, "window": 4, "chunk": 4, "features": 16, "global_tokens": 2, "random_blocks": 1,
                      "buckets": 4, "rounds": 2, "landmarks": 4, "projected_length": 8, "clusters": 2,
-                     "inducing_points": 4, "packed_length": 4, "compression": 2, "max_span": 16, "ramp": 4, "segment": 4,
+                     "inducing_points": 4, "packed_length": 4, "compression": 2, "max_span": 16, "ramp": 4, "segment": 4, "persistent_vectors": 4,
                      "rank": 4, "span_loss": 0.01, "redraw_every": 3, "topk": 4}
 
 
@@ -58,15 +58,20 @@ def _inline(options: dict) -> str:
 ATTENTION_CASES = _attention_kinds()
 COMPONENT_CASES = {"ffn": ["gelu", "gelu_tanh", "geglu", "reglu", "relu", "swiglu"],
                    "norm": ["layernorm", "rmsnorm", "scalenorm"],
-                   "position": ["alibi", "learned", "none", "rope", "sinusoidal", "t5_bias"]}
+                   "position": ["alibi", "learned", "learned_frequency", "none", "rope", "sinusoidal", "t5_bias"]}
 # Components run in pairs, two to a case (one relative position with one residual placement), to keep the slow tier
 # short; they count as covered like COMPONENT_CASES.
 PAIRED_CASES = {"shaw-rezero": {"position": "shaw", "norm_placement": "rezero"},
-                "xl-deepnorm": {"position": "xl", "norm_placement": "deepnorm", "norm": "layernorm"}}
+                "xl-deepnorm": {"position": "xl", "norm_placement": "deepnorm", "norm": "layernorm"},
+                "tupe": {"position": "tupe"}, "deberta": {"position": "deberta"}}
 # Residual placements checked under tensor parallelism elsewhere (pre: every case here runs it, the default).
 PLACEMENTS_ELSEWHERE = {"pre": "the default of every case here",
                         "post": "test_tensor_parallel.py's BERT cases and parity_models.py's encoder",
                         "sandwich": "test_tensor_parallel.py's decoder-untied-sandwich-bias-sp"}
+# Components that declare no tensor-parallel split (refused under tp by name, their tests in tests/models/): dp x
+# ZeRO-3 only, with the options they need.
+UNSPLIT_LAYOUT = "dp_shard=2,zero_stage=3"
+UNSPLIT_CASES = {"ffn": {"product_key": ["model.ffn.options={sub_keys: 8, topk: 4, heads: 2, key_dim: 16}"]}}
 ROUTER_CASES = {"switch": SWITCH, "gshard": GSHARD, "hash": HASH,
                 "expert_choice": ["model.family=encoder", "model.moe.router=expert_choice"]}
 # ALBERT sharing's layouts (pipeline, ZeRO-3, tp) are test_layouts.py's test_shared_layers_* cases.
@@ -94,6 +99,7 @@ def test_every_registered_component_has_a_matrix_case(option, registry):
     else:
         covered = set(ROUTER_CASES) if option == "router" else set(COMPONENT_CASES[option])
         covered |= {case[option] for case in PAIRED_CASES.values() if option in case}
+        covered |= set(UNSPLIT_CASES.get(option, {}))
         missing = set(registry.names()) - covered
     assert not missing, f"{option}s without a zoo-matrix case: {sorted(missing)}"
 
@@ -174,6 +180,14 @@ def test_attention_under_pipeline_tensor_sequence_parallel_and_recomputation(kin
 def test_component_under_data_tensor_parallel_and_zero3(option, name, tmp_path):
     overrides = [*DECODER, *DROPOUT, "train.micro_batch_size=2", "model.max_seq_len=16", f"model.{option}={name}"]
     assert_parity(overrides, [COMPONENT_LAYOUT], tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("option,name", [(option, name) for option, names in UNSPLIT_CASES.items() for name in names])
+def test_unsplit_component_under_data_parallel_and_zero3(option, name, tmp_path):
+    overrides = [*DECODER, *DROPOUT, "train.micro_batch_size=2", "model.max_seq_len=16", f"model.{option}={name}",
+                 *UNSPLIT_CASES[option][name]]
+    assert_parity(overrides, [UNSPLIT_LAYOUT], tmp_path)
 
 
 @pytest.mark.slow

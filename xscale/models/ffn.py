@@ -82,6 +82,8 @@ class ReGLU(GatedMLP):
 
 
 def build_ffn(ffn: Component, d_model: int, hidden: int, bias: bool, dropout: float) -> nn.Module:
-    """The feed-forward block ``model.ffn`` names (its options checked: none so far)."""
-    FFN.options(ffn, "model.ffn")
-    return FFN.get(ffn.kind)(d_model, hidden, bias=bias, dropout=dropout)
+    """The feed-forward block ``model.ffn`` names, given its options when it takes any (the product-key memory)."""
+    options = FFN.options(ffn, "model.ffn")
+    cls = FFN.get(ffn.kind)
+    extra = {"options": options} if hasattr(cls, "Options") else {}
+    return cls(d_model, hidden, bias=bias, dropout=dropout, **extra)

@@ -6,4 +6,5 @@ import xscale.models.moe  # noqa: F401
 import xscale.models.norm  # noqa: F401
 import xscale.models.position  # noqa: F401
 import xscale.models.positions  # noqa: F401
+import xscale.models.product_key  # noqa: F401
 import xscale.models.stacks  # noqa: F401

@@ -80,3 +80,8 @@ def test_refuses_alpha_outside_one_to_two() -> None:
 @pytest.mark.parametrize("alpha", [1.5, 2.0])
 def test_trains(alpha: float) -> None:
     assert_loss_falls("entmax", {"alpha": alpha})
+
+
+def test_a_row_without_finite_scores_gives_nan_not_an_error() -> None:
+    """A pipeline's shape pass may run the core on uninitialised (NaN) activations."""
+    assert torch.isnan(entmax(torch.full((2, 5), float("nan")))).all()

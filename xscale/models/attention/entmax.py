@@ -69,7 +69,8 @@ class Entmax15(_EntmaxGradient):
         spread = count * (mean_square - mean * mean)
         tau = mean - ((1 - spread) / count).clamp_min(0).sqrt()
         support = (tau <= ordered).sum(-1, keepdim=True)  # masked (-inf) keys give nan here and never count
-        threshold = tau.gather(-1, support - 1)
+        # At least one: a row of NaN (a pipeline's shape pass over uninitialised tensors) stays NaN, not an error.
+        threshold = tau.gather(-1, support.clamp_min(1) - 1)
         p = (z - threshold).clamp_min(0) ** 2
         ctx.save_for_backward(p)
         ctx.alpha = 1.5

@@ -15,7 +15,7 @@ from xscale.config.schema import ConfigError, ModelConfig
 from xscale.models.ffn import build_ffn
 from xscale.models.moe.experts import StackedExperts
 from xscale.models.moe.routing import LocalTokens
-from xscale.models.registry import ROUTER
+from xscale.models.registry import FFN, ROUTER
 from xscale.models.traits import ParallelTraits
 from xscale.ops.moe_permute import assignment_of_token, combine_by_gate, gather_tokens
 from xscale.runtime import ExpertExchange, StepContext
@@ -181,6 +181,9 @@ def check_moe_config(config: ModelConfig, ep: int = 1) -> None:
         raise ConfigError(f"model.moe.drop_policy='{moe.drop_policy}' is not one of probs, position")
     if moe.router.kind not in ROUTER:
         raise ConfigError(f"model.moe.router='{moe.router.kind}' is not one of {', '.join(ROUTER.names())}")
+    if config.ffn.kind in FFN and not hasattr(FFN.get(config.ffn.kind), "activation"):
+        raise ConfigError(f"model.moe's experts are copies of model.ffn's MLP, and model.ffn={config.ffn.kind} is "
+                          "not an MLP; use an MLP (model.ffn=swiglu, gelu, ...) with model.moe")
     if ep < 1 or moe.num_experts % ep:
         raise ConfigError(
             f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.ep={ep}; pick ep from "
