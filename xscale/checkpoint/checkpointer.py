@@ -129,6 +129,7 @@ class Checkpointer:
         self.verify = verify
         self._pending: tuple[Any, Path, Path, dict[str, Any]] | None = None
         self._saving: _SaveAttempt | None = None
+        self.protected: Path | None = None  # a step directory retention keeps beyond ``keep`` (the last healthy one)
         if _rank() == 0:
             self.recover_interrupted_saves()
 
@@ -223,8 +224,10 @@ class Checkpointer:
 
     def _retain(self) -> None:
         steps = sorted(p for p in self.directory.glob(f"{STEP_PREFIX}*") if p.is_dir())
+        protected = self.protected.resolve() if self.protected is not None else None
         for old in steps[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            if old.resolve() != protected:
+                shutil.rmtree(old, ignore_errors=True)
 
     def set_aside_later_steps(self, resumed: Path) -> Path | None:
         """A rollback (resuming at a step older than the directory's newest) moves every later step directory into

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from xscale.checkpoint.checkpointer import Checkpointer, CheckpointError
+from xscale.checkpoint.checkpointer import Checkpointer, CheckpointError, step_dir_name
 from xscale.checkpoint.init_sources import WEIGHTS_ONLY, fill_from_source, init_source_prefix
 from xscale.config.schema import Config, ConfigError
 from xscale.data import (
@@ -46,6 +46,7 @@ from xscale.parallel.parallelize import parallelize
 from xscale.runtime import StepContext
 from xscale.runtime.hooks import ReportsLayerMetrics
 from xscale.train.bf16_support import bf16_warning
+from xscale.train.health import TrainingHealth
 from xscale.train.memory_reshard import MemoryRows
 from xscale.train.metrics import MetricsLogger, flops_per_token, peak_memory_bytes
 from xscale.train.peak_flops import peak_flops
@@ -153,6 +154,8 @@ class Trainer:
         self.stop_requested = False
         self.skipped_steps = self.skipped_in_a_row = 0  # updates dropped for a non-finite loss or gradient norm
         self.spikes = LossSpikeDetector(train.spike_factor, train.spike_window, announce=self.rank == 0)
+        self.health = TrainingHealth(train.health_check, train.health_window, train.health_loss_factor,
+                                     train.health_grad_collapse)
 
     def _classes(self, train_dataset: Any) -> list[str] | None:
         """train.task=classify: the data's labels, whose count sets model.num_classes (None for language models)."""
@@ -210,7 +213,15 @@ class Trainer:
             meta[MEMORY_META_KEY] = self._memory_meta()
             per_rank = {MEMORY_FILES: self.memory.state_dict()}
         self.metrics.flush()  # the curve up to a checkpoint is on disk before it
+        self.checkpointer.protected = self.health.keep()
+        if self.health.problem is not None and not self.health.announced:
+            self.health.announced = True
+            kept = (f"{self.health.keep()}, the last checkpoint confirmed healthy, is kept from rotation"
+                    if self.health.keep() else "no checkpoint of this run was confirmed healthy yet")
+            self._announce(f"xscale: training looks unhealthy since step {self.health.since}: {self.health.problem}; "
+                           f"{kept}")
         self.checkpointer.save(self.step, self.state(), meta, per_rank)
+        self.health.saved(self.step, self.checkpointer.directory / step_dir_name(self.step))
 
     def _memory_meta(self) -> dict[str, Any]:
         return memory_meta(self.config, self.dims.describe(), self.world_size, self.local_batch_size,
@@ -251,6 +262,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, self.config.train), last_epoch=self.step - 1)
         self.parent = str(path)
+        self.health.saved(self.step, path)  # confirmed by the first healthy step
         self.metrics.load_state_dict(meta.get("loggers", {}))
         abandoned = self.checkpointer.set_aside_later_steps(path)
         self._announce(f"resumed from {path} at step {self.step}")
@@ -368,6 +380,7 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.step += 1
+        self.health.observe(self.step, float(loss), float(grad_norm))
         elapsed = time.perf_counter() - start
         tokens_per_second = tokens / elapsed
         scalars = {"train/loss": float(loss), "train/lr": lr, "train/grad_norm": float(grad_norm),
@@ -393,10 +406,13 @@ class Trainer:
         if train.on_nonfinite == "stop" or self.skipped_in_a_row > train.max_skipped:
             reason = ("train.on_nonfinite=stop" if train.on_nonfinite == "stop"
                       else f"{self.skipped_in_a_row} non-finite steps in a row (train.max_skipped={train.max_skipped})")
+            healthy = self.health.last_healthy
+            resume = (f"Resume from {healthy[1]}, the last checkpoint confirmed healthy (checkpoint.resume="
+                      f"{healthy[1]}), " if healthy else "No checkpoint of this run was confirmed healthy: start again ")
             raise NonFiniteTraining(
                 f"{what} is not finite ({reason}); the model was not updated and no checkpoint holds this state. "
-                "Resume from the last checkpoint with a lower train.lr or a train.grad_clip, or set "
-                "train.on_nonfinite=skip to drop such steps")
+                f"{resume}with a lower train.lr or a train.grad_clip"
+                + (", or set train.on_nonfinite=skip to drop such steps" if train.on_nonfinite == "stop" else ""))
         self.optimizer.zero_grad(set_to_none=True)
         for param in self.model.parameters():
             param.grad = None
