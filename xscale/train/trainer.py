@@ -190,7 +190,8 @@ class Trainer:
         if not train.watchdog:
             return None
         store = torch.distributed.distributed_c10d._get_default_store() if self.world_size > 1 else None
-        return StepWatchdog(train.step_timeout_s, rank=self.rank, world_size=self.world_size, store=store)
+        return StepWatchdog(train.step_timeout_s, first_step_timeout_s=train.first_step_timeout_s, rank=self.rank,
+                            world_size=self.world_size, store=store)
 
     # ------------------------------------------------------------------ state
     def state(self) -> dict[str, Any]:
@@ -453,9 +454,14 @@ class Trainer:
                 "checkpoint": str(self.checkpointer.directory), "preempted": self.stop_requested}
 
     def _loop(self) -> list[float]:
-        """The steps, under the preemption handler and the watchdog; the last checkpoint is written."""
+        """The steps, under the preemption handler and the watchdog (armed from the first step; saves and
+        evaluations watched too); the last checkpoint is written."""
         train, every, losses = self.config.train, self.config.checkpoint.every, []
         watchdog, refreshed = self._watchdog(), time.monotonic()
+
+        def watched(phase: str) -> contextlib.AbstractContextManager:
+            return watchdog.watching(self.step, phase) if watchdog is not None else _nothing()
+
         with self.preemption, watchdog or _nothing():
             while self.step < train.steps:
                 # The watched span holds every collective of the step, the stop vote included: a rank that stops
@@ -474,16 +480,19 @@ class Trainer:
                     refreshed = time.monotonic()
                 losses.append(scalars["train/loss"])
                 if train.eval_every and self.step % train.eval_every == 0 and not stopping:
-                    scalars.update(self.evaluate())
+                    with watched("evaluation"):
+                        scalars.update(self.evaluate())
                 self.metrics.log(self.step, scalars)
                 if stopping:
                     self.stop_requested = True
                     break
                 if every and self.step % every == 0 and self.step < train.steps:
-                    self.save()
-        self.profiler.stop()
-        self.save()
-        self.checkpointer.wait()
+                    with watched("checkpoint save"):
+                        self.save()
+            self.profiler.stop()
+            with watched("checkpoint save"):
+                self.save()
+                self.checkpointer.wait()
         return losses
 
 
