@@ -72,6 +72,27 @@ def test_a_stopped_rank_ends_the_job_with_exit_3_within_the_limit_naming_it(tmp_
     assert "xscale torchrun: a hung rank was ended by the watchdog" in stderr
 
 
+@pytest.mark.slow
+def test_ctrl_c_saves_and_exits_130_with_one_line(tmp_path):
+    """SIGINT to the job's process group (a terminal's Ctrl-C): the workers finish the step, save, rank 0 prints one
+    line and the job exits 130 with no traceback."""
+    agent = _start(tmp_path, "train.first_step_timeout_s=60")
+    workers = {}
+    try:
+        workers = _workers(agent, tmp_path)
+        os.killpg(agent.pid, signal.SIGINT)
+        stdout, stderr = agent.communicate(timeout=120)
+    finally:
+        _cleanup(agent, workers)
+    assert agent.returncode == 130, stderr[-3000:]
+    (line,) = [line for line in stdout.splitlines() if line.startswith("interrupted at step")]
+    step = int(line.split()[3].rstrip(";"))
+    assert f"checkpoint saved to {tmp_path / 'checkpoints' / f'step_{step:08d}'}; resume with: torchrun " in line
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == f"step_{step:08d}"
+    assert "Traceback" not in stderr and "SignalException" not in stderr, stderr[-3000:]
+    assert len(stderr.strip().splitlines()) <= 3, stderr
+
+
 def test_killing_the_torchrun_agent_ends_its_workers(tmp_path):
     agent = _start(tmp_path)
     workers = {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import math
+import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -150,7 +151,8 @@ class Trainer:
                                      device=self.device)
         self.flops_per_token = flops_per_token(config.model, train.seq_len, count.matmul_per_token)
         self.peak_flops = train.peak_flops
-        self.preemption = PreemptionHandler()
+        # SIGUSR1/SIGTERM: save and requeue; SIGINT (Ctrl-C): save and exit 130 (xscale/commands/train.py)
+        self.preemption = PreemptionHandler(signals=(signal.SIGUSR1, signal.SIGTERM, signal.SIGINT))
         self.stop_requested = False
         self.skipped_steps = self.skipped_in_a_row = 0  # updates dropped for a non-finite loss or gradient norm
         self.spikes = LossSpikeDetector(train.spike_factor, train.spike_window, announce=self.rank == 0)
@@ -445,13 +447,15 @@ class Trainer:
                   f"device {self.device.type}, {train.steps} steps of {train.global_batch_size}x{train.seq_len} tokens",
                   flush=True)
         losses = self._loop()
-        if self.stop_requested:
+        interrupted = self.stop_requested and self.preemption.interrupted
+        if self.stop_requested and not interrupted:
             if self.rank == 0:
                 print(f"xscale: stop requested; checkpoint of step {self.step} written", flush=True)
             self.preemption.requeue()
         plot = self.metrics.close(plot=train.plot and not self.stop_requested)
         return {"step": self.step, "rank": self.rank, "losses": losses, "plot": str(plot) if plot else None,
-                "checkpoint": str(self.checkpointer.directory), "preempted": self.stop_requested}
+                "checkpoint": str(self.checkpointer.directory), "preempted": self.stop_requested and not interrupted,
+                "interrupted": interrupted}
 
     def _loop(self) -> list[float]:
         """The steps, under the preemption handler and the watchdog (armed from the first step; saves and
