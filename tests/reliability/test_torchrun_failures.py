@@ -20,6 +20,10 @@ TINY = ["model.vocab_size=48", "model.d_model=32", "model.n_layers=2", "model.n_
         "data.num_samples=64", "data.eval_fraction=0.0", "checkpoint.every=0"]
 
 
+# Steps of ~0.1-0.3 s here, so that the rank is stopped within the first 5 steps, before the auto limit has a median.
+SLOWER_STEPS = ["train.seq_len=128", "train.global_batch_size=32", "model.d_model=64"]
+
+
 def _start(output_dir: Path, *extra: str, launcher: str = "xscale.launcher.torchrun") -> subprocess.Popen:
     """The job under xscale's torchrun (or plain torchrun: ``torch.distributed.run``), in its own session so that a
     test can signal its process group as a terminal's Ctrl-C does."""
@@ -39,7 +43,7 @@ def _workers(agent: subprocess.Popen, output_dir: Path, timeout: float = 180,
         if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
             children = psutil.Process(agent.pid).children()
             return {int(child.environ()["RANK"]): child for child in children}
-        time.sleep(0.2)
+        time.sleep(0.02)
     pytest.fail("the job did not start training in time")
 
 
@@ -55,7 +59,7 @@ def _cleanup(agent: subprocess.Popen, workers: dict[int, psutil.Process]) -> Non
 def test_a_stopped_rank_ends_the_job_with_exit_3_within_the_limit_naming_it(tmp_path, limit):
     """A rank SIGSTOPped at step 2: with train.step_timeout_s, or in auto mode before any median exists (the first
     step limit), the watchdog names it, SIGKILLs it (no 30 s of torchrun's SIGTERM grace) and the job exits 3."""
-    agent = _start(tmp_path, f"{limit}={STEP_TIMEOUT_S}")
+    agent = _start(tmp_path, f"{limit}={STEP_TIMEOUT_S}", *SLOWER_STEPS)
     workers = {}
     try:
         workers = _workers(agent, tmp_path, steps=1)
@@ -68,7 +72,7 @@ def test_a_stopped_rank_ends_the_job_with_exit_3_within_the_limit_naming_it(tmp_
     assert agent.returncode == 3, stderr[-3000:]
     assert took < STEP_TIMEOUT_S + 15, took
     assert "xscale watchdog: rank 0" in stderr and "rank 1: silent for" in stderr, stderr[:2000]
-    assert f"{limit}={STEP_TIMEOUT_S}" in stderr
+    assert f"{limit}={STEP_TIMEOUT_S}" in stderr  # the first steps' limit, not the median's
     assert "xscale torchrun: a hung rank was ended by the watchdog" in stderr
 
 
