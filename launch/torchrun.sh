@@ -110,7 +110,7 @@ if [ "$nnodes" -lt 1 ] || [ "$nproc" -lt 1 ]; then
 fi
 [ "$node_rank" -lt "$nnodes" ] || die "--node-rank $node_rank is outside $nnodes nodes (0..$((nnodes - 1)))"
 
-command=("$python" -m torch.distributed.run "--nproc-per-node=$nproc" "--max-restarts=$max_restarts")
+command=("$python" -m xscale.launcher.torchrun "--nproc-per-node=$nproc" "--max-restarts=$max_restarts")
 if [ "$nnodes" = 1 ]; then
     command+=(--standalone)
 else

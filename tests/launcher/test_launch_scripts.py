@@ -65,7 +65,7 @@ def test_shellcheck_clean(script):
 
 def test_torchrun_one_node_keeps_every_argument_whole(tmp_path):
     argv = printed("torchrun.sh", "--nproc-per-node", "2", AWKWARD, "train.steps=30", tmp_path=tmp_path)
-    assert argv == ["python3", "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=0", "--standalone",
+    assert argv == ["python3", "-m", "xscale.launcher.torchrun", "--nproc-per-node=2", "--max-restarts=0", "--standalone",
                     "-m", "xscale", "train", AWKWARD, "train.steps=30"]
     assert not list(tmp_path.rglob("PWNED"))
 
@@ -75,7 +75,7 @@ def test_torchrun_several_nodes_rendezvous_on_node_zero(tmp_path):
               "xscale.launcher.smoke", "c.yaml"]
     node0 = printed("torchrun.sh", "--node-rank", "0", *common, tmp_path=tmp_path)
     node1 = printed("torchrun.sh", *common, tmp_path=tmp_path, NODE_RANK="1", PYTHON="/opt/py/bin/python")
-    assert node0 == ["python3", "-m", "torch.distributed.run", "--nproc-per-node=4", "--max-restarts=0", "--nnodes=2",
+    assert node0 == ["python3", "-m", "xscale.launcher.torchrun", "--nproc-per-node=4", "--max-restarts=0", "--nnodes=2",
                      "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:29400", "--rdzv-id=xscale",
                      "--rdzv-conf=is_host=1", "-m", "xscale.launcher.smoke", "c.yaml"]
     assert node1[0] == "/opt/py/bin/python" and "--rdzv-conf=is_host=0" in node1
@@ -168,7 +168,7 @@ def test_sbatch_template_runs_torchrun_on_each_node(tmp_path):
                             cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     argv = (tmp_path / "argv").read_text().split("\0")[:-1]
-    assert argv == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=0", "--standalone", "-m",
+    assert argv == ["-m", "xscale.launcher.torchrun", "--nproc-per-node=2", "--max-restarts=0", "--standalone", "-m",
                     "xscale", "train", AWKWARD, "train.steps=3"]
     calls = (tmp_path / "calls.log").read_text()
     assert calls.startswith("srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash")

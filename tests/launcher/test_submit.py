@@ -81,7 +81,7 @@ def test_path_with_spaces_and_command_substitution_stays_one_argument(capsys, mo
                      "--nodes", "2", "--gpus-per-node", "0", "--nproc-per-node", "2", "--time", "30")
     argv, calls = run_job_script(script, tmp_path)
     port = 20000 + 321 * 16 % 20000
-    assert argv == ["-m", "torch.distributed.run", "--rdzv-conf=is_host=1", "--nnodes=2", "--nproc-per-node=2",
+    assert argv == ["-m", "xscale.launcher.torchrun", "--rdzv-conf=is_host=1", "--nnodes=2", "--nproc-per-node=2",
                     "--rdzv-backend=c10d", "--max-restarts=0", f"--rdzv-endpoint=10.3.0.7:{port}",
                     "--rdzv-id=xscale-321", "-m", "xscale", "train", str(awkward_config), "train.steps=30",
                     "train.lr=0.5"]

@@ -207,3 +207,39 @@ def test_logit_rows_are_aligned_for_an_odd_vocabulary(dtype):
     for g, w, name in zip(torch.autograd.grad(got, [hidden, weight]), torch.autograd.grad(want, [hidden, weight]),
                           ["hidden", "weight"]):
         _check(g, w, dtype, f"grad {name}")
+
+
+def _over_reading_matmul(original):
+    """A GEMM that reads each row of a padded-row input up to its stride, against zero-padded rows of the other
+    matrix, as a bf16 kernel taking K in pairs does (AVX-512 BF16, AMX) when K (the vocabulary) is odd."""
+
+    def matmul(a, b, *, out=None):
+        if a.dim() == 2 and b.dim() == 2 and a.stride(1) == 1 and a.stride(0) > a.shape[1]:
+            width = a.stride(0)
+            a = a.as_strided((a.shape[0], width), (width, 1))
+            b = torch.cat([b, b.new_zeros(width - b.shape[0], b.shape[1])])
+        return original(a, b, out=out)
+
+    return matmul
+
+
+def _poisoned_new_empty(original):
+    """Fresh buffers full of NaN: what uninitialised memory may hold."""
+
+    def new_empty(self, *args, **kwargs):
+        return original(self, *args, **kwargs).fill_(float("nan"))
+
+    return new_empty
+
+
+@pytest.mark.parametrize("gradient_in_forward", [True, False], ids=["gradient-in-forward", "recomputed"])
+def test_padded_logit_columns_never_reach_the_gradient(monkeypatch, gradient_in_forward):
+    """bf16, one chunk: NaN left in the padding of the logits buffer, read by a pair-wise GEMM, stays out of dh."""
+    hidden, weight, labels = _problem(torch.bfloat16)
+    want = torch.autograd.grad(reference.linear_cross_entropy_sum(hidden, weight, labels), [hidden])[0]
+    monkeypatch.setattr(torch.Tensor, "new_empty", _poisoned_new_empty(torch.Tensor.new_empty))
+    monkeypatch.setattr(torch, "matmul", _over_reading_matmul(torch.matmul))
+    got = chunked_linear_cross_entropy_sum(hidden, weight, labels, gradient_in_forward=gradient_in_forward)
+    grad_hidden, = torch.autograd.grad(got, [hidden])
+    assert torch.isfinite(grad_hidden).all()
+    _check(grad_hidden, want, torch.bfloat16, "grad hidden")

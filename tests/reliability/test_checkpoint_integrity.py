@@ -5,6 +5,7 @@ Every case starts from one small checkpoint (a module fixture) copied into the t
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import pickle
@@ -132,7 +133,8 @@ def test_too_little_free_space_is_refused_before_writing(run, monkeypatch):
     before = {p.name: p.read_bytes() for p in (run / "checkpoints" / STEP).rglob("*") if p.is_file()}
     monkeypatch.setattr(checkpoint_module.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10, 9, 1))
     trainer.step = 3
-    with pytest.raises(CheckpointError, match="not enough free space .* checkpoint.dir elsewhere"):
+    with pytest.raises(CheckpointError, match=r"not enough free space to save step 3 in .*: it needs about [0-9.]+ "
+                       r"[KM]iB, 1 B are free; .* checkpoint.dir elsewhere \(the previous checkpoint \(step 2\) is intact\)"):
         trainer.save()
     assert not list((run / "checkpoints").glob(".tmp-*"))
     assert (run / "checkpoints" / "latest").read_text().strip() == STEP
@@ -145,16 +147,46 @@ def test_a_disk_full_while_writing_is_one_line_and_keeps_the_previous_checkpoint
 
     def disk_full(state, checkpoint_id, **kwargs):
         Path(checkpoint_id, "__0_0.distcp").write_bytes(b"partial")
-        raise OSError(28, "No space left on device")
+        raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(checkpoint_module.dcp, "save", disk_full)
     trainer.step = 3
-    with pytest.raises(CheckpointError, match="No space left on device .*previous checkpoint is intact"):
+    with pytest.raises(CheckpointError, match=r"^no space left on device while saving step 3 to .*checkpoints \(about "
+                       r"[0-9.]+ [KM]iB needed, [0-9.]+ [KMGT]iB free\); the previous checkpoint \(step 2\) is intact"):
         trainer.save()
     assert not list((run / "checkpoints").glob(".tmp-*"))  # the partial copy is gone
     monkeypatch.undo()
     assert Checkpointer(run / "checkpoints").latest().name == STEP
     Checkpointer.read_meta(run / "checkpoints" / STEP, verify="full")
+
+
+@pytest.mark.parametrize("failure", ["torch.save", "dcp"])
+def test_a_disk_filled_during_the_save_is_named_as_such(run, monkeypatch, failure):
+    """torch.save reports a full disk as ``unexpected pos`` (no errno), DCP wraps the ENOSPC of a rank: both are
+    one line saying no space is left, with readable sizes."""
+    trainer = Trainer(_config(run, "train.steps=3"))
+    assert trainer.resume()
+    disk = {"free": 3 << 30}
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(checkpoint_module.shutil, "disk_usage",
+                        lambda path: real_usage(path)._replace(free=disk["free"]))
+
+    def fill_the_disk(*args, **kwargs):
+        disk["free"] = 4096  # another job filled it meanwhile
+        if failure == "torch.save":
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+        raise checkpoint_module.CheckpointException("save", {0: (OSError(errno.ENOSPC, "No space left"), "trace")})
+
+    monkeypatch.setattr(checkpoint_module.torch if failure == "torch.save" else checkpoint_module.dcp, "save",
+                        fill_the_disk)
+    trainer.step = 3
+    with pytest.raises(CheckpointError) as error:
+        trainer.save()
+    message = str(error.value)
+    assert "\n" not in message and "unexpected pos" not in message
+    assert message.startswith("no space left on device while saving step 3 to "), message
+    assert "GiB free); the previous checkpoint (step 2) is intact" in message
+    assert not list((run / "checkpoints").glob(".tmp-*"))
 
 
 def test_a_partial_save_left_by_a_crash_is_removed_at_the_next_start(run):
@@ -207,14 +239,16 @@ def test_a_full_tmpfs_is_one_line_and_keeps_the_previous_checkpoint(run, small_d
     free = shutil.disk_usage(small_disk).free
     (small_disk / "filler").write_bytes(b"\0" * max(free - 4096, 0))  # leave 4 KiB: far less than a checkpoint
     if not free_space_checked:
-        monkeypatch.setattr(checkpoint_module, "_check_free_space", lambda directory, state: None)
+        space_for = checkpoint_module._space_for
+        monkeypatch.setattr(checkpoint_module, "_space_for", lambda directory, state: (space_for(directory, state)[0], 1 << 40))
     trainer.step = 3
     with pytest.raises(CheckpointError) as error:
         trainer.save()
         trainer.checkpointer.wait()
     message = str(error.value)
     assert "\n" not in message
-    assert ("not enough free space" in message) if free_space_checked else ("No space left on device" in message)
+    assert ("not enough free space" in message) if free_space_checked else ("no space left on device" in message)
+    assert "the previous checkpoint (step 2) is intact" in message
     assert not list((small_disk / "checkpoints").glob(".tmp-*"))
     latest = Checkpointer(small_disk / "checkpoints").latest()
     assert latest is not None and latest.name == STEP

@@ -17,6 +17,7 @@ DCP reshards on load: a checkpoint saved at one parallel layout loads at another
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -44,6 +45,7 @@ from xscale.checkpoint.integrity import (
     shared_digests,
     verify_files,
 )
+from xscale.checkpoint.sizes import readable_size
 
 # DCP warns on every single-process save/load; that is a supported use here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -93,19 +95,15 @@ def _state_bytes(state: Any) -> int:
     return 0
 
 
-def _check_free_space(directory: Path, state: dict[str, Any]) -> None:
-    """Refuse to start a save that cannot fit (collective): a full disk mid-write would leave a partial copy."""
+def _space_for(directory: Path, state: dict[str, Any]) -> tuple[int, int]:
+    """(bytes a save of ``state`` needs over every rank, the fewest bytes free on any rank's disk); collective."""
     directory.mkdir(parents=True, exist_ok=True)
     needed = [_state_bytes(state), shutil.disk_usage(directory).free]
     if _distributed() and dist.get_world_size() > 1:
         everyone: list[list[int]] = [[] for _ in range(dist.get_world_size())]
         dist.all_gather_object(everyone, needed)
         needed = [sum(part[0] for part in everyone), min(part[1] for part in everyone)]
-    total, free = needed
-    if total * FREE_SPACE_MARGIN > free:
-        raise CheckpointError(f"not enough free space to save a checkpoint in {directory}: it needs about "
-                              f"{total * FREE_SPACE_MARGIN / 2**30:.2f} GiB, {free / 2**30:.2f} GiB are free; free some "
-                              "space or set checkpoint.dir elsewhere (the previous checkpoint is intact)")
+    return int(needed[0] * FREE_SPACE_MARGIN), needed[1]
 
 
 def shape_fingerprint(model_state: dict[str, Any]) -> dict[str, list[int]]:
@@ -130,6 +128,8 @@ class Checkpointer:
         self.async_save = async_save
         self.verify = verify
         self._pending: tuple[Any, Path, Path, dict[str, Any]] | None = None
+        self._saving: _SaveAttempt | None = None
+        self.protected: Path | None = None  # a step directory retention keeps beyond ``keep`` (the last healthy one)
         if _rank() == 0:
             self.recover_interrupted_saves()
 
@@ -157,18 +157,24 @@ class Checkpointer:
         self.wait()
         final = self.directory / step_dir_name(step)
         staging = self.directory / f".tmp-{step_dir_name(step)}"
-        _check_free_space(self.directory, state)
+        previous = self._previous_intact()
+        needed, free = _space_for(self.directory, state)
+        if needed > free:  # refused before writing: a full disk mid-write would leave a partial copy
+            raise CheckpointError(f"not enough free space to save step {step} in {self.directory}: it needs about "
+                                  f"{readable_size(needed)}, {readable_size(free)} are free; free some space or set "
+                                  f"checkpoint.dir elsewhere ({previous})")
+        self._saving = _SaveAttempt(step, self.directory, needed, free, previous)
         if _rank() == 0:
             if staging.exists():
                 shutil.rmtree(staging)
             (staging / "rng").mkdir(parents=True)
             for name, source in self.carry.items():
-                with _save_errors(staging):
+                with _save_errors(staging, self._saving):
                     (staging / name).parent.mkdir(parents=True, exist_ok=True)
                     shutil.copyfile(source, staging / name)
         _barrier()
         meta = {**meta, "step": step, "fingerprint": shape_fingerprint(state.get("model", {}))}
-        with _save_errors(staging):
+        with _save_errors(staging, self._saving):
             torch.save(_rng_state(), staging / "rng" / f"rank_{_rank():05d}.pt")
             for name, tensors in (per_rank or {}).items():
                 (staging / name).mkdir(exist_ok=True)
@@ -187,7 +193,7 @@ class Checkpointer:
             return
         future, staging, final, meta = self._pending
         self._pending = None
-        with _save_errors(staging):
+        with _save_errors(staging, self._saving):
             future.result()
         self._finalize(staging, final, meta)
 
@@ -208,10 +214,20 @@ class Checkpointer:
             self._retain()
         _barrier()
 
+    def _previous_intact(self) -> str:
+        """What a failed save leaves, in words: the previous checkpoint named by ``latest``."""
+        marker = self.directory / "latest"
+        name = marker.read_text().strip() if marker.is_file() else ""
+        step = _step_of(self.directory / name) if name else None
+        return (f"the previous checkpoint (step {step}) is intact" if step is not None
+                else "no earlier checkpoint exists in it")
+
     def _retain(self) -> None:
         steps = sorted(p for p in self.directory.glob(f"{STEP_PREFIX}*") if p.is_dir())
+        protected = self.protected.resolve() if self.protected is not None else None
         for old in steps[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            if old.resolve() != protected:
+                shutil.rmtree(old, ignore_errors=True)
 
     def set_aside_later_steps(self, resumed: Path) -> Path | None:
         """A rollback (resuming at a step older than the directory's newest) moves every later step directory into
@@ -312,23 +328,48 @@ def load_state(state: dict[str, Any], path: Path) -> None:
         raise CheckpointError(f"could not read checkpoint {path}: {_first_line(error)}") from error
 
 
+class _SaveAttempt:
+    """The save in progress, for its failure message: step, directory, bytes needed and free at its start, and
+    what the previous checkpoint is."""
+
+    def __init__(self, step: int, directory: Path, needed: int, free: int, previous: str) -> None:
+        self.step, self.directory, self.needed, self.free, self.previous = step, directory, needed, free, previous
+
+
 @contextmanager
-def _save_errors(staging: Path) -> Iterator[None]:
-    """A failed write (disk full, permissions, DCP's errors) becomes one clear line; the partial copy is removed."""
+def _save_errors(staging: Path, attempt: _SaveAttempt | None) -> Iterator[None]:
+    """A failed write (disk full, permissions, DCP's errors) becomes one clear line; the partial copy is removed.
+    A full disk is named as such, whether it came as ENOSPC or as torch.save's ``unexpected pos`` RuntimeError."""
     try:
         yield
     except (OSError, RuntimeError, CheckpointException) as error:  # torch.save reports a full disk as RuntimeError
+        left = shutil.disk_usage(staging.parent).free  # before the partial copy is removed
         if _rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)
-        cause = _first_line(error)
-        free = shutil.disk_usage(staging.parent).free
-        if free < DISK_FULL_BYTES and "No space left on device" not in cause:
-            cause = f"No space left on device ({free // 1024} KiB free; {cause})"
-        raise CheckpointError(f"could not write checkpoint {staging.name} in {staging.parent}: "
-                              f"{cause} (the previous checkpoint is intact)") from error
+        step = attempt.step if attempt else staging.name.removeprefix(f".tmp-{STEP_PREFIX}")
+        previous = attempt.previous if attempt else "the previous checkpoint is intact"
+        if _out_of_space(error) or left < DISK_FULL_BYTES:
+            sizes = (f" (about {readable_size(attempt.needed)} needed, {readable_size(attempt.free)} free)"
+                     if attempt and attempt.needed else f" ({readable_size(left)} left)")
+            raise CheckpointError(f"no space left on device while saving step {step} to {staging.parent}{sizes}; "
+                                  f"{previous}; free some space or set checkpoint.dir elsewhere") from error
+        raise CheckpointError(f"could not write checkpoint step {step} in {staging.parent}: {_first_line(error)}; "
+                              f"{previous}") from error
 
 
 DISK_FULL_BYTES = 1 << 20  # a write that failed with less than this left on its disk failed for want of space
+
+
+def _out_of_space(error: BaseException | None, depth: int = 0) -> bool:
+    """ENOSPC (or EDQUOT) anywhere in ``error``'s causes, DCP's per-rank failures included."""
+    if error is None or depth > 8:
+        return False
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if isinstance(error, CheckpointException) and any(_out_of_space(cause, depth + 1)
+                                                      for cause, _ in error.failures.values()):
+        return True
+    return _out_of_space(error.__cause__ or error.__context__, depth + 1)
 
 
 def _first_line(error: BaseException) -> str:

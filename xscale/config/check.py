@@ -276,6 +276,8 @@ RANGES: dict[str, tuple[str, typing.Callable[[float], bool]]] = {
     "train.profile_steps": (">= 0 (0: off)", _non_negative),
     "train.profile_start": ("at least 1 (steps count from 1)", _positive),
     "train.step_timeout_s": (f">= 0 (0: auto) and at most a year ({YEAR_S})", lambda value: 0 <= value <= YEAR_S),
+    "train.first_step_timeout_s": (f">= 0 (0: the first steps, saves and evaluations unwatched) and at most a year "
+                                   f"({YEAR_S})", lambda value: 0 <= value <= YEAR_S),
     "parallel.bucket_mb": ("positive and at most 4096", lambda value: 0 < value <= 4096),
     "parallel.timeout_s": (f"positive and at most a year ({YEAR_S})", lambda value: 0 < value <= YEAR_S),
     "train.peak_flops": ("positive", _positive),
@@ -300,6 +302,9 @@ RANGES: dict[str, tuple[str, typing.Callable[[float], bool]]] = {
     "train.seed": (">= 0", _non_negative),
     "train.spike_factor": ("0 (off) or above 1", lambda value: value == 0 or value > 1),
     "train.spike_window": ("positive", _positive),
+    "train.health_window": ("positive", _positive),
+    "train.health_loss_factor": ("above 1", lambda value: value > 1),
+    "train.health_grad_collapse": ("in [0, 1) (0: not checked)", _fraction),
     "data.tokenizer_vocab_size": ("positive", _positive),
     "data.num_samples": (">= 0 (0: the task's default)", _non_negative),
     "launch.nodes": ("at least 1", _positive),

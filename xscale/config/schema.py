@@ -223,8 +223,17 @@ class TrainConfig:
     max_skipped: int = 3  # on_nonfinite=skip: stop after this many non-finite steps in a row
     spike_factor: float = 3.0  # warn when a loss exceeds this x the median of the last spike_window losses; 0: off
     spike_window: int = 50
+    # A model destroyed without a NaN (loss far up, or gradient norm ~0) never rotates out the last checkpoint taken
+    # while training was healthy (docs/reliability.md); the stop message names it.
+    health_check: bool = True
+    health_window: int = 20  # healthy steps whose median loss and gradient norm are the reference
+    health_loss_factor: float = 4.0  # a loss above this x the median is unhealthy
+    health_grad_collapse: float = 1e-3  # a gradient norm below this x the median is unhealthy; 0: not checked
     watchdog: bool = True  # a step over step_timeout_s ends the job (exit 3) naming the hung rank, with stacks
-    step_timeout_s: float = 0.0  # 0: auto, 10x the median step after 5 steps, at least 60 s
+    step_timeout_s: float = 0.0  # 0: auto, first_step_timeout_s, then 10x the median step after 5 steps, >= 60 s
+    # The limit of the first steps under auto (before a median exists), and of each checkpoint save and evaluation
+    # (or the step's limit, if longer); 0: those are unwatched
+    first_step_timeout_s: float = 600.0
     precision: str = "fp32"  # fp32 | bf16
     seed: int = 1234
     eval_every: int = 0  # 0 disables periodic evaluation

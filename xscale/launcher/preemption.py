@@ -5,6 +5,11 @@ Slurm delivers ``--signal=B:USR1@N`` to the batch shell N seconds before the tim
 any other way may get SIGUSR1/SIGTERM directly. Either way ``should_stop()`` turns true on every rank at the
 same step (an all_reduce MAX), the trainer writes a checkpoint, rank 0 requeues the job and all ranks exit 0;
 the requeued job resumes from the ``latest`` checkpoint.
+
+With SIGINT among its signals (the trainer's), Ctrl-C is an interruption: every rank agrees on it the same way
+(:attr:`PreemptionHandler.interrupted`), and the trainer saves and exits 130 instead of requeueing. A second Ctrl-C,
+more than :data:`SECOND_INTERRUPT_S` after the first (torchrun forwards the terminal's SIGINT to its workers, which
+got it from the terminal already), raises KeyboardInterrupt at once: stop without saving.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
@@ -20,6 +26,8 @@ from typing import Any
 
 STOP_FILE_VARIABLE = "XSCALE_STOP_FILE"
 REQUEUE_FILE_VARIABLE = "XSCALE_REQUEUE_FILE"
+SECOND_INTERRUPT_S = 1.0
+INTERRUPT, STOP = 2, 1  # the vote's values: an interruption outranks a preemption
 
 
 class PreemptionHandler:
@@ -36,6 +44,8 @@ class PreemptionHandler:
         self.stop_file = Path(stop_file) if stop_file else None
         self.group = group
         self.received: signal.Signals | None = None
+        self.interrupted_at: float | None = None  # when this rank first got SIGINT
+        self.interrupted = False  # some rank got SIGINT (set by should_stop, on every rank alike)
         self._previous: dict[signal.Signals, Any] = {}
 
     def install(self) -> PreemptionHandler:
@@ -57,6 +67,11 @@ class PreemptionHandler:
         self.uninstall()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT:
+            now = time.monotonic()
+            if self.interrupted_at is not None and now - self.interrupted_at > SECOND_INTERRUPT_S:
+                raise KeyboardInterrupt
+            self.interrupted_at = self.interrupted_at or now
         self.received = signal.Signals(signum)
 
     @property
@@ -69,12 +84,13 @@ class PreemptionHandler:
         import torch
         import torch.distributed as dist
 
-        local = self.requested_locally
-        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(self.group) == 1:
-            return local
-        flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=_collective_device(self.group))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())
+        vote = INTERRUPT if self.interrupted_at is not None else STOP if self.requested_locally else 0
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            flag = torch.tensor([vote], dtype=torch.int32, device=_collective_device(self.group))
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            vote = int(flag.item())
+        self.interrupted = vote == INTERRUPT
+        return vote > 0
 
     def requeue(self) -> bool:
         """Wait for every rank (the checkpoint is complete), then rank 0 asks Slurm to requeue this job.

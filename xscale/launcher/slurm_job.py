@@ -215,7 +215,7 @@ export MASTER_PORT=$((20000 + (SLURM_JOB_ID * 16 + ${SLURM_RESTART_COUNT:-0}) % 
 
 # bash -c runs once per node: $0 is the python interpreter, "$@" the torchrun options and the program.
 TORCHRUN_NODE_COMMAND = (
-    "'exec \"$0\" -m torch.distributed.run "
+    "'exec \"$0\" -m xscale.launcher.torchrun "
     "--rdzv-conf=\"is_host=$([ \"$SLURM_NODEID\" = 0 ] && echo 1 || echo 0)\" \"$@\"'"
 )
 

@@ -145,13 +145,19 @@ class _ChunkLogits:
 
     The buffer's rows are :func:`padded_row_length` apart, so every GEMM that writes or reads the logits sees an
     aligned leading dimension whatever the vocabulary (GPT-2's 50257 is odd: 2-byte aligned bf16 rows, which
-    cuBLAS's vectorised tensor-core kernels cannot load). The chunk is the (chunk, V) view of it."""
+    cuBLAS's vectorised tensor-core kernels cannot load). The chunk is the (chunk, V) view of it; the padding
+    columns hold zeros, never uninitialised memory."""
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, chunk_tokens: int) -> None:
         self.weight = weight
         vocab = weight.shape[0]
         rows = min(chunk_tokens, hidden.shape[0])
-        self.buffer = hidden.new_empty((rows, padded_row_length(vocab)))[:, :vocab]
+        padded = hidden.new_empty((rows, padded_row_length(vocab)))
+        # The padding columns are never written but a GEMM may read them: bf16 dot products take K in pairs (AVX-512
+        # BF16, AMX), so dlogits @ W with an odd vocabulary reads one column past each row, times a zero-padded W.
+        # Uninitialised memory there (a NaN pattern) made NaN * 0 = NaN in dh; zeros make it 0 * 0.
+        padded[:, vocab:].zero_()
+        self.buffer = padded[:, :vocab]
 
     def __call__(self, chunk: torch.Tensor) -> torch.Tensor:
         return torch.matmul(chunk, self.weight.t(), out=self.buffer[:chunk.shape[0]])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import math
+import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from xscale.checkpoint.checkpointer import Checkpointer, CheckpointError
+from xscale.checkpoint.checkpointer import Checkpointer, CheckpointError, step_dir_name
 from xscale.checkpoint.init_sources import WEIGHTS_ONLY, fill_from_source, init_source_prefix
 from xscale.config.schema import Config, ConfigError
 from xscale.data import (
@@ -46,6 +47,7 @@ from xscale.parallel.parallelize import parallelize
 from xscale.runtime import StepContext
 from xscale.runtime.hooks import ReportsLayerMetrics
 from xscale.train.bf16_support import bf16_warning
+from xscale.train.health import TrainingHealth
 from xscale.train.memory_reshard import MemoryRows
 from xscale.train.metrics import MetricsLogger, flops_per_token, peak_memory_bytes
 from xscale.train.peak_flops import peak_flops
@@ -149,10 +151,13 @@ class Trainer:
                                      device=self.device)
         self.flops_per_token = flops_per_token(config.model, train.seq_len, count.matmul_per_token)
         self.peak_flops = train.peak_flops
-        self.preemption = PreemptionHandler()
+        # SIGUSR1/SIGTERM: save and requeue; SIGINT (Ctrl-C): save and exit 130 (xscale/commands/train.py)
+        self.preemption = PreemptionHandler(signals=(signal.SIGUSR1, signal.SIGTERM, signal.SIGINT))
         self.stop_requested = False
         self.skipped_steps = self.skipped_in_a_row = 0  # updates dropped for a non-finite loss or gradient norm
         self.spikes = LossSpikeDetector(train.spike_factor, train.spike_window, announce=self.rank == 0)
+        self.health = TrainingHealth(train.health_check, train.health_window, train.health_loss_factor,
+                                     train.health_grad_collapse)
 
     def _classes(self, train_dataset: Any) -> list[str] | None:
         """train.task=classify: the data's labels, whose count sets model.num_classes (None for language models)."""
@@ -187,7 +192,8 @@ class Trainer:
         if not train.watchdog:
             return None
         store = torch.distributed.distributed_c10d._get_default_store() if self.world_size > 1 else None
-        return StepWatchdog(train.step_timeout_s, rank=self.rank, world_size=self.world_size, store=store)
+        return StepWatchdog(train.step_timeout_s, first_step_timeout_s=train.first_step_timeout_s, rank=self.rank,
+                            world_size=self.world_size, store=store)
 
     # ------------------------------------------------------------------ state
     def state(self) -> dict[str, Any]:
@@ -210,7 +216,15 @@ class Trainer:
             meta[MEMORY_META_KEY] = self._memory_meta()
             per_rank = {MEMORY_FILES: self.memory.state_dict()}
         self.metrics.flush()  # the curve up to a checkpoint is on disk before it
+        self.checkpointer.protected = self.health.keep()
+        if self.health.problem is not None and not self.health.announced:
+            self.health.announced = True
+            kept = (f"{self.health.keep()}, the last checkpoint confirmed healthy, is kept from rotation"
+                    if self.health.keep() else "no checkpoint of this run was confirmed healthy yet")
+            self._announce(f"xscale: training looks unhealthy since step {self.health.since}: {self.health.problem}; "
+                           f"{kept}")
         self.checkpointer.save(self.step, self.state(), meta, per_rank)
+        self.health.saved(self.step, self.checkpointer.directory / step_dir_name(self.step))
 
     def _memory_meta(self) -> dict[str, Any]:
         return memory_meta(self.config, self.dims.describe(), self.world_size, self.local_batch_size,
@@ -251,6 +265,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, self.config.train), last_epoch=self.step - 1)
         self.parent = str(path)
+        self.health.saved(self.step, path)  # confirmed by the first healthy step
         self.metrics.load_state_dict(meta.get("loggers", {}))
         abandoned = self.checkpointer.set_aside_later_steps(path)
         self._announce(f"resumed from {path} at step {self.step}")
@@ -368,6 +383,7 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.step += 1
+        self.health.observe(self.step, float(loss), float(grad_norm))
         elapsed = time.perf_counter() - start
         tokens_per_second = tokens / elapsed
         scalars = {"train/loss": float(loss), "train/lr": lr, "train/grad_norm": float(grad_norm),
@@ -393,10 +409,13 @@ class Trainer:
         if train.on_nonfinite == "stop" or self.skipped_in_a_row > train.max_skipped:
             reason = ("train.on_nonfinite=stop" if train.on_nonfinite == "stop"
                       else f"{self.skipped_in_a_row} non-finite steps in a row (train.max_skipped={train.max_skipped})")
+            healthy = self.health.last_healthy
+            resume = (f"Resume from {healthy[1]}, the last checkpoint confirmed healthy (checkpoint.resume="
+                      f"{healthy[1]}), " if healthy else "No checkpoint of this run was confirmed healthy: start again ")
             raise NonFiniteTraining(
                 f"{what} is not finite ({reason}); the model was not updated and no checkpoint holds this state. "
-                "Resume from the last checkpoint with a lower train.lr or a train.grad_clip, or set "
-                "train.on_nonfinite=skip to drop such steps")
+                f"{resume}with a lower train.lr or a train.grad_clip"
+                + (", or set train.on_nonfinite=skip to drop such steps" if train.on_nonfinite == "stop" else ""))
         self.optimizer.zero_grad(set_to_none=True)
         for param in self.model.parameters():
             param.grad = None
@@ -428,18 +447,25 @@ class Trainer:
                   f"device {self.device.type}, {train.steps} steps of {train.global_batch_size}x{train.seq_len} tokens",
                   flush=True)
         losses = self._loop()
-        if self.stop_requested:
+        interrupted = self.stop_requested and self.preemption.interrupted
+        if self.stop_requested and not interrupted:
             if self.rank == 0:
                 print(f"xscale: stop requested; checkpoint of step {self.step} written", flush=True)
             self.preemption.requeue()
         plot = self.metrics.close(plot=train.plot and not self.stop_requested)
         return {"step": self.step, "rank": self.rank, "losses": losses, "plot": str(plot) if plot else None,
-                "checkpoint": str(self.checkpointer.directory), "preempted": self.stop_requested}
+                "checkpoint": str(self.checkpointer.directory), "preempted": self.stop_requested and not interrupted,
+                "interrupted": interrupted}
 
     def _loop(self) -> list[float]:
-        """The steps, under the preemption handler and the watchdog; the last checkpoint is written."""
+        """The steps, under the preemption handler and the watchdog (armed from the first step; saves and
+        evaluations watched too); the last checkpoint is written."""
         train, every, losses = self.config.train, self.config.checkpoint.every, []
         watchdog, refreshed = self._watchdog(), time.monotonic()
+
+        def watched(phase: str) -> contextlib.AbstractContextManager:
+            return watchdog.watching(self.step, phase) if watchdog is not None else _nothing()
+
         with self.preemption, watchdog or _nothing():
             while self.step < train.steps:
                 # The watched span holds every collective of the step, the stop vote included: a rank that stops
@@ -458,16 +484,19 @@ class Trainer:
                     refreshed = time.monotonic()
                 losses.append(scalars["train/loss"])
                 if train.eval_every and self.step % train.eval_every == 0 and not stopping:
-                    scalars.update(self.evaluate())
+                    with watched("evaluation"):
+                        scalars.update(self.evaluate())
                 self.metrics.log(self.step, scalars)
                 if stopping:
                     self.stop_requested = True
                     break
                 if every and self.step % every == 0 and self.step < train.steps:
-                    self.save()
-        self.profiler.stop()
-        self.save()
-        self.checkpointer.wait()
+                    with watched("checkpoint save"):
+                        self.save()
+            self.profiler.stop()
+            with watched("checkpoint save"):
+                self.save()
+                self.checkpointer.wait()
         return losses
 
 
