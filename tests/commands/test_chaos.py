@@ -1,6 +1,8 @@
 """``xscale chaos``: options that cannot make a soak are one line and exit 2, before any job starts."""
 
+from xscale.commands import chaos
 from xscale.commands.chaos import main
+from xscale.launcher.chaos.plan import PlanError
 
 
 def test_an_unknown_fault_kind_is_one_line_naming_the_kinds(tmp_path, capsys):
@@ -16,3 +18,15 @@ def test_too_few_steps_and_a_used_output_dir_are_refused(tmp_path, capsys):
     (tmp_path / "used" / "metrics.jsonl").write_text("")
     assert main(["--output-dir", str(tmp_path / "used")]) == 2
     assert "is not empty" in capsys.readouterr().err
+
+
+def test_an_override_in_the_config_place_is_an_override_of_the_built_in_job(tmp_path, monkeypatch):
+    seen = []
+
+    def capture(options):
+        seen.append(options)
+        raise PlanError("captured")
+
+    monkeypatch.setattr(chaos, "run_soak", capture)
+    assert main(["train.on_nonfinite=skip", "--output-dir", str(tmp_path / "soak")]) == 2
+    assert seen[0].config is None and seen[0].overrides == [*chaos.TINY, "train.on_nonfinite=skip"]

@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="train steps (default: the fewest the faults need)")
     parser.add_argument("--checkpoint-every", type=int, default=5, help="checkpoint.every of the job (default 5)")
     parser.add_argument("--step-timeout", type=float, default=5.0,
-                        help="train.step_timeout_s: how soon a stopped worker is noticed (default 5)")
+                        help="train.step_timeout_s: how soon a stopped worker is noticed (default 5; raise it above "
+                             "the first step's time of a larger config)")
     parser.add_argument("--max-restarts", type=int, default=3, help="torchrun --max-restarts per start (default 3)")
     parser.add_argument("--output-dir", default="runs/chaos", help="where the runs go (default runs/chaos)")
     parser.add_argument("--out", default=None, help="write the report as JSON here (default <output-dir>/chaos.json)")
@@ -41,13 +42,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip the fault-free run (no bit-identity check)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="give up on a run after this many seconds")
     args = parser.parse_intermixed_args(argv)
+    config, overrides = args.config, list(args.overrides)
+    if config and "=" in config and not Path(config).exists():  # an override where the config would go
+        config, overrides = None, [config, *overrides]
     output_dir = Path(args.output_dir)
     if output_dir.exists() and any(output_dir.iterdir()):
         print(f"xscale chaos: {output_dir} is not empty; name a new --output-dir (the soak resumes nothing)",
               file=sys.stderr)
         return 2
-    options = SoakOptions(output_dir=output_dir.resolve(), config=args.config,
-                          overrides=[*([] if args.config else TINY), *args.overrides], faults=args.faults,
+    options = SoakOptions(output_dir=output_dir.resolve(), config=config,
+                          overrides=[*([] if config else TINY), *overrides], faults=args.faults,
                           seed=args.seed, kinds=args.kinds.split(",") if args.kinds else None, nproc=args.nproc,
                           steps=args.steps, checkpoint_every=args.checkpoint_every, step_timeout_s=args.step_timeout,
                           max_restarts=args.max_restarts, timeout_s=args.timeout, reference=not args.no_reference)

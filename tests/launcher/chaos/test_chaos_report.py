@@ -7,9 +7,11 @@ import pytest
 
 from xscale.launcher.chaos.plan import Fault
 from xscale.launcher.chaos.report import (
+    FaultFigures,
     Injection,
     Signal,
     StepRecord,
+    as_json,
     counted_records,
     fault_figures,
     goodput,
@@ -51,6 +53,7 @@ def test_a_fault_never_noticed_or_never_resumed_is_not_recovered():
     unresumed = fault_figures(injection, records[:6], signals, events)
     assert not unresumed.recovered and unresumed.detection_s == pytest.approx(0.5)
     assert "NOT RECOVERED" in table([unresumed])
+    assert "NOT RECOVERED" in table([FaultFigures(**row) for row in as_json([unresumed])])  # as read from --out
 
 
 def test_goodput_counts_each_step_once_over_the_wall_time():

@@ -161,8 +161,8 @@ def table(figures: list[FaultFigures]) -> str:
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
 
 
-def _seconds(value: float) -> str:
-    return "-" if math.isnan(value) else f"{value:.1f}"
+def _seconds(value: float | None) -> str:
+    return "-" if value is None or math.isnan(value) else f"{value:.1f}"
 
 
 def as_json(figures: list[FaultFigures]) -> list[dict[str, Any]]:
