@@ -141,6 +141,7 @@ BAD_INPUT = {  # command -> (arguments, what the one stderr line says)
     "eval": (["{tmp}/missing"], "missing does not exist"),
     "generate": (["{tmp}/missing", "--tokens", "1"], "missing does not exist"),
     "convert": (["hf-to-xscale", "{tmp}/missing", "{tmp}/out"], "missing is not a Hugging Face model folder"),
+    "chaos": (["--kinds", "kill_node", "--output-dir", "{tmp}/soak"], "unknown fault kind kill_node"),
 }
 
 

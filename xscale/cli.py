@@ -1,4 +1,4 @@
-"""The ``xscale`` command: train | eval | generate | inspect | export | convert | bench | data | submit | parity."""
+"""The ``xscale`` command: train | eval | generate | inspect | export | convert | bench | data | submit | parity | chaos."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ COMMANDS = {
     "data": ("xscale.commands.data", "main", "data tools: tokenizer | preprocess"),
     "submit": ("xscale.commands.submit", "main", "render and submit a Slurm job"),
     "parity": ("xscale.commands.parity", "main", "compare loss curves across parallel layouts"),
+    "chaos": ("xscale.commands.chaos", "main", "a training job with seeded faults injected: lost time, goodput, parity"),
 }
 
 

@@ -58,9 +58,10 @@ class Cluster:
     def __init__(self) -> None:
         self.partition = os.environ.get("XSCALE_CLUSTER_PARTITION", "ci")
 
-    def submit(self, argv: list[str], cwd: Path) -> Job:
-        """``xscale submit ...`` from ``cwd``; returns the job and its output file as printed by submit."""
-        output = run([sys.executable, "-m", "xscale", "submit", *argv], timeout=120, cwd=cwd)
+    def submit(self, argv: list[str], cwd: Path, **extra: str) -> Job:
+        """``xscale submit ...`` from ``cwd`` (``extra``: environment the job inherits); returns the job and its
+        output file as printed by submit."""
+        output = run([sys.executable, "-m", "xscale", "submit", *argv], timeout=120, cwd=cwd, **extra)
         job_id = re.search(r"Submitted batch job (\d+)", output)
         log = re.search(r"^logs: (.+)$", output, re.MULTILINE)
         assert job_id and log, output

@@ -1,5 +1,6 @@
 """A real two-node Slurm cluster: a dp=4 job from `xscale submit` trains to the end; a preempted job (from
-`xscale submit` and from launch/slurm.sbatch) resumes exactly.
+`xscale submit` and from launch/slurm.sbatch) and a job hit by the chaos soak's in-worker faults (a NaN, a full disk
+during a save; each failure requeued by the job script) resume exactly.
 
 Every job runs 2 nodes x 2 CPU processes (torchrun per node, c10d rendezvous on node 1, gloo). The uninterrupted
 job is also the reference of the preempted ones: after USR1, checkpoint, `scontrol requeue` and a resume from
@@ -18,6 +19,7 @@ from cluster_tools import TINY_CONFIG, Cluster, Job, latest_step, losses_by_step
 from safetensors.torch import load_file
 
 from xscale.commands.export import export_safetensors
+from xscale.launcher.chaos.plan import PLAN_VARIABLE, ChaosFiles, Fault
 
 pytestmark = pytest.mark.cluster
 
@@ -102,3 +104,28 @@ def test_preempted_job_checkpoints_requeues_and_resumes_exactly(cluster: Cluster
                                 losses_by_step(uninterrupted.run_dir / "metrics.jsonl"))
     assert {s: losses[s] for s in range(resumed_at + 1, STEPS + 1)} == {
         s: reference_losses[s] for s in range(resumed_at + 1, STEPS + 1)}
+
+
+def test_a_nan_and_a_full_disk_are_requeued_and_the_job_ends_bit_identical(cluster: Cluster,
+                                                                           uninterrupted: FinishedJob, tmp_path: Path):
+    files = ChaosFiles(tmp_path / "chaos")
+    faults = [Fault(0, "nan", step=7, rank=0), Fault(1, "disk_full", step=12, rank=0)]  # checkpoints every 5 steps
+    files.write_plan(faults)
+    job = cluster.submit([str(TINY_CONFIG), f"train.output_dir={tmp_path / 'run'}", "--nodes", "2",
+                          "--nproc-per-node", "2", "--gpus-per-node", "0", "--partition", cluster.partition,
+                          "--time", "10", "--max-requeues", "2"], cwd=tmp_path, **{PLAN_VARIABLE: str(files.plan)})
+    state, restarts = cluster.wait_until_done(job, timeout=2 * JOB_TIMEOUT)
+    output = job.text()
+    assert (state, restarts) == ("COMPLETED", 2), output
+    assert all(files.fired_at(fault) for fault in faults), output
+    assert "training diverged: step 7: loss nan" in output and "could not write checkpoint" in output
+    assert "resumed from" in output and "at step 5" in output and "at step 10" in output
+
+    step, step_dir = latest_step(tmp_path / "run" / "checkpoints")
+    assert step == STEPS
+    _, reference_dir = latest_step(uninterrupted.run_dir / "checkpoints")
+    faulted = load_file(export_safetensors(step_dir, tmp_path / "faulted.safetensors"))
+    reference = load_file(export_safetensors(reference_dir, tmp_path / "uninterrupted.safetensors"))
+    assert faulted.keys() == reference.keys()
+    assert all(torch.equal(faulted[name], reference[name]) for name in reference)
+    assert losses_by_step(tmp_path / "run" / "metrics.jsonl") == losses_by_step(uninterrupted.run_dir / "metrics.jsonl")

@@ -12,6 +12,7 @@ from xscale.commands.parser import CommandParser
 from xscale.config.load import config_to_yaml, load_config_from_cli
 from xscale.config.schema import ConfigError
 from xscale.launcher.env import close_distributed
+from xscale.train.fault_injection import FaultInjectingTrainer, chaos_files
 from xscale.train.run_lock import RunLocked
 from xscale.train.trainer import NonFiniteTraining, Trainer
 
@@ -56,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ours, finished = not dist.is_initialized(), False  # a group the caller set up stays theirs
     try:
-        summary = Trainer(config).fit()
+        files = chaos_files()  # under `xscale chaos`: the soak's in-worker faults and timings
+        summary = (FaultInjectingTrainer(config, files) if files else Trainer(config)).fit()
         finished = True
     except (ConfigError, CheckpointError, RunLocked) as error:
         print(f"xscale train: {error}", file=sys.stderr)
