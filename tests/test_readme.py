@@ -14,9 +14,11 @@ import shlex
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -165,6 +167,12 @@ def test_readme_python_examples_run(tmp_path):
 PYPROJECT = ROOT / "pyproject.toml"
 
 
+def _tomllib():
+    import tomllib
+
+    return tomllib
+
+
 def quick_start_commands() -> list[str]:
     """The commands of the README's Quick start section, in order (continuation lines joined, comments dropped)."""
     section = README.read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
@@ -176,12 +184,7 @@ def quick_start_commands() -> list[str]:
 def installed_by_readme() -> set[str]:
     """The distributions the README's install lines bring: the base install (its first code block) plus the
     extras the Quick start's install lines name, with everything they require (normalised names)."""
-    import tomllib
-    from importlib import metadata
-
-    from packaging.requirements import Requirement
-
-    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    project = _tomllib().loads(PYPROJECT.read_text())["project"]
     wanted = list(project["dependencies"])
     for command in [readme_commands()[0], *quick_start_commands()]:
         for extras in re.findall(r"pip install -e \"?\.\[([\w,]+)\]", command):
@@ -204,12 +207,7 @@ def installed_by_readme() -> set[str]:
 def modules_not_installed_by_readme() -> set[str]:
     """Top-level modules of this environment's optional (dev) distributions that the README's lines do not
     install: what a fresh venv made from those lines lacks."""
-    import tomllib
-    from importlib import metadata
-
-    from packaging.requirements import Requirement
-
-    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    project = _tomllib().loads(PYPROJECT.read_text())["project"]
     optional = {Requirement(text).name.lower().replace("_", "-") for texts in project["optional-dependencies"].values()
                 for text in texts}
     missing = optional - installed_by_readme()
