@@ -39,6 +39,7 @@ VALID = {
              ("model.compressed_memory", "zero")),
     ("model.moe.num_experts", "zero"): "no experts: a dense FFN (the default)",
     ("model.moe.min_capacity", "zero"): "no floor under the expert capacity",
+    ("model.vocab_size", "zero"): "the tokenizer's vocabulary, padded to 128 x tp (xscale/data/vocab_size.py)",
     ("model.num_classes", "zero"): "no classification head (train.task=classify takes the count from the labels)",
     ("model.funnel_decoder_layers", "zero"): "a funnel without decoder blocks: h^(1) + Up(h^(G)) straight to the head",
     ("model.exit_entropy", "zero"): "early exit: no example leaves before the last layer",

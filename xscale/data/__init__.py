@@ -20,7 +20,7 @@ from xscale.data.sampler import GlobalSampler, StreamSampler
 from xscale.data.sources import DATASETS, SOURCES, TASKS, TEXT_DATASETS
 from xscale.data.sources.run_tokenizer import build_tokenizer, trained_tokenizer_file, trained_tokenizer_name
 from xscale.data.tokenizer import Tokenizer
-from xscale.data.vocabulary import resolve_vocab_size, with_resolved_vocab
+from xscale.data.vocab_size import resolve_vocab_size, with_resolved_vocab
 
 __all__ = ["build_datasets", "build_tokenizer", "collate", "GlobalSampler", "StreamSampler", "Tokenizer", "FixedVocab",
            "DATASETS", "TASKS", "TEXT_DATASETS", "BlendedDataset", "PackedTextDataset", "HasSources",
@@ -29,7 +29,7 @@ __all__ = ["build_datasets", "build_tokenizer", "collate", "GlobalSampler", "Str
 
 def build_datasets(config: Config, label_names: list[str] | None = None) -> tuple[Dataset, Dataset | None, int]:
     """(train dataset, eval dataset or None when data.eval_fraction is 0, vocabulary size the model needs).
-    An automatic ``model.vocab_size`` (0) is set, in ``config``, to that size padded (:mod:`xscale.data.vocabulary`).
+    An automatic ``model.vocab_size`` (0) is set, in ``config``, to that size padded (:mod:`xscale.data.vocab_size`).
     ``label_names``: a trained classifier's classes (None: the labels found in the data)."""
     data = config.data
     objective = resolve_objective(config)

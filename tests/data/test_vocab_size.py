@@ -12,7 +12,7 @@ from xscale.config.load import load_config
 from xscale.config.schema import ConfigError
 from xscale.data import build_datasets, with_resolved_vocab
 from xscale.data.load_tokenizer import load_tokenizer
-from xscale.data.vocabulary import VOCAB_MULTIPLE, padded_vocab_size
+from xscale.data.vocab_size import VOCAB_MULTIPLE, padded_vocab_size
 from xscale.train.trainer import Trainer
 
 SMALL = ["model.d_model=32", "model.n_layers=1", "model.n_heads=4", "train.global_batch_size=4", "train.seq_len=16",
