@@ -59,6 +59,20 @@ def test_module_entry_point_runs():
     assert result.returncode == 0 and "inspect" in result.stdout
 
 
+def test_help_lists_every_command_benchmark_and_data_tool(capsys):
+    """The issue's case: `xscale --help` left out bench collectives and bench optimizer."""
+    from xscale.cli import COMMANDS
+    from xscale.commands.bench import BENCHMARKS
+    from xscale.commands.data import TOOLS
+
+    assert main(["--help"]) == 0
+    flat = " ".join(capsys.readouterr().out.split())  # help lines wrap at the terminal's width
+    assert all(f" {name} " in flat for name in COMMANDS)
+    bench, data = flat.split(" bench ", 1)[1].split(" data ", 1)
+    assert all(re.search(rf"\b{name}\b", bench) for name in BENCHMARKS), bench
+    assert all(re.search(rf"\b{name}\b", data.split(" submit ")[0]) for name in TOOLS), data
+
+
 def run_xscale(*args: str, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "xscale", *args], capture_output=True, text=True, timeout=300,
                           env=ENV, cwd=cwd)

@@ -14,9 +14,11 @@ import shlex
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -159,3 +161,102 @@ def test_readme_python_examples_run(tmp_path):
         result = subprocess.run([sys.executable, "-c", example], cwd=tmp_path, env=env, capture_output=True, text=True,
                                 timeout=600)
         assert result.returncode == 0, f"README example failed:\n{example}\n{(result.stdout + result.stderr)[-3000:]}"
+
+
+# ---------------------------------------------------------------- the Quick start on its own install lines
+PYPROJECT = ROOT / "pyproject.toml"
+
+
+def _tomllib():
+    import tomllib
+
+    return tomllib
+
+
+def quick_start_commands() -> list[str]:
+    """The commands of the README's Quick start section, in order (continuation lines joined, comments dropped)."""
+    section = README.read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    block = re.findall(r"```bash\n(.*?)```", section, re.S)[0]
+    return [re.sub(r"\s+#.*$", "", line).strip() for line in block.replace("\\\n", " ").splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
+
+
+def installed_by_readme() -> set[str]:
+    """The distributions the README's install lines bring: the base install (its first code block) plus the
+    extras the Quick start's install lines name, with everything they require (normalised names)."""
+    project = _tomllib().loads(PYPROJECT.read_text())["project"]
+    wanted = list(project["dependencies"])
+    for command in [readme_commands()[0], *quick_start_commands()]:
+        for extras in re.findall(r"pip install -e \"?\.\[([\w,]+)\]", command):
+            for extra in extras.split(","):
+                wanted += project["optional-dependencies"][extra]
+    names: set[str] = set()
+    while wanted:
+        requirement = Requirement(wanted.pop())
+        name = requirement.name.lower().replace("_", "-")
+        if name in names or (requirement.marker and not requirement.marker.evaluate({"extra": ""})):
+            continue
+        names.add(name)
+        try:
+            wanted += metadata.requires(requirement.name) or []
+        except metadata.PackageNotFoundError:
+            pass
+    return names
+
+
+def modules_not_installed_by_readme() -> set[str]:
+    """Top-level modules of this environment's optional (dev) distributions that the README's lines do not
+    install: what a fresh venv made from those lines lacks."""
+    project = _tomllib().loads(PYPROJECT.read_text())["project"]
+    optional = {Requirement(text).name.lower().replace("_", "-") for texts in project["optional-dependencies"].values()
+                for text in texts}
+    missing = optional - installed_by_readme()
+    return {module for module, dists in metadata.packages_distributions().items()
+            if all(dist.lower().replace("_", "-") in missing for dist in dists)}
+
+
+def test_the_quick_start_install_line_brings_what_its_commands_import():
+    """The issue's case: the Quick start's first command imports transformers, which `pip install -e .` lacks, and
+    preprocessing and blends need megatron-core."""
+    installed = installed_by_readme()
+    commands = " ".join(quick_start_commands())
+    needed = {module.replace("_", "-") for module in re.findall(r"from (\w+)(?:\.\w+)* import", commands)}
+    if "xscale data preprocess" in commands or "data.sources" in commands:
+        needed.add("megatron-core")  # .bin/.idx and blends (xscale/data/indexed.py, blend.py)
+    assert needed and needed <= installed, f"the README's install lines do not install {sorted(needed - installed)}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_the_quick_start_runs_with_only_what_its_install_lines_bring(tmp_path):
+    """Each Quick start command, verbatim but for the training length, with every module the README's install lines
+    would not bring made unimportable (a fresh venv of those lines, without the network)."""
+    blocked = modules_not_installed_by_readme()
+    (tmp_path / ".site").mkdir()
+    (tmp_path / ".site" / "sitecustomize.py").write_text(
+        "import sys\n\n\nclass NotInstalled:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name.split('.')[0] in {sorted(blocked)!r}:\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r} (not installed by the README)', name=name)\n"
+        "        return None\n\n\nsys.meta_path.insert(0, NotInstalled())\n")
+    (tmp_path / "README.md").symlink_to(README)
+    env = environment(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / ".site"), env["PYTHONPATH"]])
+    for index, command in enumerate(quick_start_commands()):
+        if command.startswith("python -m pip install "):
+            continue
+        runnable = shortened(command, index)
+        result = subprocess.run(["bash", "-c", runnable], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                timeout=600)
+        output = (result.stdout + result.stderr)[-3000:]
+        assert result.returncode == 0, f"Quick start command failed ({result.returncode}): {runnable}\n{output}"
+    tokenizer = subprocess.run([sys.executable, "-c", (
+        "import sys, json, transformers, torch\n"
+        "from xscale.data.load_tokenizer import load_tokenizer\n"
+        "text = 'def main(argv):\\n    return 42'\n"
+        "hf = transformers.AutoTokenizer.from_pretrained('hf-llama')\n"
+        "assert hf.encode(text) == load_tokenizer('tok.model').encode(text), 'token ids differ'\n"
+        "model = transformers.AutoModelForCausalLM.from_pretrained('hf-llama')\n"
+        "print(model(torch.tensor([hf.encode(text)])).logits.shape)\n")], cwd=tmp_path, env=env, capture_output=True,
+        text=True, timeout=600)
+    assert tokenizer.returncode == 0, tokenizer.stdout + tokenizer.stderr

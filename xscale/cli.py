@@ -1,4 +1,5 @@
-"""The ``xscale`` command: train | eval | generate | inspect | export | convert | bench | data | submit | parity | chaos."""
+"""The ``xscale`` command: train | eval | generate | inspect | plan | export | convert | bench | data | submit | parity |
+chaos."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ COMMANDS = {
     "plan": ("xscale.commands.plan", "main", "the fastest layouts that fit N devices of a cluster, predicted"),
     "export": ("xscale.commands.export", "main", "write a checkpoint's weights: one safetensors file, or --format hf"),
     "convert": ("xscale.commands.convert", "main", "Hugging Face weights (or an export) into an xscale checkpoint"),
-    "bench": ("xscale.commands.bench", "main", "benchmarks: train | attention | kernels | moe | parallel | dropout | lra | memory"),
+    "bench": ("xscale.commands.bench", "main", "benchmarks: train | attention | kernels | moe | parallel | collectives | "
+              "optimizer | dropout | memory | lra"),
     "data": ("xscale.commands.data", "main", "data tools: tokenizer | preprocess"),
     "submit": ("xscale.commands.submit", "main", "render and submit a Slurm job"),
     "parity": ("xscale.commands.parity", "main", "compare loss curves across parallel layouts"),

@@ -55,6 +55,17 @@ def test_case_that_would_not_fit_is_marked_not_run(monkeypatch) -> None:
     assert "not run" in bench.summary_table(rows, ["naive", "sdpa", "local"])
 
 
+def test_a_first_length_too_long_for_naive_attention_is_not_run(monkeypatch) -> None:
+    """The issue's case: `--lengths 16384` alone ran the naive baseline (no smaller length measured) into the OOM
+    killer. Its memory comes from the shape: 3 score matrices of 2 x 256^2 fp32 (1.5 MiB) over half of 2 MiB."""
+    monkeypatch.setattr(bench, "available_bytes", lambda: 2 * 2**20)
+    rows = bench.run([256], [], ["local"], 1, 32, 2, 60.0, log=lambda line: None)
+    naive = [r for r in rows if r["variant"] == "naive"]
+    assert naive and all(r["seconds"] is None and "score matrices" in r["note"] for r in naive)
+    assert all(r["seconds"] is not None for r in rows if r["variant"] == "sdpa")  # SDPA holds no score matrix
+    assert bench.naive_peak_bytes(8, 16384) == 24 * 2**30  # the 23.7 GiB the issue measured
+
+
 def test_crossover_is_the_length_from_which_the_variant_stays_faster() -> None:
     def row(variant, length, seconds):
         return {"variant": variant, "causal": True, "length": length, "seconds": seconds}

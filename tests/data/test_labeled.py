@@ -14,6 +14,19 @@ from xscale.data.labeled import (
 )
 
 
+def test_a_tsv_header_names_the_columns_in_either_order(tmp_path):
+    """LRA's files: `Source<TAB>Target` under a header, text first; a header of our names in either order too."""
+    (tmp_path / "lra.tsv").write_text("Source\tTarget\n( MAX 2 9 )\t9\n( MIN 4 1 )\t1\n")
+    assert read_labeled_examples(tmp_path / "lra.tsv") == [("( MAX 2 9 )", "9"), ("( MIN 4 1 )", "1")]
+    (tmp_path / "named.tsv").write_text("id\ttopic\tbody\n7\tsport\tx\ty\n")  # the last column keeps its tabs
+    assert read_labeled_examples(tmp_path / "named.tsv", text_field="body", label_field="topic") == [("x\ty", "sport")]
+    (tmp_path / "ours.tsv").write_text("label\ttext\n1\tx y\n")
+    assert read_labeled_examples(tmp_path / "ours.tsv") == [("x y", "1")]
+    (tmp_path / "short.tsv").write_text("Source\tTarget\nonly text\n")
+    with pytest.raises(ValueError, match=r"short.tsv:2 has 1 of the header's 2 tab-separated columns"):
+        read_labeled_examples(tmp_path / "short.tsv")
+
+
 def test_jsonl_and_tsv_give_the_same_examples(tmp_path):
     (tmp_path / "a.jsonl").write_text(json.dumps({"body": "x y", "y": 1}) + "\n\n" + json.dumps({"body": "z", "y": 0}))
     (tmp_path / "a.tsv").write_text("1\tx y\n0\tz\n")

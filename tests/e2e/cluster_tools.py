@@ -61,7 +61,8 @@ class Cluster:
     def submit(self, argv: list[str], cwd: Path, **extra: str) -> Job:
         """``xscale submit ...`` from ``cwd`` (``extra``: environment the job inherits); returns the job and its
         output file as printed by submit."""
-        output = run([sys.executable, "-m", "xscale", "submit", *argv], timeout=120, cwd=cwd, **extra)
+        pinned = [] if "--python" in argv else ["--python", sys.executable]  # the nodes are this machine
+        output = run([sys.executable, "-m", "xscale", "submit", *pinned, *argv], timeout=120, cwd=cwd, **extra)
         job_id = re.search(r"Submitted batch job (\d+)", output)
         log = re.search(r"^logs: (.+)$", output, re.MULTILINE)
         assert job_id and log, output

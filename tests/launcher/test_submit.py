@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shlex
 import shutil
 import stat
 import subprocess
@@ -63,7 +62,7 @@ esac
     write_tool(tools, "getent", "exit 2\n")
     requeue_line = 'touch "$XSCALE_REQUEUE_FILE"\n' if requeue else ""
     write_tool(tools, "fake-python", f'printf "%s\\0" "$@" > {argv_file}\n{requeue_line}exit {status}\n')
-    script = script.replace(shlex.quote(str(Path(submit.sys.executable))), str(tools / "fake-python"))
+    script = script.replace(f"    {submit.DEFAULT_PYTHON} ", f"    {tools / 'fake-python'} ")
     environ = dict(os.environ, PATH=f"{tools}:{os.environ['PATH']}", SLURM_JOB_ID="321",
                    SLURM_JOB_NODELIST="gpu[07-08]", SLURM_NODEID=node_id)
     environ.pop("SLURM_RESTART_COUNT", None)
@@ -238,3 +237,12 @@ def test_the_generated_script_is_shellcheck_clean(capsys, monkeypatch, tmp_path,
     path.write_text(script)
     result = subprocess.run(["shellcheck", "--shell=bash", str(path)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
+
+
+def test_the_job_script_names_no_interpreter_of_this_machine(capsys, monkeypatch, tmp_path):
+    """The issue's case: --dry-run printed this machine's venv python into the job script."""
+    (tmp_path / "c.yaml").write_text(TINY)
+    script = dry_run(capsys, monkeypatch, tmp_path, "c.yaml")
+    assert submit.sys.executable not in script and f"    {submit.DEFAULT_PYTHON} " in script
+    pinned = dry_run(capsys, monkeypatch, tmp_path, "c.yaml", "--python", "/opt/env/bin/python")
+    assert "    /opt/env/bin/python " in pinned

@@ -39,6 +39,7 @@ VALID = {
              ("model.compressed_memory", "zero")),
     ("model.moe.num_experts", "zero"): "no experts: a dense FFN (the default)",
     ("model.moe.min_capacity", "zero"): "no floor under the expert capacity",
+    ("model.vocab_size", "zero"): "the tokenizer's vocabulary, padded to 128 x tp (xscale/data/vocab_size.py)",
     ("model.num_classes", "zero"): "no classification head (train.task=classify takes the count from the labels)",
     ("parallel.zero_stage", "zero"): "ZeRO stage 0 is plain DDP (the default)",
     ("train.min_lr_ratio", "zero"): "the schedule decays to 0",

@@ -56,6 +56,8 @@ VARIANTS: dict[str, dict] = {
 # and also runs at --long-lengths.
 QUADRATIC = ("strided", "fixed")
 BASELINES = ("naive", "sdpa")
+# Scores, their softmax (kept for backward) and its gradient: 8 heads at T=16K peaked at 23.7 GiB, 3 x 8 GiB.
+NAIVE_SCORE_COPIES = 3
 QUICK_VARIANTS = ("local", "bigbird", "linear", "performer", "lsh", "linformer", "nystrom")
 # Issue 5's targets at 4K and issue 18's at 16K: (variant, length, baseline, minimum speed-up).
 TARGETS = [("local", 4096, "naive", 10), ("linear", 4096, "naive", 10), ("performer", 4096, "naive", 6),
@@ -79,6 +81,12 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 def _step(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor) -> None:
     out = fn(q, k, v)
     out.backward(grad)
+
+
+def naive_peak_bytes(heads: int, length: int, batch: int = 1) -> int:
+    """The naive core's peak from its shape alone (for a first length, with no smaller one measured): forward and
+    backward hold about NAIVE_SCORE_COPIES fp32 [batch, heads, T, T] score-sized tensors at once."""
+    return NAIVE_SCORE_COPIES * batch * heads * length * length * 4
 
 
 def time_once(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor) -> float:
@@ -324,6 +332,10 @@ def run(lengths: list[int], long_lengths: list[int], variants: list[str], repeat
                     row["note"] = (f"not run (out of memory): {previous['peak_mib'] / 1024:.1f} GiB peak at "
                                    f"T={previous['length']} grows to ~{need / 2**30:.0f} GiB, over half of the "
                                    f"{available_bytes() / 2**30:.0f} GiB available")
+            elif name == "naive" and (need := naive_peak_bytes(heads, length)) > 0.5 * available_bytes():
+                row["note"] = (f"not run (out of memory): {NAIVE_SCORE_COPIES} score matrices of {heads}x{length}^2 "
+                               f"fp32 need ~{need / 2**30:.0f} GiB, over half of the "
+                               f"{available_bytes() / 2**30:.0f} GiB available")
             rows.append(row)
             current[(name, causal)] = row
             if not row["note"]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 import xscale.commands.registrations  # noqa: F401  (every layer's config checks and adapters)
@@ -18,7 +19,7 @@ from xscale.checkpoint.checkpointer import CheckpointError
 from xscale.commands.parser import CommandParser
 from xscale.config.load import parse_override, set_path
 from xscale.config.schema import ConfigError
-from xscale.interop.checkpoint import copy_hf_tokenizer, write_weights_checkpoint
+from xscale.interop.checkpoint import hf_tokenizer_files, write_weights_checkpoint
 from xscale.interop.exported import exported_model_config, exported_state_dict
 from xscale.interop.hf.load import fill_from_hf, hf_model_config
 from xscale.interop.hf.rules import InteropError
@@ -37,9 +38,10 @@ def _model_overrides(texts: list[str]) -> dict[str, Any]:
 def hf_to_xscale(args: argparse.Namespace) -> str:
     model = hf_model_config(args.source, _model_overrides(args.overrides))
     step_dir = write_weights_checkpoint(model, lambda state: fill_from_hf(state, args.source, model), args.output,
-                                        source=f"hf:{args.source}")
-    copied = copy_hf_tokenizer(args.source, step_dir)
-    return f"wrote {step_dir}" + (f" (tokenizer: {', '.join(copied)})" if copied else "")
+                                        source=f"hf:{args.source}", tokenizer_from=args.source)
+    copied = [Path(name).name for name in hf_tokenizer_files(args.source)]
+    return f"wrote {step_dir}" + (f" (tokenizer: {', '.join(copied)})" if copied else
+                                  f" (no tokenizer in {args.source}: give xscale generate --tokenizer)")
 
 
 def safetensors_to_xscale(args: argparse.Namespace) -> str:

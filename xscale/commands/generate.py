@@ -38,7 +38,8 @@ def _parser() -> CommandParser:
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus: smallest set reaching probability p")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
-    parser.add_argument("--tokenizer", help="a SentencePiece .model (default: the one the run used)")
+    parser.add_argument("--tokenizer", help="a SentencePiece .model, a Hugging Face tokenizer.json (or its folder) or a "
+                        "tiktoken .tiktoken file (default: the one the run used)")
     parser.add_argument("--no-cache", action="store_true", help="recompute the prefix at every step")
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
     return parser

@@ -15,6 +15,7 @@ import xscale.models.zoo  # noqa: F401  (registers every component, for --compon
 from xscale.commands.parser import CommandParser
 from xscale.config.load import load_config_from_cli
 from xscale.config.schema import CHOICES, Config, ConfigError
+from xscale.data import with_resolved_vocab
 from xscale.data.sources import SOURCES
 from xscale.estimate.measure import MeasureError, measure_report
 from xscale.estimate.memory import predicted_pipeline_state_bytes, predicted_state_bytes
@@ -314,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"xscale inspect: --device-memory {args.device_memory} must be a positive number of GiB", file=sys.stderr)
         return 2
     try:
-        config = load_config_from_cli(args.config, args.overrides)
+        config = with_resolved_vocab(load_config_from_cli(args.config, args.overrides))
         text = report(config)
         parallel = config.parallel
         world_size = args.world_size or (parallel.pp * parallel.dp_replicate * max(parallel.dp_shard, 1) * parallel.tp)

@@ -18,6 +18,7 @@ import xscale.commands.registrations  # noqa: F401  (every layer's config checks
 from xscale.commands.parser import CommandParser
 from xscale.config.load import config_to_yaml, load_config_from_cli
 from xscale.config.schema import Config, ConfigError
+from xscale.data import with_resolved_vocab
 from xscale.estimate.cluster import Cluster, load_cluster
 from xscale.estimate.model_shape import model_shape
 from xscale.estimate.search import Plan, search
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.top < 1:
             raise ValueError(f"--top must be at least 1, got {args.top}")
         cluster = load_cluster(args.cluster)
-        config = load_config_from_cli(args.config, args.overrides)
+        config = with_resolved_vocab(load_config_from_cli(args.config, args.overrides))
         tokens = (parse_tokens(args.tokens) if args.tokens is not None
                   else float(config.train.steps * config.train.global_batch_size * config.train.seq_len))
         plans = search(model_shape(config), cluster, args.devices, args.top)

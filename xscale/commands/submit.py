@@ -54,10 +54,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-dir", help="where Slurm writes the job output (default: <train.output_dir>/slurm)")
     parser.add_argument("--sbatch-arg", action="append", default=[],
                         help="extra sbatch option, repeatable, e.g. --sbatch-arg=--exclusive")
-    parser.add_argument("--python", default=sys.executable, help="python interpreter on the compute nodes")
+    parser.add_argument("--python", default=DEFAULT_PYTHON,
+                        help=f"python interpreter on the compute nodes (default {DEFAULT_PYTHON}, found on the PATH "
+                             "sbatch exports from this shell, so an activated venv's; a path pins one)")
     parser.add_argument("--module", help="run `python -m MODULE CONFIG overrides` instead of `xscale train`")
     parser.add_argument("--dry-run", action="store_true", help="print the job script, submit nothing")
     return parser
+
+
+# Not sys.executable: a job script names no path of the machine it was rendered on (a login node's venv).
+DEFAULT_PYTHON = "python3"
 
 
 def _pick(value: object, default: object) -> object:

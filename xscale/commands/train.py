@@ -11,6 +11,7 @@ from xscale.checkpoint.checkpointer import CheckpointError, step_dir_name
 from xscale.commands.parser import CommandParser
 from xscale.config.load import config_to_yaml, load_config_from_cli
 from xscale.config.schema import ConfigError
+from xscale.data import with_resolved_vocab
 from xscale.launcher.env import close_distributed
 from xscale.train.fault_injection import FaultInjectingTrainer, chaos_files
 from xscale.train.run_lock import RunLocked
@@ -51,7 +52,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"xscale train: invalid configuration: {error}", file=sys.stderr)
         return 2
     if args.print_config:
-        print(config_to_yaml(config), end="")
+        try:
+            print(config_to_yaml(with_resolved_vocab(config)), end="")
+        except ConfigError as error:
+            print(f"xscale train: invalid configuration: {error}", file=sys.stderr)
+            return 2
         return 0
     import torch.distributed as dist
 

@@ -24,6 +24,7 @@ from xscale.checkpoint.checkpointer import (
     load_state,
     shape_fingerprint,
 )
+from xscale.checkpoint.init_sources import WEIGHTS_ONLY
 from xscale.commands.export import resolve_checkpoint
 from xscale.config.load import config_from_dict, parse_override, set_path
 from xscale.config.schema import Config, ConfigError
@@ -88,6 +89,10 @@ def tokenizer_path(trained: TrainedModel) -> Path | None:
     recorded = trained.meta.get("tokenizer")
     if recorded:
         return trained.step_dir / recorded if not Path(recorded).is_absolute() else Path(recorded)
+    if trained.meta.get(WEIGHTS_ONLY):  # converted (xscale convert): no run, so no trained tokenizer to look for
+        raise ConfigError(f"no tokenizer found for {trained.step_dir}: it was converted from "
+                          f"{trained.meta.get('parent')}, which held no tokenizer.json or tokenizer.model; pass "
+                          "--tokenizer PATH (a SentencePiece .model, a tokenizer.json or its folder, a .tiktoken file)")
     if data.tokenizer:
         return Path(data.tokenizer)
     candidates = [run_dir / "tokenizer" / trained_tokenizer_name(trained.config) for run_dir in trained.run_dirs]

@@ -118,7 +118,9 @@ def check_values(config: Config) -> None:
     for dotted in CHOICES:
         _check_choice(config, dotted)
     model, train = config.model, config.train
-    for name, value in (("vocab_size", model.vocab_size), ("d_model", model.d_model), ("n_layers", model.n_layers),
+    if model.vocab_size < 0:
+        raise ConfigError(f"model.vocab_size must be positive (or 0: the tokenizer's), got {model.vocab_size}")
+    for name, value in (("d_model", model.d_model), ("n_layers", model.n_layers),
                         ("n_heads", model.n_heads), ("max_seq_len", model.max_seq_len)):
         if value <= 0:
             raise ConfigError(f"model.{name} must be positive, got {value}")

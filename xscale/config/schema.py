@@ -100,7 +100,7 @@ class ModelConfig(NamesComponents):
     COMPONENTS: ClassVar[tuple[str, ...]] = ("position", "norm", "ffn", "stack")
 
     family: str = "decoder"  # decoder | encoder | encoder_decoder
-    vocab_size: int = 8000
+    vocab_size: int = 0  # 0: the tokenizer's (or the dataset's) vocabulary, padded to 128 x parallel.tp
     d_model: int = 256
     n_layers: int = 4
     n_decoder_layers: int | None = None  # encoder_decoder only; defaults to n_layers

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from torch.utils.data import Dataset
@@ -19,14 +20,16 @@ from xscale.data.sampler import GlobalSampler, StreamSampler
 from xscale.data.sources import DATASETS, SOURCES, TASKS, TEXT_DATASETS
 from xscale.data.sources.run_tokenizer import build_tokenizer, trained_tokenizer_file, trained_tokenizer_name
 from xscale.data.tokenizer import Tokenizer
+from xscale.data.vocab_size import resolve_vocab_size, with_resolved_vocab
 
 __all__ = ["build_datasets", "build_tokenizer", "collate", "GlobalSampler", "StreamSampler", "Tokenizer", "FixedVocab",
            "DATASETS", "TASKS", "TEXT_DATASETS", "BlendedDataset", "PackedTextDataset", "HasSources",
-           "SourceTokenCounter", "run_tokenizer_file", "trained_tokenizer_name"]
+           "SourceTokenCounter", "run_tokenizer_file", "trained_tokenizer_name", "with_resolved_vocab"]
 
 
 def build_datasets(config: Config, label_names: list[str] | None = None) -> tuple[Dataset, Dataset | None, int]:
     """(train dataset, eval dataset or None when data.eval_fraction is 0, vocabulary size the model needs).
+    An automatic ``model.vocab_size`` (0) is set, in ``config``, to that size padded (:mod:`xscale.data.vocab_size`).
     ``label_names``: a trained classifier's classes (None: the labels found in the data)."""
     data = config.data
     objective = resolve_objective(config)
@@ -34,9 +37,8 @@ def build_datasets(config: Config, label_names: list[str] | None = None) -> tupl
     if not 0.0 <= data.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction must be in [0, 1), got {data.eval_fraction}")
     train, evaluation, vocab_size = source.build(config, objective, label_names)
-    if config.model.vocab_size < vocab_size:
-        raise ConfigError(f"model.vocab_size={config.model.vocab_size} is smaller than the vocabulary of the data "
-                          f"({vocab_size} tokens); set model.vocab_size={vocab_size} (or more)")
+    if (line := resolve_vocab_size(config, vocab_size)) and os.environ.get("RANK", "0") == "0":
+        print(line, flush=True)
     return train, evaluation, vocab_size
 
 

@@ -9,6 +9,7 @@ training sampler's seeded shuffle orders the blend.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -20,10 +21,12 @@ def blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, n
     """(source of each sample, its index inside that source) for ``size`` samples, from megatron-core's helper."""
     # Imported here, as xscale.data.indexed does: importing megatron.core takes seconds, and only blends need it.
     try:
-        from megatron.core.datasets import helpers_cpp
+        with warnings.catch_warnings():  # megatron-core's notes on Transformer Engine and Apex: not used here
+            warnings.simplefilter("ignore")
+            from megatron.core.datasets import helpers_cpp
     except ImportError as error:
         raise ImportError("blending data.sources needs megatron-core's compiled dataset helpers: pip install "
-                          "'xscale[megatron]'; from a source checkout run `make -C megatron/core/datasets`") from error
+                          "megatron-core (in xscale's base install); from a source checkout run `make -C megatron/core/datasets`") from error
     normalised = np.asarray(weights, dtype=np.float64)
     normalised = normalised / normalised.sum()
     source_index = np.zeros(size, dtype=np.int16)

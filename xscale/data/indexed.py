@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import struct
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -28,10 +29,12 @@ class IndexedDataError(ValueError):
 
 def _megatron():
     try:
-        from megatron.core.datasets import indexed_dataset
+        with warnings.catch_warnings():  # megatron-core's notes on Transformer Engine and Apex: not used here
+            warnings.simplefilter("ignore")
+            from megatron.core.datasets import indexed_dataset
     except ImportError as error:
         raise ImportError("reading and writing .bin/.idx token files needs megatron-core: "
-                          "pip install 'xscale[megatron]' (or pip install megatron-core)") from error
+                          "pip install megatron-core (a dependency of xscale's base install)") from error
     return indexed_dataset
 
 

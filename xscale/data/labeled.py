@@ -1,7 +1,9 @@
 """Labelled examples for sequence classification (``train.task=classify``), read from the user's file.
 
 ``.jsonl``: one object per line, the text under ``data.text_field`` and the label under ``data.label_field``;
-``.tsv``: one ``label<TAB>text`` per line. The label vocabulary is the sorted set of labels in the data (saved in
+``.tsv``: one ``label<TAB>text`` per line, or any column order under a header line that names the columns
+(``data.label_field`` / ``data.text_field``, or the common names: LRA's ``Source<TAB>Target`` reads as text, label).
+The label vocabulary is the sorted set of labels in the data (saved in
 each checkpoint's meta.json, so evaluation maps labels to the same classes). Each example is tokenized, led by the
 class token when the model pools it (``model.pooling=cls``), cut to ``train.seq_len`` and padded on the right with
 the pad id; ``padding_mask`` marks its real tokens.
@@ -28,13 +30,17 @@ def read_labeled_examples(path: str | Path, text_field: str = "text", label_fiel
         raise ValueError(f"{path}: labelled examples come in a .jsonl file ({{\"{text_field}\": ..., "
                          f"\"{label_field}\": ...}} per line) or a .tsv file (label<TAB>text per line)")
     examples = []
+    columns = None  # a .tsv header's (text, label, column count)
     with path.open(encoding="utf-8") as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             where = f"{path}:{number}"
+            if path.suffix == ".tsv" and not examples and columns is None:
+                if (columns := tsv_header(line, text_field, label_field)) is not None:
+                    continue
             example = (_jsonl_example(line, where, text_field, label_field) if path.suffix == ".jsonl"
-                       else _tsv_example(line, where))
+                       else _tsv_example(line, where, columns))
             examples.append(example)
     if not examples:
         raise ValueError(f"{path} holds no example")
@@ -58,11 +64,31 @@ def _jsonl_example(line: str, where: str, text_field: str, label_field: str) -> 
     return text, str(label)
 
 
-def _tsv_example(line: str, where: str) -> LabeledExample:
-    label, tab, text = line.rstrip("\r\n").partition("\t")
-    if not tab or not label.strip():
-        raise ValueError(f"{where} is not label<TAB>text")
-    return text, label.strip()
+LABEL_COLUMNS = ("label", "target", "class", "labels")
+TEXT_COLUMNS = ("text", "source", "sentence", "input")
+
+
+def tsv_header(line: str, text_field: str = "text", label_field: str = "label") -> tuple[int, int, int] | None:
+    """(text column, label column, column count) when ``line`` is a header naming both columns, else None."""
+    names = [name.strip().lower() for name in line.rstrip("\r\n").split("\t")]
+    label = next((names.index(name) for name in (label_field.lower(), *LABEL_COLUMNS) if name in names), None)
+    text = next((names.index(name) for name in (text_field.lower(), *TEXT_COLUMNS) if name in names), None)
+    if label is None or text is None or label == text:
+        return None
+    return text, label, len(names)
+
+
+def _tsv_example(line: str, where: str, columns: tuple[int, int, int] | None = None) -> LabeledExample:
+    if columns is None:
+        label, tab, text = line.rstrip("\r\n").partition("\t")
+        if not tab or not label.strip():
+            raise ValueError(f"{where} is not label<TAB>text (or give a header line naming the columns)")
+        return text, label.strip()
+    text_column, label_column, count = columns
+    fields = line.rstrip("\r\n").split("\t", count - 1)  # the last column keeps any tab of its own
+    if len(fields) != count or not fields[label_column].strip():
+        raise ValueError(f"{where} has {len(fields)} of the header's {count} tab-separated columns")
+    return fields[text_column], fields[label_column].strip()
 
 
 def label_vocabulary(labels: Sequence[str]) -> list[str]:

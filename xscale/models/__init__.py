@@ -6,7 +6,7 @@ import torch
 
 import xscale.models.checks  # noqa: F401  (the zoo's config checks register themselves)
 import xscale.models.zoo  # noqa: F401  (every component registers itself)
-from xscale.config.schema import ModelConfig
+from xscale.config.schema import ConfigError, ModelConfig
 from xscale.models.init import init_weights
 from xscale.models.transformer import Transformer
 
@@ -14,6 +14,9 @@ from xscale.models.transformer import Transformer
 def build_model(config: ModelConfig, device: torch.device | str = "cpu", seed: int = 0,
                 materialize: bool = True) -> Transformer:
     """Build on the meta device, then (unless ``materialize=False``) allocate on ``device`` and init."""
+    if config.vocab_size == 0 and config.input == "tokens":
+        raise ConfigError("model.vocab_size=0 (automatic) takes the tokenizer's vocabulary when xscale builds the "
+                          "run's data; with a Dataset of your own (or a model built directly) set model.vocab_size")
     with torch.device("meta"):
         model = Transformer(config)
     if materialize:

@@ -50,7 +50,7 @@ from xscale.train.bf16_support import bf16_warning
 from xscale.train.health import TrainingHealth
 from xscale.train.memory_reshard import MemoryRows
 from xscale.train.metrics import MetricsLogger, flops_per_token, peak_memory_bytes
-from xscale.train.peak_flops import peak_flops
+from xscale.train.peak_flops import MfuDenominator
 from xscale.train.profiling import StepProfiler
 from xscale.train.recurrence import (
     MEMORY_FILES,
@@ -150,7 +150,7 @@ class Trainer:
         self.profiler = StepProfiler(output_dir, rank=self.rank, start=train.profile_start, steps=train.profile_steps,
                                      device=self.device)
         self.flops_per_token = flops_per_token(config.model, train.seq_len, count.matmul_per_token)
-        self.peak_flops = train.peak_flops
+        self.peak_flops: MfuDenominator | None = None  # rank 0's, set as the run starts
         # SIGUSR1/SIGTERM: save and requeue; SIGINT (Ctrl-C): save and exit 130 (xscale/commands/train.py)
         self.preemption = PreemptionHandler(signals=(signal.SIGUSR1, signal.SIGTERM, signal.SIGINT))
         self.stop_requested = False
@@ -396,7 +396,7 @@ class Trainer:
         if self.source_tokens is not None:
             scalars.update(self.source_tokens.scalars())
         if self.peak_flops:
-            scalars["perf/mfu"] = tokens_per_second * self.flops_per_token / (self.peak_flops * self.world_size)
+            scalars["perf/mfu"] = self.peak_flops.mfu(tokens_per_second * self.flops_per_token / self.world_size)
         return scalars
 
     def _drop_nonfinite_update(self, loss: float, grad_norm: float) -> None:
@@ -433,9 +433,9 @@ class Trainer:
     def _fit(self) -> dict[str, Any]:
         train = self.config.train
         self.resume()
-        if self.peak_flops is None and self.rank == 0:  # the best GEMM rate, cached per device, dtype and torch
+        if self.rank == 0:  # train.peak_flops, or the best GEMM rate, cached per device, dtype and torch
             dtype = torch.bfloat16 if train.precision == "bf16" else torch.float32
-            self.peak_flops = peak_flops(dtype, str(self.device))
+            self.peak_flops = MfuDenominator(dtype, str(self.device), pinned=train.peak_flops)
         if self.rank == 0 and (warning := bf16_warning(train.precision, self.device.type)):
             print(warning, flush=True)
         if self.rank == 0 and (warning := unused_attention_dropout(self.config.model)):

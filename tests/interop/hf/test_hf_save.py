@@ -79,14 +79,20 @@ def test_shards_with_an_index_when_over_the_size(tmp_path):
 
 
 def test_tokenizer_files_travel_with_the_weights(tmp_path):
-    from xscale.interop.checkpoint import copy_hf_tokenizer
+    from tokenizers import Tokenizer, models, trainers
 
     save("gpt2", tmp_path / "hf")
-    (tmp_path / "hf" / "tokenizer.json").write_text('{"model": "test"}')
-    step_dir = _checkpoint_from_hf(tmp_path / "hf", tmp_path / "ckpt")
-    assert copy_hf_tokenizer(tmp_path / "hf", step_dir) == ["tokenizer.json"]
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.train_from_iterator(["alpha beta gamma"] * 10, trainers.BpeTrainer(special_tokens=["<unk>", "</s>"]))
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    hf_tokenizer = tmp_path / "tokenizer.json"
+    (tmp_path / "hf" / "tokenizer.json").write_text(hf_tokenizer.read_text())
+    model = hf_model_config(tmp_path / "hf")
+    step_dir = write_weights_checkpoint(model, lambda state: fill_from_hf(state, tmp_path / "hf", model),
+                                        tmp_path / "ckpt", source="test", tokenizer_from=tmp_path / "hf")
+    assert (step_dir / "tokenizer" / "tokenizer.json").read_text() == hf_tokenizer.read_text()
     export_hf(step_dir, tmp_path / "out")
-    assert (tmp_path / "out" / "tokenizer.json").read_text() == '{"model": "test"}'
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == hf_tokenizer.read_text()
 
 
 @pytest.mark.parametrize("setting, value", [("position", "alibi"), ("norm_placement", "sandwich"),

@@ -1,5 +1,6 @@
 """Write an xscale checkpoint as a Hugging Face model folder: ``config.json``, safetensors shards (with
-``model.safetensors.index.json`` when there is more than one) and the tokenizer when the run had one.
+``model.safetensors.index.json`` when there is more than one), ``generation_config.json`` and the tokenizer when the
+run had one, with the files HF tools read it by (:mod:`xscale.interop.hf.tokenizer_export`).
 
 The shards are written one at a time, each assembled from the DCP checkpoint by loading only the tensors it needs
 (DCP reads any layout's shards into full tensors), so the export never holds the whole model in memory. torch's
@@ -25,6 +26,7 @@ from xscale.data.load_tokenizer import META_KEY as TOKENIZER_META_KEY
 from xscale.interop.hf.families import exportable_family
 from xscale.interop.hf.load import INDEX, SINGLE
 from xscale.interop.hf.rules import Family, Rule
+from xscale.interop.hf.tokenizer_export import write_generation_config, write_tokenizer_files
 from xscale.models import build_model
 
 DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' save_pretrained default (5 GB)
@@ -90,9 +92,12 @@ def export_hf(step_dir: str | Path, output: str | Path, max_shard_bytes: int = D
         index_json = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (output / INDEX).write_text(json.dumps(index_json, indent=2) + "\n")
     dtype = shapes["embedding.weight"][1]
-    hf_config = {**family.config_to_hf(config.model), "dtype": str(dtype).removeprefix("torch.")}
+    copied = copy_tokenizer(config, meta, step_dir, output)
+    ids = write_tokenizer_files(output, copied, config.model.max_seq_len)  # {} when the run had no tokenizer file
+    hf_config = {**family.config_to_hf(config.model), "dtype": str(dtype).removeprefix("torch."), **ids}
     (output / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
-    copy_tokenizer(config, meta, step_dir, output)
+    if family.auto_class == "AutoModelForCausalLM" or ids:
+        write_generation_config(output, ids)
     return output
 
 

@@ -157,6 +157,8 @@ def check_vocabulary_parallel(config: Config) -> None:
     if model.num_classes:
         raise ConfigError("parallel.pp_vocab_parallel=true splits the output projection over the vocabulary; a "
                           "classifier (model.num_classes > 0) has none: set parallel.pp_vocab_parallel=false")
+    if not model.vocab_size:  # automatic: padded to a multiple of 128 x tp x pp (xscale.data.vocab_size)
+        return
     if not every_shard_has_rows(model.vocab_size, parallel.pp):
         raise ConfigError(f"parallel.pp_vocab_parallel=true gives each of parallel.pp={parallel.pp} ranks "
                           f"ceil(model.vocab_size / pp) rows of model.vocab_size={model.vocab_size}, which leaves the "
