@@ -153,7 +153,8 @@ class Planner:
     def predict(self, layout: Layout) -> Plan:
         config = layout.apply(self.shape.config)
         where = self.placement(config, layout)
-        peak = peak_bytes(self.shape, config, layout, where, self.in_flight(config, layout, where))
+        peak = (peak_bytes(self.shape, config, layout, where, self.in_flight(config, layout, where))
+                + self.cluster.runtime_memory_bytes)
         step = step_time(self.shape, self.cluster, layout, where)
         tokens_per_s = self.shape.global_batch * self.shape.seq_len / step.total
         mfu = self.shape.model_flops_per_token * tokens_per_s / (

@@ -34,6 +34,9 @@ Communication per step (alpha-beta times, :mod:`~xscale.estimate.communication`;
 
 Optimizer (memory-bound): 28 bytes per parameter the rank updates (reads fp32 weight, gradient and two moments,
 writes weight and moments) over the memory bandwidth.
+
+Processes that share a node's cores (more processes than ``concurrent_devices``) each get
+:meth:`~xscale.estimate.cluster.Cluster.compute_share` of the peak FLOP/s and of the memory bandwidth.
 """
 
 from __future__ import annotations
@@ -95,17 +98,19 @@ def microbatch_times(shape: ModelShape, cluster: Cluster, layout: Layout, blocks
                      holds_head: bool) -> MicrobatchTimes:
     """Forward seconds of one microbatch through ``blocks`` (and the head) on one rank (module docstring)."""
     model = shape.model
-    peak = cluster.peak_flops["bf16" if shape.config.train.precision == "bf16" else "fp32"]
+    share = cluster.compute_share(layout.world_size)  # processes that share a CPU node's cores
+    peak = share * cluster.peak_flops["bf16" if shape.config.train.precision == "bf16" else "fp32"]
+    bandwidth = share * cluster.memory_bandwidth
     tokens = layout.micro_batch * shape.seq_len / layout.cp
     dense_rate = peak * cluster.efficiency(min(tokens, model.d_model / layout.tp))
     expert_rows = tokens * layout.ep * shape.expert_share
     expert_rate = peak * cluster.efficiency(min(expert_rows, model.d_model))
     gemms = attention = 0.0
-    share = tokens / (layout.micro_batch * shape.seq_len) / (layout.tp if layout.sequence_parallel else 1)
+    stored = tokens / (layout.micro_batch * shape.seq_len) / (layout.tp if layout.sequence_parallel else 1)
     for index in blocks:
         block = shape.blocks[index]
-        moved = block_activation_bytes(shape, block, layout.micro_batch, "none") * share
-        gemms += moved * ELEMENTWISE_PASSES / 3 / cluster.memory_bandwidth
+        moved = block_activation_bytes(shape, block, layout.micro_batch, "none") * stored
+        gemms += moved * ELEMENTWISE_PASSES / 3 / bandwidth
         gemms += 2 * tokens * (block.used - block.expert_used) / layout.tp / dense_rate
         gemms += 2 * tokens * block.expert_used / expert_rate if block.expert_used else 0.0
         keys = block.keys + block.cross_keys
@@ -223,5 +228,6 @@ def step_time(shape: ModelShape, cluster: Cluster, layout: Layout, where: Placem
         shards = layout.dp * layout.cp if layout.zero_stage >= 1 else 1
         expert_shards = max(1, layout.dp // layout.ep * layout.cp) if layout.zero_stage >= 1 else 1
         updated = (total - expert) / layout.tp / shards + expert / layout.ep / expert_shards
-        optimizer = max(optimizer, OPTIMIZER_BYTES_PER_PARAMETER * updated / cluster.memory_bandwidth)
+        optimizer = max(optimizer, OPTIMIZER_BYTES_PER_PARAMETER * updated / (
+            cluster.memory_bandwidth * cluster.compute_share(layout.world_size)))
     return StepTime(compute, bubble_seconds(layout, times), optimizer, communication)
