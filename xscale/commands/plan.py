@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 
 import xscale.commands.registrations  # noqa: F401  (every layer's config checks and adapters)
-from xscale.commands.parser import CommandParser
 from xscale.bench.calibrate import write_calibration
+from xscale.commands.parser import CommandParser
 from xscale.config.load import config_to_yaml, load_config_from_cli
 from xscale.config.schema import Config, ConfigError
 from xscale.estimate.cluster import Cluster, load_cluster
