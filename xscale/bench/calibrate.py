@@ -1,16 +1,19 @@
 """``xscale plan --calibrate OUT.yaml``: measure this machine and write it as a cluster file (:mod:`xscale.estimate.
 cluster`'s format; the fits are :mod:`xscale.estimate.calibration`'s).
 
-Measured in one run, every process with one thread (the planner's device is one process):
+Measured in one run, every process with one thread (the planner's device is one process), every time on dedicated
+cores (wall time less the run-queue wait, :mod:`xscale.bench.contention`: a shared machine's other jobs drop out):
 
 * GEMM rates: ``torch.matmul`` of (rows x s) by (s x s), s the smallest dimension, in fp32 and bf16, best of
   several repeats per shape: the peak and the efficiency curve;
 * memory bandwidth: ``Tensor.copy_`` of 64 MiB (bytes read + written), best of several;
-* collectives over gloo, for 2..N local processes and several message sizes, median of rounds (a barrier before
-  each call): ``all_reduce``, xscale's flat all-gather and reduce-scatter (:mod:`xscale.parallel.collectives`, what
-  ZeRO uses), ``all_to_all_single`` and a send/recv between two ranks;
+* collectives over gloo, for 2..N local processes and several message sizes, the fastest of several rounds (a
+  barrier before each call; a collective waits for its slowest rank, so another job's process delays it beyond the
+  run-queue wait subtracted): ``all_reduce``, xscale's flat all-gather and reduce-scatter
+  (:mod:`xscale.parallel.collectives`, what ZeRO uses), ``all_to_all_single`` and a send/recv between two ranks;
 * the runtime's memory per process: the peak resident set, over the resident set after the imports, of a process
-  that starts the gloo process group, runs one all-reduce and one AdamW step of a tiny layer (no model);
+  that trains two steps of a model of a few thousand parameters with xscale's trainer (data-parallel over the run's
+  processes: the process group, the data loader, the buckets' machinery), less that model's state;
 * the concurrent devices: the CPU cores this process may run on (``os.sched_getaffinity``); the memory per device:
   the RAM over N processes.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,12 +31,17 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from xscale.bench.memory import peak_memory, reset_peak_memory
-from xscale.commands.parity import run_local
+from xscale.bench.contention import dedicated_seconds
+from xscale.bench.memory import QUIET, peak_memory, reset_peak_memory
+from xscale.commands.parity import PARITY_SETTINGS, run_local
+from xscale.config.load import load_config_from_cli
+from xscale.config.schema import Config
 from xscale.estimate.calibration import CollectiveSample, calibrated_cluster
 from xscale.estimate.measure import device_memory_bytes
 from xscale.launcher.cpu_allocator import return_freed_memory
+from xscale.models.parameters import count_parameters
 from xscale.parallel.collectives import all_gather_flat, reduce_scatter_flat
+from xscale.train.trainer import Trainer
 
 GEMM_ROWS = 2048
 GEMM_SIZES = (16, 32, 64, 128, 256, 512, 1024)
@@ -40,6 +49,12 @@ QUICK_GEMM_SIZES = (32, 128, 512)
 MESSAGE_BYTES = (4096, 65536, 2**20, 8 * 2**20)
 QUICK_MESSAGE_BYTES = (4096, 2**20)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# The runtime's memory: xscale's trainer on a model of a few thousand parameters (its tensors, 16 bytes per
+# parameter with AdamW in fp32, taken off; the rest is the runtime's)
+RUNTIME_MODEL = ["model.vocab_size=64", "model.d_model=16", "model.n_layers=1", "model.n_heads=2",
+                 "train.seq_len=16", "train.global_batch_size=8", "data.dataset=copy", "data.num_samples=64",
+                 "data.eval_fraction=0.0"]
+RUNTIME_MODEL_BYTES_PER_PARAMETER = 16
 
 
 def gemm_rate(size: int, dtype: torch.dtype, repeats: int) -> float:
@@ -49,10 +64,8 @@ def gemm_rate(size: int, dtype: torch.dtype, repeats: int) -> float:
     torch.matmul(left, right)
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            torch.matmul(left, right)
-        best = min(best, (time.perf_counter() - start) / calls)
+        _, seconds = dedicated_seconds(lambda: [torch.matmul(left, right) for _ in range(calls)])
+        best = min(best, seconds / calls)
     return 2 * GEMM_ROWS * size * size / best
 
 
@@ -62,9 +75,7 @@ def memory_bandwidth(repeats: int) -> float:
     target.copy_(source)
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
-        target.copy_(source)
-        best = min(best, time.perf_counter() - start)
+        best = min(best, dedicated_seconds(lambda: target.copy_(source))[1])
     return 2 * source.numel() * 4 / best
 
 
@@ -90,20 +101,18 @@ def _collective_calls(size_bytes: int, world: int, rank: int) -> dict[str, objec
     return calls
 
 
-def _rank_collectives(sizes: list[int], rounds: int) -> dict:
-    """On every rank of a local run: the runtime's memory (module docstring), then each collective's median
-    seconds per size (rank 0's figures are the ones kept)."""
+def _rank_collectives(config: Config, sizes: list[int], rounds: int) -> dict:
+    """On every rank of a local run: the runtime's memory (module docstring), then each collective's seconds
+    per size, the fastest round (rank 0's figures are the ones kept)."""
     torch.set_num_threads(1)
     return_freed_memory()
     baseline = reset_peak_memory("cpu")
-    dist.init_process_group("gloo")
+    trainer = Trainer(config)  # starts the process group
+    for _ in range(2):
+        trainer.train_step()
+    runtime = peak_memory("cpu") - baseline - RUNTIME_MODEL_BYTES_PER_PARAMETER * count_parameters(config).total
+    del trainer
     world, rank = dist.get_world_size(), dist.get_rank()
-    layer = torch.nn.Linear(64, 64)
-    optimizer = torch.optim.AdamW(layer.parameters())
-    layer(torch.randn(8, 64)).square().mean().backward()
-    optimizer.step()
-    dist.all_reduce(torch.ones(1024))
-    runtime = peak_memory("cpu") - baseline
     samples = []
     for size in sizes:
         calls = _collective_calls(size, world, rank)
@@ -111,11 +120,10 @@ def _rank_collectives(sizes: list[int], rounds: int) -> dict:
             seconds = []
             for index in range(rounds + 1):  # the first round warms up
                 dist.barrier()
-                start = time.perf_counter()
-                call()
+                _, elapsed = dedicated_seconds(call)
                 if index:
-                    seconds.append(time.perf_counter() - start)
-            samples.append([name, world, float(size), statistics.median(seconds)])
+                    seconds.append(elapsed)
+            samples.append([name, world, float(size), min(seconds)])
     dist.barrier()
     dist.destroy_process_group()
     return {"runtime_memory": float(runtime), "samples": samples}
@@ -137,7 +145,10 @@ def measure_machine(processes: int, quick: bool) -> dict:
     sizes = list(QUICK_MESSAGE_BYTES if quick else MESSAGE_BYTES)
     samples, runtime = [], []
     for world in range(2, processes + 1):
-        ranks = run_local(_rank_collectives, world, sizes, 3 if quick else 7)
+        with tempfile.TemporaryDirectory(prefix="xscale-calibrate-") as scratch:
+            config = load_config_from_cli(None, [*RUNTIME_MODEL, *PARITY_SETTINGS, *QUIET, "train.steps=3",
+                                                 f"train.output_dir={scratch}"])
+            ranks = run_local(_rank_collectives, world, config, sizes, 3 if quick else 7)
         samples += [CollectiveSample(name, ranks_, size, seconds) for name, ranks_, size, seconds
                     in ranks[0]["samples"]]
         runtime += [rank["runtime_memory"] for rank in ranks]
