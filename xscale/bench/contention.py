@@ -14,18 +14,24 @@ from collections.abc import Callable
 SCHEDSTAT = "/proc/thread-self/schedstat"
 
 
-def core_wait_seconds() -> float:
-    """Seconds this thread has waited on a run queue since it started (0 where the kernel does not say)."""
+def _schedstat() -> tuple[float, float]:
+    """(seconds on a CPU, seconds waiting on a run queue) of this thread so far; (0, 0) where the kernel does not
+    say."""
     try:
         with open(SCHEDSTAT) as schedstat:
-            return int(schedstat.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return 0.0
+            on_cpu, waited = schedstat.read().split()[:2]
+        return int(on_cpu) / 1e9, int(waited) / 1e9
+    except (OSError, ValueError):
+        return 0.0, 0.0
 
 
 def dedicated_seconds(action: Callable[[], object]) -> tuple[float, float]:
-    """(wall seconds, wall seconds less the run-queue wait) of one call of ``action``."""
-    waited, start = core_wait_seconds(), time.perf_counter()
+    """(wall seconds, wall seconds less the run-queue wait) of one call of ``action``; the second never below the
+    thread's own seconds on a CPU in the call (the kernel books a wait at the next switch, which can fall on the
+    other side of a short call)."""
+    on_cpu, waited = _schedstat()
+    start = time.perf_counter()
     action()
     wall = time.perf_counter() - start
-    return wall, max(wall - (core_wait_seconds() - waited), 0.0)
+    on_cpu_after, waited_after = _schedstat()
+    return wall, min(wall, max(wall - (waited_after - waited), on_cpu_after - on_cpu))
