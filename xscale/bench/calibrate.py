@@ -52,7 +52,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # The runtime's memory: xscale's trainer on a model of a few thousand parameters (its tensors, 16 bytes per
 # parameter with AdamW in fp32, taken off; the rest is the runtime's)
 RUNTIME_MODEL = ["model.vocab_size=64", "model.d_model=16", "model.n_layers=1", "model.n_heads=2",
-                 "train.seq_len=16", "train.global_batch_size=8", "data.dataset=copy", "data.num_samples=64",
+                 "train.seq_len=16", "data.dataset=copy", "data.num_samples=64",
                  "data.eval_fraction=0.0"]
 RUNTIME_MODEL_BYTES_PER_PARAMETER = 16
 
@@ -147,7 +147,7 @@ def measure_machine(processes: int, quick: bool) -> dict:
     for world in range(2, processes + 1):
         with tempfile.TemporaryDirectory(prefix="xscale-calibrate-") as scratch:
             config = load_config_from_cli(None, [*RUNTIME_MODEL, *PARITY_SETTINGS, *QUIET, "train.steps=3",
-                                                 f"train.output_dir={scratch}"])
+                                                 f"train.global_batch_size={2 * world}", f"train.output_dir={scratch}"])
             ranks = run_local(_rank_collectives, world, config, sizes, 3 if quick else 7)
         samples += [CollectiveSample(name, ranks_, size, seconds) for name, ranks_, size, seconds
                     in ranks[0]["samples"]]

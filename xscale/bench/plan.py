@@ -174,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-processes", type=int, default=4, help="only the layouts of at most this many")
     parser.add_argument("--cluster-out", default=None, help="also write the calibrated cluster file here")
     args = parser.parse_args(argv)
-    steps = args.steps or (3 if args.quick else 7)
-    args.passes = args.passes or (1 if args.quick else 2)
+    steps = args.steps if args.steps is not None else (3 if args.quick else 7)
+    args.passes = args.passes if args.passes is not None else (1 if args.quick else 2)
     layouts = [layout for layout in LAYOUTS if layout.world_size <= args.max_processes]
     if steps < 1 or args.warmup < 0 or args.passes < 1 or not layouts:
         print(f"xscale bench plan: need --steps >= 1, --warmup >= 0, --passes >= 1 and --max-processes >= 1 (got "
