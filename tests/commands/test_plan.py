@@ -94,3 +94,10 @@ def test_calibrate_writes_a_cluster_that_plans(capsys, tmp_path):
             "train.global_batch_size=4"]
     assert main(["plan", "configs/tiny-gpt.yaml", *tiny, "--cluster", str(out), "--devices", "2"]) == 0
     assert "run it: " in capsys.readouterr().out
+
+
+def test_calibrate_needs_two_processes(capsys, tmp_path):
+    assert main(["plan", "--calibrate", str(tmp_path / "here.yaml"), "--processes", "1"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "--processes must be at least 2" in error and "\n" not in error
+    assert not (tmp_path / "here.yaml").exists()

@@ -7,9 +7,8 @@ cores (wall time less the run-queue wait, :mod:`xscale.bench.contention`: a shar
 * GEMM rates: ``torch.matmul`` of (rows x s) by (s x s), s the smallest dimension, in fp32 and bf16, best of
   several repeats per shape: the peak and the efficiency curve;
 * memory bandwidth: ``Tensor.copy_`` of 64 MiB (bytes read + written), best of several;
-* collectives over gloo, for 2..N local processes and several message sizes, the fastest of several rounds (a
-  barrier before each call; a collective waits for its slowest rank, so another job's process delays it beyond the
-  run-queue wait subtracted): ``all_reduce``, xscale's flat all-gather and reduce-scatter
+* collectives over gloo, for 2..N local processes and several message sizes, the median of several rounds (a
+  barrier before each call): ``all_reduce``, xscale's flat all-gather and reduce-scatter
   (:mod:`xscale.parallel.collectives`, what ZeRO uses), ``all_to_all_single`` and a send/recv between two ranks;
 * the runtime's memory per process: the peak resident set, over the resident set after the imports, of a process
   that trains two steps of a model of a few thousand parameters with xscale's trainer (data-parallel over the run's
@@ -103,7 +102,7 @@ def _collective_calls(size_bytes: int, world: int, rank: int) -> dict[str, objec
 
 def _rank_collectives(config: Config, sizes: list[int], rounds: int) -> dict:
     """On every rank of a local run: the runtime's memory (module docstring), then each collective's seconds
-    per size, the fastest round (rank 0's figures are the ones kept)."""
+    per size, the median round (rank 0's figures are the ones kept)."""
     torch.set_num_threads(1)
     return_freed_memory()
     baseline = reset_peak_memory("cpu")
@@ -123,7 +122,7 @@ def _rank_collectives(config: Config, sizes: list[int], rounds: int) -> dict:
                 _, elapsed = dedicated_seconds(call)
                 if index:
                     seconds.append(elapsed)
-            samples.append([name, world, float(size), min(seconds)])
+            samples.append([name, world, float(size), statistics.median(seconds)])
     dist.barrier()
     dist.destroy_process_group()
     return {"runtime_memory": float(runtime), "samples": samples}

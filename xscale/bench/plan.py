@@ -8,9 +8,9 @@ predicted by the planner (:class:`xscale.estimate.search.Planner`) with that cal
 
 * step time: the median over ``--steps`` timed steps (after ``--warmup``) of the trainer's whole step on dedicated
   cores (wall time less the run-queue wait, :mod:`xscale.bench.contention`), the slowest rank's: on a machine shared
-  with other jobs, and with 4 processes on 2 cores, that is the step each process would take with a core of its
-  own, so the predictions use the calibrated cluster with ``concurrent_devices`` = the processes; the wall-clock
-  median is printed beside it. Every layout runs once per ``--passes`` (all layouts, then all again) and keeps its
+  with other jobs that is the step without them (4 processes on 2 cores still share the cores: a rank waits for
+  its siblings in the collectives, and the calibrated ``concurrent_devices`` predicts that); the wall-clock median
+  is printed beside it. Every layout runs once per ``--passes`` (all layouts, then all again) and keeps its
   fastest pass's median: a busy spell of the machine slows one pass. Predicted: :func:`xscale.estimate.step_time.step_time`'s total;
 * peak memory per rank: the peak resident set over the one right after the imports, over the warm-up steps (at
   least 2: the optimizer's moments exist from the second), freed blocks returned to the kernel
@@ -103,8 +103,7 @@ def run_layouts(layouts: list[Layout], warmup: int, steps: int, passes: int, qui
     """Calibrate, then measure and predict every layout: (the cluster file's mapping, one row per layout)."""
     processes = max(2, max(layout.world_size for layout in layouts))
     calibrated = measure_machine(processes, quick)
-    # steps are timed on dedicated cores (module docstring): every process has one, as on a GPU node
-    cluster = cluster_from_dict({**calibrated, "concurrent_devices": processes}, "calibration")
+    cluster = cluster_from_dict(calibrated, "calibration")
     base = [*MODEL, *PARITY_SETTINGS, *QUIET, *overrides, f"train.steps={warmup + steps + 1}"]
     shape = model_shape(load_config_from_cli(None, base))
     rows = []
