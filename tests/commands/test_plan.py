@@ -60,3 +60,44 @@ def test_bad_cluster_file_is_one_line(capsys, tmp_path):
 def test_bad_tokens(capsys):
     assert main(["plan", "configs/tinyllama-1.1b.yaml", "--cluster", H100, "--devices", "8", "--tokens", "lots"]) == 2
     assert "--tokens" in capsys.readouterr().err
+
+
+def test_missing_cluster_figure_is_one_line(capsys, tmp_path):
+    bad = tmp_path / "missing.yaml"
+    bad.write_text("\n".join(line for line in open(H100).read().splitlines() if not line.startswith("memory_bandwidth")))
+    assert main(["plan", "configs/tinyllama-1.1b.yaml", "--cluster", str(bad), "--devices", "8"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "memory_bandwidth_gbs is missing" in error and "\n" not in error
+
+
+@pytest.mark.parametrize("devices", ["0", "4096"])
+def test_devices_no_layout_can_use(capsys, devices):
+    tiny = ["model.vocab_size=64", "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "train.seq_len=16",
+            "train.global_batch_size=2"]
+    assert main(["plan", "configs/tiny-gpt.yaml", *tiny, "--cluster", H100, "--devices", devices]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("xscale plan: ") and "devices" in error and "\n" not in error
+
+
+def test_plan_without_cluster_or_devices(capsys):
+    assert main(["plan", "configs/tinyllama-1.1b.yaml"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "--cluster, --devices missing" in error and "\n" not in error
+
+
+@pytest.mark.slow
+def test_calibrate_writes_a_cluster_that_plans(capsys, tmp_path):
+    out = tmp_path / "here.yaml"
+    assert main(["plan", "--calibrate", str(out), "--processes", "2", "--quick"]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    tiny = ["model.vocab_size=64", "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "train.seq_len=16",
+            "train.global_batch_size=4"]
+    assert main(["plan", "configs/tiny-gpt.yaml", *tiny, "--cluster", str(out), "--devices", "2"]) == 0
+    assert "run it: " in capsys.readouterr().out
+
+
+def test_calibrate_needs_two_processes(capsys, tmp_path):
+    assert main(["plan", "--calibrate", str(tmp_path / "here.yaml"), "--processes", "1"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "--processes must be at least 2" in error and "\n" not in error
+    assert not (tmp_path / "here.yaml").exists()

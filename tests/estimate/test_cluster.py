@@ -73,3 +73,19 @@ def test_unreadable_and_invalid_files(tmp_path):
     (tmp_path / "list.yaml").write_text("- 1\n")
     with pytest.raises(ClusterError, match="must be a mapping"):
         load_cluster(tmp_path / "list.yaml")
+
+
+def test_machine_figures_optional_and_checked():
+    figures = _figures()
+    cluster = cluster_from_dict(figures)
+    assert cluster.runtime_memory_bytes == 0 and cluster.compute_share(8) == 1.0
+    figures.update({"runtime_memory_mib": 16, "concurrent_devices": 2})
+    cluster = cluster_from_dict(figures)
+    assert cluster.runtime_memory_bytes == 16 * 2**20
+    # 2 cores: one or two processes compute at full rate, 4 get half each; beyond a node, still per node
+    assert [cluster.compute_share(n) for n in (1, 2, 4, 8, 64)] == [1.0, 1.0, 0.5, 0.25, 0.25]
+    assert cluster_from_dict(cluster_to_dict(cluster)) == cluster
+    for key, value, problem in (("runtime_memory_mib", -1, "non-negative"), ("concurrent_devices", 9, "at most"),
+                                ("concurrent_devices", 0, "positive")):
+        with pytest.raises(ClusterError, match=f"{key} must be .*{problem}"):
+            cluster_from_dict({**_figures(), key: value}, "bad.yaml")

@@ -58,3 +58,9 @@ def test_nothing_fits_is_one_line(small):
 def test_more_devices_than_the_batch_can_use(small):
     with pytest.raises(PlanError, match="no layout uses 4096 devices"):
         search(small, load_cluster(CPU), 4096)
+
+
+def test_ties_prefer_fewer_microbatches():
+    assert Layout(dp=2, micro_batch=8, microbatches=1).complexity() < Layout(dp=2, micro_batch=4,
+                                                                            microbatches=2).complexity()
+    assert Layout(dp=2, microbatches=4).complexity() < Layout(dp=1, pp=2, microbatches=2).complexity()

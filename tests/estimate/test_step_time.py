@@ -116,3 +116,31 @@ def test_data_parallel_overlap(shape):
     # fast links: exposed is the last bucket, here all of it (the model's gradients fit one 4 MiB bucket)
     assert fast.communication["dp"] == pytest.approx(2 * 7 / 8 * size / 10e9)
 
+
+
+def test_shared_cores_slow_compute_and_stop_overlap(shape):
+    """Processes beyond a CPU node's cores share them (compute_share); gloo's threads then take turns with the
+    compute, so the dp collectives are exposed whole."""
+    where = Placement((tuple(range(4)),), 0, 0)
+    cpu = dataclasses.replace(_cluster(), device="cpu", concurrent_devices=2)
+    alone = microbatch_times(shape, cpu, Layout(dp=2), tuple(range(4)), True)
+    shared = microbatch_times(shape, cpu, Layout(dp=4), tuple(range(4)), True)
+    assert shared.blocks == pytest.approx(2 * alone.blocks) and shared.head == pytest.approx(2 * alone.head)
+    layout = Layout(dp=2, micro_batch=1, microbatches=1)
+    size = 4 * shape.total_parameters
+    step = step_time(shape, cpu, layout, where)
+    assert step.communication["dp"] == pytest.approx(2 * 1 / 2 * size / 100e9)  # all of it, none hidden
+    gpu = step_time(shape, dataclasses.replace(_cluster(), concurrent_devices=2), layout, where)
+    assert gpu.communication["dp"] == step.communication["dp"]  # one bucket either way at these sizes
+    # a slow all-reduce in small buckets: all but the last bucket hidden behind the backward on GPUs, whole on the
+    # CPU node
+    shape = model_shape(load_config(overrides=[*TINY, "parallel.bucket_mb=0.001"]))
+    slow_links = {**cpu.links, "inter_node": {**cpu.links["inter_node"], "all_reduce": LinkCost(0.0, 5e9)}}
+    wide = Layout(dp=8, micro_batch=1, microbatches=1)
+    reduce = 2 * 7 / 8 * size / 5e9
+    times = microbatch_times(shape, dataclasses.replace(cpu, links=slow_links), wide, tuple(range(4)), True)
+    on_cpu = step_time(shape, dataclasses.replace(cpu, links=slow_links), wide, where)
+    on_gpu = step_time(shape, dataclasses.replace(cpu, links=slow_links, device="gpu"), wide, where)
+    assert on_cpu.communication["dp"] == pytest.approx(reduce)
+    assert on_cpu.communication["dp"] - on_gpu.communication["dp"] == pytest.approx(2 * times.forward(), rel=1e-3)
+    assert reduce > 4 * times.forward() > 1e-3 * reduce  # the difference is not lost in the tolerance

@@ -20,6 +20,8 @@ BENCHMARKS = {
     "optimizer": "AdamW's fused, per-parameter and foreach updates on one model's parameters",
     "dropout": "the layout-independent dropout against nn.Dropout",
     "memory": "each rank's predicted peak memory against the measured one, per layout",
+    "plan": "the planner's predicted step time and memory per layout against measured ones, after a calibration",
+    "published": "the planner's predictions for published large-scale runs against their reported throughput",
     "lra": "LRA-style accuracy table (ListOps, byte matching, Pathfinder) of every encoder attention kind",
 }
 USAGE = f"usage: xscale bench {{{'|'.join(BENCHMARKS)}}} [options]  (xscale bench NAME --help for its options)"

@@ -5,6 +5,10 @@ Searches tp, pp (schedule, microbatches, interleaving), dp with its ZeRO stage, 
 (:mod:`xscale.estimate.step_time`, docs/planning.md) and prints the best ones: memory per rank, the step split into
 compute, exposed communication, pipeline bubble and optimizer, MFU, tokens/s and days to ``--tokens``. ``--emit OUT``
 writes the first one as a config that ``xscale train OUT`` and ``xscale submit OUT`` run.
+
+``xscale plan --calibrate OUT.yaml [--processes N] [--quick]`` measures this machine instead (GEMM rates, memory
+bandwidth, gloo collectives over 2..N processes, the runtime's memory per process: :mod:`xscale.bench.calibrate`)
+and writes it as a cluster file for ``--cluster``.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import sys
 from pathlib import Path
 
 import xscale.commands.registrations  # noqa: F401  (every layer's config checks and adapters)
+from xscale.bench.calibrate import write_calibration
 from xscale.commands.parser import CommandParser
 from xscale.config.load import config_to_yaml, load_config_from_cli
 from xscale.config.schema import Config, ConfigError
@@ -96,16 +101,28 @@ def emitted_config(config: Config, cluster: Cluster, devices: int, plan: Plan) -
 
 def main(argv: list[str] | None = None) -> int:
     parser = CommandParser(prog="xscale plan", description=__doc__.splitlines()[0])
-    parser.add_argument("config", help="YAML config of the model and the run (configs/*.yaml)")
+    parser.add_argument("config", nargs="?", help="YAML config of the model and the run (configs/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.global_batch_size=1024")
-    parser.add_argument("--cluster", required=True, help="cluster file (configs/clusters/*.yaml)")
-    parser.add_argument("--devices", type=int, required=True, help="devices to plan for")
+    parser.add_argument("--cluster", help="cluster file (configs/clusters/*.yaml)")
+    parser.add_argument("--devices", type=int, help="devices to plan for")
     parser.add_argument("--tokens", default=None,
                         help="tokens to train on, for days (e.g. 2e12, 300B; default: the config's steps x batch)")
     parser.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
     parser.add_argument("--emit", default=None, metavar="OUT",
                         help="write the first layout as a config for xscale train / xscale submit")
+    parser.add_argument("--calibrate", default=None, metavar="OUT",
+                        help="measure this machine and write it as a cluster file (no config needed)")
+    parser.add_argument("--processes", type=int, default=2, help="--calibrate: collectives over 2..N processes")
+    parser.add_argument("--quick", action="store_true", help="--calibrate: fewer shapes, sizes and repeats")
     args = parser.parse_args(argv)
+    if args.calibrate:
+        return _calibrate(args.calibrate, args.processes, args.quick)
+    missing = [name for name, value in (("CONFIG", args.config), ("--cluster", args.cluster),
+                                        ("--devices", args.devices)) if value is None]
+    if missing:
+        print(f"xscale plan: {', '.join(missing)} missing: xscale plan CONFIG --cluster FILE --devices N "
+              f"(or xscale plan --calibrate OUT.yaml)", file=sys.stderr)
+        return 2
     try:
         if args.top < 1:
             raise ValueError(f"--top must be at least 1, got {args.top}")
@@ -122,4 +139,21 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.emit).write_text(f"# xscale plan {args.config} --cluster {args.cluster} --devices {args.devices}\n"
                                    + config_to_yaml(emitted_config(config, cluster, args.devices, plans[0])))
         print(f"wrote {args.emit}: xscale train {args.emit} | xscale submit {args.emit}")
+    return 0
+
+
+def _calibrate(path: str, processes: int, quick: bool) -> int:
+    try:
+        data = write_calibration(path, processes, quick)
+        load_cluster(path)  # what was written reads back
+    except (ConfigError, ValueError, OSError) as error:
+        print(f"xscale plan --calibrate: {error}", file=sys.stderr)
+        return 2
+    links = data["links"]["intra_node"]
+    print(f"wrote {path}: {data['devices_per_node']} processes, {data['concurrent_devices']} cores; peak "
+          f"{data['peak_tflops']['fp32'] * 1e3:.1f} GFLOP/s fp32, {data['peak_tflops']['bf16'] * 1e3:.1f} bf16; "
+          f"memory {data['memory_bandwidth_gbs']:.1f} GB/s; runtime {data['runtime_memory_mib']:.1f} MiB per process")
+    for name, figures in links.items():
+        print(f"  {name:<15} latency {figures['latency_us']:9.1f} us per step, bus bandwidth "
+              f"{figures['bandwidth_gbs']:.3f} GB/s")
     return 0

@@ -7,6 +7,12 @@ and, per link (``intra_node``: between devices of one node, ``inter_node``: betw
 NCCL's tests (``busbw``: the rate that makes time = latency term + ring factor x bytes / busbw,
 :mod:`~xscale.estimate.communication`). Every figure is checked when the file is read; a missing, negative or
 ill-typed one is a :class:`ClusterError` naming the key and the file.
+
+Two optional figures describe a machine rather than a device: ``runtime_memory_mib``, what each process holds
+besides its tensors (allocator, thread pools, the process group's buffers: measured by ``xscale plan --calibrate``;
+0 if absent), added to every predicted peak; and ``concurrent_devices``, how many of a node's devices compute at
+full rate at once (a CPU node's cores when processes outnumber them; default ``devices_per_node``):
+:meth:`Cluster.compute_share`.
 """
 
 from __future__ import annotations
@@ -50,6 +56,15 @@ class Cluster:
     gemm_efficiency: tuple[tuple[float, float], ...]
     links: dict[str, dict[str, LinkCost]]
     device: str = "gpu"  # gpu | cpu: what ``xscale plan --emit`` launches (launch.gpus_per_node or CPU processes)
+    runtime_memory_bytes: float = 0.0  # per process, besides its tensors (module docstring)
+    concurrent_devices: int = 0  # devices of a node computing at full rate at once; 0: devices_per_node
+
+    def compute_share(self, world_size: int) -> float:
+        """The share of a device's rate each of a layout's processes gets: concurrent devices / the processes on
+        one node (min(world, devices per node)), at most 1. A GPU node's devices never share; 4 processes on a
+        2-core CPU node get 1/2 each."""
+        concurrent = self.concurrent_devices or self.devices_per_node
+        return min(1.0, concurrent / min(world_size, self.devices_per_node))
 
     def efficiency(self, smallest_dimension: float) -> float:
         """The fraction of peak a GEMM whose smallest dimension is ``smallest_dimension`` reaches: linear between
@@ -139,7 +154,20 @@ def cluster_from_dict(data: Any, source: str = "<dict>") -> Cluster:
         gemm_efficiency=tuple(points),
         links=links,
         device=_device(reader, data),
+        runtime_memory_bytes=(reader.number(data, "runtime_memory_mib", "", positive=False) * 2**20
+                              if "runtime_memory_mib" in data else 0.0),
+        concurrent_devices=_concurrent_devices(reader, data, int(devices)),
     )
+
+
+def _concurrent_devices(reader: _Reader, data: dict, devices: int) -> int:
+    if "concurrent_devices" not in data:
+        return 0
+    value = reader.number(data, "concurrent_devices", "")
+    if value != int(value) or value > devices:
+        raise reader.fail("concurrent_devices", f"must be a whole number at most devices_per_node ({devices}), "
+                                                f"got {value:g}")
+    return int(value)
 
 
 def _device(reader: _Reader, data: dict) -> str:
@@ -165,6 +193,11 @@ def load_cluster(path: str | Path) -> Cluster:
 
 def cluster_to_dict(cluster: Cluster) -> dict:
     """The YAML form of ``cluster`` (what :func:`cluster_from_dict` reads), e.g. for a calibrated file."""
+    extra: dict[str, float] = {}
+    if cluster.runtime_memory_bytes:
+        extra["runtime_memory_mib"] = cluster.runtime_memory_bytes / 2**20
+    if cluster.concurrent_devices:
+        extra["concurrent_devices"] = cluster.concurrent_devices
     return {
         "name": cluster.name,
         "device": cluster.device,
@@ -176,4 +209,5 @@ def cluster_to_dict(cluster: Cluster) -> dict:
         "links": {link: {collective: {"latency_us": cost.latency_s * 1e6, "bandwidth_gbs": cost.bandwidth / 1e9}
                          for collective, cost in per_collective.items()}
                   for link, per_collective in cluster.links.items()},
+        **extra,
     }

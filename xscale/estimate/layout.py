@@ -65,10 +65,10 @@ class Layout:
                                               for section, fields in sections.items()})
 
     def complexity(self) -> tuple[int, ...]:
-        """Smaller is simpler (the tie-break): fewer split dimensions, then lower ZeRO stage, schedule and
-        recomputation."""
+        """Smaller is simpler (the tie-break): fewer split dimensions, then fewer microbatches, then lower ZeRO
+        stage, schedule and recomputation."""
         split = sum(degree > 1 for degree in (self.tp, self.pp, self.ep, self.cp))
-        return (split, self.zero_stage, SCHEDULE_RANK[self.schedule] if self.pp > 1 else 0,
+        return (split, self.microbatches, self.zero_stage, SCHEDULE_RANK[self.schedule] if self.pp > 1 else 0,
                 CHECKPOINTING_RANK[self.checkpointing])
 
     def describe(self) -> str:

@@ -7,7 +7,7 @@ count the schedule runs); schedules 1f1b, gpipe, interleaved 1F1B (2 or 4 stages
 none, selective (cores that store their scores) or full, the first that fits (recomputation only adds time).
 A layout is kept when its predicted peak fits ``MEMORY_USABLE`` of the device; the best ones are then checked by
 the validator (:func:`xscale.parallel.checks.resolve_layout` and the config's own checks) until ``top`` pass.
-Ties (equal tokens/s to 3 digits) go to the simpler layout (:meth:`~xscale.estimate.layout.Layout.complexity`),
+Ties (equal tokens/s to 3 digits, :func:`rank_key`) go to the simpler layout (:meth:`~xscale.estimate.layout.Layout.complexity`),
 then to the smaller peak.
 """
 
@@ -153,7 +153,8 @@ class Planner:
     def predict(self, layout: Layout) -> Plan:
         config = layout.apply(self.shape.config)
         where = self.placement(config, layout)
-        peak = peak_bytes(self.shape, config, layout, where, self.in_flight(config, layout, where))
+        peak = (peak_bytes(self.shape, config, layout, where, self.in_flight(config, layout, where))
+                + self.cluster.runtime_memory_bytes)
         step = step_time(self.shape, self.cluster, layout, where)
         tokens_per_s = self.shape.global_batch * self.shape.seq_len / step.total
         mfu = self.shape.model_flops_per_token * tokens_per_s / (
@@ -176,6 +177,12 @@ def accepted(config: Config, devices: int) -> bool:
     except ConfigError:
         return False
     return True
+
+
+def rank_key(plan: Plan) -> tuple:
+    """The search's order: predicted tokens/s to 3 digits, descending; ties to the simpler layout
+    (:meth:`~xscale.estimate.layout.Layout.complexity`), then the smaller peak."""
+    return (-float(f"{plan.tokens_per_s:.3g}"), plan.layout.complexity(), plan.peak_bytes)
 
 
 def search(shape: ModelShape, cluster: Cluster, devices: int, top: int = 5) -> list[Plan]:
@@ -202,7 +209,7 @@ def search(shape: ModelShape, cluster: Cluster, devices: int, top: int = 5) -> l
         raise PlanError(f"nothing fits on {devices} devices of {cluster.memory_bytes / 2**30:.0f} GiB: the smallest "
                         f"predicted peak is {smallest.peak_bytes / 2**30:.1f} GiB per rank ({smallest.layout.describe()}), "
                         f"above the {MEMORY_USABLE:.0%} usable; use more devices")
-    fitting.sort(key=lambda plan: (-float(f"{plan.tokens_per_s:.3g}"), plan.layout.complexity(), plan.peak_bytes))
+    fitting.sort(key=rank_key)
     chosen = []
     for plan in fitting:
         if accepted(plan.layout.apply(shape.config), devices):

@@ -31,9 +31,14 @@ Communication per step (alpha-beta times, :mod:`~xscale.estimate.communication`;
   ZeRO-3 all-gathers the compute-dtype parameters block by block with the next one prefetched, each forward and
   backward of each microbatch (once per step under a pipeline, whose stages stay gathered): exposed max(t_gather -
   that pass's compute, one block's gather). Expert weights travel over the ranks that share them (dp / ep x cp).
+  On a CPU node whose cores the processes fill nothing overlaps (:func:`overlaps_compute`: gloo's threads need
+  the cores): the whole dp time is exposed.
 
 Optimizer (memory-bound): 28 bytes per parameter the rank updates (reads fp32 weight, gradient and two moments,
 writes weight and moments) over the memory bandwidth.
+
+Processes that share a node's cores (more processes than ``concurrent_devices``) each get
+:meth:`~xscale.estimate.cluster.Cluster.compute_share` of the peak FLOP/s and of the memory bandwidth.
 """
 
 from __future__ import annotations
@@ -95,17 +100,19 @@ def microbatch_times(shape: ModelShape, cluster: Cluster, layout: Layout, blocks
                      holds_head: bool) -> MicrobatchTimes:
     """Forward seconds of one microbatch through ``blocks`` (and the head) on one rank (module docstring)."""
     model = shape.model
-    peak = cluster.peak_flops["bf16" if shape.config.train.precision == "bf16" else "fp32"]
+    share = cluster.compute_share(layout.world_size)  # processes that share a CPU node's cores
+    peak = share * cluster.peak_flops["bf16" if shape.config.train.precision == "bf16" else "fp32"]
+    bandwidth = share * cluster.memory_bandwidth
     tokens = layout.micro_batch * shape.seq_len / layout.cp
     dense_rate = peak * cluster.efficiency(min(tokens, model.d_model / layout.tp))
     expert_rows = tokens * layout.ep * shape.expert_share
     expert_rate = peak * cluster.efficiency(min(expert_rows, model.d_model))
     gemms = attention = 0.0
-    share = tokens / (layout.micro_batch * shape.seq_len) / (layout.tp if layout.sequence_parallel else 1)
+    stored = tokens / (layout.micro_batch * shape.seq_len) / (layout.tp if layout.sequence_parallel else 1)
     for index in blocks:
         block = shape.blocks[index]
-        moved = block_activation_bytes(shape, block, layout.micro_batch, "none") * share
-        gemms += moved * ELEMENTWISE_PASSES / 3 / cluster.memory_bandwidth
+        moved = block_activation_bytes(shape, block, layout.micro_batch, "none") * stored
+        gemms += moved * ELEMENTWISE_PASSES / 3 / bandwidth
         gemms += 2 * tokens * (block.used - block.expert_used) / layout.tp / dense_rate
         gemms += 2 * tokens * block.expert_used / expert_rate if block.expert_used else 0.0
         keys = block.keys + block.cross_keys
@@ -170,12 +177,21 @@ def _pp_seconds(shape: ModelShape, cluster: Cluster, layout: Layout) -> float:
     return 2 * layout.microbatches * layout.stages_per_rank * one
 
 
+def overlaps_compute(cluster: Cluster, layout: Layout) -> bool:
+    """Whether collectives can run beside compute: not on a CPU node whose cores the layout's processes already
+    fill (gloo moves and adds the bytes on the CPU, so its threads take turns with the compute)."""
+    concurrent = cluster.concurrent_devices or cluster.devices_per_node
+    return not (cluster.device == "cpu" and min(layout.world_size, cluster.devices_per_node) >= concurrent)
+
+
 def _dp_seconds(shape: ModelShape, cluster: Cluster, layout: Layout, where: Placement, rank: int,
                 times: MicrobatchTimes) -> float:
     """Exposed data-parallel time of one pp rank (module docstring)."""
     total, expert = rank_parameters(shape, where, rank)
     bucket = shape.config.parallel.bucket_mb * 2**20
-    backward = 2 * times.forward() + times.recompute(layout.checkpointing)
+    overlap = 1.0 if overlaps_compute(cluster, layout) else 0.0
+    backward = overlap * (2 * times.forward() + times.recompute(layout.checkpointing))
+    forward = overlap * times.forward()
     # (parameters, group size, stride) per kind: dense over dp x cp, experts over dp / ep x cp
     groups = [((total - expert) / layout.tp, layout.dp * layout.cp, layout.tp),
               (expert / layout.ep, layout.dp // layout.ep * layout.cp, layout.tp * layout.cp * layout.ep)]
@@ -190,13 +206,12 @@ def _dp_seconds(shape: ModelShape, cluster: Cluster, layout: Layout, where: Plac
         exposed += max(reduce_time - backward, reduce_time / buckets)
         if layout.zero_stage in (1, 2):
             gather = collective_seconds(cluster, "all_gather", ranks, size, stride, calls=buckets)
-            exposed += max(gather - times.forward(), gather / buckets)
+            exposed += max(gather - forward, gather / buckets)
         elif layout.zero_stage == 3:
             units = max(1, len(where.rank_blocks[rank]))
             size = value_bytes(shape) * parameters
             gather = collective_seconds(cluster, "all_gather", ranks, size, stride, calls=units)
-            passes = [(times.forward(), gather)] if layout.pp > 1 else [
-                (times.forward(), gather), (backward, gather)] * layout.microbatches
+            passes = [(forward, gather)] if layout.pp > 1 else [(forward, gather), (backward, gather)] * layout.microbatches
             exposed += sum(max(moved - computed, moved / units) for computed, moved in passes)
     return exposed
 
@@ -223,5 +238,6 @@ def step_time(shape: ModelShape, cluster: Cluster, layout: Layout, where: Placem
         shards = layout.dp * layout.cp if layout.zero_stage >= 1 else 1
         expert_shards = max(1, layout.dp // layout.ep * layout.cp) if layout.zero_stage >= 1 else 1
         updated = (total - expert) / layout.tp / shards + expert / layout.ep / expert_shards
-        optimizer = max(optimizer, OPTIMIZER_BYTES_PER_PARAMETER * updated / cluster.memory_bandwidth)
+        optimizer = max(optimizer, OPTIMIZER_BYTES_PER_PARAMETER * updated / (
+            cluster.memory_bandwidth * cluster.compute_share(layout.world_size)))
     return StepTime(compute, bubble_seconds(layout, times), optimizer, communication)

@@ -1,0 +1,105 @@
+"""Turning measurements of one machine into a cluster file (:mod:`~xscale.estimate.cluster`): the fits behind
+``xscale plan --calibrate`` (the measuring is :mod:`xscale.bench.calibrate`).
+
+* GEMM curve: the peak is the best measured rate; each measured smallest dimension's point is its rate / peak.
+* Collectives: each collective's samples (ranks n, bytes, seconds) are fitted to the alpha-beta model of
+  :mod:`~xscale.estimate.communication`, time = latency x steps(n) + factor(n) x bytes / busbw, by least squares on
+  the relative error (weights 1 / time^2, so a 4 KiB call counts as much as a 16 MiB one), two unknowns:
+  latency and 1 / busbw. A negative solution of either is clamped to its smallest positive value and the other
+  refitted alone.
+* One node: ``inter_node`` repeats ``intra_node``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xscale.estimate.cluster import COLLECTIVES, DTYPES, LINKS
+from xscale.estimate.communication import bandwidth_factor, latency_steps
+
+SMALLEST_BANDWIDTH = 1e6  # bytes/s: a fit that finds no bandwidth term at all
+
+
+@dataclass(frozen=True)
+class CollectiveSample:
+    """One measured collective: ``seconds`` (median) of one call over ``ranks`` ranks moving ``size_bytes`` (the
+    bytes :func:`~xscale.estimate.communication.collective_seconds` takes: the whole gathered / scattered buffer,
+    the all-reduced buffer, all one rank sends in an all-to-all, the message)."""
+
+    collective: str
+    ranks: int
+    size_bytes: float
+    seconds: float
+
+
+def fit_alpha_beta(samples: list[CollectiveSample]) -> tuple[float, float]:
+    """(latency seconds per step, bus bandwidth bytes/s) of one collective's samples (module docstring)."""
+    rows = [(latency_steps(s.collective, s.ranks), bandwidth_factor(s.collective, s.ranks) * s.size_bytes,
+             s.seconds) for s in samples if s.ranks > 1 and s.seconds > 0]
+    if not rows:
+        raise ValueError("no samples over 2 or more ranks to fit")
+    # weighted normal equations of t = a x + c y, weight 1 / t^2: [sum w a a, sum w a c; sum w a c, sum w c c]
+    saa = sum(a * a / t**2 for a, _, t in rows)
+    sac = sum(a * c / t**2 for a, c, t in rows)
+    scc = sum(c * c / t**2 for _, c, t in rows)
+    sat = sum(a / t for a, _, t in rows)
+    sct = sum(c / t for _, c, t in rows)
+    determinant = saa * scc - sac * sac
+    latency = inverse_bandwidth = -1.0
+    if determinant > 1e-12 * saa * scc:
+        latency = (sat * scc - sac * sct) / determinant
+        inverse_bandwidth = (saa * sct - sac * sat) / determinant
+    if inverse_bandwidth <= 0:  # no bandwidth term in the samples: latency alone
+        inverse_bandwidth = 1 / SMALLEST_BANDWIDTH if scc == 0 else 0.0
+        latency = sat / saa
+    elif latency < 0:  # bandwidth alone
+        latency, inverse_bandwidth = 0.0, sct / scc
+    bandwidth = 1 / inverse_bandwidth if inverse_bandwidth > 0 else 1e15
+    return max(latency, 0.0), bandwidth
+
+
+def gemm_curve(rates: dict[int, float]) -> tuple[float, list[list[float]]]:
+    """(peak FLOP/s, [[smallest dimension, rate / peak], ...] ascending) from FLOP/s by smallest dimension."""
+    if not rates:
+        raise ValueError("no GEMM rates to fit")
+    peak = max(rates.values())
+    return peak, [[float(size), round(rates[size] / peak, 4)] for size in sorted(rates)]
+
+
+def calibrated_cluster(name: str, processes: int, concurrent: int, memory_bytes: float, memory_bandwidth: float,
+                       gemm_rates: dict[str, dict[int, float]], samples: list[CollectiveSample],
+                       runtime_memory_bytes: float, comment_source: str = "") -> dict:
+    """The cluster file's mapping (:func:`xscale.estimate.cluster.cluster_from_dict`'s units) of a one-node CPU
+    machine of ``processes`` devices measured as described in the module docstring; ``gemm_rates`` per dtype.
+    gloo has no reduce-scatter of its own on CPU tensors: a collective without samples takes the all-reduce's fit."""
+    peaks, curve = {}, None
+    for dtype in DTYPES:
+        peak, points = gemm_curve(gemm_rates[dtype])
+        peaks[dtype] = peak / 1e12
+        if dtype == "fp32":  # xscale's CPU default precision
+            curve = points
+    fitted = {}
+    for collective in COLLECTIVES:
+        own = [sample for sample in samples if sample.collective == collective]
+        if own:
+            fitted[collective] = fit_alpha_beta(own)
+    if "all_reduce" not in fitted:
+        raise ValueError("no all_reduce samples: every collective without samples takes its fit")
+    link = {collective: {"bandwidth_gbs": round(fitted.get(collective, fitted["all_reduce"])[1] / 1e9, 6),
+                         "latency_us": round(fitted.get(collective, fitted["all_reduce"])[0] * 1e6, 3)}
+            for collective in COLLECTIVES}
+    data = {
+        "name": name,
+        "device": "cpu",
+        "devices_per_node": processes,
+        "concurrent_devices": min(concurrent, processes),
+        "memory_gib": round(memory_bytes / 2**30, 3),
+        "memory_bandwidth_gbs": round(memory_bandwidth / 1e9, 3),
+        "runtime_memory_mib": round(runtime_memory_bytes / 2**20, 2),
+        "peak_tflops": {dtype: round(value, 6) for dtype, value in peaks.items()},
+        "gemm_efficiency": curve,
+        "links": {name_: {collective: dict(figures) for collective, figures in link.items()} for name_ in LINKS},
+    }
+    if comment_source:
+        data["measured_on"] = comment_source
+    return data
