@@ -60,6 +60,9 @@ VALID = {
              ("train.peak_flops", "huge")),
     ("train.grad_clip", "huge"): "clipping never triggers",
     ("train.spike_factor", "huge"): "no loss counts as a spike",
+    ("train.health_loss_factor", "huge"): "no loss counts as unhealthy (the gradient-collapse check still runs)",
+    ("train.health_grad_collapse", "zero"): "0: the gradient-collapse check is off",
+    ("train.first_step_timeout_s", "zero"): "0: the first steps, saves and evaluations are not watched",
 }
 # Valid only without experts: the capacity is unused, and with experts a factor above num_experts is refused.
 VALID_WITHOUT_EXPERTS = _valid("unused while model.moe.num_experts=0", ("model.moe.capacity_factor", "huge"),

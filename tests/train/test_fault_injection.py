@@ -22,7 +22,7 @@ def _trainer(tmp_path, fault):
 
 
 @pytest.mark.parametrize("kind,error,match", [("nan", NonFiniteTraining, "step 3: loss nan"),
-                                              ("disk_full", CheckpointError, "No space left on device")])
+                                              ("disk_full", CheckpointError, "no space left on device while saving step 4")])
 def test_a_fault_fires_once_and_the_run_resumes_from_the_checkpoint_before_it(tmp_path, one_thread, kind, error, match):
     fault = Fault(0, kind, step=3, rank=0)
     trainer, files = _trainer(tmp_path, fault)

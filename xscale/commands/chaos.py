@@ -10,6 +10,7 @@ import platform
 import sys
 from pathlib import Path
 
+import xscale.commands.registrations  # noqa: F401  (every layer's config checks and adapters)
 from xscale.commands.parser import CommandParser
 from xscale.launcher.chaos.plan import KINDS, PlanError
 from xscale.launcher.chaos.report import FaultFigures, table

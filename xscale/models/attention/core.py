@@ -184,7 +184,7 @@ def unused_attention_dropout(model: ModelConfig) -> str | None:
     if model.attention_dropout <= 0:
         return None
     causal = {"decoder": (True,), "encoder": (False,)}.get(model.family, (True, False))
-    layers = model.n_layers + (model.decoder_layers if model.family == "encoder_decoder" else 0)
+    layers = model.total_layers
     kinds = sorted({kind for kind in map(model.attention.kind_for_layer, range(layers))
                     if not all(ATTENTION.get(kind).applies_attention_dropout(mask) for mask in causal)})
     if not kinds:

@@ -189,7 +189,7 @@ def check_moe_config(config: ModelConfig, ep: int = 1) -> None:
             f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.ep={ep}; pick ep from "
             f"{[p for p in range(1, moe.num_experts + 1) if moe.num_experts % p == 0]}"
         )
-    layers = config.n_layers + (config.decoder_layers if config.family == "encoder_decoder" else 0)
+    layers = config.total_layers
     with torch.device("meta"):  # the routers check their own options (top_k, causality) when built
         for layer_index in range(layers):
             if moe.is_moe_layer(layer_index):
