@@ -6,7 +6,16 @@ from __future__ import annotations
 import pytest
 
 from xscale.config.load import load_config
-from xscale.estimate.calibration import CollectiveSample, calibrated_cluster, fit_alpha_beta, gemm_curve
+from xscale.estimate.calibration import (
+    CollectiveSample,
+    FrameworkCosts,
+    calibrated_cluster,
+    fit_alpha_beta,
+    fit_dispatch,
+    fit_elementwise_bandwidth,
+    gemm_curve,
+    loss_seconds_per_logit,
+)
 from xscale.estimate.cluster import COLLECTIVES, cluster_from_dict
 from xscale.estimate.communication import bandwidth_factor, latency_steps
 from xscale.estimate.model_shape import model_shape
@@ -59,3 +68,38 @@ def test_calibrated_mapping_loads_and_plans():
                                     "train.seq_len=16", "train.global_batch_size=4"])
     plans = search(model_shape(config), cluster, 4, top=1)
     assert plans[0].peak_bytes > 24 * 2**20  # the runtime's memory is part of every peak
+
+
+def test_elementwise_bandwidth_fit_recovers_the_rate():
+    # t = 50 us + 3 A / 6 GB/s over saved bytes 2.6, 10 and 42 MB
+    samples = [(saved, 50e-6 + 3 * saved / 6e9) for saved in (2.6e6, 10e6, 42e6)]
+    fixed, bandwidth = fit_elementwise_bandwidth(samples)
+    assert fixed == pytest.approx(50e-6, rel=1e-6) and bandwidth == pytest.approx(6e9, rel=1e-6)
+    with pytest.raises(ValueError, match="two elementwise samples"):
+        fit_elementwise_bandwidth(samples[:1])
+
+
+def test_loss_and_dispatch_fits():
+    # 46 ms for the loss, 33 ms of it its GEMMs, over 2048 x 4096 logits
+    assert loss_seconds_per_logit(0.046, 0.033, 2048 * 4096) == pytest.approx(0.013 / (2048 * 4096))
+    assert loss_seconds_per_logit(0.030, 0.033, 100) == 0.0  # GEMMs timed slower than the whole: no negative cost
+    # 1 block: 2.5 ms, 3 blocks: 5.1 ms -> 1.3 ms per block, 1.2 ms per step
+    per_block, per_step = fit_dispatch({3: 5.1e-3, 1: 2.5e-3})
+    assert per_block == pytest.approx(1.3e-3) and per_step == pytest.approx(1.2e-3)
+    assert fit_dispatch({1: 3e-3, 3: 2e-3}) == (0.0, 3e-3)
+    with pytest.raises(ValueError, match="two depths"):
+        fit_dispatch({1: 1e-3})
+
+
+def test_framework_costs_go_into_the_cluster_file():
+    samples = _timings("all_reduce", 1e-4, 1e9)
+    tp = [s for name in ("all_reduce", "all_gather", "reduce_scatter") for s in _timings(name, 7e-4, 0.5e9)]
+    costs = FrameworkCosts(6e9, 1.5e-9, 1.1e-3, 1.5e-3, tuple(tp))
+    rates = {"fp32": {64: 30e9, 256: 90e9}, "bf16": {64: 60e9, 256: 200e9}}
+    cluster = cluster_from_dict(calibrated_cluster("here", 4, 2, 8 * 2**30, 20e9, rates, samples, 0, "", costs))
+    assert cluster.elementwise_bandwidth == pytest.approx(6e9) and cluster.block_overhead_s == pytest.approx(1.1e-3)
+    assert cluster.loss_seconds_per_logit == pytest.approx(1.5e-9) and cluster.step_overhead_s == pytest.approx(1.5e-3)
+    reduce_scatter = cluster.tensor_parallel_link(False, "reduce_scatter")
+    assert reduce_scatter.latency_s == pytest.approx(7e-4, rel=1e-4) and reduce_scatter.bandwidth == pytest.approx(
+        0.5e9, rel=1e-4)
+    assert cluster.link(False, "reduce_scatter").latency_s == pytest.approx(1e-4, rel=1e-4)

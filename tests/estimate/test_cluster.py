@@ -89,3 +89,22 @@ def test_machine_figures_optional_and_checked():
                                 ("concurrent_devices", 0, "positive")):
         with pytest.raises(ClusterError, match=f"{key} must be .*{problem}"):
             cluster_from_dict({**_figures(), key: value}, "bad.yaml")
+
+
+def test_framework_figures_optional_checked_and_round_trip():
+    cluster = cluster_from_dict(_figures())
+    assert cluster.elementwise_bandwidth == cluster.memory_bandwidth and cluster.block_overhead_s == 0
+    assert cluster.tensor_parallel_link(False, "all_gather") == cluster.link(False, "all_gather")
+    tp = {name: {"bandwidth_gbs": 0.5, "latency_us": 700} for name in ("all_reduce", "all_gather", "reduce_scatter")}
+    cluster = cluster_from_dict({**_figures(), "elementwise_bandwidth_gbs": 6, "loss_ns_per_logit": 1.5,
+                                 "block_overhead_us": 1000, "step_overhead_ms": 2, "tensor_parallel": tp})
+    assert cluster.elementwise_bandwidth == 6e9 and cluster.loss_seconds_per_logit == pytest.approx(1.5e-9)
+    assert cluster.block_overhead_s == pytest.approx(1e-3) and cluster.step_overhead_s == pytest.approx(2e-3)
+    # within a node tensor parallelism takes its own figures; across nodes (never searched) the link's
+    assert cluster.tensor_parallel_link(False, "all_gather").latency_s == pytest.approx(700e-6)
+    assert cluster.tensor_parallel_link(True, "all_gather") == cluster.link(True, "all_gather")
+    assert cluster_from_dict(cluster_to_dict(cluster)) == cluster
+    for key, value, problem in (("elementwise_bandwidth_gbs", 0, "positive"), ("block_overhead_us", -1, "non-negative"),
+                                ("tensor_parallel", {"all_reduce": tp["all_reduce"]}, "is missing")):
+        with pytest.raises(ClusterError, match=f"{key}.* (must be .*{problem}|{problem})"):
+            cluster_from_dict({**_figures(), key: value}, "bad.yaml")

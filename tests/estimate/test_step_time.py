@@ -91,9 +91,14 @@ def test_tensor_parallel_and_optimizer_terms(shape):
     layout = Layout(tp=2, dp=4, micro_batch=2, microbatches=1)
     where = placement(layout.apply(shape.config))
     step = step_time(shape, _cluster(), layout, where)
-    # 4 blocks x (2 forward + 2 backward) all-reduces of t d bf16 over 2 ranks in one node (factor 1)
+    # 4 blocks x (2 forward + 2 backward) all-reduces of t d bf16 over 2 ranks in one node (factor 1), the
+    # vocabulary-parallel embedding's output forward and backward, the loss's 3 fp32 values per token
     size = 2 * 16 * 32 * 2
-    assert step.communication["tp"] == pytest.approx(4 * 4 * size / 100e9)
+    assert step.communication["tp"] == pytest.approx((4 * 4 * size + 2 * size + 3 * 2 * 16 * 4) / 100e9)
+    # sequence parallelism: a reduce-scatter and an all-gather (factor 1/2 each) per all-reduce, and 2 norm weight
+    # gradients (d fp32) per block all-reduced in the backward
+    sp = step_time(shape, _cluster(), dataclasses.replace(layout, sequence_parallel=True), where)
+    assert sp.communication["tp"] == pytest.approx((4 * 4 * size + size + 8 * 32 * 4 + 3 * 2 * 16 * 4) / 100e9)
     # DDP's optimizer: 28 bytes per parameter of the tp shard, over 1e12 B/s
     assert step.optimizer == pytest.approx(28 * shape.total_parameters / 2 / 1e12)
     zero = step_time(shape, _cluster(), dataclasses.replace(layout, zero_stage=1), where)

@@ -14,7 +14,14 @@ cores (wall time less the run-queue wait, :mod:`xscale.bench.contention`: a shar
   that trains two steps of a model of a few thousand parameters with xscale's trainer (data-parallel over the run's
   processes: the process group, the data loader, the buckets' machinery), less that model's state;
 * the concurrent devices: the CPU cores this process may run on (``os.sched_getaffinity``); the memory per device:
-  the RAM over N processes.
+  the RAM over N processes;
+* the framework's own costs (:mod:`xscale.estimate.overheads`, fitted by :mod:`xscale.estimate.calibration`):
+  forward + backward of a chain of eager RMSNorm, SiLU gate, residual add and softmax over (rows x 512) fp32
+  activations for several row counts, with the bytes autograd saves for backward (the elementwise bandwidth);
+  xscale's fused linear cross-entropy over 2048 tokens x 4096 logits of width 16 (per logit, its three GEMMs timed
+  alone on the same shapes taken off); the trainer's step of a model whose tensors are a few KiB at 1 and 3 blocks, one process
+  (dispatch per block and per step); and tensor parallelism's redistributions (DTensor Partial -> Replicate,
+  Shard -> Replicate, Partial -> Shard over all the run's ranks, the collectives' sizes) beside the collectives.
 """
 
 from __future__ import annotations
@@ -28,17 +35,28 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 import yaml
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from xscale.bench.contention import dedicated_seconds
 from xscale.bench.memory import QUIET, peak_memory, reset_peak_memory
 from xscale.commands.parity import PARITY_SETTINGS, run_local
 from xscale.config.load import load_config_from_cli
 from xscale.config.schema import Config
-from xscale.estimate.calibration import CollectiveSample, calibrated_cluster
+from xscale.estimate.calibration import (
+    CollectiveSample,
+    FrameworkCosts,
+    calibrated_cluster,
+    fit_dispatch,
+    fit_elementwise_bandwidth,
+    loss_seconds_per_logit,
+)
 from xscale.estimate.measure import device_memory_bytes
 from xscale.launcher.cpu_allocator import return_freed_memory
 from xscale.models.parameters import count_parameters
+from xscale.ops.functional import linear_cross_entropy_sum
 from xscale.parallel.collectives import all_gather_flat, reduce_scatter_flat
 from xscale.train.trainer import Trainer
 
@@ -54,6 +72,13 @@ RUNTIME_MODEL = ["model.vocab_size=64", "model.d_model=16", "model.n_layers=1", 
                  "train.seq_len=16", "data.dataset=copy", "data.num_samples=64",
                  "data.eval_fraction=0.0"]
 RUNTIME_MODEL_BYTES_PER_PARAMETER = 16
+ELEMENTWISE_WIDTH = 512
+ELEMENTWISE_ROWS = (256, 1024, 4096)
+QUICK_ELEMENTWISE_ROWS = (256, 2048)
+LOSS_TOKENS, LOSS_VOCAB, LOSS_WIDTH = 2048, 4096, 16
+DISPATCH_DEPTHS = (1, 3)
+DISPATCH_STEPS = 7
+TENSOR_PARALLEL_WIDTH = 256  # the redistributed activations are (1, rows, width): Shard(1) splits the rows
 
 
 def gemm_rate(size: int, dtype: torch.dtype, repeats: int) -> float:
@@ -76,6 +101,92 @@ def memory_bandwidth(repeats: int) -> float:
     for _ in range(repeats):
         best = min(best, dedicated_seconds(lambda: target.copy_(source))[1])
     return 2 * source.numel() * 4 / best
+
+
+def _elementwise_chain(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A block's memory-bound ops in a row: RMSNorm, a SiLU gate, a residual add, a softmax."""
+    normed = F.rms_norm(x, (x.shape[-1],), weight)
+    return torch.softmax(x + F.silu(normed) * normed, dim=-1)
+
+
+def elementwise_sample(rows: int, repeats: int) -> tuple[float, float]:
+    """(bytes autograd saves, best forward + backward seconds) of :func:`_elementwise_chain` on (rows x 512)."""
+    x = torch.randn(rows, ELEMENTWISE_WIDTH, requires_grad=True)
+    weight = torch.ones(ELEMENTWISE_WIDTH, requires_grad=True)
+    upstream = torch.randn(rows, ELEMENTWISE_WIDTH)
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        _elementwise_chain(x, weight).backward(upstream)
+    best = min(dedicated_seconds(lambda: _elementwise_chain(x, weight).backward(upstream))[1] for _ in range(repeats))
+    return float(sum(saved.values())), best
+
+
+def loss_sample(repeats: int) -> tuple[float, float]:
+    """Best forward + backward seconds of the fused linear cross-entropy over LOSS_TOKENS x LOSS_VOCAB logits, and
+    of its three GEMMs alone (logits, gradient of the hidden states, gradient of the weight)."""
+    hidden = torch.randn(LOSS_TOKENS, LOSS_WIDTH, requires_grad=True)
+    weight = torch.randn(LOSS_VOCAB, LOSS_WIDTH, requires_grad=True)
+    labels = torch.randint(0, LOSS_VOCAB, (LOSS_TOKENS,))
+    gradient = torch.randn(LOSS_TOKENS, LOSS_VOCAB)
+
+    def gemms() -> None:
+        with torch.no_grad():
+            hidden @ weight.t(), gradient @ weight, gradient.t() @ hidden
+
+    linear_cross_entropy_sum(hidden, weight, labels).backward()
+    gemms()
+    loss = min(dedicated_seconds(lambda: linear_cross_entropy_sum(hidden, weight, labels).backward())[1]
+               for _ in range(repeats))
+    return loss, min(dedicated_seconds(gemms)[1] for _ in range(repeats))
+
+
+def _rank_dispatch(config: Config, steps: int) -> float:
+    """The median step seconds (dedicated cores) of the trainer on ``config``, one thread."""
+    torch.set_num_threads(1)
+    trainer = Trainer(config)
+    for _ in range(2):
+        trainer.train_step()
+    return statistics.median(dedicated_seconds(trainer.train_step)[1] for _ in range(steps))
+
+
+def dispatch_samples(steps: int) -> dict[int, float]:
+    """The tiny model's step seconds at each of DISPATCH_DEPTHS blocks, one process each."""
+    seconds = {}
+    for depth in DISPATCH_DEPTHS:
+        with tempfile.TemporaryDirectory(prefix="xscale-calibrate-") as scratch:
+            config = load_config_from_cli(None, [*RUNTIME_MODEL, *PARITY_SETTINGS, *QUIET, f"model.n_layers={depth}",
+                                                 f"train.steps={steps + 3}", "train.global_batch_size=2",
+                                                 f"train.output_dir={scratch}"])
+            seconds[depth] = run_local(_rank_dispatch, 1, config, steps)[0]
+    return seconds
+
+
+def _tensor_parallel_calls(size_bytes: int, world: int) -> tuple[int, dict[str, object]]:
+    """(the bytes, each redistribution) of tensor parallelism over all ``world`` ranks (module docstring)."""
+    mesh = init_device_mesh("cpu", (world,))
+    rows = max(world, size_bytes // 4 // TENSOR_PARALLEL_WIDTH // world * world)
+    full = torch.randn(1, rows, TENSOR_PARALLEL_WIDTH)
+    partial = DTensor.from_local(full, mesh, [Partial()])
+    shard = DTensor.from_local(full[:, : rows // world].clone(), mesh, [Shard(1)])
+    return full.numel() * 4, {"all_reduce": lambda: partial.redistribute(mesh, [Replicate()]).to_local(),
+                              "all_gather": lambda: shard.redistribute(mesh, [Replicate()]).to_local(),
+                              "reduce_scatter": lambda: partial.redistribute(mesh, [Shard(1)]).to_local()}
+
+
+def _median_call(call: object, rounds: int) -> float:
+    """The median dedicated seconds of ``rounds`` calls (a barrier before each; one more first, to warm up)."""
+    seconds = []
+    for index in range(rounds + 1):
+        dist.barrier()
+        _, elapsed = dedicated_seconds(call)
+        if index:
+            seconds.append(elapsed)
+    return statistics.median(seconds)
 
 
 def _collective_calls(size_bytes: int, world: int, rank: int) -> dict[str, object]:
@@ -112,20 +223,16 @@ def _rank_collectives(config: Config, sizes: list[int], rounds: int) -> dict:
     runtime = peak_memory("cpu") - baseline - RUNTIME_MODEL_BYTES_PER_PARAMETER * count_parameters(config).total
     del trainer
     world, rank = dist.get_world_size(), dist.get_rank()
-    samples = []
+    samples, tensor_parallel = [], []
     for size in sizes:
-        calls = _collective_calls(size, world, rank)
+        for name, call in _collective_calls(size, world, rank).items():
+            samples.append([name, world, float(size), _median_call(call, rounds)])
+        moved, calls = _tensor_parallel_calls(size, world)
         for name, call in calls.items():
-            seconds = []
-            for index in range(rounds + 1):  # the first round warms up
-                dist.barrier()
-                _, elapsed = dedicated_seconds(call)
-                if index:
-                    seconds.append(elapsed)
-            samples.append([name, world, float(size), statistics.median(seconds)])
+            tensor_parallel.append([name, world, float(moved), _median_call(call, rounds)])
     dist.barrier()
     dist.destroy_process_group()
-    return {"runtime_memory": float(runtime), "samples": samples}
+    return {"runtime_memory": float(runtime), "samples": samples, "tensor_parallel": tensor_parallel}
 
 
 def measure_machine(processes: int, quick: bool) -> dict:
@@ -139,10 +246,14 @@ def measure_machine(processes: int, quick: bool) -> dict:
         rates = {name: {size: gemm_rate(size, dtype, repeats) for size in (QUICK_GEMM_SIZES if quick else GEMM_SIZES)}
                  for name, dtype in DTYPES.items()}
         bandwidth = memory_bandwidth(repeats)
+        elementwise = [elementwise_sample(rows, repeats)
+                       for rows in (QUICK_ELEMENTWISE_ROWS if quick else ELEMENTWISE_ROWS)]
+        loss_seconds, loss_gemm_seconds = loss_sample(repeats)
     finally:
         torch.set_num_threads(threads)
+    dispatch = dispatch_samples(3 if quick else DISPATCH_STEPS)
     sizes = list(QUICK_MESSAGE_BYTES if quick else MESSAGE_BYTES)
-    samples, runtime = [], []
+    samples, runtime, tensor_parallel = [], [], []
     for world in range(2, processes + 1):
         with tempfile.TemporaryDirectory(prefix="xscale-calibrate-") as scratch:
             config = load_config_from_cli(None, [*RUNTIME_MODEL, *PARITY_SETTINGS, *QUIET, "train.steps=3",
@@ -150,12 +261,17 @@ def measure_machine(processes: int, quick: bool) -> dict:
             ranks = run_local(_rank_collectives, world, config, sizes, 3 if quick else 7)
         samples += [CollectiveSample(name, ranks_, size, seconds) for name, ranks_, size, seconds
                     in ranks[0]["samples"]]
+        tensor_parallel += [CollectiveSample(name, ranks_, size, seconds) for name, ranks_, size, seconds
+                            in ranks[0]["tensor_parallel"]]
         runtime += [rank["runtime_memory"] for rank in ranks]
     concurrent = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     memory, _ = device_memory_bytes(processes)
     source = f"{cpu_name()}, {concurrent} cores, torch {torch.__version__}"
+    framework = FrameworkCosts(fit_elementwise_bandwidth(elementwise)[1],
+                               loss_seconds_per_logit(loss_seconds, loss_gemm_seconds, LOSS_TOKENS * LOSS_VOCAB),
+                               *fit_dispatch(dispatch), tuple(tensor_parallel))
     return calibrated_cluster(f"calibrated-{processes}proc", processes, concurrent, memory, bandwidth, rates, samples,
-                              statistics.median(runtime), source)
+                              statistics.median(runtime), source, framework)
 
 
 def cpu_name() -> str:

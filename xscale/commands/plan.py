@@ -156,4 +156,11 @@ def _calibrate(path: str, processes: int, quick: bool) -> int:
     for name, figures in links.items():
         print(f"  {name:<15} latency {figures['latency_us']:9.1f} us per step, bus bandwidth "
               f"{figures['bandwidth_gbs']:.3f} GB/s")
+    for name, figures in data.get("tensor_parallel", {}).items():
+        print(f"  tp {name:<12} latency {figures['latency_us']:9.1f} us per step, bus bandwidth "
+              f"{figures['bandwidth_gbs']:.3f} GB/s (DTensor's redistribution)")
+    if "elementwise_bandwidth_gbs" in data:
+        print(f"  framework: elementwise {data['elementwise_bandwidth_gbs']:.2f} GB/s, loss "
+              f"{data['loss_ns_per_logit']:.2f} ns per logit, dispatch {data['block_overhead_us']:.0f} us per block "
+              f"and {data['step_overhead_ms']:.2f} ms per step")
     return 0

@@ -7,6 +7,15 @@
   the relative error (weights 1 / time^2, so a 4 KiB call counts as much as a 16 MiB one), two unknowns:
   latency and 1 / busbw. A negative solution of either is clamped to its smallest positive value and the other
   refitted alone.
+* Tensor parallelism's redistributions (all-reduce, all-gather, reduce-scatter as DTensor issues them): the same
+  alpha-beta fit, written as the file's ``tensor_parallel`` figures.
+* Memory-bound ops (:func:`fit_elementwise_bandwidth`): samples (saved bytes A, forward + backward seconds t) of a
+  chain of eager norms, activations, residual adds and softmax, fitted to t = o + 3 A / B_e (o a fixed cost, B_e
+  the elementwise bandwidth) by the same weighted least squares.
+* The loss (:func:`loss_seconds_per_logit`): the fused linear cross-entropy's forward + backward over N x V logits
+  of a narrow hidden width, less its three GEMMs timed alone on the same shapes, per logit.
+* Dispatch (:func:`fit_dispatch`): a tiny model's step seconds (every tensor a few KiB, so the time is fixed cost)
+  at two depths L1 < L2: per block o_b = (t2 - t1) / (L2 - L1), per step o_s = t1 - L1 o_b (each at least 0).
 * One node: ``inter_node`` repeats ``intra_node``.
 """
 
@@ -14,8 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xscale.estimate.cluster import COLLECTIVES, DTYPES, LINKS
+from xscale.estimate.cluster import COLLECTIVES, DTYPES, LINKS, TENSOR_PARALLEL_COLLECTIVES
 from xscale.estimate.communication import bandwidth_factor, latency_steps
+from xscale.estimate.overheads import ELEMENTWISE_PASSES
 
 SMALLEST_BANDWIDTH = 1e6  # bytes/s: a fit that finds no bandwidth term at all
 
@@ -38,6 +48,35 @@ def fit_alpha_beta(samples: list[CollectiveSample]) -> tuple[float, float]:
              s.seconds) for s in samples if s.ranks > 1 and s.seconds > 0]
     if not rows:
         raise ValueError("no samples over 2 or more ranks to fit")
+    return _fit_fixed_and_rate(rows)
+
+
+def fit_elementwise_bandwidth(samples: list[tuple[float, float]]) -> tuple[float, float]:
+    """(fixed seconds o, bytes/s B_e) of t = o + 3 A / B_e over (saved bytes A, seconds t) samples (module
+    docstring)."""
+    rows = [(1.0, ELEMENTWISE_PASSES * saved, seconds) for saved, seconds in samples if seconds > 0]
+    if len(rows) < 2:
+        raise ValueError("need at least two elementwise samples to fit")
+    return _fit_fixed_and_rate(rows)
+
+
+def loss_seconds_per_logit(seconds: float, gemm_seconds: float, logits: int) -> float:
+    """The loss's softmax seconds per logit: (t - t_GEMMs) / (N V), at least 0 (module docstring)."""
+    return max(0.0, seconds - gemm_seconds) / logits
+
+
+def fit_dispatch(step_seconds: dict[int, float]) -> tuple[float, float]:
+    """(per block o_b, per step o_s) seconds from a tiny model's step seconds at two depths (module docstring)."""
+    if len(step_seconds) != 2:
+        raise ValueError(f"need the step at exactly two depths, got {sorted(step_seconds)}")
+    (shallow, t1), (deep, t2) = sorted(step_seconds.items())
+    per_block = max(0.0, (t2 - t1) / (deep - shallow))
+    return per_block, max(0.0, t1 - shallow * per_block)
+
+
+def _fit_fixed_and_rate(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """Least squares of t = a x + c y on the relative error over (a, c, t) rows: (x >= 0, 1 / y > 0), a negative
+    solution of either clamped (the other refitted alone)."""
     # weighted normal equations of t = a x + c y, weight 1 / t^2: [sum w a a, sum w a c; sum w a c, sum w c c]
     saa = sum(a * a / t**2 for a, _, t in rows)
     sac = sum(a * c / t**2 for a, c, t in rows)
@@ -66,9 +105,37 @@ def gemm_curve(rates: dict[int, float]) -> tuple[float, list[list[float]]]:
     return peak, [[float(size), round(rates[size] / peak, 4)] for size in sorted(rates)]
 
 
+@dataclass(frozen=True)
+class FrameworkCosts:
+    """The framework's own costs on one device (:mod:`~xscale.estimate.overheads`), in SI units: elementwise
+    bandwidth (bytes/s), loss seconds per logit, dispatch seconds per block and per step, and tensor parallelism's
+    redistribution samples."""
+
+    elementwise_bandwidth: float
+    loss_seconds_per_logit: float
+    block_overhead: float
+    step_overhead: float
+    tensor_parallel: tuple[CollectiveSample, ...] = ()
+
+    def figures(self) -> dict:
+        """The cluster file's keys for these costs."""
+        data: dict = {"elementwise_bandwidth_gbs": round(self.elementwise_bandwidth / 1e9, 4),
+                      "loss_ns_per_logit": round(self.loss_seconds_per_logit * 1e9, 4),
+                      "block_overhead_us": round(self.block_overhead * 1e6, 2),
+                      "step_overhead_ms": round(self.step_overhead * 1e3, 3)}
+        if self.tensor_parallel:
+            data["tensor_parallel"] = {}
+            for collective in TENSOR_PARALLEL_COLLECTIVES:
+                latency, bandwidth = fit_alpha_beta([s for s in self.tensor_parallel if s.collective == collective])
+                data["tensor_parallel"][collective] = {"bandwidth_gbs": round(bandwidth / 1e9, 6),
+                                                       "latency_us": round(latency * 1e6, 3)}
+        return data
+
+
 def calibrated_cluster(name: str, processes: int, concurrent: int, memory_bytes: float, memory_bandwidth: float,
                        gemm_rates: dict[str, dict[int, float]], samples: list[CollectiveSample],
-                       runtime_memory_bytes: float, comment_source: str = "") -> dict:
+                       runtime_memory_bytes: float, comment_source: str = "",
+                       framework: FrameworkCosts | None = None) -> dict:
     """The cluster file's mapping (:func:`xscale.estimate.cluster.cluster_from_dict`'s units) of a one-node CPU
     machine of ``processes`` devices measured as described in the module docstring; ``gemm_rates`` per dtype.
     gloo has no reduce-scatter of its own on CPU tensors: a collective without samples takes the all-reduce's fit."""
@@ -99,6 +166,7 @@ def calibrated_cluster(name: str, processes: int, concurrent: int, memory_bytes:
         "peak_tflops": {dtype: round(value, 6) for dtype, value in peaks.items()},
         "gemm_efficiency": curve,
         "links": {name_: {collective: dict(figures) for collective, figures in link.items()} for name_ in LINKS},
+        **(framework.figures() if framework else {}),
     }
     if comment_source:
         data["measured_on"] = comment_source

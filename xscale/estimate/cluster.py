@@ -13,6 +13,15 @@ besides its tensors (allocator, thread pools, the process group's buffers: measu
 0 if absent), added to every predicted peak; and ``concurrent_devices``, how many of a node's devices compute at
 full rate at once (a CPU node's cores when processes outnumber them; default ``devices_per_node``):
 :meth:`Cluster.compute_share`.
+
+Five optional figures describe the framework's own costs on the device (all measured by ``xscale plan
+--calibrate``, :mod:`xscale.estimate.overheads` uses them): ``elementwise_bandwidth_gbs``, the rate at which eager
+norms, activations, residual adds and softmax move their saved activations (default ``memory_bandwidth_gbs``);
+``loss_ns_per_logit``, the cross-entropy's softmax work per logit, forward and backward (default 0);
+``block_overhead_us``, the fixed (size-independent) time of one block's forward and backward: operator dispatch
+and autograd bookkeeping (default 0); ``step_overhead_ms``, the same for one step outside the blocks (default 0);
+and ``tensor_parallel``, the all_reduce / all_gather / reduce_scatter figures of tensor parallelism's
+redistributions as the implementation issues them (DTensor on top of the process group; default the link's).
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import yaml
 from xscale.config.schema import ConfigError
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+TENSOR_PARALLEL_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 LINKS = ("intra_node", "inter_node")
 DTYPES = ("bf16", "fp32")
 
@@ -58,6 +68,22 @@ class Cluster:
     device: str = "gpu"  # gpu | cpu: what ``xscale plan --emit`` launches (launch.gpus_per_node or CPU processes)
     runtime_memory_bytes: float = 0.0  # per process, besides its tensors (module docstring)
     concurrent_devices: int = 0  # devices of a node computing at full rate at once; 0: devices_per_node
+    elementwise_bandwidth_bytes: float = 0.0  # bytes/s of eager memory-bound ops; 0: memory_bandwidth
+    loss_seconds_per_logit: float = 0.0
+    block_overhead_s: float = 0.0
+    step_overhead_s: float = 0.0
+    tensor_parallel: tuple[tuple[str, LinkCost], ...] = ()  # (collective, cost) of tp's redistributions
+
+    @property
+    def elementwise_bandwidth(self) -> float:
+        return self.elementwise_bandwidth_bytes or self.memory_bandwidth
+
+    def tensor_parallel_link(self, spans_nodes: bool, collective: str) -> LinkCost:
+        """Tensor parallelism's cost of ``collective``: the calibrated redistribution's within a node, else the
+        link's."""
+        measured = dict(self.tensor_parallel)
+        return measured[collective] if collective in measured and not spans_nodes else self.link(spans_nodes,
+                                                                                                  collective)
 
     def compute_share(self, world_size: int) -> float:
         """The share of a device's rate each of a layout's processes gets: concurrent devices / the processes on
@@ -135,16 +161,10 @@ def cluster_from_dict(data: Any, source: str = "<dict>") -> Cluster:
     if [size for size, _ in points] != sorted({size for size, _ in points}):
         raise reader.fail("gemm_efficiency", "dimensions must be strictly ascending")
     links_data = reader.mapping(data, "links")
-    links = {}
-    for link in LINKS:
-        per_collective = reader.mapping(links_data, link, "links.")
-        links[link] = {}
-        for collective in COLLECTIVES:
-            key = f"links.{link}.{collective}"
-            figures = reader.mapping(per_collective, collective, f"links.{link}.")
-            links[link][collective] = LinkCost(
-                latency_s=reader.number(figures, "latency_us", f"{key}.", positive=False) * 1e-6,
-                bandwidth=reader.number(figures, "bandwidth_gbs", f"{key}.") * 1e9)
+    links = {link: _link_costs(reader, reader.mapping(links_data, link, "links."), f"links.{link}.", COLLECTIVES)
+             for link in LINKS}
+    tensor_parallel = (_link_costs(reader, reader.mapping(data, "tensor_parallel"), "tensor_parallel.",
+                                   TENSOR_PARALLEL_COLLECTIVES) if "tensor_parallel" in data else {})
     return Cluster(
         name=str(data.get("name", Path(source).stem)),
         devices_per_node=int(devices),
@@ -157,7 +177,27 @@ def cluster_from_dict(data: Any, source: str = "<dict>") -> Cluster:
         runtime_memory_bytes=(reader.number(data, "runtime_memory_mib", "", positive=False) * 2**20
                               if "runtime_memory_mib" in data else 0.0),
         concurrent_devices=_concurrent_devices(reader, data, int(devices)),
+        elementwise_bandwidth_bytes=_optional(reader, data, "elementwise_bandwidth_gbs", 1e9, positive=True),
+        loss_seconds_per_logit=_optional(reader, data, "loss_ns_per_logit", 1e-9),
+        block_overhead_s=_optional(reader, data, "block_overhead_us", 1e-6),
+        step_overhead_s=_optional(reader, data, "step_overhead_ms", 1e-3),
+        tensor_parallel=tuple(tensor_parallel.items()),
     )
+
+
+def _link_costs(reader: _Reader, per_collective: dict, path: str, collectives: tuple[str, ...]) -> dict[str, LinkCost]:
+    costs = {}
+    for collective in collectives:
+        figures = reader.mapping(per_collective, collective, path)
+        costs[collective] = LinkCost(
+            latency_s=reader.number(figures, "latency_us", f"{path}{collective}.", positive=False) * 1e-6,
+            bandwidth=reader.number(figures, "bandwidth_gbs", f"{path}{collective}.") * 1e9)
+    return costs
+
+
+def _optional(reader: _Reader, data: dict, key: str, unit: float, positive: bool = False) -> float:
+    """An optional figure in SI units (0 when absent); present, it is checked like every other."""
+    return reader.number(data, key, "", positive=positive) * unit if key in data else 0.0
 
 
 def _concurrent_devices(reader: _Reader, data: dict, devices: int) -> int:
@@ -198,6 +238,16 @@ def cluster_to_dict(cluster: Cluster) -> dict:
         extra["runtime_memory_mib"] = cluster.runtime_memory_bytes / 2**20
     if cluster.concurrent_devices:
         extra["concurrent_devices"] = cluster.concurrent_devices
+    for key, value, unit in (("elementwise_bandwidth_gbs", cluster.elementwise_bandwidth_bytes, 1e9),
+                             ("loss_ns_per_logit", cluster.loss_seconds_per_logit, 1e-9),
+                             ("block_overhead_us", cluster.block_overhead_s, 1e-6),
+                             ("step_overhead_ms", cluster.step_overhead_s, 1e-3)):
+        if value:
+            extra[key] = value / unit
+    if cluster.tensor_parallel:
+        extra["tensor_parallel"] = {collective: {"latency_us": cost.latency_s * 1e6,
+                                                 "bandwidth_gbs": cost.bandwidth / 1e9}
+                                    for collective, cost in cluster.tensor_parallel}
     return {
         "name": cluster.name,
         "device": cluster.device,

@@ -12,14 +12,16 @@ tests define bus bandwidth, so measured ``busbw`` figures go straight into a clu
 
 The bandwidth factors are the ring algorithms' (optimal); the latency steps the tree-like ones' (what NCCL and MPI
 switch to at scale), so neither term is the worse algorithm's. A group whose ranks sit in one node uses the cluster's
-``intra_node`` figures, any other its ``inter_node`` ones (:func:`spans_nodes`).
+``intra_node`` figures, any other its ``inter_node`` ones (:func:`spans_nodes`). Tensor parallelism's collectives
+(:func:`tensor_parallel_seconds`) take the cluster's ``tensor_parallel`` figures where calibrated: the same formula
+fitted to the redistributions as the implementation issues them (DTensor's dispatch and copies around each call).
 """
 
 from __future__ import annotations
 
 import math
 
-from xscale.estimate.cluster import Cluster
+from xscale.estimate.cluster import Cluster, LinkCost
 
 
 def latency_steps(collective: str, ranks: int) -> int:
@@ -52,6 +54,21 @@ def collective_seconds(cluster: Cluster, collective: str, ranks: int, size_bytes
     docstring); 0 for a group of one."""
     if ranks <= 1 or size_bytes <= 0:
         return 0.0
-    link = cluster.link(spans_nodes(ranks, stride, cluster.devices_per_node), collective)
+    return alpha_beta_seconds(cluster.link(spans_nodes(ranks, stride, cluster.devices_per_node), collective),
+                              collective, ranks, size_bytes, calls)
+
+
+def tensor_parallel_seconds(cluster: Cluster, collective: str, ranks: int, size_bytes: float,
+                            calls: int = 1) -> float:
+    """:func:`collective_seconds` of one of tensor parallelism's groups (``ranks`` adjacent ranks, mesh
+    innermost) with the cluster's tensor-parallel figures (module docstring)."""
+    if ranks <= 1 or size_bytes <= 0:
+        return 0.0
+    link = cluster.tensor_parallel_link(spans_nodes(ranks, 1, cluster.devices_per_node), collective)
+    return alpha_beta_seconds(link, collective, ranks, size_bytes, calls)
+
+
+def alpha_beta_seconds(link: LinkCost, collective: str, ranks: int, size_bytes: float, calls: int = 1) -> float:
+    """latency x steps(n) x calls + factor(n) x bytes / busbw on ``link`` (module docstring)."""
     return (calls * link.latency_s * latency_steps(collective, ranks)
             + bandwidth_factor(collective, ranks) * size_bytes / link.bandwidth)

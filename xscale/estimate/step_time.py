@@ -6,9 +6,10 @@ FLOPs, each GEMM at ``peak x efficiency(smallest dimension)`` (:class:`~xscale.e
 dense weights 2 t used / tp (smallest dimension min(t, d / tp)), experts 2 t used_E (replicated over tp; rows per
 expert t ep share), attention 4 t keys d / tp (smallest min(head_dim, keys)), the head 2 t d V / tp. Backward is twice
 the forward (Kaplan et al. 2020); full recomputation adds the blocks' forward, selective their attention cores'.
-Memory-bound ops (norms, activation functions, residual adds, dropout) move each block's stored activations
+Beside the GEMMs (:mod:`~xscale.estimate.overheads`): the memory-bound ops move each block's stored activations
 (:func:`~xscale.estimate.activations.block_activation_bytes`, the rank's share) once in the forward and twice in the
-backward: ``ELEMENTWISE_PASSES`` / 3 of that per pass, over the memory bandwidth.
+backward at the calibrated elementwise bandwidth, the loss does its softmax work per logit (V / tp per token), and
+each block pays a fixed dispatch cost per microbatch, the step one per step (``StepTime.overhead``).
 The slowest pp rank sets the pace: compute = m x t_mb (m microbatches per step).
 
 Bubble (Narayanan et al. 2021, sec. 2.2): (pp - 1) t_mb for GPipe and 1F1B ((p-1)/(m+p-1) of the step), divided by
@@ -18,7 +19,11 @@ stage, with T_B (input half) = T_W (weight half) = T_F, so zero unless recomputa
 Communication per step (alpha-beta times, :mod:`~xscale.estimate.communication`; activations in the compute dtype):
 * tp: per block and microbatch 2 all-reduces of t d forward and 2 backward (+2 for a cross-attention, 1 fewer for a
   MoE layer whose experts are replicated over tp; reduce-scatter + all-gather under sequence parallelism, the same
-  bytes); full recomputation repeats the forward's. Exposed: nothing overlaps them.
+  bytes); full recomputation repeats the forward's. Under sequence parallelism each norm's weight gradient (d
+  values) is all-reduced in the backward: 2 per block (3 with a cross-attention). The vocabulary-parallel loss
+  all-reduces 3 values per token forward (max, sum of exponentials, target logit) and the embedding's output
+  (t d) once forward and once backward. Costed with the cluster's tensor-parallel figures
+  (:func:`~xscale.estimate.communication.tensor_parallel_seconds`). Exposed: nothing overlaps them.
 * cp: per block an all-gather of K and V (2 b T kv_heads head_dim / tp) forward, a reduce-scatter of their
   gradients backward (Llama 3's all-gather attention); exposed.
 * ep: per MoE block 2 all-to-alls (dispatch, combine) of t k c d per rank (k experts per token, c the capacity
@@ -48,25 +53,32 @@ from dataclasses import dataclass, field
 
 from xscale.estimate.activations import block_activation_bytes
 from xscale.estimate.cluster import Cluster
-from xscale.estimate.communication import collective_seconds
+from xscale.estimate.communication import collective_seconds, tensor_parallel_seconds
 from xscale.estimate.layout import Layout
 from xscale.estimate.model_shape import ModelShape
+from xscale.estimate.overheads import (
+    block_dispatch_forward_seconds,
+    elementwise_forward_seconds,
+    loss_forward_seconds,
+    step_dispatch_seconds,
+)
 from xscale.estimate.placement import Placement, rank_parameters
 
 GRADIENT_BYTES = 4  # fp32 gradients and weights (fp32 master weights under bf16 autocast)
 OPTIMIZER_BYTES_PER_PARAMETER = 28  # read weight, gradient, 2 moments (16); write weight, 2 moments (12)
-ELEMENTWISE_PASSES = 3  # a block's stored activations: written in the forward, read twice in the backward
+LOSS_REDUCED_PER_TOKEN = 3  # vocabulary-parallel cross-entropy: max, sum of exponentials, target logit
 
 
 @dataclass
 class StepTime:
     """Seconds of one step: ``compute`` (all microbatches on the slowest rank), ``bubble``, exposed
-    ``communication`` per dimension, ``optimizer``."""
+    ``communication`` per dimension, ``optimizer``, and the step's fixed dispatch ``overhead``."""
 
     compute: float
     bubble: float
     optimizer: float
     communication: dict[str, float] = field(default_factory=dict)
+    overhead: float = 0.0
 
     @property
     def exposed_communication(self) -> float:
@@ -74,7 +86,7 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return self.compute + self.bubble + self.exposed_communication + self.optimizer
+        return self.compute + self.bubble + self.exposed_communication + self.optimizer + self.overhead
 
 
 @dataclass(frozen=True)
@@ -102,7 +114,6 @@ def microbatch_times(shape: ModelShape, cluster: Cluster, layout: Layout, blocks
     model = shape.model
     share = cluster.compute_share(layout.world_size)  # processes that share a CPU node's cores
     peak = share * cluster.peak_flops["bf16" if shape.config.train.precision == "bf16" else "fp32"]
-    bandwidth = share * cluster.memory_bandwidth
     tokens = layout.micro_batch * shape.seq_len / layout.cp
     dense_rate = peak * cluster.efficiency(min(tokens, model.d_model / layout.tp))
     expert_rows = tokens * layout.ep * shape.expert_share
@@ -112,13 +123,16 @@ def microbatch_times(shape: ModelShape, cluster: Cluster, layout: Layout, blocks
     for index in blocks:
         block = shape.blocks[index]
         moved = block_activation_bytes(shape, block, layout.micro_batch, "none") * stored
-        gemms += moved * ELEMENTWISE_PASSES / 3 / bandwidth
+        gemms += (elementwise_forward_seconds(cluster, moved) + block_dispatch_forward_seconds(cluster)) / share
         gemms += 2 * tokens * (block.used - block.expert_used) / layout.tp / dense_rate
         gemms += 2 * tokens * block.expert_used / expert_rate if block.expert_used else 0.0
         keys = block.keys + block.cross_keys
         attention += 4 * tokens * keys * model.d_model / layout.tp / (
             peak * cluster.efficiency(min(model.head_dim, keys)))
-    head = 2 * tokens * (shape.head + shape.outside) / layout.tp / dense_rate if holds_head else 0.0
+    head = 0.0
+    if holds_head:
+        head = (2 * tokens * (shape.head + shape.outside) / layout.tp / dense_rate
+                + loss_forward_seconds(cluster, tokens, shape.head / model.d_model / layout.tp) / share)
     return MicrobatchTimes(gemms + attention, attention, head)
 
 
@@ -135,16 +149,31 @@ def bubble_seconds(layout: Layout, times: MicrobatchTimes) -> float:
     return (layout.pp - 1) * step / (layout.stages_per_rank if layout.schedule == "interleaved_1f1b" else 1)
 
 
-def _tp_seconds(shape: ModelShape, cluster: Cluster, layout: Layout, blocks: tuple[int, ...]) -> float:
+def _tp_seconds(shape: ModelShape, cluster: Cluster, layout: Layout, blocks: tuple[int, ...],
+                holds_ends: tuple[bool, bool]) -> float:
+    """Tensor parallelism's time per step on one pp rank (module docstring); ``holds_ends``: (embedding, head)."""
+    if layout.tp == 1:
+        return 0.0
     tokens = layout.micro_batch * shape.seq_len / layout.cp
     size = tokens * shape.model.d_model * value_bytes(shape)
     per_forward = sum(2 - shape.blocks[index].moe + (2 if shape.blocks[index].cross_keys else 0) for index in blocks)
     passes = 2 + (1 if layout.checkpointing == "full" else 0)  # forward, backward (same count), recomputed forward
     collective = "reduce_scatter" if layout.sequence_parallel else "all_reduce"
-    one = collective_seconds(cluster, collective, layout.tp, size)
+    one = tensor_parallel_seconds(cluster, collective, layout.tp, size)
     if layout.sequence_parallel:  # each all-reduce becomes a reduce-scatter and an all-gather
-        one += collective_seconds(cluster, "all_gather", layout.tp, size)
-    return layout.microbatches * passes * per_forward * one
+        one += tensor_parallel_seconds(cluster, "all_gather", layout.tp, size)
+    seconds = passes * per_forward * one
+    if layout.sequence_parallel:  # the norms' weight gradients, all-reduced in the backward
+        norms = sum(2 + (1 if shape.blocks[index].cross_keys else 0) for index in blocks)
+        seconds += tensor_parallel_seconds(cluster, "all_reduce", layout.tp,
+                                           norms * shape.model.d_model * GRADIENT_BYTES, calls=norms)
+    embedding, head = holds_ends
+    if embedding:  # the vocabulary-parallel embedding's output, forward and backward
+        seconds += 2 * tensor_parallel_seconds(cluster, collective, layout.tp, size)
+    if head:  # the vocabulary-parallel loss's per-token reductions
+        seconds += tensor_parallel_seconds(cluster, "all_reduce", layout.tp, LOSS_REDUCED_PER_TOKEN * tokens * 4,
+                                           calls=LOSS_REDUCED_PER_TOKEN)
+    return layout.microbatches * seconds
 
 
 def _cp_seconds(shape: ModelShape, cluster: Cluster, layout: Layout, blocks: tuple[int, ...]) -> float:
@@ -226,7 +255,8 @@ def step_time(shape: ModelShape, cluster: Cluster, layout: Layout, where: Placem
     times, blocks = per_rank[slowest], where.rank_blocks[slowest]
     compute = layout.microbatches * (3 * times.forward() + times.recompute(layout.checkpointing))
     communication = {
-        "tp": _tp_seconds(shape, cluster, layout, blocks),
+        "tp": max(_tp_seconds(shape, cluster, layout, where.rank_blocks[rank], (rank == 0, rank == where.head_rank))
+                  for rank in range(layout.pp)),
         "cp": _cp_seconds(shape, cluster, layout, blocks),
         "ep": _ep_seconds(shape, cluster, layout, blocks),
         "pp": _pp_seconds(shape, cluster, layout),
@@ -240,4 +270,5 @@ def step_time(shape: ModelShape, cluster: Cluster, layout: Layout, where: Placem
         updated = (total - expert) / layout.tp / shards + expert / layout.ep / expert_shards
         optimizer = max(optimizer, OPTIMIZER_BYTES_PER_PARAMETER * updated / (
             cluster.memory_bandwidth * cluster.compute_share(layout.world_size)))
-    return StepTime(compute, bubble_seconds(layout, times), optimizer, communication)
+    overhead = step_dispatch_seconds(cluster) / cluster.compute_share(layout.world_size)
+    return StepTime(compute, bubble_seconds(layout, times), optimizer, communication, overhead)
