@@ -2,9 +2,10 @@
 
 First the machine is calibrated (:func:`xscale.bench.calibrate.measure_machine`, up to the most processes a layout
 uses); then every layout of :data:`LAYOUTS` (data parallelism with ZeRO 0-3, tensor parallelism with sequence
-parallelism, pipelines under 1F1B, GPipe and interleaved 1F1B, their compositions, gradient accumulation and full
-recomputation, over 1, 2 and 4 processes) trains a small decoder in fresh local processes, one thread each, and is
-predicted by the planner (:class:`xscale.estimate.search.Planner`) with that calibrated cluster:
+parallelism, pipelines under 1F1B, GPipe and interleaved 1F1B, expert parallelism with data parallelism, their
+compositions, gradient accumulation and full recomputation, over 1, 2 and 4 processes) trains a small decoder (its
+MoE variant for the expert-parallel layouts and their data-parallel baseline) in fresh local processes, one thread
+each, and is predicted by the planner (:class:`xscale.estimate.search.Planner`) with that calibrated cluster:
 
 * step time: the median over ``--steps`` timed steps (after ``--warmup``) of the trainer's whole step on dedicated
   cores (wall time less the run-queue wait, :mod:`xscale.bench.contention`), the slowest rank's: on a machine shared
@@ -20,8 +21,8 @@ predicted by the planner (:class:`xscale.estimate.search.Planner`) with that cal
   calibrated ``runtime_memory_mib``.
 
 Summary: Spearman's rank correlation of predicted and measured tokens/s, the median |predicted / measured - 1| of
-step time, the memory ratios' range, and where the planner's first choice among these layouts (the highest
-predicted tokens/s; ties to the simpler layout) lands against the best measured.
+step time, the memory ratios' range, and where the planner's first choice among the dense model's layouts (the
+highest predicted tokens/s; ties to the simpler layout) lands against the best measured of them.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import os
 import statistics
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -54,7 +56,32 @@ from xscale.train.trainer import Trainer
 MODEL = ["model.vocab_size=4000", "model.d_model=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4",
          "model.tie_embeddings=false", "train.global_batch_size=16", "train.seq_len=128", "data.dataset=copy",
          "data.num_samples=4096", "data.eval_fraction=0.0"]
-LAYOUTS = (
+# The MoE variant (~8.2M parameters, 4.3M of them experts): blocks 2 and 4 with 4 Switch experts of the FFN's size
+MOE_MODEL = ["model.moe.num_experts=4", "model.moe.every=2"]
+
+
+@dataclass(frozen=True)
+class BenchLayout:
+    """One layout of the bench, on the dense model or on its MoE variant."""
+
+    layout: Layout
+    moe: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    def model_overrides(self) -> list[str]:
+        return list(MOE_MODEL) if self.moe else []
+
+    def overrides(self) -> list[str]:
+        return [*self.model_overrides(), *layout_overrides(self.layout)]
+
+    def describe(self) -> str:
+        return f"{'moe ' if self.moe else ''}{self.layout.describe()}"
+
+
+LAYOUTS = tuple(BenchLayout(layout) for layout in (
     Layout(micro_batch=16),
     Layout(micro_batch=4, microbatches=4),
     Layout(micro_batch=16, checkpointing="full"),
@@ -68,7 +95,11 @@ LAYOUTS = (
     Layout(pp=2, micro_batch=8, microbatches=2, schedule="gpipe"),
     Layout(pp=2, micro_batch=4, microbatches=4, schedule="interleaved_1f1b", stages_per_rank=2),
     Layout(pp=2, dp=2, micro_batch=4, microbatches=2, schedule="1f1b"),
-)
+)) + tuple(BenchLayout(layout, moe=True) for layout in (
+    Layout(dp=2, micro_batch=8),
+    Layout(dp=2, ep=2, micro_batch=8),
+    Layout(dp=4, ep=2, zero_stage=1, micro_batch=4),
+))
 
 
 def layout_overrides(layout: Layout) -> list[str]:
@@ -98,29 +129,31 @@ def _measure_rank(config: Config, warmup: int, steps: int) -> dict[str, float]:
     return {"seconds": statistics.median(seconds), "wall": statistics.median(walls), "peak": peak}
 
 
-def run_layouts(layouts: list[Layout], warmup: int, steps: int, passes: int, quick: bool,
+def run_layouts(layouts: list[BenchLayout], warmup: int, steps: int, passes: int, quick: bool,
                 overrides: list[str]) -> tuple[dict, list[dict]]:
     """Calibrate, then measure and predict every layout: (the cluster file's mapping, one row per layout)."""
-    processes = max(2, max(layout.world_size for layout in layouts))
+    processes = max(2, max(bench.world_size for bench in layouts))
     calibrated = measure_machine(processes, quick)
     cluster = cluster_from_dict(calibrated, "calibration")
     base = [*MODEL, *PARITY_SETTINGS, *QUIET, *overrides, f"train.steps={warmup + steps + 1}"]
-    shape = model_shape(load_config_from_cli(None, base))
+    shapes = {moe: model_shape(load_config_from_cli(None, [*base, *BenchLayout(Layout(), moe).model_overrides()]))
+              for moe in {bench.moe for bench in layouts}}
     rows = []
     runs: dict[int, list[list[dict]]] = {index: [] for index in range(len(layouts))}
     with tempfile.TemporaryDirectory(prefix="xscale-bench-plan-") as scratch:
         for attempt in range(passes):  # every layout once per pass: a busy spell of the machine hits one pass
-            for index, layout in enumerate(layouts):
-                config = load_config_from_cli(None, [*base, *layout_overrides(layout),
+            for index, bench in enumerate(layouts):
+                config = load_config_from_cli(None, [*base, *bench.overrides(),
                                                      f"train.output_dir={Path(scratch) / f'{attempt}-{index}'}"])
-                runs[index].append(run_local(_measure_rank, layout.world_size, config, warmup, steps))
-        for index, layout in enumerate(layouts):
+                runs[index].append(run_local(_measure_rank, bench.world_size, config, warmup, steps))
+        for index, bench in enumerate(layouts):
+            layout, shape = bench.layout, shapes[bench.moe]
             plan = Planner(shape, cluster, layout.world_size).predict(layout)
             fastest = min(runs[index], key=lambda ranks: max(rank["seconds"] for rank in ranks))
             measured = max(rank["seconds"] for rank in fastest)
             wall = max(rank["wall"] for rank in fastest)
             peak = max(rank["peak"] for attempt in runs[index] for rank in attempt)
-            rows.append({"layout": layout, "procs": layout.world_size, "plan": plan,
+            rows.append({"layout": bench, "procs": layout.world_size, "plan": plan,
                          "predicted_s": plan.step.total, "measured_s": measured, "wall_s": wall,
                          "predicted_tokens_per_s": plan.tokens_per_s,
                          "measured_tokens_per_s": shape.global_batch * shape.seq_len / measured,
@@ -129,11 +162,13 @@ def run_layouts(layouts: list[Layout], warmup: int, steps: int, passes: int, qui
 
 
 def summary(rows: list[dict]) -> dict[str, float]:
-    """Spearman of tokens/s, median step-time error, memory ratio range, first choice vs best measured."""
+    """Spearman of tokens/s, median step-time error, memory ratio range, first choice vs best measured (among the
+    dense model's layouts: the planner chooses a layout for one model)."""
     step_errors = [abs(row["predicted_s"] / row["measured_s"] - 1) for row in rows]
     memory = [row["predicted_peak"] / row["measured_peak"] for row in rows]
-    first = min(rows, key=lambda row: rank_key(row["plan"]))
-    best = max(row["measured_tokens_per_s"] for row in rows)
+    dense = [row for row in rows if not getattr(row["layout"], "moe", False)] or rows
+    first = min(dense, key=lambda row: rank_key(row["plan"]))
+    best = max(row["measured_tokens_per_s"] for row in dense)
     return {"spearman": spearman([row["predicted_tokens_per_s"] for row in rows],
                                  [row["measured_tokens_per_s"] for row in rows]),
             "median_step_error": statistics.median(step_errors),
@@ -175,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     steps = args.steps if args.steps is not None else (3 if args.quick else 7)
     args.passes = args.passes if args.passes is not None else (1 if args.quick else 2)
-    layouts = [layout for layout in LAYOUTS if layout.world_size <= args.max_processes]
+    layouts = [bench for bench in LAYOUTS if bench.world_size <= args.max_processes]
     if steps < 1 or args.warmup < 0 or args.passes < 1 or not layouts:
         print(f"xscale bench plan: need --steps >= 1, --warmup >= 0, --passes >= 1 and --max-processes >= 1 (got "
               f"{steps}, {args.warmup}, {args.passes}, {args.max_processes})", file=sys.stderr)
