@@ -7,10 +7,11 @@ compositions, gradient accumulation and full recomputation, over 1, 2 and 4 proc
 MoE variant for the expert-parallel layouts and their data-parallel baseline) in fresh local processes, one thread
 each, and is predicted by the planner (:class:`xscale.estimate.search.Planner`) with that calibrated cluster:
 
-* step time: the median over ``--steps`` timed steps (after ``--warmup``) of the trainer's whole step on dedicated
-  cores (wall time less the run-queue wait, :mod:`xscale.bench.contention`), the slowest rank's: on a machine shared
-  with other jobs that is the step without them (4 processes on 2 cores still share the cores: a rank waits for
-  its siblings in the collectives, and the calibrated ``concurrent_devices`` predicts that); the wall-clock median
+* step time: the median over ``--steps`` timed steps (after ``--warmup``) of the trainer's whole step without the
+  machine's other jobs (:mod:`xscale.bench.contention`), the slowest rank's: with fewer processes than cores, wall
+  time less the run-queue wait; with as many or more (a rank's wait is then mostly its siblings' turn, which the
+  layout really pays, and the calibrated ``concurrent_devices`` predicts), wall time less the other jobs'
+  core-seconds in the step (``/proc/stat``'s idle and every rank's CPU time) over the cores; the wall-clock median
   is printed beside it. Every layout runs once per ``--passes`` (all layouts, then all again) and keeps its
   fastest pass's median: a busy spell of the machine slows one pass. Predicted: :func:`xscale.estimate.step_time.step_time`'s total;
 * peak memory per rank: the peak resident set over the one right after the imports, over the warm-up steps (at
@@ -31,14 +32,16 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import yaml
 
 from xscale.bench.calibrate import cpu_name, measure_machine
-from xscale.bench.contention import dedicated_seconds
+from xscale.bench.contention import dedicated_seconds, machine_idle_seconds, uncontended_seconds
 from xscale.bench.memory import QUIET, peak_memory, reset_peak_memory
 from xscale.bench.spread import spearman
 from xscale.commands.parity import PARITY_SETTINGS, run_local
@@ -122,8 +125,17 @@ def _measure_rank(config: Config, warmup: int, steps: int) -> dict[str, float]:
     keep_freed_memory()
     trainer.train_step()
     walls, seconds = [], []
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     for _ in range(steps):
+        idle, cpu = machine_idle_seconds(), time.process_time()
         wall, dedicated = dedicated_seconds(trainer.train_step)
+        idle, cpu = machine_idle_seconds() - idle, time.process_time() - cpu
+        if world >= cores:  # the machine's accounting (module docstring): every rank's CPU time of the step
+            run_cpu = torch.tensor([cpu], dtype=torch.float64)
+            if world > 1:
+                dist.all_reduce(run_cpu)
+            dedicated = uncontended_seconds(wall, idle, float(run_cpu), cores)
         walls.append(wall)
         seconds.append(dedicated)
     return {"seconds": statistics.median(seconds), "wall": statistics.median(walls), "peak": peak}
