@@ -14,7 +14,7 @@ from xscale.estimate.communication import bandwidth_factor, collective_seconds, 
 from xscale.estimate.layout import Layout
 from xscale.estimate.model_shape import model_shape
 from xscale.estimate.placement import Placement, placement
-from xscale.estimate.step_time import bubble_seconds, microbatch_times, step_time
+from xscale.estimate.step_time import bubble_seconds, microbatch_times, shared_bubble_seconds, step_time
 
 TINY = ["model.vocab_size=64", "model.d_model=32", "model.n_layers=4", "model.n_heads=4", "model.d_ff=64",
         "model.ffn=gelu", "model.tie_embeddings=false", "train.seq_len=16", "train.global_batch_size=8",
@@ -149,3 +149,17 @@ def test_shared_cores_slow_compute_and_stop_overlap(shape):
     assert on_cpu.communication["dp"] == pytest.approx(reduce)
     assert on_cpu.communication["dp"] - on_gpu.communication["dp"] == pytest.approx(2 * times.forward(), rel=1e-3)
     assert reduce > 4 * times.forward() > 1e-3 * reduce  # the difference is not lost in the tolerance
+
+
+def test_bubbles_lend_their_cores_when_processes_share_them(shape):
+    assert shared_bubble_seconds(0.4, 0.2, 1.0) == pytest.approx(0.2)  # a core each: the whole bubble
+    # 4 processes on 2 cores (s = 1/2): 0.4 s of compute at the shared rate is 0.2 s at full rate; with 0.1 s of
+    # full-rate bubble the rank's path is 0.3 s < 0.4 s of the node's work over its cores: no bubble left
+    assert shared_bubble_seconds(0.4, 0.2, 0.5) == 0.0
+    assert shared_bubble_seconds(0.4, 0.6, 0.5) == pytest.approx(0.1)  # 0.5 s path > 0.4 s
+    layout = Layout(pp=2, dp=2, micro_batch=2, microbatches=2)
+    where = placement(layout.apply(shape.config))
+    alone = step_time(shape, _cluster(), layout, where)
+    shared = step_time(shape, dataclasses.replace(_cluster(), concurrent_devices=2), layout, where)
+    assert shared.compute == pytest.approx(2 * alone.compute)
+    assert shared.bubble == pytest.approx(shared_bubble_seconds(shared.compute, 2 * alone.bubble, 0.5))

@@ -5,22 +5,19 @@ queue (another process held the core). On a machine shared with other jobs, or w
 ``wall - waited`` is what the work would take with a core of its own; time blocked on I/O or on a peer (a
 collective's wait) is not run-queue time and stays in. Where the file is missing (not Linux) nothing is subtracted.
 
-With as many processes as cores or more (a layout that fills the machine), a thread's run-queue wait is mostly its
-siblings' turn, which the step really pays. There the machine's accounting separates them
-(:func:`uncontended_seconds`): over a step of wall time W on C cores, the machine was idle I core-seconds
-(``/proc/stat``: idle + iowait) and the run's processes used P (their CPU time, every thread); the rest,
-F = C W - I - P, went to other jobs (and the hypervisor's steal), and without them the step would take W - F / C.
+With more processes than cores, a thread's run-queue wait is partly its siblings' turn, which the step really
+pays: the run's processes used P core-seconds in the step (their CPU time, every thread), so on C cores it takes at
+least P / C. :func:`uncontended_seconds` keeps the larger of the two lower bounds, the thread's time on dedicated
+cores and P / C (never above the wall time). The machine's idle time (``/proc/stat``) cannot separate them on a
+loaded machine: other jobs fill the cores a rank leaves idle in a pipeline bubble as well as those it waits for.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 
 SCHEDSTAT = "/proc/thread-self/schedstat"
-PROC_STAT = "/proc/stat"
-IDLE_FIELDS = (3, 4)  # idle, iowait in the "cpu" line's fields after its name
 
 
 def _schedstat() -> tuple[float, float]:
@@ -46,17 +43,6 @@ def dedicated_seconds(action: Callable[[], object]) -> tuple[float, float]:
     return wall, min(wall, max(wall - (waited_after - waited), on_cpu_after - on_cpu))
 
 
-def machine_idle_seconds() -> float:
-    """Core-seconds all cores have been idle since boot (``/proc/stat``'s idle + iowait); 0 where it does not say."""
-    try:
-        with open(PROC_STAT) as stat:
-            fields = stat.readline().split()[1:]
-        return sum(int(fields[index]) for index in IDLE_FIELDS) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return 0.0
-
-
-def uncontended_seconds(wall: float, idle: float, run_cpu: float, cores: int) -> float:
-    """W - F / C with F = C W - I - P the other jobs' core-seconds (module docstring), between P / C and W."""
-    others = max(0.0, cores * wall - idle - run_cpu)
-    return min(wall, max(run_cpu / cores, wall - others / cores))
+def uncontended_seconds(wall: float, dedicated: float, run_cpu: float, cores: int) -> float:
+    """max(time on dedicated cores, P / C), at most the wall time (module docstring)."""
+    return min(wall, max(dedicated, run_cpu / cores))

@@ -8,11 +8,10 @@ MoE variant for the expert-parallel layouts and their data-parallel baseline) in
 each, and is predicted by the planner (:class:`xscale.estimate.search.Planner`) with that calibrated cluster:
 
 * step time: the median over ``--steps`` timed steps (after ``--warmup``) of the trainer's whole step without the
-  machine's other jobs (:mod:`xscale.bench.contention`), the slowest rank's: with fewer processes than cores, wall
-  time less the run-queue wait; with as many or more (a rank's wait is then mostly its siblings' turn, which the
-  layout really pays, and the calibrated ``concurrent_devices`` predicts), wall time less the other jobs'
-  core-seconds in the step (``/proc/stat``'s idle and every rank's CPU time) over the cores; the wall-clock median
-  is printed beside it. Every layout runs once per ``--passes`` (all layouts, then all again) and keeps its
+  machine's other jobs (:mod:`xscale.bench.contention`), the slowest rank's: wall time less the run-queue wait, but
+  never less than every rank's CPU time in the step over the cores (with more processes than cores a rank's wait
+  is partly its siblings' turn, which the layout really pays and the calibrated ``concurrent_devices``
+  predicts); the wall-clock median is printed beside it. Every layout runs once per ``--passes`` (all layouts, then all again) and keeps its
   fastest pass's median: a busy spell of the machine slows one pass. Predicted: :func:`xscale.estimate.step_time.step_time`'s total;
 * peak memory per rank: the peak resident set over the one right after the imports, over the warm-up steps (at
   least 2: the optimizer's moments exist from the second), freed blocks returned to the kernel
@@ -41,7 +40,7 @@ import torch.distributed as dist
 import yaml
 
 from xscale.bench.calibrate import cpu_name, measure_machine
-from xscale.bench.contention import dedicated_seconds, machine_idle_seconds, uncontended_seconds
+from xscale.bench.contention import dedicated_seconds, uncontended_seconds
 from xscale.bench.memory import QUIET, peak_memory, reset_peak_memory
 from xscale.bench.spread import spearman
 from xscale.commands.parity import PARITY_SETTINGS, run_local
@@ -128,16 +127,13 @@ def _measure_rank(config: Config, warmup: int, steps: int) -> dict[str, float]:
     world = dist.get_world_size() if dist.is_initialized() else 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     for _ in range(steps):
-        idle, cpu = machine_idle_seconds(), time.process_time()
+        cpu = time.process_time()
         wall, dedicated = dedicated_seconds(trainer.train_step)
-        idle, cpu = machine_idle_seconds() - idle, time.process_time() - cpu
-        if world >= cores:  # the machine's accounting (module docstring): every rank's CPU time of the step
-            run_cpu = torch.tensor([cpu], dtype=torch.float64)
-            if world > 1:
-                dist.all_reduce(run_cpu)
-            dedicated = uncontended_seconds(wall, idle, float(run_cpu), cores)
+        run_cpu = torch.tensor([time.process_time() - cpu], dtype=torch.float64)
+        if world > 1:
+            dist.all_reduce(run_cpu)  # every rank's CPU time in the step, after the timed region
         walls.append(wall)
-        seconds.append(dedicated)
+        seconds.append(uncontended_seconds(wall, dedicated, float(run_cpu), cores))
     return {"seconds": statistics.median(seconds), "wall": statistics.median(walls), "peak": peak}
 
 

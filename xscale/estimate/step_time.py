@@ -43,7 +43,10 @@ Optimizer (memory-bound): 28 bytes per parameter the rank updates (reads fp32 we
 writes weight and moments) over the memory bandwidth.
 
 Processes that share a node's cores (more processes than ``concurrent_devices``) each get
-:meth:`~xscale.estimate.cluster.Cluster.compute_share` of the peak FLOP/s and of the memory bandwidth.
+:meth:`~xscale.estimate.cluster.Cluster.compute_share` s of the peak FLOP/s and of the memory bandwidth; a rank
+idle in its pipeline bubble lends its core to the others, so compute C and bubble B (both at the shared rate) take
+max(C, s (C + B)): the node's whole work over its cores, or one rank's path at full rate
+(:func:`shared_bubble_seconds`).
 """
 
 from __future__ import annotations
@@ -147,6 +150,12 @@ def bubble_seconds(layout: Layout, times: MicrobatchTimes) -> float:
         return (layout.pp - 1) * max(0.0, per_stage)
     step = 3 * forward + recompute
     return (layout.pp - 1) * step / (layout.stages_per_rank if layout.schedule == "interleaved_1f1b" else 1)
+
+
+def shared_bubble_seconds(compute: float, bubble: float, share: float) -> float:
+    """The bubble left once idle ranks lend their cores to the node's other processes: max(0, s (C + B) - C)
+    (module docstring); B itself when every process has a core (s = 1)."""
+    return max(0.0, share * (compute + bubble) - compute)
 
 
 def _tp_seconds(shape: ModelShape, cluster: Cluster, layout: Layout, blocks: tuple[int, ...],
@@ -271,4 +280,5 @@ def step_time(shape: ModelShape, cluster: Cluster, layout: Layout, where: Placem
         optimizer = max(optimizer, OPTIMIZER_BYTES_PER_PARAMETER * updated / (
             cluster.memory_bandwidth * cluster.compute_share(layout.world_size)))
     overhead = step_dispatch_seconds(cluster) / cluster.compute_share(layout.world_size)
-    return StepTime(compute, bubble_seconds(layout, times), optimizer, communication, overhead)
+    bubble = shared_bubble_seconds(compute, bubble_seconds(layout, times), cluster.compute_share(layout.world_size))
+    return StepTime(compute, bubble, optimizer, communication, overhead)
