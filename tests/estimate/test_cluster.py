@@ -108,3 +108,12 @@ def test_framework_figures_optional_checked_and_round_trip():
                                 ("tensor_parallel", {"all_reduce": tp["all_reduce"]}, "is missing")):
         with pytest.raises(ClusterError, match=f"{key}.* (must be .*{problem}|{problem})"):
             cluster_from_dict({**_figures(), key: value}, "bad.yaml")
+
+
+def test_collective_buffers_optional_and_checked():
+    assert cluster_from_dict(_figures()).collective_buffers == ()
+    ratios = {"all_reduce": 0.3, "all_gather": 1.0, "reduce_scatter": 1.0}
+    cluster = cluster_from_dict({**_figures(), "collective_buffers": ratios})
+    assert dict(cluster.collective_buffers) == ratios and cluster_from_dict(cluster_to_dict(cluster)) == cluster
+    with pytest.raises(ClusterError, match="collective_buffers.all_gather must be non-negative"):
+        cluster_from_dict({**_figures(), "collective_buffers": {**ratios, "all_gather": -1}}, "bad.yaml")

@@ -21,7 +21,10 @@ cores (wall time less the run-queue wait, :mod:`xscale.bench.contention`: a shar
   xscale's fused linear cross-entropy over 2048 tokens x 4096 logits of width 16 (per logit, its three GEMMs timed
   alone on the same shapes taken off); the trainer's step of a model whose tensors are a few KiB at 1 and 3 blocks, one process
   (dispatch per block and per step); and tensor parallelism's redistributions (DTensor Partial -> Replicate,
-  Shard -> Replicate, Partial -> Shard over all the run's ranks, the collectives' sizes) beside the collectives.
+  Shard -> Replicate, Partial -> Shard over all the run's ranks, the collectives' sizes) beside the collectives;
+* the collectives' working buffers: the peak resident set that a first all-reduce, all-gather and reduce-scatter
+  of a 4 MiB message (the default gradient bucket) adds on each rank, per byte of the message (the median over
+  ranks and process counts; :mod:`xscale.estimate.collective_memory`).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from xscale.estimate.calibration import (
     fit_elementwise_bandwidth,
     loss_seconds_per_logit,
 )
+from xscale.estimate.cluster import TENSOR_PARALLEL_COLLECTIVES
 from xscale.estimate.measure import device_memory_bytes
 from xscale.launcher.cpu_allocator import return_freed_memory
 from xscale.models.parameters import count_parameters
@@ -78,6 +82,7 @@ QUICK_ELEMENTWISE_ROWS = (256, 2048)
 LOSS_TOKENS, LOSS_VOCAB, LOSS_WIDTH = 2048, 4096, 16
 DISPATCH_DEPTHS = (1, 3)
 DISPATCH_STEPS = 7
+BUFFER_PROBE_BYTES = 4 * 2**20
 TENSOR_PARALLEL_WIDTH = 256  # the redistributed activations are (1, rows, width): Shard(1) splits the rows
 
 
@@ -223,6 +228,14 @@ def _rank_collectives(config: Config, sizes: list[int], rounds: int) -> dict:
     runtime = peak_memory("cpu") - baseline - RUNTIME_MODEL_BYTES_PER_PARAMETER * count_parameters(config).total
     del trainer
     world, rank = dist.get_world_size(), dist.get_rank()
+    buffers = {}
+    for name, call in _collective_calls(BUFFER_PROBE_BYTES, world, rank).items():
+        if name in TENSOR_PARALLEL_COLLECTIVES:  # a first call of its size: the buffers it allocates
+            dist.barrier()
+            return_freed_memory()
+            before = reset_peak_memory("cpu")
+            call()
+            buffers[name] = (peak_memory("cpu") - before) / BUFFER_PROBE_BYTES
     samples, tensor_parallel = [], []
     for size in sizes:
         for name, call in _collective_calls(size, world, rank).items():
@@ -232,7 +245,8 @@ def _rank_collectives(config: Config, sizes: list[int], rounds: int) -> dict:
             tensor_parallel.append([name, world, float(moved), _median_call(call, rounds)])
     dist.barrier()
     dist.destroy_process_group()
-    return {"runtime_memory": float(runtime), "samples": samples, "tensor_parallel": tensor_parallel}
+    return {"runtime_memory": float(runtime), "samples": samples, "tensor_parallel": tensor_parallel,
+            "buffers": buffers}
 
 
 def measure_machine(processes: int, quick: bool) -> dict:
@@ -253,7 +267,7 @@ def measure_machine(processes: int, quick: bool) -> dict:
         torch.set_num_threads(threads)
     dispatch = dispatch_samples(3 if quick else DISPATCH_STEPS)
     sizes = list(QUICK_MESSAGE_BYTES if quick else MESSAGE_BYTES)
-    samples, runtime, tensor_parallel = [], [], []
+    samples, runtime, tensor_parallel, buffers = [], [], [], []
     for world in range(2, processes + 1):
         with tempfile.TemporaryDirectory(prefix="xscale-calibrate-") as scratch:
             config = load_config_from_cli(None, [*RUNTIME_MODEL, *PARITY_SETTINGS, *QUIET, "train.steps=3",
@@ -264,14 +278,17 @@ def measure_machine(processes: int, quick: bool) -> dict:
         tensor_parallel += [CollectiveSample(name, ranks_, size, seconds) for name, ranks_, size, seconds
                             in ranks[0]["tensor_parallel"]]
         runtime += [rank["runtime_memory"] for rank in ranks]
+        buffers += [rank["buffers"] for rank in ranks]
     concurrent = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     memory, _ = device_memory_bytes(processes)
     source = f"{cpu_name()}, {concurrent} cores, torch {torch.__version__}"
     framework = FrameworkCosts(fit_elementwise_bandwidth(elementwise)[1],
                                loss_seconds_per_logit(loss_seconds, loss_gemm_seconds, LOSS_TOKENS * LOSS_VOCAB),
                                *fit_dispatch(dispatch), tuple(tensor_parallel))
+    collective_buffers = {name: round(max(0.0, statistics.median(rank[name] for rank in buffers)), 4)
+                          for name in TENSOR_PARALLEL_COLLECTIVES}
     return calibrated_cluster(f"calibrated-{processes}proc", processes, concurrent, memory, bandwidth, rates, samples,
-                              statistics.median(runtime), source, framework)
+                              statistics.median(runtime), source, framework, collective_buffers)
 
 
 def cpu_name() -> str:

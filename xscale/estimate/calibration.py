@@ -16,6 +16,7 @@
   of a narrow hidden width, less its three GEMMs timed alone on the same shapes, per logit.
 * Dispatch (:func:`fit_dispatch`): a tiny model's step seconds (every tensor a few KiB, so the time is fixed cost)
   at two depths L1 < L2: per block o_b = (t2 - t1) / (L2 - L1), per step o_s = t1 - L1 o_b (each at least 0).
+* Collective working buffers: bytes per message byte, written as measured (``collective_buffers``).
 * One node: ``inter_node`` repeats ``intra_node``.
 """
 
@@ -135,7 +136,8 @@ class FrameworkCosts:
 def calibrated_cluster(name: str, processes: int, concurrent: int, memory_bytes: float, memory_bandwidth: float,
                        gemm_rates: dict[str, dict[int, float]], samples: list[CollectiveSample],
                        runtime_memory_bytes: float, comment_source: str = "",
-                       framework: FrameworkCosts | None = None) -> dict:
+                       framework: FrameworkCosts | None = None,
+                       collective_buffers: dict[str, float] | None = None) -> dict:
     """The cluster file's mapping (:func:`xscale.estimate.cluster.cluster_from_dict`'s units) of a one-node CPU
     machine of ``processes`` devices measured as described in the module docstring; ``gemm_rates`` per dtype.
     gloo has no reduce-scatter of its own on CPU tensors: a collective without samples takes the all-reduce's fit."""
@@ -167,6 +169,7 @@ def calibrated_cluster(name: str, processes: int, concurrent: int, memory_bytes:
         "gemm_efficiency": curve,
         "links": {name_: {collective: dict(figures) for collective, figures in link.items()} for name_ in LINKS},
         **(framework.figures() if framework else {}),
+        **({"collective_buffers": dict(collective_buffers)} if collective_buffers else {}),
     }
     if comment_source:
         data["measured_on"] = comment_source

@@ -22,6 +22,9 @@ norms, activations, residual adds and softmax move their saved activations (defa
 and autograd bookkeeping (default 0); ``step_overhead_ms``, the same for one step outside the blocks (default 0);
 and ``tensor_parallel``, the all_reduce / all_gather / reduce_scatter figures of tensor parallelism's
 redistributions as the implementation issues them (DTensor on top of the process group; default the link's).
+One optional memory figure: ``collective_buffers``, per collective (all_reduce, all_gather, reduce_scatter) the
+bytes a process holds for the collective's working buffers per byte of its message (gloo's CPU algorithms;
+:mod:`xscale.estimate.collective_memory`; default 0).
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ class Cluster:
     block_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
     tensor_parallel: tuple[tuple[str, LinkCost], ...] = ()  # (collective, cost) of tp's redistributions
+    collective_buffers: tuple[tuple[str, float], ...] = ()  # (collective, bytes held per message byte)
 
     @property
     def elementwise_bandwidth(self) -> float:
@@ -182,7 +186,16 @@ def cluster_from_dict(data: Any, source: str = "<dict>") -> Cluster:
         block_overhead_s=_optional(reader, data, "block_overhead_us", 1e-6),
         step_overhead_s=_optional(reader, data, "step_overhead_ms", 1e-3),
         tensor_parallel=tuple(tensor_parallel.items()),
+        collective_buffers=_collective_buffers(reader, data),
     )
+
+
+def _collective_buffers(reader: _Reader, data: dict) -> tuple[tuple[str, float], ...]:
+    if "collective_buffers" not in data:
+        return ()
+    ratios = reader.mapping(data, "collective_buffers")
+    return tuple((collective, reader.number(ratios, collective, "collective_buffers.", positive=False))
+                 for collective in TENSOR_PARALLEL_COLLECTIVES)
 
 
 def _link_costs(reader: _Reader, per_collective: dict, path: str, collectives: tuple[str, ...]) -> dict[str, LinkCost]:
@@ -244,6 +257,8 @@ def cluster_to_dict(cluster: Cluster) -> dict:
                              ("step_overhead_ms", cluster.step_overhead_s, 1e-3)):
         if value:
             extra[key] = value / unit
+    if cluster.collective_buffers:
+        extra["collective_buffers"] = dict(cluster.collective_buffers)
     if cluster.tensor_parallel:
         extra["tensor_parallel"] = {collective: {"latency_us": cost.latency_s * 1e6,
                                                  "bandwidth_gbs": cost.bandwidth / 1e9}

@@ -2,7 +2,10 @@
 per layout (the fake-tensor measure is for one chosen layout: ``xscale inspect --measure``).
 
 Activations per block and microbatch: :func:`~xscale.estimate.activations.block_activation_bytes`; under full
-recomputation one block's whole activations besides, while it is rebuilt. A rank's share of them is
+recomputation one block's whole activations besides, while it is rebuilt. The single-device fused loss computes
+its gradient in the forward and frees its logits chunk before the backward starts, so that chunk and the rebuilt
+block are never alive together: the larger of the two counts (under tp the vocabulary-parallel loss keeps its
+softmax for the backward: both count). A rank's share of them is
 :func:`~xscale.estimate.memory.activation_share` (tp, sequence parallelism, cp); the microbatches it holds come from
 the schedule (:func:`xscale.estimate.in_flight.blocks_in_flight`).
 """
@@ -41,14 +44,19 @@ def rank_peak(shape: ModelShape, config: Config, layout: Layout, where: Placemen
     mean_block = (sum(block_activation_bytes(shape, shape.blocks[index], layout.micro_batch, layout.checkpointing)
                       for index in blocks) / len(blocks)) if blocks else 0.0
     activations = held_microbatch_blocks * mean_block * share
+    rebuilt = 0.0
     if layout.checkpointing == "full" and blocks:  # one block rebuilt whole during its backward
-        activations += share * max(block_activation_bytes(shape, shape.blocks[index], layout.micro_batch, "none")
-                                   for index in blocks)
+        rebuilt = share * max(block_activation_bytes(shape, shape.blocks[index], layout.micro_batch, "none")
+                              for index in blocks)
     tokens = layout.micro_batch * shape.seq_len // layout.cp
     loss = 0.0
     if rank == where.head_rank:
         loss = (vocab_parallel_loss_bytes(config, dims, tokens) if layout.tp > 1
                 else fused_loss_chunk_bytes(config, tokens))
+    if layout.tp > 1:
+        activations += rebuilt
+    else:  # the fused loss's chunk is gone before a block is rebuilt (module docstring)
+        loss = max(loss, rebuilt)
     sizes = UnitSizes(total - sum(shape.blocks[index].held for index in blocks),
                       [shape.blocks[index].held for index in blocks], shape.largest_parameter)
     num_stages = layout.pp * layout.stages_per_rank

@@ -19,6 +19,7 @@ from xscale.config.check import validate
 from xscale.config.schema import Config, ConfigError
 from xscale.estimate.activations import FUSED_ATTENTION_KINDS
 from xscale.estimate.cluster import Cluster
+from xscale.estimate.collective_memory import collective_buffer_bytes
 from xscale.estimate.in_flight import blocks_in_flight
 from xscale.estimate.layout import Layout
 from xscale.estimate.layout_memory import peak_bytes
@@ -154,7 +155,7 @@ class Planner:
         config = layout.apply(self.shape.config)
         where = self.placement(config, layout)
         peak = (peak_bytes(self.shape, config, layout, where, self.in_flight(config, layout, where))
-                + self.cluster.runtime_memory_bytes)
+                + collective_buffer_bytes(self.shape, self.cluster, layout, where) + self.cluster.runtime_memory_bytes)
         step = step_time(self.shape, self.cluster, layout, where)
         tokens_per_s = self.shape.global_batch * self.shape.seq_len / step.total
         mfu = self.shape.model_flops_per_token * tokens_per_s / (
