@@ -231,11 +231,11 @@ class Trainer:
                            self.model.micro_batch_size)
 
     def resume(self) -> bool:
-        """Load the checkpoint named by checkpoint.resume (auto: the latest, if any); with none to resume, start from
+        """Load the checkpoint named by checkpoint.resume (auto: the newest that verifies, if any); with none to resume, start from
         checkpoint.init_from's weights when it names some."""
         self.model.data_parallel.settle()
         choice = self.config.checkpoint.resume
-        path = None if choice == "none" else self.checkpointer.latest() if choice == "auto" else Path(choice)
+        path = None if choice == "none" else self.checkpointer.newest_intact() if choice == "auto" else Path(choice)
         if path is None:
             self.initialize_from()
             return False
