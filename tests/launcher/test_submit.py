@@ -151,6 +151,7 @@ def test_layout_defaults_come_from_the_config(capsys, monkeypatch, tmp_path):
     (["--max-requeues", "-1"], "--max-requeues must be >= 0"),
     (["launch.max_restarts=-2"], "launch.max_restarts must be >= 0"),
     (["--nodes", "2", "--min-nodes", "3"], "--min-nodes=3 must lie in 1..2"),
+    (["--nodes", "2", "--min-nodes", "1", "--launcher", "srun"], "--min-nodes needs --launcher torchrun"),
     (["--nodes", "3", "--min-nodes", "2", "--nproc-per-node", "2", "train.global_batch_size=6"],
      "on 2 node(s), which --min-nodes=2 allows: train.global_batch_size=6 does not split over the 4"),
 ])
@@ -232,7 +233,8 @@ def test_min_nodes_lets_slurm_run_the_job_on_fewer_nodes(capsys, monkeypatch, tm
     """Elastic: the allocation may have 1 or 2 nodes; torchrun takes the count this start of the job was given."""
     script = dry_run(capsys, monkeypatch, tmp_path, str(awkward_config), "--nodes", "2", "--min-nodes", "1",
                      "--nproc-per-node", "2")
-    assert "#SBATCH --nodes=1-2\n" in script and '--nnodes="$SLURM_NNODES"' in script
+    assert "#SBATCH --nodes=1-2\n#SBATCH --ntasks=2\n#SBATCH --spread-job\n" in script
+    assert '--nnodes="$SLURM_NNODES"' in script
     assert "world $((SLURM_NNODES * 2))" in script
     fixed = dry_run(capsys, monkeypatch, tmp_path, str(awkward_config), "--nodes", "2", "--nproc-per-node", "2")
     assert "#SBATCH --nodes=2\n" in fixed and "--nnodes=2 " in fixed

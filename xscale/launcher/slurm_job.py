@@ -195,6 +195,9 @@ def check_request(request: JobRequest, config: Config) -> None:
             raise SubmitError(f"extra sbatch option {line!r} spans several lines")
     if request.min_nodes is not None and not 1 <= request.min_nodes <= request.nodes:
         raise SubmitError(f"--min-nodes={request.min_nodes} must lie in 1..{request.nodes} (--nodes)")
+    if request.elastic and request.launcher != "torchrun":
+        raise SubmitError("--min-nodes needs --launcher torchrun (one agent per node takes the ranks of the nodes "
+                          "given); with srun every node count would need its own task layout")
     for nodes in range(request.min_nodes if request.elastic else request.nodes, request.nodes + 1):
         try:
             check_layout(config, nodes * request.nproc_per_node)
@@ -283,11 +286,13 @@ def render_script(request: JobRequest) -> str:
     """The complete sbatch script for ``request`` (what --dry-run prints)."""
     log_dir = request.log_dir
     tasks_per_node = 1 if request.launcher == "torchrun" else request.nproc_per_node
-    options = [
-        f"--job-name={request.job_name}",
-        f"--nodes={request.min_nodes}-{request.nodes}" if request.elastic else f"--nodes={request.nodes}",
-        f"--ntasks-per-node={tasks_per_node}",
-    ]
+    options = [f"--job-name={request.job_name}"]
+    if request.elastic:
+        # A node range alone starts on the fewest nodes when more are idle (Slurm 22.05, cons_tres): one task per
+        # node, spread, takes every node there is, down to min_nodes when some are drained or down.
+        options += [f"--nodes={request.min_nodes}-{request.nodes}", f"--ntasks={request.nodes}", "--spread-job"]
+    else:
+        options += [f"--nodes={request.nodes}", f"--ntasks-per-node={tasks_per_node}"]
     if request.gpus_per_node:
         options.append(f"--gpus-per-node={request.gpus_per_node}")
     step_cpus = ""
@@ -327,6 +332,7 @@ def render_script(request: JobRequest) -> str:
         HEAD_NODE_LINES,
     ]
     if request.launcher == "torchrun":
+        step_tasks = ' --ntasks="$SLURM_NNODES"' if request.elastic else ""  # one agent per node it was given
         torchrun_options = [
             f"--nproc-per-node={request.nproc_per_node}",
             "--rdzv-backend=c10d",
@@ -335,7 +341,8 @@ def render_script(request: JobRequest) -> str:
         lines += [
             "# One torchrun agent per node; node 0 hosts the c10d rendezvous store (is_host=1).",
             "# shellcheck disable=SC2016  # the single-quoted command expands on each node",
-            f"srun --ntasks-per-node=1{step_cpus} --kill-on-bad-exit=1 bash -c " + TORCHRUN_NODE_COMMAND + " \\",
+            f"srun --ntasks-per-node=1{step_tasks}{step_cpus} --kill-on-bad-exit=1 bash -c " + TORCHRUN_NODE_COMMAND
+            + " \\",
             # elastic: the nodes this start of the job was given (a requeue may get fewer or more)
             f"    {shlex.quote(request.python)} "
             + ('--nnodes="$SLURM_NNODES" ' if request.elastic else f"--nnodes={request.nodes} ")
