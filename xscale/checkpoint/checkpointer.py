@@ -12,6 +12,8 @@ finished and meta.json (with the size and SHA-256 of every file, :mod:`~xscale.c
 against meta.json (``checkpoint.verify``: full = SHA-256, size, none), the model's parameter shapes against the
 checkpoint's, and DCP's pickled ``.metadata`` is read with an allow-list, never running code, so a damaged file, a
 crafted file or a checkpoint of another model fails with a message that names the file and the mismatch.
+``checkpoint.resume=auto`` (:meth:`Checkpointer.newest_intact`) moves a damaged newest checkpoint aside to
+``damaged-step_N`` and resumes the newest one that verifies.
 DCP reshards on load: a checkpoint saved at one parallel layout loads at another.
 """
 
