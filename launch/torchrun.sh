@@ -7,10 +7,14 @@
 #   one node, 8 processes:     launch/torchrun.sh --nproc-per-node 8 configs/gpt2-small.yaml train.steps=1000
 #   two nodes (run on each):   launch/torchrun.sh --nnodes 2 --node-rank 0 --master 10.0.0.1:29500 CONFIG
 #                              launch/torchrun.sh --nnodes 2 --node-rank 1 --master 10.0.0.1:29500 CONFIG
+#   elastic, 1 to 2 nodes:     launch/torchrun.sh --nnodes 2 --min-nodes 1 --max-restarts 3 --master ... CONFIG
 #   inside a Slurm job:        srun --ntasks-per-node=1 launch/torchrun.sh CONFIG    (see launch/slurm.sbatch)
 #
 # Options (each also read from the environment variable in brackets):
 #   --nnodes N            nodes in the job [NNODES; in Slurm: SLURM_NNODES; default 1]
+#   --min-nodes M         elastic: go on with as few as M nodes when others are lost, and take them back in when
+#                         they return (torchrun --nnodes=M:N; each change is a restart, so --max-restarts > 0); the
+#                         run keeps train.global_batch_size by gradient accumulation [MIN_NODES; default N]
 #   --nproc-per-node P    processes per node [NPROC_PER_NODE; in Slurm: SLURM_GPUS_ON_NODE; else the number of
 #                         GPUs nvidia-smi lists; else 1]
 #   --node-rank R         this node's index; node 0 hosts the rendezvous [NODE_RANK; in Slurm: SLURM_NODEID]
@@ -50,6 +54,7 @@ slurm_head_address() {
 }
 
 nnodes=${NNODES:-}
+min_nodes=${MIN_NODES:-}
 nproc=${NPROC_PER_NODE:-}
 node_rank=${NODE_RANK:-}
 master_addr=${MASTER_ADDR:-}
@@ -63,6 +68,7 @@ while [ $# -gt 0 ]; do
     case "$1" in
         -h|--help) usage 0 ;;
         --nnodes) nnodes=${2:?--nnodes needs a value}; shift 2 ;;
+        --min-nodes) min_nodes=${2:?--min-nodes needs a value}; shift 2 ;;
         --nproc-per-node) nproc=${2:?--nproc-per-node needs a value}; shift 2 ;;
         --node-rank) node_rank=${2:?--node-rank needs a value}; shift 2 ;;
         --master)
@@ -102,22 +108,31 @@ if [ -z "$nproc" ] || [ "$nproc" = 0 ]; then
     nproc=$(gpu_count)
     [ "$nproc" -gt 0 ] || nproc=1
 fi
-for number in "$nnodes" "$nproc" "$node_rank" "$max_restarts"; do
-    [[ "$number" =~ ^[0-9]+$ ]] || die "--nnodes, --nproc-per-node, --node-rank and --max-restarts take integers, got '$number'"
+min_nodes=${min_nodes:-$nnodes}
+for number in "$nnodes" "$min_nodes" "$nproc" "$node_rank" "$max_restarts"; do
+    [[ "$number" =~ ^[0-9]+$ ]] || die "--nnodes, --min-nodes, --nproc-per-node, --node-rank and --max-restarts take integers, got '$number'"
 done
 if [ "$nnodes" -lt 1 ] || [ "$nproc" -lt 1 ]; then
     die "--nnodes and --nproc-per-node must be at least 1"
 fi
+if [ "$min_nodes" -lt 1 ] || [ "$min_nodes" -gt "$nnodes" ]; then
+    die "--min-nodes $min_nodes must lie in 1..$nnodes (--nnodes)"
+fi
+if [ "$min_nodes" -lt "$nnodes" ] && [ "$max_restarts" = 0 ]; then
+    die "--min-nodes $min_nodes < --nnodes $nnodes needs --max-restarts > 0: torchrun restarts the workers on the nodes left"
+fi
 [ "$node_rank" -lt "$nnodes" ] || die "--node-rank $node_rank is outside $nnodes nodes (0..$((nnodes - 1)))"
 
 command=("$python" -m xscale.launcher.torchrun "--nproc-per-node=$nproc" "--max-restarts=$max_restarts")
+nodes_range=$nnodes
+[ "$min_nodes" -lt "$nnodes" ] && nodes_range=$min_nodes:$nnodes
 if [ "$nnodes" = 1 ]; then
     command+=(--standalone)
 else
     [ -n "$master_addr" ] || die "$nnodes nodes need node 0's address: --master ADDR[:PORT] or MASTER_ADDR"
     is_host=0
     [ "$node_rank" = 0 ] && is_host=1
-    command+=("--nnodes=$nnodes" --rdzv-backend=c10d "--rdzv-endpoint=$master_addr:${master_port:-29500}"
+    command+=("--nnodes=$nodes_range" --rdzv-backend=c10d "--rdzv-endpoint=$master_addr:${master_port:-29500}"
               "--rdzv-id=$rdzv_id" "--rdzv-conf=is_host=$is_host")
 fi
 if [ "$module" = xscale ]; then

@@ -104,8 +104,19 @@ def test_torchrun_max_restarts_reaches_torchrun(tmp_path, argv, environ):
         assert command.count("--max-restarts=3") == 1 and "--max-restarts=0" not in command
 
 
+@pytest.mark.parametrize("argv,environ", [(["--min-nodes", "1"], {}), ([], {"MIN_NODES": "1"})])
+def test_torchrun_min_nodes_makes_the_rendezvous_elastic(tmp_path, argv, environ):
+    command = printed("torchrun.sh", "--nnodes", "2", "--master", "h:1", "--max-restarts", "2", *argv, "c.yaml",
+                      tmp_path=tmp_path, **environ)
+    assert "--nnodes=1:2" in command and "--rdzv-backend=c10d" in command
+    fixed = printed("torchrun.sh", "--nnodes", "2", "--master", "h:1", "--min-nodes", "2", "c.yaml", tmp_path=tmp_path)
+    assert "--nnodes=2" in fixed
+
+
 @pytest.mark.parametrize("argv,message", [
     ([], "CONFIG is required"),
+    (["--nnodes", "2", "--min-nodes", "3", "--master", "h", "c.yaml"], "--min-nodes 3 must lie in 1..2"),
+    (["--nnodes", "2", "--min-nodes", "1", "--master", "h", "c.yaml"], "needs --max-restarts > 0"),
     (["--nnodes", "2", "c.yaml"], "2 nodes need node 0's address"),
     (["--nnodes", "2", "--node-rank", "2", "--master", "h", "c.yaml"], "--node-rank 2 is outside 2 nodes"),
     (["--nproc-per-node", "two", "c.yaml"], "take integers, got 'two'"),

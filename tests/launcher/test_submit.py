@@ -150,6 +150,10 @@ def test_layout_defaults_come_from_the_config(capsys, monkeypatch, tmp_path):
     (["--launcher", "srun", "--max-restarts", "1"], "--max-restarts needs --launcher torchrun"),
     (["--max-requeues", "-1"], "--max-requeues must be >= 0"),
     (["launch.max_restarts=-2"], "launch.max_restarts must be >= 0"),
+    (["--nodes", "2", "--min-nodes", "3"], "--min-nodes=3 must lie in 1..2"),
+    (["--nodes", "2", "--min-nodes", "1", "--launcher", "srun"], "--min-nodes needs --launcher torchrun"),
+    (["--nodes", "3", "--min-nodes", "2", "--nproc-per-node", "2", "train.global_batch_size=6"],
+     "on 2 node(s), which --min-nodes=2 allows: train.global_batch_size=6 does not split over the 4"),
 ])
 def test_bad_requests_fail_before_sbatch(capsys, monkeypatch, tmp_path, argv, message):
     config = tmp_path / "c.yaml"
@@ -225,14 +229,26 @@ def test_restarts_and_requeues_default_to_the_launch_section(capsys, monkeypatch
     assert "--max-restarts=4" in script and "XSCALE_MAX_REQUEUES=1" in script.splitlines()
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "srun"])
+def test_min_nodes_lets_slurm_run_the_job_on_fewer_nodes(capsys, monkeypatch, tmp_path, awkward_config):
+    """Elastic: the allocation may have 1 or 2 nodes; torchrun takes the count this start of the job was given."""
+    script = dry_run(capsys, monkeypatch, tmp_path, str(awkward_config), "--nodes", "2", "--min-nodes", "1",
+                     "--nproc-per-node", "2")
+    assert "#SBATCH --nodes=1-2\n#SBATCH --ntasks=2\n#SBATCH --spread-job\n" in script
+    assert '--nnodes="$SLURM_NNODES"' in script
+    assert "world $((SLURM_NNODES * 2))" in script
+    fixed = dry_run(capsys, monkeypatch, tmp_path, str(awkward_config), "--nodes", "2", "--nproc-per-node", "2")
+    assert "#SBATCH --nodes=2\n" in fixed and "--nnodes=2 " in fixed
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "srun", "elastic"])
 def test_the_generated_script_is_shellcheck_clean(capsys, monkeypatch, tmp_path, launcher):
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck is not installed (apt-get install shellcheck; .ci/run installs it)")
     config = tmp_path / "c.yaml"  # a plain path: shellcheck rightly notes a quoted '$(' in the awkward one
     config.write_text(TINY)
+    elastic = ["--min-nodes", "1"] if launcher == "elastic" else []
     script = dry_run(capsys, monkeypatch, tmp_path, str(config), "--nodes", "2", "--nproc-per-node", "2",
-                     "--launcher", launcher, "--max-requeues", "2")
+                     "--launcher", "torchrun" if launcher == "elastic" else launcher, "--max-requeues", "2", *elastic)
     path = tmp_path / "job.sbatch"
     path.write_text(script)
     result = subprocess.run(["shellcheck", "--shell=bash", str(path)], capture_output=True, text=True)

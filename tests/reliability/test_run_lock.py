@@ -83,6 +83,7 @@ def _contend(directory, barrier, results, index):
         results[index] = 1
     except RunLocked:
         results[index] = 0
+    barrier.wait()  # the holder lives until every contender has tried: a holder that exited is stale (taken over)
 
 
 @pytest.mark.parametrize("stale", [False, True], ids=["fresh directory", "stale lock to take over"])

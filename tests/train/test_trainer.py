@@ -89,6 +89,26 @@ def test_truncated_checkpoint_names_the_file(tmp_path):
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(CheckpointError, match=f"{shard.name}.*truncated"):
         Trainer(_config(tmp_path, "train.steps=4")).fit()
+    assert step_dir.is_dir()  # no intact checkpoint to fall back to: nothing is moved, the run does not start over
+
+
+def test_auto_resume_falls_back_past_a_damaged_newest_checkpoint(tmp_path, capsys):
+    """A truncated newest checkpoint is moved aside with one warning line and the run resumes from the one before,
+    ending where the undisturbed run ended, bit for bit."""
+    reference = Trainer(_config(tmp_path, "train.steps=4", "checkpoint.every=2"))
+    reference.fit()
+    root = tmp_path / "checkpoints"
+    shard = max((p for p in (root / "step_00000004").glob("*.distcp")), key=lambda p: p.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[:100])
+    capsys.readouterr()
+    resumed = Trainer(_config(tmp_path, "train.steps=4", "checkpoint.every=2"))
+    resumed.fit()
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "damaged" in line]
+    assert len(warnings) == 1 and "step_00000004" in warnings[0] and "truncated" in warnings[0], warnings
+    assert (root / "damaged-step_00000004" / shard.name).stat().st_size == 100  # moved aside, not deleted
+    assert (root / "latest").read_text().strip() == "step_00000004"  # the new step 4
+    for name, value in _parameters(resumed).items():
+        assert torch.equal(value, _parameters(reference)[name]), name
 
 
 def test_corrupt_meta_and_missing_directory_are_reported(tmp_path):

@@ -12,6 +12,8 @@ finished and meta.json (with the size and SHA-256 of every file, :mod:`~xscale.c
 against meta.json (``checkpoint.verify``: full = SHA-256, size, none), the model's parameter shapes against the
 checkpoint's, and DCP's pickled ``.metadata`` is read with an allow-list, never running code, so a damaged file, a
 crafted file or a checkpoint of another model fails with a message that names the file and the mismatch.
+``checkpoint.resume=auto`` (:meth:`Checkpointer.newest_intact`) moves a damaged newest checkpoint aside to
+``damaged-step_N`` and resumes the newest one that verifies.
 DCP reshards on load: a checkpoint saved at one parallel layout loads at another.
 """
 
@@ -130,6 +132,7 @@ class Checkpointer:
         self._pending: tuple[Any, Path, Path, dict[str, Any]] | None = None
         self._saving: _SaveAttempt | None = None
         self.protected: Path | None = None  # a step directory retention keeps beyond ``keep`` (the last healthy one)
+        self._verified: Path | None = None  # the checkpoint newest_intact just verified (load need not hash it again)
         if _rank() == 0:
             self.recover_interrupted_saves()
 
@@ -267,6 +270,62 @@ class Checkpointer:
             )
         return path
 
+    def newest_intact(self) -> Path | None:
+        """``checkpoint.resume=auto``: the newest checkpoint whose files verify (``checkpoint.verify``), or None when
+        there is none yet. A newer damaged one (truncated, corrupt, meta.json unreadable, or ``latest`` naming a
+        missing directory) is moved to ``damaged-<name>/`` beside it (never deleted) with one warning line each, and
+        ``latest`` then names the one found. With no intact checkpoint left, the newest's error is raised and
+        nothing is moved: a restart never silently starts the run over. Collective when a process group is up."""
+        marker = self.directory / "latest"
+        if not marker.exists():
+            return None
+        damaged: list[tuple[Path, CheckpointError]] = []
+        try:
+            named = self.latest()
+        except CheckpointError as error:  # latest names a directory that is gone
+            named = self.directory / marker.read_text().strip()
+            damaged.append((named, error))
+        else:
+            if (problem := self._verify(named)) is None:
+                self._verified = named
+                return named
+            damaged.append((named, problem))
+        newest_step = _step_of(named)
+        for older in sorted((p for p in self.directory.glob(f"{STEP_PREFIX}*") if p.is_dir()), reverse=True):
+            if newest_step is not None and (_step_of(older) or 0) >= newest_step:
+                continue
+            if (problem := self._verify(older)) is None:
+                self._set_aside_damaged(damaged, older)
+                self._verified = older
+                return older
+            damaged.append((older, problem))
+        raise damaged[0][1]
+
+    def _verify(self, path: Path) -> CheckpointError | None:
+        """What is wrong with checkpoint ``path`` (its meta.json and files), or None when it verifies."""
+        try:
+            self.read_meta(path, self.verify)
+        except CheckpointError as error:
+            return error
+        return None
+
+    def _set_aside_damaged(self, damaged: list[tuple[Path, CheckpointError]], intact: Path) -> None:
+        """Rank 0 moves each damaged checkpoint to ``damaged-<name>/``, says so in one line and points ``latest`` at
+        ``intact``; the other ranks wait."""
+        if _rank() == 0:
+            for path, error in damaged:
+                kept = "it does not exist"
+                if path.exists():
+                    target = path.with_name(f"damaged-{path.name}")
+                    if target.exists():
+                        target = path.with_name(f"damaged-{path.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+                    path.rename(target)
+                    kept = f"moved to {target} (kept, not deleted)"
+                print(f"xscale: warning: checkpoint {path.name} is damaged ({_first_line(error)}); {kept}; resuming "
+                      f"from {intact}", flush=True)
+            _write_atomic(self.directory / "latest", intact.name + "\n")
+        _barrier()
+
     @staticmethod
     def read_meta(path: str | Path, verify: str = "size") -> dict[str, Any]:
         """meta.json of checkpoint ``path``, after checking its files (``verify``: full, size or none; collective
@@ -282,7 +341,7 @@ class Checkpointer:
     def load(self, path: str | Path, state: dict[str, Any]) -> dict[str, Any]:
         """Load into ``state`` in place (resharding to its layout); returns the checkpoint's meta."""
         path = Path(path)
-        meta = self.read_meta(path, self.verify)
+        meta = self.read_meta(path, "none" if path == self._verified else self.verify)
         check_fingerprint(meta.get("fingerprint", {}), shape_fingerprint(state.get("model", {})), path)
         load_state(state, path)
         rng_file = path / "rng" / f"rank_{_rank():05d}.pt"

@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("config", help="YAML config of the run")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=1000")
     parser.add_argument("--nodes", type=int, help="nodes (default: launch.nodes)")
+    parser.add_argument("--min-nodes", type=int,
+                        help="elastic: Slurm may start or requeue the job on as few as N nodes (sbatch --nodes=N-MAX); "
+                             "the run keeps train.global_batch_size by gradient accumulation (launch.min_nodes)")
     parser.add_argument("--gpus-per-node", type=int, help="GPUs per node; 0 runs CPU processes (launch.gpus_per_node)")
     parser.add_argument("--nproc-per-node", type=int, help="processes per node on CPU nodes (launch.nproc_per_node)")
     parser.add_argument("--cpus-per-task", type=int,
@@ -81,6 +84,7 @@ def request_from_args(args: argparse.Namespace, config: Config, workdir: Path) -
         config_path=(workdir / args.config).resolve(),
         overrides=list(args.overrides),
         nodes=int(_pick(args.nodes, launch.nodes)),
+        min_nodes=int(_pick(args.min_nodes, launch.min_nodes)) or None,
         gpus_per_node=gpus,
         nproc_per_node=int(nproc),
         time=str(_pick(args.time, launch.time)),

@@ -313,6 +313,7 @@ class CheckpointConfig:
 @dataclass
 class LaunchConfig:
     nodes: int = 1
+    min_nodes: int = 0  # 0: exactly `nodes`; M < nodes: Slurm may start or requeue the job on M..nodes nodes
     gpus_per_node: int = 0  # 0: CPU processes (nproc_per_node)
     nproc_per_node: int = 1
     partition: str | None = None

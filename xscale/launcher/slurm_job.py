@@ -51,6 +51,11 @@ class JobRequest:
     module: str | None = None  # None: ``-m xscale train``
     cpus_per_task: int | None = None
     extra_sbatch: list[str] = field(default_factory=list)
+    min_nodes: int | None = None  # elastic: Slurm may run (or requeue) the job on min_nodes..nodes nodes
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_nodes is not None and self.min_nodes < self.nodes
 
     @property
     def world_size(self) -> int:
@@ -188,7 +193,18 @@ def check_request(request: JobRequest, config: Config) -> None:
     for line in request.extra_sbatch:
         if "\n" in line:
             raise SubmitError(f"extra sbatch option {line!r} spans several lines")
-    check_layout(config, request.world_size)
+    if request.min_nodes is not None and not 1 <= request.min_nodes <= request.nodes:
+        raise SubmitError(f"--min-nodes={request.min_nodes} must lie in 1..{request.nodes} (--nodes)")
+    if request.elastic and request.launcher != "torchrun":
+        raise SubmitError("--min-nodes needs --launcher torchrun (one agent per node takes the ranks of the nodes "
+                          "given); with srun every node count would need its own task layout")
+    for nodes in range(request.min_nodes if request.elastic else request.nodes, request.nodes + 1):
+        try:
+            check_layout(config, nodes * request.nproc_per_node)
+        except SubmitError as error:
+            if nodes == request.nodes:
+                raise
+            raise SubmitError(f"on {nodes} node(s), which --min-nodes={request.min_nodes} allows: {error}") from None
 
 
 # --------------------------------------------------------------------------- the job script
@@ -270,11 +286,13 @@ def render_script(request: JobRequest) -> str:
     """The complete sbatch script for ``request`` (what --dry-run prints)."""
     log_dir = request.log_dir
     tasks_per_node = 1 if request.launcher == "torchrun" else request.nproc_per_node
-    options = [
-        f"--job-name={request.job_name}",
-        f"--nodes={request.nodes}",
-        f"--ntasks-per-node={tasks_per_node}",
-    ]
+    options = [f"--job-name={request.job_name}"]
+    if request.elastic:
+        # A node range alone starts on the fewest nodes when more are idle (Slurm 22.05, cons_tres): one task per
+        # node, spread, takes every node there is, down to min_nodes when some are drained or down.
+        options += [f"--nodes={request.min_nodes}-{request.nodes}", f"--ntasks={request.nodes}", "--spread-job"]
+    else:
+        options += [f"--nodes={request.nodes}", f"--ntasks-per-node={tasks_per_node}"]
     if request.gpus_per_node:
         options.append(f"--gpus-per-node={request.gpus_per_node}")
     step_cpus = ""
@@ -304,16 +322,18 @@ def render_script(request: JobRequest) -> str:
         *(_sbatch_option(option) for option in options),
         "",
         "set -uo pipefail",
-        f"echo \"xscale: job $SLURM_JOB_ID (restart ${{SLURM_RESTART_COUNT:-0}}) on $SLURM_JOB_NODELIST: "
-        f"{request.nodes} nodes x {request.nproc_per_node} processes = world {request.world_size}\"",
+        "echo \"xscale: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST: "
+        + (f"$SLURM_NNODES of {request.min_nodes}-{request.nodes} nodes x {request.nproc_per_node} processes "
+           f"= world $((SLURM_NNODES * {request.nproc_per_node}))\"" if request.elastic else
+           f"{request.nodes} nodes x {request.nproc_per_node} processes = world {request.world_size}\""),
         "",
         *_requeue_lines(request),
         "",
         HEAD_NODE_LINES,
     ]
     if request.launcher == "torchrun":
+        step_tasks = ' --ntasks="$SLURM_NNODES"' if request.elastic else ""  # one agent per node it was given
         torchrun_options = [
-            f"--nnodes={request.nodes}",
             f"--nproc-per-node={request.nproc_per_node}",
             "--rdzv-backend=c10d",
             f"--max-restarts={int(request.max_restarts)}",
@@ -321,8 +341,12 @@ def render_script(request: JobRequest) -> str:
         lines += [
             "# One torchrun agent per node; node 0 hosts the c10d rendezvous store (is_host=1).",
             "# shellcheck disable=SC2016  # the single-quoted command expands on each node",
-            f"srun --ntasks-per-node=1{step_cpus} --kill-on-bad-exit=1 bash -c " + TORCHRUN_NODE_COMMAND + " \\",
-            f"    {shlex.quote(request.python)} {_quote(torchrun_options)} \\",
+            f"srun --ntasks-per-node=1{step_tasks}{step_cpus} --kill-on-bad-exit=1 bash -c " + TORCHRUN_NODE_COMMAND
+            + " \\",
+            # elastic: the nodes this start of the job was given (a requeue may get fewer or more)
+            f"    {shlex.quote(request.python)} "
+            + ('--nnodes="$SLURM_NNODES" ' if request.elastic else f"--nnodes={request.nodes} ")
+            + f"{_quote(torchrun_options)} \\",
             '    --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="xscale-$SLURM_JOB_ID" \\',
             f"    {_quote(request.program)} &",
         ]

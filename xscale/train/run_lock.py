@@ -22,22 +22,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from xscale.runtime.processes import process_alive
+
 LOCK_NAME = ".xscale.lock"
 STALE_AFTER_S = 300.0
 
 
 class RunLocked(RuntimeError):
     """Another live job holds the output directory; the message names it and what to do."""
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _holder() -> dict[str, Any]:
@@ -50,7 +42,7 @@ def stale_reason(holder: dict[str, Any], age_s: float) -> str | None:
     here = socket.gethostname()
     if holder.get("host") == here and holder.get("pid") == os.getpid():
         return "held by this process"
-    if holder.get("host") == here and not _process_alive(int(holder.get("pid", -1))):
+    if holder.get("host") == here and not process_alive(int(holder.get("pid", -1))):
         return f"its process {holder.get('pid')} is gone"
     job = os.environ.get("SLURM_JOB_ID")
     if job is not None and holder.get("slurm_job_id") == job:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from xscale.checkpoint.checkpointer import Checkpointer, CheckpointError, step_dir_name
+from xscale.checkpoint.elastic import elastic_micro_batch
 from xscale.checkpoint.init_sources import WEIGHTS_ONLY, fill_from_source, init_source_prefix
 from xscale.config.schema import Config, ConfigError
 from xscale.data import (
@@ -203,6 +204,7 @@ class Trainer:
         self.model.data_parallel.settle()  # parameters still arriving from the last step's all-gather
         meta = {"config": self.config.to_dict(), "sampler": self.sampler.state_dict(),
                 "world_size": self.world_size, "layout": self.dims.describe(), "num_params": self.num_params,
+                "data_parallel": self.dp_size, "micro_batch_size": self.model.micro_batch_size,
                 "parent": self.parent, "schedule": schedule_parameters(self.config.train),
                 "loggers": self.metrics.state_dict()}
         if self.source_tokens is not None:
@@ -231,11 +233,11 @@ class Trainer:
                            self.model.micro_batch_size)
 
     def resume(self) -> bool:
-        """Load the checkpoint named by checkpoint.resume (auto: the latest, if any); with none to resume, start from
+        """Load the checkpoint named by checkpoint.resume (auto: the newest that verifies, if any); with none to resume, start from
         checkpoint.init_from's weights when it names some."""
         self.model.data_parallel.settle()
         choice = self.config.checkpoint.resume
-        path = None if choice == "none" else self.checkpointer.latest() if choice == "auto" else Path(choice)
+        path = None if choice == "none" else self.checkpointer.newest_intact() if choice == "auto" else Path(choice)
         if path is None:
             self.initialize_from()
             return False
@@ -251,6 +253,11 @@ class Trainer:
         meta = self.checkpointer.load(path, state)
         self.model.load_state_dict(state, self.optimizer)
         self.step = int(meta["step"])
+        train = self.config.train
+        elastic = elastic_micro_batch(meta, train.global_batch_size, self.dp_size, train.micro_batch_size)
+        if elastic is not None and self.model.pipeline is None:  # a pipeline's microbatches are its own setting
+            self.model.micro_batch_size = elastic[0]
+            self._announce(elastic[1])
         try:
             self.sampler.load_state_dict(meta["sampler"])
         except ValueError as error:

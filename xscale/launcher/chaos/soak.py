@@ -5,8 +5,8 @@ The soak starts ``python -m torch.distributed.run ... -m xscale train`` with ``$
 run's ``metrics.jsonl`` as it grows (stamping each step with the time it appeared) and the job's output (stamping
 the lines that show a fault was noticed), and injects each outside fault once the run has logged its step and
 recovered from the previous one. A job that ends before the last step (the agent killed, a preemption, restarts
-used up) is started again from ``latest``, as a Slurm requeue would; a newest checkpoint found damaged is skipped by
-starting from the one before (``checkpoint.resume=<that step>``, which moves the damaged one aside).
+used up) is started again, as a Slurm requeue would; a newest checkpoint found damaged is moved aside by the job
+itself (``checkpoint.resume=auto`` falls back to the newest one that verifies).
 """
 
 from __future__ import annotations
@@ -49,13 +49,13 @@ from xscale.launcher.chaos.report import (
     median_lost,
     median_parts,
 )
+from xscale.runtime.processes import process_alive
 
 POLL_S = 0.02
 # Output that shows the job noticed a fault: xscale's own lines (watchdog, a refused step or save, a stop) and
 # torchrun's about failed or signalled workers.
 NOTICED = re.compile(r"xscale watchdog|xscale train:|stop requested|exitcode|SignalException|Received Signals"
                      r"|Connection closed by peer|Connection reset|ProcessGroupGloo|[Tt]raceback")
-DAMAGED = re.compile(r"truncated or corrupt|does not match the SHA-256")
 UNPLANNED_FAILURES = 3  # job failures no fault explains before the soak gives up
 
 
@@ -211,8 +211,6 @@ class Soak:
                     if truncate:
                         timeline.rollbacks.append(f"cut {truncate_newest(run_dir / 'checkpoints')} in half")
                         truncate = False
-                    elif DAMAGED.search(job.text()):
-                        timeline.rollbacks.append(set_aside_newest(run_dir / "checkpoints"))
                     job = self.start(files, run_dir, timeline)
                 elif pending and pending[0].kind not in IN_WORKER and self._due(pending[0], timeline):
                     fault = pending.pop(0)
@@ -276,9 +274,9 @@ class Soak:
         """The last start's workers are gone (a killed agent's workers follow it; a stopped one is killed)."""
         deadline = time.time() + timeout_s
         for pid in worker_pids(files, self.options.nproc).values():
-            while _alive(pid) and time.time() < deadline:
+            while process_alive(pid) and time.time() < deadline:
                 time.sleep(POLL_S)
-            if _alive(pid):
+            if process_alive(pid):
                 _signal(pid, signal.SIGCONT)
                 _signal(pid, signal.SIGKILL)
 
@@ -293,19 +291,6 @@ def worker_pids(files: ChaosFiles, nproc: int) -> dict[int, int]:
     return pids
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (exited, not yet reaped by its parent) is gone for our purposes
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
 def _signal(pid: int | None, signum: signal.Signals) -> None:
     if pid is None:
         return
@@ -315,10 +300,6 @@ def _signal(pid: int | None, signum: signal.Signals) -> None:
         pass
 
 
-def step_directories(checkpoints: Path) -> list[Path]:
-    return sorted(p for p in checkpoints.glob("step_*") if p.is_dir() and (p / "meta.json").is_file())
-
-
 def truncate_newest(checkpoints: Path) -> str:
     """Cut the largest file of the checkpoint ``latest`` names to half its size; returns its path."""
     newest = checkpoints / (checkpoints / "latest").read_text().strip()
@@ -326,26 +307,6 @@ def truncate_newest(checkpoints: Path) -> str:
     size = largest.stat().st_size
     os.truncate(largest, size // 2)
     return str(largest)
-
-
-def set_aside_newest(checkpoints: Path) -> str:
-    """What an operator does when ``latest`` is damaged: move it to ``damaged-<name>`` and name the one before
-    ``latest`` (``checkpoint.resume=auto`` does not fall back by itself)."""
-    marker = checkpoints / "latest"
-    newest = checkpoints / marker.read_text().strip()
-    older = [p for p in step_directories(checkpoints) if p.name < newest.name]
-    newest.rename(newest.with_name(f"damaged-{newest.name}"))
-    if older:
-        write_text_atomic(marker, older[-1].name + "\n")
-    else:
-        marker.unlink()
-    return f"the newest checkpoint {newest.name} is damaged: moved aside, resumed from {older[-1].name if older else 'the start'}"
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    temporary = path.with_name(f".{path.name}.soak")
-    temporary.write_text(text)
-    os.replace(temporary, path)
 
 
 # ---------------------------------------------------------------------- the comparison and the summary
