@@ -130,6 +130,11 @@ class TransformerBlock(nn.Module):
 
     residual_class: type[Residual] = Residual
 
+    @classmethod
+    def residual_names(cls, cross: bool) -> tuple[str, ...]:
+        """The block's residuals in the order they run (Admin's omega_i counts them, :mod:`xscale.models.init`)."""
+        return ("attention", "cross_attention", "feed_forward") if cross else ("attention", "feed_forward")
+
     def __init__(self, config: ModelConfig, layer_index: int, *, causal: bool, cross: bool = False,
                  uses_bias: bool = False, mixes_values: bool = False, options: object = None) -> None:
         super().__init__()

@@ -18,6 +18,7 @@ from torch import nn
 from xscale.config.schema import ModelConfig
 from xscale.models.blocks.gtrxl import GATE_BIAS
 from xscale.models.deepnorm import deepnorm_init_std
+from xscale.models.registry import BLOCK
 from xscale.runtime.hooks import ResetsBuffers
 
 # Output projections of residual branches: std scaled by 1/sqrt(2 * layers) (GPT-2, Radford et al. 2019).
@@ -58,12 +59,13 @@ def admin_omega(name: str, config: ModelConfig) -> float:
     """Admin's omega_i = sqrt(sum_{j<i} Var[f_j]) (Liu et al. 2020, sec. 4.3) in closed form: counting the
     embedding and each earlier residual branch of the stack as one unit of variance (a post-norm block's branches
     read normalised inputs), the i-th residual (1-based: attention, cross-attention, FFN of each layer in turn)
-    gets omega_i = sqrt(i). ``name``: ``<stack>.layers.<l>.<attention|cross_attention|feed_forward>.gain.admin_omega``."""
-    parts = name.split(".")
-    layer, residual = int(parts[parts.index("layers") + 1]), parts[parts.index("layers") + 2]
-    with_cross = parts[0] == "decoder" and config.family == "encoder_decoder"
-    order = ("attention", "cross_attention", "feed_forward") if with_cross else ("attention", "feed_forward")
-    return math.sqrt(layer * len(order) + order.index(residual) + 1)
+    gets omega_i = sqrt(i), the residuals of a block in the order its kind runs them (``residual_names``).
+    ``name``: ``<stack>.layers.<l>.<residual>.gain.admin_omega``."""
+    stack, rest = name.split(".layers.", 1)
+    layer, residual = rest.removesuffix(".gain.admin_omega").split(".", 1)
+    with_cross = stack == "decoder" and config.family == "encoder_decoder"
+    order = BLOCK.get(config.block.kind).residual_names(with_cross)
+    return math.sqrt(int(layer) * len(order) + order.index(residual) + 1)
 
 
 def copy_into(param: torch.Tensor, full: torch.Tensor) -> None:

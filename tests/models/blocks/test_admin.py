@@ -39,3 +39,12 @@ def test_admin_residual_is_layernorm_of_omega_x_plus_f_x_with_gradients() -> Non
 def test_default_init_keeps_the_standard_state_dict() -> None:
     names = {name for name, _ in build_model(ModelConfig(**ADMIN | {"init": "normal"}), seed=0).named_parameters()}
     assert not any("admin_omega" in name for name in names)
+
+
+def test_omega_counts_a_macaron_blocks_first_ffn_and_a_sandwich_blocks_sub_layers() -> None:
+    macaron = build_model(ModelConfig(**ADMIN | {"block": "macaron"}), seed=0)
+    omega = dict(macaron.named_parameters())["stack.layers.1.feed_forward_first.gain.admin_omega"]
+    assert float(omega.detach()[0]) == pytest.approx(math.sqrt(4), rel=1e-6)  # after the 3 residuals of layer 0
+    sandwich = build_model(ModelConfig(**ADMIN | {"block": "sandwich"}), seed=0)
+    omega = dict(sandwich.named_parameters())["stack.layers.2.sublayers.1.gain.admin_omega"]
+    assert float(omega.detach()[0]) == pytest.approx(math.sqrt(6), rel=1e-6)

@@ -26,6 +26,7 @@ def _validate(*overrides: str) -> None:
     (["model.block={kind: sandwich, options: {pattern: sfsf}}", "model.n_layers=3"], r"must have 3 's' and 3 'f'"),
     (["model.block={kind: sandwich, options: {depth: 2}}"], r"depth"),
     (["model.block=macron"], r"model.block='macron' is not a known block.*macaron"),
+    (["model.block=gtrxl", "model.norm_placement=post"], r"gtrxl reads norm\(x\) .* set model.norm_placement=pre"),
     (["model.init=admin"], r"model.init=admin scales post-norm residuals .* set model.norm_placement=post"),
 ])
 def test_refused_with_the_reason_and_the_fix(overrides, message) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from xscale.config.schema import ModelConfig
+from xscale.config.schema import ConfigError, ModelConfig
 from xscale.models.block import Residual, TransformerBlock
 from xscale.models.blocks.kind import OWN_ORDER, UNPLANNED_TP, BlockTraits
 from xscale.models.registry import BLOCK
@@ -61,6 +61,12 @@ class GatedBlock(TransformerBlock):
     ``model.norm_placement=pre`` (the identity-map reordering)."""
 
     residual_class = GatedResidual
+
+    @classmethod
+    def check(cls, model: ModelConfig, options: object) -> None:
+        if model.norm_placement != "pre":
+            raise ConfigError(f"model.block=gtrxl reads norm(x) in each branch (the identity-map reordering); set "
+                              f"model.norm_placement=pre (it is {model.norm_placement})")
     block_traits = BlockTraits(
         tp=UNPLANNED_TP, other_stacks=OWN_ORDER,
         carried_scores=Refusal("the gate reads one tensor, and RealFormer's attention returns its scores beside it"))

@@ -26,6 +26,10 @@ class MacaronBlock(TransformerBlock):
 
     block_traits = BlockTraits(tp=UNPLANNED_TP, other_stacks=OWN_ORDER)
 
+    @classmethod
+    def residual_names(cls, cross: bool) -> tuple[str, ...]:
+        return ("feed_forward_first", *super().residual_names(cross))
+
     def __init__(self, config: ModelConfig, layer_index: int, **kwargs) -> None:
         super().__init__(config, layer_index, **kwargs)
         in_decoder = self.cross_attention is not None

@@ -82,6 +82,10 @@ class SandwichBlock(nn.Module):
     compression = None
 
     @classmethod
+    def residual_names(cls, cross: bool) -> tuple[str, ...]:
+        return tuple(f"sublayers.{index}" for index in range(SUBLAYERS_PER_BLOCK))
+
+    @classmethod
     def check(cls, model: ModelConfig, options: SandwichOptions) -> None:
         check_sandwich_pattern(sandwich_pattern(options, model.n_layers), model.n_layers,
                                "model.block.options.pattern")

@@ -1,0 +1,25 @@
+"""The block kinds and Admin under the layouts they take, at one-process parity (10 steps, dropout 0.1, gradient
+norms too): each kind under dp_shard=2 x ZeRO-3 (FSDP2 gathers each block's parameters, whatever it holds), Admin's
+omega under tp=2 with sequence parallelism (the plan replicates a residual's gain on the stream). The kinds refuse tp
+by name (test_block_checks.py)."""
+
+from __future__ import annotations
+
+import pytest
+from parity_models import DECODER, DROPOUT, assert_parity
+
+CASES = {
+    "macaron-admin": (["model.block=macaron", "model.norm=layernorm", "model.norm_placement=post",
+                       "model.init=admin"], "dp_shard=2,zero_stage=3"),
+    "sandwich": (["model.block={kind: sandwich, options: {pattern: ssff}}"], "dp_shard=2,zero_stage=3"),
+    "gtrxl": (["model.block=gtrxl"], "dp_shard=2,zero_stage=3"),
+    "admin-tp": (["model.norm=layernorm", "model.norm_placement=post", "model.init=admin"],
+                 "tp=2,sequence_parallel=true"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_block_kind_under_the_layouts_it_takes(case, tmp_path) -> None:
+    overrides, layout = CASES[case]
+    assert_parity([*DECODER, *DROPOUT, "model.max_seq_len=16", *overrides], [layout], tmp_path, same_grad_norms=True)
