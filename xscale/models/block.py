@@ -142,8 +142,8 @@ class TransformerBlock(nn.Module):
         self.layer_index = layer_index
         in_decoder = cross  # an encoder-decoder's decoder (DeepNorm)
         residual = self.residual_class
-        self.attention = residual(config, Attention(config, layer_index, causal=causal, uses_bias=uses_bias,
-                                                    mixes_values=mixes_values), in_decoder)
+        self.attention = residual(config, self.self_attention(config, layer_index, causal=causal, uses_bias=uses_bias,
+                                                              mixes_values=mixes_values), in_decoder)
         self.cross_attention = (
             residual(config, Attention(config, layer_index, causal=False, cross=True), in_decoder) if cross else None
         )
@@ -151,6 +151,11 @@ class TransformerBlock(nn.Module):
         self.carries_scores = self.attention.sublayer.core.carries_scores
         # The Compressive Transformer's f_c for the states leaving this layer's memory (Rae et al. 2020).
         self.compression = MemoryCompression(config) if config.compressed_memory and not cross else None
+
+    def self_attention(self, config: ModelConfig, layer_index: int, **kwargs) -> nn.Module:
+        """The self-attention sub-layer (kwargs: causal, uses_bias, mixes_values); Lite Transformer's LSRA replaces
+        it (:mod:`xscale.models.blocks.lite`)."""
+        return Attention(config, layer_index, **kwargs)
 
     def forward(self, x: torch.Tensor, position: PositionEncoding | None = None, memory: torch.Tensor | None = None,
                 scores: torch.Tensor | None = None, context: StepContext | None = None,

@@ -27,6 +27,10 @@ def _validate(*overrides: str) -> None:
     (["model.block={kind: sandwich, options: {depth: 2}}"], r"depth"),
     (["model.block=macron"], r"model.block='macron' is not a known block.*macaron"),
     (["model.block=gtrxl", "model.norm_placement=post"], r"gtrxl reads norm\(x\) .* set model.norm_placement=pre"),
+    (["model.block=lite", "model.position=alibi"], r"model.position=alibi keeps per-head .* use one of rope"),
+    (["model.block={kind: lite, options: {conv_heads: 3}}"], r"16 channels do not split into conv_heads=3"),
+    (["model.block=lite", "model.n_heads=1"], r"make model.n_heads=1, model.n_kv_heads and model.d_model=32 even"),
+    (["model.block=lite", "parallel.activation_checkpointing=selective"], r"LSRA's sits one module deeper"),
     (["model.init=admin"], r"model.init=admin scales post-norm residuals .* set model.norm_placement=post"),
 ])
 def test_refused_with_the_reason_and_the_fix(overrides, message) -> None:
