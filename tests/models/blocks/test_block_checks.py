@@ -31,6 +31,9 @@ def _validate(*overrides: str) -> None:
     (["model.block={kind: lite, options: {conv_heads: 3}}"], r"16 channels do not split into conv_heads=3"),
     (["model.block=lite", "model.n_heads=1"], r"make model.n_heads=1, model.n_kv_heads and model.d_model=32 even"),
     (["model.block=lite", "parallel.activation_checkpointing=selective"], r"LSRA's sits one module deeper"),
+    (["model.block=evolved", "model.norm_placement=post"], r"evolved is the paper's pre-norm cell"),
+    (["model.block=evolved", "model.segment_memory=8", "model.position=xl", "data.order=streams"],
+     r"does not take model.segment_memory > 0"),
     (["model.init=admin"], r"model.init=admin scales post-norm residuals .* set model.norm_placement=post"),
 ])
 def test_refused_with_the_reason_and_the_fix(overrides, message) -> None:

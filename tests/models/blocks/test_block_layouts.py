@@ -13,6 +13,7 @@ CASES = {
                        "model.init=admin"], "dp_shard=2,zero_stage=3"),
     "sandwich": (["model.block={kind: sandwich, options: {pattern: ssff}}"], "dp_shard=2,zero_stage=3"),
     "gtrxl": (["model.block=gtrxl"], "dp_shard=2,zero_stage=3"),
+    "evolved": (["model.block=evolved"], "dp_shard=2,zero_stage=3"),
     "lite": (["model.block={kind: lite, options: {kernel_size: 3, conv_heads: 2}}"], "dp_shard=2,zero_stage=3"),
     "admin-tp": (["model.norm=layernorm", "model.norm_placement=post", "model.init=admin"],
                  "tp=2,sequence_parallel=true"),

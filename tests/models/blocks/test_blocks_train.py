@@ -18,6 +18,7 @@ CASES = {
     "macaron": dict(block="macaron"),
     "sandwich": dict(n_layers=3, block=Component("sandwich", {"coefficient": 1})),
     "gtrxl": dict(block="gtrxl"),
+    "evolved": dict(block="evolved"),
     "lite": dict(block=Component("lite", {"kernel_size": 3, "conv_heads": 4})),
     "admin": dict(norm="layernorm", norm_placement="post", init="admin"),
 }
