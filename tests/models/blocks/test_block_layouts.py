@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 from parity_models import DECODER, DROPOUT, assert_parity
 
+from xscale.models.registry import BLOCK
+
 CASES = {
     "macaron-admin": (["model.block=macaron", "model.norm=layernorm", "model.norm_placement=post",
                        "model.init=admin"], "dp_shard=2,zero_stage=3"),
@@ -20,6 +22,14 @@ CASES = {
     "admin-tp": (["model.norm=layernorm", "model.norm_placement=post", "model.init=admin"],
                  "tp=2,sequence_parallel=true"),
 }
+
+
+def test_every_block_kind_has_a_layout_case() -> None:
+    """A kind registered without a case here would never be checked against the single process (standard: every
+    other parity test runs it)."""
+    covered = {override.split("=", 1)[1].removeprefix("{kind: ").split(",")[0].rstrip("}")
+               for overrides, _ in CASES.values() for override in overrides if override.startswith("model.block=")}
+    assert covered == set(BLOCK.names()) - {"standard"}, "block kinds without a layout case"
 
 
 @pytest.mark.slow
