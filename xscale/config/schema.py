@@ -97,7 +97,7 @@ class MoEConfig(NamesComponents):
 class ModelConfig(NamesComponents):
     """The Transformer: family, width, depth and the named component of each kind."""
 
-    COMPONENTS: ClassVar[tuple[str, ...]] = ("position", "norm", "ffn", "stack")
+    COMPONENTS: ClassVar[tuple[str, ...]] = ("position", "norm", "ffn", "stack", "block")
 
     family: str = "decoder"  # decoder | encoder | encoder_decoder
     vocab_size: int = 0  # 0: the tokenizer's (or the dataset's) vocabulary, padded to 128 x parallel.tp
@@ -121,9 +121,12 @@ class ModelConfig(NamesComponents):
     share_layers: bool = False  # ALBERT / Universal Transformer: one block reused across depth
     # How the stack runs its blocks: plain | reversible | act | funnel | early_exit (xscale.models.stacks)
     stack: Component = field(default_factory=lambda: Component("plain"))
+    # What one block holds and in which order: standard | macaron | sandwich | gtrxl (xscale.models.blocks)
+    block: Component = field(default_factory=lambda: Component("standard"))
     lm_head_transform: bool = False  # BERT MLM head: dense + act + norm before the vocab projection
     lm_head_bias: bool = False
     init_std: float = 0.02
+    init: str = "normal"  # normal | admin (Liu et al. 2020: post-norm residuals scaled by omega, docs/variants.md)
     num_classes: int = 0  # > 0: a sequence-classification head (train.task=classify fills it from the labels)
     pooling: str = "cls"  # classification: cls (a class token prepended) | mean | max (over the real tokens)
     input: str = "tokens"  # tokens (ids) | patches (ViT: images cut into patch_size^2 patches, docs/classification.md)
@@ -365,6 +368,7 @@ CHOICES = {
     "model.moe.second_expert_policy": ("sampling", "all"),
     "data.order": ("shuffled", "streams"),
     "model.compression": ("conv", "mean"),
+    "model.init": ("normal", "admin"),
 }
 
 

@@ -7,7 +7,11 @@ Placement (Xiong et al. 2020; Ding et al. 2021 for sandwich; Bachlechner et al. 
   rezero:   x = x + alpha f(x), alpha a learned scalar initialised to 0, no norm
   deepnorm: x = norm(alpha x + f(x)), alpha fixed by the depth (:mod:`xscale.models.deepnorm`, with its init)
 These are placements, not norms: they say how the residual and the norm (model.norm) combine, and deepnorm still
-uses model.norm. Only pre and sandwich end a stack with a final norm.
+uses model.norm. Only pre and sandwich end a stack with a final norm. With ``model.init=admin`` (Liu et al. 2020,
+eq. 7) a post-norm residual is x = norm(omega * x + f(x)), omega a learned vector set by :mod:`xscale.models.init`.
+
+:class:`TransformerBlock` is the ``standard`` block kind (``model.block``): attention, cross-attention, FFN; the other
+kinds (Macaron, Sandwich orderings, GTrXL gates) live in :mod:`xscale.models.blocks`, one file each.
 
 A block whose attention core ``carries_scores`` (RealFormer, He et al. 2020) takes the previous layer's
 pre-softmax scores and returns ``(x, scores)``: the scores ride beside the residual stream, so a pipeline
@@ -46,19 +50,37 @@ class ReZeroGain(nn.Module):
         return self.rezero_alpha.to(x.dtype) * x
 
 
+class AdminOmega(nn.Module):
+    """Admin's omega (Liu et al. 2020, eq. 7): a learned vector scaling the residual stream before a post-norm
+    residual adds the branch; its initial value depends on the sub-layer's depth (:mod:`xscale.models.init`)."""
+
+    def __init__(self, d_model: int) -> None:
+        super().__init__()
+        self.admin_omega = nn.Parameter(torch.ones(d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.admin_omega.to(x.dtype) * x
+
+
 class Residual(nn.Module):
     """A sub-layer with its norm(s), dropout and residual connection, in the configured placement.
-    ``in_decoder``: the block is in an encoder-decoder's decoder (DeepNorm's alpha differs there)."""
+    ``in_decoder``: the block is in an encoder-decoder's decoder (DeepNorm's alpha differs there).
+    ``branch_scale``: the branch is added times this factor (Macaron's half steps, Lu et al. 2019).
+    ``gain``: the learned module acting on the stream (ReZero's alpha on the branch, Admin's omega on x)."""
 
-    def __init__(self, config: ModelConfig, sublayer: nn.Module, in_decoder: bool = False) -> None:
+    def __init__(self, config: ModelConfig, sublayer: nn.Module, in_decoder: bool = False,
+                 branch_scale: float = 1.0) -> None:
         super().__init__()
         self.placement = config.norm_placement
         self.sublayer = sublayer
+        self.branch_scale = branch_scale
         self.norm = None if self.placement == "rezero" else build_norm(config.norm, config.d_model)
         if self.placement == "sandwich":
             self.norm_out = build_norm(config.norm, config.d_model)
         if self.placement == "rezero":
             self.gain = ReZeroGain()
+        if config.init == "admin":  # the config check allows it with the post placement only
+            self.gain = AdminOmega(config.d_model)
         self.residual_scale = deepnorm_scales(config, in_decoder)[0] if self.placement == "deepnorm" else 1.0
         self.dropout = Dropout(config.dropout)
 
@@ -71,7 +93,8 @@ class Residual(nn.Module):
             return x + out if carry is None else (x + out, carry)
         out = self.sublayer(x, *args, context=context, **kwargs)
         out, carry = out if isinstance(out, tuple) else (out, None)
-        x = self.norm(self.residual_scale * x + self.dropout(out, context))
+        kept = self.gain(x) if hasattr(self, "gain") else self.residual_scale * x
+        x = self.norm(kept + self.branch_scale * self.dropout(out, context))
         return x if carry is None else (x, carry)
 
     def branch(self, x: torch.Tensor, *args, context: StepContext | None = None,
@@ -89,6 +112,8 @@ class Residual(nn.Module):
         out = self.dropout(out, context)
         if self.placement == "rezero":
             out = self.gain(out)
+        if self.branch_scale != 1.0:
+            out = self.branch_scale * out
         return out if carry is None else (out, carry)
 
 
@@ -99,20 +124,38 @@ def build_feed_forward(config: ModelConfig, layer_index: int) -> nn.Module:
 
 
 class TransformerBlock(nn.Module):
+    """The ``standard`` block (Vaswani et al. 2017): x <- R(x, attention); x <- R(x, cross-attention) in a decoder
+    of an encoder-decoder; x <- R(x, FFN), R the residual in ``model.norm_placement``. A block kind that changes
+    only the residual sets :attr:`residual_class` (GTrXL's gate, :mod:`xscale.models.blocks.gtrxl`)."""
+
+    residual_class: type[Residual] = Residual
+
+    @classmethod
+    def residual_names(cls, cross: bool) -> tuple[str, ...]:
+        """The block's residuals in the order they run (Admin's omega_i counts them, :mod:`xscale.models.init`)."""
+        return ("attention", "cross_attention", "feed_forward") if cross else ("attention", "feed_forward")
+
     def __init__(self, config: ModelConfig, layer_index: int, *, causal: bool, cross: bool = False,
-                 uses_bias: bool = False, mixes_values: bool = False) -> None:
+                 uses_bias: bool = False, mixes_values: bool = False, options: object = None) -> None:
         super().__init__()
+        self.options = options
         self.layer_index = layer_index
         in_decoder = cross  # an encoder-decoder's decoder (DeepNorm)
-        self.attention = Residual(config, Attention(config, layer_index, causal=causal, uses_bias=uses_bias,
-                                                    mixes_values=mixes_values), in_decoder)
+        residual = self.residual_class
+        self.attention = residual(config, self.self_attention(config, layer_index, causal=causal, uses_bias=uses_bias,
+                                                              mixes_values=mixes_values), in_decoder)
         self.cross_attention = (
-            Residual(config, Attention(config, layer_index, causal=False, cross=True), in_decoder) if cross else None
+            residual(config, Attention(config, layer_index, causal=False, cross=True), in_decoder) if cross else None
         )
-        self.feed_forward = Residual(config, build_feed_forward(config, layer_index), in_decoder)
+        self.feed_forward = residual(config, build_feed_forward(config, layer_index), in_decoder)
         self.carries_scores = self.attention.sublayer.core.carries_scores
         # The Compressive Transformer's f_c for the states leaving this layer's memory (Rae et al. 2020).
         self.compression = MemoryCompression(config) if config.compressed_memory and not cross else None
+
+    def self_attention(self, config: ModelConfig, layer_index: int, **kwargs) -> nn.Module:
+        """The self-attention sub-layer (kwargs: causal, uses_bias, mixes_values); Lite Transformer's LSRA replaces
+        it (:mod:`xscale.models.blocks.lite`)."""
+        return Attention(config, layer_index, **kwargs)
 
     def forward(self, x: torch.Tensor, position: PositionEncoding | None = None, memory: torch.Tensor | None = None,
                 scores: torch.Tensor | None = None, context: StepContext | None = None,

@@ -16,7 +16,9 @@ import torch
 from torch import nn
 
 from xscale.config.schema import ModelConfig
+from xscale.models.blocks.gtrxl import GATE_BIAS
 from xscale.models.deepnorm import deepnorm_init_std
+from xscale.models.registry import BLOCK
 from xscale.runtime.hooks import ResetsBuffers
 
 # Output projections of residual branches: std scaled by 1/sqrt(2 * layers) (GPT-2, Radford et al. 2019).
@@ -37,6 +39,10 @@ def initial_value(name: str, shape: torch.Size, config: ModelConfig, seed: int) 
         return torch.ones(shape) if leaf == "weight" else torch.zeros(shape)
     if leaf == "bias" or leaf == "rezero_alpha":  # ReZero's alpha starts at 0 (Bachlechner et al. 2020)
         return torch.zeros(shape)
+    if leaf == "gate_bias":  # GTrXL's b_g: each gate starts near the identity (Parisotto et al. 2019)
+        return torch.full(shape, GATE_BIAS)
+    if leaf == "admin_omega":
+        return torch.full(shape, admin_omega(name, config))
     generator = torch.Generator().manual_seed(parameter_seed(seed, name))
     std = config.init_std
     deepnorm_std = deepnorm_init_std(name, tuple(shape), config) if config.norm_placement == "deepnorm" else None
@@ -47,6 +53,19 @@ def initial_value(name: str, shape: torch.Size, config: ModelConfig, seed: int) 
     if "router" in name:
         std = std * 0.1  # small router init (Switch, Fedus et al. 2021, sec. 2.4)
     return torch.randn(shape, generator=generator) * std
+
+
+def admin_omega(name: str, config: ModelConfig) -> float:
+    """Admin's omega_i = sqrt(sum_{j<i} Var[f_j]) (Liu et al. 2020, sec. 4.3) in closed form: counting the
+    embedding and each earlier residual branch of the stack as one unit of variance (a post-norm block's branches
+    read normalised inputs), the i-th residual (1-based: attention, cross-attention, FFN of each layer in turn)
+    gets omega_i = sqrt(i), the residuals of a block in the order its kind runs them (``residual_names``).
+    ``name``: ``<stack>.layers.<l>.<residual>.gain.admin_omega``."""
+    stack, rest = name.split(".layers.", 1)
+    layer, residual = rest.removesuffix(".gain.admin_omega").split(".", 1)
+    with_cross = stack == "decoder" and config.family == "encoder_decoder"
+    order = BLOCK.get(config.block.kind).residual_names(with_cross)
+    return math.sqrt(int(layer) * len(order) + order.index(residual) + 1)
 
 
 def copy_into(param: torch.Tensor, full: torch.Tensor) -> None:

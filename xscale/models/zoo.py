@@ -1,6 +1,7 @@
 """Imports every component module so that each registers itself."""
 
 import xscale.models.attention  # noqa: F401
+import xscale.models.blocks  # noqa: F401
 import xscale.models.ffn  # noqa: F401
 import xscale.models.moe  # noqa: F401
 import xscale.models.norm  # noqa: F401

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from xscale.config.schema import Config, ModelConfig
-from xscale.models.block import PRE_NORM_PLACEMENTS, TransformerBlock
+from xscale.models.block import PRE_NORM_PLACEMENTS
+from xscale.models.blocks import build_block
 from xscale.models.norm import build_norm
 from xscale.models.position import PositionEncoding, TappedPosition, build_position
 from xscale.models.registry import ATTENTION, NoOptions
@@ -52,8 +53,8 @@ class Stack(nn.Module):
         uses_bias = self.position.biases_logits or self.position.biases_from_content
         built = 1 if config.share_layers else n_layers + self.extra_blocks(config, self.options)
         self.layers = nn.ModuleDict({
-            str(i): TransformerBlock(config, first_index + i, causal=causal, cross=cross, uses_bias=uses_bias,
-                                     mixes_values=self.position.mixes_values)
+            str(i): build_block(config, first_index + i, causal=causal, cross=cross, uses_bias=uses_bias,
+                                mixes_values=self.position.mixes_values)
             for i in range(built)
         })
         self.final_norm = (

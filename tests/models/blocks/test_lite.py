@@ -1,0 +1,69 @@
+"""Lite Transformer's LSRA (Wu et al. 2020): attention on half the channels, a lightweight convolution on the other
+half, against a hand-written loop over tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from xscale.config.schema import Component, ModelConfig
+from xscale.models import build_model
+
+KERNEL, HEADS = 3, 2
+
+
+def _model(family: str = "decoder"):
+    config = ModelConfig(family=family, vocab_size=32, d_model=16, n_layers=2, n_heads=4, max_seq_len=8,
+                         position="rope" if family == "decoder" else "learned",
+                         block=Component("lite", {"kernel_size": KERNEL, "conv_heads": HEADS}))
+    return build_model(config, seed=0)
+
+
+def _convolution_by_hand(convolution, x: torch.Tensor, causal: bool) -> torch.Tensor:
+    """out[t, c] = sum_j softmax(W[h(c)])_j x[t + j - p, c], zero outside the sequence."""
+    weight = torch.softmax(convolution.kernel, dim=-1)
+    length, channels = x.shape[1], x.shape[2]
+    before = KERNEL - 1 if causal else (KERNEL - 1) // 2
+    out = torch.zeros_like(x)
+    for t in range(length):
+        for c in range(channels):
+            for j in range(KERNEL):
+                source = t + j - before
+                if 0 <= source < length:
+                    out[:, t, c] = out[:, t, c] + weight[c // (channels // HEADS), j] * x[:, source, c]
+    return out
+
+
+def _lsra_by_hand(lsra, position, x: torch.Tensor, causal: bool) -> torch.Tensor:
+    branch = lsra.branch
+    local = F.glu(branch.w_in(x[..., 8:]), dim=-1)
+    return torch.cat([lsra.attention(x[..., :8], position),
+                      branch.w_out(_convolution_by_hand(branch.convolution, local, causal))], dim=-1)
+
+
+@pytest.mark.parametrize("family", ["decoder", "encoder"])
+def test_lsra_matches_the_hand_written_loop_outputs_and_gradients(family) -> None:
+    model = _model(family)
+    lsra, position = model.stack.layers["0"].attention.sublayer, model.stack.position
+    with torch.no_grad():
+        lsra.branch.convolution.kernel.normal_()  # not the uniform start, so the kernel's order shows
+    x = torch.randn(2, 6, 16, requires_grad=True)
+    reference_x = x.detach().clone().requires_grad_(True)
+    out = lsra(x, position)
+    torch.testing.assert_close(out, _lsra_by_hand(lsra, position, x, family == "decoder"))
+    out.pow(2).sum().backward()
+    grads = {name: p.grad.clone() for name, p in lsra.named_parameters()}
+    lsra.zero_grad()
+    _lsra_by_hand(lsra, position, reference_x, family == "decoder").pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, reference_x.grad)
+    for name, p in lsra.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)
+
+
+def test_a_decoder_block_reads_no_future_token() -> None:
+    model = _model()
+    tokens = torch.randint(0, 32, (1, 8))
+    changed = tokens.clone()
+    changed[0, 5:] = (changed[0, 5:] + 1) % 32
+    torch.testing.assert_close(model(tokens)[:, :5], model(changed)[:, :5])

@@ -1,0 +1,124 @@
+"""Evolved Transformer blocks (So et al. 2019, "The Evolved Transformer", fig. 3 and appendix): the searched
+encoder cell, four pre-norm residuals,
+
+  x <- x + GLU(norm(x)),  GLU(h) = (W_v h) * sigmoid(W_g h)
+  x <- x + pad_d(SepConv_9x1(norm_4d(ReLU(W_wide h) + pad_4d(ReLU(Conv_3x1(h)))))),  h = norm(x)
+       (W_wide: d -> 4d; Conv_3x1: d -> d/2 channels; SepConv: depthwise 9-wide over 4d, then pointwise 4d -> d/2;
+        pad_n: zeros up to n channels)
+  x <- x + attention(norm(x))
+  x <- x + FFN(norm(x))
+
+Departures: the searched cell is fixed (no architecture search); the same encoder cell serves decoders, with
+causal convolutions (the paper's decoder cell, with its 16-head attention branch and 11x1 / 7x1 convolutions, is
+not built); the FFN is ``model.ffn``. Padded tokens are zeroed before each convolution.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from xscale.config.schema import ConfigError, ModelConfig
+from xscale.models.block import TransformerBlock
+from xscale.models.blocks.kind import OWN_ORDER, UNPLANNED_TP, BlockTraits
+from xscale.models.dropout import Dropout
+from xscale.models.norm import build_norm
+from xscale.models.registry import BLOCK
+from xscale.models.traits import Refusal
+from xscale.runtime import StepContext
+
+NARROW_KERNEL, SEPARABLE_KERNEL = 3, 9  # the searched cell's 3x1 and 9x1 convolutions
+
+
+def causal_or_centred(x: torch.Tensor, width: int, causal: bool) -> torch.Tensor:
+    """(B, C, T) padded along T for a ``width``-wide convolution: past tokens only (causal) or centred."""
+    before = width - 1 if causal else (width - 1) // 2
+    return F.pad(x, (before, width - 1 - before))
+
+
+def pad_channels(x: torch.Tensor, channels: int) -> torch.Tensor:
+    return F.pad(x, (0, channels - x.shape[-1]))
+
+
+def zero_padding(x: torch.Tensor, context: StepContext | None) -> torch.Tensor:
+    if context is None or context.padding_mask is None:
+        return x
+    return x * context.padding_mask.unsqueeze(-1).to(x.dtype)
+
+
+class GatedLinearResidual(nn.Module):
+    """x + GLU(norm(x)) (the cell's first residual)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.norm = build_norm(config.norm, config.d_model)
+        self.w_value = nn.Linear(config.d_model, config.d_model, bias=config.bias)
+        self.w_gate = nn.Linear(config.d_model, config.d_model, bias=config.bias)
+        self.dropout = Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, context: StepContext | None) -> torch.Tensor:
+        h = self.norm(x)
+        return x + self.dropout(self.w_value(h) * torch.sigmoid(self.w_gate(h)), context)
+
+
+class ConvolutionResidual(nn.Module):
+    """The cell's second residual: a wide ReLU branch beside a 3x1 convolution, then a 9x1 separable convolution."""
+
+    def __init__(self, config: ModelConfig, causal: bool) -> None:
+        super().__init__()
+        d, wide = config.d_model, 4 * config.d_model
+        self.causal = causal
+        self.norm = build_norm(config.norm, d)
+        self.w_wide = nn.Linear(d, wide, bias=config.bias)
+        self.narrow_conv = nn.Conv1d(d, d // 2, NARROW_KERNEL, bias=config.bias)
+        self.hidden_norm = build_norm(config.norm, wide)
+        self.depthwise_conv = nn.Conv1d(wide, wide, SEPARABLE_KERNEL, groups=wide, bias=False)
+        self.w_pointwise = nn.Linear(wide, d // 2, bias=config.bias)
+        self.dropout = Dropout(config.dropout)
+
+    def _convolve(self, conv: nn.Conv1d, x: torch.Tensor, context: StepContext | None) -> torch.Tensor:
+        """(B, T, C) -> (B, T, C') through ``conv`` along T."""
+        padded = causal_or_centred(zero_padding(x, context).transpose(1, 2), conv.kernel_size[0], self.causal)
+        return conv(padded).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, context: StepContext | None) -> torch.Tensor:
+        h = self.norm(x)
+        wide = torch.relu(self.w_wide(h))
+        narrow = torch.relu(self._convolve(self.narrow_conv, h, context))
+        hidden = self.hidden_norm(wide + pad_channels(narrow, wide.shape[-1]))
+        out = self.w_pointwise(self._convolve(self.depthwise_conv, hidden, context))
+        return x + self.dropout(pad_channels(out, x.shape[-1]), context)
+
+
+@BLOCK.register("evolved")
+class EvolvedBlock(TransformerBlock):
+    """The searched cell (module docstring): GLU and convolution residuals, then the standard block's attention
+    (and cross-attention in a decoder of an encoder-decoder) and FFN; needs ``model.norm_placement=pre``."""
+
+    block_traits = BlockTraits(
+        tp=UNPLANNED_TP, other_stacks=OWN_ORDER,
+        segment_memory=Refusal("the cell's convolutions would need the previous segment's inputs too"))
+
+    @classmethod
+    def residual_names(cls, cross: bool) -> tuple[str, ...]:
+        return ("gated_linear", "convolutions", *super().residual_names(cross))
+
+    @classmethod
+    def check(cls, model: ModelConfig, options: object) -> None:
+        if model.norm_placement != "pre" or model.d_model % 2:
+            raise ConfigError(f"model.block=evolved is the paper's pre-norm cell with d/2-channel convolutions: set "
+                              f"model.norm_placement=pre (it is {model.norm_placement}) and an even model.d_model")
+
+    def __init__(self, config: ModelConfig, layer_index: int, *, causal: bool, **kwargs) -> None:
+        super().__init__(config, layer_index, causal=causal, **kwargs)
+        self.gated_linear = GatedLinearResidual(config)
+        self.convolutions = ConvolutionResidual(config, causal)
+
+    def forward(self, x: torch.Tensor, *args, context: StepContext | None = None,
+                **kwargs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if context is not None and context.kv_cache is not None:
+            raise ValueError("model.block=evolved: incremental decoding would need the convolutions' past inputs, "
+                             "which the KV cache does not keep; generate with a standard block")
+        x = self.convolutions(self.gated_linear(x, context), context)
+        return super().forward(x, *args, context=context, **kwargs)
