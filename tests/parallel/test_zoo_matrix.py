@@ -95,7 +95,11 @@ STACK_CASES = {"share_layers": None,
                                  "dp_shard=2,zero_stage=3"),
                "gbst": (["model.family=encoder", "model.position=learned", "model.max_seq_len=16", "train.task=classify",
                          "data.dataset=lra_retrieval", "model.vocab_size=272", "model.pooling=mean", "model.stack=gbst"],
-                        "dp_shard=2,zero_stage=3")}
+                        "dp_shard=2,zero_stage=3"),
+               "perceiver": (["model.family=encoder", "model.position=learned", "model.max_seq_len=16",
+                              "train.task=classify", "data.dataset=lra_retrieval", "model.vocab_size=272",
+                              "model.pooling=mean", "model.stack=perceiver", "model.stack.options.latents=4"],
+                             "dp_shard=2,zero_stage=3")}
 
 
 @pytest.mark.parametrize("option,registry", [("attention", ATTENTION), ("ffn", FFN), ("norm", NORM),
