@@ -1,5 +1,5 @@
-"""BASE layers (Lewis et al. 2021): the auction's balanced assignment against every balanced assignment enumerated,
-the router's gates and gradients against a token-by-token loop, greedy routing at test time, the top_k refusal."""
+"""BASE layers (Lewis et al. 2021): the balanced assignment (successive shortest paths) against every balanced
+assignment enumerated, the router's gates and gradients against a token-by-token loop, greedy routing at test time, the top_k refusal."""
 
 from __future__ import annotations
 
@@ -26,14 +26,14 @@ def best_balanced_total(scores: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("tokens,experts,seed", [(6, 3, 0), (8, 2, 1), (7, 3, 2), (8, 4, 3)])
-def test_auction_finds_the_best_balanced_assignment(tokens: int, experts: int, seed: int) -> None:
+def test_finds_the_best_balanced_assignment(tokens: int, experts: int, seed: int) -> None:
     scores = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     assigned = balanced_assignment(scores)
     assert torch.bincount(assigned, minlength=experts).max() <= math.ceil(tokens / experts)
     assert float(scores.gather(1, assigned[:, None]).sum()) == pytest.approx(best_balanced_total(scores), abs=1e-9)
 
 
-def test_auction_balances_tokens_that_all_prefer_one_expert() -> None:
+def test_balances_tokens_that_all_prefer_one_expert() -> None:
     scores = torch.tensor([[5.0, 0.0], [4.0, 0.0], [3.0, 0.0], [2.0, 0.0]])
     assert balanced_assignment(scores).tolist() == [0, 0, 1, 1]
 

@@ -7,22 +7,24 @@ and a token's output is h_t + sigma(h_t . w_{a_t}) f_{a_t}(h_t) (eq. 2; the bloc
 goes to its highest-scoring expert (greedy, sec. 2.3). No load-balancing loss: the assignment is balanced by
 construction.
 
-The assignment is solved with Bertsekas' auction algorithm (forward auction, Jacobi bidding) treating each expert's
-c = ceil(n / E) places as similar objects (Bertsekas and Castanon 1989): an unassigned token bids for its best expert
-by the gap between its best and second-best expert values plus epsilon; an expert holds its c highest bids and asks
-the lowest of them. The result is within n * epsilon of the optimum, epsilon = 1e-3 / n of the scores' spread (so
-the optimum wherever the best and second-best assignments differ by more than a thousandth of the spread).
+The assignment is solved exactly, as the transportation problem it is (n tokens of supply 1, E experts of capacity
+c = ceil(n / E)), by successive shortest augmenting paths over the E experts (:func:`balanced_assignment`):
+O(n^2 E + n E^3) work (64 tokens, 4 experts: ~6 ms; 2048 tokens, 8 experts: ~1 s on one CPU core), no tolerance,
+the same on every rank.
 
-Departures: the paper shuffles the tokens across workers before routing; here the routing group (the tokens of the
-ep group, one microbatch) is assigned as is. Under expert parallelism every rank solves the same assignment on the gathered scores, so every
-layout routes as one process. In a decoder the training assignment reads the whole group, later tokens included,
-as in the paper; evaluation routes greedily.
+Departures: the paper uses an auction algorithm (an auction without epsilon scaling needs a number of rounds that
+grows with the scores' spread over epsilon; a pipeline-parallel parity run with one here did not finish in 10
+minutes); the paper shuffles the tokens across workers before routing, here the routing group (the tokens of the ep
+group, one microbatch) is assigned as is. Under expert parallelism every rank solves the same assignment on the
+gathered scores, so every layout routes as one process. In a decoder the training assignment reads the whole group,
+later tokens included, as in the paper; evaluation routes greedily.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from xscale.config.schema import ConfigError, ModelConfig
@@ -31,41 +33,45 @@ from xscale.models.moe.routing import Routing, token_choice_routing
 from xscale.models.registry import ROUTER
 from xscale.runtime import StepContext, TokenGroup
 
-FINAL_EPSILON = 1e-3  # of the scores' spread, divided by the tokens: the auction's bidding increment
-
 
 def balanced_assignment(scores: torch.Tensor) -> torch.Tensor:
     """The expert of each of the n tokens (scores [n, E]) maximising the summed score with every expert taking at
-    most c = ceil(n / E) tokens (n / E each when E divides n): an auction in which each expert holds its c highest
-    bids and asks the lowest of them once full (0 before); within n * epsilon of the optimum."""
+    most c = ceil(n / E) tokens (n / E each when E divides n): exact, by successive shortest augmenting paths.
+
+    Tokens enter one at a time; the assignment of the tokens so far stays optimal. A new token t takes expert e_0
+    and, if e_0 is full, one of its tokens moves on to e_1, and so on to an expert with room: the chain maximising
+    s[t, e_0] + sum of the moves' gains, a longest path over the E experts (Bellman-Ford; no gaining cycle exists,
+    as the assignment so far is optimal), where the move a -> b gains max over the tokens u at a of s[u, b] - s[u, a].
+    """
     tokens, experts = scores.shape
     capacity = math.ceil(tokens / experts)
-    benefit = scores.double()
-    spread = float(benefit.max() - benefit.min()) if tokens else 0.0
-    epsilon = max(spread, 1e-12) * FINAL_EPSILON / max(tokens, 1)
-    expert_of_token = torch.full((tokens,), -1, dtype=torch.long, device=scores.device)
-    bid_of_token = torch.zeros(tokens, dtype=torch.float64, device=scores.device)
-    prices = torch.zeros(experts, dtype=torch.float64, device=scores.device)
-    everyone = torch.arange(tokens, device=scores.device)
-    while True:
-        bidders = everyone[expert_of_token < 0]
-        if bidders.numel() == 0:
-            return expert_of_token
-        values = benefit[bidders] - prices
-        if experts > 1:
-            top = values.topk(2, dim=1)
-            best, increment = top.indices[:, 0], top.values[:, 0] - top.values[:, 1] + epsilon
-        else:
-            best, increment = torch.zeros_like(bidders), torch.full(bidders.shape, epsilon, dtype=values.dtype)
-        expert_of_token[bidders], bid_of_token[bidders] = best, prices[best] + increment
-        for expert in best.unique().tolist():  # each expert keeps its c highest bids (ties: lower token index)
-            holders = (expert_of_token == expert).nonzero().squeeze(1)
-            if holders.numel() > capacity:
-                kept = bid_of_token[holders].argsort(descending=True, stable=True)
-                expert_of_token[holders[kept[capacity:]]] = -1
-                holders = holders[kept[:capacity]]
-            if holders.numel() == capacity:
-                prices[expert] = bid_of_token[holders].min()
+    benefit = scores.detach().to("cpu", torch.float64).numpy()  # thousands of tiny steps: numpy, no thread pool
+    expert_of_token = np.full(tokens, -1, dtype=np.int64)
+    load = np.zeros(experts, dtype=np.int64)
+    for token in range(tokens):
+        placed = expert_of_token[:token]
+        gains = benefit[:token] - benefit[np.arange(token), placed][:, None]  # u moving from its expert to b
+        move = np.full((experts, experts), -np.inf)
+        np.maximum.at(move, (np.repeat(placed, experts), np.tile(np.arange(experts), token)), gains.reshape(-1))
+        np.fill_diagonal(move, -np.inf)  # move[a, b]: the best token's gain a -> b
+        value, came_from = benefit[token].copy(), np.full(experts, -1, dtype=np.int64)
+        for _ in range(experts - 1):
+            through = value[:, None] + move
+            best_source = through.argmax(axis=0)
+            best = through[best_source, np.arange(experts)]
+            better = best > value + 1e-12 * (1 + np.abs(value))
+            if not better.any():
+                break
+            value, came_from = np.where(better, best, value), np.where(better, best_source, came_from)
+        end = int(np.where(load < capacity, value, -np.inf).argmax())
+        load[end] += 1
+        while came_from[end] >= 0:  # walk the chain back: the best token of each expert moves on
+            source = int(came_from[end])
+            at_source = np.flatnonzero(placed == source)
+            expert_of_token[at_source[gains[at_source, end].argmax()]] = end
+            end = source
+        expert_of_token[token] = end
+    return torch.from_numpy(expert_of_token).to(scores.device)
 
 
 @ROUTER.register("base")
