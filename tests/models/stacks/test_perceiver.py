@@ -20,6 +20,15 @@ CLASSIFIER = ["model.family=encoder", "model.position=learned", "model.n_layers=
               "model.max_seq_len=16", "train.seq_len=16"]
 
 
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: a second intra-op thread only adds synchronisation on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 def loop_reference(block: CrossAttend, latents: torch.Tensor, inputs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     batch, count, width = latents.shape
     head_dim = width // block.heads

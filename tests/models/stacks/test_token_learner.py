@@ -19,6 +19,15 @@ CLASSIFIER = ["model.family=encoder", "model.position=learned", "model.n_layers=
               "model.stack.options.tokens=4", "model.max_seq_len=16", "train.seq_len=16"]
 
 
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: a second intra-op thread only adds synchronisation on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 def loop_reference(learner: TokenLearner, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     batch, length, _ = x.shape
     tokens = learner.maps.out_features
