@@ -72,6 +72,7 @@ CASES = {
                                      moe=MoEConfig(num_experts=4, router="hash", top_k=1, every=1)),
     "moe-expert_choice": dict(family="encoder", position="learned", ffn="gelu",
                               moe=MoEConfig(num_experts=4, router="expert_choice", every=1)),
+    "moe-base": dict(moe=MoEConfig(num_experts=4, router="base", top_k=1, every=1)),
 }
 
 

@@ -73,7 +73,9 @@ PLACEMENTS_ELSEWHERE = {"pre": "the default of every case here",
 UNSPLIT_LAYOUT = "dp_shard=2,zero_stage=3"
 UNSPLIT_CASES = {"ffn": {"product_key": ["model.ffn.options={sub_keys: 8, topk: 4, heads: 2, key_dim: 16}"]}}
 ROUTER_CASES = {"switch": SWITCH, "gshard": GSHARD, "hash": HASH,
-                "expert_choice": ["model.family=encoder", "model.moe.router=expert_choice"]}
+                "expert_choice": ["model.family=encoder", "model.moe.router=expert_choice"],
+                # balanced by construction: drops nothing
+                "base": ["model.moe.router=base", "model.moe.top_k=1", "model.moe.dropless=true"]}
 # ALBERT sharing's layouts (pipeline, ZeRO-3, tp) are test_layouts.py's test_shared_layers_* cases.
 STACK_CASES = {"share_layers": None,
                "reversible": (["model.stack=reversible"], "dp_replicate=2,tp=2,zero_stage=2,sequence_parallel=true"),
@@ -86,7 +88,18 @@ STACK_CASES = {"share_layers": None,
                "early_exit": (["model.family=encoder", "model.position=learned", "model.max_seq_len=16",
                                "train.task=classify", "data.dataset=lra_retrieval", "model.vocab_size=272",
                                "model.pooling=mean",
-                               "model.stack=early_exit"], "dp_shard=2,zero_stage=3")}
+                               "model.stack=early_exit"], "dp_shard=2,zero_stage=3"),
+               "token_learner": (["model.family=encoder", "model.position=learned", "model.max_seq_len=16",
+                                  "train.task=classify", "data.dataset=lra_retrieval", "model.vocab_size=272",
+                                  "model.pooling=mean", "model.stack=token_learner", "model.stack.options.tokens=4"],
+                                 "dp_shard=2,zero_stage=3"),
+               "gbst": (["model.family=encoder", "model.position=learned", "model.max_seq_len=16", "train.task=classify",
+                         "data.dataset=lra_retrieval", "model.vocab_size=272", "model.pooling=mean", "model.stack=gbst"],
+                        "dp_shard=2,zero_stage=3"),
+               "perceiver": (["model.family=encoder", "model.position=learned", "model.max_seq_len=16",
+                              "train.task=classify", "data.dataset=lra_retrieval", "model.vocab_size=272",
+                              "model.pooling=mean", "model.stack=perceiver", "model.stack.options.latents=4"],
+                             "dp_shard=2,zero_stage=3")}
 
 
 @pytest.mark.parametrize("option,registry", [("attention", ATTENTION), ("ffn", FFN), ("norm", NORM),
@@ -224,7 +237,8 @@ def test_compiled_zero_bubble_pipeline_with_a_learned_bias_table(tmp_path):
 @pytest.mark.parametrize("router", list(ROUTER_CASES))
 def test_router_under_expert_parallel(router, layout, tmp_path):
     """One routing group of 4 sequences per microbatch in both layouts: the single process routes 4 at a time."""
-    assert_layouts_match([*TRAINING, *ROUTER_CASES[router], *DROPOUT], 4, [layout], tmp_path)
+    assert_layouts_match([*TRAINING, *ROUTER_CASES[router], *DROPOUT], 4, [layout], tmp_path,
+                         dropless="model.moe.dropless=true" in ROUTER_CASES[router])
 
 
 # Inputs and objectives are choices, not registries: each value names the test that runs it under the layouts it

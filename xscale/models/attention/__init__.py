@@ -15,6 +15,7 @@ from xscale.models.attention import (  # noqa: F401  (each module registers its 
     lowrank,
     lsh,
     luna,
+    mlp_mixer,
     multiscale,
     persistent,
     priors,

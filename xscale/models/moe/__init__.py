@@ -1,6 +1,6 @@
 """Mixture-of-Experts FFNs; routers register themselves in ``xscale.models.registry.ROUTER``."""
 
-from xscale.models.moe import expert_choice, hash_router, routers  # noqa: F401  (register the routers)
+from xscale.models.moe import base_router, expert_choice, hash_router, routers  # noqa: F401  (register the routers)
 from xscale.models.moe.layer import (
     AttachAuxiliaryLoss,
     MoELayer,

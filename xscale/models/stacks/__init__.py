@@ -7,8 +7,11 @@ from typing import Any
 import xscale.models.stacks.act  # noqa: F401  (each variant registers itself)
 import xscale.models.stacks.early_exit  # noqa: F401
 import xscale.models.stacks.funnel  # noqa: F401
+import xscale.models.stacks.gbst  # noqa: F401
+import xscale.models.stacks.perceiver  # noqa: F401
 import xscale.models.stacks.plain  # noqa: F401
 import xscale.models.stacks.reversible  # noqa: F401
+import xscale.models.stacks.token_learner  # noqa: F401
 from xscale.config.schema import ModelConfig
 from xscale.models.registry import STACK
 from xscale.models.stacks.stack import Stack
