@@ -63,7 +63,8 @@ COMPONENT_CASES = {"ffn": ["gelu", "gelu_tanh", "geglu", "reglu", "relu", "swigl
 # short; they count as covered like COMPONENT_CASES.
 PAIRED_CASES = {"shaw-rezero": {"position": "shaw", "norm_placement": "rezero"},
                 "xl-deepnorm": {"position": "xl", "norm_placement": "deepnorm", "norm": "layernorm"},
-                "tupe": {"position": "tupe"}, "deberta": {"position": "deberta"}}
+                "tupe": {"position": "tupe"}, "deberta": {"position": "deberta"},
+                "music": {"position": "music"}}
 # Residual placements checked under tensor parallelism elsewhere (pre: every case here runs it, the default).
 PLACEMENTS_ELSEWHERE = {"pre": "the default of every case here",
                         "post": "test_tensor_parallel.py's BERT cases and parity_models.py's encoder",
