@@ -7,6 +7,7 @@ from xscale.models.attention import (  # noqa: F401  (each module registers its 
     cosformer,
     dense,
     entmax,
+    external_global,
     fnet,
     gmlp,
     inducing,
