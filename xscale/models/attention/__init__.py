@@ -9,6 +9,7 @@ from xscale.models.attention import (  # noqa: F401  (each module registers its 
     entmax,
     external_global,
     fnet,
+    image_local,
     gmlp,
     inducing,
     linear,
