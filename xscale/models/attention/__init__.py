@@ -2,6 +2,7 @@
 
 from xscale.models.attention import (  # noqa: F401  (each module registers its cores)
     average,
+    binary_partition,
     clustered,
     compressed,
     cosformer,
