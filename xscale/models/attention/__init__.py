@@ -20,6 +20,7 @@ from xscale.models.attention import (  # noqa: F401  (each module registers its 
     luna,
     multiscale,
     persistent,
+    predictive,
     priors,
     probsparse,
     random_features,
