@@ -37,6 +37,7 @@ CASES = {
     "learned_frequency": dict(position="learned_frequency"),
     "tupe": dict(position="tupe"),
     "deberta": dict(position="deberta"),
+    "music": dict(position="music"),
     "alibi": dict(position="alibi"),
     "t5_bias": dict(position="t5_bias"),
     "shaw": dict(position="shaw"),

@@ -30,7 +30,9 @@ OPTIONS = {"lsh": ["buckets=4", "rounds=2", "chunk=8"], "sinkhorn": ["block_size
            "probsparse": ["factor=2"], "skyformer": ["landmarks=4"], "multiscale": [], "average": [],
            "long_short": ["window=4", "rank=4", "segment=8"], "fnet": [], "gmlp": [],
            "mlp_mixer": [],
-           "persistent": ["persistent_vectors=4"]}
+           "persistent": ["persistent_vectors=4"], "etc": ["global_tokens=2", "window=4"],
+           "image_local": ["grid_width=8", "query_block=[2,4]", "memory_margin=[1,2]"], "bpt": ["window=1"],
+           "predictive": []}
 WHOLE = sorted({ATTENTION.get(kind) for kind in ATTENTION.names() if traits_of(ATTENTION.get(kind)).cp_whole_sequence},
                key=lambda cls: cls.__name__)
 

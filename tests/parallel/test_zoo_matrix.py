@@ -55,7 +55,13 @@ def _inline(options: dict) -> str:
     return "{" + ", ".join(f"{key}: {value}" for key, value in options.items()) + "}"
 
 
-ATTENTION_CASES = _attention_kinds()
+# Newer kinds run several to a case, one per layer (the slow tier's budget), with the options they need; they count as
+# covered like ATTENTION_CASES. predictive twice, so that its carried maps cross the pipeline's stages.
+PER_LAYER_ATTENTION_CASES = {"predictive-etc-image_local-bpt": (
+    ["predictive", "etc", "image_local", "predictive", "bpt"],
+    {"grid_width": 4, "query_block": [2, 2], "memory_margin": [1, 1]})}
+_PER_LAYER = {ATTENTION.get(kind) for kinds, _ in PER_LAYER_ATTENTION_CASES.values() for kind in kinds}
+ATTENTION_CASES = [kind for kind in _attention_kinds() if ATTENTION.get(kind) not in _PER_LAYER]
 COMPONENT_CASES = {"ffn": ["gelu", "gelu_tanh", "geglu", "reglu", "relu", "swiglu"],
                    "norm": ["layernorm", "rmsnorm", "scalenorm"],
                    "position": ["alibi", "learned", "learned_frequency", "none", "rope", "sinusoidal", "t5_bias"]}
@@ -63,7 +69,8 @@ COMPONENT_CASES = {"ffn": ["gelu", "gelu_tanh", "geglu", "reglu", "relu", "swigl
 # short; they count as covered like COMPONENT_CASES.
 PAIRED_CASES = {"shaw-rezero": {"position": "shaw", "norm_placement": "rezero"},
                 "xl-deepnorm": {"position": "xl", "norm_placement": "deepnorm", "norm": "layernorm"},
-                "tupe": {"position": "tupe"}, "deberta": {"position": "deberta"}}
+                "tupe": {"position": "tupe"}, "deberta": {"position": "deberta"},
+                "music": {"position": "music"}}
 # Residual placements checked under tensor parallelism elsewhere (pre: every case here runs it, the default).
 PLACEMENTS_ELSEWHERE = {"pre": "the default of every case here",
                         "post": "test_tensor_parallel.py's BERT cases and parity_models.py's encoder",
@@ -107,7 +114,7 @@ STACK_CASES = {"share_layers": None,
 def test_every_registered_component_has_a_matrix_case(option, registry):
     """A component registered without a case here would never be checked against the single process."""
     if option == "attention":
-        covered = {ATTENTION.get(kind) for kind in ATTENTION_CASES}
+        covered = {ATTENTION.get(kind) for kind in ATTENTION_CASES} | _PER_LAYER
         missing = {name for name in registry.names() if registry.get(name) not in covered}
     else:
         covered = set(ROUTER_CASES) if option == "router" else set(COMPONENT_CASES[option])
@@ -184,6 +191,17 @@ def test_attention_under_pipeline_tensor_sequence_parallel_and_recomputation(kin
     base = DECODER if cls.causal_capable else ENCODER
     overrides = [*base, *DROPOUT, "model.n_kv_heads=4", "train.micro_batch_size=4", f"model.attention.kind={kind}",
                  f"model.attention.options={_inline(ATTENTION_OPTIONS)}"]
+    assert_parity(overrides, [ATTENTION_LAYOUT], tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(PER_LAYER_ATTENTION_CASES))
+def test_attention_kinds_per_layer_under_pipeline_tensor_sequence_parallel_and_recomputation(case, tmp_path):
+    kinds, options = PER_LAYER_ATTENTION_CASES[case]
+    base = DECODER if all(ATTENTION.get(kind).causal_capable for kind in kinds) else ENCODER
+    overrides = [*base, *DROPOUT, "model.n_kv_heads=4", "train.micro_batch_size=4", f"model.n_layers={len(kinds)}",
+                 f"model.attention.per_layer=[{', '.join(kinds)}]",
+                 f"model.attention.options={_inline(ATTENTION_OPTIONS | options)}"]
     assert_parity(overrides, [ATTENTION_LAYOUT], tmp_path)
 
 

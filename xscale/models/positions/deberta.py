@@ -21,21 +21,17 @@ import dataclasses
 import torch
 from torch import nn
 
-from xscale.config.schema import ConfigError
 from xscale.models.attention.core import expand_kv
-from xscale.models.position import PositionEncoding, relative_distances
+from xscale.models.position import PositionEncoding
+from xscale.models.positions.relative import ClippedDistanceOptions, pair_rows
 from xscale.models.registry import POSITION
 from xscale.models.traits import ParallelTraits
 from xscale.runtime import StepContext
 
 
 @dataclasses.dataclass
-class DebertaOptions:
+class DebertaOptions(ClippedDistanceOptions):
     max_distance: int = dataclasses.field(default=16, metadata={"help": "k: relative distances clipped to [-k, k)"})
-
-    def __post_init__(self) -> None:
-        if self.max_distance < 1:
-            raise ConfigError(f"model.position.options.max_distance must be >= 1 for 'deberta' (got {self.max_distance})")
 
 
 @POSITION.register("deberta")
@@ -55,7 +51,7 @@ class DisentangledPosition(PositionEncoding):
     def delta(self, q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
         """delta(i, j) = clip(i - j, -k, k - 1) + k (Tq, Tk), queries the last Tq of Tk positions."""
         k = self.options.max_distance
-        return (-relative_distances(q_len, k_len, device)).clamp(-k, k - 1) + k
+        return pair_rows(q_len, k_len, device, k, k - 1, query_minus_key=True)
 
     def content_bias(self, q: torch.Tensor, k: torch.Tensor, heads: slice,
                      context: StepContext | None = None) -> torch.Tensor:
@@ -70,6 +66,6 @@ class DisentangledPosition(PositionEncoding):
         content_to_position = (q @ key_r.permute(1, 2, 0).to(q.dtype)).gather(-1, delta.expand(batch, n_heads, -1, -1))
         by_key = k @ query_r.permute(1, 2, 0).to(k.dtype)  # (B, h, Tk, 2k): key j against every row
         reach = self.options.max_distance
-        reverse = relative_distances(q_len, k_len, q.device).clamp(-reach, reach - 1) + reach  # delta(j, i) (Tq, Tk)
+        reverse = pair_rows(q_len, k_len, q.device, reach, reach - 1)  # delta(j, i) (Tq, Tk)
         position_to_content = by_key.transpose(-1, -2).gather(-2, reverse.expand(batch, n_heads, -1, -1))
         return (content_to_position + position_to_content) * (3 * head_dim) ** -0.5

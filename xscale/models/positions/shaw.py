@@ -16,21 +16,17 @@ import dataclasses
 import torch
 from torch import nn
 
-from xscale.config.schema import ConfigError
-from xscale.models.position import PositionEncoding, relative_distances
+from xscale.models.position import PositionEncoding
+from xscale.models.positions.relative import ClippedDistanceOptions, pair_rows
 from xscale.models.registry import POSITION
 from xscale.models.traits import ParallelTraits
 from xscale.runtime import StepContext
 
 
 @dataclasses.dataclass
-class ShawOptions:
+class ShawOptions(ClippedDistanceOptions):
     max_distance: int = dataclasses.field(default=16, metadata={"help": "k: relative distances are clipped to "
                                                                         "[-k, k] (2k + 1 table rows)"})
-
-    def __post_init__(self) -> None:
-        if self.max_distance < 1:
-            raise ConfigError(f"model.position.options.max_distance must be >= 1, got {self.max_distance}")
 
 
 @POSITION.register("shaw")
@@ -50,8 +46,7 @@ class ShawRelativePosition(PositionEncoding):
 
     def _buckets(self, q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
         """clip(j - i, -k, k) + k: the table row of each (query, key) pair, (Tq, Tk)."""
-        distance = relative_distances(q_len, k_len, device)
-        return distance.clamp(-self.max_distance, self.max_distance) + self.max_distance
+        return pair_rows(q_len, k_len, device, self.max_distance, self.max_distance)
 
     def content_bias(self, q: torch.Tensor, k: torch.Tensor, heads: slice,
                      context: StepContext | None = None) -> torch.Tensor:
