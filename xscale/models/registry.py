@@ -73,6 +73,7 @@ NORM = Registry("norm")
 FFN = Registry("ffn")
 ROUTER = Registry("router")
 STACK = Registry("stack")
+OBJECTIVE_HEAD = Registry("objective_head")
 REGISTRIES = {"attention": ATTENTION, "position": POSITION, "norm": NORM, "ffn": FFN, "router": ROUTER,
-              "stack": STACK}
+              "stack": STACK, "objective_head": OBJECTIVE_HEAD}
 

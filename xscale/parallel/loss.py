@@ -65,7 +65,12 @@ def model_loss_sum(model: nn.Module, batch: Batch, context: StepContext | None =
         return classification_loss_sum(model, batch, context)
     hidden = model(batch["input_ids"], decoder_input_ids=batch.get("decoder_input_ids"), context=context,
                    project=False)
-    return token_loss_sum(hidden, model.output, batch["labels"], model.kernels)
+    loss = token_loss_sum(hidden, model.output, batch["labels"], model.kernels)
+    if getattr(model, "objective_head", None) is None:
+        return loss
+    # The objective's extra head (SpanBERT's SBO, NSP/SOP: xscale.models.heads.objective) adds its summed loss.
+    return loss + model.objective_head.loss_sum(
+        hidden, batch, lambda states, labels: token_loss_sum(states, model.output, labels, model.kernels))
 
 
 def classification_loss_sum(model: nn.Module, batch: Batch, context: StepContext | None = None) -> torch.Tensor:
