@@ -70,6 +70,17 @@ def truncated_geometric_mean(p: float, max_length: int) -> float:
     return 1.0 / p - max_length * q**max_length / (1.0 - q**max_length)
 
 
+def geometric_span_lengths(count: int, generator: torch.Generator, p: float = 0.2, max_length: int = 10
+                           ) -> torch.Tensor:
+    """``count`` span lengths from Geo(p) truncated to 1..max_length: P(l) proportional to p (1-p)^(l-1)."""
+    lengths = torch.arange(1, max_length + 1, dtype=torch.float64)
+    weights = p * (1 - p) ** (lengths - 1)
+    return torch.multinomial(weights, count, replacement=True, generator=generator) + 1
+
+
+START_TRIES = 16  # places tried for each drawn span before its length is drawn again
+
+
 def geometric_span_masking(
     tokens: torch.Tensor,
     generator: torch.Generator,
@@ -85,8 +96,10 @@ def geometric_span_masking(
     """SpanBERT's masking (Joshi et al. 2020, sec. 3.1): spans of whole words until 15% of the tokens are masked.
 
     Each span's length in words is drawn from Geo(p=0.2) truncated to 1..10 (renormalised: the paper's mean of 3.8
-    words), its first word uniformly among the words; a span that would overlap or touch a masked span, or overrun
-    the budget of round(15%) of the maskable tokens, is drawn again (at most 20 x budget draws). Each span is
+    words), its first word uniformly among the places where the span fits; a place where it would overlap or touch a
+    masked span is drawn again (16 tries, then a new length). The budget is round(15%) of the maskable tokens: the
+    span that reaches it is cut to the whole words that fit (as SpanBERT's implementation cuts it), so with one
+    token per word exactly the budget is masked, and every span but the last keeps the drawn length. Each span is
     replaced as a whole: 80% <mask>, 10% random tokens, 10% kept. The first and last positions of the window are
     never masked, so every span has both boundary tokens x_{s-1}, x_{e+1} for the span-boundary objective.
     ``word_starts`` (T,) marks the tokens that begin a word (None: every token is a word).
@@ -104,26 +117,31 @@ def geometric_span_masking(
     starts = torch.ones(length, dtype=torch.bool) if word_starts is None else word_starts.clone()
     starts |= torch.cat([torch.ones(1, dtype=torch.bool), ~maskable[:-1]])  # a word never crosses a special token
     word_first = torch.nonzero(starts & maskable).flatten().tolist()
-    word_stop = [next((j for j in range(first + 1, length) if starts[j] or not maskable[j]), length)
-                 for first in word_first]
+    boundary = (starts | ~maskable).tolist()
+    word_stop = [next(j for j in range(first + 1, length) if boundary[j]) for first in word_first]
     budget = min(max(1, round(mask_probability * int(maskable.sum()))), int(maskable.sum()))
-    words = torch.arange(1, max_span_words + 1, dtype=torch.float64)
-    length_weights = geometric_p * (1 - geometric_p) ** (words - 1)
-
-    covered = torch.zeros(length, dtype=torch.bool)
+    open_, covered = maskable.tolist(), [False] * length
     spans: list[tuple[int, int]] = []
     masked = 0
-    for _ in range(20 * budget):
+    # Lengths and candidate places drawn at once: 2 x budget draws (each placed span masks a token at least).
+    drawn_words = geometric_span_lengths(2 * budget, generator, geometric_p, max_span_words).tolist()
+    place_fractions = torch.rand(2 * budget, START_TRIES, generator=generator, dtype=torch.float64).tolist()
+    for words, fractions in zip(drawn_words, place_fractions):
         if masked >= budget or not word_first:
             break
-        span_words = int(torch.multinomial(length_weights, 1, generator=generator)) + 1
-        first = int(torch.randint(len(word_first), (1,), generator=generator))
-        last = min(first + span_words, len(word_first)) - 1
-        start, stop = word_first[first], word_stop[last]
-        if stop - start > budget - masked or not bool(maskable[start:stop].all()) \
-                or bool(covered[max(start - 1, 0):stop + 1].any()):
+        words = min(words, len(word_first))
+        firsts = [int(fraction * (len(word_first) - words + 1)) for fraction in fractions]
+        placed = ((word_first[first], word_stop[first + words - 1]) for first in firsts)
+        free = next(((start, stop) for start, stop in placed
+                     if all(open_[start:stop]) and not any(covered[start - 1:stop + 1])), None)
+        if free is None:
             continue
-        covered[start:stop] = True
+        start, stop = free
+        if stop - start > budget - masked:  # the last span: cut to the whole words the budget has left
+            stop = max((end for end in word_stop if start < end <= start + budget - masked), default=start)
+            if stop == start:
+                break
+        covered[start:stop] = [True] * (stop - start)
         spans.append((start, stop))
         masked += stop - start
 
