@@ -15,7 +15,8 @@ from xscale.config.schema import ConfigError
 from xscale.data.sentencepiece_tokenizer import SentencePieceTokenizer
 
 WORDS = "the a cat dog bird sat ran saw on under near mat tree house red big small".split()
-HEADS = {"spanbert": "span_boundary", "sop": "sentence_pair", "nsp": "sentence_pair"}
+HEADS = {"spanbert": "span_boundary", "sop": "sentence_pair", "nsp": "sentence_pair",
+         "electra": "replaced_token_detection"}
 ENCODER = ["model.family=encoder", "data.dataset=text", "model.vocab_size=320", "model.d_model=32",
            "model.n_layers=1", "model.n_heads=2", "model.position=learned", "model.max_seq_len=32",
            "train.seq_len=32", "train.global_batch_size=8", "train.warmup_steps=2", "train.lr=3e-3",
@@ -44,7 +45,7 @@ def _losses(run: Path) -> list[float]:
     return [record["train/loss"] for record in records if "train/loss" in record]
 
 
-@pytest.mark.parametrize("name", ["spanbert", "sop", "nsp"])
+@pytest.mark.parametrize("name", ["spanbert", "sop", "nsp", "electra"])
 def test_a_tiny_encoder_learns(name, corpus, tmp_path, one_thread):
     assert main(["train", *objective(name), f"data.path={corpus['data']}", f"data.tokenizer={corpus['tokenizer']}",
                  "train.steps=30", "train.log_every=1", f"train.output_dir={tmp_path}"]) == 0
@@ -76,7 +77,7 @@ def test_the_objective_and_its_head_must_match():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["spanbert", "nsp"])
+@pytest.mark.parametrize("name", ["spanbert", "electra"])
 def test_zero3_over_two_ranks_matches_one_process(name, corpus, tmp_path):
     """dp_shard=2 with ZeRO-3: each rank half of every batch (its own masked spans or pairs), the heads in FSDP's
     root unit; the losses are one process's."""

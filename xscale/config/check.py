@@ -158,7 +158,7 @@ def check_values(config: Config) -> None:
     _check_schedule(train)
     objective = resolve_objective(config)
     expected = {"clm": "decoder", "mlm": "encoder", "span": "encoder_decoder", "bart": "encoder_decoder",
-                "spanbert": "encoder", "nsp": "encoder", "sop": "encoder"}[objective]
+                "spanbert": "encoder", "nsp": "encoder", "sop": "encoder", "electra": "encoder"}[objective]
     if model.family != expected:
         raise ConfigError(
             f"train.objective={objective} needs model.family={expected}, got {model.family}; "

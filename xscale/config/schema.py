@@ -121,7 +121,8 @@ class ModelConfig(NamesComponents):
     share_layers: bool = False  # ALBERT / Universal Transformer: one block reused across depth
     # How the stack runs its blocks: plain | reversible | act | funnel | early_exit (xscale.models.stacks)
     stack: Component = field(default_factory=lambda: Component("plain"))
-    # A pre-training objective's extra head: none | span_boundary (SpanBERT) | sentence_pair (NSP, SOP); the
+    # A pre-training objective's extra head: none | span_boundary (SpanBERT) | sentence_pair (NSP, SOP) |
+    # replaced_token_detection (ELECTRA's generator and discriminator); the
     # objective that needs one names it (train.objective; docs/variants.md)
     objective_head: Component = field(default_factory=lambda: Component("none"))
     lm_head_transform: bool = False  # BERT MLM head: dense + act + norm before the vocab projection
@@ -207,7 +208,7 @@ class TrainConfig:
     global_batch_size: int = 16  # sequences per optimizer step, over all data-parallel ranks
     micro_batch_size: int | None = None  # per rank per forward; None: global / dp (no accumulation)
     seq_len: int = 128
-    # auto | clm | mlm | span | bart (BART denoising) | spanbert | nsp | sop (docs/variants.md)
+    # auto | clm | mlm | span | bart (BART denoising) | spanbert | nsp | sop | electra (docs/variants.md)
     objective: str = "auto"
     task: str = "lm"  # lm (the objective's token loss) | classify (one label per sequence: docs/classification.md)
     lr: float = 1e-3
@@ -352,7 +353,7 @@ CHOICES = {
     "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"),
     "parallel.activation_checkpointing": ("none", "full", "selective"),
     "parallel.backend": ("auto", "gloo", "nccl"),
-    "train.objective": ("auto", "clm", "mlm", "span", "bart", "spanbert", "nsp", "sop"),
+    "train.objective": ("auto", "clm", "mlm", "span", "bart", "spanbert", "nsp", "sop", "electra"),
     "train.schedule": ("cosine", "linear", "constant", "wsd"),
     "train.decay_shape": ("linear", "cosine", "sqrt"),
     "train.loggers": ("tensorboard", "jsonl", "csv", "wandb"),  # a list: each item one of these

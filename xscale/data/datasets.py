@@ -19,6 +19,7 @@ from xscale.data.objectives import (
     IGNORE_INDEX,
     bart_denoising,
     causal_lm,
+    electra_masking,
     geometric_span_masking,
     masked_lm,
     sentence_pair,
@@ -29,12 +30,13 @@ from xscale.data.objectives import (
 Sample = dict[str, torch.Tensor]
 WindowTransform = Callable[[torch.Tensor, torch.Generator], Sample]
 OBJECTIVES = ("clm", "mlm", "span")  # of the synthetic tasks' examples; text windows take TEXT_ONLY as well
-TEXT_ONLY = ("bart", "spanbert", "nsp", "sop")
+TEXT_ONLY = ("bart", "spanbert", "nsp", "sop", "electra")
 # The data.dataset.options each objective reads from a text window (:func:`text_objective`).
 TEXT_OBJECTIVE_OPTIONS = {"clm": (), "mlm": ("mask_probability",), "span": ("noise_density", "mean_span_length"),
                           "bart": ("mask_ratio", "poisson_lambda"),
                           "spanbert": ("mask_probability", "geometric_p", "max_span_words"),
-                          "nsp": ("mask_probability",), "sop": ("mask_probability",)}
+                          "nsp": ("mask_probability",), "sop": ("mask_probability",),
+                          "electra": ("mask_probability",)}
 
 
 class TokenStream(Protocol):
@@ -86,7 +88,7 @@ def text_objective(objective: str, tokenizer, seq_len: int, options: dict | None
     """(window length, transform) turning a raw token window into a sample for ``objective``; ``stream``: the
     corpus next-sentence prediction draws its random second segments from."""
     options = dict(options or {})
-    if objective in ("spanbert", "nsp", "sop"):
+    if objective in ("spanbert", "nsp", "sop", "electra"):
         return _bert_objective(objective, tokenizer, seq_len, options, stream)
     if objective == "clm":
         return seq_len + 1, lambda window, generator: causal_lm(window)
@@ -116,7 +118,7 @@ def text_objective(objective: str, tokenizer, seq_len: int, options: dict | None
 
 def _bert_objective(objective: str, tokenizer, seq_len: int, options: dict, stream: TokenStream | None
                     ) -> tuple[int, WindowTransform]:
-    """SpanBERT's span masking (a window of ``seq_len``), or NSP / SOP pairs (``seq_len`` - 3 tokens and three
+    """SpanBERT's span masking or ELECTRA's (a window of ``seq_len``), or NSP / SOP pairs (``seq_len`` - 3 tokens and three
     separators: bos as [CLS], eos as [SEP])."""
     probability = float(options.get("mask_probability", 0.15))
     common = {"vocab_size": tokenizer.vocab_size, "mask_id": tokenizer.mask_id, "special_ids": tokenizer.special_ids,
@@ -127,6 +129,8 @@ def _bert_objective(objective: str, tokenizer, seq_len: int, options: dict, stre
         return seq_len, lambda window, generator: geometric_span_masking(
             window, generator, word_starts=word_starts[window.long()], geometric_p=geometric_p,
             max_span_words=max_words, **common)
+    if objective == "electra":
+        return seq_len, lambda window, generator: electra_masking(window, generator, **common)
     if tokenizer.bos_id is None:
         raise ValueError(f"train.objective={objective} starts each pair with bos as [CLS], but the tokenizer has no "
                          "bos token; use a tokenizer trained by xscale (xscale data tokenizer)")

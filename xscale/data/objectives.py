@@ -2,7 +2,8 @@
 BERT's 80/10/10 rule (Devlin et al. 2019, sec. 3.1), T5 span corruption (Raffel et al. 2020, sec. 3.1.4), BART
 denoising, sentence permutation plus text infilling (Lewis et al. 2020, sec. 2.2), SpanBERT's geometric span
 masking for the span-boundary objective (Joshi et al. 2020) and the sentence pairs of BERT's next-sentence and
-ALBERT's sentence-order prediction (Lan et al. 2020).
+ALBERT's sentence-order prediction (Lan et al. 2020), and ELECTRA's masking for replaced-token detection (Clark et
+al. 2020).
 
 Labels use -100 for positions that carry no loss. Every random choice comes from the ``generator`` the
 caller passes, so a dataset seeded by (seed, global sample index) gives the same sample on any rank.
@@ -218,6 +219,18 @@ def sentence_pair(
     return sample
 
 
+def electra_masking(tokens: torch.Tensor, generator: torch.Generator, *, vocab_size: int, mask_id: int | None,
+                    special_ids: Sequence[int], mask_probability: float = 0.15) -> dict[str, torch.Tensor]:
+    """ELECTRA (Clark et al. 2020, sec. 2): round(15%) of the maskable positions, every one replaced by <mask>
+    (x_masked = REPLACE(x, m, [MASK])); labels hold the originals there. ``sample_uniform`` (T,): one uniform per
+    position, from which the generator's sample is drawn (by inverse CDF), so it is the same under any layout."""
+    sample = masked_lm(tokens, generator, vocab_size=vocab_size, mask_id=mask_id, special_ids=special_ids,
+                       mask_probability=mask_probability)
+    sample["input_ids"] = torch.where(sample["labels"] != IGNORE_INDEX, mask_id, tokens)
+    sample["sample_uniform"] = torch.rand(len(tokens), generator=generator)
+    return sample
+
+
 def span_lengths(length: int, noise_density: float = 0.15, mean_span_length: float = 3.0) -> tuple[int, int]:
     """(noise tokens, spans) for a window of ``length``: fixed by the length, so every sample has one shape."""
     noise = min(max(1, round(length * noise_density)), length - 1)
@@ -385,17 +398,18 @@ def check_bart_config(config: Config) -> None:
 
 
 # The extra head each objective trains beside the MLM (model.objective_head), and why each layout cannot apply.
-OBJECTIVE_HEADS = {"spanbert": "span_boundary", "nsp": "sentence_pair", "sop": "sentence_pair"}
+OBJECTIVE_HEADS = {"spanbert": "span_boundary", "nsp": "sentence_pair", "sop": "sentence_pair",
+                   "electra": "replaced_token_detection"}
 HEAD_REFUSALS = {
     "pp": "the head reads the last stage's states together with the batch's boundary positions or pair labels, "
           "which pipeline stages do not carry",
     "tp": "the head is not in the tensor-parallel plan",
-    "cp": "a span's boundary tokens and a pair's first token may sit on another rank's part of the sequence",
+    "cp": "a span's boundary tokens, a pair's first token or the generator's sequence may sit on another rank's part",
 }
 
 
 def check_bert_objectives(config: Config) -> None:
-    """train.objective=spanbert, nsp or sop: windows of text, the matching model.objective_head, options in range,
+    """train.objective=spanbert, nsp, sop or electra: windows of text, the matching model.objective_head, options in range,
     and the layouts the heads cannot run under refused by name."""
     objective, head = config.train.objective, config.model.objective_head.kind
     wanted = OBJECTIVE_HEADS.get(objective, "none")
@@ -428,6 +442,6 @@ def check_bert_objectives(config: Config) -> None:
         raise ConfigError(f"data.dataset.options.geometric_p={geometric_p!r} (SpanBERT's Geo(p)) must be in (0, 1)")
     if not (isinstance(max_words, int) and 1 <= max_words <= 64):
         raise ConfigError(f"data.dataset.options.max_span_words={max_words!r} must be an integer in [1, 64]")
-    if objective != "spanbert" and config.train.seq_len < 5:
+    if objective in PAIR_KINDS and config.train.seq_len < 5:
         raise ConfigError(f"train.objective={objective} lays out [CLS] A [SEP] B [SEP]: train.seq_len must be at least "
                           f"5, got {config.train.seq_len}")

@@ -2,6 +2,7 @@
 
 import xscale.models.attention  # noqa: F401
 import xscale.models.ffn  # noqa: F401
+import xscale.models.heads.replaced_token_detection  # noqa: F401
 import xscale.models.heads.sentence_pair  # noqa: F401
 import xscale.models.heads.span_boundary  # noqa: F401
 import xscale.models.moe  # noqa: F401

@@ -1,6 +1,7 @@
 """The pre-training objectives' extra heads (``model.objective_head``): what a head shows the loss, and the kind
-that adds none. The heads: :mod:`~xscale.models.heads.span_boundary` (SpanBERT's SBO) and
-:mod:`~xscale.models.heads.sentence_pair` (BERT's NSP, ALBERT's SOP)."""
+that adds none. The heads: :mod:`~xscale.models.heads.span_boundary` (SpanBERT's SBO),
+:mod:`~xscale.models.heads.sentence_pair` (BERT's NSP, ALBERT's SOP) and
+:mod:`~xscale.models.heads.replaced_token_detection` (ELECTRA's generator and discriminator)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,13 @@ TokenLossSum = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class ObjectiveHead(Protocol):
-    """A head whose loss is added to the MLM's: it reads the final states and the batch's ``batch_keys``."""
+    """A head whose loss is added to the model's: it reads the final states and the batch's ``batch_keys``.
+    ``corrupts_inputs``: the model reads the token ids the head's ``corrupt`` makes (ELECTRA's generator samples);
+    ``adds_to_token_loss``: the model's own MLM loss counts too."""
 
     batch_keys: tuple[str, ...]
+    corrupts_inputs: bool
+    adds_to_token_loss: bool
 
     def loss_sum(self, hidden: torch.Tensor, batch: Batch, token_loss_sum: TokenLossSum) -> torch.Tensor: ...
 

@@ -25,6 +25,7 @@ class SentencePairHead(nn.Module):
     second segment random (NSP) or the two segments swapped (SOP). Reads the batch's ``pair_label`` (B,)."""
 
     Options = NoOptions
+    corrupts_inputs, adds_to_token_loss = False, True
     batch_keys = ("pair_label",)
 
     def __init__(self, config: ModelConfig, options: NoOptions) -> None:

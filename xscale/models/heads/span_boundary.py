@@ -41,6 +41,7 @@ class SpanBoundaryHead(nn.Module):
     ``span_left``, ``span_right`` (boundary positions) and ``span_offset`` (i - s + 1, 0 where unmasked)."""
 
     Options = SpanBoundaryOptions
+    corrupts_inputs, adds_to_token_loss = False, True
     batch_keys = ("span_left", "span_right", "span_offset")
 
     def __init__(self, config: ModelConfig, options: SpanBoundaryOptions) -> None:
