@@ -1,5 +1,5 @@
-"""train.objective=spanbert, sop and nsp end to end: a tiny encoder's loss (MLM plus the objective's head) falls on
-a corpus of short sentences; ZeRO-3 over two data-parallel ranks gives the one-process losses (slow); the layouts
+"""train.objective=spanbert, sop, nsp and electra end to end: a tiny encoder's loss (MLM plus the objective's
+head) falls on a corpus of short sentences; ZeRO-3 over two data-parallel ranks gives the one-process losses (slow); the layouts
 the heads cannot run under, and mismatched heads, are refused by name."""
 
 import json
@@ -67,6 +67,10 @@ def test_layouts_and_settings_the_heads_cannot_take_are_refused(setting, message
 
 
 def test_the_objective_and_its_head_must_match():
+    with pytest.raises(ConfigError, match="train.objective=electra trains model.objective_head=replaced_token_detection"):
+        load_config_from_cli(None, [*ENCODER, "train.objective=electra"])
+    with pytest.raises(ConfigError, match="generator_fraction=2.0 must be in"):
+        load_config_from_cli(None, [*objective("electra"), "model.objective_head.options={generator_fraction: 2.0}"])
     with pytest.raises(ConfigError, match="train.objective=sop trains model.objective_head=sentence_pair, not "
                                           "span_boundary; set model.objective_head=sentence_pair"):
         load_config_from_cli(None, [*ENCODER, "train.objective=sop", "model.objective_head=span_boundary"])
@@ -77,10 +81,11 @@ def test_the_objective_and_its_head_must_match():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["spanbert", "electra"])
+@pytest.mark.parametrize("name", ["spanbert", "sop", "electra"])
 def test_zero3_over_two_ranks_matches_one_process(name, corpus, tmp_path):
-    """dp_shard=2 with ZeRO-3: each rank half of every batch (its own masked spans or pairs), the heads in FSDP's
-    root unit; the losses are one process's."""
+    """dp_shard=2 with ZeRO-3: each rank half of every batch (its own masked spans, pairs or generator samples),
+    the heads in FSDP's root unit (ELECTRA's generator reads it before the model's forward); the losses are one
+    process's."""
     overrides = [*objective(name), f"data.path={corpus['data']}", f"data.tokenizer={corpus['tokenizer']}"]
     reference, results = compare_layouts(None, overrides, ["dp_shard=2,zero_stage=3"], 3, tmp_path)
     assert reference[-1] < reference[0], f"the reference run must train: {reference}"
