@@ -420,6 +420,9 @@ def check_bert_objectives(config: Config) -> None:
     if objective not in OBJECTIVE_HEADS:
         return
     data, options = config.data, config.data.dataset.options
+    if config.train.task != "lm":
+        raise ConfigError(f"train.objective={objective} pre-trains with token losses: set train.task=lm, not "
+                          f"{config.train.task}")
     if data.dataset.kind not in ("stdlib_text", "text", "indexed") and not data.sources:
         raise ConfigError(f"train.objective={objective} masks windows of text: set data.dataset=stdlib_text, text or "
                           f"indexed (or data.sources), not data.dataset={data.dataset}")
