@@ -157,7 +157,8 @@ def check_values(config: Config) -> None:
         raise ConfigError(f"train.global_batch_size must be positive, got {train.global_batch_size}")
     _check_schedule(train)
     objective = resolve_objective(config)
-    expected = {"clm": "decoder", "mlm": "encoder", "span": "encoder_decoder", "bart": "encoder_decoder"}[objective]
+    expected = {"clm": "decoder", "mlm": "encoder", "span": "encoder_decoder", "bart": "encoder_decoder",
+                "spanbert": "encoder", "nsp": "encoder", "sop": "encoder", "electra": "encoder"}[objective]
     if model.family != expected:
         raise ConfigError(
             f"train.objective={objective} needs model.family={expected}, got {model.family}; "

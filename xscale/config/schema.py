@@ -97,7 +97,7 @@ class MoEConfig(NamesComponents):
 class ModelConfig(NamesComponents):
     """The Transformer: family, width, depth and the named component of each kind."""
 
-    COMPONENTS: ClassVar[tuple[str, ...]] = ("position", "norm", "ffn", "stack", "block")
+    COMPONENTS: ClassVar[tuple[str, ...]] = ("position", "norm", "ffn", "stack", "block", "objective_head")
 
     family: str = "decoder"  # decoder | encoder | encoder_decoder
     vocab_size: int = 0  # 0: the tokenizer's (or the dataset's) vocabulary, padded to 128 x parallel.tp
@@ -123,6 +123,10 @@ class ModelConfig(NamesComponents):
     stack: Component = field(default_factory=lambda: Component("plain"))
     # What one block holds and in which order: standard | macaron | sandwich | gtrxl (xscale.models.blocks)
     block: Component = field(default_factory=lambda: Component("standard"))
+    # A pre-training objective's extra head: none | span_boundary (SpanBERT) | sentence_pair (NSP, SOP) |
+    # replaced_token_detection (ELECTRA's generator and discriminator); the
+    # objective that needs one names it (train.objective; docs/variants.md)
+    objective_head: Component = field(default_factory=lambda: Component("none"))
     lm_head_transform: bool = False  # BERT MLM head: dense + act + norm before the vocab projection
     lm_head_bias: bool = False
     init_std: float = 0.02
@@ -207,7 +211,8 @@ class TrainConfig:
     global_batch_size: int = 16  # sequences per optimizer step, over all data-parallel ranks
     micro_batch_size: int | None = None  # per rank per forward; None: global / dp (no accumulation)
     seq_len: int = 128
-    objective: str = "auto"  # auto | clm | mlm | span | bart (BART denoising: docs/variants.md)
+    # auto | clm | mlm | span | bart (BART denoising) | spanbert | nsp | sop | electra (docs/variants.md)
+    objective: str = "auto"
     task: str = "lm"  # lm (the objective's token loss) | classify (one label per sequence: docs/classification.md)
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
@@ -352,7 +357,7 @@ CHOICES = {
     "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"),
     "parallel.activation_checkpointing": ("none", "full", "selective"),
     "parallel.backend": ("auto", "gloo", "nccl"),
-    "train.objective": ("auto", "clm", "mlm", "span", "bart"),
+    "train.objective": ("auto", "clm", "mlm", "span", "bart", "spanbert", "nsp", "sop", "electra"),
     "train.schedule": ("cosine", "linear", "constant", "wsd"),
     "train.decay_shape": ("linear", "cosine", "sqrt"),
     "train.loggers": ("tensorboard", "jsonl", "csv", "wandb"),  # a list: each item one of these

@@ -6,7 +6,7 @@ from __future__ import annotations
 from xscale.config.check import closest, register_check
 from xscale.config.schema import Config, ConfigError, resolve_objective
 from xscale.data.lra import PAD_AS_CONTENT
-from xscale.data.objectives import check_bart_config, span_corruption_lengths
+from xscale.data.objectives import check_bart_config, check_bert_objectives, span_corruption_lengths
 from xscale.data.sources import SOURCES
 from xscale.models.registry import REGISTRIES
 
@@ -79,4 +79,5 @@ def check_context_parallel_lengths(config: Config) -> None:
 register_check("xscale.data", check_dataset)
 register_check("xscale.data", check_padding_masks)
 register_check("xscale.data", check_bart_config)
+register_check("xscale.data", check_bert_objectives)
 register_check("xscale.data", check_context_parallel_lengths)

@@ -15,14 +15,28 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from xscale.data.objectives import IGNORE_INDEX, bart_denoising, causal_lm, masked_lm, span_corruption
+from xscale.data.objectives import (
+    IGNORE_INDEX,
+    bart_denoising,
+    causal_lm,
+    electra_masking,
+    geometric_span_masking,
+    masked_lm,
+    sentence_pair,
+    span_corruption,
+    word_start_table,
+)
 
 Sample = dict[str, torch.Tensor]
 WindowTransform = Callable[[torch.Tensor, torch.Generator], Sample]
-OBJECTIVES = ("clm", "mlm", "span")  # of the synthetic tasks' examples; text windows take "bart" as well
+OBJECTIVES = ("clm", "mlm", "span")  # of the synthetic tasks' examples; text windows take TEXT_ONLY as well
+TEXT_ONLY = ("bart", "spanbert", "nsp", "sop", "electra")
 # The data.dataset.options each objective reads from a text window (:func:`text_objective`).
 TEXT_OBJECTIVE_OPTIONS = {"clm": (), "mlm": ("mask_probability",), "span": ("noise_density", "mean_span_length"),
-                          "bart": ("mask_ratio", "poisson_lambda")}
+                          "bart": ("mask_ratio", "poisson_lambda"),
+                          "spanbert": ("mask_probability", "geometric_p", "max_span_words"),
+                          "nsp": ("mask_probability",), "sop": ("mask_probability",),
+                          "electra": ("mask_probability",)}
 
 
 class TokenStream(Protocol):
@@ -69,10 +83,13 @@ def sample_rng(seed: int, index: int) -> random.Random:
     return random.Random(int(state[0]) << 32 | int(state[1]))
 
 
-def text_objective(objective: str, tokenizer, seq_len: int, options: dict | None = None
-                   ) -> tuple[int, WindowTransform]:
-    """(window length, transform) turning a raw token window into a sample for ``objective``."""
+def text_objective(objective: str, tokenizer, seq_len: int, options: dict | None = None,
+                   stream: TokenStream | None = None) -> tuple[int, WindowTransform]:
+    """(window length, transform) turning a raw token window into a sample for ``objective``; ``stream``: the
+    corpus next-sentence prediction draws its random second segments from."""
     options = dict(options or {})
+    if objective in ("spanbert", "nsp", "sop", "electra"):
+        return _bert_objective(objective, tokenizer, seq_len, options, stream)
     if objective == "clm":
         return seq_len + 1, lambda window, generator: causal_lm(window)
     if objective == "mlm":
@@ -96,7 +113,35 @@ def text_objective(objective: str, tokenizer, seq_len: int, options: dict | None
         return seq_len, lambda window, generator: bart_denoising(
             window, generator, mask_id=tokenizer.mask_id, pad_id=tokenizer.pad_id, decoder_start_id=tokenizer.pad_id,
             sentence_end_ids=ends, mask_ratio=ratio, poisson_lambda=rate)
-    raise ValueError(f"objective '{objective}' is not one of {', '.join((*OBJECTIVES, 'bart'))}")
+    raise ValueError(f"objective '{objective}' is not one of {', '.join((*OBJECTIVES, *TEXT_ONLY))}")
+
+
+def _bert_objective(objective: str, tokenizer, seq_len: int, options: dict, stream: TokenStream | None
+                    ) -> tuple[int, WindowTransform]:
+    """SpanBERT's span masking or ELECTRA's (a window of ``seq_len``), or NSP / SOP pairs (``seq_len`` - 3 tokens and three
+    separators: bos as [CLS], eos as [SEP])."""
+    probability = float(options.get("mask_probability", 0.15))
+    common = {"vocab_size": tokenizer.vocab_size, "mask_id": tokenizer.mask_id, "special_ids": tokenizer.special_ids,
+              "mask_probability": probability}
+    if objective == "spanbert":
+        word_starts = word_start_table(tokenizer)
+        geometric_p, max_words = float(options.get("geometric_p", 0.2)), int(options.get("max_span_words", 10))
+        return seq_len, lambda window, generator: geometric_span_masking(
+            window, generator, word_starts=word_starts[window.long()], geometric_p=geometric_p,
+            max_span_words=max_words, **common)
+    if objective == "electra":
+        return seq_len, lambda window, generator: electra_masking(window, generator, **common)
+    if tokenizer.bos_id is None:
+        raise ValueError(f"train.objective={objective} starts each pair with bos as [CLS], but the tokenizer has no "
+                         "bos token; use a tokenizer trained by xscale (xscale data tokenizer)")
+
+    def random_segment(count: int, generator: torch.Generator) -> torch.Tensor:
+        start = int(torch.randint(len(stream) - count + 1, (1,), generator=generator))
+        return torch.from_numpy(np.asarray(stream.read(start, start + count), dtype=np.int64))
+
+    return seq_len - 3, lambda window, generator: sentence_pair(
+        window, generator, kind=objective, cls_id=tokenizer.bos_id, sep_id=tokenizer.eos_id,
+        random_segment=random_segment if stream is not None else None, **common)
 
 
 def sentence_end_ids(tokenizer) -> list[int]:

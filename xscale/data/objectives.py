@@ -1,6 +1,9 @@
 """Pre-training objectives as maps from a token window to a model batch: causal LM (GPT), masked LM with
-BERT's 80/10/10 rule (Devlin et al. 2019, sec. 3.1), T5 span corruption (Raffel et al. 2020, sec. 3.1.4) and BART
-denoising, sentence permutation plus text infilling (Lewis et al. 2020, sec. 2.2).
+BERT's 80/10/10 rule (Devlin et al. 2019, sec. 3.1), T5 span corruption (Raffel et al. 2020, sec. 3.1.4), BART
+denoising, sentence permutation plus text infilling (Lewis et al. 2020, sec. 2.2), SpanBERT's geometric span
+masking for the span-boundary objective (Joshi et al. 2020) and the sentence pairs of BERT's next-sentence and
+ALBERT's sentence-order prediction (Lan et al. 2020), and ELECTRA's masking for replaced-token detection (Clark et
+al. 2020).
 
 Labels use -100 for positions that carry no loss. Every random choice comes from the ``generator`` the
 caller passes, so a dataset seeded by (seed, global sample index) gives the same sample on any rank.
@@ -8,7 +11,7 @@ caller passes, so a dataset seeded by (seed, global sample index) gives the same
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -59,6 +62,173 @@ def _random_ordinary_tokens(count: int, vocab_size: int, special: torch.Tensor, 
     ordinary[special[special < vocab_size]] = False
     pool = torch.nonzero(ordinary).flatten()
     return pool[torch.randint(len(pool), (count,), generator=generator)]
+
+
+def truncated_geometric_mean(p: float, max_length: int) -> float:
+    """E[l] for P(l) proportional to p (1-p)^(l-1) on 1..max_length: 1/p - L q^L / (1 - q^L), q = 1 - p (3.8 for
+    SpanBERT's p=0.2, L=10)."""
+    q = 1.0 - p
+    return 1.0 / p - max_length * q**max_length / (1.0 - q**max_length)
+
+
+def geometric_span_lengths(count: int, generator: torch.Generator, p: float = 0.2, max_length: int = 10
+                           ) -> torch.Tensor:
+    """``count`` span lengths from Geo(p) truncated to 1..max_length: P(l) proportional to p (1-p)^(l-1)."""
+    lengths = torch.arange(1, max_length + 1, dtype=torch.float64)
+    weights = p * (1 - p) ** (lengths - 1)
+    return torch.multinomial(weights, count, replacement=True, generator=generator) + 1
+
+
+START_TRIES = 16  # places tried for each drawn span before its length is drawn again
+
+
+def geometric_span_masking(
+    tokens: torch.Tensor,
+    generator: torch.Generator,
+    *,
+    vocab_size: int,
+    mask_id: int | None,
+    special_ids: Sequence[int],
+    word_starts: torch.Tensor | None = None,
+    mask_probability: float = 0.15,
+    geometric_p: float = 0.2,
+    max_span_words: int = 10,
+) -> dict[str, torch.Tensor]:
+    """SpanBERT's masking (Joshi et al. 2020, sec. 3.1): spans of whole words until 15% of the tokens are masked.
+
+    Each span's length in words is drawn from Geo(p=0.2) truncated to 1..10 (renormalised: the paper's mean of 3.8
+    words), its first word uniformly among the places where the span fits; a place where it would overlap or touch a
+    masked span is drawn again (16 tries, then a new length). The budget is round(15%) of the maskable tokens: the
+    span that reaches it is cut to the whole words that fit (as SpanBERT's implementation cuts it), so with one
+    token per word exactly the budget is masked, and every span but the last keeps the drawn length. Each span is
+    replaced as a whole: 80% <mask>, 10% random tokens, 10% kept. The first and last positions of the window are
+    never masked, so every span has both boundary tokens x_{s-1}, x_{e+1} for the span-boundary objective.
+    ``word_starts`` (T,) marks the tokens that begin a word (None: every token is a word).
+
+    Returns input_ids, labels (the original at masked positions, -100 elsewhere), and per position span_left /
+    span_right (the boundary positions s-1, e+1) and span_offset (i - s + 1; 0 where unmasked).
+    """
+    if mask_id is None:
+        raise ValueError("SpanBERT's masking needs a <mask> token; use a tokenizer trained by xscale "
+                         "(xscale data tokenizer)")
+    length = len(tokens)
+    special = torch.tensor(sorted(set(special_ids)), dtype=tokens.dtype)
+    maskable = ~torch.isin(tokens, special)
+    maskable[0] = maskable[-1] = False
+    starts = torch.ones(length, dtype=torch.bool) if word_starts is None else word_starts.clone()
+    starts |= torch.cat([torch.ones(1, dtype=torch.bool), ~maskable[:-1]])  # a word never crosses a special token
+    word_first = torch.nonzero(starts & maskable).flatten().tolist()
+    boundary = (starts | ~maskable).tolist()
+    word_stop = [next(j for j in range(first + 1, length) if boundary[j]) for first in word_first]
+    budget = min(max(1, round(mask_probability * int(maskable.sum()))), int(maskable.sum()))
+    open_, covered = maskable.tolist(), [False] * length
+    spans: list[tuple[int, int]] = []
+    masked = 0
+    # Lengths and candidate places drawn at once: 2 x budget draws (each placed span masks a token at least).
+    drawn_words = geometric_span_lengths(2 * budget, generator, geometric_p, max_span_words).tolist()
+    place_fractions = torch.rand(2 * budget, START_TRIES, generator=generator, dtype=torch.float64).tolist()
+    for words, fractions in zip(drawn_words, place_fractions):
+        if masked >= budget or not word_first:
+            break
+        words = min(words, len(word_first))
+        firsts = [int(fraction * (len(word_first) - words + 1)) for fraction in fractions]
+        placed = ((word_first[first], word_stop[first + words - 1]) for first in firsts)
+        free = next(((start, stop) for start, stop in placed
+                     if all(open_[start:stop]) and not any(covered[start - 1:stop + 1])), None)
+        if free is None:
+            continue
+        start, stop = free
+        if stop - start > budget - masked:  # the last span: cut to the whole words the budget has left
+            stop = max((end for end in word_stop if start < end <= start + budget - masked), default=start)
+            if stop == start:
+                break
+        covered[start:stop] = [True] * (stop - start)
+        spans.append((start, stop))
+        masked += stop - start
+
+    labels = torch.full_like(tokens, IGNORE_INDEX)
+    inputs = tokens.clone()
+    span_left, span_right, span_offset = (torch.zeros_like(tokens) for _ in range(3))
+    for start, stop in spans:
+        labels[start:stop] = tokens[start:stop]
+        span_left[start:stop], span_right[start:stop] = start - 1, stop
+        span_offset[start:stop] = torch.arange(1, stop - start + 1, dtype=tokens.dtype)
+        action = float(torch.rand(1, generator=generator))
+        if action < 0.8:
+            inputs[start:stop] = mask_id
+        elif action < 0.9:
+            inputs[start:stop] = _random_ordinary_tokens(stop - start, vocab_size, special, generator)
+    return {"input_ids": inputs, "labels": labels, "span_left": span_left, "span_right": span_right,
+            "span_offset": span_offset}
+
+
+def word_start_table(tokenizer) -> torch.Tensor:
+    """(vocab,) True for the tokens that begin a word: decoded after a letter, a space comes between them."""
+    reference = tokenizer.encode("a")[-1]
+    before = tokenizer.decode([reference]) + " "
+    table = torch.tensor([tokenizer.decode([reference, token]).startswith(before)
+                          for token in range(tokenizer.vocab_size)])
+    table[torch.tensor(tokenizer.special_ids, dtype=torch.long)] = True
+    return table
+
+
+PAIR_KINDS = ("nsp", "sop")
+SegmentSource = Callable[[int, torch.Generator], torch.Tensor]
+
+
+def sentence_pair(
+    tokens: torch.Tensor,
+    generator: torch.Generator,
+    *,
+    kind: str,
+    cls_id: int,
+    sep_id: int,
+    vocab_size: int,
+    mask_id: int | None,
+    special_ids: Sequence[int],
+    random_segment: SegmentSource | None = None,
+    mask_probability: float = 0.15,
+) -> dict[str, torch.Tensor]:
+    """A pair of segments [CLS] A [SEP] B [SEP] from a window of T - 3 tokens, MLM-masked, with a pair label.
+
+    The window is cut at a uniform point into A (first) and B (next), each at least one token. ``nsp`` (BERT,
+    Devlin et al. 2019, sec. 3.1): with probability 1/2 B is replaced by as many tokens read at a random place of the
+    corpus (``random_segment``), pair_label 1 (NotNext), else 0 (IsNext). ``sop`` (ALBERT, Lan et al. 2020, sec.
+    4.1): with probability 1/2 the two segments are swapped, B then A, pair_label 1, else 0. Then BERT's masking
+    (:func:`masked_lm`) over every token but the three separators. Departure: no segment (token-type) embeddings;
+    the separator marks the boundary.
+    """
+    if kind not in PAIR_KINDS:
+        raise ValueError(f"sentence pair kind '{kind}' is not one of {', '.join(PAIR_KINDS)}")
+    if len(tokens) < 2:
+        raise ValueError(f"a sentence pair needs a window of at least 2 tokens (train.seq_len >= 5), got {len(tokens)}")
+    cut = int(torch.randint(1, len(tokens), (1,), generator=generator))
+    first, second = tokens[:cut], tokens[cut:]
+    flipped = bool(torch.rand(1, generator=generator) < 0.5)
+    if flipped and kind == "sop":
+        first, second = second, first
+    elif flipped:
+        if random_segment is None:
+            raise ValueError("next-sentence prediction needs a corpus to draw random second segments from")
+        second = random_segment(len(second), generator).to(tokens.dtype)
+    cls, sep = (torch.tensor([token], dtype=tokens.dtype) for token in (cls_id, sep_id))
+    pair = torch.cat([cls, first, sep, second, sep])
+    sample = masked_lm(pair, generator, vocab_size=vocab_size, mask_id=mask_id,
+                       special_ids=[*special_ids, cls_id, sep_id], mask_probability=mask_probability)
+    sample["pair_label"] = torch.tensor(int(flipped))
+    return sample
+
+
+def electra_masking(tokens: torch.Tensor, generator: torch.Generator, *, vocab_size: int, mask_id: int | None,
+                    special_ids: Sequence[int], mask_probability: float = 0.15) -> dict[str, torch.Tensor]:
+    """ELECTRA (Clark et al. 2020, sec. 2): round(15%) of the maskable positions, every one replaced by <mask>
+    (x_masked = REPLACE(x, m, [MASK])); labels hold the originals there. ``sample_uniform`` (T,): one uniform per
+    position, from which the generator's sample is drawn (by inverse CDF), so it is the same under any layout."""
+    sample = masked_lm(tokens, generator, vocab_size=vocab_size, mask_id=mask_id, special_ids=special_ids,
+                       mask_probability=mask_probability)
+    sample["input_ids"] = torch.where(sample["labels"] != IGNORE_INDEX, mask_id, tokens)
+    sample["sample_uniform"] = torch.rand(len(tokens), generator=generator)
+    return sample
 
 
 def span_lengths(length: int, noise_density: float = 0.15, mean_span_length: float = 3.0) -> tuple[int, int]:
@@ -225,3 +395,56 @@ def check_bart_config(config: Config) -> None:
         raise ConfigError(f"data.dataset.options.mask_ratio={ratio!r} (BART's masked fraction) must be in (0, 0.5]")
     if not (isinstance(rate, (int, float)) and 0 <= rate <= 64):
         raise ConfigError(f"data.dataset.options.poisson_lambda={rate!r} (BART's mean span length) must be in [0, 64]")
+
+
+# The extra head each objective trains beside the MLM (model.objective_head), and why each layout cannot apply.
+OBJECTIVE_HEADS = {"spanbert": "span_boundary", "nsp": "sentence_pair", "sop": "sentence_pair",
+                   "electra": "replaced_token_detection"}
+HEAD_REFUSALS = {
+    "pp": "the head reads the last stage's states together with the batch's boundary positions or pair labels, "
+          "which pipeline stages do not carry",
+    "tp": "the head is not in the tensor-parallel plan",
+    "cp": "a span's boundary tokens, a pair's first token or the generator's sequence may sit on another rank's part",
+}
+
+
+def check_bert_objectives(config: Config) -> None:
+    """train.objective=spanbert, nsp, sop or electra: windows of text, the matching model.objective_head, options in range,
+    and the layouts the heads cannot run under refused by name."""
+    objective, head = config.train.objective, config.model.objective_head.kind
+    wanted = OBJECTIVE_HEADS.get(objective, "none")
+    if head != wanted:
+        fix = f"set model.objective_head={wanted}" if wanted != "none" else \
+            f"set train.objective to {' or '.join(k for k, v in OBJECTIVE_HEADS.items() if v == head)}"
+        raise ConfigError(f"train.objective={objective} trains model.objective_head={wanted}, not {head}; {fix}")
+    if objective not in OBJECTIVE_HEADS:
+        return
+    data, options = config.data, config.data.dataset.options
+    if config.train.task != "lm":
+        raise ConfigError(f"train.objective={objective} pre-trains with token losses: set train.task=lm, not "
+                          f"{config.train.task}")
+    if data.dataset.kind not in ("stdlib_text", "text", "indexed") and not data.sources:
+        raise ConfigError(f"train.objective={objective} masks windows of text: set data.dataset=stdlib_text, text or "
+                          f"indexed (or data.sources), not data.dataset={data.dataset}")
+    if objective == "nsp" and data.sources:
+        raise ConfigError("train.objective=nsp draws random second segments from one corpus: set data.dataset and "
+                          "data.path instead of data.sources (or use train.objective=sop)")
+    if config.model.lm_head_transform:
+        raise ConfigError(f"train.objective={objective}: the {wanted} head reads the encoder's final states, which "
+                          "model.lm_head_transform would hand the loss transformed; set model.lm_head_transform=false")
+    for dimension, reason in HEAD_REFUSALS.items():
+        if getattr(config.parallel, dimension) > 1:
+            raise ConfigError(f"train.objective={objective} cannot run under parallel.{dimension}="
+                              f"{getattr(config.parallel, dimension)}: {reason}; use dp and ZeRO (parallel.zero_stage)")
+    probability = options.get("mask_probability", 0.15)
+    if not (isinstance(probability, (int, float)) and 0 < probability <= 0.5):
+        raise ConfigError(f"data.dataset.options.mask_probability={probability!r} (the masked fraction) must be in "
+                          "(0, 0.5]")
+    geometric_p, max_words = options.get("geometric_p", 0.2), options.get("max_span_words", 10)
+    if not (isinstance(geometric_p, (int, float)) and 0 < geometric_p < 1):
+        raise ConfigError(f"data.dataset.options.geometric_p={geometric_p!r} (SpanBERT's Geo(p)) must be in (0, 1)")
+    if not (isinstance(max_words, int) and 1 <= max_words <= 64):
+        raise ConfigError(f"data.dataset.options.max_span_words={max_words!r} must be an integer in [1, 64]")
+    if objective in PAIR_KINDS and config.train.seq_len < 5:
+        raise ConfigError(f"train.objective={objective} lays out [CLS] A [SEP] B [SEP]: train.seq_len must be at least "
+                          f"5, got {config.train.seq_len}")

@@ -10,7 +10,7 @@ from xscale.models.registry import REGISTRIES
 # The config key that names each registry's component.
 CONFIG_KEYS = {"attention": "model.attention", "position": "model.position", "norm": "model.norm", "ffn": "model.ffn",
                "router": "model.moe.router", "stack": "model.stack",
-               "block": "model.block"}
+               "block": "model.block", "objective_head": "model.objective_head"}
 
 
 def describe_option(field: dataclasses.Field) -> str:

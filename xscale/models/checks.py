@@ -8,7 +8,7 @@ from xscale.config.check import closest, register_check
 from xscale.config.schema import Config, ConfigError
 from xscale.models.moe import check_moe_config
 from xscale.models.patch_embedding import check_patch_config
-from xscale.models.registry import FFN, NORM, POSITION, REGISTRIES, ROUTER, STACK
+from xscale.models.registry import FFN, NORM, OBJECTIVE_HEAD, POSITION, REGISTRIES, ROUTER, STACK
 from xscale.models.segment_memory import check_segment_memory_config
 
 
@@ -33,6 +33,7 @@ def check_component_names(config: Config) -> None:
         check_registered("attention", kind, where)
     check_registered("router", model.moe.router.kind, "model.moe.router")
     check_registered("stack", model.stack.kind, "model.stack")
+    check_registered("objective_head", model.objective_head.kind, "model.objective_head")
 
 
 def check_component_options(config: Config) -> None:
@@ -41,7 +42,8 @@ def check_component_options(config: Config) -> None:
     model = config.model
     for registry, component, where in ((POSITION, model.position, "model.position"), (NORM, model.norm, "model.norm"),
                                        (FFN, model.ffn, "model.ffn"), (ROUTER, model.moe.router, "model.moe.router"),
-                                       (STACK, model.stack, "model.stack")):
+                                       (STACK, model.stack, "model.stack"),
+                                       (OBJECTIVE_HEAD, model.objective_head, "model.objective_head")):
         registry.options(component, where)
 
 

@@ -74,6 +74,7 @@ FFN = Registry("ffn")
 ROUTER = Registry("router")
 STACK = Registry("stack")
 BLOCK = Registry("block")
+OBJECTIVE_HEAD = Registry("objective_head")
 REGISTRIES = {"attention": ATTENTION, "position": POSITION, "norm": NORM, "ffn": FFN, "router": ROUTER,
-              "stack": STACK, "block": BLOCK}
+              "stack": STACK, "block": BLOCK, "objective_head": OBJECTIVE_HEAD}
 

@@ -25,6 +25,7 @@ from xscale.models.dropout import Dropout, name_dropout_sites
 from xscale.models.heads.classifier import ClassificationHead
 from xscale.models.heads.early_exit import LayerExits, run_until_exit
 from xscale.models.heads.lm import LMHeadTransform
+from xscale.models.heads.objective import build_objective_head
 from xscale.models.norm import build_norm
 from xscale.models.patch_embedding import PatchEmbedding
 from xscale.models.registry import STACK
@@ -88,6 +89,8 @@ class Transformer(nn.Module):
         self.head_transform = LMHeadTransform(config) if config.lm_head_transform and not self.classifier else None
         self.output = (nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
                        if self.classifier is None else None)
+        # A pre-training objective's extra head (SpanBERT's SBO, NSP/SOP), read by the loss beside the projection.
+        self.objective_head = build_objective_head(config)
         self.tie_weights()
         name_dropout_sites(self)
 
@@ -133,6 +136,7 @@ class Transformer(nn.Module):
         last = self.decoder if self.seq2seq else self.stack
         if last is None or not last.ends:
             self.head_transform, self.output, self.classifier, self.exits = None, None, None, None
+            self.objective_head = None
         elif self.config.tie_embeddings and self.embedding is None and self.output is not None:
             self.output.weight = nn.Parameter(self.output.weight.detach().clone())
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from xscale.ops import cross_entropy_sum, linear_cross_entropy_sum
@@ -63,9 +64,33 @@ def model_loss_sum(model: nn.Module, batch: Batch, context: StepContext | None =
     encoder-decoder model) at ``context``; for a classifier, :func:`classification_loss_sum`."""
     if getattr(model, "classifier", None) is not None:
         return classification_loss_sum(model, batch, context)
+    head = getattr(model, "objective_head", None)
+    if head is not None:
+        return objective_loss_sum(model, head, batch, context)
     hidden = model(batch["input_ids"], decoder_input_ids=batch.get("decoder_input_ids"), context=context,
                    project=False)
     return token_loss_sum(hidden, model.output, batch["labels"], model.kernels)
+
+
+def objective_loss_sum(model: nn.Module, head: nn.Module, batch: Batch, context: StepContext | None) -> torch.Tensor:
+    """An encoder with an objective's extra head (:mod:`xscale.models.heads.objective`): the MLM loss (unless the
+    head replaces it) plus the head's; ELECTRA's generator first makes the token ids the model reads. Under ZeRO-3
+    the root unit's parameters (the shared embedding, the head) are gathered before the generator reads them."""
+
+    def token_loss(states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return token_loss_sum(states, model.output, labels, model.kernels)
+
+    loss = torch.zeros((), device=batch["input_ids"].device)
+    if head.corrupts_inputs:
+        if isinstance(model, FSDPModule):
+            model.unshard()
+        corrupted, loss = head.corrupt(model.embedding, model.output, batch, token_loss,
+                                       context if context is not None else StepContext())
+        batch = {**batch, "input_ids": corrupted}
+    hidden = model(batch["input_ids"], context=context, project=False)
+    if head.adds_to_token_loss:
+        loss = loss + token_loss(hidden, batch["labels"])
+    return loss + head.loss_sum(hidden, batch, token_loss)
 
 
 def classification_loss_sum(model: nn.Module, batch: Batch, context: StepContext | None = None) -> torch.Tensor:

@@ -77,7 +77,7 @@ def text_datasets(config: Config, objective: str, label_names: list[str] | None)
     data, seq_len = config.data, config.train.seq_len
     options = data_options(config, TEXT_OBJECTIVE_OPTIONS[objective])
     stream, tokenizer, vocab_size = STREAMS[data.dataset.kind](config, objective)
-    window, transform = text_objective(objective, tokenizer, seq_len, options)
+    window, transform = text_objective(objective, tokenizer, seq_len, options, stream)
     windows = PackedTextDataset.count_windows(len(stream), window, seq_len)
     eval_windows = round(windows * data.eval_fraction)
     if windows - eval_windows < 1:
