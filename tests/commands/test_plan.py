@@ -4,7 +4,6 @@ and exit 2; ``--emit`` writes a config that ``xscale train`` reads."""
 from __future__ import annotations
 
 import re
-import time
 
 import pytest
 
@@ -26,11 +25,9 @@ def _overrides(line: str) -> list[str]:
     ("configs/gpt3-175b.yaml", 4096), ("configs/gshard-600b.yaml", 4096),
 ])
 def test_plans_for_real_models_pass_the_validator(capsys, tmp_path, config, devices):
-    start = time.process_time()  # CPU seconds: the wall clock of a shared machine says more of its load
     emitted = tmp_path / "plan.yaml"
     assert main(["plan", config, "--cluster", H100, "--devices", str(devices), "--tokens", "1T", "--top", "3",
                  "--emit", str(emitted)]) == 0
-    assert time.process_time() - start < 30
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if LAYOUT_ROW.match(line)]
     assert 1 <= len(rows) <= 3
