@@ -7,7 +7,10 @@ import signal
 import threading
 import time
 
+import pytest
+
 from xscale.commands.train import EXIT_INTERRUPTED, main, resume_command
+from xscale.train.trainer import Trainer
 
 TINY = [
     "model.vocab_size=48", "model.d_model=32", "model.n_layers=2", "model.n_heads=4",
@@ -55,3 +58,22 @@ def test_the_resume_command_drops_a_pinned_checkpoint(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert resume_command(["a b.yaml"], "auto") == "torchrun --nproc-per-node=2 --standalone -m xscale train 'a b.yaml'"
+
+
+def test_a_lost_peer_is_one_line_and_exit_1_not_a_traceback(tmp_path, capsys, monkeypatch):
+    def fit(self):
+        raise RuntimeError("[../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:5: Connection reset by peer")
+
+    monkeypatch.setattr(Trainer, "fit", fit)
+    assert main([*TINY, f"train.output_dir={tmp_path}"]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("xscale train: rank 0 lost a peer (Read error")
+
+
+def test_a_runtime_error_that_is_no_lost_peer_still_raises(tmp_path, monkeypatch):
+    def fit(self):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    monkeypatch.setattr(Trainer, "fit", fit)
+    with pytest.raises(RuntimeError, match="shapes"):
+        main([*TINY, f"train.output_dir={tmp_path}"])

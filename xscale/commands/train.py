@@ -13,6 +13,7 @@ from xscale.config.load import config_to_yaml, load_config_from_cli
 from xscale.config.schema import ConfigError
 from xscale.data import with_resolved_vocab
 from xscale.launcher.env import close_distributed
+from xscale.runtime.peer_loss import lost_peer, peer_loss_line
 from xscale.train.fault_injection import FaultInjectingTrainer, chaos_files
 from xscale.train.run_lock import RunLocked
 from xscale.train.trainer import NonFiniteTraining, Trainer
@@ -70,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except NonFiniteTraining as error:
         print(f"xscale train: training diverged: {error}", file=sys.stderr)
+        return 1
+    except RuntimeError as error:
+        if not lost_peer(error):
+            raise
+        print(peer_loss_line(error, int(os.environ.get("RANK", "0"))), file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C before the steps began, or a second one: nothing more is saved
         if int(os.environ.get("RANK", "0")) == 0:
