@@ -195,3 +195,17 @@ def test_a_launched_run_tears_its_process_group_down(tmp_path):
             "model.d_model=32", "model.n_heads=2", "model.vocab_size=512", "data.tokenizer_vocab_size=512",
             "parallel.dp_shard=2", "train.plot=false", f"train.output_dir={tmp_path}"]
     assert run_local(_train_and_report, 2, argv) == [[0, False], [0, False]]
+
+
+# Commands that never compile nor load a Hugging Face model: importing them must not load torch._dynamo (a second of
+# every start-up, pulled in by @torch.compiler.disable at import), DeepSpeed or transformers.
+LIGHT_COMMANDS = ("data", "generate", "export", "convert", "bench", "submit", "chaos")
+
+
+def test_light_commands_start_without_dynamo_deepspeed_or_transformers():
+    modules = ", ".join(f"xscale.commands.{name}" for name in LIGHT_COMMANDS)
+    code = (f"import sys, xscale.cli, {modules}\n"
+            "print(sorted(name for name in ('torch._dynamo', 'deepspeed', 'transformers') if name in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=ENV)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]", f"importing the light commands loaded {result.stdout.strip()}"
