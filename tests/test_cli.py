@@ -9,6 +9,8 @@ import pytest
 
 from tests.reliability.test_bad_input import ENV
 from xscale.cli import COMMANDS, main, version
+from xscale.commands.bench import BENCHMARKS
+from xscale.commands.data import TOOLS
 from xscale.config.load import load_config, read_config
 
 # reStructuredText that argparse would print as it is: ``literals`` and :roles:`targets`.
@@ -195,3 +197,34 @@ def test_a_launched_run_tears_its_process_group_down(tmp_path):
             "model.d_model=32", "model.n_heads=2", "model.vocab_size=512", "data.tokenizer_vocab_size=512",
             "parallel.dp_shard=2", "train.plot=false", f"train.output_dir={tmp_path}"]
     assert run_local(_train_and_report, 2, argv) == [[0, False], [0, False]]
+
+
+# Commands that never compile nor load a Hugging Face model: importing them must not load torch._dynamo (a second of
+# every start-up, pulled in by @torch.compiler.disable at import), DeepSpeed or transformers.
+LIGHT_COMMANDS = ("data", "generate", "export", "convert", "bench", "submit", "chaos")
+
+
+def test_light_commands_start_without_dynamo_deepspeed_or_transformers():
+    modules = ", ".join(f"xscale.commands.{name}" for name in LIGHT_COMMANDS)
+    code = (f"import sys, xscale.cli, {modules}\n"
+            "print(sorted(name for name in ('torch._dynamo', 'deepspeed', 'transformers') if name in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=ENV)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]", f"importing the light commands loaded {result.stdout.strip()}"
+
+
+@pytest.mark.parametrize("argv, title, entries", [
+    (["--help"], "commands", {name: text for name, (_, _, text) in COMMANDS.items()}),
+    (["data", "--help"], "tools", {name: text for name, (_, text) in TOOLS.items()}),
+    (["bench", "--help"], "benchmarks", BENCHMARKS),
+])
+def test_commands_made_of_subcommands_share_one_help_layout(argv, title, entries, capsys):
+    """xscale, xscale data and xscale bench: usage, options, then a titled section with each subcommand and the
+    start of its one-line description on the same line."""
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: xscale {' '.join(argv[:-1])}".rstrip() + " [-h]")
+    assert "\noptions:\n" in out and f"\n{title}:\n" in out
+    listed = out.split(f"\n{title}:\n", 1)[1]
+    for name, text in entries.items():
+        assert re.search(rf"^    {name} +{re.escape(text.split()[0])}", listed, re.M), f"{name} not listed:\n{out}"

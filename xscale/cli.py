@@ -8,7 +8,7 @@ import importlib.metadata
 import sys
 
 import xscale
-from xscale.commands.parser import CommandParser
+from xscale.commands.parser import print_command_help
 from xscale.launcher.openmp_spin import limit_openmp_spin
 
 # command -> (module, function, one-line help); modules load lazily so `xscale --help` is instant.
@@ -43,13 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"xscale {version()}")
         return 0
     if not argv or argv[0] in ("-h", "--help"):
-        parser = CommandParser(prog="xscale", description="Distributed training of Transformer variants. "
-                               "xscale COMMAND --help describes each command.")
-        parser.add_argument("-V", "--version", action="store_true", help="print the version and exit")
-        sub = parser.add_subparsers(title="commands", metavar="COMMAND")
-        for name, (_, _, help_text) in COMMANDS.items():
-            sub.add_parser(name, help=help_text)
-        parser.print_help()
+        print_command_help("xscale", "Distributed training of Transformer variants. xscale COMMAND --help "
+                           "describes each command.", "commands",
+                           {name: help_text for name, (_, _, help_text) in COMMANDS.items()}, version=True)
         return 0
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:

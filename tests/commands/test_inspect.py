@@ -215,3 +215,27 @@ def test_inspect_counts_the_funnel_decoder_blocks(capsys):
     block = 4 * 32 * 32 + 3 * 32 * 128 + 2 * 32
     assert with_decoder - without == 2 * block
     assert flops - flops_without == pytest.approx(6 * 2 * block + 12 * 2 * 32 * 32, rel=1e-3)
+
+
+def _peak(config, world_size: int) -> float:
+    return max(rank.peak for rank in rank_memory(config, world_size, TRAINING_STEP))
+
+
+def test_a_layout_that_does_not_fit_is_told_the_cheapest_change_that_does(capsys):
+    """Between the peaks of ZeRO-0 and ZeRO-3 over 2 data-parallel ranks, inspect proposes a higher ZeRO stage, and
+    the layout it names is predicted to fit."""
+    layout = ["parallel.dp_shard=2", "parallel.zero_stage=0"]
+    unsharded, sharded = _peak(_tiny(*layout), 2), _peak(_tiny(*layout[:1], "parallel.zero_stage=3"), 2)
+    memory_gib = (unsharded + sharded) / 2 / 2**30
+    assert main(["inspect", *TINY, *layout, "--measure", "--device-memory", f"{memory_gib:.9f}"]) == 0
+    out = capsys.readouterr().out
+    assert "does not fit" in out
+    proposed = re.search(r"would fit: (parallel\.zero_stage=\d)", out)
+    assert proposed, out
+    assert _peak(_tiny(*layout, proposed.group(1)), 2) <= memory_gib * 2**30
+
+
+def test_when_nothing_fits_inspect_names_what_it_tried(capsys):
+    assert main(["inspect", *TINY, "parallel.dp_shard=2", "--measure", "--device-memory", "0.0001"]) == 0
+    out = capsys.readouterr().out
+    assert "no single change fits, nor all together (parallel.activation_checkpointing, parallel.tp, " in out

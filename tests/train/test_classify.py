@@ -11,6 +11,7 @@ import pytest
 from xscale.cli import main
 from xscale.commands.parity import compare_layouts
 from xscale.data.sentencepiece_tokenizer import SentencePieceTokenizer
+from xscale.train import metrics
 
 POSITIVE, NEGATIVE = ["good", "great", "fine", "nice"], ["bad", "awful", "poor", "sad"]
 FILLER = ["the", "movie", "was", "very", "a", "plot", "and", "it"]
@@ -89,3 +90,17 @@ def test_data_parallel_classification_matches_one_process(files, tmp_path):
     reference, results = compare_layouts(None, overrides, ["dp_shard=2,zero_stage=3"], 5, tmp_path)
     assert reference[-1] < reference[0], f"the reference run must train: {reference}"
     assert len(results[0].losses) == 5 and results[0].passed(1e-5), (reference, results[0])
+
+
+def test_a_default_classify_run_evaluates_and_plots_accuracy_per_example(files, tmp_path, monkeypatch):
+    """The issue's case: the plot of a classification run said nats/token, showed no accuracy, and the default run
+    evaluated nothing. Now: eval/accuracy every 10 steps unasked, and a loss panel in nats/example beside it."""
+    figures = []
+    draw = metrics.loss_figure
+    monkeypatch.setattr(metrics, "loss_figure", lambda history, unit: figures.append(draw(history, unit)) or figures[-1])
+    assert main(["train", *TINY, f"data.path={files['data']}", f"data.tokenizer={files['tokenizer']}",
+                 "train.steps=20", "train.plot=true", f"train.output_dir={tmp_path}"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in records if "eval/accuracy" in record] == [10, 20]
+    assert [axis.get_ylabel() for axis in figures[0].axes] == ["loss (nats/example)", "accuracy (%)"]
+    assert (tmp_path / "loss_curve.png").is_file()

@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 import time
 
+import matplotlib
 import pytest
 
 from xscale.config.load import load_config
+from xscale.config.schema import TrainConfig
 from xscale.data import build_datasets
-from xscale.train.metrics import MetricsLogger
-from xscale.train.trainer import Trainer
+from xscale.train.metrics import MetricsLogger, loss_figure
+from xscale.train.trainer import Trainer, evaluation_interval
+
+matplotlib.use("Agg")
 
 
 def test_each_logged_step_is_on_disk_before_the_logger_closes(tmp_path):
@@ -108,3 +112,25 @@ def test_step_time_counts_the_wait_for_data(tmp_path):
     assert first["perf/data_seconds"] >= 4 * 0.05
     assert first["perf/step_seconds"] >= first["perf/data_seconds"]
     assert first["perf/tokens_per_second"] <= 4 * 8 / (4 * 0.05)
+
+
+def test_a_language_model_plot_is_one_panel_in_nats_per_token():
+    history = [{"step": step, "train/loss": 5.0 / step} for step in range(1, 5)] + [{"step": 4, "eval/loss": 1.5}]
+    figure = loss_figure(history)
+    assert [axis.get_ylabel() for axis in figure.axes] == ["loss (nats/token)"]
+    assert [line.get_label() for line in figure.axes[0].get_lines()] == ["train", "eval"]
+
+
+def test_a_classifier_plot_has_an_accuracy_panel_in_percent():
+    history = [{"step": 1, "train/loss": 0.7}, {"step": 2, "train/loss": 0.5, "eval/loss": 0.6, "eval/accuracy": 0.75}]
+    figure = loss_figure(history, "nats/example")
+    assert [axis.get_ylabel() for axis in figure.axes] == ["loss (nats/example)", "accuracy (%)"]
+    assert list(figure.axes[1].get_lines()[0].get_ydata()) == [75.0]
+
+
+def test_an_unset_eval_every_evaluates_about_ten_times_when_there_is_an_eval_split():
+    assert evaluation_interval(TrainConfig(), eval_examples=100) == 20  # the default 200 steps: 10 evaluations
+    assert evaluation_interval(TrainConfig(steps=50), eval_examples=100) == 10  # never more often than every 10
+    assert evaluation_interval(TrainConfig(), eval_examples=0) == 0  # no eval split: nothing to evaluate
+    assert evaluation_interval(TrainConfig(eval_every=0), eval_examples=100) == 0  # asked for none
+    assert evaluation_interval(TrainConfig(eval_every=7), eval_examples=100) == 7

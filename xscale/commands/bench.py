@@ -7,6 +7,7 @@ import importlib
 import sys
 
 import xscale.commands.registrations  # noqa: F401  (every layer's config checks and adapters)
+from xscale.commands.parser import print_command_help
 from xscale.config.check import closest
 from xscale.launcher.cpu_allocator import keep_freed_memory
 
@@ -24,13 +25,13 @@ BENCHMARKS = {
     "published": "the planner's predictions for published large-scale runs against their reported throughput",
     "lra": "LRA-style accuracy table (ListOps, byte matching, Pathfinder) of every encoder attention kind",
 }
-USAGE = f"usage: xscale bench {{{'|'.join(BENCHMARKS)}}} [options]  (xscale bench NAME --help for its options)"
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
-        print(USAGE + "\n\n" + "\n".join(f"  {name:<10} {text}" for name, text in BENCHMARKS.items()))
+        print_command_help("xscale bench", "Benchmarks, each printing ratios against baselines measured in the same "
+                           "run. xscale bench BENCHMARK --help describes each one's options.", "benchmarks", BENCHMARKS)
         return 0
     if not argv:
         print(f"xscale bench: name a benchmark: {', '.join(BENCHMARKS)} (see xscale bench --help)", file=sys.stderr)

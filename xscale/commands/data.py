@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 import xscale.commands.registrations  # noqa: F401  (every layer's config checks and adapters)
-from xscale.commands.parser import CommandParser
+from xscale.commands.parser import CommandParser, print_command_help
 from xscale.config.check import closest
 from xscale.data.corpus import stdlib_documents, text_documents
 from xscale.data.load_tokenizer import load_tokenizer, tokenizer_source_file
@@ -80,9 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     """``xscale data TOOL ...``: dispatch to one of :data:`TOOLS`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
-        print("usage: xscale data {" + ",".join(TOOLS) + "} ...  (xscale data TOOL --help for its options)\n")
-        for name, (_, help_text) in TOOLS.items():
-            print(f"  {name:<12} {help_text}")
+        print_command_help("xscale data", "Data tools. xscale data TOOL --help describes each tool's options.",
+                           "tools", {name: help_text for name, (_, help_text) in TOOLS.items()})
         return 0
     if not argv:
         print(f"xscale data: name a tool: {', '.join(TOOLS)} (see xscale data --help)", file=sys.stderr)

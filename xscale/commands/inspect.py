@@ -13,11 +13,12 @@ import sys
 import xscale.commands.registrations  # noqa: F401  (every layer's config checks and adapters)
 import xscale.models.zoo  # noqa: F401  (registers every component, for --components)
 from xscale.commands.parser import CommandParser
+from xscale.config.check import validate
 from xscale.config.load import load_config_from_cli
 from xscale.config.schema import CHOICES, Config, ConfigError
 from xscale.data import with_resolved_vocab
 from xscale.data.sources import SOURCES
-from xscale.estimate.measure import MeasureError, measure_report
+from xscale.estimate.measure import MeasureError, device_memory_bytes, measure_report, rank_memory
 from xscale.estimate.memory import predicted_pipeline_state_bytes, predicted_state_bytes
 from xscale.models.catalog import options_catalog
 from xscale.models.parameters import ModelCount, count_parameters, experts_per_token
@@ -275,6 +276,73 @@ def report(config: Config) -> str:
     return "\n".join(lines)
 
 
+def _changed(config: Config, overrides: dict[str, object]) -> Config:
+    """``config`` with ``section.key`` overrides (of parallel and train) applied."""
+    sections = {"parallel": config.parallel, "train": config.train}
+    for dotted, value in overrides.items():
+        section, key = dotted.split(".")
+        sections[section] = dataclasses.replace(sections[section], **{key: value})
+    return dataclasses.replace(config, **sections)
+
+
+def fitting_changes(config: Config, world_size: int) -> list[tuple[dict[str, object], int]]:
+    """The changes that lower each rank's peak, cheapest first, each with the world size it runs on: a higher ZeRO
+    stage (with data parallelism), full recomputation, a smaller micro-batch (more accumulation), then twice the
+    tensor-parallel degree (twice the processes)."""
+    dims, _ = resolve_layout(config, world_size)
+    parallel, model = config.parallel, config.model
+    changes: list[tuple[dict[str, object], int]] = []
+    if dims.dp > 1:
+        changes += [({"parallel.zero_stage": stage}, world_size) for stage in range(parallel.zero_stage + 1, 4)]
+    if parallel.activation_checkpointing != "full":
+        changes.append(({"parallel.activation_checkpointing": "full"}, world_size))
+    micro = config.train.micro_batch_size or config.train.global_batch_size // max(dims.dp, 1)
+    while micro > 1:
+        micro //= 2
+        changes.append(({"train.micro_batch_size": micro}, world_size))
+    tp = parallel.tp * 2
+    if model.n_heads % tp == 0 and model.kv_heads % tp == 0:
+        changes.append(({"parallel.tp": tp}, world_size * tp // parallel.tp))
+    return changes
+
+
+def _peak_if_valid(config: Config, world_size: int) -> float | None:
+    """The largest predicted rank peak of ``config`` at ``world_size``, None when the layout is refused."""
+    try:
+        validate(config)
+        return max(rank.peak for rank in rank_memory(config, world_size, TRAINING_STEP))
+    except (ConfigError, MeasureError):
+        return None
+
+
+def what_would_fit(config: Config, world_size: int, device_memory_gib: float | None) -> str:
+    """The line that follows a 'does not fit': the cheapest single change of :func:`fitting_changes` that fits, else
+    the fewest of them, taken in that order, that fit together, else that none does (measured as the verdict is)."""
+    changes = fitting_changes(config, world_size)
+    for overrides, world in changes:
+        peak = _peak_if_valid(_changed(config, overrides), world)
+        if peak is not None and peak <= device_memory_bytes(world, device_memory_gib)[0]:
+            return f"would fit: {_settings(overrides, world, world_size)} (peak {_human(peak)})"
+    together: dict[str, object] = {}
+    for overrides, world in changes:
+        candidate = {**together, **overrides}
+        peak = _peak_if_valid(_changed(config, candidate), world)
+        if peak is None:
+            continue
+        together = candidate
+        if peak <= device_memory_bytes(world, device_memory_gib)[0]:
+            return f"would fit: {_settings(together, world, world_size)} (peak {_human(peak)})"
+    tried = ", ".join(sorted({key for overrides, _ in changes for key in overrides})) or "nothing to change"
+    return (f"no single change fits, nor all together ({tried}): more processes with a larger tp or pp, a shorter "
+            "train.seq_len, or bf16 (train.precision)")
+
+
+def _settings(overrides: dict[str, object], world: int, world_size: int) -> str:
+    text = " ".join(f"{key}={str(value).lower() if isinstance(value, bool) else value}"
+                    for key, value in overrides.items())
+    return text + (f" on {world} processes (--world-size {world})" if world != world_size else "")
+
+
 def components_report() -> str:
     """Every registered component (``model.<kind>``; router: ``model.moe.router``; the stack variants:
     ``model.stack``), every ``model.*`` choice and the objectives and tasks (``train.objective``, ``train.task``)."""
@@ -322,7 +390,10 @@ def main(argv: list[str] | None = None) -> int:
         if world_size > 1:
             text += "\n" + "\n".join(layout_report(config, world_size))
         if args.measure:
-            text += "\n" + "\n".join(measure_report(config, world_size, TRAINING_STEP, args.device_memory))
+            lines = measure_report(config, world_size, TRAINING_STEP, args.device_memory)
+            if any("does not fit" in line for line in lines):
+                lines.append("  " + what_would_fit(config, world_size, args.device_memory))
+            text += "\n" + "\n".join(lines)
     except ConfigError as error:
         print(f"xscale inspect: invalid configuration: {error}", file=sys.stderr)
         return 2

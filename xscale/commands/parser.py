@@ -36,3 +36,26 @@ class CommandParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+class _SubcommandFormatter(argparse.HelpFormatter):
+    """Help whose description column clears the longest subcommand name (argparse measures only the options)."""
+
+    def add_argument(self, action: argparse.Action) -> None:
+        super().add_argument(action)
+        if isinstance(action, argparse._SubParsersAction):
+            longest = max((len(name) for name in action.choices), default=0)
+            self._action_max_length = max(self._action_max_length, longest + self._current_indent + 2)
+
+
+def print_command_help(prog: str, description: str, title: str, commands: dict[str, str],
+                       version: bool = False) -> None:
+    """The help of a command made of subcommands (``xscale``, ``xscale data``, ``xscale bench``), in one layout:
+    usage, description, options, then each subcommand with its one-line description under ``title``."""
+    parser = CommandParser(prog=prog, description=description, formatter_class=_SubcommandFormatter)
+    if version:
+        parser.add_argument("-V", "--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(title=title, metavar=title.rstrip("s").upper())
+    for name, help_text in commands.items():
+        sub.add_parser(name, help=help_text)
+    parser.print_help()

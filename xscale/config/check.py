@@ -270,7 +270,7 @@ RANGES: dict[str, tuple[str, typing.Callable[[float], bool]]] = {
     "train.beta2": ("in [0, 1)", _fraction),
     "train.eps": ("positive", _positive),
     "train.grad_clip": (">= 0 (0 disables)", _non_negative),
-    "train.eval_every": (">= 0 (0 disables)", _non_negative),
+    "train.eval_every": (">= 0 (0 disables; unset: about 10 evaluations over the run)", _non_negative),
     "train.eval_batches": ("positive", _positive),
     "train.log_every": ("positive", _positive),
     "train.max_skipped": ("positive", _positive),

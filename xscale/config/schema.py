@@ -244,7 +244,9 @@ class TrainConfig:
     first_step_timeout_s: float = 600.0
     precision: str = "fp32"  # fp32 | bf16
     seed: int = 1234
-    eval_every: int = 0  # 0 disables periodic evaluation
+    # steps between evaluations; None: about 10 over the run when the data has an eval split (every
+    # max(10, log_every, steps // 10) steps; xscale.train.trainer.evaluation_interval); 0: none
+    eval_every: int | None = None
     eval_batches: int = 4
     log_every: int = 10
     output_dir: str = "runs/default"

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from xscale.runtime import StepContext
+from xscale.runtime.eager import eager_under_compile
 from xscale.runtime.hooks import DrawsNoise
 
 MASK64 = (1 << 64) - 1
@@ -133,7 +134,7 @@ class Dropout(nn.Module):
         return context.tensor_rank if context.sequence_parallel else 0
 
 
-@torch.compiler.disable  # eager: compiled, it would recompile every step (and inductor folds without wrapping)
+@eager_under_compile  # eager: compiled, it would recompile every step (and inductor folds without wrapping)
 def _sample_keys(site: int, batch: int, device: torch.device, context: StepContext | None) -> torch.Tensor:
     """One key per sample of the batch in flight: of (seed, site, step, global row) under a positioned context."""
     if context is None or not context.positioned:  # plain PyTorch use: keys from torch's generator, like nn.Dropout

@@ -22,6 +22,7 @@ from xscale.models.registry import POSITION, NoOptions
 from xscale.models.traits import ParallelTraits
 from xscale.ops import apply_rope
 from xscale.runtime import StepContext
+from xscale.runtime.eager import eager_under_compile
 
 
 class PositionEncoding(nn.Module):
@@ -324,7 +325,7 @@ class TappedPosition:
         return None if value is None else _tap(value, self.anchor)
 
 
-@torch.compiler.disable
+@eager_under_compile
 def _tap(value: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
     """:class:`_GradientTap` applied eagerly, also in a compiled block: traced, the identity was folded away and the
     zero-bubble schedule's weight half missed part of the table's gradient (loss off by 1.6e-4 in 3 steps)."""

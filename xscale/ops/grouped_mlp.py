@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from xscale.ops.expert_threads import for_each_expert
+from xscale.runtime.eager import eager_under_compile
 
 aten = torch.ops.aten
 ACTIVATION_NAMES = ("gelu", "gelu_tanh", "silu", "relu")
@@ -201,7 +202,7 @@ class _GroupedMLP(torch.autograd.Function):
         return (grad_x, *grads.as_tuple(), None, None)
 
 
-@torch.compiler.disable  # eager in a compiled block too: the experts run on worker threads, which dynamo cannot trace
+@eager_under_compile  # eager in a compiled block too: the experts run on worker threads, which dynamo cannot trace
 def grouped_mlp(x: torch.Tensor, counts: list[int], activation: str, w1: torch.Tensor, b1: torch.Tensor | None,
                 w2: torch.Tensor, b2: torch.Tensor | None, w_up: torch.Tensor | None = None,
                 b_up: torch.Tensor | None = None) -> torch.Tensor:

@@ -30,6 +30,7 @@ from xscale.ops.grouped_mlp import (
 )
 from xscale.ops.moe_permute import assignment_of_token
 from xscale.ops.shared_input_gradient import SharedInputGradient
+from xscale.runtime.eager import eager_under_compile
 
 
 class _TokenExperts(torch.autograd.Function):
@@ -87,7 +88,7 @@ class _TokenExperts(torch.autograd.Function):
         return (grad_tokens, None, grad_gate, *grads.as_tuple(), None, None, None, None)
 
 
-@torch.compiler.disable  # eager in a compiled block too: the experts run on worker threads, which dynamo cannot trace
+@eager_under_compile  # eager in a compiled block too: the experts run on worker threads, which dynamo cannot trace
 def token_experts(tokens: torch.Tensor, token_index: torch.Tensor, gate: torch.Tensor, counts: list[int],
                   weights: ExpertWeights, out_dtype: torch.dtype | None = None,
                   input_gradient: SharedInputGradient | None = None) -> torch.Tensor:

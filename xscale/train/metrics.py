@@ -6,6 +6,7 @@ CSV, wandb: :mod:`xscale.train.loggers`), and a loss-curve PNG at the end. Only 
 
 from __future__ import annotations
 
+import math
 import resource
 import sys
 import time
@@ -47,8 +48,10 @@ class MetricsLogger:
     (:mod:`xscale.train.loggers`) and plots at the end."""
 
     def __init__(self, output_dir: str | Path, *, enabled: bool, total_steps: int, log_every: int,
-                 loggers: list[str], progress: bool, config: dict[str, Any] | None = None) -> None:
+                 loggers: list[str], progress: bool, config: dict[str, Any] | None = None,
+                 loss_unit: str = "nats/token") -> None:
         self.output_dir = Path(output_dir)
+        self.loss_unit = loss_unit  # what the loss is averaged over: nats/token, or nats/example for a classifier
         self.enabled = enabled
         self.total_steps = total_steps
         self.log_every = max(1, log_every)
@@ -140,27 +143,50 @@ class MetricsLogger:
         return self.plot() if plot else None
 
     def plot(self) -> Path | None:
-        """Write loss_curve.png (train and eval loss against step)."""
-        train = [(r["step"], r["train/loss"]) for r in self.history if "train/loss" in r]
-        if not train:
+        """Write loss_curve.png: train and eval loss against step, and a classifier's eval accuracy beside them."""
+        if not any("train/loss" in record for record in self.history):
             return None
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        figure, axis = plt.subplots(figsize=(7, 4))
-        axis.plot(*zip(*train), label="train")
-        evaluation = [(r["step"], r["eval/loss"]) for r in self.history if "eval/loss" in r]
-        if evaluation:
-            axis.plot(*zip(*evaluation), "o-", label="eval")
-        axis.set_xlabel("step")
-        axis.set_ylabel("loss (nats/token)")
-        axis.set_title("xscale training loss")
-        axis.grid(alpha=0.3)
-        axis.legend()
+        figure = loss_figure(self.history, self.loss_unit)
         path = self.output_dir / "loss_curve.png"
-        figure.tight_layout()
         figure.savefig(path, dpi=110)
         plt.close(figure)
         return path
+
+
+def _curve(history: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
+    return [(record["step"], record[key]) for record in history if key in record and math.isfinite(record[key])]
+
+
+def loss_figure(history: list[dict[str, Any]], loss_unit: str = "nats/token"):
+    """The figure of loss_curve.png (matplotlib with a backend chosen): loss against step in ``loss_unit``, and with
+    eval/accuracy in ``history`` a second panel of it in percent."""
+    import matplotlib.pyplot as plt
+
+    accuracy = _curve(history, "eval/accuracy")
+    figure, axes = plt.subplots(1, 2 if accuracy else 1, figsize=(12 if accuracy else 7, 4), squeeze=False)
+    loss_axis = axes[0][0]
+    loss_axis.plot(*zip(*_curve(history, "train/loss")), label="train")
+    evaluation = _curve(history, "eval/loss")
+    if evaluation:
+        loss_axis.plot(*zip(*evaluation), "o-", label="eval")
+    loss_axis.set_xlabel("step")
+    loss_axis.set_ylabel(f"loss ({loss_unit})")
+    loss_axis.set_title("xscale training loss")
+    loss_axis.grid(alpha=0.3)
+    loss_axis.legend()
+    if accuracy:
+        accuracy_axis = axes[0][1]
+        steps, values = zip(*accuracy)
+        accuracy_axis.plot(steps, [100 * value for value in values], "o-", color="tab:green", label="eval")
+        accuracy_axis.set_xlabel("step")
+        accuracy_axis.set_ylabel("accuracy (%)")
+        accuracy_axis.set_title("eval accuracy")
+        accuracy_axis.grid(alpha=0.3)
+        accuracy_axis.legend()
+    figure.tight_layout()
+    return figure

@@ -21,7 +21,7 @@ import torch
 from xscale.checkpoint.checkpointer import Checkpointer, CheckpointError, step_dir_name
 from xscale.checkpoint.elastic import elastic_micro_batch
 from xscale.checkpoint.init_sources import WEIGHTS_ONLY, fill_from_source, init_source_prefix
-from xscale.config.schema import Config, ConfigError
+from xscale.config.schema import Config, ConfigError, TrainConfig
 from xscale.data import (
     GlobalSampler,
     HasSources,
@@ -76,6 +76,15 @@ from xscale.train.step import (
 from xscale.train.watchdog import StepWatchdog
 
 LOCK_REFRESH_S = 60.0
+AUTO_EVALUATIONS = 10  # evaluations over a run that leaves train.eval_every unset
+
+
+def evaluation_interval(train: TrainConfig, eval_examples: int) -> int:
+    """Steps between evaluations: ``train.eval_every``, or unset, about :data:`AUTO_EVALUATIONS` over the run when
+    there is an eval split (never more often than every 10 steps or than the log); 0: none."""
+    if train.eval_every is not None:
+        return train.eval_every
+    return max(10, train.log_every, train.steps // AUTO_EVALUATIONS) if eval_examples else 0
 
 
 class NonFiniteTraining(RuntimeError):
@@ -147,7 +156,8 @@ class Trainer:
                                          carry={self.tokenizer_in_checkpoint: tokenizer} if tokenizer else {})
         self.metrics = MetricsLogger(output_dir, enabled=self.rank == 0, total_steps=train.steps,
                                      log_every=train.log_every, loggers=train.logger_names(),
-                                     progress=train.progress, config=config.to_dict())
+                                     progress=train.progress, config=config.to_dict(),
+                                     loss_unit="nats/example" if self.label_names is not None else "nats/token")
         self.profiler = StepProfiler(output_dir, rank=self.rank, start=train.profile_start, steps=train.profile_steps,
                                      device=self.device)
         self.flops_per_token = flops_per_token(config.model, train.seq_len, count.matmul_per_token)
@@ -468,6 +478,7 @@ class Trainer:
         """The steps, under the preemption handler and the watchdog (armed from the first step; saves and
         evaluations watched too); the last checkpoint is written."""
         train, every, losses = self.config.train, self.config.checkpoint.every, []
+        eval_every = evaluation_interval(train, len(self.eval_dataset) if self.eval_dataset is not None else 0)
         watchdog, refreshed = self._watchdog(), time.monotonic()
 
         def watched(phase: str) -> contextlib.AbstractContextManager:
@@ -490,7 +501,7 @@ class Trainer:
                     self.lock.refresh()
                     refreshed = time.monotonic()
                 losses.append(scalars["train/loss"])
-                if train.eval_every and self.step % train.eval_every == 0 and not stopping:
+                if eval_every and self.step % eval_every == 0 and not stopping:
                     with watched("evaluation"):
                         scalars.update(self.evaluate())
                 self.metrics.log(self.step, scalars)

@@ -19,6 +19,7 @@ from xscale.models.registry import FFN, ROUTER
 from xscale.models.traits import ParallelTraits
 from xscale.ops.moe_permute import assignment_of_token, combine_by_gate, gather_tokens
 from xscale.runtime import ExpertExchange, StepContext
+from xscale.runtime.eager import eager_under_compile
 
 
 class AttachAuxiliaryLoss(torch.autograd.Function):
@@ -37,7 +38,7 @@ class AttachAuxiliaryLoss(torch.autograd.Function):
         return grad_output, torch.ones((), dtype=torch.float32, device=grad_output.device)
 
 
-@torch.compiler.disable
+@eager_under_compile
 def attach_auxiliary_loss(output: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
     """:class:`AttachAuxiliaryLoss` applied eagerly, also inside a compiled module (``train.compile``): traced, its
     output aliases an input of the graph, so a view of it (the layer's ``view_as(x)``) was replayed by AOTAutograd

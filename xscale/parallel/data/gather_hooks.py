@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from torch import nn
+
+from xscale.runtime.eager import eager_under_compile
 
 
 def waiting_modules(parts: list[nn.Module], blocks: list[nn.Module]) -> list[tuple[nn.Module, bool]]:
@@ -50,7 +51,7 @@ def install_gather_waits(parts: list[nn.Module], blocks: list[nn.Module], bucket
                          wait_through: Callable[[int], None], finish: Callable[[], None]) -> list:
     """Hooks making each waiting module's forward wait for the buckets (``bucket_of``: id(parameter) -> bucket index)
     of the parameters it reads, and any state dict of it, saved or loaded, for all of them. Returns the handles."""
-    @torch.compiler.disable
+    @eager_under_compile
     def finish_all(*_args, **_kwargs) -> None:
         finish()
 
@@ -65,7 +66,7 @@ def install_gather_waits(parts: list[nn.Module], blocks: list[nn.Module], bucket
 
 
 def _waiter(wait_through: Callable[[int], None], last: int) -> Callable:
-    @torch.compiler.disable
+    @eager_under_compile
     def wait(_module: nn.Module, _args) -> None:
         wait_through(last)
     return wait

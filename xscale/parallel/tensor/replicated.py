@@ -27,6 +27,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from xscale.runtime.eager import eager_under_compile
+
 
 class SumGradients(torch.autograd.Function):
     """Identity forward; backward all-reduces (sums) the gradient over ``group``."""
@@ -80,7 +82,7 @@ class LocalSlots:
         module.register_forward_pre_hook(self.swap_in)
         module.register_forward_hook(self.swap_back, always_call=True)
 
-    @torch.compiler.disable
+    @eager_under_compile
     def swap_in(self, *_) -> None:
         swapped: list[tuple[dict, str, torch.Tensor]] = []
         slots = self.module._parameters
@@ -102,7 +104,7 @@ class LocalSlots:
                 swapped.append((slots, name, state))
         self._swapped.append(swapped)
 
-    @torch.compiler.disable
+    @eager_under_compile
     def swap_back(self, *_) -> None:
         if not self._swapped:
             return  # a pre-hook before ours raised, so ours never ran
