@@ -63,6 +63,7 @@ VALID = {
     ("train.health_loss_factor", "huge"): "no loss counts as unhealthy (the gradient-collapse check still runs)",
     ("train.health_grad_collapse", "zero"): "0: the gradient-collapse check is off",
     ("train.first_step_timeout_s", "zero"): "0: the first steps, saves and evaluations are not watched",
+    ("launch.min_nodes", "zero"): "0: not elastic, exactly launch.nodes",
 }
 # Valid only without experts: the capacity is unused, and with experts a factor above num_experts is refused.
 VALID_WITHOUT_EXPERTS = _valid("unused while model.moe.num_experts=0", ("model.moe.capacity_factor", "huge"),

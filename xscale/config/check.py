@@ -316,6 +316,7 @@ RANGES: dict[str, tuple[str, typing.Callable[[float], bool]]] = {
     "launch.requeue_signal_seconds": ("in [0, 65535] (Slurm's limit)", lambda value: 0 <= value <= 65535),
     "launch.max_restarts": (">= 0", _non_negative),
     "launch.max_requeues": (">= 0", _non_negative),
+    "launch.min_nodes": (">= 0 (0: exactly launch.nodes)", _non_negative),
 }
 
 
