@@ -13,6 +13,7 @@ import pytest
 from xscale.checkpoint.elastic import elastic_micro_batch, largest_divisor_at_most
 from xscale.commands.parity import PARITY_SETTINGS, run_local
 from xscale.config.load import load_config
+from xscale.models.batch_statistics import statistics_over_the_microbatch
 
 
 def test_half_the_ranks_accumulate_two_of_the_checkpoint_s_microbatches():
@@ -30,6 +31,22 @@ def test_nothing_changes_on_the_same_degree_a_set_micro_batch_or_an_older_checkp
     assert elastic_micro_batch({"data_parallel": 2, "micro_batch_size": 4}, 8, 2, None) is None
     assert elastic_micro_batch({"data_parallel": 2, "micro_batch_size": 4}, 8, 1, 8) is None
     assert elastic_micro_batch({}, 8, 1, None) is None
+
+
+def test_a_model_with_statistics_over_the_microbatch_keeps_one_microbatch_per_rank():
+    """MoE routing (capacity, load-balancing loss) reads the routed tokens together: accumulation would change it."""
+    micro, line = elastic_micro_batch({"data_parallel": 2, "micro_batch_size": 4}, 8, 1, None,
+                                      "Mixture-of-Experts routing statistics")
+    assert micro == 8 and "one microbatch of 8" in line and "grows 2x" in line and "Mixture-of-Experts" in line
+    assert elastic_micro_batch({"data_parallel": 1, "micro_batch_size": 8}, 8, 2, None, "x") is None  # grown back
+
+
+def test_what_reads_a_microbatch_as_a_whole():
+    moe = load_config(None, ["model.moe.num_experts=4"]).model
+    routing = load_config(None, ["model.attention.kind=routing"]).model
+    assert "Mixture-of-Experts" in statistics_over_the_microbatch(moe)
+    assert "routing attention" in statistics_over_the_microbatch(routing)
+    assert statistics_over_the_microbatch(load_config(None, []).model) is None
 
 
 def test_a_microbatch_that_does_not_divide_the_new_share_becomes_its_largest_divisor_below():

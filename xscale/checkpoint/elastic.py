@@ -19,14 +19,23 @@ def largest_divisor_at_most(number: int, limit: int) -> int:
 
 
 def elastic_micro_batch(meta: dict[str, Any], global_batch_size: int, dp_size: int,
-                        configured: int | None) -> tuple[int, str] | None:
+                        configured: int | None, batch_statistics: str | None = None) -> tuple[int, str] | None:
     """The per-rank microbatch a resume from a checkpoint with ``meta`` runs on ``dp_size`` data-parallel ranks,
     and the one line that says so; None when nothing changes (the same degree, a ``configured``
-    ``train.micro_batch_size``, or a checkpoint that predates these fields)."""
+    ``train.micro_batch_size``, or a checkpoint that predates these fields). ``batch_statistics``: what in the model
+    reads a microbatch as a whole (:func:`xscale.models.batch_statistics.statistics_over_the_microbatch`); then the
+    rank's whole share stays one microbatch, as one process would run it, and the line says memory grows."""
     saved_dp, saved_micro = meta.get("data_parallel"), meta.get("micro_batch_size")
     if configured is not None or not saved_dp or not saved_micro or int(saved_dp) == dp_size:
         return None
     share = global_batch_size // dp_size
+    if batch_statistics is not None:
+        if share <= int(saved_micro):
+            return None
+        return share, (f"xscale: elastic resume: {dp_size} data-parallel rank(s), the checkpoint ran {saved_dp}; "
+                       f"global batch {global_batch_size} kept as one microbatch of {share} per rank, not "
+                       f"accumulated: the model's {batch_statistics} span a microbatch (each rank's activation "
+                       f"memory grows {share / int(saved_micro):g}x; train.micro_batch_size splits it anyway)")
     micro = largest_divisor_at_most(share, int(saved_micro))
     microbatches = share // micro
     change = "elastic resume" if dp_size < int(saved_dp) else "elastic resume, grown back"

@@ -39,6 +39,7 @@ from xscale.launcher.env import World, detect_world, init_distributed, local_dev
 from xscale.launcher.parent_death import exit_with_launcher
 from xscale.launcher.preemption import PreemptionHandler
 from xscale.models.attention.core import unused_attention_dropout
+from xscale.models.batch_statistics import statistics_over_the_microbatch
 from xscale.models.init import canonical_name
 from xscale.models.parameters import count_parameters
 from xscale.models.segment_memory import SegmentMemory
@@ -264,7 +265,8 @@ class Trainer:
         self.model.load_state_dict(state, self.optimizer)
         self.step = int(meta["step"])
         train = self.config.train
-        elastic = elastic_micro_batch(meta, train.global_batch_size, self.dp_size, train.micro_batch_size)
+        elastic = elastic_micro_batch(meta, train.global_batch_size, self.dp_size, train.micro_batch_size,
+                                      statistics_over_the_microbatch(self.config.model))
         if elastic is not None and self.model.pipeline is None:  # a pipeline's microbatches are its own setting
             self.model.micro_batch_size = elastic[0]
             self._announce(elastic[1])
