@@ -32,6 +32,7 @@ from xscale.commands.trained import TrainedModel, load_trained_model, tokenizer_
 from xscale.config.schema import Config, ConfigError
 from xscale.data import TEXT_DATASETS, BlendedDataset, PackedTextDataset, build_datasets, collate
 from xscale.data.labeled import LABELS_META_KEY
+from xscale.models.stacks import label_loss_positions
 from xscale.parallel.loss import model_inputs
 from xscale.parallel.model import ParallelModel
 from xscale.runtime import StepContext
@@ -142,7 +143,8 @@ def time_exit_path(model: ParallelModel, dataset: Dataset, batch_size: int, batc
 
 
 def _load(model: ParallelModel, dataset: Dataset, rows: list[int]) -> dict[str, torch.Tensor]:
-    return {key: value.to(model.device) for key, value in collate([dataset[i] for i in rows]).items()}
+    batch = label_loss_positions(model.model.config, collate([dataset[i] for i in rows]))
+    return {key: value.to(model.device) for key, value in batch.items()}
 
 
 def evaluate(trained: TrainedModel, batches: int) -> list[SourceResult]:

@@ -32,7 +32,7 @@ class Generation:
 def decodes_with_cache(model: nn.Module) -> bool:
     """Whether ``model`` can decode from a KV cache: a decoder whose every self-attention core can use one."""
     cores = [module.core for module in model.modules() if isinstance(module, Attention)]
-    return model.config.family == "decoder" and all(can_cache(core) for core in cores)
+    return model.config.family == "decoder" and model.stack.decodes_from_cache and all(can_cache(core) for core in cores)
 
 
 def check_decoder(model: nn.Module, prompt_length: int, max_new_tokens: int) -> None:

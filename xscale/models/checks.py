@@ -47,11 +47,23 @@ def check_component_options(config: Config) -> None:
         registry.options(component, where)
 
 
+def check_stack_serves(config: Config) -> None:
+    """The stack variant serves this model's family and task (its traits' ``serves``), or is refused saying which
+    models it serves."""
+    kind, family, task = config.model.stack.kind, config.model.family, config.train.task
+    traits = STACK.get(kind).stack_traits
+    if traits.serves and not any(serves.admits(family, task) for serves in traits.serves):
+        settings = ", or ".join(serves.setting() for serves in traits.serves)
+        raise ConfigError(f"model.stack={kind} {traits.serves_reason} (got model.family={family}, train.task={task}); "
+                          f"set {settings}")
+
+
 def check_variants(config: Config) -> None:
     """Each variant's own option checks (MoE, the stack variant, patches, segment memory)."""
     model = config.model
     if model.moe.num_experts:
         check_moe_config(model, config.parallel.ep)
+    check_stack_serves(config)
     STACK.get(model.stack.kind).check(config, STACK.options(model.stack, "model.stack"))
     check_patch_config(config)
     check_segment_memory_config(config)

@@ -66,22 +66,47 @@ class Refusal:
 
 
 @dataclasses.dataclass(frozen=True)
+class Serves:
+    """A model a stack variant serves: its ``model.family`` and ``train.task`` (None: any)."""
+
+    family: str | None = None
+    task: str | None = None
+
+    def admits(self, family: str, task: str) -> bool:
+        return self.family in (None, family) and self.task in (None, task)
+
+    def setting(self) -> str:
+        """The settings that give such a model, as the user writes them."""
+        return " and ".join(f"{key}={value}" for key, value in (("model.family", self.family),
+                                                                 ("train.task", self.task)) if value is not None)
+
+
+@dataclasses.dataclass(frozen=True)
 class StackTraits:
     """What a stack variant (``model.stack``) allows the layouts to do with it, declared on its class as
-    ``stack_traits``: each field names a layout setting and holds the :class:`Refusal` where the variant cannot take
-    it (None: it can). ``pp``: a pipeline cut through its blocks; ``tp``: tensor parallelism; ``sequence_parallel``;
-    ``zero3``: FSDP2's parameter gathering around each block; ``activation_checkpointing``."""
+    ``stack_traits``: each layout field names a layout setting and holds the :class:`Refusal` where the variant
+    cannot take it (None: it can). ``pp``: a pipeline cut through its blocks; ``tp``: tensor parallelism;
+    ``sequence_parallel``; ``cp``: context parallelism; ``zero3``: FSDP2's parameter gathering around each block;
+    ``activation_checkpointing``. ``serves``: the models it serves (empty: every one), ``serves_reason`` why only
+    those (the model checks refuse the rest in one place, :func:`xscale.models.checks.check_stack_serves`)."""
 
     pp: Refusal | None = None
     tp: Refusal | None = None
     sequence_parallel: Refusal | None = None
+    cp: Refusal | None = None
     zero3: Refusal | None = None
     activation_checkpointing: Refusal | None = None
+    serves: tuple[Serves, ...] = ()
+    serves_reason: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.serves) != bool(self.serves_reason):
+            raise ValueError(f"a stack variant that serves some models only says why (serves_reason); got {self}")
 
     def refusals(self) -> dict[str, Refusal]:
         """The layout settings it refuses, by field name."""
         return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
-                if getattr(self, field.name) is not None}
+                if isinstance(getattr(self, field.name), Refusal)}
 
 
 def traits_of(component: object) -> ParallelTraits:

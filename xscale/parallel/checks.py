@@ -98,6 +98,7 @@ STACK_LAYOUT_SETTINGS = {
     "pp": ("pp", lambda parallel, dims: dims.pp > 1, "1"),
     "tp": ("tp", lambda parallel, dims: dims.tp > 1, "1"),
     "sequence_parallel": ("sequence_parallel", lambda parallel, dims: parallel.sequence_parallel, "false"),
+    "cp": ("cp", lambda parallel, dims: dims.cp > 1, "1"),
     "zero3": ("zero_stage", lambda parallel, dims: parallel.zero_stage == 3, "2"),
     "activation_checkpointing": ("activation_checkpointing",
                                  lambda parallel, dims: parallel.activation_checkpointing != "none", "none"),

@@ -69,7 +69,9 @@ def model_loss_sum(model: nn.Module, batch: Batch, context: StepContext | None =
         return objective_loss_sum(model, head, batch, context)
     hidden = model(batch["input_ids"], decoder_input_ids=batch.get("decoder_input_ids"), context=context,
                    project=False)
-    return token_loss_sum(hidden, model.output, batch["labels"], model.kernels)
+    # A stack whose output holds the last positions only (Perceiver AR) is read against their labels.
+    labels = batch["labels"][:, -hidden.shape[1]:]
+    return token_loss_sum(hidden, model.output, labels, model.kernels)
 
 
 def objective_loss_sum(model: nn.Module, head: nn.Module, batch: Batch, context: StepContext | None) -> torch.Tensor:

@@ -43,6 +43,7 @@ from xscale.models.batch_statistics import statistics_over_the_microbatch
 from xscale.models.init import canonical_name
 from xscale.models.parameters import count_parameters
 from xscale.models.segment_memory import SegmentMemory
+from xscale.models.stacks import label_loss_positions
 from xscale.parallel.checks import resolve_layout
 from xscale.parallel.loss import positions_read
 from xscale.parallel.parallelize import parallelize
@@ -327,7 +328,7 @@ class Trainer:
     def _load(self, dataset: Any, indices: list[int]) -> dict[str, torch.Tensor]:
         microbatches = self.model.microbatches_per_batch(len(indices) // self.dp_size)
         local = GlobalSampler.shard(indices, self.dp_rank, self.dp_size, microbatches)
-        batch = collate([dataset[i] for i in local])
+        batch = label_loss_positions(self.config.model, collate([dataset[i] for i in local]))
         return {key: value.to(self.device) for key, value in batch.items()}
 
     def next_batch(self) -> dict[str, torch.Tensor]:

@@ -13,7 +13,6 @@ from xscale.models import build_model
 from xscale.models.parameters import count_parameters
 from xscale.models.stacks.funnel import pool_sequence, upsample
 from xscale.parallel.checks import resolve_dims
-from xscale.parallel.loss import model_loss_sum
 
 VOCAB = 40
 FUNNEL = ["model.family=encoder", "model.position=learned", "model.n_layers=3", "model.stack=funnel",
@@ -164,19 +163,9 @@ def test_mlm_logits_are_full_length_with_the_first_groups_residual():
         assert not torch.allclose(logits[:, 0], logits[:, 1], atol=1e-4)
 
 
-def test_a_tiny_funnel_classifier_learns():
+def test_a_tiny_funnel_classifier_learns(tiny_classifier):
     """Class = the first token's parity; 6 AdamW steps on one batch bring the loss well down."""
-    model = _model(num_classes=2, funnel=(1, 1)).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    tokens = torch.randint(1, VOCAB, (16, 8), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": tokens, "labels": tokens[:, 0] % 2}
-    losses = []
-    for _ in range(6):
-        loss = model_loss_sum(model, batch) / 16
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
+    losses = tiny_classifier.train(tiny_classifier.model(_funnel((1, 1))), tiny_classifier.parity_batch(), 6, 16)
     assert losses[-1] < 0.5 * losses[0], losses
 
 

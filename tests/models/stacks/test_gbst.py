@@ -6,25 +6,9 @@ import pytest
 import torch
 
 from xscale.config.load import load_config_from_cli
-from xscale.config.schema import Component, ConfigError, ModelConfig
-from xscale.models import build_model
+from xscale.config.schema import Component, ConfigError
 from xscale.models.stacks.gbst import GBSTOptions, GradientBasedSubwordTokenization
-from xscale.parallel.loss import model_loss_sum
 
-VOCAB = 40
-CLASSIFIER = ["model.family=encoder", "model.position=learned", "model.n_layers=2", "train.task=classify",
-              "data.dataset=lra_retrieval", "model.vocab_size=272", "model.pooling=mean", "model.stack=gbst",
-              "model.max_seq_len=16", "train.seq_len=16"]
-
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: a second intra-op thread only adds synchronisation on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 def loop_reference(gbst: GradientBasedSubwordTokenization, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     batch, length, _ = x.shape
@@ -71,39 +55,21 @@ def test_matches_the_loop_reference(calibration: bool) -> None:
         torch.testing.assert_close(got, want)
 
 
-def _model(num_classes: int, downsample_rate: int) -> torch.nn.Module:
-    config = ModelConfig(family="encoder", vocab_size=VOCAB, d_model=16, n_layers=2, n_heads=2, max_seq_len=16,
-                         position="learned", num_classes=num_classes, pooling="mean",
-                         stack=Component("gbst", {"max_block_size": 3, "downsample_rate": downsample_rate}))
-    return build_model(config, seed=0)
+def _gbst(downsample_rate: int) -> Component:
+    return Component("gbst", {"max_block_size": 3, "downsample_rate": downsample_rate})
 
 
-def test_padding_changes_no_class_logit() -> None:
-    model = _model(2, 2).eval()
-    tokens = torch.randint(1, VOCAB, (3, 6), generator=torch.Generator().manual_seed(0))
-    junk = torch.randint(1, VOCAB, (3, 6), generator=torch.Generator().manual_seed(1))
-    mask = torch.cat([torch.ones(3, 6, dtype=torch.bool), torch.zeros(3, 6, dtype=torch.bool)], dim=1)
-    with torch.no_grad():
-        expected = model(tokens, padding_mask=torch.ones(3, 6, dtype=torch.bool))
-        got = model(torch.cat([tokens, junk], dim=1), padding_mask=mask)
+def test_padding_changes_no_class_logit(tiny_classifier) -> None:
+    expected, got = tiny_classifier.padded_logits(tiny_classifier.model(_gbst(2)), 6, 6)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("num_classes,downsample_rate", [(2, 2), (0, 1)], ids=["classifier", "mlm"])
-def test_a_tiny_byte_model_learns(num_classes: int, downsample_rate: int) -> None:
+def test_a_tiny_byte_model_learns(num_classes: int, downsample_rate: int, tiny_classifier) -> None:
     """Classifier: the first byte's parity; MLM (no downsampling): the input bytes back; one batch, AdamW."""
-    torch.manual_seed(0)
-    model = _model(num_classes, downsample_rate).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    tokens = torch.randint(1, VOCAB, (16, 8), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": tokens, "labels": tokens[:, 0] % 2 if num_classes else tokens}
-    losses = []
-    for _ in range(16):
-        loss = model_loss_sum(model, batch) / tokens.numel()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
+    model = tiny_classifier.model(_gbst(downsample_rate), num_classes=num_classes)
+    batch = tiny_classifier.parity_batch(labels_are_tokens=not num_classes)
+    losses = tiny_classifier.train(model, batch, 16, batch["input_ids"].numel())
     assert losses[-1] < 0.6 * losses[0], losses
 
 
@@ -113,6 +79,6 @@ def test_a_tiny_byte_model_learns(num_classes: int, downsample_rate: int) -> Non
     (["model.pooling=cls"], "set model.pooling=mean or max"),
     (["model.stack.options.max_block_size=0"], "must be >= 1"),
 ])
-def test_options_it_cannot_run_with_are_refused(overrides, message):
+def test_options_it_cannot_run_with_are_refused(overrides, message, tiny_classifier):
     with pytest.raises(ConfigError, match=message):
-        load_config_from_cli(None, [*CLASSIFIER, *overrides])
+        load_config_from_cli(None, tiny_classifier.overrides("gbst", *overrides))

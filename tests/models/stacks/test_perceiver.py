@@ -9,25 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from xscale.config.load import load_config_from_cli
-from xscale.config.schema import Component, ConfigError, ModelConfig
-from xscale.models import build_model
+from xscale.config.schema import Component, ConfigError
 from xscale.models.stacks.perceiver import CrossAttend
-from xscale.parallel.loss import model_loss_sum
 
-VOCAB = 40
-CLASSIFIER = ["model.family=encoder", "model.position=learned", "model.n_layers=2", "train.task=classify",
-              "data.dataset=lra_retrieval", "model.vocab_size=272", "model.pooling=mean", "model.stack=perceiver",
-              "model.max_seq_len=16", "train.seq_len=16"]
-
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: a second intra-op thread only adds synchronisation on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 def loop_reference(block: CrossAttend, latents: torch.Tensor, inputs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     batch, count, width = latents.shape
@@ -65,57 +49,37 @@ def test_cross_attend_matches_the_loop_reference() -> None:
         torch.testing.assert_close(got, want)
 
 
-def _model() -> torch.nn.Module:
-    config = ModelConfig(family="encoder", vocab_size=VOCAB, d_model=16, n_layers=2, n_heads=2, max_seq_len=16,
-                         position="learned", num_classes=2, pooling="mean",
-                         stack=Component("perceiver", {"latents": 4, "heads": 2}))
-    return build_model(config, seed=0)
+PERCEIVER = Component("perceiver", {"latents": 4, "heads": 2})
 
 
-def test_latents_are_the_sequence_the_blocks_run_on() -> None:
-    model = _model()
+def test_latents_are_the_sequence_the_blocks_run_on(tiny_classifier) -> None:
+    model = tiny_classifier.model(PERCEIVER)
     assert model.stack.latents.shape == (4, 16)
     seen = []
     model.stack.layers["0"].register_forward_hook(lambda module, args, out: seen.append(out.shape))
-    model(torch.randint(1, VOCAB, (3, 11)))
+    model(torch.randint(1, tiny_classifier.vocab, (3, 11)))
     assert seen[0][:2] == (3, 4)
 
 
-def test_padding_changes_no_class_logit() -> None:
-    model = _model().eval()
-    tokens = torch.randint(1, VOCAB, (3, 5), generator=torch.Generator().manual_seed(0))
-    junk = torch.randint(1, VOCAB, (3, 6), generator=torch.Generator().manual_seed(1))
-    mask = torch.cat([torch.ones(3, 5, dtype=torch.bool), torch.zeros(3, 6, dtype=torch.bool)], dim=1)
-    with torch.no_grad():
-        expected = model(tokens, padding_mask=torch.ones(3, 5, dtype=torch.bool))
-        got = model(torch.cat([tokens, junk], dim=1), padding_mask=mask)
+def test_padding_changes_no_class_logit(tiny_classifier) -> None:
+    expected, got = tiny_classifier.padded_logits(tiny_classifier.model(PERCEIVER), 5, 6)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_a_tiny_perceiver_classifier_learns() -> None:
+def test_a_tiny_perceiver_classifier_learns(tiny_classifier) -> None:
     """Class = the first token's parity; AdamW steps on one batch bring the loss well down."""
-    torch.manual_seed(0)
-    model = _model().train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    tokens = torch.randint(1, VOCAB, (16, 8), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": tokens, "labels": tokens[:, 0] % 2}
-    losses = []
-    for _ in range(16):
-        loss = model_loss_sum(model, batch) / 16
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
+    losses = tiny_classifier.train(tiny_classifier.model(PERCEIVER), tiny_classifier.parity_batch(), 16, 16)
     assert losses[-1] < 0.5 * losses[0], losses
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["train.task=lm", "model.family=decoder", "model.pooling=mean"], "Perceiver AR for decoding is not built"),
+    (["train.task=lm", "model.pooling=mean"],
+     "set model.family=encoder and train.task=classify, or model.family=decoder and train.task=lm"),
     (["model.pooling=cls"], "set model.pooling=mean or max"),
     (["model.stack.options.latents=32"], "exceeds model.max_seq_len=16"),
     (["model.stack.options.heads=3"], "must divide model.d_model"),
     (["model.position=rope"], "model.position=rope is refused"),
 ])
-def test_options_it_cannot_run_with_are_refused(overrides, message):
+def test_options_it_cannot_run_with_are_refused(overrides, message, tiny_classifier):
     with pytest.raises(ConfigError, match=message):
-        load_config_from_cli(None, [*CLASSIFIER, *overrides])
+        load_config_from_cli(None, tiny_classifier.overrides("perceiver", *overrides))

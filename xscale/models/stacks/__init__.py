@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 import xscale.models.stacks.act  # noqa: F401  (each variant registers itself)
 import xscale.models.stacks.early_exit  # noqa: F401
 import xscale.models.stacks.funnel  # noqa: F401
@@ -28,6 +30,19 @@ def extra_blocks(model: ModelConfig) -> int:
     return 0 if model.share_layers else variant.extra_blocks(model, options)
 
 
+def label_loss_positions(model: ModelConfig, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``batch`` with the labels the stack's output does not reach set to -100 (no loss), where it holds the last
+    positions only (:meth:`Stack.loss_positions`, Perceiver AR's), so the labelled-token count is the loss's."""
+    variant, options = stack_variant(model)
+    positions = variant.loss_positions(model, options)
+    labels = batch.get("labels")
+    if not positions or labels is None or labels.dim() < 2 or labels.shape[1] <= positions:
+        return batch
+    kept = labels.clone()
+    kept[:, :-positions] = -100
+    return {**batch, "labels": kept}
+
+
 def stack_description(model: ModelConfig) -> str:
     """How the stack runs its blocks, in words of the config: ``share_layers + reversible``, ``act``, ``plain``."""
     parts = (["share_layers"] if model.share_layers else []) + ([model.stack.kind] if model.stack.kind != "plain"
@@ -35,4 +50,4 @@ def stack_description(model: ModelConfig) -> str:
     return " + ".join(parts) or "plain"
 
 
-__all__ = ["Stack", "extra_blocks", "stack_description", "stack_variant"]
+__all__ = ["Stack", "extra_blocks", "label_loss_positions", "stack_description", "stack_variant"]

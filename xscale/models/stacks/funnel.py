@@ -37,7 +37,7 @@ from xscale.config.schema import Config, ConfigError, ModelConfig
 from xscale.models.position import PositionEncoding
 from xscale.models.registry import ATTENTION, POSITION, STACK
 from xscale.models.stacks.stack import Stack
-from xscale.models.traits import Refusal, StackTraits
+from xscale.models.traits import Refusal, Serves, StackTraits
 from xscale.runtime import StepContext
 
 STRIDE = 2  # the paper's pooling stride (sec. 2.2)
@@ -97,6 +97,8 @@ class FunnelStack(Stack):
         pp=Refusal("the up-sampling adds the first group's output to the last group's, across stages"),
         tp=Refusal("its pooled-query attention is not in the tensor-parallel plan"),
         sequence_parallel=Refusal("strided pooling would mix windows that sequence parallelism splits over ranks"),
+        serves=(Serves(family="encoder"),),
+        serves_reason="pools an encoder's sequence",
     )
 
     def __init__(self, config: ModelConfig, n_layers: int, *, causal: bool, cross: bool, first_index: int,
@@ -121,9 +123,6 @@ class FunnelStack(Stack):
     def check(cls, config: Config, options: FunnelOptions) -> None:
         """Refuse model options a funnel cannot run with, each with what to change."""
         model, groups = config.model, options.groups
-        if model.family != "encoder":
-            raise ConfigError(f"model.stack=funnel pools an encoder's sequence; set model.family=encoder (got "
-                              f"{model.family})")
         if len(groups) < 2 or any(size < 1 for size in groups):
             raise ConfigError(f"model.stack.options.groups={groups} must list at least two block counts, each at "
                               "least 1 (e.g. [2, 2]: two blocks, pool, two blocks)")

@@ -31,7 +31,7 @@ from xscale.config.schema import Config, ConfigError, ModelConfig
 from xscale.models.position import PositionEncoding
 from xscale.models.registry import STACK
 from xscale.models.stacks.stack import Stack
-from xscale.models.traits import Refusal, StackTraits
+from xscale.models.traits import Refusal, Serves, StackTraits
 from xscale.runtime import StepContext
 
 
@@ -100,6 +100,8 @@ class GBSTStack(Stack):
         tp=Refusal("GBST's scoring is not in the tensor-parallel plan"),
         sequence_parallel=Refusal("its block means and calibration read the whole sequence, which sequence "
                                   "parallelism splits"),
+        serves=(Serves(family="encoder"),),
+        serves_reason="averages blocks that hold later bytes, which a decoder would leak",
     )
 
     def __init__(self, config: ModelConfig, n_layers: int, *, causal: bool, cross: bool, first_index: int,
@@ -111,9 +113,6 @@ class GBSTStack(Stack):
     def check(cls, config: Config, options: GBSTOptions) -> None:
         """Refuse what GBST cannot run with, each with what to change."""
         model = config.model
-        if model.family != "encoder":
-            raise ConfigError(f"model.stack=gbst averages blocks that hold later bytes, which a {model.family} "
-                              "would leak; set model.family=encoder")
         if options.downsample_rate > 1 and config.train.task != "classify":
             raise ConfigError(f"model.stack.options.downsample_rate={options.downsample_rate} shortens the "
                               "sequence, which token-level outputs cannot take; set it to 1 or train.task=classify")

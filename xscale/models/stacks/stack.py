@@ -40,6 +40,8 @@ class Stack(nn.Module):
     stack_traits = StackTraits()
     # Whether the variant reads every layer's output (the early-exit classifier's exits).
     keeps_layer_states = False
+    # Whether a decoder can feed it one new token at a time over a KV cache (else generation runs the whole prefix).
+    decodes_from_cache = True
 
     def __init__(self, config: ModelConfig, n_layers: int, *, causal: bool, cross: bool, first_index: int,
                  options: Any = None) -> None:
@@ -71,6 +73,11 @@ class Stack(nn.Module):
     @classmethod
     def extra_blocks(cls, config: ModelConfig, options: Any) -> int:
         """Blocks built after the ``n_layers`` the variant runs by depth (a funnel's decoder blocks)."""
+        return 0
+
+    @classmethod
+    def loss_positions(cls, config: ModelConfig, options: Any) -> int:
+        """How many last positions the stack's output holds, the only ones the loss can read (0: every one)."""
         return 0
 
     @classmethod

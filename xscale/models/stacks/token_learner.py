@@ -25,7 +25,7 @@ from xscale.config.schema import Config, ConfigError, ModelConfig
 from xscale.models.position import PositionEncoding
 from xscale.models.registry import POSITION, STACK
 from xscale.models.stacks.stack import Stack
-from xscale.models.traits import Refusal, StackTraits
+from xscale.models.traits import Refusal, Serves, StackTraits
 from xscale.runtime import StepContext
 
 
@@ -71,6 +71,8 @@ class TokenLearnerStack(Stack):
         pp=Refusal("TokenLearner's weights sit between blocks, outside the pipeline's stage cut"),
         tp=Refusal("TokenLearner's maps are not in the tensor-parallel plan"),
         sequence_parallel=Refusal("its token average reads the whole sequence, which sequence parallelism splits"),
+        serves=(Serves(family="encoder", task="classify"),),
+        serves_reason="pools an encoder's tokens for a classifier (no TokenFuser maps them back)",
     )
 
     def __init__(self, config: ModelConfig, n_layers: int, *, causal: bool, cross: bool, first_index: int,
@@ -83,9 +85,6 @@ class TokenLearnerStack(Stack):
     def check(cls, config: Config, options: TokenLearnerOptions) -> None:
         """Refuse what a TokenLearner stack cannot run with, each with what to change."""
         model = config.model
-        if config.train.task != "classify" or model.family != "encoder":
-            raise ConfigError("model.stack=token_learner pools an encoder's tokens for a classifier (no TokenFuser "
-                              "maps them back); set model.family=encoder and train.task=classify")
         if model.pooling == "cls":
             raise ConfigError("model.stack=token_learner pools the class token away; set model.pooling=mean or max")
         if not 1 <= options.after_layer < model.n_layers:
