@@ -106,7 +106,9 @@ STACK_CASES = {"share_layers": None,
                "perceiver": (["model.family=encoder", "model.position=learned", "model.max_seq_len=16",
                               "train.task=classify", "data.dataset=lra_retrieval", "model.vocab_size=272",
                               "model.pooling=mean", "model.stack=perceiver", "model.stack.options.latents=4"],
-                             "dp_shard=2,zero_stage=3")}
+                             "dp_shard=2,zero_stage=3"),
+               "memformer": (["model.position=learned", "model.max_seq_len=16", "model.stack=memformer",
+                              "model.stack.options={slots: 4, segment: 4}"], "dp_shard=2,zero_stage=3")}
 
 
 @pytest.mark.parametrize("option,registry", [("attention", ATTENTION), ("ffn", FFN), ("norm", NORM),

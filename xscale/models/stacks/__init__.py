@@ -10,6 +10,7 @@ import xscale.models.stacks.act  # noqa: F401  (each variant registers itself)
 import xscale.models.stacks.early_exit  # noqa: F401
 import xscale.models.stacks.funnel  # noqa: F401
 import xscale.models.stacks.gbst  # noqa: F401
+import xscale.models.stacks.memformer  # noqa: F401
 import xscale.models.stacks.perceiver  # noqa: F401
 import xscale.models.stacks.plain  # noqa: F401
 import xscale.models.stacks.reversible  # noqa: F401
