@@ -154,6 +154,7 @@ MEMFORMER = ["model.position=learned", "model.max_seq_len=16", "model.stack=memf
     (["model.position=alibi"], "model.position=alibi is refused"),
     (["model.share_layers=true"], "do not combine"),
     (["model.attention.kind=realformer"], "RealFormer"),
+    (["model.block=sandwich"], "model.block=sandwich has not"),
 ])
 def test_options_it_cannot_run_with_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -34,7 +34,7 @@ from torch import nn
 
 from xscale.config.schema import Config, ConfigError, ModelConfig
 from xscale.models.position import PositionEncoding
-from xscale.models.registry import POSITION, STACK
+from xscale.models.registry import BLOCK, POSITION, STACK
 from xscale.models.stacks.stack import Stack, carrying_kinds
 from xscale.models.traits import Refusal, Serves, StackTraits
 from xscale.runtime import StepContext
@@ -130,6 +130,10 @@ class MemformerStack(Stack):
                                                                                                             "rope"):
             raise ConfigError(f"model.stack=memformer runs each segment's blocks on its own: model.position="
                               f"{model.position} is refused; use learned, sinusoidal, rope or none")
+        block = model.block.kind
+        if block in BLOCK.names() and BLOCK.get(block).block_traits.encoder_decoder is not None:
+            raise ConfigError(f"model.stack=memformer reads the memory by each block's cross-attention, which "
+                              f"model.block={block} has not; use model.block=standard")
         if model.share_layers:
             raise ConfigError("model.stack=memformer and model.share_layers=true do not combine; set one off")
         if carrying_kinds(model):
