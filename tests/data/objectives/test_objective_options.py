@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import xscale.config.load as config_load
-from xscale.config.load import load_config
+from xscale.config.load import config_to_yaml, load_config
 from xscale.config.schema import Component, ConfigError
 from xscale.data.objectives import (
     IGNORE_INDEX,
@@ -49,6 +49,14 @@ def test_a_bare_kind_and_the_component_read_alike(tmp_path):
     path.write_text("model: {family: encoder, position: learned}\ntrain: {objective: mlm}\n")
     config = load_config(path, ["train.objective.options.mask_probability=0.3"])
     assert config.train.objective == Component("mlm", {"mask_probability": 0.3})
+
+
+def test_print_config_writes_the_component_and_reads_it_back(tmp_path):
+    config = load_config(None, [*ENCODER, "train.objective=mlm", "train.objective.options.mask_probability=0.2"])
+    printed = config_to_yaml(config)
+    assert "  objective:\n    kind: mlm\n    options:\n      mask_probability: 0.2\n" in printed
+    (tmp_path / "printed.yaml").write_text(printed)
+    assert load_config(tmp_path / "printed.yaml") == config
 
 
 def test_auto_takes_the_options_of_the_familys_kind():
