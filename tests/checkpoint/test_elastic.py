@@ -9,6 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from recorded_training import train_recording
 
 from xscale.checkpoint.elastic import elastic_micro_batch, largest_divisor_at_most
 from xscale.commands.parity import PARITY_SETTINGS, run_local
@@ -62,34 +63,10 @@ MODEL = ["model.vocab_size=48", "model.d_model=32", "model.n_layers=2", "model.n
 RTOL = 1e-5  # fp32 round-off: the gradient summed over microbatches on one process, not over ranks
 
 
-class RecordingDataset:
-    """Remembers every sample index this rank reads, in order."""
-
-    def __init__(self, dataset) -> None:
-        self.dataset, self.seen = dataset, []
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index: int):
-        self.seen.append(int(index))
-        return self.dataset[index]
-
-
-def _train(config):
-    from xscale.data import build_datasets
-    from xscale.train.trainer import Trainer
-
-    data = RecordingDataset(build_datasets(config)[0])
-    trainer = Trainer(config, data, None)
-    losses = trainer.fit()["losses"]
-    return {"losses": losses, "seen": data.seen, "micro": trainer.model.micro_batch_size}
-
-
 def _run(world: int, output_dir: Path, *extra: str) -> list[dict]:
     config = load_config(None, [*MODEL, *PARITY_SETTINGS, f"train.output_dir={output_dir}", "checkpoint.resume=auto",
                                 *extra])
-    return run_local(_train, world, config)
+    return run_local(train_recording, world, config)
 
 
 def _keep_only(checkpoints: Path, name: str) -> None:

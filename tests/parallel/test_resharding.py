@@ -7,6 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from recorded_training import train_recording
 
 from xscale.commands.parity import PARITY_SETTINGS, layout_overrides, run_local, world_size_of
 from xscale.config.load import load_config
@@ -17,30 +18,6 @@ MODEL = ["model.vocab_size=48", "model.d_model=32", "model.n_layers=2", "model.n
          "data.dataset=copy", f"data.num_samples={SAMPLES}", "data.eval_fraction=0.0", f"train.steps={STEPS}"]
 RTOL = 1e-5
 VOCABULARY_STAGES = "microbatches=2,pp_schedule=interleaved_1f1b,pp_stages_per_rank=2,pp_vocab_parallel=true"
-
-
-class RecordingDataset:
-    """Remembers every sample index this rank reads."""
-
-    def __init__(self, dataset) -> None:
-        self.dataset, self.seen = dataset, []
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index: int):
-        self.seen.append(int(index))
-        return self.dataset[index]
-
-
-def _train(config):
-    from xscale.data import build_datasets
-    from xscale.train.trainer import Trainer
-
-    train = RecordingDataset(build_datasets(config)[0])
-    trainer = Trainer(config, train, None)
-    summary = trainer.fit()
-    return {"losses": summary["losses"], "seen": train.seen, "dp_rank": trainer.dp_rank}
 
 
 def _seen_per_data_parallel_rank(ranks: list[dict]) -> list[list[int]]:
@@ -56,7 +33,7 @@ def _run(layout: str, output_dir: Path, *extra: str, model: list[str] = MODEL) -
     config = load_config(None, [*model, *PARITY_SETTINGS, *layout_overrides(layout), f"train.output_dir={output_dir}",
                                 *extra])
     config.checkpoint.resume = "auto"
-    return run_local(_train, world_size_of(config), config)
+    return run_local(train_recording, world_size_of(config), config)
 
 
 def check_resharding(save_layout: str, resume_layout: str, tmp_path: Path, model: list[str] = MODEL,

@@ -28,6 +28,7 @@ from parity_models import DECODER, ENCODER, assert_parity
 
 from tests.parallel.test_expert_layouts import GSHARD, HASH, SWITCH, TRAINING, assert_layouts_match
 from xscale.config.schema import CHOICES, ModelConfig
+from xscale.data.objectives import OBJECTIVES
 from xscale.models.registry import ATTENTION, FFN, NORM, POSITION, ROUTER, STACK
 from xscale.models.segment_memory import MEMORY_OPTIONS, MEMORY_POSITIONS
 
@@ -261,8 +262,8 @@ def test_router_under_expert_parallel(router, layout, tmp_path):
                          dropless="model.moe.dropless=true" in ROUTER_CASES[router])
 
 
-# Inputs and objectives are choices, not registries: each value names the test that runs it under the layouts it
-# takes (file, test function); the layouts it refuses are refused by name there too.
+# The model's inputs (a choice) and the objectives (xscale.data.objectives' registry): each value names the test that
+# runs it under the layouts it takes (file, test function); the layouts it refuses are refused by name there too.
 CHOICE_CASES = {
     "model.input": {"tokens": ("tests/parallel/test_zoo_matrix.py", "test_component_under_data_tensor_parallel"),
                     "patches": ("tests/train/test_vit.py", "test_data_parallel_zero3_vit_matches_one_process")},
@@ -283,7 +284,8 @@ CHOICE_CASES = {
 
 @pytest.mark.parametrize("key", list(CHOICE_CASES))
 def test_every_input_and_objective_has_a_parity_case(key):
-    assert set(CHOICE_CASES[key]) == set(CHOICES[key]), f"{key} values without a parity case"
+    values = OBJECTIVES.names() if key == "train.objective" else CHOICES[key]
+    assert set(CHOICE_CASES[key]) == set(values), f"{key} values without a parity case"
     root = Path(__file__).resolve().parents[2]
     for value, (path, test) in CHOICE_CASES[key].items():
         assert f"def {test}" in (root / path).read_text(), f"{key}={value}: {path} has no {test}"

@@ -50,9 +50,9 @@ def test_bart_needs_text_and_an_encoder_decoder():
         load_config_from_cli(None, ["model.family=encoder_decoder", "train.objective=bart", "data.dataset=copy"])
     with pytest.raises(ConfigError, match="train.objective=bart needs model.family=encoder_decoder"):
         load_config_from_cli(None, ["model.family=encoder", "train.objective=bart"])
-    with pytest.raises(ConfigError, match="data.dataset.options.mask_ratio=0.9"):
+    with pytest.raises(ConfigError, match=r"train.objective.options.mask_ratio=0.9 \(BART's masked fraction\)"):
         load_config_from_cli(None, ["model.family=encoder_decoder", "train.objective=bart",
-                                    "data.dataset.options={mask_ratio: 0.9}"])
+                                    "train.objective.options={mask_ratio: 0.9}"])
 
 
 def test_context_parallelism_matches_one_process(corpus, tmp_path):

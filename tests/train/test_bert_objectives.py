@@ -73,7 +73,7 @@ def test_a_tiny_encoder_learns(name, corpus, tmp_path, one_thread):
     (["model.lm_head_transform=true"], r"set model.lm_head_transform=false"),
     (["train.task=classify", "model.num_classes=2", "data.dataset=labeled", "data.path=x.jsonl"],
      r"pre-trains with token losses: set train.task=lm"),
-    (["data.dataset.options={geometric_p: 1.5}"], r"geometric_p=1.5 .* must be in \(0, 1\)"),
+    (["train.objective.options={geometric_p: 1.5}"], r"train.objective.options.geometric_p=1.5 .* must be in \(0, 1\)"),
 ])
 def test_layouts_and_settings_the_heads_cannot_take_are_refused(setting, message):
     with pytest.raises(ConfigError, match=message):

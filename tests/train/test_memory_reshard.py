@@ -12,7 +12,8 @@ from xscale.checkpoint.checkpointer import CheckpointError
 from xscale.commands.parity import PARITY_SETTINGS, run_local
 from xscale.config.load import load_config
 from xscale.data import GlobalSampler
-from xscale.data.datasets import ArrayTokens, PackedTextDataset, causal_lm
+from xscale.data.datasets import ArrayTokens, PackedTextDataset
+from xscale.data.objectives import causal_lm
 from xscale.models.segment_memory import SegmentMemory, memory_name
 from xscale.train.memory_reshard import MemoryRows, StreamMemory, parse_memory_name
 from xscale.train.recurrence import MEMORY_FILES, MEMORY_META_KEY, load_memory

@@ -8,7 +8,8 @@ import pytest
 from xscale.checkpoint.checkpointer import load_per_rank
 from xscale.config.load import load_config
 from xscale.config.schema import ConfigError
-from xscale.data.datasets import ArrayTokens, PackedTextDataset, causal_lm
+from xscale.data.datasets import ArrayTokens, PackedTextDataset
+from xscale.data.objectives import causal_lm
 from xscale.train.trainer import Trainer
 
 SEQ, BATCH, STREAM = 8, 4, 3  # 4 streams of 3 windows: the streams restart every 3 steps

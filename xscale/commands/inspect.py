@@ -17,10 +17,11 @@ from xscale.config.check import validate
 from xscale.config.load import load_config_from_cli
 from xscale.config.schema import CHOICES, Config, ConfigError
 from xscale.data import with_resolved_vocab
+from xscale.data.objectives import OBJECTIVES
 from xscale.data.sources import SOURCES
 from xscale.estimate.measure import MeasureError, device_memory_bytes, measure_report, rank_memory
 from xscale.estimate.memory import predicted_pipeline_state_bytes, predicted_state_bytes
-from xscale.models.catalog import options_catalog
+from xscale.models.catalog import describe_option, options_catalog
 from xscale.models.parameters import ModelCount, count_parameters, experts_per_token
 from xscale.models.registry import REGISTRIES
 from xscale.models.stacks import extra_blocks, stack_description
@@ -350,12 +351,16 @@ def components_report() -> str:
     lines = ["components:"]
     for kind, registry in REGISTRIES.items():
         lines.append(f"  {keys.get(kind, f'model.{kind}'):<32} {', '.join(registry.names())}")
+    lines.append(f"  {'train.objective':<32} {', '.join(OBJECTIVES.names())}")
     for key, values in CHOICES.items():
-        if key.startswith("model.") or key in ("train.objective", "train.task"):
+        if key.startswith("model.") or key == "train.task":
             lines.append(f"  {key:<32} {', '.join(values)}")
     lines.append("options (KEY: {kind: NAME, options: {OPTION: VALUE}}; the default after each =):")
-    for key, kind, described in options_catalog():
-        lines.append(f"  {key + ': ' + kind:<32} {described}")
+    objectives = [("train.objective", kind, ", ".join(map(describe_option, dataclasses.fields(
+        OBJECTIVES.options_class(kind))))) for kind in OBJECTIVES.names()]
+    for key, kind, described in [*options_catalog(), *objectives]:
+        if described:
+            lines.append(f"  {key + ': ' + kind:<32} {described}")
     for name in SOURCES.names():
         source = SOURCES.get(name)
         if source.options:

@@ -21,7 +21,6 @@ from xscale.config.schema import (
     Config,
     ConfigError,
     TrainConfig,
-    resolve_objective,
 )
 
 Check = typing.Callable[[Config], None]
@@ -112,7 +111,7 @@ def _check_choice(config: Config, dotted: str) -> None:
 
 
 def check_values(config: Config) -> None:
-    """Refuse values that cannot run (choices, ranges, family vs objective); the checks that need the component
+    """Refuse values that cannot run (choices, ranges); the checks that need the component
     registries are registered by the layers that own them (:func:`register_check`)."""
     _check_filled(config)
     for dotted in CHOICES:
@@ -156,14 +155,6 @@ def check_values(config: Config) -> None:
     if train.global_batch_size <= 0:
         raise ConfigError(f"train.global_batch_size must be positive, got {train.global_batch_size}")
     _check_schedule(train)
-    objective = resolve_objective(config)
-    expected = {"clm": "decoder", "mlm": "encoder", "span": "encoder_decoder", "bart": "encoder_decoder",
-                "spanbert": "encoder", "nsp": "encoder", "sop": "encoder", "electra": "encoder"}[objective]
-    if model.family != expected:
-        raise ConfigError(
-            f"train.objective={objective} needs model.family={expected}, got {model.family}; "
-            f"set train.objective=auto to pick the family's objective"
-        )
     _check_ranges(config)
     _check_moe_values(config)
     _check_classify(config)

@@ -229,7 +229,11 @@ DEPRECATED_SWITCHES = {
     "model.funnel": ("stack", "funnel", "groups"),
     "model.early_exit": ("stack", "early_exit", None),
 }
-DEFAULT_KINDS = {"position": "rope", "norm": "rmsnorm", "dataset": "stdlib_text", "stack": "plain"}
+# Options of earlier releases that moved to another section's component: old dotted key -> new dotted key.
+DEPRECATED_MOVES = {f"data.dataset.options.{name}": f"train.objective.options.{name}" for name in (
+    "mask_probability", "noise_density", "mean_span_length", "mask_ratio", "poisson_lambda", "geometric_p",
+    "max_span_words")}
+DEFAULT_KINDS = {"position": "rope", "norm": "rmsnorm", "dataset": "stdlib_text", "stack": "plain", "objective": "auto"}
 _ANNOUNCED: set[str] = set()
 
 
@@ -269,11 +273,38 @@ def _upgrade_switches(tree: dict[str, Any]) -> None:
         _announce(old, setting if option is None else f"{setting} with {section}.{component}.options.{option}")
 
 
+def _component(branch: dict[str, Any], name: str) -> dict[str, Any]:
+    """``branch[name]`` as a ``{kind, options}`` mapping (a bare kind, or the default kind when absent)."""
+    current = branch.get(name, DEFAULT_KINDS[name])
+    return {"kind": current} if isinstance(current, str) else dict(current)
+
+
+def _move_options(tree: dict[str, Any]) -> None:
+    """Move the :data:`DEPRECATED_MOVES` that ``tree`` sets to their new components (an option set at the new key
+    too wins)."""
+    for old, new in DEPRECATED_MOVES.items():
+        section, name, _, key = old.split(".")
+        branch = tree.get(section)
+        current = branch.get(name) if isinstance(branch, dict) else None
+        if not isinstance(current, dict) or not isinstance(current.get("options"), dict) \
+                or key not in current["options"]:
+            continue
+        options = dict(current["options"])
+        value = options.pop(key)
+        tree[section] = {**branch, name: {**current, "options": options}}
+        new_section, new_name, _, new_key = new.split(".")
+        target_branch = dict(tree[new_section]) if isinstance(tree.get(new_section), dict) else {}
+        target = _component(target_branch, new_name)
+        target["options"] = {new_key: value, **(target.get("options") or {})}
+        tree[new_section] = {**target_branch, new_name: target}
+        _announce(old, new)
+
+
 def upgrade_tree(tree: dict[str, Any]) -> dict[str, Any]:
     """``tree`` with the keys of :data:`DEPRECATED_KEYS` moved to their new places (printing one line per key, once
     per process); an old key whose component is not the one set (``rope_theta`` without rope) is dropped, as it was
     ignored then). The switches of :data:`DEPRECATED_SWITCHES` are read first, so the options they choose a kind for
-    follow them."""
+    follow them, the options :data:`DEPRECATED_MOVES` moves to other sections last."""
     _upgrade_switches(tree)
     for old, (new, kind) in DEPRECATED_KEYS.items():
         section, key = old.split(".")
@@ -295,6 +326,7 @@ def upgrade_tree(tree: dict[str, Any]) -> dict[str, Any]:
             branch[component] = {**current, "options": options}
         _announce(old, f"{section}.{new}" if applies
                   else f"nothing ({section}.{component} is not {kind}: it was ignored)")
+    _move_options(tree)
     return tree
 
 

@@ -206,13 +206,16 @@ class ParallelConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(NamesComponents):
+    COMPONENTS: ClassVar[tuple[str, ...]] = ("objective",)
+
     steps: int = 200
     global_batch_size: int = 16  # sequences per optimizer step, over all data-parallel ranks
     micro_batch_size: int | None = None  # per rank per forward; None: global / dp (no accumulation)
     seq_len: int = 128
-    # auto | clm | mlm | span | bart (BART denoising) | spanbert | nsp | sop | electra (docs/variants.md)
-    objective: str = "auto"
+    # The pre-training objective and its options (train.objective.options.mask_probability=0.2): auto (the family's)
+    # | clm | mlm | span | bart | spanbert | nsp | sop | electra (xscale.data.objectives; docs/variants.md)
+    objective: Component = field(default_factory=lambda: Component("auto"))
     task: str = "lm"  # lm (the objective's token loss) | classify (one label per sequence: docs/classification.md)
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
@@ -359,7 +362,6 @@ CHOICES = {
     "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"),
     "parallel.activation_checkpointing": ("none", "full", "selective"),
     "parallel.backend": ("auto", "gloo", "nccl"),
-    "train.objective": ("auto", "clm", "mlm", "span", "bart", "spanbert", "nsp", "sop", "electra"),
     "train.schedule": ("cosine", "linear", "constant", "wsd"),
     "train.decay_shape": ("linear", "cosine", "sqrt"),
     "train.loggers": ("tensorboard", "jsonl", "csv", "wandb"),  # a list: each item one of these
@@ -380,6 +382,7 @@ CHOICES = {
 
 
 def resolve_objective(config: Config) -> str:
-    if config.train.objective != "auto":
-        return config.train.objective
+    """The kind of ``train.objective``, ``auto`` read as the family's objective."""
+    if config.train.objective.kind != "auto":
+        return config.train.objective.kind
     return {"decoder": "clm", "encoder": "mlm", "encoder_decoder": "span"}[config.model.family]

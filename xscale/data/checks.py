@@ -1,12 +1,14 @@
 """The data layer's checks of a config, registered with :mod:`xscale.config.check` when :mod:`xscale.data` is
-imported: padding under classification, BART's options, and span corruption's lengths under context parallelism."""
+imported: the objective and its options, padding under classification, and span corruption's lengths under context
+parallelism."""
 
 from __future__ import annotations
 
 from xscale.config.check import closest, register_check
 from xscale.config.schema import Config, ConfigError, resolve_objective
 from xscale.data.lra import PAD_AS_CONTENT
-from xscale.data.objectives import check_bart_config, check_bert_objectives, span_corruption_lengths
+from xscale.data.objectives import OBJECTIVES, objective_options, span_corruption_lengths
+from xscale.data.objectives.checks import check_bart_config, check_bert_objectives
 from xscale.data.sources import SOURCES
 from xscale.models.registry import REGISTRIES
 
@@ -30,6 +32,25 @@ def check_dataset(config: Config) -> None:
     if config.data.sources and not source.text:
         raise ConfigError(f"data.sources holds text corpora but data.dataset='{dataset}' is not a text dataset; set "
                           "data.dataset=text (or leave data.sources out)")
+
+
+def check_objective(config: Config) -> None:
+    """train.objective names a registered objective (naming the closest and every one) that trains model.family,
+    with options its ``Options`` dataclass reads (``auto``: those of the family's kind), and options only where
+    windows of text are masked (the synthetic tasks lay their examples out without them)."""
+    kind, objective = config.train.objective.kind, resolve_objective(config)
+    if kind not in OBJECTIVES:
+        raise ConfigError(f"train.objective='{kind}' is not a known objective{closest(kind, OBJECTIVES.names())}; "
+                          f"available: {', '.join(OBJECTIVES.names())}")
+    family = OBJECTIVES.get(objective).family
+    if config.model.family != family:
+        raise ConfigError(f"train.objective={objective} needs model.family={family}, got {config.model.family}; "
+                          "set train.objective=auto to pick the family's objective")
+    objective_options(config)
+    source = config.data.dataset.kind
+    if config.train.objective.options and source in SOURCES and not SOURCES.get(source).text:
+        raise ConfigError(f"train.objective.options apply to windows of text, but data.dataset={source} lays its "
+                          f"examples out without them; remove train.objective.options")
 
 
 def check_padding_masks(config: Config) -> None:
@@ -56,9 +77,8 @@ def check_context_parallel_lengths(config: Config) -> None:
             or resolve_objective(config) != "span":
         return
     chunks = 2 * parallel.cp if parallel.cp_load_balance else parallel.cp
-    options = config.data.dataset.options
-    density = float(options.get("noise_density", 0.15))
-    mean_span = float(options.get("mean_span_length", 3.0))
+    options = objective_options(config)
+    density, mean_span = options.noise_density, options.mean_span_length
 
     def split(seq_len: int) -> bool:
         lengths = (seq_len, *span_corruption_lengths(seq_len, density, mean_span))
@@ -70,13 +90,14 @@ def check_context_parallel_lengths(config: Config) -> None:
     nearby = [n for n in range(max(chunks, config.train.seq_len - 32 * chunks), config.train.seq_len + 32 * chunks)
               if split(n)]
     nearest = sorted(nearby, key=lambda n: (n > config.model.max_seq_len, abs(n - config.train.seq_len), n))[:3]
-    hint = f"use train.seq_len={' or '.join(map(str, nearest))}" if nearest else "change data.dataset.options.noise_density"
+    hint = f"use train.seq_len={' or '.join(map(str, nearest))}" if nearest else "change train.objective.options.noise_density"
     raise ConfigError(f"parallel.cp={parallel.cp} cuts every sequence into {chunks} chunks, but span corruption of "
                       f"train.seq_len={config.train.seq_len} windows gives {encoder} encoder and {decoder} decoder "
                       f"tokens: {hint}")
 
 
 register_check("xscale.data", check_dataset)
+register_check("xscale.data", check_objective)
 register_check("xscale.data", check_padding_masks)
 register_check("xscale.data", check_bart_config)
 register_check("xscale.data", check_bert_objectives)

@@ -10,41 +10,15 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterable
-from typing import Protocol
 
 import numpy as np
 import torch
 
-from xscale.data.objectives import (
-    IGNORE_INDEX,
-    bart_denoising,
-    causal_lm,
-    electra_masking,
-    geometric_span_masking,
-    masked_lm,
-    sentence_pair,
-    span_corruption,
-    word_start_table,
-)
+from xscale.data.objectives import IGNORE_INDEX, OBJECTIVES, Sample, TokenStream
 
-Sample = dict[str, torch.Tensor]
 WindowTransform = Callable[[torch.Tensor, torch.Generator], Sample]
-OBJECTIVES = ("clm", "mlm", "span")  # of the synthetic tasks' examples; text windows take TEXT_ONLY as well
-TEXT_ONLY = ("bart", "spanbert", "nsp", "sop", "electra")
-# The data.dataset.options each objective reads from a text window (:func:`text_objective`).
-TEXT_OBJECTIVE_OPTIONS = {"clm": (), "mlm": ("mask_probability",), "span": ("noise_density", "mean_span_length"),
-                          "bart": ("mask_ratio", "poisson_lambda"),
-                          "spanbert": ("mask_probability", "geometric_p", "max_span_words"),
-                          "nsp": ("mask_probability",), "sop": ("mask_probability",),
-                          "electra": ("mask_probability",)}
-
-
-class TokenStream(Protocol):
-    """Documents concatenated (each ending in eos) as one token sequence."""
-
-    def __len__(self) -> int: ...
-
-    def read(self, start: int, stop: int) -> np.ndarray: ...
+# The objectives that also lay out the synthetic tasks' examples (layout_example): clm, mlm, span.
+EXAMPLE_OBJECTIVES = tuple(name for name in OBJECTIVES.names() if not OBJECTIVES.get(name).text_only)
 
 
 class ArrayTokens:
@@ -81,75 +55,6 @@ def sample_rng(seed: int, index: int) -> random.Random:
     """Python's RNG seeded by (seed, global sample index), for the task generators."""
     state = np.random.SeedSequence([seed, index]).generate_state(2, np.uint32)
     return random.Random(int(state[0]) << 32 | int(state[1]))
-
-
-def text_objective(objective: str, tokenizer, seq_len: int, options: dict | None = None,
-                   stream: TokenStream | None = None) -> tuple[int, WindowTransform]:
-    """(window length, transform) turning a raw token window into a sample for ``objective``; ``stream``: the
-    corpus next-sentence prediction draws its random second segments from."""
-    options = dict(options or {})
-    if objective in ("spanbert", "nsp", "sop", "electra"):
-        return _bert_objective(objective, tokenizer, seq_len, options, stream)
-    if objective == "clm":
-        return seq_len + 1, lambda window, generator: causal_lm(window)
-    if objective == "mlm":
-        special = tokenizer.special_ids
-        probability = float(options.get("mask_probability", 0.15))
-        return seq_len, lambda window, generator: masked_lm(
-            window, generator, vocab_size=tokenizer.vocab_size, mask_id=tokenizer.mask_id,
-            special_ids=special, mask_probability=probability)
-    if objective == "span":
-        density = float(options.get("noise_density", 0.15))
-        mean_span = float(options.get("mean_span_length", 3.0))
-        return seq_len, lambda window, generator: span_corruption(
-            window, generator, sentinel_ids=tokenizer.sentinel_ids, eos_id=tokenizer.eos_id,
-            decoder_start_id=tokenizer.pad_id, noise_density=density, mean_span_length=mean_span)
-    if objective == "bart":
-        ratio, rate = float(options.get("mask_ratio", 0.3)), float(options.get("poisson_lambda", 3.0))
-        if not (0 < ratio <= 0.5 and rate >= 0):
-            raise ValueError(f"BART's data.dataset.options mask_ratio={ratio} must be in (0, 0.5] and poisson_lambda={rate} "
-                             ">= 0")
-        ends = sentence_end_ids(tokenizer)
-        return seq_len, lambda window, generator: bart_denoising(
-            window, generator, mask_id=tokenizer.mask_id, pad_id=tokenizer.pad_id, decoder_start_id=tokenizer.pad_id,
-            sentence_end_ids=ends, mask_ratio=ratio, poisson_lambda=rate)
-    raise ValueError(f"objective '{objective}' is not one of {', '.join((*OBJECTIVES, *TEXT_ONLY))}")
-
-
-def _bert_objective(objective: str, tokenizer, seq_len: int, options: dict, stream: TokenStream | None
-                    ) -> tuple[int, WindowTransform]:
-    """SpanBERT's span masking or ELECTRA's (a window of ``seq_len``), or NSP / SOP pairs (``seq_len`` - 3 tokens and three
-    separators: bos as [CLS], eos as [SEP])."""
-    probability = float(options.get("mask_probability", 0.15))
-    common = {"vocab_size": tokenizer.vocab_size, "mask_id": tokenizer.mask_id, "special_ids": tokenizer.special_ids,
-              "mask_probability": probability}
-    if objective == "spanbert":
-        word_starts = word_start_table(tokenizer)
-        geometric_p, max_words = float(options.get("geometric_p", 0.2)), int(options.get("max_span_words", 10))
-        return seq_len, lambda window, generator: geometric_span_masking(
-            window, generator, word_starts=word_starts[window.long()], geometric_p=geometric_p,
-            max_span_words=max_words, **common)
-    if objective == "electra":
-        return seq_len, lambda window, generator: electra_masking(window, generator, **common)
-    if tokenizer.bos_id is None:
-        raise ValueError(f"train.objective={objective} starts each pair with bos as [CLS], but the tokenizer has no "
-                         "bos token; use a tokenizer trained by xscale (xscale data tokenizer)")
-
-    def random_segment(count: int, generator: torch.Generator) -> torch.Tensor:
-        start = int(torch.randint(len(stream) - count + 1, (1,), generator=generator))
-        return torch.from_numpy(np.asarray(stream.read(start, start + count), dtype=np.int64))
-
-    return seq_len - 3, lambda window, generator: sentence_pair(
-        window, generator, kind=objective, cls_id=tokenizer.bos_id, sep_id=tokenizer.eos_id,
-        random_segment=random_segment if stream is not None else None, **common)
-
-
-def sentence_end_ids(tokenizer) -> list[int]:
-    """BART's sentence boundaries: eos (a document's end) and the pieces that read "." (a full stop) alone or after
-    a word or a space (a subword tokenizer may have one piece for each)."""
-    last_pieces = {ids[-1] for ids in (tokenizer.encode(text) for text in (".", " .", "end.")) if ids}
-    full_stops = [piece for piece in last_pieces if tokenizer.decode([piece]).strip() == "."]
-    return sorted({tokenizer.eos_id, *full_stops})
 
 
 class PackedTextDataset(torch.utils.data.Dataset):
@@ -207,7 +112,7 @@ def layout_example(prompt: list[int], answer: list[int], objective: str, seq_len
                 "labels": torch.tensor(labels, dtype=torch.long),
                 "decoder_input_ids": torch.tensor([vocab.pad_id] + labels[:-1], dtype=torch.long)}
     else:
-        raise ValueError(f"objective '{objective}' is not one of {', '.join(OBJECTIVES)}")
+        raise ValueError(f"objective '{objective}' is not one of {', '.join(EXAMPLE_OBJECTIVES)}")
     return {"input_ids": _left_pad(inputs, seq_len, vocab.pad_id), "labels": _left_pad(labels, seq_len, IGNORE_INDEX)}
 
 
@@ -222,8 +127,8 @@ class TaskDataset(torch.utils.data.Dataset):
 
     def __init__(self, task, objective: str, seq_len: int, seed: int, num_samples: int, first_sample: int = 0
                  ) -> None:
-        if objective not in OBJECTIVES:
-            raise ValueError(f"objective '{objective}' is not one of {', '.join(OBJECTIVES)}")
+        if objective not in EXAMPLE_OBJECTIVES:
+            raise ValueError(f"objective '{objective}' is not one of {', '.join(EXAMPLE_OBJECTIVES)}")
         if num_samples <= 0:
             raise ValueError(f"num_samples must be positive, got {num_samples}")
         self.task, self.objective, self.seq_len, self.seed = task, objective, seq_len, seed

@@ -9,8 +9,9 @@ from torch.utils.data import Dataset
 
 from xscale.config.schema import Config, ConfigError
 from xscale.data.blend import BlendedDataset
-from xscale.data.datasets import TEXT_OBJECTIVE_OPTIONS, PackedTextDataset, text_objective
+from xscale.data.datasets import PackedTextDataset
 from xscale.data.indexed import IndexedTokens
+from xscale.data.objectives import build_objective
 from xscale.data.sources.registry import Built, data_options, user_file
 from xscale.data.sources.resolve import ResolvedSource, resolve_sources, shared_cache_dir, source_kind
 from xscale.data.sources.run_tokenizer import build_tokenizer
@@ -19,7 +20,7 @@ from xscale.data.sources.run_tokenizer import build_tokenizer
 def blended_datasets(config: Config, objective: str) -> Built:
     """Train and eval blends of ``data.sources``; each source's windows sampled from its own seed."""
     data, seq_len, seed = config.data, config.train.seq_len, config.train.seed
-    options = data_options(config, TEXT_OBJECTIVE_OPTIONS[objective])
+    data_options(config, ())
     needs_tokenizer = data.tokenizer or objective != "clm" or any(
         source_kind(source, f"data.sources[{i}]") != "indexed" for i, source in enumerate(data.sources))
     tokenizer = build_tokenizer(config) if needs_tokenizer else None
@@ -27,7 +28,8 @@ def blended_datasets(config: Config, objective: str) -> Built:
     cache = shared_cache_dir(config.train.output_dir)
     train_sources = resolve_sources(data.sources, "sources", tokenizer_file, data.text_field, cache)
     eval_sources = resolve_sources(data.eval_sources, "eval_sources", tokenizer_file, data.text_field, cache)
-    window, transform = text_objective(objective, tokenizer, seq_len, options)
+    transform = build_objective(config, tokenizer)
+    window = transform.window_length
     vocab_size = tokenizer.vocab_size if tokenizer is not None else 0
     parts = []
     for index, source in enumerate(train_sources + eval_sources):

@@ -10,14 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from xscale.config.schema import Config, ConfigError
-from xscale.data.datasets import (
-    TEXT_OBJECTIVE_OPTIONS,
-    ArrayTokens,
-    PackedTextDataset,
-    text_objective,
-    tokenize_documents,
-)
+from xscale.data.datasets import ArrayTokens, PackedTextDataset, tokenize_documents
 from xscale.data.indexed import IndexedTokens
+from xscale.data.objectives import build_objective
 from xscale.data.sources.blends import blended_datasets
 from xscale.data.sources.registry import Built, data_options, register, user_file
 from xscale.data.sources.resolve import cached_tokens, shared_cache_dir
@@ -75,9 +70,10 @@ def text_datasets(config: Config, objective: str, label_names: list[str] | None)
     if config.data.sources:
         return blended_datasets(config, objective)
     data, seq_len = config.data, config.train.seq_len
-    options = data_options(config, TEXT_OBJECTIVE_OPTIONS[objective])
+    data_options(config, ())
     stream, tokenizer, vocab_size = STREAMS[data.dataset.kind](config, objective)
-    window, transform = text_objective(objective, tokenizer, seq_len, options, stream)
+    transform = build_objective(config, tokenizer, stream)
+    window = transform.window_length
     windows = PackedTextDataset.count_windows(len(stream), window, seq_len)
     eval_windows = round(windows * data.eval_fraction)
     if windows - eval_windows < 1:
@@ -91,11 +87,10 @@ def text_datasets(config: Config, objective: str, label_names: list[str] | None)
     return train, evaluation, vocab_size
 
 
-ALL_TEXT_OPTIONS = tuple(option for options in TEXT_OBJECTIVE_OPTIONS.values() for option in options)
-register("stdlib_text", text_datasets, ALL_TEXT_OPTIONS,
+register("stdlib_text", text_datasets, (),
          "Python's own documentation (built in, a few MB), for a pre-training objective", text=True)
-register("text", text_datasets, ALL_TEXT_OPTIONS,
+register("text", text_datasets, (),
          "data.path: a .txt/.jsonl file or folder, tokenized once into the run's data cache", text=True)
-register("indexed", text_datasets, ALL_TEXT_OPTIONS,
+register("indexed", text_datasets, (),
          "data.path: the .bin/.idx prefix of a token file (xscale data preprocess), read memory-mapped", text=True)
 TEXT_DATASETS = tuple(STREAMS)
