@@ -19,6 +19,8 @@ CASES = {
     "evolved": (["model.block=evolved"], "dp_shard=2,zero_stage=3,activation_checkpointing=selective"),
     "lite": (["model.block={kind: lite, options: {kernel_size: 3, conv_heads: 2}}"],
              "dp_shard=2,zero_stage=3,activation_checkpointing=full"),
+    "delight": (["model.position=learned", "model.block={kind: delight, options: {min_depth: 2, max_depth: 4, "
+                 "max_groups: 4}}"], "dp_shard=2,zero_stage=3,activation_checkpointing=full"),
     "admin-tp": (["model.norm=layernorm", "model.norm_placement=post", "model.init=admin"],
                  "tp=2,sequence_parallel=true"),
 }
