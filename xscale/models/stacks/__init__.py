@@ -6,6 +6,7 @@ from typing import Any
 
 import xscale.models.stacks.act  # noqa: F401  (each variant registers itself)
 import xscale.models.stacks.early_exit  # noqa: F401
+import xscale.models.stacks.feedback  # noqa: F401
 import xscale.models.stacks.funnel  # noqa: F401
 import xscale.models.stacks.gbst  # noqa: F401
 import xscale.models.stacks.perceiver  # noqa: F401
