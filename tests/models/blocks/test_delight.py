@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from xscale.cli import main
 from xscale.config.check import validate
 from xscale.config.load import load_config_from_cli
 from xscale.config.schema import Component, ConfigError, ModelConfig
@@ -142,3 +143,9 @@ def test_refused_with_the_reason_and_the_fix(overrides, message) -> None:
 
 def test_taken_settings_pass() -> None:
     validate(load_config_from_cli(None, [*TINY, "parallel.zero_stage=3", "parallel.activation_checkpointing=full"]))
+
+
+def test_inspect_lists_the_kind_with_its_options(capsys) -> None:
+    assert main(["inspect", "--components"]) == 0
+    out = capsys.readouterr().out
+    assert "model.block: delight" in out and "min_depth=4 (N_min" in out and "ffn_reduction=4" in out
