@@ -10,8 +10,9 @@ sequential over tokens: training runs a loop over the T steps (each step every b
 weights w (L + 1 of them) are ``layer_weights``; the blocks are the model's (``model.block=standard``), pre-norm, each
 with its own key and value projections of the memory.
 
-``model.stack=feedback`` serves decoders only. Departures: at the first step there is no past memory and the
-attention sub-layer adds nothing; the keys and values of the whole memory are recomputed at every step (O(T^2)
+``model.stack=feedback`` serves decoders only. At the first step the memory is empty: the attention's weighted sum
+is zero (its output projection's bias remains). The block is always called whole, so ZeRO-3 gathers its parameters
+around it. Departures: the keys and values of the whole memory are recomputed at every step (O(T^2)
 projections, for clarity; the paper caches them and shares them across layers); positions are added to the input
 only (learned, sinusoidal, learned_frequency or none), as the memory holds no relative positions; no limit on the
 memory's span.
@@ -71,8 +72,8 @@ class FeedbackStack(Stack):
             raise ConfigError(f"parallel.cp={config.parallel.cp} is refused with {where}: each step reads the memory "
                               "of every earlier step, which context parallelism splits; set parallel.cp=1")
         if model.block.kind != "standard" or model.norm_placement != "pre":
-            raise ConfigError(f"{where} runs pre-norm standard blocks (at the first step the attention adds "
-                              f"nothing); set model.block=standard and model.norm_placement=pre")
+            raise ConfigError(f"{where} runs pre-norm standard blocks (each reads the memory normalised by its "
+                              "attention's norm); set model.block=standard and model.norm_placement=pre")
         kinds = model.attention.per_layer or [model.attention.kind]
         if any(kind in ATTENTION.names() and ATTENTION.get(kind) is not ATTENTION.get("dense") for kind in kinds):
             raise ConfigError(f"{where} attends densely to the memory; set model.attention.kind=dense")
@@ -97,13 +98,9 @@ class FeedbackStack(Stack):
             step_context = context.with_sequence(StepPosition(step, x.shape[1]))
             h = x[:, step:step + 1]
             states = [h]
-            past = torch.cat(memories, dim=1) if memories else None
+            past = torch.cat(memories, dim=1) if memories else x[:, :0]  # the first step's memory is empty
             for depth, block in zip(self.depths, self.blocks()):
-                block_context = self.block_context(depth, step_context)
-                if past is None:
-                    h = block.feed_forward(h, context=block_context)
-                else:
-                    h = block(h, position, keys=past, context=block_context)
+                h = block(h, position, keys=past, context=self.block_context(depth, step_context))
                 states.append(h)
             memories.append(torch.einsum("l,lbtd->btd", weights, torch.stack(states)))
             outputs.append(h)
