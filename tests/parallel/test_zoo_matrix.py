@@ -103,9 +103,9 @@ STACK_CASES = {"share_layers": None,
                "gbst": (["model.family=encoder", "model.position=learned", "model.max_seq_len=16", "train.task=classify",
                          "data.dataset=lra_retrieval", "model.vocab_size=272", "model.pooling=mean", "model.stack=gbst"],
                         "dp_shard=2,zero_stage=3"),
-               # Decoders only; each forward runs the blocks once per token (16 steps).
-               "feedback": (["model.position=learned", "model.max_seq_len=16", "model.stack=feedback"],
-                            "dp_shard=2,zero_stage=3,activation_checkpointing=full"),
+               # Decoders only; each forward runs every block once per token, so 8 tokens in one microbatch a rank.
+               "feedback": (["model.position=learned", "model.max_seq_len=16", "model.stack=feedback",
+                             "train.seq_len=8", "train.micro_batch_size=4"], "dp_shard=2,zero_stage=3"),
                "perceiver": (["model.family=encoder", "model.position=learned", "model.max_seq_len=16",
                               "train.task=classify", "data.dataset=lra_retrieval", "model.vocab_size=272",
                               "model.pooling=mean", "model.stack=perceiver", "model.stack.options.latents=4"],

@@ -46,7 +46,7 @@ def _attend_by_hand(attention, query: torch.Tensor, keys: torch.Tensor) -> torch
 
 def _last_output_by_hand(stack, x: torch.Tensor) -> torch.Tensor:
     """The top layer's state at the last position of ``x`` (B, P, D), computed from scratch: steps 0..P-1 in turn,
-    m_tau = sum_l softmax(w)_l x_tau^l, each block: x + Attn(norm(x), norm(m_<t)) (W_O's bias at t = 0), then its FFN."""
+    m_tau = sum_l softmax(w)_l x_tau^l, each block: x + Attn(norm(x), norm(m_<t)) (W_O bias at t = 0), then its FFN."""
     weights = stack.layer_weights.softmax(0)
     memories = []
     for step in range(x.shape[1]):
