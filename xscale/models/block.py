@@ -147,7 +147,7 @@ class TransformerBlock(nn.Module):
         self.cross_attention = (
             residual(config, Attention(config, layer_index, causal=False, cross=True), in_decoder) if cross else None
         )
-        self.feed_forward = residual(config, build_feed_forward(config, layer_index), in_decoder)
+        self.feed_forward = residual(config, self.feed_forward_sublayer(config, layer_index), in_decoder)
         self.carries_scores = self.attention.sublayer.core.carries_scores
         # The Compressive Transformer's f_c for the states leaving this layer's memory (Rae et al. 2020).
         self.compression = MemoryCompression(config) if config.compressed_memory and not cross else None
@@ -156,6 +156,10 @@ class TransformerBlock(nn.Module):
         """The self-attention sub-layer (kwargs: causal, uses_bias, mixes_values); Lite Transformer's LSRA replaces
         it (:mod:`xscale.models.blocks.lite`)."""
         return Attention(config, layer_index, **kwargs)
+
+    def feed_forward_sublayer(self, config: ModelConfig, layer_index: int) -> nn.Module:
+        """The FFN (or MoE) sub-layer; DeLighT's light-weight FFN replaces it (:mod:`xscale.models.blocks.delight`)."""
+        return build_feed_forward(config, layer_index)
 
     def forward(self, x: torch.Tensor, position: PositionEncoding | None = None, memory: torch.Tensor | None = None,
                 scores: torch.Tensor | None = None, context: StepContext | None = None,

@@ -1,7 +1,8 @@
 """The block kinds and Admin under the layouts they take, at one-process parity (10 steps, dropout 0.1, gradient
 norms too): each kind under dp_shard=2 x ZeRO-3 (FSDP2 gathers each block's parameters, whatever it holds), with
-recomputation on for the kinds that take it; Admin's omega under tp=2 with sequence parallelism (the plan replicates
-a residual's gain on the stream). The kinds refuse tp by name (test_block_checks.py)."""
+recomputation on for the kinds that take it, DeLighT under pp2 x cp2 too; Admin's omega under tp=2 with sequence
+parallelism (the plan replicates a residual's gain on the stream). The kinds refuse tp by name
+(test_block_checks.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from parity_models import DECODER, DROPOUT, assert_parity
 
 from xscale.models.registry import BLOCK
 
+DELIGHT = ["model.position=learned", "model.block={kind: delight, options: {min_depth: 2, max_depth: 4, max_groups: 4}}"]
 CASES = {
     "macaron-admin": (["model.block=macaron", "model.norm=layernorm", "model.norm_placement=post",
                        "model.init=admin"], "dp_shard=2,zero_stage=3"),
@@ -19,6 +21,8 @@ CASES = {
     "evolved": (["model.block=evolved"], "dp_shard=2,zero_stage=3,activation_checkpointing=selective"),
     "lite": (["model.block={kind: lite, options: {kernel_size: 3, conv_heads: 2}}"],
              "dp_shard=2,zero_stage=3,activation_checkpointing=full"),
+    "delight": (DELIGHT, "dp_shard=2,zero_stage=3,activation_checkpointing=full"),
+    "delight-pp-cp": (DELIGHT, "pp=2,cp=2,microbatches=4"),
     "admin-tp": (["model.norm=layernorm", "model.norm_placement=post", "model.init=admin"],
                  "tp=2,sequence_parallel=true"),
 }

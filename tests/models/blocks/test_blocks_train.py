@@ -20,6 +20,7 @@ CASES = {
     "gtrxl": dict(block="gtrxl"),
     "evolved": dict(block="evolved"),
     "lite": dict(block=Component("lite", {"kernel_size": 3, "conv_heads": 4})),
+    "delight": dict(position="learned", block=Component("delight", {"min_depth": 2, "max_depth": 4, "max_groups": 4})),
     "admin": dict(norm="layernorm", norm_placement="post", init="admin"),
 }
 

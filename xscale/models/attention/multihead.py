@@ -48,7 +48,8 @@ class Attention(nn.Module):
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
-        return x.view(batch, length, -1, self.head_dim).transpose(1, 2)
+        # heads from the width, not -1: a sequence of no tokens (the Feedback Transformer's first memory) has one
+        return x.view(batch, length, x.shape[-1] // self.head_dim, self.head_dim).transpose(1, 2)
 
     def _placeholder(self, x: torch.Tensor, n_heads: int) -> torch.Tensor:
         """(B, H, T, 0): the shape of heads a core does not read."""

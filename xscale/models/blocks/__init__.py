@@ -6,7 +6,8 @@ from __future__ import annotations
 from torch import nn
 
 import xscale.models.blocks.checks  # noqa: F401  (registers the block checks)
-import xscale.models.blocks.evolved  # noqa: F401  (each kind registers itself)
+import xscale.models.blocks.delight  # noqa: F401  (each kind registers itself)
+import xscale.models.blocks.evolved  # noqa: F401
 import xscale.models.blocks.gtrxl  # noqa: F401
 import xscale.models.blocks.lite  # noqa: F401
 import xscale.models.blocks.macaron  # noqa: F401

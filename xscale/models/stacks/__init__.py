@@ -8,6 +8,7 @@ import torch
 
 import xscale.models.stacks.act  # noqa: F401  (each variant registers itself)
 import xscale.models.stacks.early_exit  # noqa: F401
+import xscale.models.stacks.feedback  # noqa: F401
 import xscale.models.stacks.funnel  # noqa: F401
 import xscale.models.stacks.gbst  # noqa: F401
 import xscale.models.stacks.memformer  # noqa: F401
