@@ -115,7 +115,7 @@ TINY = ["model.vocab_size=48", "model.d_model=32", "model.n_layers=2", "model.n_
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["model.family=encoder"], r"model.family=encoder is refused: use model.family=decoder"),
+    (["model.family=encoder"], r"is a decoder .*got model.family=encoder.*set model.family=decoder"),
     (["parallel.tp=2"], r"parallel.tp=2 is refused with model.stack=feedback: the memory's layer weights"),
     (["parallel.pp=2"], r"parallel.pp=2 is refused with model.stack=feedback: each step's memory mixes every"),
     (["parallel.cp=2"], r"parallel.cp=2 is refused with model.stack=feedback: each step reads the memory"),

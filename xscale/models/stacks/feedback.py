@@ -27,7 +27,7 @@ from xscale.config.schema import Config, ConfigError, ModelConfig
 from xscale.models.position import PositionEncoding
 from xscale.models.registry import ATTENTION, POSITION, STACK
 from xscale.models.stacks.stack import Stack
-from xscale.models.traits import Refusal, StackTraits
+from xscale.models.traits import Refusal, Serves, StackTraits
 from xscale.runtime import StepContext
 
 
@@ -53,6 +53,9 @@ class FeedbackStack(Stack):
         pp=Refusal("each step's memory mixes every layer's state, so every block must run on one stage"),
         tp=Refusal("the memory's layer weights and the loop over steps are not in the tensor-parallel plan"),
         sequence_parallel=Refusal("each step holds one token, which sequence parallelism cannot split"),
+        cp=Refusal("each step reads the memory of every earlier step, which context parallelism splits"),
+        serves=(Serves(family="decoder", task="lm"),),
+        serves_reason="is a decoder (step t reads the memories of steps before it)",
     )
 
     def __init__(self, config: ModelConfig, n_layers: int, *, causal: bool, cross: bool, first_index: int,
@@ -65,12 +68,6 @@ class FeedbackStack(Stack):
     def check(cls, config: Config, options: object) -> None:
         """Refuse what the Feedback Transformer cannot run with, each with what to change."""
         model, where = config.model, "model.stack=feedback"
-        if model.family != "decoder":
-            raise ConfigError(f"{where} is a decoder (step t reads the memories of steps before it); "
-                              f"model.family={model.family} is refused: use model.family=decoder")
-        if config.parallel.cp > 1:
-            raise ConfigError(f"parallel.cp={config.parallel.cp} is refused with {where}: each step reads the memory "
-                              "of every earlier step, which context parallelism splits; set parallel.cp=1")
         if model.block.kind != "standard" or model.norm_placement != "pre":
             raise ConfigError(f"{where} runs pre-norm standard blocks (each reads the memory normalised by its "
                               "attention's norm); set model.block=standard and model.norm_placement=pre")
