@@ -31,10 +31,10 @@ def _convolution_by_hand(weight: torch.Tensor, x: torch.Tensor, causal: bool, de
 
 
 def _cell_by_hand(block, position, x: torch.Tensor, causal: bool) -> torch.Tensor:
-    glu, conv = block.gated_linear, block.convolutions
-    h = glu.norm(x)
+    glu, conv = block.gated_linear.sublayer, block.convolutions.sublayer
+    h = block.gated_linear.norm(x)
     x = x + glu.w_value(h) * torch.sigmoid(glu.w_gate(h))
-    h = conv.norm(x)
+    h = block.convolutions.norm(x)
     wide = torch.relu(conv.w_wide(h))
     narrow = torch.relu(_convolution_by_hand(conv.narrow_conv.weight, h, causal, depthwise=False))
     hidden = conv.hidden_norm(wide + F.pad(narrow, (0, 56)))
@@ -49,7 +49,7 @@ def test_cell_matches_its_residuals_by_hand_outputs_and_gradients(family) -> Non
     model = _model(family)
     block, position = model.stack.layers["1"], model.stack.position
     with torch.no_grad():
-        for conv in (block.convolutions.narrow_conv, block.convolutions.depthwise_conv):
+        for conv in (block.convolutions.sublayer.narrow_conv, block.convolutions.sublayer.depthwise_conv):
             conv.weight.normal_(std=0.3)  # larger than the init, so a misplaced tap shows
     x = torch.randn(2, 12, 16, requires_grad=True)
     reference_x = x.detach().clone().requires_grad_(True)

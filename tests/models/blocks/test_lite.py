@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from xscale.config.schema import Component, ModelConfig
 from xscale.models import build_model
@@ -37,7 +36,7 @@ def _convolution_by_hand(convolution, x: torch.Tensor, causal: bool) -> torch.Te
 
 def _lsra_by_hand(lsra, position, x: torch.Tensor, causal: bool) -> torch.Tensor:
     branch = lsra.branch
-    local = F.glu(branch.w_in(x[..., 8:]), dim=-1)
+    local = branch.w_value(x[..., 8:]) * torch.sigmoid(branch.w_gate(x[..., 8:]))  # GLU
     return torch.cat([lsra.attention(x[..., :8], position),
                       branch.w_out(_convolution_by_hand(branch.convolution, local, causal))], dim=-1)
 
