@@ -2,7 +2,10 @@
 
 Each block is split the Megatron way: q/k/v projections column-wise (every rank holds n_heads/tp heads and
 n_kv_heads/tp kv heads), the attention output projection row-wise; FFN input projections column-wise, the
-output projection row-wise; so each sub-layer costs one all-reduce forward and one backward. The embedding
+output projection row-wise; so each sub-layer costs one all-reduce forward and one backward. Which modules of a
+block are attentions, FFNs or other parts (GTrXL's gates, Lite's convolution half, the Evolved Transformer's cell)
+the block kind says (``tensor_parallel_parts``: :class:`~xscale.models.traits.BlockParts`); the other parts are split
+as their own ``parallel_traits`` say, and a parameter no part holds is refused. The embedding
 is split by vocabulary and the output projection by vocabulary too, so the loss is vocab-parallel
 (:mod:`xscale.parallel.tensor.vocab_parallel`); tied weights stay tied (both are sharded on the vocabulary dim).
 
@@ -317,8 +320,9 @@ def apply_tensor_parallel(model: Transformer | nn.Module, tp_mesh: DeviceMesh, *
     for stack in stacks:
         # The full sequence reaches position tables on every rank; T5's table is read per head.
         if stack.position is not None:  # read by the model's forward (embed) and each attention layer's
-            attentions = tuple(block.get_submodule(path) for block in stack.layers.values()
-                               for path in block.tensor_parallel_parts().attentions)
+            attentions = tuple(attention for block in stack.layers.values()
+                               for attention in map(block.get_submodule, block.tensor_parallel_parts().attentions)
+                               if not attention.cross)
             per_head_use = stack.position.biases_logits or stack.position.biases_from_content
             replicate_parameters(stack.position, tp_mesh, sum_gradients=per_head_use, used_in=(model, *attentions))
         for block in stack.layers.values():
