@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from parity_models import DECODER, DROPOUT, assert_parity
 from spawned import spawn
 from test_tensor_parallel import (
@@ -24,11 +25,13 @@ from test_tensor_parallel import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from xscale.config.schema import Component, ModelConfig
+from xscale.config.schema import Component, ConfigError, ModelConfig
 from xscale.models import build_model
+from xscale.models.block import TransformerBlock
+from xscale.models.blocks.gtrxl import GatedBlock
 from xscale.models.registry import BLOCK
 from xscale.parallel.loss import model_loss_sum
-from xscale.parallel.tensor import tensor_parallel_context
+from xscale.parallel.tensor import apply_tensor_parallel, tensor_parallel_context
 from xscale.runtime import StepContext
 
 CASES = {
@@ -75,6 +78,21 @@ TP_STEPS = 3
 
 def test_every_block_kind_has_a_tensor_parallel_case() -> None:
     assert {str(case["block"]) for case in TP_CASES.values()} == set(BLOCK.names()) - {"standard"}
+
+
+def test_a_parameter_no_part_holds_is_refused_by_name(monkeypatch) -> None:
+    """A kind whose tensor_parallel_parts leave a module out (here GTrXL without its gates) is refused by the plan,
+    not trained with an unsplit parameter (on a one-rank mesh: the check does not depend on the degree)."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    monkeypatch.setattr(GatedBlock, "tensor_parallel_parts", TransformerBlock.tensor_parallel_parts)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = build_model(ModelConfig(**TP_MODEL | TP_CASES["gtrxl"]), materialize=False)
+        with pytest.raises(ConfigError, match=r"no split for attention\.gate, feed_forward\.gate of a GatedBlock"):
+            apply_tensor_parallel(model, init_device_mesh("cpu", (1,), mesh_dim_names=("tp",)))
+    finally:
+        dist.destroy_process_group()
 
 
 def block_kind_under_tensor_parallelism(rank: int, case: str) -> None:

@@ -261,7 +261,9 @@ def _parallelize_block(block: nn.Module, mesh: DeviceMesh, sequence_parallel: bo
         _parallelize_by_traits(block.get_submodule(path), mesh, sequence_parallel)
     for path in parts.residuals:
         _parallelize_residual(block.get_submodule(path), mesh, sequence_parallel)
-    unplanned = [name for name, param in block.named_parameters() if not isinstance(param, DTensor)]
+    holders = dict.fromkeys(name.rpartition(".")[0] or name for name, param in block.named_parameters()
+                            if not isinstance(param, DTensor))
+    unplanned = [path for path in holders if not any(path.startswith(f"{other}.") for other in holders)]
     if unplanned:
         raise ConfigError(f"the tensor-parallel plan has no split for {', '.join(unplanned)} of a "
                           f"{type(block).__name__} (its tensor_parallel_parts name no module holding them); use "
