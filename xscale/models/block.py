@@ -32,6 +32,7 @@ from xscale.models.ffn import build_ffn
 from xscale.models.moe import attach_auxiliary_loss, build_moe
 from xscale.models.norm import build_norm
 from xscale.models.position import PositionEncoding
+from xscale.models.traits import BlockParts
 from xscale.runtime import StepContext
 
 # The placements that normalise a sub-layer's input, and so end a stack with a final norm.
@@ -123,6 +124,17 @@ def build_feed_forward(config: ModelConfig, layer_index: int) -> nn.Module:
     return build_ffn(config.ffn, config.d_model, config.ffn_hidden, config.bias, config.dropout)
 
 
+def residual_parts(block: nn.Module, names: tuple[str, ...]) -> BlockParts:
+    """The tensor-parallel parts of a block made of the residuals ``names``: each residual's sub-layer is an
+    attention (split by heads) or a module split by its own traits (an FFN, an MoE layer)."""
+    sublayers = {name: block.get_submodule(name).sublayer for name in names}
+    return BlockParts(
+        attentions=tuple(f"{name}.sublayer" for name, sublayer in sublayers.items() if isinstance(sublayer, Attention)),
+        residuals=names,
+        modules=tuple(f"{name}.sublayer" for name, sublayer in sublayers.items()
+                      if not isinstance(sublayer, Attention)))
+
+
 class TransformerBlock(nn.Module):
     """The ``standard`` block (Vaswani et al. 2017): x <- R(x, attention); x <- R(x, cross-attention) in a decoder
     of an encoder-decoder; x <- R(x, FFN), R the residual in ``model.norm_placement``. A block kind that changes
@@ -151,6 +163,10 @@ class TransformerBlock(nn.Module):
         self.carries_scores = self.attention.sublayer.core.carries_scores
         # The Compressive Transformer's f_c for the states leaving this layer's memory (Rae et al. 2020).
         self.compression = MemoryCompression(config) if config.compressed_memory and not cross else None
+
+    def tensor_parallel_parts(self) -> BlockParts:
+        """What the tensor-parallel plan splits here, and how (:class:`~xscale.models.traits.BlockParts`)."""
+        return residual_parts(self, self.residual_names(self.cross_attention is not None))
 
     def self_attention(self, config: ModelConfig, layer_index: int, **kwargs) -> nn.Module:
         """The self-attention sub-layer (kwargs: causal, uses_bias, mixes_values); Lite Transformer's LSRA replaces

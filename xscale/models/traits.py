@@ -11,9 +11,13 @@ Tensor parallelism (``tp``; Megatron-LM, Shoeybi et al. 2019) gives rank r the h
   * ``gather_heads``: output heads read every head's logits (talking heads); each rank gathers all heads' q and k
     and the core computes the output heads its context names (``StepContext.heads_held``: a slice of the global heads);
   * ``split_hidden``: a feed-forward network whose ``column_parallel`` linears are split by output features and
-    whose ``row_parallel`` linears by input features (one all-reduce per sub-layer);
+    whose ``row_parallel`` linears by input features (one all-reduce per sub-layer); the parameters named in
+    ``split_rows`` (dim 0 follows the split hidden channels: Lite's convolution kernels) are split by rows with them;
   * ``replicated``: every rank runs the whole module on the whole sequence (MoE layers, position encodings); the
     children named in ``replicated_parts`` compute on their own (they swap in their local parameters separately);
+  * ``per_token``: a module that computes each token from that token alone, on the residual stream (GTrXL's gates,
+    the Evolved Transformer's GLU): replicated like a norm, run on the tokens the stream holds (under sequence
+    parallelism a slice, its gradients summed over tp);
   * ``none``: no tensor-parallel plan; ``parallel.tp > 1`` is refused.
 ``head_dependent_options``: options that, when true, give heads different patterns, so heads cannot be split.
 ``cp``: context parallelism (:mod:`xscale.parallel.context`) serves it: an attention core that is exact with K/V
@@ -37,7 +41,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-TensorParallel = Literal["split_heads", "head_state", "gather_heads", "split_hidden", "replicated", "none"]
+TensorParallel = Literal["split_heads", "head_state", "gather_heads", "split_hidden", "replicated", "per_token",
+                         "none"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +51,7 @@ class ParallelTraits:
     head_dependent_options: tuple[str, ...] = ()
     column_parallel: tuple[str, ...] = ()
     row_parallel: tuple[str, ...] = ()
+    split_rows: tuple[str, ...] = ()
     replicated_parts: tuple[str, ...] = ()
     cp: bool = False
     cp_positions: bool = False
@@ -56,6 +62,8 @@ class ParallelTraits:
         if (self.tp == "split_hidden") != bool(self.column_parallel and self.row_parallel):
             raise ValueError("tp='split_hidden' needs its column_parallel and row_parallel linears (and only it "
                              f"names them); got {self}")
+        if self.split_rows and self.tp != "split_hidden":
+            raise ValueError(f"split_rows follow a split hidden width: only tp='split_hidden' names them; got {self}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +115,19 @@ class StackTraits:
         """The layout settings it refuses, by field name."""
         return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
                 if isinstance(getattr(self, field.name), Refusal)}
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockParts:
+    """A block's modules as the tensor-parallel plan splits them, by path inside the block (a block kind's
+    ``tensor_parallel_parts()``): ``attentions``, Attention sub-layers split by heads (q/k/v column-, output
+    row-parallel); ``residuals``, whose norms and gains are replicated on the stream; ``modules``, each split as its
+    own ``parallel_traits`` say (FFNs and MoE layers, Lite's convolution branch, GTrXL's gates, ...). The plan refuses
+    a block with a parameter none of them holds."""
+
+    attentions: tuple[str, ...]
+    residuals: tuple[str, ...]
+    modules: tuple[str, ...]
 
 
 def traits_of(component: object) -> ParallelTraits:

@@ -17,7 +17,10 @@ def _validate(*overrides: str) -> None:
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["model.block=macaron", "parallel.tp=2"], r"model.block=macaron does not take parallel.tp > 1: .* set parallel.tp=1"),
+    (["model.block={kind: lite, options: {conv_heads: 1}}", "parallel.tp=2"],
+     r"lite under parallel.tp=2 gives each rank its channels .* make model.block.options.conv_heads=1 a multiple of 2"),
+    (["model.block=lite", "model.n_heads=2", "parallel.tp=2"],
+     r"lite under parallel.tp=2 splits the attention half's n_heads/2=1 heads .* multiples of 4"),
     (["model.block=gtrxl", "model.stack=reversible"], r"model.block=gtrxl does not take model.stack other than plain"),
     (["model.block=sandwich", "parallel.activation_checkpointing=selective"],
      r"does not take parallel.activation_checkpointing=selective: .* use parallel.activation_checkpointing=full"),
@@ -42,6 +45,8 @@ def test_refused_with_the_reason_and_the_fix(overrides, message) -> None:
 
 
 def test_taken_settings_pass() -> None:
+    for kind in ("macaron", "{kind: sandwich, options: {pattern: ssff}}", "gtrxl", "lite", "evolved"):
+        _validate(f"model.block={kind}", "parallel.tp=2", "parallel.sequence_parallel=true")
     _validate("model.block=macaron", "parallel.zero_stage=3")
     _validate("model.block={kind: sandwich, options: {pattern: ssff}}", "parallel.activation_checkpointing=full")
     _validate("model.norm_placement=post", "model.init=admin", "parallel.tp=2")

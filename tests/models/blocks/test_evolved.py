@@ -7,13 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from xscale.config.schema import ModelConfig
-from xscale.models import build_model
+from tests.models.blocks.conftest import assert_matches_by_hand, tiny_model
 
 
 def _model(family: str):
-    return build_model(ModelConfig(family=family, vocab_size=32, d_model=16, n_layers=2, n_heads=2, max_seq_len=12,
-                                   position="rope", block="evolved"), seed=0)
+    return tiny_model("evolved", family=family, max_seq_len=12, position="rope")
 
 
 def _convolution_by_hand(weight: torch.Tensor, x: torch.Tensor, causal: bool, depthwise: bool) -> torch.Tensor:
@@ -31,10 +29,10 @@ def _convolution_by_hand(weight: torch.Tensor, x: torch.Tensor, causal: bool, de
 
 
 def _cell_by_hand(block, position, x: torch.Tensor, causal: bool) -> torch.Tensor:
-    glu, conv = block.gated_linear, block.convolutions
-    h = glu.norm(x)
+    glu, conv = block.gated_linear.sublayer, block.convolutions.sublayer
+    h = block.gated_linear.norm(x)
     x = x + glu.w_value(h) * torch.sigmoid(glu.w_gate(h))
-    h = conv.norm(x)
+    h = block.convolutions.norm(x)
     wide = torch.relu(conv.w_wide(h))
     narrow = torch.relu(_convolution_by_hand(conv.narrow_conv.weight, h, causal, depthwise=False))
     hidden = conv.hidden_norm(wide + F.pad(narrow, (0, 56)))
@@ -49,20 +47,12 @@ def test_cell_matches_its_residuals_by_hand_outputs_and_gradients(family) -> Non
     model = _model(family)
     block, position = model.stack.layers["1"], model.stack.position
     with torch.no_grad():
-        for conv in (block.convolutions.narrow_conv, block.convolutions.depthwise_conv):
+        for conv in (block.convolutions.sublayer.narrow_conv, block.convolutions.sublayer.depthwise_conv):
             conv.weight.normal_(std=0.3)  # larger than the init, so a misplaced tap shows
-    x = torch.randn(2, 12, 16, requires_grad=True)
-    reference_x = x.detach().clone().requires_grad_(True)
-    out = block(x, position)
+    causal = family == "decoder"
     # conv1d sums in another order than the loop: a relative 1e-4 (a misplaced tap is off by O(1))
-    torch.testing.assert_close(out, _cell_by_hand(block, position, x, family == "decoder"), rtol=1e-4, atol=1e-5)
-    out.pow(2).sum().backward()
-    grads = {name: p.grad.clone() for name, p in block.named_parameters()}
-    block.zero_grad()
-    _cell_by_hand(block, position, reference_x, family == "decoder").pow(2).sum().backward()
-    torch.testing.assert_close(x.grad, reference_x.grad, rtol=1e-4, atol=1e-5)
-    for name, p in block.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert_matches_by_hand(block, lambda x: block(x, position), lambda x: _cell_by_hand(block, position, x, causal),
+                           torch.randn(2, 12, 16), rtol=1e-4, atol=1e-5)
 
 
 def test_a_decoder_cell_reads_no_future_token() -> None:

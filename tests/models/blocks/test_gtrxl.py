@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from xscale.config.schema import ModelConfig
-from xscale.models import build_model
+from tests.models.blocks.conftest import assert_matches_by_hand, tiny_model
 from xscale.models.blocks.gtrxl import GATE_BIAS
-
-GTRXL = ModelConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, max_seq_len=8, block="gtrxl")
 
 
 def _gate_by_hand(gate, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -25,24 +22,15 @@ def _block_by_hand(block, position, x: torch.Tensor) -> torch.Tensor:
 
 
 def test_gated_block_matches_the_gru_gates_by_hand_outputs_and_gradients() -> None:
-    model = build_model(GTRXL, seed=0)
+    model = tiny_model("gtrxl")
     block, position = model.stack.layers["0"], model.stack.position
-    x = torch.randn(2, 8, 16, requires_grad=True)
-    reference_x = x.detach().clone().requires_grad_(True)
-    out = block(x, position)
-    torch.testing.assert_close(out, _block_by_hand(block, position, x))
-    out.pow(2).sum().backward()
-    grads = {name: p.grad.clone() for name, p in block.named_parameters()}
-    block.zero_grad()
-    _block_by_hand(block, position, reference_x).pow(2).sum().backward()
-    torch.testing.assert_close(x.grad, reference_x.grad)
-    for name, p in block.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, msg=name)
+    grads = assert_matches_by_hand(block, lambda x: block(x, position), lambda x: _block_by_hand(block, position, x),
+                                   torch.randn(2, 8, 16))
     assert float(grads["attention.gate.gate_bias"].abs().sum()) > 0
 
 
 def test_gate_bias_starts_at_two_so_blocks_start_near_the_identity() -> None:
-    model = build_model(GTRXL, seed=0)
+    model = tiny_model("gtrxl")
     biases = [p for name, p in model.named_parameters() if name.endswith("gate_bias")]
     assert len(biases) == 4 and all(torch.equal(b, torch.full_like(b, GATE_BIAS)) for b in biases)
     gate, x = model.stack.layers["0"].attention.gate, torch.randn(2, 8, 16)

@@ -5,19 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from xscale.config.schema import Component, ModelConfig
-from xscale.models import build_model
+from tests.models.blocks.conftest import assert_matches_by_hand, tiny_model
+from xscale.config.schema import Component
 
 KERNEL, HEADS = 3, 2
 
 
 def _model(family: str = "decoder"):
-    config = ModelConfig(family=family, vocab_size=32, d_model=16, n_layers=2, n_heads=4, max_seq_len=8,
-                         position="rope" if family == "decoder" else "learned",
-                         block=Component("lite", {"kernel_size": KERNEL, "conv_heads": HEADS}))
-    return build_model(config, seed=0)
+    return tiny_model(Component("lite", {"kernel_size": KERNEL, "conv_heads": HEADS}), family=family, n_heads=4,
+                      position="rope" if family == "decoder" else "learned")
 
 
 def _convolution_by_hand(convolution, x: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -37,7 +34,7 @@ def _convolution_by_hand(convolution, x: torch.Tensor, causal: bool) -> torch.Te
 
 def _lsra_by_hand(lsra, position, x: torch.Tensor, causal: bool) -> torch.Tensor:
     branch = lsra.branch
-    local = F.glu(branch.w_in(x[..., 8:]), dim=-1)
+    local = branch.w_value(x[..., 8:]) * torch.sigmoid(branch.w_gate(x[..., 8:]))  # GLU
     return torch.cat([lsra.attention(x[..., :8], position),
                       branch.w_out(_convolution_by_hand(branch.convolution, local, causal))], dim=-1)
 
@@ -48,17 +45,9 @@ def test_lsra_matches_the_hand_written_loop_outputs_and_gradients(family) -> Non
     lsra, position = model.stack.layers["0"].attention.sublayer, model.stack.position
     with torch.no_grad():
         lsra.branch.convolution.kernel.normal_()  # not the uniform start, so the kernel's order shows
-    x = torch.randn(2, 6, 16, requires_grad=True)
-    reference_x = x.detach().clone().requires_grad_(True)
-    out = lsra(x, position)
-    torch.testing.assert_close(out, _lsra_by_hand(lsra, position, x, family == "decoder"))
-    out.pow(2).sum().backward()
-    grads = {name: p.grad.clone() for name, p in lsra.named_parameters()}
-    lsra.zero_grad()
-    _lsra_by_hand(lsra, position, reference_x, family == "decoder").pow(2).sum().backward()
-    torch.testing.assert_close(x.grad, reference_x.grad)
-    for name, p in lsra.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, msg=name)
+    causal = family == "decoder"
+    assert_matches_by_hand(lsra, lambda x: lsra(x, position), lambda x: _lsra_by_hand(lsra, position, x, causal),
+                           torch.randn(2, 6, 16))
 
 
 def test_a_decoder_block_reads_no_future_token() -> None:

@@ -1,5 +1,6 @@
 """The block kind's checks of a config (registered with :mod:`xscale.config.check` when the zoo is imported): the
-kind is registered, its options parse, and the settings and layouts its traits refuse are refused with its reason;
+kind is registered, its options parse, the settings and layouts its traits refuse are refused with its reason, and
+its sizes split over ``parallel.tp`` (a kind's ``check_tensor_parallel``);
 ``model.init=admin`` needs post-norm residuals."""
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def check_block(config: Config) -> None:
     check_options = getattr(kind, "check", None)
     if check_options is not None:
         check_options(config.model, options)
+    check_split = getattr(kind, "check_tensor_parallel", None)  # its sizes against tp (also checked by the tp plan)
+    if check_split is not None and config.parallel.tp > 1:
+        check_split(config.model, options, config.parallel.tp)
 
 
 def check_admin(config: Config) -> None:

@@ -10,18 +10,25 @@ identity-map reordering (the sub-layer reads norm(x), and a ReLU follows it):
 
 b_g starts at :data:`GATE_BIAS` (2, the paper's choice) so that z is small and each block starts near the identity.
 Transformer-XL's memory (``model.segment_memory``, the paper's setting) works as in the standard block.
+
+Under tensor parallelism the gates are replicated like norms (``tp="per_token"``), not split: g reads all d features
+of x and of y for every feature it writes (U_g (r * x) mixes every feature of r), so a feature split would need r and
+g all-gathered over tp at every gate, beside the sub-layer's own reduction; replicated, a gate costs no communication
+(under sequence parallelism each rank gates its own tokens and the weights' gradients are summed).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
 
 from xscale.config.schema import ConfigError, ModelConfig
 from xscale.models.block import Residual, TransformerBlock
-from xscale.models.blocks.kind import OWN_ORDER, UNPLANNED_TP, BlockTraits
+from xscale.models.blocks.kind import OWN_ORDER, BlockTraits
 from xscale.models.registry import BLOCK
-from xscale.models.traits import Refusal
+from xscale.models.traits import BlockParts, ParallelTraits, Refusal
 from xscale.runtime import StepContext
 
 GATE_BIAS = 2.0  # b_g's initial value (Parisotto et al. 2019, sec. 3: "b_g = 2")
@@ -29,6 +36,8 @@ GATE_BIAS = 2.0  # b_g's initial value (Parisotto et al. 2019, sec. 3: "b_g = 2"
 
 class GRUGate(nn.Module):
     """g(x, y) of the module docstring; ``gate_bias`` is b_g (initialised by :mod:`xscale.models.init`)."""
+
+    parallel_traits = ParallelTraits(tp="per_token")
 
     def __init__(self, d_model: int) -> None:
         super().__init__()
@@ -68,5 +77,10 @@ class GatedBlock(TransformerBlock):
             raise ConfigError(f"model.block=gtrxl reads norm(x) in each branch (the identity-map reordering); set "
                               f"model.norm_placement=pre (it is {model.norm_placement})")
     block_traits = BlockTraits(
-        tp=UNPLANNED_TP, other_stacks=OWN_ORDER,
+        other_stacks=OWN_ORDER,
         carried_scores=Refusal("the gate reads one tensor, and RealFormer's attention returns its scores beside it"))
+
+    def tensor_parallel_parts(self) -> BlockParts:
+        """The standard block's parts and each residual's gate (replicated per token: module docstring)."""
+        parts = super().tensor_parallel_parts()
+        return dataclasses.replace(parts, modules=(*parts.modules, *(f"{name}.gate" for name in parts.residuals)))

@@ -16,8 +16,9 @@ from xscale.models.traits import Refusal
 class BlockTraits:
     """Each field names a setting and holds the :class:`Refusal` where the kind cannot take it (None: it can).
 
-    ``tp``: ``parallel.tp > 1`` (the tensor-parallel plan splits a block's ``attention`` and ``feed_forward`` and
-    replicates their norms and gains; a kind with other parameters is refused until the plan covers them);
+    ``tp``: ``parallel.tp > 1`` (the tensor-parallel plan splits what a kind's ``tensor_parallel_parts()`` names,
+    :class:`~xscale.models.traits.BlockParts`; a kind with ``check_tensor_parallel(model, options, tp)`` also has
+    its sizes checked against tp);
     ``selective_checkpointing``: ``parallel.activation_checkpointing=selective`` (it wraps ``attention.sublayer``'s
     core); ``other_stacks``: a ``model.stack`` other than plain (reversible, act and funnel run a block's parts
     themselves); ``encoder_decoder``: cross-attention blocks; ``segment_memory``: Transformer-XL's memory;
@@ -37,8 +38,5 @@ class BlockTraits:
 
 
 STANDARD_TRAITS = BlockTraits()
-# A kind whose parameters outside attention/feed_forward's sub-layer and norm the tp plan does not know.
-UNPLANNED_TP = Refusal("the tensor-parallel plan splits a block's attention and feed_forward sub-layers only; "
-                       "this block kind's other parameters have no tp plan yet")
 OWN_ORDER = Refusal("model.stack=reversible, act and funnel run the standard block's attention and FFN "
                     "themselves, not this kind's order")

@@ -12,6 +12,10 @@ W in R^{H x k} one kernel per conv head, shared by the d/(2H) channels h(c) of t
 the width; p = k - 1 (causal: only past tokens) or (k - 1) / 2 (centred) for an encoder. Padded tokens are zeroed
 before the convolution. Departures: no DropConnect on the kernel, and the "flattened" FFN of the paper is not implied
 (set ``model.d_ff`` for it); dynamic convolutions are not offered.
+
+Tensor parallelism splits both halves: the attention half by its heads, the convolution half by channels as an FFN
+is split by its hidden width (GLU's value and gate maps column-parallel, the closing linear map row-parallel), each
+rank convolving its own channels with its own conv heads' kernels (``conv_heads`` a multiple of tp).
 """
 
 from __future__ import annotations
@@ -25,10 +29,10 @@ from torch import nn
 from xscale.config.schema import ConfigError, ModelConfig
 from xscale.models.attention import Attention
 from xscale.models.block import TransformerBlock
-from xscale.models.blocks.kind import OWN_ORDER, UNPLANNED_TP, BlockTraits
+from xscale.models.blocks.kind import OWN_ORDER, BlockTraits
 from xscale.models.position import PositionEncoding
 from xscale.models.registry import BLOCK
-from xscale.models.traits import Refusal
+from xscale.models.traits import BlockParts, ParallelTraits, Refusal
 from xscale.runtime import StepContext
 
 # Positions an attention half of n_heads/2 heads reads as the full model would (no per-head tables or biases).
@@ -48,35 +52,42 @@ class LiteOptions:
 
 
 class LightweightConvolution(nn.Module):
-    """Depthwise convolution over tokens with H softmax-normalised kernels shared by channel groups (module docstring)."""
+    """Depthwise convolution over tokens with H softmax-normalised kernels shared by channel groups (module docstring).
+    The channels and kernels it holds are read from its input and ``kernel``: a tensor-parallel rank holds a slice
+    of both."""
 
-    def __init__(self, channels: int, options: LiteOptions, causal: bool) -> None:
+    def __init__(self, options: LiteOptions, causal: bool) -> None:
         super().__init__()
-        self.channels, self.heads, self.causal = channels, options.conv_heads, causal
+        self.causal = causal
         self.kernel = nn.Parameter(torch.zeros(options.conv_heads, options.kernel_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        width = self.kernel.shape[1]
+        channels, (heads, width) = x.shape[-1], self.kernel.shape
         weight = torch.softmax(self.kernel.float(), dim=-1).to(x.dtype)
-        weight = weight.repeat_interleave(self.channels // self.heads, dim=0).unsqueeze(1)  # (C, 1, k)
+        weight = weight.repeat_interleave(channels // heads, dim=0).unsqueeze(1)  # (C, 1, k)
         before = width - 1 if self.causal else (width - 1) // 2
         padded = F.pad(x.transpose(1, 2), (before, width - 1 - before))
-        return F.conv1d(padded, weight, groups=self.channels).transpose(1, 2)
+        return F.conv1d(padded, weight, groups=channels).transpose(1, 2)
 
 
 class ConvolutionBranch(nn.Module):
-    """The short-range half: linear to 2c, GLU, lightweight convolution, linear (c = d/2 channels)."""
+    """The short-range half: GLU(h) = (W_v h) * sigmoid(W_g h) to c channels, lightweight convolution, linear
+    (c = d/2 channels)."""
+
+    parallel_traits = ParallelTraits(tp="split_hidden", column_parallel=("w_value", "w_gate"), row_parallel=("w_out",),
+                                     split_rows=("convolution.kernel",))
 
     def __init__(self, channels: int, options: LiteOptions, causal: bool, bias: bool) -> None:
         super().__init__()
-        self.w_in = nn.Linear(channels, 2 * channels, bias=bias)
-        self.convolution = LightweightConvolution(channels, options, causal)
+        self.w_value = nn.Linear(channels, channels, bias=bias)
+        self.w_gate = nn.Linear(channels, channels, bias=bias)
+        self.convolution = LightweightConvolution(options, causal)
         self.w_out = nn.Linear(channels, channels, bias=bias)
 
-    def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:
-        x = F.glu(self.w_in(x), dim=-1)
-        if padding_mask is not None:
-            x = x * padding_mask.unsqueeze(-1).to(x.dtype)
+    def forward(self, x: torch.Tensor, context: StepContext | None = None) -> torch.Tensor:
+        x = self.w_value(x) * torch.sigmoid(self.w_gate(x))
+        if context is not None and context.padding_mask is not None:
+            x = x * context.padding_mask.unsqueeze(-1).to(x.dtype)
         return self.w_out(self.convolution(x))
 
 
@@ -102,9 +113,8 @@ class LongShortRangeAttention(nn.Module):
             raise ValueError("model.block=lite: incremental decoding would need the convolution's past inputs, which "
                              "the KV cache does not keep; generate with a standard block")
         globally, locally = x.chunk(2, dim=-1)
-        padding_mask = None if context is None else context.padding_mask
         return torch.cat([self.attention(globally, position, context=context),
-                          self.branch(locally, padding_mask)], dim=-1)
+                          self.branch(locally, context=context)], dim=-1)
 
 
 @BLOCK.register("lite")
@@ -113,7 +123,7 @@ class LiteBlock(TransformerBlock):
 
     Options = LiteOptions
     block_traits = BlockTraits(
-        tp=UNPLANNED_TP, other_stacks=OWN_ORDER,
+        other_stacks=OWN_ORDER,
         selective_checkpointing=Refusal("selective recomputation wraps an attention core, and LSRA's sits one "
                                         "module deeper; use parallel.activation_checkpointing=full"),
         segment_memory=Refusal("Transformer-XL's memory would need the convolution's past inputs too"),
@@ -121,6 +131,26 @@ class LiteBlock(TransformerBlock):
 
     def self_attention(self, config: ModelConfig, layer_index: int, **kwargs) -> nn.Module:
         return LongShortRangeAttention(config, layer_index, self.options or LiteOptions(), **kwargs)
+
+    def tensor_parallel_parts(self) -> BlockParts:
+        """The standard block's parts with LSRA's two halves in place of the self-attention (module docstring)."""
+        parts = super().tensor_parallel_parts()
+        return dataclasses.replace(parts, attentions=(*parts.attentions, "attention.sublayer.attention"),
+                                   modules=tuple("attention.sublayer.branch" if path == "attention.sublayer" else path
+                                                 for path in parts.modules))
+
+    @classmethod
+    def check_tensor_parallel(cls, model: ModelConfig, options: LiteOptions, tp: int) -> None:
+        """The attention half's n_heads/2 heads (and kv heads) and the conv heads split over ``tp`` ranks."""
+        where = f"model.block=lite under parallel.tp={tp}"
+        half_heads, half_kv_heads = model.n_heads // 2, model.kv_heads // 2
+        if half_heads % tp or (half_kv_heads != 1 and half_kv_heads % tp):
+            raise ConfigError(f"{where} splits the attention half's n_heads/2={half_heads} heads and "
+                              f"n_kv_heads/2={half_kv_heads} kv heads over the ranks: make model.n_heads and "
+                              f"model.n_kv_heads multiples of {2 * tp} (or model.n_kv_heads=2: one kv head, replicated)")
+        if options.conv_heads % tp:
+            raise ConfigError(f"{where} gives each rank its channels of the convolution with their kernels: make "
+                              f"model.block.options.conv_heads={options.conv_heads} a multiple of {tp}")
 
     @classmethod
     def check(cls, model: ModelConfig, options: LiteOptions) -> None:

@@ -4,7 +4,8 @@ Point of View", eq. 9): the FFN is split into two half steps around the attentio
   x <- x + 1/2 FFN_1(x);  x <- x + attention(x);  x <- x + 1/2 FFN_2(x)
 
 each term inside the residual of ``model.norm_placement`` (pre: FFN_1(norm(x)), as Conformer uses it). The two
-FFNs have their own weights (``feed_forward_first`` and ``feed_forward``), so a block holds one FFN more.
+FFNs have their own weights (``feed_forward_first`` and ``feed_forward``), so a block holds one FFN more; tensor
+parallelism splits both as it splits the standard block's FFN (each is a residual of ``residual_names``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 from xscale.config.schema import ModelConfig
 from xscale.models.block import Residual, TransformerBlock, build_feed_forward
-from xscale.models.blocks.kind import OWN_ORDER, UNPLANNED_TP, BlockTraits
+from xscale.models.blocks.kind import OWN_ORDER, BlockTraits
 from xscale.models.registry import BLOCK
 from xscale.runtime import StepContext
 
@@ -24,7 +25,7 @@ HALF_STEP = 0.5
 class MacaronBlock(TransformerBlock):
     """The standard block with a half-step FFN before the attention and the closing FFN halved (module docstring)."""
 
-    block_traits = BlockTraits(tp=UNPLANNED_TP, other_stacks=OWN_ORDER)
+    block_traits = BlockTraits(other_stacks=OWN_ORDER)
 
     @classmethod
     def residual_names(cls, cross: bool) -> tuple[str, ...]:

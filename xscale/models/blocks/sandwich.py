@@ -18,11 +18,11 @@ from torch import nn
 
 from xscale.config.schema import ConfigError, ModelConfig
 from xscale.models.attention import Attention
-from xscale.models.block import Residual, build_feed_forward
-from xscale.models.blocks.kind import OWN_ORDER, UNPLANNED_TP, BlockTraits
+from xscale.models.block import Residual, build_feed_forward, residual_parts
+from xscale.models.blocks.kind import OWN_ORDER, BlockTraits
 from xscale.models.position import PositionEncoding
 from xscale.models.registry import BLOCK
-from xscale.models.traits import Refusal
+from xscale.models.traits import BlockParts, Refusal
 from xscale.runtime import StepContext
 
 SUBLAYERS_PER_BLOCK = 2
@@ -69,7 +69,7 @@ class SandwichBlock(nn.Module):
 
     Options = SandwichOptions
     block_traits = BlockTraits(
-        tp=UNPLANNED_TP, other_stacks=OWN_ORDER,
+        other_stacks=OWN_ORDER,
         selective_checkpointing=Refusal("selective recomputation wraps each block's attention core, and an 'ff' "
                                         "block has none; use parallel.activation_checkpointing=full"),
         encoder_decoder=Refusal("the paper reorders a decoder-only language model's sub-layers; cross-attention has "
@@ -103,6 +103,10 @@ class SandwichBlock(nn.Module):
                                        mixes_values=mixes_values))
             if kind == "s" else Residual(config, build_feed_forward(config, layer_index))
             for kind in self.order)
+
+    def tensor_parallel_parts(self) -> BlockParts:
+        """Each sub-layer split as the standard block's of its kind (attention by heads, FFN by hidden width)."""
+        return residual_parts(self, self.residual_names(cross=False))
 
     def forward(self, x: torch.Tensor, position: PositionEncoding | None = None, memory: torch.Tensor | None = None,
                 context: StepContext | None = None) -> torch.Tensor:

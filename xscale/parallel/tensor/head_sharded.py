@@ -1,4 +1,5 @@
-"""An attention core's per-head state split by head over a tensor-parallel group.
+"""An attention core's per-head state split by head over a tensor-parallel group (and, by :func:`shard_rows`, state
+whose rows follow a split hidden width: Lite's convolution kernels).
 
 Tensor parallelism gives rank r the heads [r H/tp, (r + 1) H/tp) (Megatron-LM, Shoeybi et al. 2019, sec. 3).
 A core that keeps state per head names it in ``per_head_state`` (dim 0 = heads): Gaussian and adaptive-span
@@ -52,3 +53,21 @@ def shard_head_state(core: nn.Module, mesh: DeviceMesh) -> None:
             core._buffers[name] = _shard(state, mesh)
     if names and not split_before:
         LocalSlots(core, (), tuple(names), None).register_on(core)
+
+
+def shard_rows(module: nn.Module, paths: tuple[str, ...], mesh: DeviceMesh) -> None:
+    """The parameters at ``paths`` under ``module`` (dotted, e.g. ``convolution.kernel``) become ``Shard(0)``
+    DTensors on the 1-D ``mesh``, each used as this rank's rows while the module owning it computes: state whose
+    rows follow a split hidden width (``parallel_traits.split_rows``)."""
+    for path in paths:
+        owner_path, _, name = path.rpartition(".")
+        owner = module.get_submodule(owner_path)
+        state = owner._parameters[name]
+        if isinstance(state, DTensor):
+            continue  # a shared block's, split (and hooked) already
+        if state.shape[0] % mesh.size():
+            raise ValueError(f"{type(module).__name__}.{path} has {state.shape[0]} rows, which cannot be split over "
+                             f"tp={mesh.size()}")
+        owner.register_parameter(name, nn.Parameter(_shard(state, mesh), requires_grad=state.requires_grad))
+        LocalSlots(owner, (), (name,), None).register_on(owner)
+

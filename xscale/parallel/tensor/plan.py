@@ -2,7 +2,10 @@
 
 Each block is split the Megatron way: q/k/v projections column-wise (every rank holds n_heads/tp heads and
 n_kv_heads/tp kv heads), the attention output projection row-wise; FFN input projections column-wise, the
-output projection row-wise; so each sub-layer costs one all-reduce forward and one backward. The embedding
+output projection row-wise; so each sub-layer costs one all-reduce forward and one backward. Which modules of a
+block are attentions, FFNs or other parts (GTrXL's gates, Lite's convolution half, the Evolved Transformer's cell)
+the block kind says (``tensor_parallel_parts``: :class:`~xscale.models.traits.BlockParts`); the other parts are split
+as their own ``parallel_traits`` say, and a parameter no part holds is refused. The embedding
 is split by vocabulary and the output projection by vocabulary too, so the loss is vocab-parallel
 (:mod:`xscale.parallel.tensor.vocab_parallel`); tied weights stay tied (both are sharded on the vocabulary dim).
 
@@ -50,12 +53,12 @@ from torch.distributed.tensor.parallel import (
 
 from xscale.config.schema import ConfigError, ModelConfig
 from xscale.models.attention import Attention, AttentionCore
-from xscale.models.block import Residual, TransformerBlock
-from xscale.models.registry import ATTENTION, FFN
+from xscale.models.block import Residual
+from xscale.models.registry import ATTENTION, BLOCK, FFN
 from xscale.models.stacks import Stack
 from xscale.models.traits import traits_of
 from xscale.models.transformer import Transformer
-from xscale.parallel.tensor.head_sharded import shard_head_state
+from xscale.parallel.tensor.head_sharded import shard_head_state, shard_rows
 from xscale.parallel.tensor.replicated import replicate_parameters
 from xscale.parallel.tensor.talking_heads import gather_heads
 from xscale.parallel.tensor.vocab_parallel import VocabParallelEmbedding
@@ -110,6 +113,10 @@ def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
                           "(its parallel_traits), so the tensor-parallel plan refuses it; use parallel.tp=1")
     for kind in sorted(_attention_kinds(config)):
         _check_attention(kind, ATTENTION.get(kind), config)
+    block = config.block
+    check_block = getattr(BLOCK.get(block.kind), "check_tensor_parallel", None) if block.kind in BLOCK else None
+    if check_block is not None:
+        check_block(config, BLOCK.options(block, "model.block"), tp)
 
 
 def _refusal(core: type[AttentionCore]) -> str | None:
@@ -174,10 +181,10 @@ def _replicated_projection(linear: nn.Linear, mesh: DeviceMesh) -> None:
     linear.register_forward_pre_hook(local_input)
 
 
-def _parallelize_attention(attention: Attention, mesh: DeviceMesh, config: ModelConfig,
-                           sequence_parallel: bool) -> None:
+def _parallelize_attention(attention: Attention, mesh: DeviceMesh, sequence_parallel: bool) -> None:
     stream = _stream(sequence_parallel)
     tp = mesh.size()
+    config = attention.core.model_config  # the block's (Lite's attention half: n_heads/2 heads of width d/2)
     plan: dict[str, ColwiseParallel | RowwiseParallel] = {
         "wq": ColwiseParallel(),
         "wo": RowwiseParallel(output_layouts=stream),
@@ -203,30 +210,35 @@ def _parallelize_attention(attention: Attention, mesh: DeviceMesh, config: Model
     replicate_parameters(attention.core, mesh, sum_gradients=True)  # per-head use, e.g. Linformer's E, F
 
 
-def _parallelize_feed_forward(ffn: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """By the FFN's declared traits: its hidden width split (column- then row-parallel linears), or the whole
-    module replicated (MoE layers: every tp rank routes the full sequence)."""
+def _parallelize_by_traits(module: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """A block's module by its declared traits: its hidden width split (column- then row-parallel linears, with
+    the ``split_rows`` that follow the hidden channels), the whole module replicated on the whole sequence (MoE
+    layers: every tp rank routes the full sequence), or replicated per token on the stream like a norm."""
     stream = _stream(sequence_parallel)
-    traits = traits_of(ffn)
+    traits = traits_of(module)
+    if traits.tp == "per_token":
+        replicate_parameters(module, mesh, sum_gradients=sequence_parallel)
+        return
     if traits.tp == "replicated":
         # Parts that compute on their own swap in their own local tensors (MoE's experts: under ep x ZeRO-3 an
         # FSDP unit inside the layer, whose unshard re-registers DTensors after the layer's swap).
         for name in traits.replicated_parts:
-            replicate_parameters(getattr(ffn, name), mesh, sum_gradients=False)
-        replicate_parameters(ffn, mesh, sum_gradients=False)
+            replicate_parameters(getattr(module, name), mesh, sum_gradients=False)
+        replicate_parameters(module, mesh, sum_gradients=False)
         if sequence_parallel:
-            parallelize_module(ffn, mesh, PrepareModuleInputOutput(
+            parallelize_module(module, mesh, PrepareModuleInputOutput(
                 input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_input=True,
                 output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True))
         return
     if traits.tp != "split_hidden":
-        raise ConfigError(f"no tensor-parallel plan for the feed-forward module {type(ffn).__name__} (its "
-                          f"parallel_traits.tp is {traits.tp!r}); use parallel.tp=1 or declare its column- and "
-                          "row-parallel linears in its parallel_traits (docs/extending.md)")
+        raise ConfigError(f"no tensor-parallel plan for the module {type(module).__name__} (its parallel_traits.tp "
+                          f"is {traits.tp!r}); use parallel.tp=1 or declare its column- and row-parallel linears in "
+                          "its parallel_traits (docs/extending.md)")
     plan: dict[str, ColwiseParallel | RowwiseParallel] = {name: ColwiseParallel() for name in traits.column_parallel}
     plan.update({name: RowwiseParallel(output_layouts=stream) for name in traits.row_parallel})
-    parallelize_module(ffn, mesh, plan)
-    parallelize_module(ffn, mesh, PrepareModuleInput(input_layouts=stream, desired_input_layouts=Replicate()))
+    parallelize_module(module, mesh, plan)
+    parallelize_module(module, mesh, PrepareModuleInput(input_layouts=stream, desired_input_layouts=Replicate()))
+    shard_rows(module, traits.split_rows, mesh)
 
 def _parallelize_norm(norm: nn.Module | None, mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Norms run on whatever the stream holds; on sequence shards each rank's gradient is a partial sum."""
@@ -240,14 +252,22 @@ def _parallelize_residual(residual: Residual, mesh: DeviceMesh, sequence_paralle
     _parallelize_norm(getattr(residual, "gain", None), mesh, sequence_parallel)  # ReZero's alpha, on the stream
 
 
-def _parallelize_block(block: TransformerBlock, mesh: DeviceMesh, config: ModelConfig,
-                       sequence_parallel: bool) -> None:
-    for residual in (block.attention, block.cross_attention):
-        if residual is not None:
-            _parallelize_attention(residual.sublayer, mesh, config, sequence_parallel)
-            _parallelize_residual(residual, mesh, sequence_parallel)
-    _parallelize_feed_forward(block.feed_forward.sublayer, mesh, sequence_parallel)
-    _parallelize_residual(block.feed_forward, mesh, sequence_parallel)
+def _parallelize_block(block: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Split what the block kind's ``tensor_parallel_parts()`` names; refuse a parameter none of its parts holds."""
+    parts = block.tensor_parallel_parts()
+    for path in parts.attentions:
+        _parallelize_attention(block.get_submodule(path), mesh, sequence_parallel)
+    for path in parts.modules:
+        _parallelize_by_traits(block.get_submodule(path), mesh, sequence_parallel)
+    for path in parts.residuals:
+        _parallelize_residual(block.get_submodule(path), mesh, sequence_parallel)
+    holders = dict.fromkeys(name.rpartition(".")[0] or name for name, param in block.named_parameters()
+                            if not isinstance(param, DTensor))
+    unplanned = [path for path in holders if not any(path.startswith(f"{other}.") for other in holders)]
+    if unplanned:
+        raise ConfigError(f"the tensor-parallel plan has no split for {', '.join(unplanned)} of a "
+                          f"{type(block).__name__} (its tensor_parallel_parts name no module holding them); use "
+                          "parallel.tp=1 or name them in the block kind's tensor_parallel_parts")
 
 
 def _parallelize_embedding(model: Transformer, stacks: list[Stack], mesh: DeviceMesh,
@@ -302,11 +322,13 @@ def apply_tensor_parallel(model: Transformer | nn.Module, tp_mesh: DeviceMesh, *
     for stack in stacks:
         # The full sequence reaches position tables on every rank; T5's table is read per head.
         if stack.position is not None:  # read by the model's forward (embed) and each attention layer's
-            attentions = tuple(block.attention.sublayer for block in stack.layers.values())
+            attentions = tuple(attention for block in stack.layers.values()
+                               for attention in map(block.get_submodule, block.tensor_parallel_parts().attentions)
+                               if not attention.cross)
             per_head_use = stack.position.biases_logits or stack.position.biases_from_content
             replicate_parameters(stack.position, tp_mesh, sum_gradients=per_head_use, used_in=(model, *attentions))
         for block in stack.layers.values():
-            _parallelize_block(block, tp_mesh, config, sequence_parallel)
+            _parallelize_block(block, tp_mesh, sequence_parallel)
         _parallelize_norm(stack.final_norm, tp_mesh, sequence_parallel)
     if getattr(model, "head_transform", None) is not None:
         replicate_parameters(model.head_transform, tp_mesh, sum_gradients=sequence_parallel)
