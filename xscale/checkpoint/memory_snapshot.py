@@ -1,0 +1,335 @@
+"""In-memory snapshots (``checkpoint.memory_every``): each rank's state in host memory that outlives its process,
+and a replica of it on a peer rank, so that a lost worker resumes from its last step instead of the last checkpoint.
+
+Every N steps each rank writes its own part of the state (model and optimizer tensors as it holds them, the RNG
+state, its per-rank tensors and the checkpoint's meta) to ``/dev/shm/xscale-<run>/rank_R.snapshot`` (tmpfs: it
+survives torchrun killing and restarting the workers on the node), through a temporary file renamed into place,
+behind an integrity record (config, step, world layout, size, SHA-256 of the payload). It sends the same bytes to
+its peer, rank ``(R + local_world_size) % world`` (a rank on another node; on one node the next rank), which writes
+them as ``replica_of_rank_R.snapshot`` in its own /dev/shm: a node's memory lost still leaves one copy.
+
+On ``checkpoint.resume=auto`` the ranks agree (one all_gather) on the newest step that every rank has intact, from
+its own file or its peer's replica, of the same config and layout; a rank whose own copy is gone or damaged gets
+the replica over the process group. Disk checkpoints stay the source of truth: a snapshot is used only when it is
+newer than the newest disk checkpoint, and the files are removed when the run ends cleanly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from xscale.checkpoint.checkpointer import Checkpointer, step_of
+from xscale.config.schema import Config
+
+MAGIC = b"xscale memory snapshot 1\n"
+SHM = Path("/dev/shm")
+Leaf = tuple[list[Any], Any]  # a path of keys into the state and the value there
+
+
+def peer_of(rank: int, world_size: int, local_world_size: int) -> int:
+    """The rank that holds ``rank``'s replica: the same local rank on the next node, or on one node the next rank."""
+    shift = local_world_size if world_size > local_world_size else 1
+    return (rank + shift) % world_size
+
+
+def source_of(holder: int, world_size: int, local_world_size: int) -> int:
+    """The rank whose replica ``holder`` keeps (the inverse of :func:`peer_of`)."""
+    shift = local_world_size if world_size > local_world_size else 1
+    return (holder - shift) % world_size
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def plain_leaves(state: Any, path: list[Any] | None = None) -> list[Leaf]:
+    """Every leaf of a (nested) state dict with its path: tensors as this rank's own CPU copy (a DTensor's local
+    shard; copied so that a view does not drag its whole storage along), anything else as it is."""
+    path = path or []
+    if isinstance(state, dict):
+        return [leaf for key, value in state.items() for leaf in plain_leaves(value, [*path, key])]
+    if isinstance(state, list):
+        return [leaf for index, value in enumerate(state) for leaf in plain_leaves(value, [*path, index])]
+    if isinstance(state, torch.Tensor):
+        return [(path, _local(state).detach().to("cpu", copy=True))]
+    return [(path, state)]
+
+
+def fill_state(state: Any, leaves: list[Leaf]) -> None:
+    """Put ``leaves`` (:func:`plain_leaves` of a state of the same layout) back into ``state``: tensors copied in
+    place (into a DTensor's local shard), other values replaced."""
+    for path, value in leaves:
+        container = state
+        for key in path[:-1]:
+            container = container[key]
+        current = container[path[-1]]
+        if isinstance(current, torch.Tensor):
+            local = _local(current)
+            if not isinstance(value, torch.Tensor) or local.shape != value.shape:
+                raise SnapshotError(f"{'/'.join(map(str, path))}: the snapshot holds "
+                                    f"{getattr(value, 'shape', type(value).__name__)}, this rank {tuple(local.shape)}")
+            local.copy_(value)
+        else:
+            container[path[-1]] = value
+
+
+class SnapshotError(RuntimeError):
+    """A snapshot file that cannot be used; the message says why in one line."""
+
+
+@dataclass(frozen=True)
+class Found:
+    """What one rank found in one snapshot file: its step, or why it cannot be used."""
+
+    step: int | None
+    problem: str | None = None
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What the ranks agreed to resume: the snapshot step (None: none, with ``why``), the ranks that get it from
+    their peer's replica, and whether this rank holds a replica one of them needs."""
+
+    step: int | None
+    from_peer: list[int]
+    why: str
+    holds_needed: bool = False
+
+
+def encode(record: dict[str, Any], payload: dict[str, Any]) -> bytes:
+    """The file's bytes: a magic line, the integrity record as one JSON line, then the payload (torch.save)."""
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    data = buffer.getvalue()
+    header = {**record, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return MAGIC + json.dumps(header, sort_keys=True).encode() + b"\n" + data
+
+
+def decode_record(blob: bytes) -> tuple[dict[str, Any], bytes]:
+    """The integrity record and payload of a snapshot file's bytes, after checking size and checksum."""
+    if not blob.startswith(MAGIC):
+        raise SnapshotError("not an xscale memory snapshot (no header)")
+    line, _, data = blob[len(MAGIC):].partition(b"\n")
+    try:
+        record = json.loads(line)
+        size, digest = int(record["bytes"]), record["sha256"]
+    except (ValueError, KeyError, TypeError) as error:
+        raise SnapshotError(f"unreadable integrity record ({error})") from error
+    if len(data) != size:
+        raise SnapshotError(f"truncated: {len(data)} of {size} bytes")
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise SnapshotError("its SHA-256 does not match its integrity record")
+    return record, data
+
+
+def decode_payload(data: bytes) -> dict[str, Any]:
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
+        raise SnapshotError(f"its payload does not load with weights_only=True ({error})") from error
+
+
+def _write_atomic(path: Path, blob: bytes) -> None:
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    temporary.write_bytes(blob)
+    os.replace(temporary, path)
+
+
+def _transport_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _exchange(blob: bytes | None, send_to: int | None, receive_from: int | None) -> bytes | None:
+    """Send ``blob`` to ``send_to`` and receive one from ``receive_from`` (either may be None), over the default
+    process group: the size first, then the bytes."""
+    device = _transport_device()
+    requests, size = [], torch.zeros(1, dtype=torch.int64, device=device)
+    if send_to is not None:
+        requests.append(dist.isend(torch.tensor([len(blob)], dtype=torch.int64, device=device), send_to))
+    if receive_from is not None:
+        requests.append(dist.irecv(size, receive_from))
+    for request in requests:
+        request.wait()
+    requests, received = [], None
+    if send_to is not None:
+        outgoing = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device)
+        requests.append(dist.isend(outgoing, send_to))
+    if receive_from is not None:
+        received = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        requests.append(dist.irecv(received, receive_from))
+    for request in requests:
+        request.wait()
+    return None if received is None else received.cpu().numpy().tobytes()
+
+
+def _dotted(value: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested dict as dotted keys (config.train.lr) -> values."""
+    if not isinstance(value, dict):
+        return {prefix: value}
+    return {key: leaf for name, inner in value.items()
+            for key, leaf in _dotted(inner, f"{prefix}.{name}" if prefix else str(name)).items()}
+
+
+def snapshot_identity(config: Config, layout: str) -> dict[str, Any]:
+    """What a snapshot must share with the run that resumes it: the whole config (but checkpoint.resume) and the
+    layout; any change (an override, another world) makes the run resume from disk."""
+    settings = config.to_dict()
+    settings["checkpoint"].pop("resume", None)
+    return {"config": settings, "layout": layout}
+
+
+def open_snapshots(config: Config, layout: str, run: Path, rank: int, world_size: int, local_world_size: int,
+                   root: Path = SHM) -> MemorySnapshots | None:
+    """The run's snapshots when ``checkpoint.memory_every`` asks for them and ``root`` (/dev/shm) exists; where it
+    does not, one line says so and the run keeps disk checkpoints only."""
+    if not config.checkpoint.memory_every:
+        return None
+    if not root.is_dir():
+        if rank == 0:
+            print(f"xscale: checkpoint.memory_every={config.checkpoint.memory_every}: {root} does not exist here, so no "
+                  "memory snapshots are kept; a restart resumes from the disk checkpoints", flush=True)
+        return None
+    return MemorySnapshots(run, snapshot_identity(config, layout), rank, world_size, local_world_size, root)
+
+
+def newer_than_disk(agreement: Agreement, checkpointer: Checkpointer) -> tuple[bool, str]:
+    """Whether the agreed snapshot is newer than the newest intact disk checkpoint (the one ``latest`` names, or when
+    the snapshot is not newer than that, the newest that verifies: ``latest`` may be damaged), and one line why."""
+    if agreement.step is None:
+        return False, agreement.why
+    disk = checkpointer.latest_step()
+    if disk is not None and agreement.step <= disk:
+        intact = checkpointer.newest_intact()
+        disk = step_of(intact) if intact is not None else None
+    if disk is not None and agreement.step <= disk:
+        return False, f"the memory snapshot of step {agreement.step} is not newer than the disk checkpoint of step {disk}"
+    newer = f"newer than the disk checkpoint of step {disk}" if disk is not None else "no disk checkpoint yet"
+    return True, f"the memory snapshot of step {agreement.step} ({newer}; {agreement.why})"
+
+
+class MemorySnapshots:
+    """This rank's snapshot files and its peer's replica. ``run``: the checkpoint directory (names the folder);
+    ``identity``: what must match for a snapshot to be resumed (the config, the layout)."""
+
+    def __init__(self, run: Path, identity: dict[str, Any], rank: int, world_size: int, local_world_size: int,
+                 root: Path = SHM) -> None:
+        self.rank, self.world_size, self.local_world_size = rank, world_size, local_world_size
+        self.identity = json.loads(json.dumps(identity, sort_keys=True, default=str))
+        key = hashlib.sha256(str(Path(run).resolve()).encode()).hexdigest()[:16]
+        self.directory = root / f"xscale-{key}"
+        self.peer = peer_of(rank, world_size, local_world_size) if world_size > 1 else None
+        self.source = source_of(rank, world_size, local_world_size) if world_size > 1 else None
+
+    def own_file(self) -> Path:
+        return self.directory / f"rank_{self.rank:05d}.snapshot"
+
+    def replica_file(self) -> Path:
+        """The replica this rank keeps of its source rank's snapshot."""
+        return self.directory / f"replica_of_rank_{self.source:05d}.snapshot"
+
+    def _record(self, step: int, rank: int) -> dict[str, Any]:
+        return {"identity": self.identity, "step": step, "rank": rank, "world_size": self.world_size,
+                "local_world_size": self.local_world_size}
+
+    # ------------------------------------------------------------------ take
+    def take(self, step: int, payload: dict[str, Any]) -> int:
+        """Write this rank's snapshot of ``step`` and its peer's replica (collective); returns the bytes written."""
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        blob = encode(self._record(step, self.rank), payload)
+        _write_atomic(self.own_file(), blob)
+        if self.peer is None:
+            return len(blob)
+        replica = _exchange(blob, self.peer, self.source)
+        _write_atomic(self.replica_file(), replica)
+        return len(blob) + len(replica)
+
+    def remove(self) -> None:
+        """Remove this rank's files (the run ended cleanly: its last disk checkpoint holds everything)."""
+        for path in (self.own_file(), *([self.replica_file()] if self.source is not None else [])):
+            path.unlink(missing_ok=True)
+        try:
+            self.directory.rmdir()
+        except OSError:
+            pass  # another rank's files are still there, or it is gone
+
+    # ------------------------------------------------------------------ resume
+    def _inspect(self, path: Path, rank: int) -> Found:
+        """The step of snapshot ``path`` of rank ``rank``, or why it cannot be resumed."""
+        if not path.is_file():
+            return Found(None, "missing")
+        try:
+            record, _ = decode_record(path.read_bytes())
+        except (SnapshotError, OSError) as error:
+            return Found(None, str(error))
+        expected = self._record(int(record.get("step", -1)), rank)
+        if record.get("identity") != expected["identity"]:
+            saved, wanted = _dotted(record.get("identity")), _dotted(expected["identity"])
+            differing = sorted(key for key in set(saved) | set(wanted) if saved.get(key) != wanted.get(key))
+            return Found(None, f"made by another config or layout ({', '.join(differing[:3])} differs)")
+        if (record.get("world_size"), record.get("local_world_size"), record.get("rank")) != (
+                self.world_size, self.local_world_size, rank):
+            return Found(None, f"made by rank {record.get('rank')} of a world of {record.get('world_size')} "
+                               f"({record.get('local_world_size')} per node); this is rank {rank} of "
+                               f"{self.world_size} ({self.local_world_size} per node)")
+        return Found(int(record["step"]))
+
+    def agree(self) -> Agreement:
+        """Collective. The newest snapshot step every rank has intact, from its own file or the replica its peer
+        holds, and which ranks need the replica; no step (and why, or nothing when no rank has any file) else."""
+        own = self._inspect(self.own_file(), self.rank)
+        held = self._inspect(self.replica_file(), self.source) if self.source is not None else Found(None, "none")
+        everyone = [(own, held)]
+        if self.world_size > 1:
+            everyone = [None] * self.world_size
+            dist.all_gather_object(everyone, (own, held))
+        owns = [found[0] for found in everyone]
+        replicas = {peer_of(holder, self.world_size, self.local_world_size): found[1]
+                    for holder, found in enumerate(everyone)} if self.world_size > 1 else {}
+        available = [{found.step for found in (owns[rank], replicas.get(rank)) if found and found.step is not None}
+                     for rank in range(self.world_size)]
+        common = set.intersection(*available)
+        if not common:
+            nothing = all(found.problem == "missing" for found in [*owns, *replicas.values()])
+            return Agreement(None, [], "" if nothing else f"no usable memory snapshot "
+                                                           f"({self._why_not(available, owns, replicas)})")
+        step = max(common)
+        from_peer = [rank for rank in range(self.world_size) if owns[rank].step != step]
+        peers = (f", {len(from_peer)} rank(s) from a peer's replica ({', '.join(map(str, from_peer))})"
+                 if from_peer else "")
+        return Agreement(step, from_peer, f"intact on all {self.world_size} rank(s){peers}",
+                         holds_needed=self.source in from_peer and replicas[self.source].step == step)
+
+    def fetch(self, agreement: Agreement) -> dict[str, Any]:
+        """Collective. This rank's payload of the agreed step: its own file, or its replica sent by the rank that
+        holds it (which sends while the others receive)."""
+        step, from_peer = agreement.step, agreement.from_peer
+        blob = _exchange(self.replica_file().read_bytes() if agreement.holds_needed else None,
+                         self.source if agreement.holds_needed else None,
+                         self.peer if self.rank in from_peer else None) if from_peer else None
+        if self.rank not in from_peer:
+            blob = self.own_file().read_bytes()
+        record, data = decode_record(blob)
+        if record["step"] != step:
+            raise SnapshotError(f"{self.directory}: rank {self.rank}'s snapshot changed while it was being resumed")
+        return decode_payload(data)
+
+    def _why_not(self, available: list[set[int]], owns: list[Found], replicas: dict[int, Found]) -> str:
+        """Why no step is intact on every rank: the first rank without one, or the steps each rank has."""
+        for rank, steps in enumerate(available):
+            if not steps:
+                held = replicas.get(rank)
+                where = (f"; its replica on rank {peer_of(rank, self.world_size, self.local_world_size)}: "
+                         f"{held.problem}" if held else "")
+                return f"rank {rank}'s: {owns[rank].problem}{where}"
+        return "the ranks hold different steps: " + ", ".join(f"rank {rank} {sorted(steps)}"
+                                                              for rank, steps in enumerate(available))
