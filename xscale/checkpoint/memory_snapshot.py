@@ -180,6 +180,11 @@ def _dotted(value: Any, prefix: str = "") -> dict[str, Any]:
             for key, leaf in _dotted(inner, f"{prefix}.{name}" if prefix else str(name)).items()}
 
 
+def snapshot_key(run: Path) -> str:
+    """The name of a run's snapshot folder: its checkpoint directory, hashed."""
+    return hashlib.sha256(str(Path(run).resolve()).encode()).hexdigest()[:16]
+
+
 def snapshot_identity(config: Config, layout: str) -> dict[str, Any]:
     """What a snapshot must share with the run that resumes it: the whole config (but checkpoint.resume) and the
     layout; any change (an override, another world) makes the run resume from disk."""
@@ -225,8 +230,7 @@ class MemorySnapshots:
                  root: Path = SHM) -> None:
         self.rank, self.world_size, self.local_world_size = rank, world_size, local_world_size
         self.identity = json.loads(json.dumps(identity, sort_keys=True, default=str))
-        key = hashlib.sha256(str(Path(run).resolve()).encode()).hexdigest()[:16]
-        self.directory = root / f"xscale-{key}"
+        self.directory = root / f"xscale-{snapshot_key(run)}"
         self.peer = peer_of(rank, world_size, local_world_size) if world_size > 1 else None
         self.source = source_of(rank, world_size, local_world_size) if world_size > 1 else None
 
