@@ -4,6 +4,7 @@ copy is gone gets it from the replica its peer holds."""
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -131,6 +132,31 @@ def test_without_dev_shm_one_line_says_there_are_no_memory_snapshots(tmp_path, c
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and "does not exist here, so no memory snapshots are kept" in out[0]
     assert open_snapshots(_config(tmp_path), "world 1", tmp_path, 0, 1, 1) is None  # off by default
+
+
+def test_a_full_dev_shm_costs_the_snapshot_not_the_run(tmp_path, capsys, monkeypatch):
+    snapshots = MemorySnapshots(tmp_path / "run", {"config": "c"}, 0, 1, 1, root=tmp_path)
+    snapshots.take(1, {"x": torch.ones(2)})
+
+    def full(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+    assert snapshots.take(2, {"x": torch.ones(2)}) == 0 and snapshots.take(3, {"x": torch.ones(2)}) == 0
+    monkeypatch.undo()
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "could not write its memory snapshot of step 2" in out[0] and "No space left" in out[0]
+    assert snapshots.agree().step == 1  # the previous snapshot is left for its own step
+    assert sorted(p.name for p in snapshots.directory.iterdir()) == ["rank_00000.snapshot"]
+
+
+def test_a_snapshot_of_another_layout_is_not_resumed(tmp_path):
+    """An elastic restart (another world, another layout) resumes from disk: DCP reshards, a snapshot cannot."""
+    MemorySnapshots(tmp_path / "run", {"config": "c", "layout": "world 2: dp_shard=2"}, 0, 1, 1,
+                    root=tmp_path).take(4, {"x": torch.ones(2)})
+    agreement = MemorySnapshots(tmp_path / "run", {"config": "c", "layout": "world 1: single process"}, 0, 1, 1,
+                                root=tmp_path).agree()
+    assert agreement.step is None and "made by another config or layout (layout differs)" in agreement.why
 
 
 def test_the_integrity_record_refuses_a_foreign_file_and_a_payload_that_does_not_load_safely():

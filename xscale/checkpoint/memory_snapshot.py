@@ -21,6 +21,7 @@ import io
 import json
 import os
 import pickle
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from xscale.checkpoint.checkpointer import Checkpointer, step_of
+from xscale.checkpoint.sizes import readable_size
 from xscale.config.schema import Config
 
 MAGIC = b"xscale memory snapshot 1\n"
@@ -139,12 +141,6 @@ def decode_payload(data: bytes) -> dict[str, Any]:
         raise SnapshotError(f"its payload does not load with weights_only=True ({error})") from error
 
 
-def _write_atomic(path: Path, blob: bytes) -> None:
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temporary.write_bytes(blob)
-    os.replace(temporary, path)
-
-
 def _transport_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
@@ -199,10 +195,16 @@ def open_snapshots(config: Config, layout: str, run: Path, rank: int, world_size
     does not, one line says so and the run keeps disk checkpoints only."""
     if not config.checkpoint.memory_every:
         return None
-    if not root.is_dir():
+    lacking = [rank] if not root.is_dir() else []
+    if dist.is_available() and dist.is_initialized() and world_size > 1:  # every rank keeps snapshots, or none
+        everyone: list[list[int]] = [[] for _ in range(world_size)]
+        dist.all_gather_object(everyone, lacking)
+        lacking = [lacked for part in everyone for lacked in part]
+    if lacking:
         if rank == 0:
-            print(f"xscale: checkpoint.memory_every={config.checkpoint.memory_every}: {root} does not exist here, so no "
-                  "memory snapshots are kept; a restart resumes from the disk checkpoints", flush=True)
+            where = "here" if world_size == 1 else f"on rank(s) {', '.join(map(str, lacking[:8]))}"
+            print(f"xscale: checkpoint.memory_every={config.checkpoint.memory_every}: {root} does not exist {where}, "
+                  "so no memory snapshots are kept; a restart resumes from the disk checkpoints", flush=True)
         return None
     return MemorySnapshots(run, snapshot_identity(config, layout), rank, world_size, local_world_size, root)
 
@@ -233,6 +235,7 @@ class MemorySnapshots:
         self.directory = root / f"xscale-{snapshot_key(run)}"
         self.peer = peer_of(rank, world_size, local_world_size) if world_size > 1 else None
         self.source = source_of(rank, world_size, local_world_size) if world_size > 1 else None
+        self.warned = False  # a failed write was reported
 
     def own_file(self) -> Path:
         return self.directory / f"rank_{self.rank:05d}.snapshot"
@@ -248,14 +251,32 @@ class MemorySnapshots:
     # ------------------------------------------------------------------ take
     def take(self, step: int, payload: dict[str, Any]) -> int:
         """Write this rank's snapshot of ``step`` and its peer's replica (collective); returns the bytes written."""
-        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         blob = encode(self._record(step, self.rank), payload)
-        _write_atomic(self.own_file(), blob)
+        written = self._write(self.own_file(), blob, step)
         if self.peer is None:
-            return len(blob)
-        replica = _exchange(blob, self.peer, self.source)
-        _write_atomic(self.replica_file(), replica)
-        return len(blob) + len(replica)
+            return written
+        replica = _exchange(blob, self.peer, self.source)  # even when this rank's write failed: the peer waits
+        return written + self._write(self.replica_file(), replica, step)
+
+    def _write(self, path: Path, blob: bytes, step: int) -> int:
+        """Write ``blob`` to ``path`` atomically; a full or missing /dev/shm costs this copy, not the run: one line
+        (the first time), the partial file removed, and the previous copy left for its own step."""
+        temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            temporary.write_bytes(blob)
+            os.replace(temporary, path)
+        except OSError as error:
+            temporary.unlink(missing_ok=True)
+            if not self.warned:
+                self.warned = True
+                free = shutil.disk_usage(self.directory.parent).free if self.directory.parent.is_dir() else 0
+                print(f"xscale: warning: rank {self.rank} could not write its memory snapshot of step {step} to {path} "
+                      f"({error.strerror or error}; {readable_size(len(blob))} needed, {readable_size(free)} free): a "
+                      "restart resumes an older snapshot or the disk checkpoint (said once; make /dev/shm larger, "
+                      "e.g. docker --shm-size)", flush=True)
+            return 0
+        return len(blob)
 
     def remove(self) -> None:
         """Remove this rank's files (the run ended cleanly: its last disk checkpoint holds everything)."""
