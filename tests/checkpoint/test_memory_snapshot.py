@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from xscale.checkpoint import memory_snapshot
 from xscale.checkpoint.memory_snapshot import (
     MemorySnapshots,
     SnapshotError,
@@ -102,7 +103,7 @@ def test_a_damaged_or_foreign_snapshot_is_passed_over_with_one_line(tmp_path, ca
     snapshot = _crashed_run(tmp_path, 6).snapshots.own_file()
     blob = bytearray(snapshot.read_bytes())
     if damage == "flip":
-        blob[-100] ^= 0xFF
+        blob[len(blob) // 3] ^= 0xFF  # in the payload
         snapshot.write_bytes(bytes(blob))
     elif damage == "truncate":
         snapshot.write_bytes(bytes(blob[: len(blob) // 2]))
@@ -110,7 +111,7 @@ def test_a_damaged_or_foreign_snapshot_is_passed_over_with_one_line(tmp_path, ca
     resumed = Trainer(_config(tmp_path, "checkpoint.memory_every=1", *(["train.lr=2e-3"] if damage == "config" else [])))
     assert resumed.resume() and resumed.step == 3
     out = capsys.readouterr().out
-    reason = {"flip": "its SHA-256 does not match", "truncate": "truncated", "config": "made by another config or layout (config.train.lr differs)"}[damage]
+    reason = {"flip": "its SHA-256 does not match", "truncate": "no integrity record at its end (truncated", "config": "made by another config or layout (config.train.lr differs)"}[damage]
     assert f"xscale: no usable memory snapshot (rank 0's: {reason}" in out and "; resuming from disk" in out
     assert "resumed from" in out and "step_00000003 at step 3" in out
     resumed.snapshots.remove()
@@ -138,10 +139,11 @@ def test_a_full_dev_shm_costs_the_snapshot_not_the_run(tmp_path, capsys, monkeyp
     snapshots = MemorySnapshots(tmp_path / "run", {"config": "c"}, 0, 1, 1, root=tmp_path)
     snapshots.take(1, {"x": torch.ones(2)})
 
-    def full(self, data):
+    def full(handle, record, payload):
+        handle.write(b"the first bytes")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(Path, "write_bytes", full)
+    monkeypatch.setattr(memory_snapshot, "write_snapshot", full)
     assert snapshots.take(2, {"x": torch.ones(2)}) == 0 and snapshots.take(3, {"x": torch.ones(2)}) == 0
     monkeypatch.undo()
     out = capsys.readouterr().out.strip().splitlines()
@@ -160,7 +162,7 @@ def test_a_snapshot_of_another_layout_is_not_resumed(tmp_path):
 
 
 def test_the_integrity_record_refuses_a_foreign_file_and_a_payload_that_does_not_load_safely():
-    with pytest.raises(SnapshotError, match="no header"):
+    with pytest.raises(SnapshotError, match="no integrity record at its end"):
         decode_record(b"anything")
     record, data = decode_record(encode({"step": 1}, {"x": torch.arange(3)}))
     assert record["step"] == 1 and torch.equal(decode_payload(data)["x"], torch.arange(3))

@@ -19,12 +19,15 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import mmap
 import os
 import pickle
 import shutil
+import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 import torch.distributed as dist
@@ -33,7 +36,8 @@ from xscale.checkpoint.checkpointer import Checkpointer, step_of
 from xscale.checkpoint.sizes import readable_size
 from xscale.config.schema import Config
 
-MAGIC = b"xscale memory snapshot 1\n"
+MAGIC = b"xscale memory snapshot 1\n"  # the last bytes of a snapshot file
+LENGTH = struct.Struct(">Q")  # the integrity record's length, before MAGIC
 SHM = Path("/dev/shm")
 Leaf = tuple[list[Any], Any]  # a path of keys into the state and the value there
 
@@ -55,15 +59,17 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def plain_leaves(state: Any, path: list[Any] | None = None) -> list[Leaf]:
-    """Every leaf of a (nested) state dict with its path: tensors as this rank's own CPU copy (a DTensor's local
-    shard; copied so that a view does not drag its whole storage along), anything else as it is."""
+    """Every leaf of a (nested) state dict with its path: tensors as this rank's CPU tensors (a DTensor's local
+    shard; a view copied, so that torch.save does not write its whole storage), anything else as it is."""
     path = path or []
     if isinstance(state, dict):
         return [leaf for key, value in state.items() for leaf in plain_leaves(value, [*path, key])]
     if isinstance(state, list):
         return [leaf for index, value in enumerate(state) for leaf in plain_leaves(value, [*path, index])]
     if isinstance(state, torch.Tensor):
-        return [(path, _local(state).detach().to("cpu", copy=True))]
+        local = _local(state).detach().cpu()
+        whole = local.is_contiguous() and local.untyped_storage().nbytes() == local.numel() * local.element_size()
+        return [(path, local if whole else local.clone())]
     return [(path, state)]
 
 
@@ -108,25 +114,50 @@ class Agreement:
     holds_needed: bool = False
 
 
+class _HashingWriter:
+    """The file torch.save writes into, hashing the bytes on their way (one pass over them)."""
+
+    def __init__(self, handle: BinaryIO) -> None:
+        self.handle, self.sha256, self.size = handle, hashlib.sha256(), 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self.sha256.update(view)
+        self.size += view.nbytes
+        return self.handle.write(view)
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+
+def write_snapshot(handle: BinaryIO, record: dict[str, Any], payload: dict[str, Any]) -> None:
+    """A snapshot: the payload (torch.save), then its integrity record (``record`` with the payload's size and
+    SHA-256) as JSON, the record's length and :data:`MAGIC`; written in one pass, the record last."""
+    writer = _HashingWriter(handle)
+    torch.save(payload, writer)
+    trailer = json.dumps({**record, "bytes": writer.size, "sha256": writer.sha256.hexdigest()}, sort_keys=True).encode()
+    handle.write(trailer + LENGTH.pack(len(trailer)) + MAGIC)
+
+
 def encode(record: dict[str, Any], payload: dict[str, Any]) -> bytes:
-    """The file's bytes: a magic line, the integrity record as one JSON line, then the payload (torch.save)."""
     buffer = io.BytesIO()
-    torch.save(payload, buffer)
-    data = buffer.getvalue()
-    header = {**record, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    return MAGIC + json.dumps(header, sort_keys=True).encode() + b"\n" + data
+    write_snapshot(buffer, record, payload)
+    return buffer.getvalue()
 
 
-def decode_record(blob: bytes) -> tuple[dict[str, Any], bytes]:
-    """The integrity record and payload of a snapshot file's bytes, after checking size and checksum."""
-    if not blob.startswith(MAGIC):
-        raise SnapshotError("not an xscale memory snapshot (no header)")
-    line, _, data = blob[len(MAGIC):].partition(b"\n")
+def decode_record(blob: bytes | memoryview) -> tuple[dict[str, Any], memoryview]:
+    """The integrity record and payload of a snapshot's bytes, after checking the payload's size and checksum."""
+    view = memoryview(blob)
+    end = len(view) - len(MAGIC) - LENGTH.size
+    if end < 0 or bytes(view[end + LENGTH.size:]) != MAGIC:
+        raise SnapshotError("no integrity record at its end (truncated, or not an xscale memory snapshot)")
+    (length,) = LENGTH.unpack(view[end:end + LENGTH.size])
     try:
-        record = json.loads(line)
+        record = json.loads(bytes(view[end - length:end])) if length <= end else None
         size, digest = int(record["bytes"]), record["sha256"]
     except (ValueError, KeyError, TypeError) as error:
         raise SnapshotError(f"unreadable integrity record ({error})") from error
+    data = view[:end - length]
     if len(data) != size:
         raise SnapshotError(f"truncated: {len(data)} of {size} bytes")
     if hashlib.sha256(data).hexdigest() != digest:
@@ -134,7 +165,7 @@ def decode_record(blob: bytes) -> tuple[dict[str, Any], bytes]:
     return record, data
 
 
-def decode_payload(data: bytes) -> dict[str, Any]:
+def decode_payload(data: bytes | memoryview) -> dict[str, Any]:
     try:
         return torch.load(io.BytesIO(data), weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
@@ -145,27 +176,31 @@ def _transport_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def _exchange(blob: bytes | None, send_to: int | None, receive_from: int | None) -> bytes | None:
-    """Send ``blob`` to ``send_to`` and receive one from ``receive_from`` (either may be None), over the default
-    process group: the size first, then the bytes."""
+def _exchange(outgoing: Path | None, send_to: int | None, receive_from: int | None) -> memoryview | None:
+    """Send file ``outgoing`` (mapped, not copied; None: an empty message) to ``send_to`` and receive one from
+    ``receive_from`` (None when it was empty), over the default process group: the size first, then the bytes."""
     device = _transport_device()
+    data = None
+    if send_to is not None and outgoing is not None:
+        with open(outgoing, "rb") as handle:
+            data = torch.frombuffer(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY), dtype=torch.uint8)
     requests, size = [], torch.zeros(1, dtype=torch.int64, device=device)
     if send_to is not None:
-        requests.append(dist.isend(torch.tensor([len(blob)], dtype=torch.int64, device=device), send_to))
+        sent = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64, device=device)
+        requests.append(dist.isend(sent, send_to))
     if receive_from is not None:
         requests.append(dist.irecv(size, receive_from))
     for request in requests:
         request.wait()
     requests, received = [], None
-    if send_to is not None:
-        outgoing = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device)
-        requests.append(dist.isend(outgoing, send_to))
-    if receive_from is not None:
+    if data is not None:
+        requests.append(dist.isend(data.to(device), send_to))
+    if receive_from is not None and size.item() > 0:
         received = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
         requests.append(dist.irecv(received, receive_from))
     for request in requests:
         request.wait()
-    return None if received is None else received.cpu().numpy().tobytes()
+    return None if received is None else memoryview(received.cpu().numpy())
 
 
 def _dotted(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -251,32 +286,36 @@ class MemorySnapshots:
     # ------------------------------------------------------------------ take
     def take(self, step: int, payload: dict[str, Any]) -> int:
         """Write this rank's snapshot of ``step`` and its peer's replica (collective); returns the bytes written."""
-        blob = encode(self._record(step, self.rank), payload)
-        written = self._write(self.own_file(), blob, step)
+        record = self._record(step, self.rank)
+        written = self._write(self.own_file(), step, lambda handle: write_snapshot(handle, record, payload))
         if self.peer is None:
             return written
-        replica = _exchange(blob, self.peer, self.source)  # even when this rank's write failed: the peer waits
-        return written + self._write(self.replica_file(), replica, step)
+        # Sent even when this rank's write failed (an empty message): the peer waits for it.
+        replica = _exchange(self.own_file() if written else None, self.peer, self.source)
+        if replica is None:
+            return written
+        return written + self._write(self.replica_file(), step, lambda handle: handle.write(replica))
 
-    def _write(self, path: Path, blob: bytes, step: int) -> int:
-        """Write ``blob`` to ``path`` atomically; a full or missing /dev/shm costs this copy, not the run: one line
-        (the first time), the partial file removed, and the previous copy left for its own step."""
+    def _write(self, path: Path, step: int, fill: Callable[[BinaryIO], Any]) -> int:
+        """Write ``path`` atomically with ``fill``; returns its size. A full or missing /dev/shm costs this copy, not
+        the run: one line (the first time), the partial file removed, and the previous copy left for its own step."""
         temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            temporary.write_bytes(blob)
+            with open(temporary, "wb") as handle:
+                fill(handle)
             os.replace(temporary, path)
+            return path.stat().st_size
         except OSError as error:
             temporary.unlink(missing_ok=True)
             if not self.warned:
                 self.warned = True
                 free = shutil.disk_usage(self.directory.parent).free if self.directory.parent.is_dir() else 0
                 print(f"xscale: warning: rank {self.rank} could not write its memory snapshot of step {step} to {path} "
-                      f"({error.strerror or error}; {readable_size(len(blob))} needed, {readable_size(free)} free): a "
-                      "restart resumes an older snapshot or the disk checkpoint (said once; make /dev/shm larger, "
-                      "e.g. docker --shm-size)", flush=True)
+                      f"({error.strerror or error}; {readable_size(free)} free there): a restart resumes an older "
+                      "snapshot or the disk checkpoint (said once; make /dev/shm larger, e.g. docker --shm-size)",
+                      flush=True)
             return 0
-        return len(blob)
 
     def remove(self) -> None:
         """Remove this rank's files (the run ended cleanly: its last disk checkpoint holds everything)."""
@@ -338,11 +377,13 @@ class MemorySnapshots:
         """Collective. This rank's payload of the agreed step: its own file, or its replica sent by the rank that
         holds it (which sends while the others receive)."""
         step, from_peer = agreement.step, agreement.from_peer
-        blob = _exchange(self.replica_file().read_bytes() if agreement.holds_needed else None,
+        blob = _exchange(self.replica_file() if agreement.holds_needed else None,
                          self.source if agreement.holds_needed else None,
                          self.peer if self.rank in from_peer else None) if from_peer else None
         if self.rank not in from_peer:
             blob = self.own_file().read_bytes()
+        if blob is None:
+            raise SnapshotError(f"rank {self.rank}: its snapshot of step {step} did not arrive from rank {self.peer}")
         record, data = decode_record(blob)
         if record["step"] != step:
             raise SnapshotError(f"{self.directory}: rank {self.rank}'s snapshot changed while it was being resumed")
