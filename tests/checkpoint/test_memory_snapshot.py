@@ -89,6 +89,7 @@ def test_a_run_killed_after_its_last_checkpoint_resumes_from_memory_bit_for_bit(
     losses = full.fit()["losses"]
     crashed = _crashed_run(tmp_path / "crashed", 6)  # disk checkpoint at step 3, memory at step 5
     assert crashed.snapshots.own_file().is_file()
+    (crashed.snapshots.directory / ".rank_00000.snapshot.tmp-99999").write_bytes(b"a write cut short by a kill")
     resumed = Trainer(_config(tmp_path / "crashed", "checkpoint.memory_every=1"))
     assert resumed.fit()["losses"] == losses[5:]  # exact equality
     assert "resumed from the memory snapshot of step 5 (newer than the disk checkpoint of step 3" in capsys.readouterr().out

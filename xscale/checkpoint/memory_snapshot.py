@@ -317,9 +317,19 @@ class MemorySnapshots:
                       flush=True)
             return 0
 
+    def _files(self) -> list[Path]:
+        return [self.own_file(), *([self.replica_file()] if self.source is not None else [])]
+
+    def _remove_partial(self) -> None:
+        """Remove the temporary files of this rank's snapshots that a killed writer left behind."""
+        for path in self._files():
+            for partial in self.directory.glob(f".{path.name}.tmp-*"):
+                partial.unlink(missing_ok=True)
+
     def remove(self) -> None:
         """Remove this rank's files (the run ended cleanly: its last disk checkpoint holds everything)."""
-        for path in (self.own_file(), *([self.replica_file()] if self.source is not None else [])):
+        self._remove_partial()
+        for path in self._files():
             path.unlink(missing_ok=True)
         try:
             self.directory.rmdir()
@@ -350,6 +360,7 @@ class MemorySnapshots:
     def agree(self) -> Agreement:
         """Collective. The newest snapshot step every rank has intact, from its own file or the replica its peer
         holds, and which ranks need the replica; no step (and why, or nothing when no rank has any file) else."""
+        self._remove_partial()  # no rank writes while they agree
         own = self._inspect(self.own_file(), self.rank)
         held = self._inspect(self.replica_file(), self.source) if self.source is not None else Found(None, "none")
         everyone = [(own, held)]
