@@ -43,6 +43,7 @@ BAD_INPUTS = [
     (["train.weight_decay=-1"], "train.weight_decay must be >= 0"),
     (["train.min_lr_ratio=-2"], "train.min_lr_ratio must be in [0, 1]"),
     (["checkpoint.every=-1"], "checkpoint.every must be >= 0"),
+    (["checkpoint.memory_every=-2"], "checkpoint.memory_every must be >= 0 (0: no memory snapshots)"),
     (["train.output_dir="], "train.output_dir is empty"),
     (["train.lr=!!python/object/apply:os.system [echo]"], "the value is not plain YAML"),
     (["model.family=encoder_decoder", "parallel.tp=2", "train.compile=true"],

@@ -76,3 +76,23 @@ def test_streams_need_consecutive_windows(tmp_path):
     config = load_config(None, [*TINY, f"train.output_dir={tmp_path}", "data.dataset=copy"])
     with pytest.raises(ConfigError, match="data.order=streams"):
         Trainer(config, list(range(8)), None)
+
+
+def test_a_memory_snapshot_carries_the_segment_memory(tmp_path, capsys):
+    """checkpoint.memory_every: a run that dies before any disk checkpoint resumes the step in memory with the
+    rows' remembered layer inputs, losses bit for bit (the resumed step 2 reads step 1's memory)."""
+    full = trainer(tmp_path / "full", "train.steps=3").fit()
+    crashing = trainer(tmp_path / "crashed", "train.steps=3", "checkpoint.memory_every=1")
+    train_step = crashing.train_step
+
+    def crash_before_step_2() -> dict[str, float]:
+        if crashing.step == 1:
+            raise RuntimeError("worker lost")
+        return train_step()
+
+    crashing.train_step = crash_before_step_2
+    with pytest.raises(RuntimeError, match="worker lost"):
+        crashing.fit()
+    resumed = trainer(tmp_path / "crashed", "train.steps=3", "checkpoint.memory_every=1")
+    assert resumed.fit()["losses"] == full["losses"][1:]
+    assert "resumed from the memory snapshot of step 1 (no disk checkpoint yet" in capsys.readouterr().out

@@ -56,7 +56,7 @@ STEP_PREFIX = "step_"
 META = "meta.json"
 FREE_SPACE_MARGIN = 1.1  # a save needs the state's bytes plus DCP's metadata and the RNG files
 __all__ = ["Checkpointer", "CheckpointError", "VERIFY_CHOICES", "check_fingerprint", "load_per_rank",
-           "per_rank_file", "shape_fingerprint"]
+           "per_rank_file", "rng_state", "set_rng_state", "shape_fingerprint"]
 
 
 def _distributed() -> bool:
@@ -178,7 +178,7 @@ class Checkpointer:
         _barrier()
         meta = {**meta, "step": step, "fingerprint": shape_fingerprint(state.get("model", {}))}
         with _save_errors(staging, self._saving):
-            torch.save(_rng_state(), staging / "rng" / f"rank_{_rank():05d}.pt")
+            torch.save(rng_state(), staging / "rng" / f"rank_{_rank():05d}.pt")
             for name, tensors in (per_rank or {}).items():
                 (staging / name).mkdir(exist_ok=True)
                 torch.save(tensors, per_rank_file(staging, name))
@@ -221,7 +221,7 @@ class Checkpointer:
         """What a failed save leaves, in words: the previous checkpoint named by ``latest``."""
         marker = self.directory / "latest"
         name = marker.read_text().strip() if marker.is_file() else ""
-        step = _step_of(self.directory / name) if name else None
+        step = step_of(self.directory / name) if name else None
         return (f"the previous checkpoint (step {step}) is intact" if step is not None
                 else "no earlier checkpoint exists in it")
 
@@ -237,9 +237,9 @@ class Checkpointer:
         ``abandoned-<time>/`` beside them, never deleting one: retention keeps the newest steps, so they would
         otherwise make it delete what this run writes. ``latest`` then names ``resumed`` when it lies here. Rank 0
         moves (the other ranks wait); returns the folder, or None when nothing was later."""
-        step = _step_of(resumed)
+        step = step_of(resumed)
         later = [] if step is None else [p for p in self.directory.glob(f"{STEP_PREFIX}*")
-                                         if p.is_dir() and (_step_of(p) or 0) > step]
+                                         if p.is_dir() and (step_of(p) or 0) > step]
         if not later:
             return None
         folder = self.directory / f"abandoned-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -270,6 +270,11 @@ class Checkpointer:
             )
         return path
 
+    def latest_step(self) -> int | None:
+        """The step of the checkpoint ``latest`` names (unverified), or None when there is none."""
+        marker = self.directory / "latest"
+        return step_of(self.directory / marker.read_text().strip()) if marker.is_file() else None
+
     def newest_intact(self) -> Path | None:
         """``checkpoint.resume=auto``: the newest checkpoint whose files verify (``checkpoint.verify``), or None when
         there is none yet. A newer damaged one (truncated, corrupt, meta.json unreadable, or ``latest`` naming a
@@ -290,9 +295,9 @@ class Checkpointer:
                 self._verified = named
                 return named
             damaged.append((named, problem))
-        newest_step = _step_of(named)
+        newest_step = step_of(named)
         for older in sorted((p for p in self.directory.glob(f"{STEP_PREFIX}*") if p.is_dir()), reverse=True):
-            if newest_step is not None and (_step_of(older) or 0) >= newest_step:
+            if newest_step is not None and (step_of(older) or 0) >= newest_step:
                 continue
             if (problem := self._verify(older)) is None:
                 self._set_aside_damaged(damaged, older)
@@ -347,7 +352,7 @@ class Checkpointer:
         rng_file = path / "rng" / f"rank_{_rank():05d}.pt"
         if rng_file.is_file():
             try:
-                _set_rng_state(torch.load(rng_file, weights_only=True))
+                set_rng_state(torch.load(rng_file, weights_only=True))
             except (pickle.UnpicklingError, RuntimeError, KeyError, EOFError) as error:
                 raise CheckpointError(f"{rng_file} is not an RNG state saved by xscale ({_first_line(error)}); it was "
                                       "not loaded (weights_only=True)") from error
@@ -442,7 +447,7 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else "no message"
 
 
-def _step_of(path: Path) -> int | None:
+def step_of(path: Path) -> int | None:
     """The step of a ``step_<n>`` directory (None for any other name)."""
     digits = path.name.removeprefix(STEP_PREFIX)
     return int(digits) if path.name.startswith(STEP_PREFIX) and digits.isdigit() else None
@@ -471,14 +476,14 @@ def check_fingerprint(saved: dict[str, list[int]], current: dict[str, list[int]]
     raise CheckpointError("\n".join(lines))
 
 
-def _rng_state() -> dict[str, torch.Tensor]:
+def rng_state() -> dict[str, torch.Tensor]:
     state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])

@@ -33,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=2, help="worker processes (torchrun --nproc-per-node; default 2)")
     parser.add_argument("--steps", type=int, default=None, help="train steps (default: the fewest the faults need)")
     parser.add_argument("--checkpoint-every", type=int, default=5, help="checkpoint.every of the job (default 5)")
+    parser.add_argument("--memory-every", type=int, default=0,
+                        help="checkpoint.memory_every of the job: a state snapshot in /dev/shm and on a peer rank every "
+                             "N steps, resumed when newer than the disk checkpoint (default 0: off)")
     parser.add_argument("--step-timeout", type=float, default=5.0,
                         help="train.step_timeout_s: how soon a stopped worker is noticed (default 5; raise it above "
                              "the first step's time of a larger config)")
@@ -54,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     options = SoakOptions(output_dir=output_dir.resolve(), config=config,
                           overrides=[*([] if config else TINY), *overrides], faults=args.faults,
                           seed=args.seed, kinds=args.kinds.split(",") if args.kinds else None, nproc=args.nproc,
-                          steps=args.steps, checkpoint_every=args.checkpoint_every, step_timeout_s=args.step_timeout,
+                          steps=args.steps, checkpoint_every=args.checkpoint_every,
+                          memory_every=args.memory_every, step_timeout_s=args.step_timeout,
                           max_restarts=args.max_restarts, timeout_s=args.timeout, reference=not args.no_reference)
     try:
         report = run_soak(options)

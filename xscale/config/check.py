@@ -277,6 +277,7 @@ RANGES: dict[str, tuple[str, typing.Callable[[float], bool]]] = {
     "train.peak_flops": ("positive", _positive),
     "data.eval_fraction": ("in [0, 1)", _fraction),
     "checkpoint.every": (">= 0 (0: only at the end)", _non_negative),
+    "checkpoint.memory_every": (">= 0 (0: no memory snapshots)", _non_negative),
     "model.n_decoder_layers": ("positive", _positive),
     "model.moe.num_experts": (">= 0 (0: a dense FFN)", _non_negative),
     "model.moe.top_k": ("at least 1", _positive),

@@ -317,6 +317,9 @@ class CheckpointConfig:
     keep: int = 3
     async_save: bool = False
     resume: str = "auto"  # auto (latest if any) | none | a checkpoint directory
+    # Every N steps each rank keeps its state in /dev/shm and a replica on a peer rank; a restarted worker resumes
+    # from it when it is newer than the disk checkpoint (xscale.checkpoint.memory_snapshot). 0: off
+    memory_every: int = 0
     verify: str = "full"  # before loading, check every file against meta.json: full (SHA-256) | size | none
     # Start from other weights when no checkpoint is resumed: none | hf:DIR (a Hugging Face model folder; the model
     # section then defaults to its config.json, model.* settings given still apply; xscale.interop.hf)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import math
 import signal
 import time
@@ -18,9 +19,16 @@ from typing import Any
 
 import torch
 
-from xscale.checkpoint.checkpointer import Checkpointer, CheckpointError, step_dir_name
+from xscale.checkpoint.checkpointer import (
+    Checkpointer,
+    CheckpointError,
+    rng_state,
+    set_rng_state,
+    step_dir_name,
+)
 from xscale.checkpoint.elastic import elastic_micro_batch
 from xscale.checkpoint.init_sources import WEIGHTS_ONLY, fill_from_source, init_source_prefix
+from xscale.checkpoint.memory_snapshot import fill_state, newer_than_disk, open_snapshots, plain_leaves
 from xscale.config.schema import Config, ConfigError, TrainConfig
 from xscale.data import (
     GlobalSampler,
@@ -156,6 +164,8 @@ class Trainer:
                                          keep=config.checkpoint.keep, async_save=config.checkpoint.async_save,
                                          verify=config.checkpoint.verify,
                                          carry={self.tokenizer_in_checkpoint: tokenizer} if tokenizer else {})
+        self.snapshots = open_snapshots(config, self.dims.describe(), self.checkpointer.directory, self.rank,
+                                        self.world_size, world.local_world_size)
         self.metrics = MetricsLogger(output_dir, enabled=self.rank == 0, total_steps=train.steps,
                                      log_every=train.log_every, loggers=train.logger_names(),
                                      progress=train.progress, config=config.to_dict(),
@@ -212,8 +222,8 @@ class Trainer:
     def state(self) -> dict[str, Any]:
         return self.model.state_dict(self.optimizer)
 
-    def save(self) -> None:
-        self.model.data_parallel.settle()  # parameters still arriving from the last step's all-gather
+    def _meta(self) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]] | None]:
+        """What a checkpoint holds beside the model and optimizer: its meta.json and this rank's own tensors."""
         meta = {"config": self.config.to_dict(), "sampler": self.sampler.state_dict(),
                 "world_size": self.world_size, "layout": self.dims.describe(), "num_params": self.num_params,
                 "data_parallel": self.dp_size, "micro_batch_size": self.model.micro_batch_size,
@@ -229,6 +239,11 @@ class Trainer:
         if self.memory is not None:
             meta[MEMORY_META_KEY] = self._memory_meta()
             per_rank = {MEMORY_FILES: self.memory.state_dict()}
+        return meta, per_rank
+
+    def save(self) -> None:
+        self.model.data_parallel.settle()  # parameters still arriving from the last step's all-gather
+        meta, per_rank = self._meta()
         self.metrics.flush()  # the curve up to a checkpoint is on disk before it
         self.checkpointer.protected = self.health.keep()
         if self.health.problem is not None and not self.health.announced:
@@ -240,6 +255,13 @@ class Trainer:
         self.checkpointer.save(self.step, self.state(), meta, per_rank)
         self.health.saved(self.step, self.checkpointer.directory / step_dir_name(self.step))
 
+    def take_snapshot(self) -> None:
+        """checkpoint.memory_every: this rank's state into host memory and its peer's (collective)."""
+        self.model.data_parallel.settle()
+        meta, per_rank = self._meta()
+        self.snapshots.take(self.step, {"meta": json.dumps({**meta, "step": self.step}), "state": plain_leaves(self.state()),
+                                        "rng": rng_state(), "per_rank": per_rank or {}})
+
     def _memory_meta(self) -> dict[str, Any]:
         return memory_meta(self.config, self.dims.describe(), self.world_size, self.local_batch_size,
                            self.model.micro_batch_size)
@@ -249,6 +271,10 @@ class Trainer:
         checkpoint.init_from's weights when it names some."""
         self.model.data_parallel.settle()
         choice = self.config.checkpoint.resume
+        if self.snapshots is not None and choice != "auto":
+            self.snapshots.remove()  # another run's state: it is never resumed
+        elif self.snapshots is not None and self._resume_from_memory():
+            return True
         path = None if choice == "none" else self.checkpointer.newest_intact() if choice == "auto" else Path(choice)
         if path is None:
             self.initialize_from()
@@ -264,6 +290,32 @@ class Trainer:
             return True
         meta = self.checkpointer.load(path, state)
         self.model.load_state_dict(state, self.optimizer)
+        self._continue_from(meta, path)
+        return True
+
+    def _resume_from_memory(self) -> bool:
+        """checkpoint.resume=auto with memory snapshots: resume the newest step every rank has in memory (its own
+        or its peer's copy) when it is newer than the newest intact disk checkpoint; one line says which and why."""
+        agreement = self.snapshots.agree()
+        newer, line = newer_than_disk(agreement, self.checkpointer)
+        if not newer:
+            if line:
+                self._announce(f"xscale: {line}; resuming from disk")
+            return False
+        payload = self.snapshots.fetch(agreement)
+        state = self.state()
+        fill_state(state, payload["state"])
+        set_rng_state(payload["rng"])
+        self.model.load_state_dict(state, self.optimizer)
+        meta = json.loads(payload["meta"])
+        if self.memory is not None:
+            self.memory.load_state_dict(payload["per_rank"][MEMORY_FILES], self.device)
+        self._continue_from(meta, None, line)
+        return True
+
+    def _continue_from(self, meta: dict[str, Any], path: Path | None, source: str = "") -> None:
+        """After the model and optimizer were loaded from checkpoint ``path`` (or a memory snapshot, ``source``):
+        the step, data position, schedule and logs where they were."""
         self.step = int(meta["step"])
         train = self.config.train
         elastic = elastic_micro_batch(meta, train.global_batch_size, self.dp_size, train.micro_batch_size,
@@ -275,7 +327,7 @@ class Trainer:
             self.sampler.load_state_dict(meta["sampler"])
         except ValueError as error:
             raise CheckpointError(f"{path}: {error}") from error
-        if self.memory is not None:
+        if self.memory is not None and path is not None:
             rows = MemoryRows.of_rank(self.dp_rank, self.dp_size, self.local_batch_size,
                                       self.model.microbatches_per_batch(self.local_batch_size))
             if regrouped := load_memory(self.memory, path, meta, self._memory_meta(), rows, self.device):
@@ -284,17 +336,17 @@ class Trainer:
             self.source_tokens.load_state_dict(meta.get("data_tokens", {}))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, self.config.train), last_epoch=self.step - 1)
-        self.parent = str(path)
-        self.health.saved(self.step, path)  # confirmed by the first healthy step
+        self.parent = str(path) if path is not None else meta.get("parent")
+        if path is not None:
+            self.health.saved(self.step, path)  # confirmed by the first healthy step
         self.metrics.load_state_dict(meta.get("loggers", {}))
-        abandoned = self.checkpointer.set_aside_later_steps(path)
-        self._announce(f"resumed from {path} at step {self.step}")
+        abandoned = self.checkpointer.set_aside_later_steps(path) if path is not None else None
+        self._announce(f"resumed from {path or source} at step {self.step}")
         if warning := schedule_change(saved_schedule(meta), self.config.train, self.step):
             self._announce(warning)
         if abandoned is not None:
             self._announce(f"rolled back: the checkpoints after step {self.step} were moved to {abandoned} (kept, not "
                            "deleted)")
-        return True
 
     def initialize_from(self) -> None:
         """checkpoint.init_from=hf:DIR: copy a Hugging Face model's weights into this rank's part of the model (each
@@ -467,6 +519,8 @@ class Trainer:
                   f"device {self.device.type}, {train.steps} steps of {train.global_batch_size}x{train.seq_len} tokens",
                   flush=True)
         losses = self._loop()
+        if self.snapshots is not None:
+            self.snapshots.remove()  # the last checkpoint, just saved, holds everything they did
         interrupted = self.stop_requested and self.preemption.interrupted
         if self.stop_requested and not interrupted:
             if self.rank == 0:
@@ -507,6 +561,9 @@ class Trainer:
                 if eval_every and self.step % eval_every == 0 and not stopping:
                     with watched("evaluation"):
                         scalars.update(self.evaluate())
+                if self.snapshots is not None and not stopping and self.step % self.config.checkpoint.memory_every == 0:
+                    with watched("memory snapshot"):  # before the step is logged: a logged step is in memory
+                        self.take_snapshot()
                 self.metrics.log(self.step, scalars)
                 if stopping:
                     self.stop_requested = True

@@ -1,8 +1,11 @@
 """The chaos soak end to end: 2 torchrun workers, every fault kind once, nothing lost, and the final model and
 optimizer state bit-identical to a fault-free run of the same config."""
 
+from pathlib import Path
+
 import pytest
 
+from xscale.checkpoint.memory_snapshot import snapshot_key
 from xscale.commands.chaos import TINY
 from xscale.launcher.chaos.plan import KINDS
 from xscale.launcher.chaos.soak import SoakOptions, run_soak
@@ -18,3 +21,21 @@ def test_every_fault_kind_is_recovered_and_the_run_ends_bit_identical(tmp_path):
     assert summary["steps_missing"] == [] and summary["loss_mismatch_steps"] == []
     assert summary["bit_identical"] and summary["final_step"] == summary["steps"], summary
     assert all(fault["detection_s"] is not None and fault["lost_s"] is not None for fault in report["faults"])
+
+
+@pytest.mark.slow
+def test_a_killed_worker_resumes_from_memory_past_the_last_checkpoint_and_ends_bit_identical(tmp_path):
+    """checkpoint.memory_every=1: torchrun restarts the group after a SIGKILLed worker and it resumes the step in
+    /dev/shm (step 14 or later), not the disk checkpoint of step 10; the final state equals the fault-free run's."""
+    report = run_soak(SoakOptions(output_dir=tmp_path, overrides=TINY, faults=1, kinds=["kill_worker"], nproc=2,
+                                  seed=0, checkpoint_every=5, memory_every=1, timeout_s=300))
+    summary, (fault,) = report["summary"], report["faults"]
+    last_disk_checkpoint = fault["step"] // 5 * 5
+    assert fault["recovered"] and fault["resumed_from"] > last_disk_checkpoint, fault
+    assert fault["steps_recomputed"] <= 1, fault  # the step being run when it was killed, at most
+    log = (tmp_path / "run" / "chaos" / "job.log").read_text()
+    assert (f"resumed from the memory snapshot of step {fault['resumed_from']} (newer than the disk checkpoint of "
+            f"step {last_disk_checkpoint}") in log
+    assert summary["steps_missing"] == [] and summary["loss_mismatch_steps"] == []
+    assert summary["bit_identical"] and summary["final_step"] == summary["steps"], summary
+    assert not list(Path("/dev/shm").glob(f"xscale-{snapshot_key(tmp_path / 'run' / 'checkpoints')}*"))

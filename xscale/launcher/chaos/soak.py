@@ -70,6 +70,7 @@ class SoakOptions:
     nproc: int = 2
     steps: int | None = None  # None: the fewest the schedule needs
     checkpoint_every: int = 5
+    memory_every: int = 0  # checkpoint.memory_every of the job (0: disk checkpoints only)
     step_timeout_s: float = 5.0
     max_restarts: int = 3
     timeout_s: float = 3600.0
@@ -159,7 +160,8 @@ class Soak:
     def command(self, run_dir: Path, resume: str | None) -> list[str]:
         o = self.options
         overrides = [*o.overrides, f"train.steps={self.steps}", f"train.output_dir={run_dir}",
-                     f"checkpoint.every={o.checkpoint_every}", "checkpoint.keep=2",
+                     f"checkpoint.every={o.checkpoint_every}", f"checkpoint.memory_every={o.memory_every}",
+                     "checkpoint.keep=2",
                      f"train.step_timeout_s={o.step_timeout_s:g}", "train.watchdog=true",
                      f"parallel.timeout_s={max(30, int(6 * o.step_timeout_s))}", "train.progress=false",
                      "train.plot=false"]
