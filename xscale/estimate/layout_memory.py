@@ -41,13 +41,14 @@ def rank_peak(shape: ModelShape, config: Config, layout: Layout, where: Placemen
     state = predicted_state_bytes(total, dataclasses.replace(dims, pp=1), expert)
     blocks = where.rank_blocks[rank]
     share = activation_share(config, dims)
-    mean_block = (sum(block_activation_bytes(shape, shape.blocks[index], layout.micro_batch, layout.checkpointing)
-                      for index in blocks) / len(blocks)) if blocks else 0.0
+    distinct = shape.distinct_blocks(blocks)
+    mean_block = (sum(count * block_activation_bytes(shape, block, layout.micro_batch, layout.checkpointing)
+                      for block, count in distinct) / len(blocks)) if blocks else 0.0
     activations = held_microbatch_blocks * mean_block * share
     rebuilt = 0.0
     if layout.checkpointing == "full" and blocks:  # one block rebuilt whole during its backward
-        rebuilt = share * max(block_activation_bytes(shape, shape.blocks[index], layout.micro_batch, "none")
-                              for index in blocks)
+        rebuilt = share * max(block_activation_bytes(shape, block, layout.micro_batch, "none")
+                              for block, _ in distinct)
     tokens = layout.micro_batch * shape.seq_len // layout.cp
     loss = 0.0
     if rank == where.head_rank:

@@ -9,7 +9,8 @@ for a decoder block's cross-attention.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 from xscale.config.schema import Config, ModelConfig
 from xscale.models import build_model
@@ -84,6 +85,13 @@ class ModelShape:
     expert_parameters: int
     model_flops_per_token: float
     outside_blocks: OutsideBlocks = OutsideBlocks()
+    _distinct: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def distinct_blocks(self, blocks: tuple[int, ...]) -> tuple[tuple[BlockShape, int], ...]:
+        """The distinct shapes among ``blocks`` with how many of them each (a rank's sums, done once per shape)."""
+        if blocks not in self._distinct:
+            self._distinct[blocks] = tuple(Counter(self.blocks[index] for index in blocks).items())
+        return self._distinct[blocks]
 
     @property
     def model(self) -> ModelConfig:
