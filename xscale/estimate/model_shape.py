@@ -85,13 +85,14 @@ class ModelShape:
     expert_parameters: int
     model_flops_per_token: float
     outside_blocks: OutsideBlocks = OutsideBlocks()
-    _distinct: dict = field(default_factory=dict, compare=False, repr=False)
+    memo: dict = field(default_factory=dict, compare=False, repr=False)  # what the search asks again and again
 
     def distinct_blocks(self, blocks: tuple[int, ...]) -> tuple[tuple[BlockShape, int], ...]:
         """The distinct shapes among ``blocks`` with how many of them each (a rank's sums, done once per shape)."""
-        if blocks not in self._distinct:
-            self._distinct[blocks] = tuple(Counter(self.blocks[index] for index in blocks).items())
-        return self._distinct[blocks]
+        key = ("distinct", blocks)
+        if key not in self.memo:
+            self.memo[key] = tuple(Counter(self.blocks[index] for index in blocks).items())
+        return self.memo[key]
 
     @property
     def model(self) -> ModelConfig:

@@ -51,6 +51,13 @@ def stage_parameters(shape: ModelShape, blocks: tuple[int, ...]) -> tuple[int, i
     """(parameters, expert parameters) of the stage running ``blocks`` (consecutive): its blocks (under
     ``share_layers`` the one block of each stack it runs), and what :class:`~xscale.estimate.model_shape.OutsideBlocks`
     says a stage with those ends keeps."""
+    key = ("stage parameters", blocks)
+    if key not in shape.memo:
+        shape.memo[key] = _stage_parameters(shape, blocks)
+    return shape.memo[key]
+
+
+def _stage_parameters(shape: ModelShape, blocks: tuple[int, ...]) -> tuple[int, int]:
     model, outside = shape.model, shape.outside_blocks
     stacks = ((0, model.n_layers), (model.n_layers, model.total_layers)) if model.family == "encoder_decoder" else (
         (0, model.total_layers),)
