@@ -57,6 +57,9 @@ def test_bad_options_are_one_line(capsys):
     assert main(["bench", "plan", "--steps", "0"]) == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("xscale bench plan: need --steps >= 1") and "\n" not in error
+    assert main(["bench", "plan", "--only", "no such layout"]) == 2  # a filter that leaves nothing is refused
+    error = capsys.readouterr().err.strip()
+    assert "--only that matches a layout" in error and "no such layout" in error and "\n" not in error
 
 
 @pytest.mark.slow  # a quick calibration over 2 processes and the 3 one-process layouts: ~1 min on 2 loaded cores

@@ -50,7 +50,8 @@ def test_pipeline_first_rank_holds_more_microbatches_in_flight_and_the_last_the_
     assert first.activations == pytest.approx(2 * 2 * per_layer)  # 1F1B: 2 microbatches in flight of 2 blocks
     assert last.activations == pytest.approx(2 * per_layer + head)  # 1 in flight; the head and the loss
     hidden = 4 * 2 * 32 * 32  # fp32 hidden states of a 2 x 32-token microbatch, d 32: a buffer per microbatch
-    assert first.terms.pipeline_buffers == 2 * hidden and last.terms.pipeline_buffers == 2 * hidden
+    # received: 2 gradients (first), 2 hidden states (last); sent: the first's 2 outputs in flight, the last's gradient
+    assert first.terms.pipeline_buffers == (2 + 2) * hidden and last.terms.pipeline_buffers == (2 + 1) * hidden
     # the last microbatch's backward: its activations, the first one's gradients and the largest being made
     assert last.terms.accumulated_backward == pytest.approx(last.activations + last.terms.gradients
                                                             + 4 * 32 * 4 * 32)

@@ -8,8 +8,21 @@ import re
 import pytest
 
 from xscale.cli import main
+from xscale.commands.plan import _yaml_value, plan_table
 from xscale.config.load import load_config
+from xscale.data import with_resolved_vocab
+from xscale.estimate.cluster import load_cluster
+from xscale.estimate.collective_memory import collective_buffer_bytes
+from xscale.estimate.in_flight import blocks_in_flight
+from xscale.estimate.layout import Layout
+from xscale.estimate.layout_memory import rank_peak
+from xscale.estimate.model_shape import model_shape
+from xscale.estimate.placement import placement
+from xscale.estimate.search import MEMORY_USABLE, PlanError, search
 from xscale.parallel.checks import resolve_layout
+from xscale.parallel.parallelize import micro_batch_size
+from xscale.parallel.pipeline import SCHEDULES, stage_to_rank
+from xscale.parallel.pipeline.cost import stage_layers
 
 H100 = "configs/clusters/h100-ib.yaml"
 LAYOUT_ROW = re.compile(r"^\s+\d+\s+(?P<layout>.+?)\s{2,}\d+\.\d GiB")
@@ -37,6 +50,59 @@ def test_plans_for_real_models_pass_the_validator(capsys, tmp_path, config, devi
     chosen = load_config(emitted)
     assert resolve_layout(chosen, devices)[0] == dims
     assert chosen.launch.nodes * chosen.launch.gpus_per_node == devices
+
+
+def _layout_of(config, dims) -> Layout:
+    """The layout a loaded, resolved config runs (read off the config, not the planner's own Layout)."""
+    parallel, batch = config.parallel, config.train.global_batch_size
+    micro = batch // dims.dp // dims.microbatches if dims.pp > 1 else micro_batch_size(config, dims)
+    pipeline = {"schedule": parallel.pp_schedule, "stages_per_rank": parallel.pp_stages_per_rank} if dims.pp > 1 else {}
+    return Layout(tp=dims.tp, pp=dims.pp, dp=dims.dp, ep=dims.ep, cp=dims.cp, zero_stage=dims.zero_stage,
+                  micro_batch=micro, microbatches=batch // dims.dp // micro,
+                  checkpointing=parallel.activation_checkpointing, sequence_parallel=parallel.sequence_parallel,
+                  **pipeline)
+
+
+def _peak_of(shape, cluster, config, dims) -> float:
+    """A resolved config's peak per rank, from the memory terms with the pipeline's own split and schedule."""
+    layout = _layout_of(config, dims)
+    where = placement(config)
+    held = [float(len(where.rank_blocks[0]))]
+    if dims.pp > 1:
+        stages = dims.pp * config.parallel.pp_stages_per_rank
+        held = blocks_in_flight(config, dims.pp, stage_to_rank(stages, dims.pp, SCHEDULES[
+            config.parallel.pp_schedule].placement), stage_layers(config, stages))
+    return (max(rank_peak(shape, config, layout, where, rank, held[rank]).peak for rank in range(dims.pp))
+            + collective_buffer_bytes(shape, cluster, layout, where) + cluster.runtime_memory_bytes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices", [8, 64, 512, 4096])
+@pytest.mark.parametrize("config_path", ["configs/tinyllama-1.1b.yaml", "configs/llama2-7b.yaml",
+                                         "configs/gpt3-175b.yaml", "configs/gshard-600b.yaml"])
+def test_every_printed_row_passes_the_validator_and_the_memory_estimator(config_path, devices):
+    """Each of the top rows, not only the emitted one: its overrides load and validate as ``xscale train`` reads
+    them, resolve to the printed layout on ``devices`` ranks, and the peak recomputed from that config fits the
+    device and is the printed one."""
+    cluster = load_cluster(H100)
+    base = with_resolved_vocab(load_config(config_path))
+    shape = model_shape(base)
+    try:
+        plans = search(shape, cluster, devices, top=5)
+    except PlanError as error:
+        assert str(error).startswith(f"nothing fits on {devices} devices") and devices <= 64
+        return
+    rows = [line for line in plan_table(config_path, base, cluster, devices, plans, 1e12) if LAYOUT_ROW.match(line)]
+    assert len(rows) == len(plans) >= min(5, devices)
+    for row, plan in zip(rows, plans):
+        overrides = [f"{key}={_yaml_value(value)}" for key, value in plan.overrides.items()]
+        dims, config = resolve_layout(with_resolved_vocab(load_config(config_path, overrides)), devices)
+        assert dims.world_size == devices
+        assert _layout_of(config, dims) == plan.layout
+        peak = _peak_of(shape, cluster, config, dims)
+        assert peak == pytest.approx(plan.peak_bytes, rel=1e-9)
+        assert peak <= MEMORY_USABLE * cluster.memory_bytes
+        assert LAYOUT_ROW.match(row)["layout"] == plan.layout.describe() and f"{peak / 2**30:.1f} GiB" in row
 
 
 @pytest.mark.parametrize("config", ["configs/gpt3-175b.yaml", "configs/gshard-600b.yaml"])

@@ -13,12 +13,14 @@ from xscale.estimate.memory import (
     accumulated_backward_bytes,
     activation_share,
     all_gather_bytes,
+    expert_exchange_bytes,
     fused_loss_chunk_bytes,
     head_activation_share,
     live_gradient_bytes,
     microbatches_in_flight,
     parameter_gather_bytes,
     pipeline_buffer_bytes,
+    pipeline_send_bytes,
     step_temporary_bytes,
     unit_sizes,
     vocab_parallel_loss_bytes,
@@ -168,6 +170,36 @@ def test_pipeline_buffers_are_a_received_hidden_state_and_gradient_per_microbatc
     sequence_parallel = _config("parallel.microbatches=4", "parallel.sequence_parallel=true")
     assert pipeline_buffer_bytes(sequence_parallel, ParallelDims(pp=2, tp=2, microbatches=4), 32, [1]) == 4 * 2048
     assert pipeline_buffer_bytes(config, ParallelDims(), 32, [0]) == 0
+
+
+def test_pipeline_sends_are_the_outputs_kept_and_the_gradients_not_yet_waited_for():
+    hidden = 4096  # d 32, 32 tokens, fp32
+    one_f_one_b = _config("parallel.microbatches=8")
+    pp4 = ParallelDims(pp=4, microbatches=8)
+    assert pipeline_send_bytes(one_f_one_b, pp4, 32, [0]) == 4 * hidden  # 4 outputs in flight, no gradient sent
+    assert pipeline_send_bytes(one_f_one_b, pp4, 32, [1]) == (3 + 1) * hidden  # 3 outputs in flight, one gradient
+    assert pipeline_send_bytes(one_f_one_b, pp4, 32, [3]) == 1 * hidden  # the last stage sends only its gradient
+    gpipe = _config("parallel.microbatches=8", "parallel.pp_schedule=gpipe")
+    assert pipeline_send_bytes(gpipe, pp4, 32, [1]) == (8 + 8) * hidden  # every send waited for at the step's end
+    zbv = _config("parallel.microbatches=8", "parallel.pp_schedule=zero_bubble", "parallel.pp_stages_per_rank=2")
+    pp2 = ParallelDims(pp=2, microbatches=8)
+    assert pipeline_send_bytes(zbv, pp2, 32, [0, 3]) == (8 + 8) * hidden  # stage 0's outputs, stage 3's gradients
+    assert pipeline_send_bytes(zbv, pp2, 32, [1, 2]) == 4 * 8 * hidden
+    sequence_parallel = _config("parallel.microbatches=8", "parallel.sequence_parallel=true")
+    assert pipeline_send_bytes(sequence_parallel, ParallelDims(pp=4, tp=2, microbatches=8), 32, [3]) == hidden / 2
+    assert pipeline_send_bytes(one_f_one_b, ParallelDims(), 32, [0]) == 0
+
+
+def test_expert_exchange_is_one_buffer_of_routed_tokens_per_direction():
+    switch = _config("model.moe.num_experts=4", "model.moe.top_k=1", "model.moe.capacity_factor=1.25")
+    routed = 32 * 1 * 1.25  # tokens x k x capacity factor
+    assert expert_exchange_bytes(switch, ParallelDims(dp_shard=2, ep=2), 32, 2) == 2 * routed * 32 * 4
+    top2 = _config("model.moe.num_experts=4", "model.moe.router=gshard", "model.moe.top_k=2", "model.moe.capacity_factor=1.25")
+    assert expert_exchange_bytes(top2, ParallelDims(dp_shard=2, ep=2), 32, 1) == 2 * 2 * routed * 32 * 4
+    assert expert_exchange_bytes(switch, ParallelDims(dp_shard=2), 32, 2) == 0  # no ep: no exchange
+    assert expert_exchange_bytes(switch, ParallelDims(dp_shard=2, ep=2), 32, 0) == 0  # no MoE layer on this rank
+    terms = PeakTerms(parameters=100, gradients=40, optimizer=200, activations=50, expert_exchange=7)
+    assert terms.peak == 300 + 7 + 50 + 40
 
 
 def test_accumulated_backward_is_the_microbatches_in_flight_with_every_gradient():

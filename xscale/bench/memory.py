@@ -2,7 +2,7 @@
 
 Predicted: :func:`xscale.estimate.measure.rank_memory` (``xscale inspect --measure``): the model state from the ZeRO
 formulas, activations from a fake-tensor step, ZeRO-3's gathered weights, the optimizer step's temporaries, tensor
-parallelism's vocabulary-parallel loss, the pipeline's receive buffers and the last microbatch's backward with the
+parallelism's vocabulary-parallel loss, the pipeline's receive and send buffers and the last microbatch's backward with the
 accumulated gradients (:mod:`xscale.estimate.memory`). Measured, in fresh local processes (one per rank) running ``--steps`` real
 training steps (and with ``--checkpoint`` a save, then a resume in a new Trainer and one more step):
 

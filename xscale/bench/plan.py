@@ -214,14 +214,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--passes", type=int, default=None, help="runs of every layout (default 2, --quick 1)")
     parser.add_argument("--quick", action="store_true", help="quick calibration, 3 timed steps, one pass")
     parser.add_argument("--max-processes", type=int, default=4, help="only the layouts of at most this many")
+    parser.add_argument("--only", nargs="+", default=None, metavar="TEXT",
+                        help="only the layouts whose description contains one of these (e.g. 'moe' 'pp=2')")
     parser.add_argument("--cluster-out", default=None, help="also write the calibrated cluster file here")
     args = parser.parse_args(argv)
     steps = args.steps if args.steps is not None else (3 if args.quick else 7)
     args.passes = args.passes if args.passes is not None else (1 if args.quick else 2)
-    layouts = [bench for bench in LAYOUTS if bench.world_size <= args.max_processes]
+    layouts = [bench for bench in LAYOUTS if bench.world_size <= args.max_processes
+               and (args.only is None or any(text in bench.describe() for text in args.only))]
     if steps < 1 or args.warmup < 0 or args.passes < 1 or not layouts:
-        print(f"xscale bench plan: need --steps >= 1, --warmup >= 0, --passes >= 1 and --max-processes >= 1 (got "
-              f"{steps}, {args.warmup}, {args.passes}, {args.max_processes})", file=sys.stderr)
+        print(f"xscale bench plan: need --steps >= 1, --warmup >= 0, --passes >= 1, --max-processes >= 1 and an "
+              f"--only that matches a layout (got {steps}, {args.warmup}, {args.passes}, {args.max_processes}, "
+              f"{args.only})", file=sys.stderr)
         return 2
     try:
         calibrated, rows = run_layouts(layouts, args.warmup, steps, args.passes, args.quick, args.overrides)

@@ -7,7 +7,10 @@ its gradient in the forward and frees its logits chunk before the backward start
 block are never alive together: the larger of the two counts (under tp the vocabulary-parallel loss keeps its
 softmax for the backward: both count). A rank's share of them is
 :func:`~xscale.estimate.memory.activation_share` (tp, sequence parallelism, cp); the microbatches it holds come from
-the schedule (:func:`xscale.estimate.in_flight.blocks_in_flight`).
+the schedule (:func:`xscale.estimate.in_flight.blocks_in_flight`). Beside them, what the layout's transfers hold:
+the pipeline's receive buffers and what it has sent (:func:`~xscale.estimate.memory.pipeline_buffer_bytes`,
+:func:`~xscale.estimate.memory.pipeline_send_bytes`) and, on a rank running MoE layers under ep, one layer's
+all-to-all buffers (:func:`~xscale.estimate.memory.expert_exchange_bytes`).
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ from xscale.estimate.memory import (
     UnitSizes,
     activation_share,
     all_gather_bytes,
+    expert_exchange_bytes,
     fused_loss_chunk_bytes,
     pipeline_buffer_bytes,
+    pipeline_send_bytes,
     predicted_state_bytes,
     vocab_parallel_loss_bytes,
 )
@@ -41,13 +46,14 @@ def rank_peak(shape: ModelShape, config: Config, layout: Layout, where: Placemen
     state = predicted_state_bytes(total, dataclasses.replace(dims, pp=1), expert)
     blocks = where.rank_blocks[rank]
     share = activation_share(config, dims)
-    mean_block = (sum(block_activation_bytes(shape, shape.blocks[index], layout.micro_batch, layout.checkpointing)
-                      for index in blocks) / len(blocks)) if blocks else 0.0
+    distinct = shape.distinct_blocks(blocks)
+    mean_block = (sum(count * block_activation_bytes(shape, block, layout.micro_batch, layout.checkpointing)
+                      for block, count in distinct) / len(blocks)) if blocks else 0.0
     activations = held_microbatch_blocks * mean_block * share
     rebuilt = 0.0
     if layout.checkpointing == "full" and blocks:  # one block rebuilt whole during its backward
-        rebuilt = share * max(block_activation_bytes(shape, shape.blocks[index], layout.micro_batch, "none")
-                              for index in blocks)
+        rebuilt = share * max(block_activation_bytes(shape, block, layout.micro_batch, "none")
+                              for block, _ in distinct)
     tokens = layout.micro_batch * shape.seq_len // layout.cp
     loss = 0.0
     if rank == where.head_rank:
@@ -65,7 +71,10 @@ def rank_peak(shape: ModelShape, config: Config, layout: Layout, where: Placemen
     return PeakTerms(parameters=state["parameters"], gradients=state["gradients"], optimizer=state["optimizer"],
                      activations=activations, all_gather=all_gather_bytes(config, dims, sizes),
                      vocab_parallel_loss=loss,
-                     pipeline_buffers=pipeline_buffer_bytes(config, dims, tokens, stages))
+                     pipeline_buffers=(pipeline_buffer_bytes(config, dims, tokens, stages)
+                                       + pipeline_send_bytes(config, dims, tokens, stages)),
+                     expert_exchange=expert_exchange_bytes(config, dims, tokens,
+                                                           sum(count for block, count in distinct if block.moe)))
 
 
 def peak_bytes(shape: ModelShape, config: Config, layout: Layout, where: Placement,

@@ -14,7 +14,8 @@ weights, the live gradients and the optimizer step's temporaries (formulas in :m
 - a pipeline rank holds its layers' activations (the last stage also the head's, once: fake steps at depth L and 1
   split them) for the micro-batches in flight: min(pp - rank, m) under the 1F1B schedules, all m under GPipe;
 - what the layout allocates itself (:class:`LayoutTerms`): tensor parallelism's vocabulary-parallel loss in place
-  of the fused loss's logits chunk, the pipeline's receive buffers (one per microbatch), and with gradients
+  of the fused loss's logits chunk, the pipeline's receive buffers (one per microbatch) and what it has sent
+  (the outputs kept for their backward, the gradients until their send is waited for), and with gradients
   accumulated over m > 1 microbatches a backward after the first (every gradient, min(in flight, m - 1)
   microbatches at their activation peak);
 - activation checkpointing and bf16 autocast run as configured.
@@ -55,6 +56,7 @@ from xscale.estimate.memory import (
     microbatches_in_flight,
     parameter_gather_bytes,
     pipeline_buffer_bytes,
+    pipeline_send_bytes,
     predicted_pipeline_state_bytes,
     predicted_state_bytes,
     step_temporary_bytes,
@@ -252,7 +254,8 @@ def rank_memory(config: Config, world_size: int, step: StepRunner) -> list[RankM
         transient = head_share * head_activation_share(config, dims, peak_head, tokens)
         loss = head_share * vocab_parallel_loss_bytes(config, dims, tokens // dims.cp, in_flight)
         layout = LayoutTerms(microbatches, blocks_alive[rank] / max(len(held), 1), len(held) * peak_layer * share,
-                             transient, loss, pipeline_buffer_bytes(config, dims, tokens // dims.cp, mine))
+                             transient, loss, pipeline_buffer_bytes(config, dims, tokens // dims.cp, mine)
+                             + pipeline_send_bytes(config, dims, tokens // dims.cp, mine))
         rows.append(_rank(f"pp rank {rank}", config, dims, state, activations, unit_sizes(config, held),
                           gradient_fraction, layout))
     return rows

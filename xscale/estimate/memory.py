@@ -23,7 +23,8 @@ the largest of two phases: forward/backward (activations, each rank's share by
 step (:func:`step_temporary_bytes`). What a layout allocates itself is a term of its own: tensor parallelism's
 vocabulary-parallel loss (:func:`vocab_parallel_loss_bytes`, in place of the fused loss's logits chunk the
 single-device step holds, :func:`fused_loss_chunk_bytes`), the pipeline's receive buffers
-(:func:`pipeline_buffer_bytes`), and, over several microbatches, the last one's backward with every gradient the
+(:func:`pipeline_buffer_bytes`) and what it has sent (:func:`pipeline_send_bytes`), expert parallelism's all-to-all
+buffers (:func:`expert_exchange_bytes`), and, over several microbatches, the last one's backward with every gradient the
 earlier ones accumulated (:func:`accumulated_backward_bytes`).
 """
 
@@ -35,7 +36,9 @@ from dataclasses import dataclass
 import torch
 
 from xscale.config.schema import Config
+from xscale.estimate.model_shape import capacity_share
 from xscale.models import build_model
+from xscale.models.parameters import experts_per_token
 from xscale.ops.chunked_cross_entropy import default_chunk_tokens, padded_row_length
 from xscale.ops.optimizer_update import update_mode
 from xscale.parallel.data import is_expert_parameter, local_tensor
@@ -106,7 +109,8 @@ class PeakTerms:
     live_gradients: float | None = None  # gradients alive at the forward/backward peak; None: all of them
     step_temporaries: float = 0.0
     vocab_parallel_loss: float = 0.0  # tp: the loss's logits shard and its copies (vocab_parallel_loss_bytes)
-    pipeline_buffers: float = 0.0  # pp: received hidden states and gradients (pipeline_buffer_bytes)
+    pipeline_buffers: float = 0.0  # pp: received and sent hidden states and gradients (pipeline_*_bytes)
+    expert_exchange: float = 0.0  # ep: one MoE layer's all-to-all buffers (expert_exchange_bytes)
     accumulated_backward: float = 0.0  # the last microbatch's backward (accumulated_backward_bytes)
     gather_in_forward: float = 0.0  # ZeRO-1/2: gathered parameters still in flight late in the forward
     forward_start: float = 0.0  # ZeRO-1/2: what the next forward starts with (parameter_gather_bytes)
@@ -118,7 +122,8 @@ class PeakTerms:
     @property
     def peak(self) -> float:
         live = self.gradients if self.live_gradients is None else self.live_gradients
-        layout_buffers = self.all_gather + self.gather_in_forward + self.vocab_parallel_loss + self.pipeline_buffers
+        layout_buffers = (self.all_gather + self.gather_in_forward + self.vocab_parallel_loss + self.pipeline_buffers
+                          + self.expert_exchange)
         backward = layout_buffers + max(self.activations + live, self.accumulated_backward)
         return self.parameters + self.optimizer + max(backward, self.gradients + self.step_temporaries,
                                                       self.forward_start)
@@ -282,6 +287,40 @@ def pipeline_buffer_bytes(config: Config, dims: ParallelDims, tokens: int, stage
     last = dims.pp * config.parallel.pp_stages_per_rank - 1
     buffers = sum(stage > 0 for stage in stages) + sum(stage < last for stage in stages)
     return hidden * dims.microbatches * buffers
+
+
+def pipeline_send_bytes(config: Config, dims: ParallelDims, tokens: int, stages: list[int]) -> float:
+    """What the pipeline has sent and still references on the rank running ``stages``: every stage but the last its
+    output of each microbatch (the stage keeps it for that microbatch's backward, ``fwd_cache``), every stage but the
+    first the gradient of its input (held by the send until it is waited for), each a hidden state (tokens x d, fp32;
+    T/tp under sequence parallelism). torch's 1F1B (one stage per rank, its index the rank r) waits for each send
+    before the next: its outputs are the microbatches in flight, min(pp - r, m), and one gradient; GPipe and the
+    schedules run from an action list (interleaved 1F1B, ZB-V) wait for their sends at the end of the step (GPipe
+    its forward's after the last forward, when every output is still kept for its backward anyway): m of each."""
+    if dims.pp == 1:
+        return 0.0
+    hidden = BYTES_PER_VALUE * tokens * config.model.d_model / (dims.tp if config.parallel.sequence_parallel else 1)
+    last = dims.pp * config.parallel.pp_stages_per_rank - 1
+    microbatches = dims.microbatches
+    if config.parallel.pp_schedule == "1f1b":
+        outputs = sum(min(dims.pp - stage, microbatches) for stage in stages if stage < last)
+        gradients = sum(stage > 0 for stage in stages)
+    else:
+        outputs = microbatches * sum(stage < last for stage in stages)
+        gradients = microbatches * sum(stage > 0 for stage in stages)
+    return hidden * (outputs + gradients)
+
+
+def expert_exchange_bytes(config: Config, dims: ParallelDims, tokens: int, moe_layers: int) -> float:
+    """Expert parallelism's all-to-all buffers (:mod:`xscale.parallel.expert.plan`) on a rank running ``moe_layers``
+    MoE layers, one layer's at a time: the dispatch receives the routed tokens (R rows of d), the combine receives
+    their outputs (R rows), one buffer per direction, 2 R d x 4 bytes (fp32 hidden states) in the forward, as many
+    gradients in the backward. R = tokens x k x capacity factor (experts_per_token, the capacity the router pads
+    each expert to; balanced load: what a rank sends, it receives); 0 without ep or MoE layers."""
+    if dims.ep == 1 or moe_layers == 0:
+        return 0.0
+    routed = tokens * experts_per_token(config.model.moe) * capacity_share(config)
+    return 2 * routed * config.model.d_model * BYTES_PER_VALUE
 
 
 def accumulated_backward_bytes(microbatches: int, in_flight: int, held: float, transient: float, gradients: float,

@@ -9,7 +9,8 @@ for a decoder block's cross-attention.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 from xscale.config.schema import Config, ModelConfig
 from xscale.models import build_model
@@ -51,6 +52,23 @@ class BlockShape:
 
 
 @dataclass(frozen=True)
+class OutsideBlocks:
+    """Parameters outside the blocks, by where a pipeline stage keeps them (:meth:`Transformer.keep_layers
+    <xscale.models.transformer.Transformer.keep_layers>`, :meth:`Stack.keep <xscale.models.stacks.stack.Stack.keep>`):
+    ``embedding`` (with its norm) on a stage that starts a stack; per stack (the encoder or only stack, then an
+    encoder-decoder's decoder) an absolute position table where it ``starts``, its final norm where it ``ends``, the
+    rest (a relative position table) ``anywhere`` it runs; the ``head`` (head transform, untied output, classifier,
+    exits, objective head) where the last stack ends, with a copy of a tied embedding when that stage embeds
+    nothing."""
+
+    embedding: int = 0
+    starts: tuple[int, ...] = (0, 0)
+    ends: tuple[int, ...] = (0, 0)
+    anywhere: tuple[int, ...] = (0, 0)
+    head: int = 0
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """The model as the cost model sees it (module docstring); ``embedding`` the token table, ``head`` the output
     projection's weights (a tied head's too: it is a matmul), ``outside`` final norms and head transform,
@@ -66,6 +84,15 @@ class ModelShape:
     total_parameters: int
     expert_parameters: int
     model_flops_per_token: float
+    outside_blocks: OutsideBlocks = OutsideBlocks()
+    memo: dict = field(default_factory=dict, compare=False, repr=False)  # what the search asks again and again
+
+    def distinct_blocks(self, blocks: tuple[int, ...]) -> tuple[tuple[BlockShape, int], ...]:
+        """The distinct shapes among ``blocks`` with how many of them each (a rank's sums, done once per shape)."""
+        key = ("distinct", blocks)
+        if key not in self.memo:
+            self.memo[key] = tuple(Counter(self.blocks[index] for index in blocks).items())
+        return self.memo[key]
 
     @property
     def model(self) -> ModelConfig:
@@ -108,6 +135,7 @@ def model_shape(config: Config) -> ModelShape:
     layers = model.total_layers
     held, used, expert = [0] * layers, [0.0] * layers, [0] * layers
     outside = largest = 0
+    kept = _OutsideCounter(meta)
     for name, param in meta.named_parameters():
         largest = max(largest, param.numel())
         parts = name.split(".")
@@ -117,7 +145,9 @@ def model_shape(config: Config) -> ModelShape:
             held[index] += param.numel()
             used[index] += param.numel() * (share if is_expert else 1.0)
             expert[index] += param.numel() if is_expert else 0
-        elif name != "embedding.weight" and not name.startswith("output.") and ".position." not in name:
+            continue
+        kept.add(name, param.numel())
+        if name != "embedding.weight" and not name.startswith("output.") and ".position." not in name:
             outside += param.numel()
     if model.share_layers:  # one block run at every depth: each depth costs the first block's FLOPs
         used = [used[0] if index < model.n_layers else used[model.n_layers] for index in range(layers)]
@@ -130,4 +160,38 @@ def model_shape(config: Config) -> ModelShape:
     head = model.vocab_size * model.d_model if model.num_classes == 0 else model.num_classes * model.d_model
     flops = 6.0 * count.matmul_per_token + 12.0 * layers * seq * model.d_model
     return ModelShape(config, blocks, model.vocab_size * model.d_model, head, outside, count.tied_head > 0, largest,
-                      count.total, count.expert, flops)
+                      count.total, count.expert, flops, kept.counts())
+
+
+HEAD_MODULES = ("head_transform", "output", "classifier", "exits", "objective_head")
+
+
+class _OutsideCounter:
+    """Sums the parameters outside the blocks into :class:`OutsideBlocks`, by their module's name."""
+
+    def __init__(self, meta) -> None:
+        stacks = [getattr(meta, name, None) for name in ("stack", "decoder")]
+        self.adds_to_input = {name: stack is not None and stack.position is not None and stack.position.adds_to_input
+                              for name, stack in zip(("stack", "decoder"), stacks)}
+        self.embedding = self.head = 0
+        self.starts, self.ends, self.anywhere = [0, 0], [0, 0], [0, 0]
+
+    def add(self, name: str, count: int) -> None:
+        parts = name.split(".")
+        if parts[0] in ("embedding", "embedding_norm"):
+            self.embedding += count
+        elif parts[0] in HEAD_MODULES:
+            self.head += count
+        elif parts[0] in ("stack", "decoder"):
+            index = 0 if parts[0] == "stack" else 1
+            if parts[1] == "final_norm":
+                self.ends[index] += count
+            elif parts[1] == "position" and self.adds_to_input[parts[0]]:
+                self.starts[index] += count
+            else:
+                self.anywhere[index] += count
+        else:  # a module of the model that no stage deletes
+            self.anywhere[0] += count
+
+    def counts(self) -> OutsideBlocks:
+        return OutsideBlocks(self.embedding, tuple(self.starts), tuple(self.ends), tuple(self.anywhere), self.head)

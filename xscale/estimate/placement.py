@@ -1,6 +1,7 @@
 """Where a layout puts the model: each pp rank's blocks (the pipeline's own cost-balanced split,
 :func:`xscale.parallel.pipeline.cost.stage_layers`, placed by the schedule) and which rank holds the embedding and
-the head; the parameters each rank holds."""
+the head; the parameters each rank holds, stage by stage as :func:`xscale.parallel.pipeline.stages.cut_stage`
+keeps them (:class:`~xscale.estimate.model_shape.OutsideBlocks`)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,18 @@ from xscale.parallel.pipeline.cost import stage_layers
 @dataclass(frozen=True)
 class Placement:
     """Blocks of each pp rank (its stages' blocks, in order), the rank of the first stage (embedding) and of the
-    last (head)."""
+    last (head); ``stages``: each stage's (rank, blocks) in stage order (empty: one stage per rank)."""
 
     rank_blocks: tuple[tuple[int, ...], ...]
     embedding_rank: int = 0
     head_rank: int = 0
+    stages: tuple[tuple[int, tuple[int, ...]], ...] = ()
+
+    def rank_stages(self, rank: int) -> list[tuple[int, ...]]:
+        """The blocks of each stage that pp rank ``rank`` runs."""
+        if not self.stages:
+            return [self.rank_blocks[rank]]
+        return [blocks for holder, blocks in self.stages if holder == rank]
 
 
 def placement(config: Config, layers: list[list[int]] | None = None) -> Placement:
@@ -35,19 +43,47 @@ def placement(config: Config, layers: list[list[int]] | None = None) -> Placemen
     per_rank: list[list[int]] = [[] for _ in range(parallel.pp)]
     for stage, held in enumerate(layers):
         per_rank[ranks[stage]].extend(held)
-    return Placement(tuple(tuple(blocks) for blocks in per_rank), ranks[0], ranks[-1])
+    return Placement(tuple(tuple(blocks) for blocks in per_rank), ranks[0], ranks[-1],
+                     tuple((ranks[stage], tuple(held)) for stage, held in enumerate(layers)))
+
+
+def stage_parameters(shape: ModelShape, blocks: tuple[int, ...]) -> tuple[int, int]:
+    """(parameters, expert parameters) of the stage running ``blocks`` (consecutive): its blocks (under
+    ``share_layers`` the one block of each stack it runs), and what :class:`~xscale.estimate.model_shape.OutsideBlocks`
+    says a stage with those ends keeps."""
+    key = ("stage parameters", blocks)
+    if key not in shape.memo:
+        shape.memo[key] = _stage_parameters(shape, blocks)
+    return shape.memo[key]
+
+
+def _stage_parameters(shape: ModelShape, blocks: tuple[int, ...]) -> tuple[int, int]:
+    model, outside = shape.model, shape.outside_blocks
+    stacks = ((0, model.n_layers), (model.n_layers, model.total_layers)) if model.family == "encoder_decoder" else (
+        (0, model.total_layers),)
+    total = expert = 0
+    embeds = False
+    for index, (first, stop) in enumerate(stacks):
+        mine = [block for block in blocks if first <= block < stop]
+        if not mine:
+            continue
+        for block in ([first] if model.share_layers else mine):
+            total, expert = total + shape.blocks[block].held, expert + shape.blocks[block].expert
+        total += outside.anywhere[index]
+        if mine[0] == first:
+            total, embeds = total + outside.starts[index], True
+        if mine[-1] == stop - 1:
+            total += outside.ends[index]
+    if embeds:
+        total += outside.embedding
+    if blocks and blocks[-1] == model.total_layers - 1:
+        total += outside.head + (shape.embedding if shape.tied and not embeds else 0)
+    return total, expert
 
 
 def rank_parameters(shape: ModelShape, where: Placement, rank: int) -> tuple[int, int]:
-    """(parameters, expert parameters) the pp rank holds before tp/ep sharding: its blocks, the embedding on the
-    first stage's rank, the final norms and the head on the last's (a tied head a copy of its own when another rank
-    holds the embedding, as :func:`xscale.estimate.memory.pipeline_rank_parameters` counts)."""
-    blocks = [shape.blocks[index] for index in where.rank_blocks[rank]]
-    total, expert = sum(block.held for block in blocks), sum(block.expert for block in blocks)
-    if rank == where.embedding_rank:
-        total += shape.embedding
-    if rank == where.head_rank:
-        total += shape.outside
-        if not shape.tied or rank != where.embedding_rank:
-            total += shape.head
-    return total, expert
+    """(parameters, expert parameters) the pp rank holds before tp/ep sharding: the sum over its stages of
+    :func:`stage_parameters` (a rank of a V or looped schedule holding the first and the last stage holds the
+    embedding and the tied head's copy both, as :func:`xscale.estimate.memory.pipeline_rank_parameters` counts)."""
+    counts = [stage_parameters(shape, blocks) for blocks in where.rank_stages(rank)]
+    return sum(total for total, _ in counts), sum(expert for _, expert in counts)

@@ -123,14 +123,14 @@ def microbatch_times(shape: ModelShape, cluster: Cluster, layout: Layout, blocks
     expert_rate = peak * cluster.efficiency(min(expert_rows, model.d_model))
     gemms = attention = 0.0
     stored = tokens / (layout.micro_batch * shape.seq_len) / (layout.tp if layout.sequence_parallel else 1)
-    for index in blocks:
-        block = shape.blocks[index]
+    for block, count in shape.distinct_blocks(blocks):
         moved = block_activation_bytes(shape, block, layout.micro_batch, "none") * stored
-        gemms += (elementwise_forward_seconds(cluster, moved) + block_dispatch_forward_seconds(cluster)) / share
-        gemms += 2 * tokens * (block.used - block.expert_used) / layout.tp / dense_rate
-        gemms += 2 * tokens * block.expert_used / expert_rate if block.expert_used else 0.0
+        gemm = (elementwise_forward_seconds(cluster, moved) + block_dispatch_forward_seconds(cluster)) / share
+        gemm += 2 * tokens * (block.used - block.expert_used) / layout.tp / dense_rate
+        gemm += 2 * tokens * block.expert_used / expert_rate if block.expert_used else 0.0
         keys = block.keys + block.cross_keys
-        attention += 4 * tokens * keys * model.d_model / layout.tp / (
+        gemms += count * gemm
+        attention += count * 4 * tokens * keys * model.d_model / layout.tp / (
             peak * cluster.efficiency(min(model.head_dim, keys)))
     head = 0.0
     if holds_head:
