@@ -21,6 +21,8 @@ def _validate(*overrides: str) -> None:
      r"lite under parallel.tp=2 gives each rank its channels .* make model.block.options.conv_heads=1 a multiple of 2"),
     (["model.block=lite", "model.n_heads=2", "parallel.tp=2"],
      r"lite under parallel.tp=2 splits the attention half's n_heads/2=1 heads .* multiples of 4"),
+    (["model.block=lite", "parallel.cp=2"], r"model.block=lite does not take parallel.cp > 1: the convolution half"),
+    (["model.block=evolved", "parallel.cp=2"], r"model.block=evolved does not take parallel.cp > 1: the cell's 3x1"),
     (["model.block=gtrxl", "model.stack=reversible"], r"model.block=gtrxl does not take model.stack other than plain"),
     (["model.block=sandwich", "parallel.activation_checkpointing=selective"],
      r"does not take parallel.activation_checkpointing=selective: .* use parallel.activation_checkpointing=full"),

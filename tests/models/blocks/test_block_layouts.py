@@ -45,6 +45,8 @@ CASES = {
     "evolved": (["model.block=evolved"], "dp_shard=2,zero_stage=3,activation_checkpointing=selective"),
     "lite": (["model.block={kind: lite, options: {kernel_size: 3, conv_heads: 2}}"],
              "dp_shard=2,zero_stage=3,activation_checkpointing=full"),
+    "macaron-cp": (["model.block=macaron"], "cp=2"),  # the per-token kinds under cp (lite and evolved refuse it)
+    "gtrxl-cp": (["model.block=gtrxl"], "cp=2"),
     "delight": (DELIGHT, "dp_shard=2,zero_stage=3,activation_checkpointing=full"),
     "delight-pp-cp": (DELIGHT, "pp=2,cp=2,microbatches=4"),
     "admin-tp": (["model.norm=layernorm", "model.norm_placement=post", "model.init=admin"],

@@ -15,6 +15,7 @@ from xscale.models.registry import ATTENTION, BLOCK
 # trait -> (whether the config sets it, the setting in words, how to lift the refusal)
 SETTINGS: dict[str, tuple[Callable[[Config], bool], str, str]] = {
     "tp": (lambda config: config.parallel.tp > 1, "parallel.tp > 1", "set parallel.tp=1"),
+    "cp": (lambda config: config.parallel.cp > 1, "parallel.cp > 1", "set parallel.cp=1"),
     "selective_checkpointing": (lambda config: config.parallel.activation_checkpointing == "selective",
                                 "parallel.activation_checkpointing=selective",
                                 "set parallel.activation_checkpointing=full or none"),

@@ -101,7 +101,9 @@ class EvolvedBlock(TransformerBlock):
 
     block_traits = BlockTraits(
         other_stacks=OWN_ORDER,
-        segment_memory=Refusal("the cell's convolutions would need the previous segment's inputs too"))
+        segment_memory=Refusal("the cell's convolutions would need the previous segment's inputs too"),
+        cp=Refusal("the cell's 3x1 and 9x1 convolutions read neighbouring tokens, which context parallelism puts on "
+                   "another rank (no halo exchange is built: a cp=2 run differed from one process)"))
 
     @classmethod
     def residual_names(cls, cross: bool) -> tuple[str, ...]:

@@ -22,9 +22,12 @@ class BlockTraits:
     ``selective_checkpointing``: ``parallel.activation_checkpointing=selective`` (it wraps ``attention.sublayer``'s
     core); ``other_stacks``: a ``model.stack`` other than plain (reversible, act and funnel run a block's parts
     themselves); ``encoder_decoder``: cross-attention blocks; ``segment_memory``: Transformer-XL's memory;
-    ``carried_scores``: RealFormer's residual attention scores; ``share_layers``: one block at every depth."""
+    ``carried_scores``: RealFormer's residual attention scores; ``share_layers``: one block at every depth;
+    ``cp``: ``parallel.cp > 1`` (each rank holds a slice of the sequence: a kind that mixes neighbouring tokens outside
+    its attention would read zeros at the slice's edges)."""
 
     tp: Refusal | None = None
+    cp: Refusal | None = None
     selective_checkpointing: Refusal | None = None
     other_stacks: Refusal | None = None
     encoder_decoder: Refusal | None = None

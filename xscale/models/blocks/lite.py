@@ -127,7 +127,9 @@ class LiteBlock(TransformerBlock):
         selective_checkpointing=Refusal("selective recomputation wraps an attention core, and LSRA's sits one "
                                         "module deeper; use parallel.activation_checkpointing=full"),
         segment_memory=Refusal("Transformer-XL's memory would need the convolution's past inputs too"),
-        carried_scores=Refusal("LSRA returns one tensor, not RealFormer's scores beside it"))
+        carried_scores=Refusal("LSRA returns one tensor, not RealFormer's scores beside it"),
+        cp=Refusal("the convolution half reads kernel_size neighbouring tokens, which context parallelism puts on "
+                   "another rank (no halo exchange is built: a cp=2 run differed from one process by 1%)"))
 
     def self_attention(self, config: ModelConfig, layer_index: int, **kwargs) -> nn.Module:
         return LongShortRangeAttention(config, layer_index, self.options or LiteOptions(), **kwargs)
