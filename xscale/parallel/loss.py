@@ -16,6 +16,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from xscale.config.schema import ModelConfig
+from xscale.models.stacks import stack_loss_positions
 from xscale.ops import cross_entropy_sum, linear_cross_entropy_sum
 from xscale.parallel.tensor.vocab_parallel import vocab_sharded_loss_sum
 from xscale.runtime import StepContext
@@ -69,8 +71,10 @@ def model_loss_sum(model: nn.Module, batch: Batch, context: StepContext | None =
         return objective_loss_sum(model, head, batch, context)
     hidden = model(batch["input_ids"], decoder_input_ids=batch.get("decoder_input_ids"), context=context,
                    project=False)
-    # A stack whose output holds the last positions only (Perceiver AR) is read against their labels.
-    labels = batch["labels"][:, -hidden.shape[1]:]
+    # A stack whose output holds the last positions only (Perceiver AR, which refuses tp, sp and cp) is read against
+    # their labels; any other output is the whole (or, under sequence parallelism, a shard of the) sequence.
+    positions = stack_loss_positions(model.config) if isinstance(getattr(model, "config", None), ModelConfig) else 0
+    labels = batch["labels"][:, -positions:] if positions else batch["labels"]
     return token_loss_sum(hidden, model.output, labels, model.kernels)
 
 

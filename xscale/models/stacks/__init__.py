@@ -32,11 +32,16 @@ def extra_blocks(model: ModelConfig) -> int:
     return 0 if model.share_layers else variant.extra_blocks(model, options)
 
 
+def stack_loss_positions(model: ModelConfig) -> int:
+    """How many last positions the stack's output holds (:meth:`Stack.loss_positions`; 0: every one)."""
+    variant, options = stack_variant(model)
+    return variant.loss_positions(model, options)
+
+
 def label_loss_positions(model: ModelConfig, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``batch`` with the labels the stack's output does not reach set to -100 (no loss), where it holds the last
     positions only (:meth:`Stack.loss_positions`, Perceiver AR's), so the labelled-token count is the loss's."""
-    variant, options = stack_variant(model)
-    positions = variant.loss_positions(model, options)
+    positions = stack_loss_positions(model)
     labels = batch.get("labels")
     if not positions or labels is None or labels.dim() < 2 or labels.shape[1] <= positions:
         return batch
