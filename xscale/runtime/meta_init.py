@@ -13,12 +13,18 @@ from torch.overrides import TorchFunctionMode
 
 
 class skip_meta_init(TorchFunctionMode):  # noqa: N801  (used as a context manager, like torch.device)
-    """Inside it, ``torch.nn.init``'s functions and ``Tensor.normal_`` return a meta tensor untouched."""
+    """Inside it, ``torch.nn.init``'s in-place functions and ``Tensor.normal_`` return a meta tensor untouched."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tensor = args[0] if args else kwargs.get("tensor")  # torch.nn.init passes it by name
-        if (isinstance(tensor, torch.Tensor) and tensor.is_meta
-                and (getattr(func, "__module__", None) == "torch.nn.init" or func is torch.Tensor.normal_)):
+        if isinstance(tensor, torch.Tensor) and tensor.is_meta and (func is torch.Tensor.normal_ or _initialises(func)):
             return tensor
         return func(*args, **kwargs)
+
+
+def _initialises(func) -> bool:
+    """One of ``torch.nn.init``'s in-place initialisers (``normal_``, ``kaiming_uniform_``, ...), which return the
+    tensor they fill."""
+    name = getattr(func, "__name__", "")
+    return getattr(func, "__module__", None) == "torch.nn.init" and name.endswith("_") and not name.startswith("_")
