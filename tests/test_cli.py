@@ -216,10 +216,11 @@ def test_light_commands_start_without_dynamo_deepspeed_or_transformers():
 # The commands of a run: importing them and the default config's set-up (its model built and initialised, a forward
 # and backward, xscale inspect) load nothing only some runs need: torch._dynamo (torch.compile; also imported by the
 # two below), torch's pipelining (parallel.pp > 1), MemTracker (inspect --measure), DeepSpeed, transformers (Hugging
-# Face in or out). torch's own optimizer imports torch._dynamo when built, so a training run still loads it there.
+# Face in or out), rich (preprocessing's progress bar). torch's own optimizer imports torch._dynamo when built, so a
+# training run still loads it there.
 RUN_COMMANDS = ("train", "inspect", "eval", "plan")
 ONLY_SOME_RUNS = ("torch._dynamo", "torch.distributed.pipelining", "torch.distributed._tools.mem_tracker", "deepspeed",
-                  "transformers")
+                  "transformers", "rich")
 
 
 def test_a_default_run_sets_up_without_what_only_some_runs_need():
