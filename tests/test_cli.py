@@ -213,6 +213,34 @@ def test_light_commands_start_without_dynamo_deepspeed_or_transformers():
     assert result.stdout.strip() == "[]", f"importing the light commands loaded {result.stdout.strip()}"
 
 
+# The commands of a run: importing them and the default config's set-up (its model built and initialised, a forward
+# and backward, xscale inspect) load nothing only some runs need: torch._dynamo (torch.compile; also imported by the
+# two below), torch's pipelining (parallel.pp > 1), MemTracker (inspect --measure), DeepSpeed, transformers (Hugging
+# Face in or out), rich (preprocessing's progress bar). torch's own optimizer imports torch._dynamo when built, so a
+# training run still loads it there.
+RUN_COMMANDS = ("train", "inspect", "eval", "plan")
+ONLY_SOME_RUNS = ("torch._dynamo", "torch.distributed.pipelining", "torch.distributed._tools.mem_tracker", "deepspeed",
+                  "transformers", "rich")
+
+
+def test_a_default_run_sets_up_without_what_only_some_runs_need():
+    modules = ", ".join(f"xscale.commands.{name}" for name in RUN_COMMANDS)
+    code = (f"import contextlib, io, sys, torch, xscale.cli, {modules}\n"
+            "from xscale.config.load import load_config\n"
+            "from xscale.parallel.checks import resolve_layout\n"
+            "from xscale.parallel.parallelize import parallelize\n"
+            "from xscale.train.step import forward_backward_step\n"
+            "dims, config = resolve_layout(load_config(None, ['model.vocab_size=512']), 1)\n"
+            "ids = torch.randint(0, 512, (2, 16))\n"
+            "forward_backward_step(parallelize(config, dims, None, torch.device('cpu')), {'input_ids': ids, 'labels': ids})\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    assert xscale.cli.main(['inspect']) == 0\n"
+            f"print(sorted(name for name in {ONLY_SOME_RUNS} if name in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=ENV)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]", f"a default run's set-up loaded {result.stdout.strip()}"
+
+
 @pytest.mark.parametrize("argv, title, entries", [
     (["--help"], "commands", {name: text for name, (_, _, text) in COMMANDS.items()}),
     (["data", "--help"], "tools", {name: text for name, (_, text) in TOOLS.items()}),

@@ -4,6 +4,7 @@ microbatch count (set, or resolved to the fewest the schedule runs)."""
 from __future__ import annotations
 
 import pytest
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from xscale.config.load import load_config
 from xscale.config.schema import (
@@ -15,7 +16,7 @@ from xscale.config.schema import (
     TrainConfig,
 )
 from xscale.parallel.checks import resolve_dims, resolve_layout
-from xscale.parallel.pipeline import check_pipeline, resolve_microbatches, split_layers
+from xscale.parallel.pipeline import SCHEDULES, check_pipeline, resolve_microbatches, split_layers
 
 
 def decoder_config(n_layers: int) -> ModelConfig:
@@ -190,3 +191,10 @@ def test_split_layers() -> None:
     assert split_layers(4, 2, [1, 3]) == [[0], [1, 2, 3]]
     with pytest.raises(ConfigError, match="cannot fill 3 pipeline stages"):
         split_layers(2, 3, None)
+
+
+def test_every_schedule_names_a_torch_schedule_of_its_stage_count():
+    """SCHEDULES names torch's classes (imported when a schedule is built): each name is torch's, one-stage schedules
+    are PipelineScheduleSingle's and the others PipelineScheduleMulti's."""
+    for name, spec in SCHEDULES.items():
+        assert issubclass(spec.cls, PipelineScheduleSingle if spec.single_stage else PipelineScheduleMulti), name

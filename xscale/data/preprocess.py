@@ -14,8 +14,6 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
-from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
 from xscale.data.indexed import write_indexed
 from xscale.data.load_tokenizer import load_tokenizer
@@ -67,6 +65,10 @@ def tokenize_to_indexed(documents: Iterable[str], tokenizer_path: str | os.PathL
     output = str(output)
     temporary = f"{output}.tmp-{os.getpid()}"
     counts = {"documents": 0, "tokens": 0}
+    # imported here: rich is the progress bar's alone, and this module is imported by every command that reads data
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
     bar = Progress(TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TextColumn("{task.fields[docs]} docs"),
                    TimeRemainingColumn(), console=Console(stderr=True), disable=progress_total is None)
 

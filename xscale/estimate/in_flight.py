@@ -18,7 +18,7 @@ import dataclasses
 
 from xscale.config.schema import Config
 from xscale.estimate.memory import microbatches_in_flight
-from xscale.parallel.pipeline.schedules import SCHEDULES, resolve_microbatches
+from xscale.parallel.pipeline.schedules import resolve_microbatches
 from xscale.parallel.pipeline.torch_actions import ComputationType, rank_actions
 
 FREES = {ComputationType.FULL_BACKWARD, ComputationType.BACKWARD_WEIGHT}
@@ -28,8 +28,7 @@ def schedule_actions(config: Config, pp: int) -> dict[int, list] | None:
     """Each rank's actions (stage, computation, microbatch) of a multi-stage schedule
     (:func:`~xscale.parallel.pipeline.torch_actions.rank_actions`); None for a one-stage schedule."""
     microbatches = config.parallel.microbatches or resolve_microbatches(config)
-    return rank_actions(SCHEDULES[config.parallel.pp_schedule].cls, pp, config.parallel.pp_stages_per_rank,
-                        microbatches)
+    return rank_actions(config.parallel.pp_schedule, pp, config.parallel.pp_stages_per_rank, microbatches)
 
 
 def blocks_in_flight(config: Config, pp: int, stage_ranks: list[int], layers: list[list[int]]) -> list[float]:

@@ -31,17 +31,16 @@ set of two real steps of ``configs/tiny-gpt.yaml`` (tests/commands/test_inspect.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 
-from xscale.config.schema import Config, TrainConfig
+from xscale.config.schema import Config
 from xscale.estimate.in_flight import blocks_in_flight
 from xscale.estimate.memory import (
     OPTIMIZER_VALUES,
@@ -63,12 +62,13 @@ from xscale.estimate.memory import (
     unit_sizes,
     vocab_parallel_loss_bytes,
 )
+from xscale.estimate.step_runner import StepRunner
 from xscale.models import build_model
 from xscale.models.parameters import count_parameters
 from xscale.parallel.activation import apply_activation_checkpointing
 from xscale.parallel.checks import resolve_layout
 from xscale.parallel.dims import ParallelDims
-from xscale.parallel.model import Batch, ParallelModel
+from xscale.parallel.model import ParallelModel
 from xscale.parallel.parallelize import micro_batch_size
 from xscale.parallel.pipeline import SCHEDULES
 from xscale.parallel.pipeline.cost import stage_layers
@@ -80,15 +80,6 @@ GIB = 1024**3
 
 class MeasureError(ValueError):
     """The step cannot run on fake tensors (an op whose output shape depends on the data, as MoE dispatch)."""
-
-
-@dataclass(frozen=True)
-class StepRunner:
-    """The training step a measurement runs, passed in by the caller (the train layer's is
-    :data:`xscale.train.step.TRAINING_STEP`): the model's optimizer, and one forward and backward of a batch."""
-
-    optimizer: Callable[[ParallelModel, TrainConfig], torch.optim.Optimizer]
-    forward_backward: Callable[[ParallelModel, Batch], torch.Tensor]
 
 
 @dataclass
@@ -138,10 +129,11 @@ def _batch(config: Config, rows: int) -> dict[str, torch.Tensor]:
     return batch
 
 
-class ActivationPeakTracker(MemTracker):
-    """A ``MemTracker`` that also keeps the highest sum, after any op, of what is not model state (activations,
-    temporaries, other), and the highest sum of that and the gradients alive at the time (``joint_peak``), with its
-    two parts: backward frees activations as it makes gradients, so the peak of both is not the sum of their peaks."""
+class ActivationPeaks:
+    """Put on torch's ``MemTracker`` (:func:`activation_peak_tracker_class`): a tracker that also keeps the highest
+    sum, after any op, of what is not model state (activations, temporaries, other), and the highest sum of that and
+    the gradients alive at the time (``joint_peak``), with its two parts: backward frees activations as it makes
+    gradients, so the peak of both is not the sum of their peaks."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -163,6 +155,15 @@ class ActivationPeakTracker(MemTracker):
                 self.gradient_fraction_at_joint_peak = gradients / max(by_kind.get("Parameter", 0), 1)
 
 
+@functools.cache
+def activation_peak_tracker_class() -> type:
+    """:class:`ActivationPeaks` on torch's ``MemTracker``, whose module loads ``torch._dynamo`` (seconds of every
+    start-up): imported when a step is first measured, not by the commands that import this module."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    return type("ActivationPeakTracker", (ActivationPeaks, MemTracker), {})
+
+
 def measured_activation_bytes(config: Config, micro_batch: int, step: StepRunner) -> float:
     """Peak bytes of activations and temporaries of one training step of ``micro_batch`` sequences of
     ``train.seq_len`` tokens on the single-device model, measured on fake tensors (module docstring)."""
@@ -180,7 +181,7 @@ _MEASURED: dict[tuple[str, int, int], tuple[float, float, float]] = {}
 
 
 def measured_step(config: Config, micro_batch: int, step: StepRunner) -> tuple[float, float, float]:
-    """At the peak of activations plus gradients of one forward and backward (:class:`ActivationPeakTracker`):
+    """At the peak of activations plus gradients of one forward and backward (:class:`ActivationPeaks`):
     the bytes of activations and temporaries, and the share of the parameters that have a gradient by then; third,
     the peak of the activations and temporaries alone."""
     key = (repr((config.model, config.train, config.parallel.activation_checkpointing)), micro_batch, id(step))
@@ -191,11 +192,12 @@ def measured_step(config: Config, micro_batch: int, step: StepRunner) -> tuple[f
 
 def _measure_step(config: Config, micro_batch: int, step: StepRunner) -> tuple[float, float, float]:
     autocast = torch.bfloat16 if config.train.precision == "bf16" else None
+    tracker_class = activation_peak_tracker_class()  # imported before fake tensors are on
     with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()):
         model = _fake_model(config)
         parallel = ParallelModel([model], micro_batch_size=micro_batch, autocast_dtype=autocast)
         optimizer = step.optimizer(parallel, config.train)
-        tracker = ActivationPeakTracker()
+        tracker = tracker_class()
         tracker.track_external(model, optimizer)
         try:
             with tracker:  # the optimizer step's temporaries are a formula of their own (step_temporary_bytes)

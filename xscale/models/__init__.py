@@ -9,6 +9,7 @@ import xscale.models.zoo  # noqa: F401  (every component registers itself)
 from xscale.config.schema import ConfigError, ModelConfig
 from xscale.models.init import init_weights
 from xscale.models.transformer import Transformer
+from xscale.runtime.meta_init import skip_meta_init
 
 
 def build_model(config: ModelConfig, device: torch.device | str = "cpu", seed: int = 0,
@@ -17,7 +18,7 @@ def build_model(config: ModelConfig, device: torch.device | str = "cpu", seed: i
     if config.vocab_size == 0 and config.input == "tokens":
         raise ConfigError("model.vocab_size=0 (automatic) takes the tokenizer's vocabulary when xscale builds the "
                           "run's data; with a Dataset of your own (or a model built directly) set model.vocab_size")
-    with torch.device("meta"):
+    with torch.device("meta"), skip_meta_init():  # initialised below, once materialised
         model = Transformer(config)
     if materialize:
         model.to_empty(device=device)

@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 
 from xscale.config.schema import TrainConfig
-from xscale.estimate.measure import StepRunner
+from xscale.estimate.step_runner import StepRunner
 from xscale.parallel.data.grad_norm import clip_gradients
 from xscale.parallel.loss import model_inputs, model_loss_sum, prediction_counts
 from xscale.parallel.model import Batch, ParallelModel

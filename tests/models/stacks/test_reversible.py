@@ -7,7 +7,7 @@ import torch
 
 from xscale.config.load import load_config_from_cli
 from xscale.config.schema import Config, ConfigError, ModelConfig
-from xscale.estimate.measure import ActivationPeakTracker
+from xscale.estimate.measure import activation_peak_tracker_class
 from xscale.models import build_model
 from xscale.models.stacks import Stack
 from xscale.runtime import StepContext
@@ -96,7 +96,7 @@ def _activation_peak(n_layers: int, reversible: bool) -> int:
     torch.manual_seed(0)
     model = build_model(ModelConfig(vocab_size=32, d_model=16, n_heads=2, n_layers=n_layers, max_seq_len=32,
                                     ffn="gelu", stack="reversible" if reversible else "plain"))
-    tracker = ActivationPeakTracker()
+    tracker = activation_peak_tracker_class()()
     tracker.track_external(model)
     with tracker:
         model(torch.randint(0, 32, (2, 32))).logsumexp(-1).mean().backward()

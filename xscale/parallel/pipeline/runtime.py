@@ -12,10 +12,14 @@ has the batch). Under tensor parallelism (each stage split over ``tp`` before it
 sends the next is a plain local tensor: the microbatch's full hidden states, or under sequence parallelism this tp
 rank's sequence shard (B/m, T/tp, D), always to the same tp rank of the next stage, so PipelineStage infers the
 shapes from the first microbatch.
+
+``torch.distributed.pipelining`` is imported when the first schedule is built (:func:`torch_stage_class`): it loads
+``torch._dynamo``, seconds of the start-up of every run, most of which have no pipeline.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -24,7 +28,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
 
 from xscale.config.schema import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from xscale.models.init import canonical_name
@@ -57,11 +60,11 @@ from xscale.parallel.pipeline.vocabulary_state import VocabularyRows
 from xscale.runtime import StepContext
 
 
-# The PipelineStage methods that compute (everything else a schedule does is communication or bookkeeping).
-class QuietMetadataStage(PipelineStage):
-    """A PipelineStage whose metadata-inference forward records no MoE routing statistics and leaves the stage's
-    buffers as they were (routing attention's centroids and pending statistics): before its first step torch runs
-    each stage once on the first microbatch (later stages: on uninitialised placeholders)."""
+class QuietMetadataStage:
+    """Put on torch's ``PipelineStage`` (:func:`torch_stage_class`): a stage whose metadata-inference forward records
+    no MoE routing statistics and leaves the stage's buffers as they were (routing attention's centroids and pending
+    statistics): before its first step torch runs each stage once on the first microbatch (later stages: on
+    uninitialised placeholders)."""
 
     def __init__(self, *args, pause_statistics: Callable[[], AbstractContextManager], **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -79,9 +82,10 @@ class QuietMetadataStage(PipelineStage):
 
 
 class MicrobatchStage(QuietMetadataStage):
-    """A stage whose forward of microbatch k, whatever order the schedule runs microbatches in, gets that
-    microbatch's context (dropout masks of its rows in the global batch, :mod:`xscale.models.dropout`; its token
-    ids for hash routing) and ``decoder_input_ids`` as keywords of the model's forward."""
+    """Put on torch's ``PipelineStage`` (:func:`torch_stage_class`): a stage whose forward of microbatch k, whatever
+    order the schedule runs microbatches in, gets that microbatch's context (dropout masks of its rows in the global
+    batch, :mod:`xscale.models.dropout`; its token ids for hash routing) and ``decoder_input_ids`` as keywords of the
+    model's forward."""
 
     _chunk = 0
 
@@ -137,6 +141,26 @@ class MicrobatchStage(QuietMetadataStage):
                 return (), None
             backward_type = "full"
         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+
+@functools.cache
+def torch_stage_class() -> type:
+    """:class:`MicrobatchStage` on torch's ``PipelineStage``, made when the first schedule is built (module docstring)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    return type("MicrobatchStage", (MicrobatchStage, PipelineStage), {})
+
+
+FORWARD_ACTIONS = ("F", "SEND_F", "RECV_F", "UNSHARD", "RESHARD")  # torch's _ComputationType values
+
+
+def keep_forward_actions(schedule) -> None:
+    """Drop every action of a multi-stage ``schedule`` but the forwards and their sends and receives
+    (:attr:`~xscale.parallel.pipeline.schedules.ScheduleSpec.eval_forward_only`)."""
+    schedule.pipeline_order_with_comms = {
+        rank: [action for action in actions if action.computation_type.value in FORWARD_ACTIONS]
+        for rank, actions in schedule.pipeline_order_with_comms.items()
+    }
 
 
 def pp_group(pp: DeviceMesh | dist.ProcessGroup) -> dist.ProcessGroup:
@@ -246,16 +270,19 @@ class PipelineSchedule:
         decoder_shape = tuple(batch["decoder_input_ids"].shape[1:]) if "decoder_input_ids" in batch else ()
         key = (training, rows, *batch["input_ids"].shape[1:], decoder_shape)
         if key not in self._schedules:
-            stages = [MicrobatchStage(module, index, self.num_stages, self.device, group=self.group,
-                                      pause_statistics=routing_groups.paused, schedule=self,
-                                      wrap_compute=self.wrap_compute)
+            stages = [torch_stage_class()(module, index, self.num_stages, self.device, group=self.group,
+                                          pause_statistics=routing_groups.paused, schedule=self,
+                                          wrap_compute=self.wrap_compute)
                       for module, index in zip(self.stages, self.stage_indices)]
             loss_fn = self._loss
             if self.wrap_compute is not None:
                 loss_fn = self.wrap_compute(loss_fn)
             kwargs = {"n_microbatches": self.microbatches, "loss_fn": loss_fn, "scale_grads": False}
-            cls = self.spec.cls if training else (self.spec.eval_cls or self.spec.cls)
-            self._schedules[key] = cls(stages[0], **kwargs) if self.spec.single_stage else cls(stages, **kwargs)
+            cls = self.spec.cls  # imports torch.distributed.pipelining (module docstring)
+            schedule = cls(stages[0], **kwargs) if self.spec.single_stage else cls(stages, **kwargs)
+            if not training and self.spec.eval_forward_only:
+                keep_forward_actions(schedule)
+            self._schedules[key] = schedule
         return self._schedules[key]
 
     def _run(self, batch: Batch, tokens: torch.Tensor, training: bool, routing_groups: RoutingGroups) -> torch.Tensor:

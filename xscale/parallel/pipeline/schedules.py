@@ -6,18 +6,14 @@ Schedules come from ``torch.distributed.pipelining``:
   interleaved_1f1b  several stages per rank, looped placement (Narayanan et al. 2021, sec. 2.2)
   zero_bubble       ZB-V: two stages per rank in a V, backward split into input and weight halves
                     that fill the bubble (Qi et al. 2024, sec. 6)
+
+The table names torch's classes: importing ``torch.distributed.pipelining`` loads ``torch._dynamo`` (seconds), so
+it is imported when a schedule is built (:attr:`ScheduleSpec.cls`), never by the checks and estimates every run makes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from torch.distributed.pipelining import (
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleZBVZeroBubble,
-)
 
 from xscale.config.schema import Config, ConfigError, ModelConfig
 from xscale.models.registry import ATTENTION
@@ -26,35 +22,20 @@ from xscale.parallel.pipeline.stages import pipeline_layers, split_layers
 from xscale.parallel.pipeline.vocabulary import every_shard_has_rows, vocabulary_rows
 
 
-class ForwardOnlyZBV(ScheduleZBVZeroBubble):
-    """ZB-V's action list without its backward half, for evaluation.
-
-    torch 2.13's runtime passes gradients between the two same-rank stages of the V even when the
-    schedule runs forward only (``eval``), and fails with "can't steal_bwd_input if this stage doesn't
-    have backward"; keeping only the forward actions and their sends/receives avoids it.
-    """
-
-    FORWARD_ACTIONS = ("F", "SEND_F", "RECV_F", "UNSHARD", "RESHARD")
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.pipeline_order_with_comms = {
-            rank: [action for action in actions if action.computation_type.value in self.FORWARD_ACTIONS]
-            for rank, actions in self.pipeline_order_with_comms.items()
-        }
-
-
 @dataclass(frozen=True)
 class ScheduleSpec:
     """A schedule name's class, how its stages sit on the ranks, and what it demands."""
 
-    cls: type
+    torch_class: str  # its class in torch.distributed.pipelining
     placement: str  # loop: stage s on rank s % pp; v: down the ranks and back up
     min_stages_per_rank: int
     max_stages_per_rank: int | None
     # 1F1B-style schedules start a backward before all forwards are in: every stage needs a microbatch.
     needs_microbatch_per_stage: bool
-    eval_cls: type | None = None
+    # torch 2.13's ZB-V passes gradients between the two same-rank stages of the V even when the schedule runs
+    # forward only (``eval``), and fails with "can't steal_bwd_input if this stage doesn't have backward": its
+    # evaluation keeps only the forward actions and their sends/receives (xscale.parallel.pipeline.runtime).
+    eval_forward_only: bool = False
     # The last stage runs each microbatch's backward right after its forward, once: the fused loss may then
     # compute its gradient in the forward (xscale.ops.chunked_cross_entropy). Not under GPipe (every forward's
     # gradient would wait for the backwards), nor ZB-V (its split backward runs the loss's backward twice).
@@ -62,6 +43,13 @@ class ScheduleSpec:
     # The backward runs in two halves (inputs, then weights) over one retained graph: compiled blocks must then keep
     # their saved buffers (AOTAutograd's buffer donation off), or the second half finds them freed.
     splits_backward: bool = False
+
+    @property
+    def cls(self) -> type:
+        """torch's schedule class, imported now (module docstring)."""
+        import torch.distributed.pipelining
+
+        return getattr(torch.distributed.pipelining, self.torch_class)
 
     @property
     def single_stage(self) -> bool:
@@ -77,11 +65,11 @@ class ScheduleSpec:
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {
-    "gpipe": ScheduleSpec(ScheduleGPipe, "loop", 1, 1, needs_microbatch_per_stage=False),
-    "1f1b": ScheduleSpec(Schedule1F1B, "loop", 1, 1, needs_microbatch_per_stage=True, loss_gradient_in_forward=True),
-    "interleaved_1f1b": ScheduleSpec(ScheduleInterleaved1F1B, "loop", 2, None, needs_microbatch_per_stage=True),
-    "zero_bubble": ScheduleSpec(ScheduleZBVZeroBubble, "v", 2, 2, needs_microbatch_per_stage=True,
-                                eval_cls=ForwardOnlyZBV, splits_backward=True),
+    "gpipe": ScheduleSpec("ScheduleGPipe", "loop", 1, 1, needs_microbatch_per_stage=False),
+    "1f1b": ScheduleSpec("Schedule1F1B", "loop", 1, 1, needs_microbatch_per_stage=True, loss_gradient_in_forward=True),
+    "interleaved_1f1b": ScheduleSpec("ScheduleInterleaved1F1B", "loop", 2, None, needs_microbatch_per_stage=True),
+    "zero_bubble": ScheduleSpec("ScheduleZBVZeroBubble", "v", 2, 2, needs_microbatch_per_stage=True,
+                                eval_forward_only=True, splits_backward=True),
 }
 
 
