@@ -50,6 +50,7 @@ VALID = {
     ("data.num_samples", "zero"): "0 is the synthetic task's default size",
     ("data.eval_fraction", "zero"): "no evaluation split",
     ("checkpoint.every", "zero"): "only the final checkpoint",
+    ("checkpoint.memory_every", "zero"): "no memory snapshots (off)",
     ("launch.gpus_per_node", "zero"): "CPU processes",
     ("launch.requeue_signal_seconds", "zero"): "no advance warning before the time limit (Slurm accepts @0)",
     ("parallel.dp_shard", "negative"): "-1: what the world size leaves (the default)",
