@@ -81,6 +81,8 @@ def _compile_blocks(model: nn.Module, config: Config) -> None:
     needs the compiled backwards to keep their saved buffers: AOTAutograd's donation of them is turned off."""
     if config.train.compile:
         if config.parallel.pp > 1 and SCHEDULES[config.parallel.pp_schedule].splits_backward:
+            import torch._functorch.config  # only a compiled run loads it (start-up: xscale/runtime/eager.py)
+
             torch._functorch.config.donated_buffer = False
         compile_blocks(model)
 
