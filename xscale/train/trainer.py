@@ -561,13 +561,13 @@ class Trainer:
                 if eval_every and self.step % eval_every == 0 and not stopping:
                     with watched("evaluation"):
                         scalars.update(self.evaluate())
-                if self.snapshots is not None and not stopping and self.step % self.config.checkpoint.memory_every == 0:
-                    with watched("memory snapshot"):  # before the step is logged: a logged step is in memory
-                        self.take_snapshot()
                 self.metrics.log(self.step, scalars)
                 if stopping:
                     self.stop_requested = True
                     break
+                if self.snapshots is not None and self.step % self.config.checkpoint.memory_every == 0:
+                    with watched("memory snapshot"):  # after the step is logged, as a disk save: no resumed step
+                        self.take_snapshot()           # goes unlogged (a kill in between recomputes it)
                 if every and self.step % every == 0 and self.step < train.steps:
                     with watched("checkpoint save"):
                         self.save()
