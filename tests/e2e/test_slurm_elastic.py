@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 
 import pytest
-from cluster_tools import TINY_CONFIG, Cluster, latest_step, losses_by_step, run
+from cluster_tools import TINY_CONFIG, Cluster, Job, latest_step, losses_by_step, run
 
 pytestmark = pytest.mark.cluster
 
@@ -22,9 +22,7 @@ LOST_NODE = "node2"
 
 def test_a_requeued_job_resumes_on_the_node_left_with_the_same_global_batch(cluster: Cluster, tmp_path: Path,
                                                                            single_process_run: Path):
-    job = cluster.submit([str(TINY_CONFIG), f"train.output_dir={tmp_path / 'run'}", "--nodes", "2",
-                          "--min-nodes", "1", "--nproc-per-node", "2", "--gpus-per-node", "0", "--partition",
-                          cluster.partition, "--time", "10", "--signal-seconds", "60"], cwd=tmp_path)
+    job = submit_elastic(cluster, tmp_path)
     cluster.wait_for(job, r"^step 2/20 ", timeout=JOB_TIMEOUT)
     run(["scontrol", "update", f"nodename={LOST_NODE}", "state=drain", "reason=xscale-elastic-test"], timeout=60,
         cwd=tmp_path)
@@ -50,9 +48,7 @@ def test_a_job_started_on_one_node_grows_back_to_two_when_the_node_returns(clust
     run(["scontrol", "update", f"nodename={LOST_NODE}", "state=drain", "reason=xscale-elastic-test"], timeout=60,
         cwd=tmp_path)
     try:  # Slurm starts the job on the one node it has (min 1); it comes back while the job runs
-        job = cluster.submit([str(TINY_CONFIG), f"train.output_dir={tmp_path / 'run'}", "--nodes", "2",
-                              "--min-nodes", "1", "--nproc-per-node", "2", "--gpus-per-node", "0", "--partition",
-                              cluster.partition, "--time", "10", "--signal-seconds", "60"], cwd=tmp_path)
+        job = submit_elastic(cluster, tmp_path)
         cluster.wait_for(job, r"^step 2/20 ", timeout=JOB_TIMEOUT)
     finally:
         run(["scontrol", "update", f"nodename={LOST_NODE}", "state=resume"], timeout=60, cwd=tmp_path)
@@ -67,6 +63,13 @@ def test_a_job_started_on_one_node_grows_back_to_two_when_the_node_returns(clust
     resumed_at = int(cluster.wait_for(job, r"resumed from \S+ at step (\d+)", timeout=1).group(1))
     assert 2 <= resumed_at < STEPS, output
     assert_same_losses_as_one_process(tmp_path / "run", single_process_run)
+
+
+def submit_elastic(cluster: Cluster, tmp_path: Path) -> Job:
+    """The tiny run as 2 nodes x 2 processes that may shrink to one node (``--min-nodes 1``)."""
+    return cluster.submit([str(TINY_CONFIG), f"train.output_dir={tmp_path / 'run'}", "--nodes", "2", "--min-nodes",
+                           "1", "--nproc-per-node", "2", "--gpus-per-node", "0", "--partition", cluster.partition,
+                           "--time", "10", "--signal-seconds", "60"], cwd=tmp_path)
 
 
 def assert_same_losses_as_one_process(run_dir: Path, single_process_run: Path) -> None:

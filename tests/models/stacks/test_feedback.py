@@ -26,15 +26,6 @@ def _model(**overrides):
     return build_model(config, seed=0)
 
 
-@pytest.fixture
-def one_thread():
-    """Each step's ops are on one token: on a busy machine the thread pool's overhead would dominate them."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _attend_by_hand(attention, query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """Multi-head softmax(q k^T / sqrt(d_h)) v of one query (B, D) over keys (B, S, D), then W_O."""
     heads = attention.n_heads
@@ -65,7 +56,7 @@ def _last_output_by_hand(stack, x: torch.Tensor) -> torch.Tensor:
     return h
 
 
-def test_each_position_matches_a_from_scratch_loop_over_its_prefix_outputs_and_gradients(one_thread) -> None:
+def test_each_position_matches_a_from_scratch_loop_over_its_prefix_outputs_and_gradients() -> None:
     stack = _model(n_layers=3).stack
     with torch.no_grad():
         stack.layer_weights.normal_()  # not near-uniform, so a wrong layer's weight shows
@@ -85,7 +76,7 @@ def test_each_position_matches_a_from_scratch_loop_over_its_prefix_outputs_and_g
             torch.testing.assert_close(grads[name], p.grad, msg=name)
 
 
-def test_changing_a_future_token_changes_no_earlier_output(one_thread) -> None:
+def test_changing_a_future_token_changes_no_earlier_output() -> None:
     model = _model()
     tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
     changed = tokens.clone()
@@ -95,7 +86,7 @@ def test_changing_a_future_token_changes_no_earlier_output(one_thread) -> None:
     assert not torch.allclose(before[:, 5:], after[:, 5:])
 
 
-def test_a_tiny_feedback_decoder_learns(one_thread) -> None:
+def test_a_tiny_feedback_decoder_learns() -> None:
     """The periodic task of test_components_train.py; each forward is 16 sequential steps of 2 blocks."""
     torch.manual_seed(0)
     model = _model(d_model=32, n_heads=4, ffn="swiglu", norm="rmsnorm", bias=False)
