@@ -11,12 +11,26 @@ lra.png under ``--out``. The defaults are the reduced size documented in docs/be
 
 from __future__ import annotations
 
-import csv
+import argparse
 import json
+import multiprocessing
 import statistics
 from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
+import torch
+
+from xscale.bench.contention import dedicated_seconds
+from xscale.bench.lra_table import (
+    CELLS_FILE,
+    append_cell,
+    cell_key,
+    finished_cells,
+    machine_kind,
+    write_table,
+)
 from xscale.bench.memory import peak_memory, reset_peak_memory
 from xscale.commands.parser import CommandParser
 from xscale.config.load import load_config_from_cli
@@ -26,7 +40,12 @@ from xscale.models.registry import ATTENTION
 from xscale.train.trainer import Trainer
 
 TASKS = ("listops", "retrieval", "pathfinder")
-CELLS_FILE = "cells.jsonl"  # one finished (task, kind) cell per line, with the size it ran at
+# The table's size (docs/benchmarks.md#lra-style-quality-table): every kind trains this encoder with this budget.
+DEFAULTS = {"seq_len": 256, "d_model": 64, "layers": 2, "heads": 4, "pooling": "mean", "steps": 600, "batch": 32,
+            "lr": 2e-3, "eval_batches": 16}
+# The kinds whose spread over seeds the table gives: dense and one of each family (sparse window, sparse with
+# global and random tokens, kernel, low-rank).
+SEED_KINDS = ("dense", "local", "bigbird", "performer", "linformer")
 PREFERRED_NAMES = ("dense", "local", "performer")  # the surveys' names, where a core has several
 VOCAB_SIZE = 272  # every task's vocabulary fits (the byte task's 262 tokens is the largest): one model size
 # Each task's difficulty at the reduced size (data.dataset.options of xscale.data.lra's generators), set so that dense
@@ -61,6 +80,16 @@ def task_settings(task: str) -> dict:
     return {**TASK_OPTIONS[task], **TASK_MODEL.get(task, {}), **steps}
 
 
+def task_text(task: str) -> str:
+    """What a task sets beyond the defaults, as ``key=value`` words (part of its cells' size)."""
+    return " ".join(f"{key}={value}" for key, value in task_settings(task).items())
+
+
+def cell_size(size: str, task: str) -> str:
+    """A cell's size: the sweep's ``size`` and what its task sets; a resumed sweep reuses a cell only at the same."""
+    return f"{size}; {task}: {text}" if (text := task_text(task)) else size
+
+
 def model_settings(task: str, args) -> dict[str, str]:
     """The task's position encoding and pooling (:data:`TASK_MODEL` over the defaults)."""
     return {"position": "learned", "pooling": args.pooling, **TASK_MODEL.get(task, {})}
@@ -78,8 +107,8 @@ def run_overrides(task: str, kind: str, args, out_dir: Path) -> list[str]:
             f"train.eval_batches={args.eval_batches}", f"data.num_samples={steps * args.batch}",
             f"data.eval_fraction={min(0.5, args.eval_batches * args.batch / (steps * args.batch))}",
             f"train.seed={args.seed}", "train.loggers=[jsonl]", "train.plot=false", "train.progress=false",
-            "train.watchdog=false", "train.peak_flops=1e12", "train.log_every=1", "checkpoint.resume=none",
-            f"train.output_dir={out_dir / f'{task}-{kind}'}"]
+            "train.watchdog=false", "train.peak_flops=1e12", "train.log_every=1", "train.eval_every=0", "checkpoint.resume=none",
+            f"train.output_dir={out_dir / f'{task}-{kind}-seed{args.seed}'}"]
 
 
 def majority_accuracy(dataset, count: int) -> float:
@@ -88,88 +117,65 @@ def majority_accuracy(dataset, count: int) -> float:
     return max(labels.values()) / sum(labels.values())
 
 
-def run_cell(task: str, kind: str, args, out_dir: Path) -> dict:
-    """Train and evaluate one cell; its memory is the peak of training above what the process held once the model
-    was built (:func:`~xscale.bench.memory.reset_peak_memory`), so cells run one after another in one process
-    do not inherit each other's peak."""
-    trainer = Trainer(load_config_from_cli(None, run_overrides(task, kind, args, out_dir)))
+def first_token_rule_accuracy(dataset, count: int) -> float:
+    """The accuracy of answering, for each first token, the most frequent label among the first ``count`` eval
+    examples that start with it: on ListOps the outer operator's most likely value (MAX: 9, MIN: 0, ...), which a
+    model gets without evaluating anything below the outer operator (26.6% against a majority of 12.8%)."""
+    labels: dict[int, Counter] = {}
+    for i in range(min(count, len(dataset))):
+        sample = dataset[i]
+        labels.setdefault(int(sample["input_ids"][0]), Counter())[int(sample["labels"])] += 1
+    return sum(counts.most_common(1)[0][1] for counts in labels.values()) / sum(map(Counter.total, labels.values()))
+
+
+def run_cell(task: str, kind: str, seed: int, args, out_dir: Path) -> dict:
+    """Train and evaluate one cell on this process's threads. Its memory is the peak of training above what the
+    process held once the model was built (:func:`~xscale.bench.memory.reset_peak_memory`), so cells run one after
+    another in one process do not inherit each other's peak. Its time per step is the training's seconds on a
+    dedicated core over its steps (:func:`~xscale.bench.contention.dedicated_seconds`: wall time less the thread's
+    run-queue waits, data generation and the final checkpoint included), so another job on the machine does not
+    inflate it; ``wall_step_seconds`` is the median wall-clock step beside it."""
+    overrides = run_overrides(task, kind, argparse.Namespace(**{**vars(args), "seed": seed}), out_dir)
+    trainer = Trainer(load_config_from_cli(None, overrides))
     baseline = reset_peak_memory(trainer.device.type)
-    trainer.fit()
+    _, dedicated = dedicated_seconds(trainer.fit)
     peak = peak_memory(trainer.device.type) - baseline
     scalars = trainer.evaluate()
     records = [json.loads(line) for line in (Path(trainer.config.train.output_dir) / "metrics.jsonl").open()]
     seconds = [r["perf/step_seconds"] for r in records if "perf/step_seconds" in r]
-    return {"task": task, "kind": kind, "accuracy": scalars["eval/accuracy"],
+    return {"task": task, "kind": kind, "seed": seed, "accuracy": scalars["eval/accuracy"],
             "majority": majority_accuracy(trainer.eval_dataset, args.eval_batches * args.batch),
-            "step_seconds": statistics.median(seconds) if seconds else float("nan"),
-            "memory_gb": peak / 2**30}
+            "first_token_rule": first_token_rule_accuracy(trainer.eval_dataset, args.eval_batches * args.batch),
+            "step_seconds": dedicated / trainer.config.train.steps,
+            "wall_step_seconds": statistics.median(seconds) if seconds else float("nan"),
+            "memory_gb": peak / 2**30, "threads": torch.get_num_threads(), "machine": machine_kind()}
 
 
-def finished_cells(path: Path, size: str) -> dict[tuple[str, str], dict]:
-    """The cells a previous (interrupted) sweep of the same ``size`` wrote to ``path``, by (task, kind)."""
-    if not path.is_file():
-        return {}
-    cells = {}
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short when the sweep was killed mid-write
-            continue
-        if isinstance(record, dict) and record.pop("size", None) == size:
-            cells[(record["task"], record["kind"])] = record
-    return cells
+def _cell_in_worker(cell: tuple[str, str, int], args, out_dir: Path) -> dict:
+    """One cell in a worker process of one thread (:func:`run_cells` with ``--jobs`` > 1)."""
+    torch.set_num_threads(args.threads)
+    return run_cell(*cell, args, out_dir)
 
 
-def append_cell(path: Path, record: dict) -> None:
-    """Add one finished cell to ``path`` on a line of its own (after a line a kill may have cut short)."""
-    cut_short = path.is_file() and path.stat().st_size and not path.read_bytes().endswith(b"\n")
-    with path.open("a") as cells:
-        cells.write(("\n" if cut_short else "") + json.dumps(record) + "\n")
+def run_cells(cells: list[tuple[str, str, int]], args, out_dir: Path) -> Iterator[dict]:
+    """Each cell's row as it finishes: in this process, or ``args.jobs`` at a time in fresh worker processes of
+    ``args.threads`` threads each (one worker per cell, so no cell inherits another's memory or state)."""
+    if args.jobs == 1:
+        torch.set_num_threads(args.threads)
+        for cell in cells:
+            yield run_cell(*cell, args, out_dir)
+        return
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(args.jobs, mp_context=context, max_tasks_per_child=1) as pool:
+        pending = [pool.submit(_cell_in_worker, cell, args, out_dir) for cell in cells]
+        for future in as_completed(pending):
+            yield future.result()
 
 
-def write_table(rows: list[dict], out_dir: Path, size: str) -> str:
-    with (out_dir / "lra.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    tasks = list(dict.fromkeys(row["task"] for row in rows))
-    kinds = list(dict.fromkeys(row["kind"] for row in rows))
-    cell = {(row["task"], row["kind"]): row for row in rows}
-    lines = [f"| attention | {' | '.join(tasks)} | s/step | peak GB |", "|---" * (len(tasks) + 3) + "|",
-             "| majority class | " + " | ".join(f"{100 * cell[(t, kinds[0])]['majority']:.1f}" for t in tasks)
-             + " | | |"]
-    for kind in kinds:
-        accuracy = " | ".join(f"{100 * cell[(t, kind)]['accuracy']:.1f}" for t in tasks)
-        seconds = statistics.mean(cell[(t, kind)]["step_seconds"] for t in tasks)
-        memory = max(cell[(t, kind)]["memory_gb"] for t in tasks)
-        lines.append(f"| {kind} | {accuracy} | {seconds:.3f} | {memory:.2f} |")
-    table = "\n".join(lines)
-    (out_dir / "lra.md").write_text(f"LRA-style eval accuracy (%), {size}\n\n{table}\n")
-    _plot(rows, tasks, kinds, out_dir / "lra.png")
-    return table
-
-
-def _plot(rows: list[dict], tasks: list[str], kinds: list[str], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cell = {(row["task"], row["kind"]): row for row in rows}
-    fig, ax = plt.subplots(figsize=(2 + 1.5 * len(tasks) * max(1, len(kinds)) / 4, 4))
-    width = 0.8 / len(kinds)
-    for index, kind in enumerate(kinds):
-        ax.bar([t + index * width for t in range(len(tasks))], [100 * cell[(task, kind)]["accuracy"] for task in tasks],
-               width, label=kind)
-    for t, task in enumerate(tasks):
-        ax.hlines(100 * cell[(task, kinds[0])]["majority"], t - width / 2, t + 0.8 - width / 2, colors="black",
-                  linestyles="dashed", label="majority class" if t == 0 else None)
-    ax.set_xticks([t + 0.4 - width / 2 for t in range(len(tasks))], tasks)
-    ax.set_ylabel("eval accuracy %")
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+def sweep_cells(tasks: list[str], kinds: list[str], seeds: list[int], seed_kinds: list[str]) -> list:
+    """Every (task, kind, seed) of the sweep: the first seed for every kind, every seed for ``seed_kinds``."""
+    return [(task, kind, seed) for task in tasks for kind in kinds
+            for seed in (seeds if kind in seed_kinds else seeds[:1])]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,41 +183,52 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     parser.add_argument("--kinds", nargs="+", default=None, help="attention kinds (default: every one that can serve "
                         "an encoder, one name per core)")
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--d-model", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--pooling", default="mean", choices=POOLINGS, help="pooling of the tasks without their own "
-                        "(TASK_MODEL: Pathfinder max)")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--eval-batches", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seq-len", type=int, default=DEFAULTS["seq_len"])
+    parser.add_argument("--d-model", type=int, default=DEFAULTS["d_model"])
+    parser.add_argument("--layers", type=int, default=DEFAULTS["layers"])
+    parser.add_argument("--heads", type=int, default=DEFAULTS["heads"])
+    parser.add_argument("--pooling", default=DEFAULTS["pooling"], choices=POOLINGS, help="pooling of the tasks "
+                        "without their own (TASK_MODEL: Pathfinder max)")
+    parser.add_argument("--steps", type=int, default=DEFAULTS["steps"])
+    parser.add_argument("--batch", type=int, default=DEFAULTS["batch"])
+    parser.add_argument("--lr", type=float, default=DEFAULTS["lr"])
+    parser.add_argument("--eval-batches", type=int, default=DEFAULTS["eval_batches"])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="training seeds (the data's too); the "
+                        "first for every kind, all of them for --seed-kinds")
+    parser.add_argument("--seed-kinds", nargs="+", default=list(SEED_KINDS), help="the kinds trained with every "
+                        "seed (default: %(default)s)")
+    parser.add_argument("--jobs", type=int, default=1, help="cells trained at once, each in a fresh process "
+                        "(default 1: in this process)")
+    parser.add_argument("--threads", type=int, default=1, help="threads per cell (default 1, so that a cell's "
+                        "seconds per step do not depend on --jobs)")
     parser.add_argument("--out", default="bench_lra")
     parser.add_argument("--resume", action="store_true", help=f"reuse the cells already in <out>/{CELLS_FILE} that "
-                        "were run at the same size (each cell is appended there as it finishes)")
+                        "were run at the same size on a machine of this kind (each cell is appended there as it "
+                        "finishes)")
     args = parser.parse_args(argv)
     kinds = args.kinds or default_kinds()
     unable = [kind for kind in kinds if kind not in encoder_kinds()]
     if unable:
         parser.error(f"attention kinds {unable} cannot serve an encoder (or are not registered); choose from "
                      f"{', '.join(default_kinds())}")
+    if args.jobs < 1 or args.threads < 1:
+        parser.error(f"--jobs {args.jobs} and --threads {args.threads} must be at least 1")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     size = (f"T={args.seq_len}, d_model={args.d_model}, {args.layers} layers, {args.heads} heads, {args.pooling} "
             f"pooling, {args.steps} steps of {args.batch}, lr {args.lr}, eval {args.eval_batches * args.batch} "
-            f"examples, seed {args.seed}; " + "; ".join(
-                f"{task} " + " ".join(f"{key}={value}" for key, value in task_settings(task).items())
-                for task in args.tasks if task_settings(task)))
-    done = finished_cells(out_dir / CELLS_FILE, size) if args.resume else {}
-    rows = []
-    for task in args.tasks:
-        for kind in kinds:
-            row = done.get((task, kind)) or run_cell(task, kind, args, out_dir / "runs")
-            if (task, kind) not in done:
-                append_cell(out_dir / CELLS_FILE, {**row, "size": size})
-            rows.append(row)
-    print(write_table(rows, out_dir, size))
-    print(f"wrote {out_dir}/lra.md, lra.csv, lra.png")
+            f"examples, {args.threads} thread(s) per cell")
+    machine = machine_kind()
+    sizes = {task: cell_size(size, task) for task in args.tasks}
+    cells = sweep_cells(args.tasks, kinds, args.seeds, args.seed_kinds)
+    done = finished_cells(out_dir / CELLS_FILE, sizes, machine) if args.resume else {}
+    for row in run_cells([cell for cell in cells if cell not in done], args, out_dir / "runs"):
+        row["size"] = sizes[row["task"]]
+        append_cell(out_dir / CELLS_FILE, row)
+        done[cell_key(row)] = row
+        print(f"{row['task']} {row['kind']} seed {row['seed']}: {100 * row['accuracy']:.1f}% "
+              f"({row['step_seconds']:.3f} s/step)", flush=True)
+    print(write_table([done[cell] for cell in cells], out_dir, size + "".join(
+        f"; {task}: {settings}" for task in args.tasks if (settings := task_text(task)))))
+    print(f"wrote {out_dir}/lra.md, lra.csv, lra.png ({machine})")
     return 0

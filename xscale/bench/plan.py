@@ -201,7 +201,7 @@ def report(calibrated: dict, rows: list[dict], figures: dict[str, float]) -> Non
               f"{row['predicted_peak'] / row['measured_peak']:>6.2f}  {step.compute:.3f}/"
               f"{step.exposed_communication:.3f}/{step.bubble:.3f}/{step.optimizer:.3f}")
     print(f"{len(rows)} layouts: Spearman (tokens/s) {figures['spearman']:.2f}; median step-time error "
-          f"{figures['median_step_error']:.0%}; memory predicted / measured {figures['memory_low']:.2f}-"
+          f"{figures['median_step_error']:.1%}; memory predicted / measured {figures['memory_low']:.2f}-"
           f"{figures['memory_high']:.2f}; planner's first choice ({figures['first_choice']}) at "
           f"{figures['first_vs_best']:.0%} of the best measured tokens/s")
 
