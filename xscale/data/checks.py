@@ -37,7 +37,8 @@ def check_dataset(config: Config) -> None:
 def check_objective(config: Config) -> None:
     """train.objective names a registered objective (naming the closest and every one) that trains model.family,
     with options its ``Options`` dataclass reads (``auto``: those of the family's kind), and options only where
-    windows of text are masked (the synthetic tasks lay their examples out without them)."""
+    windows of text are masked (the synthetic tasks lay their examples out without them); an option its
+    ``options_elsewhere`` places in another component is refused with the key to set."""
     kind, objective = config.train.objective.kind, resolve_objective(config)
     if kind not in OBJECTIVES:
         raise ConfigError(f"train.objective='{kind}' is not a known objective{closest(kind, OBJECTIVES.names())}; "
@@ -46,6 +47,10 @@ def check_objective(config: Config) -> None:
     if config.model.family != family:
         raise ConfigError(f"train.objective={objective} needs model.family={family}, got {config.model.family}; "
                           "set train.objective=auto to pick the family's objective")
+    for option in config.train.objective.options:
+        if option in OBJECTIVES.get(objective).options_elsewhere:
+            raise ConfigError(f"train.objective.options.{option} is not an option of train.objective={objective}; "
+                              f"set {OBJECTIVES.get(objective).options_elsewhere[option]}")
     objective_options(config)
     source = config.data.dataset.kind
     if config.train.objective.options and source in SOURCES and not SOURCES.get(source).text:

@@ -113,6 +113,12 @@ def test_a_new_key_set_beside_the_old_one_wins(capsys, monkeypatch):
      r"train.objective.options.noise_density=1.5 \(the corrupted fraction\) must be in \(0, 1\)"),
     (["train.objective=mlm", "train.objective.options.mask_probability=0.2", "data.dataset=copy"],
      "train.objective.options apply to windows of text, but data.dataset=copy lays its examples out without them"),
+    (["train.objective=electra", "model.objective_head=replaced_token_detection",
+      "train.objective.options.discriminator_weight=20"],
+     r"train.objective.options.discriminator_weight is not an option of train.objective=electra; set "
+     r"model.objective_head.options.rtd_weight \(ELECTRA's lambda is the head's\)"),
+    (["train.objective=electra", "model.objective_head=replaced_token_detection", "train.objective.options.rtd_weight=20"],
+     "set model.objective_head.options.rtd_weight"),
 ])
 def test_a_bad_objective_is_refused_by_name_in_one_line(overrides, message):
     settings = [] if overrides[0].startswith("model.family") else ENCODER

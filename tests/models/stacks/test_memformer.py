@@ -1,8 +1,9 @@
 """Memformer (xscale/models/stacks/memformer.py): the memory writer against slot attention written out per slot and
-head with the biased normalization (outputs and gradients), the segment loop against a loop over segments with the
-read and write spelled out (outputs and gradients), no logit moved by a later token while earlier segments reach
-later ones through the memory, a tiny language model that learns, decoding by recomputation, the options and
-layouts refused (ZeRO-3 parity: the zoo matrix's case ``memformer``)."""
+head with the biased normalization (outputs and gradients, tau 1 and 0.5), a slot whose weight stays on itself
+keeping its content (the paper's retention: its own value is m_i itself), the segment loop against a loop over
+segments with the read and write spelled out (outputs and gradients), no logit moved by a later token while earlier
+segments reach later ones through the memory, a tiny language model that learns, decoding by recomputation, the
+options and layouts refused (ZeRO-3 parity: the zoo matrix's case ``memformer``)."""
 
 import math
 
@@ -23,7 +24,8 @@ VOCAB = 40
 
 
 def write_by_hand(writer: MemoryWriter, memory: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
-    """Slot i, head h: softmax over [m_i ; H] of q_i . k_j / sqrt(d_h), the weighted values, W_O, + v_i, normalized."""
+    """Slot i, head h (sec. 3.2.2-3.2.3): softmax over [m_i ; H] of q_i . k_j / (sqrt(d_h) tau), weighting the values
+    [m_i ; H W_V] (the slot's own value is its head's part of m_i itself), the heads side by side, + v_i, normalized."""
     batch, slots, width = memory.shape
     head_dim = width // writer.heads
     out = []
@@ -38,16 +40,18 @@ def write_by_hand(writer: MemoryWriter, memory: torch.Tensor, states: torch.Tens
                 part = slice(h * head_dim, (h + 1) * head_dim)
                 sources = [slot, *tokens]  # itself, then the segment; never the other slots
                 logits = torch.stack([query[part] @ writer.key(s)[part] / math.sqrt(head_dim) for s in sources])
-                heads.append(sum(w * writer.value(s)[part] for w, s in zip(logits.softmax(0), sources)))
-            written = writer.out(torch.cat(heads)) + writer.bias[i]
+                values = [memory[b, i, part], *(writer.value(token)[part] for token in tokens)]
+                heads.append(sum(w * value for w, value in zip((logits / writer.temperature).softmax(0), values)))
+            written = torch.cat(heads) + writer.bias[i]
             rows.append(written / written.norm())
         out.append(torch.stack(rows))
     return torch.stack(out)
 
 
-def test_the_writer_matches_slot_attention_by_hand() -> None:
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_the_writer_matches_slot_attention_by_hand(temperature) -> None:
     torch.manual_seed(0)
-    writer = MemoryWriter(8, 3, 2).double()
+    writer = MemoryWriter(8, 3, 2, temperature).double()
     memory = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
     states = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
     out = writer(memory, states)
@@ -58,6 +62,15 @@ def test_the_writer_matches_slot_attention_by_hand() -> None:
     for got, want in zip(torch.autograd.grad(out, wrt, grad), torch.autograd.grad(ref, wrt, grad)):
         torch.testing.assert_close(got, want)
     torch.testing.assert_close(writer.initial(2, torch.float64)[1], F.normalize(writer.bias, dim=-1))
+
+
+def test_a_slot_that_keeps_its_weight_on_itself_keeps_its_content() -> None:
+    """All of a slot's weight on itself (here: no token to read) leaves m' = m: only the bias moves it (forgetting),
+    m_next = (m + v) / ||m + v||."""
+    torch.manual_seed(0)
+    writer = MemoryWriter(8, 3, 2).double()
+    memory = F.normalize(torch.randn(2, 3, 8, dtype=torch.float64), dim=-1)
+    torch.testing.assert_close(writer(memory, memory[:, :0]), F.normalize(memory + writer.bias, dim=-1))
 
 
 def _memformer(position: str = "learned", segment: int = 4) -> torch.nn.Module:
@@ -151,6 +164,7 @@ MEMFORMER = ["model.position=learned", "model.max_seq_len=16", "model.stack=memf
     (["model.stack.options={segment: 32}"], "segment=32 exceeds train.seq_len=16"),
     (["model.stack.options={heads: 3, segment: 4}"], "heads=3 must divide model.d_model"),
     (["model.stack.options={slots: 0}"], "must be >= 1"),
+    (["model.stack.options={temperature: 0}"], r"temperature=0(\.0)? must be > 0"),
     (["model.position=alibi"], "model.position=alibi is refused"),
     (["model.share_layers=true"], "do not combine"),
     (["model.attention.kind=realformer"], "RealFormer"),

@@ -1,6 +1,8 @@
 """ELECTRA's masking for replaced-token detection (Clark et al. 2020, sec. 2); the generator and discriminator are
-:mod:`xscale.models.heads.replaced_token_detection` (whose options hold the discriminator's weight lambda: the head
-weighs its own loss)."""
+:mod:`xscale.models.heads.replaced_token_detection`. The discriminator's weight lambda (L = L_MLM + lambda L_Disc,
+50) is the head's option ``model.objective_head.options.rtd_weight``, not this objective's: the head computes and
+weighs both losses, and the model, built from ``model`` alone, cannot read ``train.objective`` (models sit below
+data in the layers); ``train.objective.options.discriminator_weight`` or ``rtd_weight`` is refused with that key."""
 
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ class Electra(TextObjective):
 
     Options = MaskingOptions
     head = "replaced_token_detection"
+    options_elsewhere = {name: "model.objective_head.options.rtd_weight (ELECTRA's lambda is the head's)"
+                         for name in ("discriminator_weight", "rtd_weight")}
 
     def __init__(self, tokenizer, seq_len: int, stream, options: MaskingOptions) -> None:
         super().__init__(tokenizer, seq_len, stream, options)

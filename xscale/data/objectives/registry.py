@@ -37,12 +37,15 @@ class TextObjective:
 
     ``family``: the model family it trains; ``head``: the ``model.objective_head`` it trains beside the token loss;
     ``text_only``: False for the three that also lay out the synthetic tasks' examples
-    (:func:`xscale.data.datasets.layout_example`, without options)."""
+    (:func:`xscale.data.datasets.layout_example`, without options); ``options_elsewhere``: option names a user may
+    look for here -> the config key that holds them (refused with that key, :func:`xscale.data.checks.check_objective`).
+    """
 
     Options: type = NoOptions
     family = "encoder"
     head = "none"
     text_only = True
+    options_elsewhere: dict[str, str] = {}
 
     def __init__(self, tokenizer: Any, seq_len: int, stream: TokenStream | None, options: Any) -> None:
         self.tokenizer, self.options, self.window_length = tokenizer, options, seq_len

@@ -4,11 +4,14 @@ masked positions with its samples, and the model (the discriminator) tells each 
     x_masked = REPLACE(x, m, [MASK]);   x_hat_i ~ p_G(x_i | x_masked) for i in m;   x_corrupt = REPLACE(x, m, x_hat)
     L = L_MLM(x, G) + lambda L_Disc(x, D),   L_Disc = sum_t BCE(D(x_corrupt)_t, [x_corrupt_t != x_t])
 
-lambda = 50. A sample equal to the original counts as original. No gradient flows through the sampling. The
-generator is a plain encoder stack of the same depth (``generator_layers``) and a fraction of the width; the token
-embeddings and the output embedding are the discriminator's, shared, projected to the generator's width and back
-(the paper shares token and position embeddings; here the generator keeps its own position encoding). The
-discriminator head is ELECTRA's: a dense layer with GeLU, then one logit per token.
+lambda = 50 (``rtd_weight``). lambda is this head's option, not ``train.objective``'s (the masking, in
+:mod:`xscale.data.objectives.electra`): the head computes and weighs both losses, and a model is built from the
+``model`` section alone, which cannot read the data layer's options (data sits above models). A sample equal to the
+original counts as original. No gradient flows through the sampling. The generator is a plain encoder stack of the
+same depth (``generator_layers``) and a fraction of the width; the token embeddings and the output embedding are the
+discriminator's, shared, projected to the generator's width and back (the paper shares token and position embeddings;
+here the generator keeps its own position encoding). The discriminator head is ELECTRA's: a dense layer with GeLU,
+then one logit per token.
 
 Samples are drawn by inverse CDF from one uniform per position that the data carries (``sample_uniform``), so a
 row's samples are the same under every layout. Engines divide the loss by the masked tokens, so each example's mean

@@ -4,24 +4,30 @@ blocks run on each segment in turn and read the memory left by the segments befo
 states H_t write the memory for the next one:
 
   read (every block, sec. 3.2.1):   H <- H + Attn(Q = H W_Q, K = M_t W_K, V = M_t W_V) W_O      (cross-attention)
-  write (slot attention, 3.2.2):    m'_i = sum_j softmax_j(q_i . k_j / sqrt(d_h)) v_j  over j in [m_i ; H_t],
-                                    q_i = LN(m_i) W_Q, k_j = LN(.) W_K, v_j = LN(.) W_V, then W_O
+  write (slot attention, 3.2.2):    A'_i = [q_i . k_i ; q_i . K_H] / sqrt(d_h),   q_i = m_i W_Q, k_i = m_i W_K,
+                                    K_H = H_t W_K, V_H = H_t W_V (one W_K for the slot and the tokens), per head;
+                                    m'_i = softmax(A'_i / tau) [m_i ; V_H]      (the slot's own value is m_i itself)
   forget (biased memory normalization, 3.2.3):
                                     m_{t+1,i} = (m'_i + v_i) / ||m'_i + v_i||,   M_0 = v / ||v|| (per slot)
 
 Each slot attends over itself and the segment only, not over the other slots, so slots stay independent; the
-weight a slot gives itself is its retention (it keeps its content), the rest writes the segment into it; the learned
-bias v pulls a slot that is not refreshed back towards the terminal state v / ||v|| (forgetting). The self-attention
-inside a segment is the model's (causal for a decoder), so token t reads its own segment up to t and, through the
-memory, only the segments before its own: the model stays autoregressive.
+weight a slot gives itself is its retention: that share of m'_i is the old slot unchanged (no value or output
+projection on it), the rest writes the segment into it; the learned bias v pulls a slot that is not refreshed back
+towards the terminal state v / ||v|| (forgetting). The self-attention inside a segment is the model's (causal for a
+decoder), so token t reads its own segment up to t and, through the memory, only the segments before its own: the
+model stays autoregressive.
 
-``model.stack: {kind: memformer, options: {slots: k, segment: S, heads: h}}`` with ``model.family=decoder`` and
-``train.task=lm``: each of the ``model.n_layers`` blocks gets a cross-attention sub-layer for the read; the writer
-(h heads) follows the last block. Departures: Memory Replay Back-Propagation is replaced by plain back-propagation
-through the segments of one training sequence (train.seq_len / S of them; the memory starts at M_0 for every
-sequence, so the span it carries is bounded by train.seq_len); one decoder stack both reads the memory and predicts
-the tokens (the paper's encoder reads and writes the memory, its decoder predicts the tokens from the encoder's
-states); generation recomputes the prefix (no KV cache).
+``model.stack: {kind: memformer, options: {slots: k, segment: S, heads: h, temperature: tau}}`` with
+``model.family=decoder`` and ``train.task=lm``: each of the ``model.n_layers`` blocks gets a cross-attention sub-layer
+for the read; the writer (h heads, concatenated, no output projection) follows the last block. Departures: Memory
+Replay Back-Propagation is replaced by plain back-propagation through the segments of one training sequence
+(train.seq_len / S of them; the memory starts at M_0 for every sequence, so the span it carries is bounded by
+train.seq_len; MRBP gives these gradients with less memory, so the gradients are the paper's); one decoder stack both
+reads the memory and predicts the tokens (the paper's encoder reads and writes the memory, its decoder predicts the
+tokens from the encoder's states); the writer's queries and keys are taken from LayerNorm'd slots and states (the
+pre-norm of every sub-layer here; the paper's equations show none); tau defaults to 1 (the paper sharpens with
+tau < 1 but the value it trains with is not stated in the material we checked: set ``temperature`` to follow it);
+generation recomputes the prefix (no KV cache).
 """
 
 from __future__ import annotations
@@ -45,25 +51,31 @@ class MemformerOptions:
     slots: int = dataclasses.field(default=8, metadata={"help": "k, the memory slots carried from segment to segment"})
     segment: int = dataclasses.field(default=64, metadata={"help": "S, the tokens of a segment"})
     heads: int = dataclasses.field(default=1, metadata={"help": "heads of the memory writer's slot attention"})
+    temperature: float = dataclasses.field(default=1.0, metadata={
+        "help": "tau of the writer's softmax(A / tau); the paper sharpens with tau < 1"})
 
     def __post_init__(self) -> None:
         if self.slots < 1 or self.segment < 1 or self.heads < 1:
             raise ConfigError(f"model.stack.options.slots, segment and heads must be >= 1, got {self.slots}, "
                               f"{self.segment} and {self.heads}")
+        if not self.temperature > 0:
+            raise ConfigError(f"model.stack.options.temperature={self.temperature} must be > 0 (the paper's tau is "
+                              "below 1; 1: a plain softmax)")
 
 
 class MemoryWriter(nn.Module):
-    """Slot attention over [m_i ; H] per slot, then biased memory normalization (module docstring)."""
+    """Slot attention over [m_i ; H] per slot and head, the slot's own value m_i itself, then biased memory
+    normalization (module docstring)."""
 
-    def __init__(self, d_model: int, slots: int, heads: int) -> None:
+    def __init__(self, d_model: int, slots: int, heads: int, temperature: float = 1.0) -> None:
         super().__init__()
         self.heads = heads
+        self.temperature = temperature
         self.memory_norm = nn.LayerNorm(d_model)
         self.state_norm = nn.LayerNorm(d_model)
         self.query = nn.Linear(d_model, d_model)
         self.key = nn.Linear(d_model, d_model)
         self.value = nn.Linear(d_model, d_model)
-        self.out = nn.Linear(d_model, d_model)
         self.bias = nn.Parameter(torch.empty(slots, d_model))  # v, one per slot
         if not self.bias.is_meta:
             nn.init.normal_(self.bias, std=0.02)
@@ -77,17 +89,15 @@ class MemoryWriter(nn.Module):
 
     def forward(self, memory: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
         """memory [B, k, d], the segment's final states [B, S, d] -> the next memory [B, k, d]."""
-        slots = self.memory_norm(memory)
-        tokens = self.state_norm(states)
-        query = self.split(self.query(slots)).unsqueeze(-2)  # [B, h, k, 1, d/h]
-        own_key, own_value = self.split(self.key(slots)).unsqueeze(-2), self.split(self.value(slots)).unsqueeze(-2)
+        slots, tokens = self.memory_norm(memory), self.state_norm(states)
+        query, own_key = self.split(self.query(slots)), self.split(self.key(slots))  # [B, h, k, d/h]
         token_keys, token_values = self.split(self.key(tokens)), self.split(self.value(tokens))  # [B, h, S, d/h]
-        scale = query.shape[-1] ** -0.5
-        own = (query * own_key).sum(-1) * scale  # [B, h, k, 1]: each slot with itself
-        seen = (query.squeeze(-2) @ token_keys.transpose(-1, -2)) * scale  # [B, h, k, S]
+        scale = query.shape[-1] ** -0.5 / self.temperature
+        own = (query * own_key).sum(-1, keepdim=True) * scale  # [B, h, k, 1]: each slot with itself
+        seen = (query @ token_keys.transpose(-1, -2)) * scale  # [B, h, k, S]
         weights = torch.cat([own, seen], dim=-1).softmax(dim=-1)
-        written = weights[..., :1] * own_value.squeeze(-2) + weights[..., 1:] @ token_values  # [B, h, k, d/h]
-        written = self.out(written.transpose(1, 2).flatten(2))
+        written = weights[..., :1] * self.split(memory) + weights[..., 1:] @ token_values  # [B, h, k, d/h]
+        written = written.transpose(1, 2).flatten(2)  # the heads side by side: m'_i
         return F.normalize(written + self.bias.to(written.dtype), dim=-1)
 
 
@@ -114,7 +124,7 @@ class MemformerStack(Stack):
                  options: MemformerOptions) -> None:
         super().__init__(config, n_layers, causal=causal, cross=True, first_index=first_index, options=options)
         self.segment = options.segment
-        self.writer = MemoryWriter(config.d_model, options.slots, options.heads)
+        self.writer = MemoryWriter(config.d_model, options.slots, options.heads, options.temperature)
 
     @classmethod
     def check(cls, config: Config, options: MemformerOptions) -> None:
