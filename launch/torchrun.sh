@@ -22,6 +22,8 @@
 #   --rdzv-id ID          rendezvous id, the same on every node [RDZV_ID; default xscale-$SLURM_JOB_ID or xscale]
 #   --max-restarts N      restart the workers up to N times after one fails; they resume from the latest
 #                         checkpoint [MAX_RESTARTS; default 0]
+#   --warm                fork the workers from a server that imported torch and xscale's training once, so a
+#                         restart (--max-restarts) skips the imports [WARM=1; docs/reliability.md#warm-restarts-warm]
 #   --module M            run `python -m M CONFIG ...` instead of `-m xscale train` (e.g. xscale.launcher.smoke)
 #   --python PY           interpreter [PYTHON; default python3]
 #   --print               print the command (shell-quoted) instead of running it
@@ -64,6 +66,7 @@ max_restarts=${MAX_RESTARTS:-0}
 module=xscale
 python=${PYTHON:-python3}
 print_only=0
+warm=${WARM:-0}
 while [ $# -gt 0 ]; do
     case "$1" in
         -h|--help) usage 0 ;;
@@ -81,6 +84,7 @@ while [ $# -gt 0 ]; do
         --module) module=${2:?--module needs a value}; shift 2 ;;
         --python) python=${2:?--python needs a value}; shift 2 ;;
         --print) print_only=1; shift ;;
+        --warm) warm=1; shift ;;
         --) shift; break ;;
         -*) die "unknown option $1 (see --help)" ;;
         *) break ;;
@@ -123,7 +127,9 @@ if [ "$min_nodes" -lt "$nnodes" ] && [ "$max_restarts" = 0 ]; then
 fi
 [ "$node_rank" -lt "$nnodes" ] || die "--node-rank $node_rank is outside $nnodes nodes (0..$((nnodes - 1)))"
 
-command=("$python" -m xscale.launcher.torchrun "--nproc-per-node=$nproc" "--max-restarts=$max_restarts")
+command=("$python" -m xscale.launcher.torchrun)
+[ "$warm" = 1 ] && command+=("--warm=torch,xscale.commands.train")
+command+=("--nproc-per-node=$nproc" "--max-restarts=$max_restarts")
 nodes_range=$nnodes
 [ "$min_nodes" -lt "$nnodes" ] && nodes_range=$min_nodes:$nnodes
 if [ "$nnodes" = 1 ]; then

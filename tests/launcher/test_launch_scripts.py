@@ -70,6 +70,12 @@ def test_torchrun_one_node_keeps_every_argument_whole(tmp_path):
     assert not list(tmp_path.rglob("PWNED"))
 
 
+def test_torchrun_warm_forks_the_workers_from_a_preloaded_server(tmp_path):
+    argv = printed("torchrun.sh", "--warm", "--nproc-per-node", "2", "c.yaml", tmp_path=tmp_path)
+    assert argv[:4] == ["python3", "-m", "xscale.launcher.torchrun", "--warm=torch,xscale.commands.train"]
+    assert printed("torchrun.sh", "c.yaml", tmp_path=tmp_path, WARM="1")[3] == "--warm=torch,xscale.commands.train"
+
+
 def test_torchrun_several_nodes_rendezvous_on_node_zero(tmp_path):
     common = ["--nnodes", "2", "--nproc-per-node", "4", "--master", "10.0.0.1:29400", "--module",
               "xscale.launcher.smoke", "c.yaml"]

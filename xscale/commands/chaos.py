@@ -14,7 +14,7 @@ import xscale.commands.registrations  # noqa: F401  (every layer's config checks
 from xscale.commands.parser import CommandParser
 from xscale.launcher.chaos.plan import KINDS, PlanError
 from xscale.launcher.chaos.report import FaultFigures, table
-from xscale.launcher.chaos.soak import SoakOptions, run_soak
+from xscale.launcher.chaos.soak import WARM_MODULES, SoakOptions, run_soak
 
 # The built-in job: a tiny decoder on the copy task, a few milliseconds a step on a CPU.
 TINY = ["model.vocab_size=48", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "train.global_batch_size=4",
@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="train.step_timeout_s: how soon a stopped worker is noticed (default 5; raise it above "
                              "the first step's time of a larger config)")
     parser.add_argument("--max-restarts", type=int, default=3, help="torchrun --max-restarts per start (default 3)")
+    parser.add_argument("--warm", action="store_true",
+                        help="fork the workers from a server that imported torch and xscale's training once "
+                             "(xscale.launcher.torchrun --warm): a restart skips the imports")
     parser.add_argument("--output-dir", default="runs/chaos", help="where the runs go (default runs/chaos)")
     parser.add_argument("--out", default=None, help="write the report as JSON here (default <output-dir>/chaos.json)")
     parser.add_argument("--no-reference", action="store_true",
@@ -59,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
                           seed=args.seed, kinds=args.kinds.split(",") if args.kinds else None, nproc=args.nproc,
                           steps=args.steps, checkpoint_every=args.checkpoint_every,
                           memory_every=args.memory_every, step_timeout_s=args.step_timeout,
-                          max_restarts=args.max_restarts, timeout_s=args.timeout, reference=not args.no_reference)
+                          max_restarts=args.max_restarts, timeout_s=args.timeout, reference=not args.no_reference,
+                          warm=WARM_MODULES if args.warm else None)
     try:
         report = run_soak(options)
     except PlanError as error:

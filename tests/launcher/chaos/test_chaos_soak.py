@@ -8,7 +8,7 @@ import pytest
 from xscale.checkpoint.memory_snapshot import snapshot_key
 from xscale.commands.chaos import TINY
 from xscale.launcher.chaos.plan import KINDS
-from xscale.launcher.chaos.soak import SoakOptions, run_soak
+from xscale.launcher.chaos.soak import WARM_MODULES, SoakOptions, run_soak
 
 
 @pytest.mark.slow
@@ -39,3 +39,18 @@ def test_a_killed_worker_resumes_from_memory_past_the_last_checkpoint_and_ends_b
     assert summary["steps_missing"] == [] and summary["loss_mismatch_steps"] == []
     assert summary["bit_identical"] and summary["final_step"] == summary["steps"], summary
     assert not list(Path("/dev/shm").glob(f"xscale-{snapshot_key(tmp_path / 'run' / 'checkpoints')}*"))
+
+
+@pytest.mark.slow
+def test_a_warm_restart_forks_from_the_preloaded_server_and_ends_bit_identical(tmp_path):
+    """xscale chaos --warm: torchrun restarts the group after a SIGKILLed worker by forking both workers from the
+    server that imported torch and the training command once (xscale.launcher.torchrun --warm); the run ends
+    bit-identical to the fault-free run."""
+    report = run_soak(SoakOptions(output_dir=tmp_path, overrides=TINY, faults=1, kinds=["kill_worker"], nproc=2,
+                                  seed=0, warm=WARM_MODULES, timeout_s=300))
+    summary, (fault,) = report["summary"], report["faults"]
+    log = (tmp_path / "run" / "chaos" / "job.log").read_text()
+    assert "of fn: run_script_path (start_method: forkserver)" in log  # torchrun's line on the killed worker
+    assert fault["recovered"] and set(fault["parts"]) >= {"spawn", "imports", "build"}, fault
+    assert summary["steps_missing"] == [] and summary["loss_mismatch_steps"] == []
+    assert summary["bit_identical"] and summary["final_step"] == summary["steps"], summary

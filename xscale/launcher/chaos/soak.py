@@ -54,8 +54,9 @@ from xscale.runtime.processes import process_alive
 POLL_S = 0.02
 # Output that shows the job noticed a fault: xscale's own lines (watchdog, a refused step or save, a stop) and
 # torchrun's about failed or signalled workers.
-NOTICED = re.compile(r"xscale watchdog|xscale train:|stop requested|exitcode|SignalException|Received Signals"
+NOTICED = re.compile(r"xscale watchdog|xscale train:|xscale torchrun:|stop requested|exitcode|SignalException|Received Signals"
                      r"|Connection closed by peer|Connection reset|ProcessGroupGloo|[Tt]raceback")
+WARM_MODULES = ["torch", "xscale.commands.train"]  # what a warm start imports once: the training command's stack
 UNPLANNED_FAILURES = 3  # job failures no fault explains before the soak gives up
 
 
@@ -75,6 +76,7 @@ class SoakOptions:
     max_restarts: int = 3
     timeout_s: float = 3600.0
     reference: bool = True
+    warm: list[str] | None = None  # modules a forkserver imports once (xscale.launcher.torchrun --warm); None: cold
 
 
 @dataclass
@@ -167,7 +169,8 @@ class Soak:
                      "train.plot=false"]
         if resume:
             overrides.append(f"checkpoint.resume={resume}")
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={o.nproc}",
+        launcher = ["xscale.launcher.torchrun", f"--warm={','.join(o.warm)}"] if o.warm else ["torch.distributed.run"]
+        return [sys.executable, "-m", *launcher, "--standalone", f"--nproc-per-node={o.nproc}",
                 f"--max-restarts={o.max_restarts}", "--monitor-interval=0.1", "-m", "xscale", "train",
                 *([o.config] if o.config else []), *overrides]
 
