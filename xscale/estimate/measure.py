@@ -56,15 +56,14 @@ from xscale.estimate.memory import (
     parameter_gather_bytes,
     pipeline_buffer_bytes,
     pipeline_send_bytes,
+    predicted_model_state_bytes,
     predicted_pipeline_state_bytes,
-    predicted_state_bytes,
     step_temporary_bytes,
     unit_sizes,
     vocab_parallel_loss_bytes,
 )
 from xscale.estimate.step_runner import StepRunner
 from xscale.models import build_model
-from xscale.models.parameters import count_parameters
 from xscale.parallel.activation import apply_activation_checkpointing
 from xscale.parallel.checks import resolve_layout
 from xscale.parallel.dims import ParallelDims
@@ -224,8 +223,7 @@ def rank_memory(config: Config, world_size: int, step: StepRunner) -> list[RankM
     full, gradient_fraction, deep = measured_step(config, micro, step)
     share = activation_share(config, dims)
     if dims.pp == 1:
-        count = count_parameters(config)
-        state = predicted_state_bytes(count.total, dims, count.expert)
+        state = predicted_model_state_bytes(config, dims)
         activations = full * share
         if dims.tp > 1:  # the layers by their share, the head without the fused loss's logits (tp's loss replaces it)
             per_layer, head = per_layer_and_head(config, micro, step, full, deep)

@@ -8,12 +8,14 @@ ZeRO (Rajbhandari et al. 2020, sec. 5) with Psi parameters over N data-parallel 
     stage 2 (P_os+g):     params 4 Psi     grads 4 Psi / N optimizer 8 Psi / N
     stage 3 (P_os+g+p):   params 4 Psi / N grads 4 Psi / N optimizer 8 Psi / N
 
-Tensor and pipeline parallelism divide Psi first (Psi / (tp x pp), exact for the sharded matrices; norms are
-replicated over tp, so the prediction is slightly low under tp). Per pipeline rank,
+Tensor and pipeline parallelism divide Psi first: each tp rank holds 1/tp of the parameters the tensor-parallel plan
+splits and the whole of those it replicates (norms, position tables, GTrXL's gates, the Evolved Transformer's cell,
+MoE layers: :func:`~xscale.parallel.tensor.shards.parameter_shards` reads the split from the declarations the plan
+applies), Psi_S / tp + Psi_R, and pp the layers (Psi / pp on average). Per pipeline rank,
 :func:`predicted_pipeline_state_bytes` applies the formulas to what that rank's stages hold: the first stage the
 embedding, the last the head, and with tied embeddings the last its own copy, as an encoder-decoder's first decoder stage holds
 one of the embedding (so the stages hold more than Psi). Under expert parallelism the Psi_E expert
-parameters are divided by ep x pp instead (experts are replicated over tp) and ZeRO shards them over the edp
+parameters are divided by ep x pp (experts are replicated over tp; ep = 1 without it) and ZeRO shards them over the edp
 ranks that hold the same experts, N_E = dp / ep, instead of N. Context parallelism (cp) does not divide Psi: its
 ranks hold the same parameters, and ZeRO shards over them too, N = dp x cp (N_E = dp / ep x cp).
 
@@ -34,6 +36,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from xscale.config.schema import Config
 from xscale.estimate.model_shape import capacity_share
@@ -48,20 +51,22 @@ from xscale.parallel.pipeline import SCHEDULES
 from xscale.parallel.pipeline.cost import stage_layers
 from xscale.parallel.pipeline.stages import cut_stage, stage_to_rank
 from xscale.parallel.pipeline.vocabulary import vocabulary_shard, vocabulary_stage_count
+from xscale.parallel.tensor.shards import parameter_shards
 
 BYTES_PER_VALUE = 4
 OPTIMIZER_VALUES = 2  # AdamW: exp_avg, exp_avg_sq
 
 
-def predicted_state_bytes(num_params: int, dims: ParallelDims, expert_params: int = 0) -> dict[str, float]:
+def predicted_state_bytes(num_params: int, dims: ParallelDims, expert_params: int = 0,
+                          tp_replicated: int = 0) -> dict[str, float]:
     """Bytes of parameters, gradients and optimizer state on one rank under ``dims`` (formulas above);
-    ``expert_params`` of the ``num_params`` are MoE expert weights (they matter only when ep > 1)."""
+    ``expert_params`` of the ``num_params`` are MoE expert weights, ``tp_replicated`` the other parameters that every
+    tp rank holds whole (:func:`tensor_parallel_replicated`)."""
     stage = dims.zero_stage if dims.dp_cp > 1 else 0
-    if dims.ep > 1:
-        kinds = [(num_params - expert_params, dims.tp * dims.pp, dims.dp_cp),
-                 (expert_params, dims.ep * dims.pp, dims.edp * dims.cp)]
-    else:  # context-parallel ranks hold the same parameters: ZeRO shards over dp x cp
-        kinds = [(num_params, dims.tp * dims.pp, dims.dp_cp)]
+    # context-parallel ranks hold the same parameters: ZeRO shards over dp x cp
+    kinds = [(num_params - expert_params - tp_replicated, dims.tp * dims.pp, dims.dp_cp),
+             (tp_replicated, dims.pp, dims.dp_cp),
+             (expert_params, dims.ep * dims.pp, dims.edp * dims.cp)]
     state = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0}
     for count, model_parallel, n in kinds:
         value = BYTES_PER_VALUE * count / model_parallel
@@ -71,27 +76,55 @@ def predicted_state_bytes(num_params: int, dims: ParallelDims, expert_params: in
     return state
 
 
-def pipeline_rank_parameters(config: Config, dims: ParallelDims) -> list[tuple[int, int]]:
-    """(parameters, expert parameters) of each pp rank's stages, counted on meta-device stage modules."""
+def tensor_parallel_replicated(model: nn.Module, tp: int) -> int:
+    """The non-expert parameters of ``model`` (a model or a pipeline stage, on any device) that the tensor-parallel
+    plan leaves whole on each of ``tp`` ranks (:func:`~xscale.parallel.tensor.shards.parameter_shards`); 0 at tp=1."""
+    if tp == 1:
+        return 0
+    shards = parameter_shards(model, tp)
+    return sum(param.numel() for name, param in model.named_parameters()
+               if shards[name] is None and not is_expert_parameter(name))
+
+
+def model_parameters(config: Config, tp: int) -> tuple[int, int, int]:
+    """(parameters, expert parameters, parameters whole on every tp rank) of the model, counted on the meta device
+    (tied weights once)."""
+    meta = build_model(config.model, materialize=False)
+    named = list(meta.named_parameters())
+    return (sum(param.numel() for _, param in named),
+            sum(param.numel() for name, param in named if is_expert_parameter(name)),
+            tensor_parallel_replicated(meta, tp))
+
+
+def predicted_model_state_bytes(config: Config, dims: ParallelDims) -> dict[str, float]:
+    """:func:`predicted_state_bytes` of a rank of a layout without a pipeline (every rank holds the same bytes)."""
+    total, expert, replicated = model_parameters(config, dims.tp)
+    return predicted_state_bytes(total, dims, expert, replicated)
+
+
+def pipeline_rank_parameters(config: Config, dims: ParallelDims) -> list[tuple[int, int, int]]:
+    """(parameters, expert parameters, parameters whole on every tp rank) of each pp rank's stages, counted on
+    meta-device stage modules."""
     parallel = config.parallel
     num_stages = dims.pp * parallel.pp_stages_per_rank
     ranks = stage_to_rank(num_stages, dims.pp, SCHEDULES[parallel.pp_schedule].placement)
     meta = build_model(config.model, materialize=False)
-    counts = [[0, 0] for _ in range(dims.pp)]
+    counts = [[0, 0, 0] for _ in range(dims.pp)]
     vocabulary = vocabulary_stage_count(parallel)
     for index, layers in enumerate(stage_layers(config, num_stages)):
         stage = cut_stage(meta, layers, vocabulary_shard(index, ranks, vocabulary), vocabulary > 0)
         for name, param in stage.named_parameters():  # a last stage's output.weight is the tied copy
             counts[ranks[index]][0] += param.numel()
             counts[ranks[index]][1] += param.numel() if is_expert_parameter(name) else 0
-    return [(total, expert) for total, expert in counts]
+        counts[ranks[index]][2] += tensor_parallel_replicated(stage, dims.tp)
+    return [(total, expert, replicated) for total, expert, replicated in counts]
 
 
 def predicted_pipeline_state_bytes(config: Config, dims: ParallelDims) -> list[dict[str, float]]:
     """:func:`predicted_state_bytes` of each pp rank over the parameters its stages hold."""
     within_stage = dataclasses.replace(dims, pp=1)
-    return [predicted_state_bytes(total, within_stage, expert)
-            for total, expert in pipeline_rank_parameters(config, dims)]
+    return [predicted_state_bytes(total, within_stage, expert, replicated)
+            for total, expert, replicated in pipeline_rank_parameters(config, dims)]
 
 
 @dataclass
