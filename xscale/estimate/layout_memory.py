@@ -42,8 +42,8 @@ def rank_peak(shape: ModelShape, config: Config, layout: Layout, where: Placemen
     """The :class:`PeakTerms` of pp rank ``rank``; ``config`` is the layout applied (:meth:`Layout.apply`),
     ``held_microbatch_blocks`` the (block, microbatch) activations it holds at once."""
     dims = layout.dims()
-    total, expert = rank_parameters(shape, where, rank)
-    state = predicted_state_bytes(total, dataclasses.replace(dims, pp=1), expert)
+    total, expert, replicated = rank_parameters(shape, where, rank, layout.tp)
+    state = predicted_state_bytes(total, dataclasses.replace(dims, pp=1), expert, replicated)
     blocks = where.rank_blocks[rank]
     share = activation_share(config, dims)
     distinct = shape.distinct_blocks(blocks)
