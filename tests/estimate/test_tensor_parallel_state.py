@@ -20,6 +20,7 @@ from xscale.estimate.memory import (
     BYTES_PER_VALUE,
     predicted_model_state_bytes,
     predicted_pipeline_state_bytes,
+    unit_sizes,
 )
 from xscale.models import build_model
 from xscale.models.registry import BLOCK
@@ -66,6 +67,10 @@ def held_bytes(module, mesh, sequence_parallel: bool) -> int:
     """Bytes of the parameters rank 0 holds once the plan has split ``module`` (a model or a stage)."""
     apply_tensor_parallel(module, mesh, sequence_parallel=sequence_parallel)
     assert all(isinstance(param, DTensor) for param in module.parameters())
+    return local_bytes(module)
+
+
+def local_bytes(module) -> int:
     return BYTES_PER_VALUE * sum(param.to_local().numel() for param in module.parameters())
 
 
@@ -82,10 +87,17 @@ def test_predicted_parameters_are_what_the_plan_leaves_each_rank(case, sequence_
                                 f"parallel.sequence_parallel={str(sequence_parallel).lower()}"])
     predicted = predicted_model_state_bytes(config, resolve_dims(config, TP))
     whole = BYTES_PER_VALUE * sum(param.numel() for param in build_model(config.model, materialize=False).parameters())
-    held = held_bytes(build_model(config.model, materialize=False), tp_mesh, sequence_parallel)
+    model = build_model(config.model, materialize=False)
+    held = held_bytes(model, tp_mesh, sequence_parallel)
     assert held > whole / TP or case == "standard", "the case must hold parameters that tp leaves whole"
     assert predicted["parameters"] == held
     assert (predicted["gradients"], predicted["optimizer"]) == (held, 2 * held)  # one process: no ZeRO
+    # ZeRO-3 gathers each FSDP unit (the root and each block) as a tp rank holds it
+    root, blocks = unit_sizes(config, tp=TP).per_tp_rank(TP)
+    held_blocks = [local_bytes(block) for stack in (model.stack, getattr(model, "decoder", None)) if stack is not None
+                   for block in stack.layers.values()]
+    assert [BYTES_PER_VALUE * block for block in blocks] == held_blocks
+    assert BYTES_PER_VALUE * root == held - sum(held_blocks)
 
 
 @pytest.mark.parametrize("case", ["gtrxl", "evolved"])

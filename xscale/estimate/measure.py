@@ -230,7 +230,7 @@ def rank_memory(config: Config, world_size: int, step: StepRunner) -> list[RankM
             activations = config.model.n_layers * per_layer * share + head_activation_share(config, dims, head, tokens)
         layout = LayoutTerms(microbatches, 1, activations * deep / max(full, 1.0), 0.0,
                              vocab_parallel_loss_bytes(config, dims, tokens // dims.cp))
-        return [_rank("every rank", config, dims, state, activations, unit_sizes(config), gradient_fraction, layout)]
+        return [_rank("every rank", config, dims, state, activations, unit_sizes(config, tp=dims.tp), gradient_fraction, layout)]
     num_stages = dims.pp * config.parallel.pp_stages_per_rank
     ranks = stage_to_rank(num_stages, dims.pp, SCHEDULES[config.parallel.pp_schedule].placement)
     layers = stage_layers(config, num_stages)
@@ -256,7 +256,7 @@ def rank_memory(config: Config, world_size: int, step: StepRunner) -> list[RankM
         layout = LayoutTerms(microbatches, blocks_alive[rank] / max(len(held), 1), len(held) * peak_layer * share,
                              transient, loss, pipeline_buffer_bytes(config, dims, tokens // dims.cp, mine)
                              + pipeline_send_bytes(config, dims, tokens // dims.cp, mine))
-        rows.append(_rank(f"pp rank {rank}", config, dims, state, activations, unit_sizes(config, held),
+        rows.append(_rank(f"pp rank {rank}", config, dims, state, activations, unit_sizes(config, held, dims.tp),
                           gradient_fraction, layout))
     return rows
 

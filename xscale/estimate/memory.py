@@ -51,7 +51,7 @@ from xscale.parallel.pipeline import SCHEDULES
 from xscale.parallel.pipeline.cost import stage_layers
 from xscale.parallel.pipeline.stages import cut_stage, stage_to_rank
 from xscale.parallel.pipeline.vocabulary import vocabulary_shard, vocabulary_stage_count
-from xscale.parallel.tensor.shards import parameter_shards
+from xscale.parallel.tensor.shards import block_shards, parameter_shards
 
 BYTES_PER_VALUE = 4
 OPTIMIZER_VALUES = 2  # AdamW: exp_avg, exp_avg_sq
@@ -165,22 +165,42 @@ class PeakTerms:
 @dataclass
 class UnitSizes:
     """Parameter counts of one rank's stages before any sharding: ``root`` (embedding, final norms, head: FSDP's
-    root unit) and each block (one FSDP unit each); ``largest`` the largest single parameter."""
+    root unit) and each block (one FSDP unit each); ``largest`` the largest single parameter. ``replicated_root`` and
+    ``replicated_blocks``: of those, the parameters the tensor-parallel plan keeps whole on every tp rank (MoE
+    layers' experts too; ep is not modelled in the terms these feed) (none given: all split)."""
 
     root: int
     blocks: list[int]
     largest: int
+    replicated_root: int = 0
+    replicated_blocks: list[int] | None = None
+
+    def per_tp_rank(self, tp: int) -> tuple[float, list[float]]:
+        """(root, blocks) as one of ``tp`` ranks holds them: 1/tp of what the plan splits, all of what it keeps
+        whole."""
+        replicated = self.replicated_blocks or [0] * len(self.blocks)
+        return ((self.root - self.replicated_root) / tp + self.replicated_root,
+                [(held - whole) / tp + whole for held, whole in zip(self.blocks, replicated, strict=True)])
 
 
-def unit_sizes(config: Config, layers: list[int] | None = None) -> UnitSizes:
-    """:class:`UnitSizes` of the model on the meta device, or of the stage holding ``layers`` (pipeline)."""
+def unit_sizes(config: Config, layers: list[int] | None = None, tp: int = 1) -> UnitSizes:
+    """:class:`UnitSizes` of the model on the meta device, or of the stage holding ``layers`` (pipeline), with what
+    ``tp`` ranks hold whole."""
     model = build_model(config.model, materialize=False)
     if layers is not None:
         model.keep_layers(layers)
     stacks = [stack for stack in (getattr(model, "stack", None), getattr(model, "decoder", None)) if stack is not None]
-    blocks = [sum(p.numel() for p in block.parameters()) for stack in stacks for block in stack.layers.values()]
+    units = [block for stack in stacks for block in stack.layers.values()]
+    blocks = [sum(p.numel() for p in block.parameters()) for block in units]
     total = sum(p.numel() for p in model.parameters())
-    return UnitSizes(total - sum(blocks), blocks, max(p.numel() for p in model.parameters()))
+    if tp == 1:
+        return UnitSizes(total - sum(blocks), blocks, max(p.numel() for p in model.parameters()))
+    shards = parameter_shards(model, tp)
+    replicated = sum(param.numel() for name, param in model.named_parameters() if shards[name] is None)
+    replicated_blocks = [sum(param.numel() for name, param in block.named_parameters() if name not in split)
+                         for block, split in ((block, block_shards(block, tp)) for block in units)]
+    return UnitSizes(total - sum(blocks), blocks, max(p.numel() for p in model.parameters()),
+                     replicated - sum(replicated_blocks), replicated_blocks)
 
 
 GATHERED_BLOCKS = 2  # FSDP2's implicit prefetch: the block that runs and the next one, gathered at once
@@ -192,14 +212,16 @@ def all_gather_bytes(config: Config, dims: ParallelDims, sizes: UnitSizes) -> fl
     dtype (2 bytes under bf16), 0 without ZeRO-3: the root unit stays gathered from forward to backward
     (:mod:`xscale.parallel.data.fsdp`) minus the rank's own shard, plus ``GATHERED_BLOCKS`` blocks at once (all of a
     pipeline stage's blocks: they stay gathered over its microbatches), each counted ``GATHER_COPIES`` times (the
-    flat all-gather output and the unsharded parameters it is copied into), and tensor parallelism divides it all."""
+    flat all-gather output and the unsharded parameters it is copied into), each unit as a tp rank holds it
+    (:meth:`UnitSizes.per_tp_rank`)."""
     if not dims.fsdp:
         return 0.0
     value_bytes = 2 if config.train.precision == "bf16" else BYTES_PER_VALUE
     n = dims.dp_cp
-    blocks = sizes.blocks if dims.pp > 1 else sorted(sizes.blocks)[-GATHERED_BLOCKS:]
-    gathered = sizes.root * (1 - 1 / n) + GATHER_COPIES * sum(blocks)
-    return value_bytes * gathered / dims.tp
+    root, per_block = sizes.per_tp_rank(dims.tp)
+    blocks = per_block if dims.pp > 1 else sorted(per_block)[-GATHERED_BLOCKS:]
+    gathered = root * (1 - 1 / n) + GATHER_COPIES * sum(blocks)
+    return value_bytes * gathered
 
 
 def parameter_gather_bytes(config: Config, dims: ParallelDims, sizes: UnitSizes,
@@ -209,16 +231,16 @@ def parameter_gather_bytes(config: Config, dims: ParallelDims, sizes: UnitSizes,
     bucket: ``parallel.bucket_mb``, or one larger parameter), and each module's forward unpacks its own and frees them
     (:mod:`xscale.parallel.data.gather`). So the forward starts with that window of gathered copies next to the
     gradient buffers ZeRO-1 keeps (its ``gradients``); late in it, its activations nearly all made, the window holds
-    at most the copies of the last block and of an untied head. (0, 0) otherwise."""
+    at most the copies of the last block and of an untied head (units as a tp rank holds them). (0, 0) otherwise."""
     if not (dims.dp_cp > 1 and dims.zero_stage in (1, 2) and config.parallel.overlap_param_gather):
         return 0.0, 0.0
     model = config.model
-    value = BYTES_PER_VALUE / dims.tp
-    window = max(GATHER_WINDOW_BYTES, config.parallel.bucket_mb * 2**20, value * sizes.largest)
-    in_flight = min(value * (sizes.root + sum(sizes.blocks)), window)
-    head = 0 if model.tie_embeddings else model.vocab_size * model.d_model
+    root, blocks = sizes.per_tp_rank(dims.tp)
+    window = max(GATHER_WINDOW_BYTES, config.parallel.bucket_mb * 2**20, BYTES_PER_VALUE * sizes.largest / dims.tp)
+    in_flight = min(BYTES_PER_VALUE * (root + sum(blocks)), window)
+    head = 0 if model.tie_embeddings else model.vocab_size * model.d_model / dims.tp  # split by vocabulary
     kept = gradients if dims.zero_stage == 1 else 0.0
-    return kept + in_flight, min(in_flight, value * (max(sizes.blocks, default=0) + head))
+    return kept + in_flight, min(in_flight, BYTES_PER_VALUE * (max(blocks, default=0) + head))
 
 
 def largest_gradient_bytes(dims: ParallelDims, sizes: UnitSizes) -> float:
