@@ -184,16 +184,15 @@ def _replicated_projection(linear: nn.Linear, mesh: DeviceMesh) -> None:
 
 def _parallelize_attention(attention: Attention, mesh: DeviceMesh, sequence_parallel: bool) -> None:
     stream = _stream(sequence_parallel)
-    tp = mesh.size()
-    config = attention.core.model_config  # the block's (Lite's attention half: n_heads/2 heads of width d/2)
-    split = attention_split(attention, tp)  # what the memory estimator counts too (shards.py)
+    # by the core's config (Lite's attention half: n_heads/2 heads of width d/2); the memory estimator reads it too
+    split = attention_split(attention, mesh.size())
     plan: dict[str, ColwiseParallel | RowwiseParallel] = {name: ColwiseParallel() for name in split.column}
     plan.update({name: RowwiseParallel(output_layouts=stream) for name in split.row})
     for name in split.replicated:
         _replicated_projection(getattr(attention, name), mesh)
     parallelize_module(attention, mesh, plan)
     if traits_of(attention.core).tp == "gather_heads":  # every rank gathers all heads' q and k
-        gather_heads(attention, mesh, gather_keys=config.kv_heads % tp == 0)
+        gather_heads(attention, mesh, gather_keys=not split.replicated)
     # One DTensor input for q, k, v: their input gradients are summed before the one collective.
     inputs = (stream, None, stream) if attention.cross else (stream, None)
     desired = (Replicate(), None, Replicate()) if attention.cross else (Replicate(), None)
