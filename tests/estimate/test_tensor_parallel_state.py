@@ -1,7 +1,8 @@
 """The predicted model state of a tp rank (``xscale inspect``) against the parameters that rank holds once the real
 tensor-parallel plan is applied: for every block kind that takes tp, with and without sequence parallelism, and for
 the parts outside the blocks that tp leaves whole (norms, position tables, BERT's head transform, MQA's kv head,
-MoE layers), per pipeline rank too.
+MoE layers, the parameters attention cores share across heads) or splits by head (per-head state, cross-attention),
+per pipeline rank too.
 
 The plan runs in this one process on the meta device over a 2-rank mesh of torch's fake process group (its
 collectives do nothing, and on the meta device the plan needs none), so each parameter's local shard is rank 0's.
@@ -49,6 +50,13 @@ OTHER_CASES = {
              "model.lm_head_bias=true", "model.n_kv_heads=4"],
     "mqa-untied": ["model.n_kv_heads=1", "model.tie_embeddings=false"],
     "moe": ["model.moe.num_experts=4", "model.moe.router=switch", "model.moe.every=2"],
+    "t5-cross-attention": ["model.family=encoder_decoder", "model.position=t5_bias", "model.ffn=relu",
+                           "model.n_decoder_layers=2"],
+    "linformer-shared-projections": ["model.family=encoder", "model.position=learned", "model.attention.kind=linformer",
+                                     "model.attention.options.projected_length=8"],
+    "synthesizer-per-head-state": ["model.family=encoder", "model.position=learned",
+                                   "model.attention.kind=synthesizer", "model.attention.options.mode=random"],
+    "talking-heads": ["model.attention.kind=talking_heads"],
 }
 
 
