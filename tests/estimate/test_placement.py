@@ -29,7 +29,8 @@ MODELS = {
 PIPELINES = [Layout(pp=2, micro_batch=1, microbatches=4, schedule="1f1b"),
              Layout(pp=2, micro_batch=1, microbatches=4, schedule="interleaved_1f1b", stages_per_rank=2),
              Layout(pp=2, micro_batch=1, microbatches=4, schedule="zero_bubble", stages_per_rank=2),
-             Layout(pp=4, micro_batch=1, microbatches=4, schedule="zero_bubble", stages_per_rank=2)]
+             Layout(pp=4, micro_batch=1, microbatches=4, schedule="zero_bubble", stages_per_rank=2),
+             Layout(pp=2, tp=2, micro_batch=1, microbatches=4, schedule="1f1b", sequence_parallel=True)]
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -40,7 +41,7 @@ def shape(request):
 
 def test_one_rank_holds_every_parameter(shape):
     assert rank_parameters(shape, placement(shape.config), 0) == (
-        count_parameters(shape.config).total, count_parameters(shape.config).expert)
+        count_parameters(shape.config).total, count_parameters(shape.config).expert, 0)
 
 
 @pytest.mark.parametrize("layout", PIPELINES, ids=lambda layout: layout.describe())
@@ -48,4 +49,5 @@ def test_pipeline_ranks_hold_what_their_stages_hold(shape, layout):
     config = layout.apply(shape.config)
     dims, config = resolve_layout(config, layout.world_size)
     where = placement(config)
-    assert [rank_parameters(shape, where, rank) for rank in range(layout.pp)] == pipeline_rank_parameters(config, dims)
+    assert [rank_parameters(shape, where, rank, layout.tp)
+            for rank in range(layout.pp)] == pipeline_rank_parameters(config, dims)

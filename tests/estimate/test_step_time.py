@@ -13,7 +13,7 @@ from xscale.estimate.cluster import Cluster, LinkCost
 from xscale.estimate.communication import bandwidth_factor, collective_seconds, latency_steps, spans_nodes
 from xscale.estimate.layout import Layout
 from xscale.estimate.model_shape import model_shape
-from xscale.estimate.placement import Placement, placement
+from xscale.estimate.placement import Placement, dense_parameters_per_tp_rank, placement, rank_parameters
 from xscale.estimate.step_time import bubble_seconds, microbatch_times, shared_bubble_seconds, step_time
 
 TINY = ["model.vocab_size=64", "model.d_model=32", "model.n_layers=4", "model.n_heads=4", "model.d_ff=64",
@@ -99,8 +99,11 @@ def test_tensor_parallel_and_optimizer_terms(shape):
     # gradients (d fp32) per block all-reduced in the backward
     sp = step_time(shape, _cluster(), dataclasses.replace(layout, sequence_parallel=True), where)
     assert sp.communication["tp"] == pytest.approx((4 * 4 * size + size + 8 * 32 * 4 + 3 * 2 * 16 * 4) / 100e9)
-    # DDP's optimizer: 28 bytes per parameter of the tp shard, over 1e12 B/s
-    assert step.optimizer == pytest.approx(28 * shape.total_parameters / 2 / 1e12)
+    # DDP's optimizer: 28 bytes per parameter a tp rank holds (half the split ones, every norm and row-parallel
+    # bias: tests/estimate/test_tensor_parallel_state.py), over 1e12 B/s
+    held = dense_parameters_per_tp_rank(rank_parameters(shape, where, 0, tp=2), 2)
+    assert shape.total_parameters / 2 < held < shape.total_parameters
+    assert step.optimizer == pytest.approx(28 * held / 1e12)
     zero = step_time(shape, _cluster(), dataclasses.replace(layout, zero_stage=1), where)
     assert zero.optimizer == pytest.approx(step.optimizer / 4)
     assert step.total == pytest.approx(step.compute + step.bubble + step.exposed_communication + step.optimizer)

@@ -96,7 +96,7 @@ def test_pipeline_ranks_hold_the_model_and_a_tied_copy(tie):
                                 f"model.tie_embeddings={str(tie).lower()}"])
     dims = resolve_dims(config, 4)
     total = count_parameters(config).total
-    held = [count for count, _ in pipeline_rank_parameters(config, dims)]
+    held = [count for count, _, _ in pipeline_rank_parameters(config, dims)]
     assert sum(held) == total + (config.model.vocab_size * config.model.d_model if tie else 0)
     state = predicted_pipeline_state_bytes(config, dims)
     assert [s["parameters"] for s in state] == [4 * count / 2 for count in held]  # ZeRO-3 over dp_shard=2
@@ -129,7 +129,7 @@ def test_encoder_decoder_pipeline_ranks_hold_both_stacks_and_the_embedding_copie
                  "parallel.pp_stages_per_rank=2", "parallel.pp_split=[1,1,2,1]", "parallel.zero_stage=1"]
     config = load_config(None, overrides)
     dims = resolve_dims(config, 4)
-    held = [count for count, _ in pipeline_rank_parameters(config, dims)]
+    held = [count for count, _, _ in pipeline_rank_parameters(config, dims)]
     embedding = config.model.vocab_size * config.model.d_model
     assert sum(held) == count_parameters(config).total + 2 * embedding  # the output copy and the decoder's
     assert len(predicted_pipeline_state_bytes(config, dims)) == 2

@@ -20,7 +20,7 @@ from xscale.data import with_resolved_vocab
 from xscale.data.objectives import OBJECTIVES
 from xscale.data.sources import SOURCES
 from xscale.estimate.measure import MeasureError, device_memory_bytes, measure_report, rank_memory
-from xscale.estimate.memory import predicted_pipeline_state_bytes, predicted_state_bytes
+from xscale.estimate.memory import predicted_model_state_bytes, predicted_pipeline_state_bytes
 from xscale.models.catalog import describe_option, options_catalog
 from xscale.models.parameters import ModelCount, count_parameters, experts_per_token
 from xscale.models.registry import REGISTRIES
@@ -222,8 +222,7 @@ def layout_report(config: Config, world_size: int) -> list[str]:
         for pp_rank, state in enumerate(predicted_pipeline_state_bytes(config, dims)):
             lines.append(f"  pp {pp_rank}: " + ", ".join(f"{name} {_human(value)}" for name, value in state.items()))
         return lines
-    count = count_parameters(config)
-    state = predicted_state_bytes(count.total, dims, count.expert)
+    state = predicted_model_state_bytes(config, dims)
     lines.append("per-rank model state (ZeRO formulas, fp32 AdamW):")
     lines += [f"  {name:<12} {_human(value)}" for name, value in state.items()]
     if dims.cp > 1:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from xscale.estimate.cluster import Cluster
 from xscale.estimate.layout import Layout
 from xscale.estimate.model_shape import ModelShape
-from xscale.estimate.placement import Placement, rank_parameters
+from xscale.estimate.placement import Placement, dense_parameters_per_tp_rank, rank_parameters
 
 GRADIENT_BYTES = 4
 
@@ -32,8 +32,8 @@ def largest_messages(shape: ModelShape, layout: Layout, where: Placement, rank: 
         messages[collective] = max(messages.get(collective, 0.0), size)
 
     if layout.dp * layout.cp > 1:
-        total, expert = rank_parameters(shape, where, rank)
-        gradients = GRADIENT_BYTES * (total - expert) / layout.tp
+        gradients = GRADIENT_BYTES * dense_parameters_per_tp_rank(rank_parameters(shape, where, rank, layout.tp),
+                                                                  layout.tp)
         bucket = min(shape.config.parallel.bucket_mb * 2**20, gradients)
         if layout.zero_stage == 0:
             issue("all_reduce", bucket)

@@ -42,8 +42,8 @@ def rank_peak(shape: ModelShape, config: Config, layout: Layout, where: Placemen
     """The :class:`PeakTerms` of pp rank ``rank``; ``config`` is the layout applied (:meth:`Layout.apply`),
     ``held_microbatch_blocks`` the (block, microbatch) activations it holds at once."""
     dims = layout.dims()
-    total, expert = rank_parameters(shape, where, rank)
-    state = predicted_state_bytes(total, dataclasses.replace(dims, pp=1), expert)
+    total, expert, replicated = rank_parameters(shape, where, rank, layout.tp)
+    state = predicted_state_bytes(total, dataclasses.replace(dims, pp=1), expert, replicated)
     blocks = where.rank_blocks[rank]
     share = activation_share(config, dims)
     distinct = shape.distinct_blocks(blocks)
@@ -63,8 +63,12 @@ def rank_peak(shape: ModelShape, config: Config, layout: Layout, where: Placemen
         activations += rebuilt
     else:  # the fused loss's chunk is gone before a block is rebuilt (module docstring)
         loss = max(loss, rebuilt)
+    # whole on every tp rank: what the plan replicates, with the experts of a (replicated) MoE layer
+    replicated_blocks = [shape.tp_replicated(layout.tp).blocks[index] + (shape.blocks[index].expert if layout.tp > 1
+                                                                         else 0) for index in blocks]
     sizes = UnitSizes(total - sum(shape.blocks[index].held for index in blocks),
-                      [shape.blocks[index].held for index in blocks], shape.largest_parameter)
+                      [shape.blocks[index].held for index in blocks], shape.largest_parameter,
+                      replicated - sum(replicated_blocks), replicated_blocks)
     num_stages = layout.pp * layout.stages_per_rank
     ranks = stage_to_rank(num_stages, layout.pp, SCHEDULES[layout.schedule].placement)
     stages = [stage for stage in range(num_stages) if ranks[stage] == rank]

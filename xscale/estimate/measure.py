@@ -56,15 +56,14 @@ from xscale.estimate.memory import (
     parameter_gather_bytes,
     pipeline_buffer_bytes,
     pipeline_send_bytes,
+    predicted_model_state_bytes,
     predicted_pipeline_state_bytes,
-    predicted_state_bytes,
     step_temporary_bytes,
     unit_sizes,
     vocab_parallel_loss_bytes,
 )
 from xscale.estimate.step_runner import StepRunner
 from xscale.models import build_model
-from xscale.models.parameters import count_parameters
 from xscale.parallel.activation import apply_activation_checkpointing
 from xscale.parallel.checks import resolve_layout
 from xscale.parallel.dims import ParallelDims
@@ -224,15 +223,14 @@ def rank_memory(config: Config, world_size: int, step: StepRunner) -> list[RankM
     full, gradient_fraction, deep = measured_step(config, micro, step)
     share = activation_share(config, dims)
     if dims.pp == 1:
-        count = count_parameters(config)
-        state = predicted_state_bytes(count.total, dims, count.expert)
+        state = predicted_model_state_bytes(config, dims)
         activations = full * share
         if dims.tp > 1:  # the layers by their share, the head without the fused loss's logits (tp's loss replaces it)
             per_layer, head = per_layer_and_head(config, micro, step, full, deep)
             activations = config.model.n_layers * per_layer * share + head_activation_share(config, dims, head, tokens)
         layout = LayoutTerms(microbatches, 1, activations * deep / max(full, 1.0), 0.0,
                              vocab_parallel_loss_bytes(config, dims, tokens // dims.cp))
-        return [_rank("every rank", config, dims, state, activations, unit_sizes(config), gradient_fraction, layout)]
+        return [_rank("every rank", config, dims, state, activations, unit_sizes(config, tp=dims.tp), gradient_fraction, layout)]
     num_stages = dims.pp * config.parallel.pp_stages_per_rank
     ranks = stage_to_rank(num_stages, dims.pp, SCHEDULES[config.parallel.pp_schedule].placement)
     layers = stage_layers(config, num_stages)
@@ -258,7 +256,7 @@ def rank_memory(config: Config, world_size: int, step: StepRunner) -> list[RankM
         layout = LayoutTerms(microbatches, blocks_alive[rank] / max(len(held), 1), len(held) * peak_layer * share,
                              transient, loss, pipeline_buffer_bytes(config, dims, tokens // dims.cp, mine)
                              + pipeline_send_bytes(config, dims, tokens // dims.cp, mine))
-        rows.append(_rank(f"pp rank {rank}", config, dims, state, activations, unit_sizes(config, held),
+        rows.append(_rank(f"pp rank {rank}", config, dims, state, activations, unit_sizes(config, held, dims.tp),
                           gradient_fraction, layout))
     return rows
 

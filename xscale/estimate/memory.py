@@ -8,12 +8,14 @@ ZeRO (Rajbhandari et al. 2020, sec. 5) with Psi parameters over N data-parallel 
     stage 2 (P_os+g):     params 4 Psi     grads 4 Psi / N optimizer 8 Psi / N
     stage 3 (P_os+g+p):   params 4 Psi / N grads 4 Psi / N optimizer 8 Psi / N
 
-Tensor and pipeline parallelism divide Psi first (Psi / (tp x pp), exact for the sharded matrices; norms are
-replicated over tp, so the prediction is slightly low under tp). Per pipeline rank,
+Tensor and pipeline parallelism divide Psi first: each tp rank holds 1/tp of the parameters the tensor-parallel plan
+splits and the whole of those it replicates (norms, position tables, GTrXL's gates, the Evolved Transformer's cell,
+MoE layers: :func:`~xscale.parallel.tensor.shards.parameter_shards` reads the split from the declarations the plan
+applies), Psi_S / tp + Psi_R, and pp the layers (Psi / pp on average). Per pipeline rank,
 :func:`predicted_pipeline_state_bytes` applies the formulas to what that rank's stages hold: the first stage the
 embedding, the last the head, and with tied embeddings the last its own copy, as an encoder-decoder's first decoder stage holds
 one of the embedding (so the stages hold more than Psi). Under expert parallelism the Psi_E expert
-parameters are divided by ep x pp instead (experts are replicated over tp) and ZeRO shards them over the edp
+parameters are divided by ep x pp (experts are replicated over tp; ep = 1 without it) and ZeRO shards them over the edp
 ranks that hold the same experts, N_E = dp / ep, instead of N. Context parallelism (cp) does not divide Psi: its
 ranks hold the same parameters, and ZeRO shards over them too, N = dp x cp (N_E = dp / ep x cp).
 
@@ -34,6 +36,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from xscale.config.schema import Config
 from xscale.estimate.model_shape import capacity_share
@@ -48,20 +51,22 @@ from xscale.parallel.pipeline import SCHEDULES
 from xscale.parallel.pipeline.cost import stage_layers
 from xscale.parallel.pipeline.stages import cut_stage, stage_to_rank
 from xscale.parallel.pipeline.vocabulary import vocabulary_shard, vocabulary_stage_count
+from xscale.parallel.tensor.shards import block_shards, parameter_shards
 
 BYTES_PER_VALUE = 4
 OPTIMIZER_VALUES = 2  # AdamW: exp_avg, exp_avg_sq
 
 
-def predicted_state_bytes(num_params: int, dims: ParallelDims, expert_params: int = 0) -> dict[str, float]:
+def predicted_state_bytes(num_params: int, dims: ParallelDims, expert_params: int = 0,
+                          tp_replicated: int = 0) -> dict[str, float]:
     """Bytes of parameters, gradients and optimizer state on one rank under ``dims`` (formulas above);
-    ``expert_params`` of the ``num_params`` are MoE expert weights (they matter only when ep > 1)."""
+    ``expert_params`` of the ``num_params`` are MoE expert weights, ``tp_replicated`` the other parameters that every
+    tp rank holds whole (:func:`tensor_parallel_replicated`)."""
     stage = dims.zero_stage if dims.dp_cp > 1 else 0
-    if dims.ep > 1:
-        kinds = [(num_params - expert_params, dims.tp * dims.pp, dims.dp_cp),
-                 (expert_params, dims.ep * dims.pp, dims.edp * dims.cp)]
-    else:  # context-parallel ranks hold the same parameters: ZeRO shards over dp x cp
-        kinds = [(num_params, dims.tp * dims.pp, dims.dp_cp)]
+    # context-parallel ranks hold the same parameters: ZeRO shards over dp x cp
+    kinds = [(num_params - expert_params - tp_replicated, dims.tp * dims.pp, dims.dp_cp),
+             (tp_replicated, dims.pp, dims.dp_cp),
+             (expert_params, dims.ep * dims.pp, dims.edp * dims.cp)]
     state = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0}
     for count, model_parallel, n in kinds:
         value = BYTES_PER_VALUE * count / model_parallel
@@ -71,27 +76,55 @@ def predicted_state_bytes(num_params: int, dims: ParallelDims, expert_params: in
     return state
 
 
-def pipeline_rank_parameters(config: Config, dims: ParallelDims) -> list[tuple[int, int]]:
-    """(parameters, expert parameters) of each pp rank's stages, counted on meta-device stage modules."""
+def tensor_parallel_replicated(model: nn.Module, tp: int) -> int:
+    """The non-expert parameters of ``model`` (a model or a pipeline stage, on any device) that the tensor-parallel
+    plan leaves whole on each of ``tp`` ranks (:func:`~xscale.parallel.tensor.shards.parameter_shards`); 0 at tp=1."""
+    if tp == 1:
+        return 0
+    shards = parameter_shards(model, tp)
+    return sum(param.numel() for name, param in model.named_parameters()
+               if shards[name] is None and not is_expert_parameter(name))
+
+
+def model_parameters(config: Config, tp: int) -> tuple[int, int, int]:
+    """(parameters, expert parameters, parameters whole on every tp rank) of the model, counted on the meta device
+    (tied weights once)."""
+    meta = build_model(config.model, materialize=False)
+    named = list(meta.named_parameters())
+    return (sum(param.numel() for _, param in named),
+            sum(param.numel() for name, param in named if is_expert_parameter(name)),
+            tensor_parallel_replicated(meta, tp))
+
+
+def predicted_model_state_bytes(config: Config, dims: ParallelDims) -> dict[str, float]:
+    """:func:`predicted_state_bytes` of a rank of a layout without a pipeline (every rank holds the same bytes)."""
+    total, expert, replicated = model_parameters(config, dims.tp)
+    return predicted_state_bytes(total, dims, expert, replicated)
+
+
+def pipeline_rank_parameters(config: Config, dims: ParallelDims) -> list[tuple[int, int, int]]:
+    """(parameters, expert parameters, parameters whole on every tp rank) of each pp rank's stages, counted on
+    meta-device stage modules."""
     parallel = config.parallel
     num_stages = dims.pp * parallel.pp_stages_per_rank
     ranks = stage_to_rank(num_stages, dims.pp, SCHEDULES[parallel.pp_schedule].placement)
     meta = build_model(config.model, materialize=False)
-    counts = [[0, 0] for _ in range(dims.pp)]
+    counts = [[0, 0, 0] for _ in range(dims.pp)]
     vocabulary = vocabulary_stage_count(parallel)
     for index, layers in enumerate(stage_layers(config, num_stages)):
         stage = cut_stage(meta, layers, vocabulary_shard(index, ranks, vocabulary), vocabulary > 0)
         for name, param in stage.named_parameters():  # a last stage's output.weight is the tied copy
             counts[ranks[index]][0] += param.numel()
             counts[ranks[index]][1] += param.numel() if is_expert_parameter(name) else 0
-    return [(total, expert) for total, expert in counts]
+        counts[ranks[index]][2] += tensor_parallel_replicated(stage, dims.tp)
+    return [(total, expert, replicated) for total, expert, replicated in counts]
 
 
 def predicted_pipeline_state_bytes(config: Config, dims: ParallelDims) -> list[dict[str, float]]:
     """:func:`predicted_state_bytes` of each pp rank over the parameters its stages hold."""
     within_stage = dataclasses.replace(dims, pp=1)
-    return [predicted_state_bytes(total, within_stage, expert)
-            for total, expert in pipeline_rank_parameters(config, dims)]
+    return [predicted_state_bytes(total, within_stage, expert, replicated)
+            for total, expert, replicated in pipeline_rank_parameters(config, dims)]
 
 
 @dataclass
@@ -132,22 +165,42 @@ class PeakTerms:
 @dataclass
 class UnitSizes:
     """Parameter counts of one rank's stages before any sharding: ``root`` (embedding, final norms, head: FSDP's
-    root unit) and each block (one FSDP unit each); ``largest`` the largest single parameter."""
+    root unit) and each block (one FSDP unit each); ``largest`` the largest single parameter. ``replicated_root`` and
+    ``replicated_blocks``: of those, the parameters the tensor-parallel plan keeps whole on every tp rank (MoE
+    layers' experts too; ep is not modelled in the terms these feed) (none given: all split)."""
 
     root: int
     blocks: list[int]
     largest: int
+    replicated_root: int = 0
+    replicated_blocks: list[int] | None = None
+
+    def per_tp_rank(self, tp: int) -> tuple[float, list[float]]:
+        """(root, blocks) as one of ``tp`` ranks holds them: 1/tp of what the plan splits, all of what it keeps
+        whole."""
+        replicated = self.replicated_blocks or [0] * len(self.blocks)
+        return ((self.root - self.replicated_root) / tp + self.replicated_root,
+                [(held - whole) / tp + whole for held, whole in zip(self.blocks, replicated, strict=True)])
 
 
-def unit_sizes(config: Config, layers: list[int] | None = None) -> UnitSizes:
-    """:class:`UnitSizes` of the model on the meta device, or of the stage holding ``layers`` (pipeline)."""
+def unit_sizes(config: Config, layers: list[int] | None = None, tp: int = 1) -> UnitSizes:
+    """:class:`UnitSizes` of the model on the meta device, or of the stage holding ``layers`` (pipeline), with what
+    ``tp`` ranks hold whole."""
     model = build_model(config.model, materialize=False)
     if layers is not None:
         model.keep_layers(layers)
     stacks = [stack for stack in (getattr(model, "stack", None), getattr(model, "decoder", None)) if stack is not None]
-    blocks = [sum(p.numel() for p in block.parameters()) for stack in stacks for block in stack.layers.values()]
+    units = [block for stack in stacks for block in stack.layers.values()]
+    blocks = [sum(p.numel() for p in block.parameters()) for block in units]
     total = sum(p.numel() for p in model.parameters())
-    return UnitSizes(total - sum(blocks), blocks, max(p.numel() for p in model.parameters()))
+    if tp == 1:
+        return UnitSizes(total - sum(blocks), blocks, max(p.numel() for p in model.parameters()))
+    shards = parameter_shards(model, tp)
+    replicated = sum(param.numel() for name, param in model.named_parameters() if shards[name] is None)
+    replicated_blocks = [sum(param.numel() for name, param in block.named_parameters() if name not in split)
+                         for block, split in ((block, block_shards(block, tp)) for block in units)]
+    return UnitSizes(total - sum(blocks), blocks, max(p.numel() for p in model.parameters()),
+                     replicated - sum(replicated_blocks), replicated_blocks)
 
 
 GATHERED_BLOCKS = 2  # FSDP2's implicit prefetch: the block that runs and the next one, gathered at once
@@ -159,14 +212,16 @@ def all_gather_bytes(config: Config, dims: ParallelDims, sizes: UnitSizes) -> fl
     dtype (2 bytes under bf16), 0 without ZeRO-3: the root unit stays gathered from forward to backward
     (:mod:`xscale.parallel.data.fsdp`) minus the rank's own shard, plus ``GATHERED_BLOCKS`` blocks at once (all of a
     pipeline stage's blocks: they stay gathered over its microbatches), each counted ``GATHER_COPIES`` times (the
-    flat all-gather output and the unsharded parameters it is copied into), and tensor parallelism divides it all."""
+    flat all-gather output and the unsharded parameters it is copied into), each unit as a tp rank holds it
+    (:meth:`UnitSizes.per_tp_rank`)."""
     if not dims.fsdp:
         return 0.0
     value_bytes = 2 if config.train.precision == "bf16" else BYTES_PER_VALUE
     n = dims.dp_cp
-    blocks = sizes.blocks if dims.pp > 1 else sorted(sizes.blocks)[-GATHERED_BLOCKS:]
-    gathered = sizes.root * (1 - 1 / n) + GATHER_COPIES * sum(blocks)
-    return value_bytes * gathered / dims.tp
+    root, per_block = sizes.per_tp_rank(dims.tp)
+    blocks = per_block if dims.pp > 1 else sorted(per_block)[-GATHERED_BLOCKS:]
+    gathered = root * (1 - 1 / n) + GATHER_COPIES * sum(blocks)
+    return value_bytes * gathered
 
 
 def parameter_gather_bytes(config: Config, dims: ParallelDims, sizes: UnitSizes,
@@ -176,16 +231,16 @@ def parameter_gather_bytes(config: Config, dims: ParallelDims, sizes: UnitSizes,
     bucket: ``parallel.bucket_mb``, or one larger parameter), and each module's forward unpacks its own and frees them
     (:mod:`xscale.parallel.data.gather`). So the forward starts with that window of gathered copies next to the
     gradient buffers ZeRO-1 keeps (its ``gradients``); late in it, its activations nearly all made, the window holds
-    at most the copies of the last block and of an untied head. (0, 0) otherwise."""
+    at most the copies of the last block and of an untied head (units as a tp rank holds them). (0, 0) otherwise."""
     if not (dims.dp_cp > 1 and dims.zero_stage in (1, 2) and config.parallel.overlap_param_gather):
         return 0.0, 0.0
     model = config.model
-    value = BYTES_PER_VALUE / dims.tp
-    window = max(GATHER_WINDOW_BYTES, config.parallel.bucket_mb * 2**20, value * sizes.largest)
-    in_flight = min(value * (sizes.root + sum(sizes.blocks)), window)
-    head = 0 if model.tie_embeddings else model.vocab_size * model.d_model
+    root, blocks = sizes.per_tp_rank(dims.tp)
+    window = max(GATHER_WINDOW_BYTES, config.parallel.bucket_mb * 2**20, BYTES_PER_VALUE * sizes.largest / dims.tp)
+    in_flight = min(BYTES_PER_VALUE * (root + sum(blocks)), window)
+    head = 0 if model.tie_embeddings else model.vocab_size * model.d_model / dims.tp  # split by vocabulary
     kept = gradients if dims.zero_stage == 1 else 0.0
-    return kept + in_flight, min(in_flight, value * (max(sizes.blocks, default=0) + head))
+    return kept + in_flight, min(in_flight, BYTES_PER_VALUE * (max(blocks, default=0) + head))
 
 
 def largest_gradient_bytes(dims: ParallelDims, sizes: UnitSizes) -> float:

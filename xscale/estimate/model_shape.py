@@ -12,9 +12,13 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from torch import nn
+
 from xscale.config.schema import Config, ModelConfig
 from xscale.models import build_model
 from xscale.models.parameters import count_parameters, experts_per_token
+from xscale.parallel.data import is_expert_parameter
+from xscale.parallel.tensor.shards import parameter_shards
 
 GLU_FFNS = ("swiglu", "geglu", "reglu")
 # Cores whose cost grows with a window, not the sequence (their ``window`` option; docs/planning.md).
@@ -69,6 +73,16 @@ class OutsideBlocks:
 
 
 @dataclass(frozen=True)
+class TensorParallelReplicated:
+    """The non-expert parameters that the tensor-parallel plan leaves whole on every tp rank
+    (:func:`~xscale.parallel.tensor.shards.parameter_shards`), by where they sit: in each block (its norms, GTrXL's
+    gates, ...) and outside the blocks (norms, position tables, the head transform), as :class:`OutsideBlocks`."""
+
+    blocks: tuple[int, ...]
+    outside: OutsideBlocks = OutsideBlocks()
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """The model as the cost model sees it (module docstring); ``embedding`` the token table, ``head`` the output
     projection's weights (a tied head's too: it is a matmul), ``outside`` final norms and head transform,
@@ -85,7 +99,15 @@ class ModelShape:
     expert_parameters: int
     model_flops_per_token: float
     outside_blocks: OutsideBlocks = OutsideBlocks()
+    meta: nn.Module | None = field(default=None, compare=False, repr=False)  # the model on the meta device
     memo: dict = field(default_factory=dict, compare=False, repr=False)  # what the search asks again and again
+
+    def tp_replicated(self, tp: int) -> TensorParallelReplicated:
+        """:class:`TensorParallelReplicated` over ``tp`` ranks (none at tp=1: nothing is split)."""
+        key = ("tp replicated", tp)
+        if key not in self.memo:
+            self.memo[key] = _tp_replicated(self.meta, self.model, tp)
+        return self.memo[key]
 
     def distinct_blocks(self, blocks: tuple[int, ...]) -> tuple[tuple[BlockShape, int], ...]:
         """The distinct shapes among ``blocks`` with how many of them each (a rank's sums, done once per shape)."""
@@ -138,9 +160,8 @@ def model_shape(config: Config) -> ModelShape:
     kept = _OutsideCounter(meta)
     for name, param in meta.named_parameters():
         largest = max(largest, param.numel())
-        parts = name.split(".")
-        if len(parts) > 2 and parts[0] in ("stack", "decoder") and parts[1] == "layers":
-            index = int(parts[2]) + (model.n_layers if parts[0] == "decoder" else 0)
+        index = _block_index(name, model)
+        if index is not None:
             is_expert = ".experts." in name
             held[index] += param.numel()
             used[index] += param.numel() * (share if is_expert else 1.0)
@@ -160,7 +181,32 @@ def model_shape(config: Config) -> ModelShape:
     head = model.vocab_size * model.d_model if model.num_classes == 0 else model.num_classes * model.d_model
     flops = 6.0 * count.matmul_per_token + 12.0 * layers * seq * model.d_model
     return ModelShape(config, blocks, model.vocab_size * model.d_model, head, outside, count.tied_head > 0, largest,
-                      count.total, count.expert, flops, kept.counts())
+                      count.total, count.expert, flops, kept.counts(), meta)
+
+
+def _block_index(name: str, model: ModelConfig) -> int | None:
+    """The index (encoder layers, then decoder layers) of the block holding parameter ``name``; None outside them."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[0] in ("stack", "decoder") and parts[1] == "layers":
+        return int(parts[2]) + (model.n_layers if parts[0] == "decoder" else 0)
+    return None
+
+
+def _tp_replicated(meta: nn.Module, model: ModelConfig, tp: int) -> TensorParallelReplicated:
+    blocks = [0] * model.total_layers
+    if tp == 1:
+        return TensorParallelReplicated(tuple(blocks))
+    shards = parameter_shards(meta, tp)
+    kept = _OutsideCounter(meta)
+    for name, param in meta.named_parameters():
+        if shards[name] is not None or is_expert_parameter(name):
+            continue
+        index = _block_index(name, model)
+        if index is None:
+            kept.add(name, param.numel())
+        else:
+            blocks[index] += param.numel()
+    return TensorParallelReplicated(tuple(blocks), kept.counts())
 
 
 HEAD_MODULES = ("head_transform", "output", "classifier", "exits", "objective_head")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xscale.config.schema import Config
-from xscale.estimate.model_shape import ModelShape
+from xscale.estimate.model_shape import ModelShape, OutsideBlocks
 from xscale.parallel.pipeline import SCHEDULES, stage_to_rank
 from xscale.parallel.pipeline.cost import stage_layers
 
@@ -47,28 +47,36 @@ def placement(config: Config, layers: list[list[int]] | None = None) -> Placemen
                      tuple((ranks[stage], tuple(held)) for stage, held in enumerate(layers)))
 
 
-def stage_parameters(shape: ModelShape, blocks: tuple[int, ...]) -> tuple[int, int]:
-    """(parameters, expert parameters) of the stage running ``blocks`` (consecutive): its blocks (under
-    ``share_layers`` the one block of each stack it runs), and what :class:`~xscale.estimate.model_shape.OutsideBlocks`
-    says a stage with those ends keeps."""
-    key = ("stage parameters", blocks)
+def stage_parameters(shape: ModelShape, blocks: tuple[int, ...], tp: int = 1) -> tuple[int, int, int]:
+    """(parameters, expert parameters, parameters whole on every tp rank) of the stage running ``blocks``
+    (consecutive) under ``tp``: its blocks (under ``share_layers`` the one block of each stack it runs), and what
+    :class:`~xscale.estimate.model_shape.OutsideBlocks` says a stage with those ends keeps
+    (:meth:`~xscale.estimate.model_shape.ModelShape.tp_replicated` for the third)."""
+    key = ("stage parameters", blocks, tp)
     if key not in shape.memo:
-        shape.memo[key] = _stage_parameters(shape, blocks)
+        replicated = shape.tp_replicated(tp)
+        shape.memo[key] = (
+            _stage_sum(shape, blocks, [block.held for block in shape.blocks], shape.outside_blocks,
+                       shape.embedding if shape.tied else 0),
+            _stage_sum(shape, blocks, [block.expert for block in shape.blocks], OutsideBlocks(), 0),
+            _stage_sum(shape, blocks, replicated.blocks, replicated.outside, 0))  # a tied copy is split by vocabulary
     return shape.memo[key]
 
 
-def _stage_parameters(shape: ModelShape, blocks: tuple[int, ...]) -> tuple[int, int]:
-    model, outside = shape.model, shape.outside_blocks
+def _stage_sum(shape: ModelShape, blocks: tuple[int, ...], per_block: list[int] | tuple[int, ...],
+               outside: OutsideBlocks, tied_copy: int) -> int:
+    """What the stage running ``blocks`` holds of ``per_block`` and ``outside``, with ``tied_copy`` on a last stage
+    that embeds nothing."""
+    model = shape.model
     stacks = ((0, model.n_layers), (model.n_layers, model.total_layers)) if model.family == "encoder_decoder" else (
         (0, model.total_layers),)
-    total = expert = 0
+    total = 0
     embeds = False
     for index, (first, stop) in enumerate(stacks):
         mine = [block for block in blocks if first <= block < stop]
         if not mine:
             continue
-        for block in ([first] if model.share_layers else mine):
-            total, expert = total + shape.blocks[block].held, expert + shape.blocks[block].expert
+        total += sum(per_block[block] for block in ([first] if model.share_layers else mine))
         total += outside.anywhere[index]
         if mine[0] == first:
             total, embeds = total + outside.starts[index], True
@@ -77,13 +85,22 @@ def _stage_parameters(shape: ModelShape, blocks: tuple[int, ...]) -> tuple[int, 
     if embeds:
         total += outside.embedding
     if blocks and blocks[-1] == model.total_layers - 1:
-        total += outside.head + (shape.embedding if shape.tied and not embeds else 0)
-    return total, expert
+        total += outside.head + (tied_copy if not embeds else 0)
+    return total
 
 
-def rank_parameters(shape: ModelShape, where: Placement, rank: int) -> tuple[int, int]:
-    """(parameters, expert parameters) the pp rank holds before tp/ep sharding: the sum over its stages of
-    :func:`stage_parameters` (a rank of a V or looped schedule holding the first and the last stage holds the
-    embedding and the tied head's copy both, as :func:`xscale.estimate.memory.pipeline_rank_parameters` counts)."""
-    counts = [stage_parameters(shape, blocks) for blocks in where.rank_stages(rank)]
-    return sum(total for total, _ in counts), sum(expert for _, expert in counts)
+def rank_parameters(shape: ModelShape, where: Placement, rank: int, tp: int = 1) -> tuple[int, int, int]:
+    """(parameters, expert parameters, parameters whole on every tp rank) the pp rank holds before tp/ep sharding:
+    the sum over its stages of :func:`stage_parameters` (a rank of a V or looped schedule holding the first and the
+    last stage holds the embedding and the tied head's copy both, as
+    :func:`xscale.estimate.memory.pipeline_rank_parameters` counts)."""
+    counts = [stage_parameters(shape, blocks, tp) for blocks in where.rank_stages(rank)]
+    return sum(total for total, _, _ in counts), sum(expert for _, expert, _ in counts), sum(
+        replicated for _, _, replicated in counts)
+
+
+def dense_parameters_per_tp_rank(counts: tuple[int, int, int], tp: int) -> float:
+    """The non-expert parameters one tp rank holds of :func:`rank_parameters`' ``counts``: 1/tp of those the plan
+    splits, all of those it keeps whole."""
+    total, expert, replicated = counts
+    return (total - expert - replicated) / tp + replicated

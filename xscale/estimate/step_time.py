@@ -65,7 +65,7 @@ from xscale.estimate.overheads import (
     loss_forward_seconds,
     step_dispatch_seconds,
 )
-from xscale.estimate.placement import Placement, rank_parameters
+from xscale.estimate.placement import Placement, dense_parameters_per_tp_rank, rank_parameters
 
 GRADIENT_BYTES = 4  # fp32 gradients and weights (fp32 master weights under bf16 autocast)
 OPTIMIZER_BYTES_PER_PARAMETER = 28  # read weight, gradient, 2 moments (16); write weight, 2 moments (12)
@@ -225,13 +225,14 @@ def overlaps_compute(cluster: Cluster, layout: Layout) -> bool:
 def _dp_seconds(shape: ModelShape, cluster: Cluster, layout: Layout, where: Placement, rank: int,
                 times: MicrobatchTimes) -> float:
     """Exposed data-parallel time of one pp rank (module docstring)."""
-    total, expert = rank_parameters(shape, where, rank)
+    counts = rank_parameters(shape, where, rank, layout.tp)
+    expert = counts[1]
     bucket = shape.config.parallel.bucket_mb * 2**20
     overlap = 1.0 if overlaps_compute(cluster, layout) else 0.0
     backward = overlap * (2 * times.forward() + times.recompute(layout.checkpointing))
     forward = overlap * times.forward()
     # (parameters, group size, stride) per kind: dense over dp x cp, experts over dp / ep x cp
-    groups = [((total - expert) / layout.tp, layout.dp * layout.cp, layout.tp),
+    groups = [(dense_parameters_per_tp_rank(counts, layout.tp), layout.dp * layout.cp, layout.tp),
               (expert / layout.ep, layout.dp // layout.ep * layout.cp, layout.tp * layout.cp * layout.ep)]
     exposed = 0.0
     for parameters, ranks, stride in groups:
@@ -273,10 +274,10 @@ def step_time(shape: ModelShape, cluster: Cluster, layout: Layout, where: Placem
     }
     optimizer = 0.0
     for rank in range(layout.pp):
-        total, expert = rank_parameters(shape, where, rank)
+        counts = rank_parameters(shape, where, rank, layout.tp)
         shards = layout.dp * layout.cp if layout.zero_stage >= 1 else 1
         expert_shards = max(1, layout.dp // layout.ep * layout.cp) if layout.zero_stage >= 1 else 1
-        updated = (total - expert) / layout.tp / shards + expert / layout.ep / expert_shards
+        updated = dense_parameters_per_tp_rank(counts, layout.tp) / shards + counts[1] / layout.ep / expert_shards
         optimizer = max(optimizer, OPTIMIZER_BYTES_PER_PARAMETER * updated / (
             cluster.memory_bandwidth * cluster.compute_share(layout.world_size)))
     overhead = step_dispatch_seconds(cluster) / cluster.compute_share(layout.world_size)

@@ -60,6 +60,7 @@ from xscale.models.traits import traits_of
 from xscale.models.transformer import Transformer
 from xscale.parallel.tensor.head_sharded import shard_head_state, shard_rows
 from xscale.parallel.tensor.replicated import replicate_parameters
+from xscale.parallel.tensor.shards import attention_split
 from xscale.parallel.tensor.talking_heads import gather_heads
 from xscale.parallel.tensor.vocab_parallel import VocabParallelEmbedding
 from xscale.runtime import StepContext
@@ -183,21 +184,15 @@ def _replicated_projection(linear: nn.Linear, mesh: DeviceMesh) -> None:
 
 def _parallelize_attention(attention: Attention, mesh: DeviceMesh, sequence_parallel: bool) -> None:
     stream = _stream(sequence_parallel)
-    tp = mesh.size()
-    config = attention.core.model_config  # the block's (Lite's attention half: n_heads/2 heads of width d/2)
-    plan: dict[str, ColwiseParallel | RowwiseParallel] = {
-        "wq": ColwiseParallel(),
-        "wo": RowwiseParallel(output_layouts=stream),
-    }
-    kv_projections = ["wk", "wv"] if attention.projects_keys else ["wv"]
-    if config.kv_heads % tp == 0:
-        plan.update({name: ColwiseParallel() for name in kv_projections})
-    else:
-        for name in kv_projections:
-            _replicated_projection(getattr(attention, name), mesh)
+    # by the core's config (Lite's attention half: n_heads/2 heads of width d/2); the memory estimator reads it too
+    split = attention_split(attention, mesh.size())
+    plan: dict[str, ColwiseParallel | RowwiseParallel] = {name: ColwiseParallel() for name in split.column}
+    plan.update({name: RowwiseParallel(output_layouts=stream) for name in split.row})
+    for name in split.replicated:
+        _replicated_projection(getattr(attention, name), mesh)
     parallelize_module(attention, mesh, plan)
     if traits_of(attention.core).tp == "gather_heads":  # every rank gathers all heads' q and k
-        gather_heads(attention, mesh, gather_keys=config.kv_heads % tp == 0)
+        gather_heads(attention, mesh, gather_keys=not split.replicated)
     # One DTensor input for q, k, v: their input gradients are summed before the one collective.
     inputs = (stream, None, stream) if attention.cross else (stream, None)
     desired = (Replicate(), None, Replicate()) if attention.cross else (Replicate(), None)
