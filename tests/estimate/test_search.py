@@ -3,14 +3,33 @@ tokens/s with ties to the simpler layout; nothing fitting is one clear error."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+
 import pytest
 
 from xscale.config.load import load_config
 from xscale.estimate.cluster import load_cluster
+from xscale.estimate.collective_memory import collective_buffer_bytes
+from xscale.estimate.in_flight import blocks_in_flight
 from xscale.estimate.layout import Layout
+from xscale.estimate.layout_memory import peak_bytes
 from xscale.estimate.model_shape import model_shape
-from xscale.estimate.search import MEMORY_USABLE, PlanError, candidate_layouts, search
+from xscale.estimate.placement import placement
+from xscale.estimate.search import (
+    MEMORY_USABLE,
+    Plan,
+    PlanError,
+    Planner,
+    accepted,
+    candidate_layouts,
+    rank_key,
+    search,
+)
+from xscale.estimate.step_time import step_time
 from xscale.parallel.checks import resolve_layout
+from xscale.parallel.pipeline import SCHEDULES, stage_to_rank
+from xscale.parallel.pipeline.cost import stage_layers
 
 SMALL = ["model.vocab_size=512", "model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
          "train.seq_len=64", "train.global_batch_size=16"]
@@ -64,3 +83,65 @@ def test_ties_prefer_fewer_microbatches():
     assert Layout(dp=2, micro_batch=8, microbatches=1).complexity() < Layout(dp=2, micro_batch=4,
                                                                             microbatches=2).complexity()
     assert Layout(dp=2, microbatches=4).complexity() < Layout(dp=1, pp=2, microbatches=2).complexity()
+
+
+def _every_plan(shape, cluster, devices: int) -> tuple[list[Plan], Plan]:
+    """Every candidate layout with the first recomputation that fits (ranked), and the least-peak plan of every
+    layout and recomputation, predicted from the cost model's own terms (no planner, no cache, no skipped layout or
+    rank): what the search must agree with."""
+    fitting, smallest, split = [], None, {}
+    for layout in candidate_layouts(shape, cluster, devices):
+        fits = None
+        for checkpointing in ("none", "full"):  # a dense core's (selective recomputes nothing stored)
+            chosen = dataclasses.replace(layout, checkpointing=checkpointing)
+            config = chosen.apply(shape.config)
+            stages = chosen.pp * chosen.stages_per_rank
+            if stages not in split:  # the pipeline's own split (it depends on the stage count only)
+                split[stages] = stage_layers(config, stages)
+            where = placement(config, split[stages])
+            held = [float(len(where.rank_blocks[0]))]
+            if chosen.pp > 1:
+                held = blocks_in_flight(config, chosen.pp, stage_to_rank(stages, chosen.pp, SCHEDULES[
+                    chosen.schedule].placement), split[stages])
+            peak = (peak_bytes(shape, config, chosen, where, held) + collective_buffer_bytes(shape, cluster, chosen, where)
+                    + cluster.runtime_memory_bytes)
+            step = step_time(shape, cluster, chosen, where)
+            plan = Plan(chosen, step, peak, shape.global_batch * shape.seq_len / step.total, 0.0)
+            smallest = plan if smallest is None or plan.peak_bytes < smallest.peak_bytes else smallest
+            if fits is None and plan.peak_bytes <= MEMORY_USABLE * cluster.memory_bytes:
+                fits = plan
+        fitting += [fits] if fits else []
+    return sorted(fitting, key=rank_key), smallest
+
+
+PIPELINED = [*SMALL, "train.global_batch_size=8", "parallel.bucket_mb=1"]
+
+
+def test_search_agrees_with_every_layout_predicted():
+    """The search skips layouts whose model state alone does not fit, compares one pp rank of each kind and
+    caches what layouts share; its ranking is still the one of every layout predicted whole (8 devices: pp up to
+    4, whose middle ranks are alike)."""
+    devices = 8
+    shape = model_shape(load_config(overrides=PIPELINED))
+    h100 = load_cluster(H100)
+    planner = Planner(shape, h100, devices)
+    floors = sorted(planner.state_floor(layout) for layout in candidate_layouts(shape, h100, devices))
+    cluster = dataclasses.replace(h100, memory_bytes=0.999 * floors[-1] / MEMORY_USABLE)  # the largest skipped
+    expected, _ = _every_plan(shape, cluster, devices)
+    found = search(shape, cluster, devices, top=6)
+    assert len(expected) > 6 and any(floor > MEMORY_USABLE * cluster.memory_bytes for floor in floors)
+    assert any(plan.layout.pp > 1 for plan in expected)
+    accepted_expected = list(itertools.islice(
+        (plan for plan in expected if accepted(plan.layout.apply(shape.config), devices)), 6))
+    assert [(plan.layout, plan.peak_bytes, plan.tokens_per_s, plan.step) for plan in found] == [
+        (plan.layout, plan.peak_bytes, plan.tokens_per_s, plan.step) for plan in accepted_expected]
+
+
+def test_nothing_fits_names_the_least_peak_of_every_layout():
+    shape = model_shape(load_config(overrides=PIPELINED))
+    h100 = load_cluster(H100)
+    _, smallest = _every_plan(shape, h100, 4)
+    cluster = dataclasses.replace(h100, memory_bytes=0.99 * smallest.peak_bytes / MEMORY_USABLE)
+    with pytest.raises(PlanError) as error:
+        search(shape, cluster, 4)
+    assert f"{smallest.peak_bytes / 2**30:.1f} GiB per rank ({smallest.layout.describe()})" in str(error.value)
