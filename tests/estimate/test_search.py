@@ -4,7 +4,6 @@ tokens/s with ties to the simpler layout; nothing fitting is one clear error."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import pytest
 
@@ -85,14 +84,13 @@ def test_ties_prefer_fewer_microbatches():
     assert Layout(dp=2, microbatches=4).complexity() < Layout(dp=1, pp=2, microbatches=2).complexity()
 
 
-def _every_plan(shape, cluster, devices: int) -> tuple[list[Plan], Plan]:
-    """Every candidate layout with the first recomputation that fits (ranked), and the least-peak plan of every
-    layout and recomputation, predicted from the cost model's own terms (no planner, no cache, no skipped layout or
-    rank): what the search must agree with."""
-    fitting, smallest, split = [], None, {}
+def _every_plan(shape, cluster, devices: int) -> list[tuple[Plan, ...]]:
+    """Each candidate layout under each recomputation (a dense core's: none, full), predicted from the cost model's
+    own terms: no planner, no cache, no layout or rank skipped."""
+    every, split = [], {}
     for layout in candidate_layouts(shape, cluster, devices):
-        fits = None
-        for checkpointing in ("none", "full"):  # a dense core's (selective recomputes nothing stored)
+        plans = []
+        for checkpointing in ("none", "full"):
             chosen = dataclasses.replace(layout, checkpointing=checkpointing)
             config = chosen.apply(shape.config)
             stages = chosen.pp * chosen.stages_per_rank
@@ -106,42 +104,45 @@ def _every_plan(shape, cluster, devices: int) -> tuple[list[Plan], Plan]:
             peak = (peak_bytes(shape, config, chosen, where, held) + collective_buffer_bytes(shape, cluster, chosen, where)
                     + cluster.runtime_memory_bytes)
             step = step_time(shape, cluster, chosen, where)
-            plan = Plan(chosen, step, peak, shape.global_batch * shape.seq_len / step.total, 0.0)
-            smallest = plan if smallest is None or plan.peak_bytes < smallest.peak_bytes else smallest
-            if fits is None and plan.peak_bytes <= MEMORY_USABLE * cluster.memory_bytes:
-                fits = plan
-        fitting += [fits] if fits else []
-    return sorted(fitting, key=rank_key), smallest
+            plans.append(Plan(chosen, step, peak, shape.global_batch * shape.seq_len / step.total, 0.0))
+        every.append(tuple(plans))
+    return every
 
 
 PIPELINED = [*SMALL, "train.global_batch_size=8", "parallel.bucket_mb=1"]
 
 
-def test_search_agrees_with_every_layout_predicted():
+@pytest.fixture(scope="module")
+def pipelined():
+    """A 4-block model on 8 devices (pp up to 4, whose middle ranks are alike), every layout predicted whole."""
+    shape = model_shape(load_config(overrides=PIPELINED))
+    return shape, _every_plan(shape, load_cluster(H100), 8)
+
+
+@pytest.mark.parametrize("quantile", [0.5, 0.75, 1.0])
+def test_search_agrees_with_every_layout_predicted(pipelined, quantile):
     """The search skips layouts whose model state alone does not fit, compares one pp rank of each kind and
-    caches what layouts share; its ranking is still the one of every layout predicted whole (8 devices: pp up to
-    4, whose middle ranks are alike)."""
-    devices = 8
-    shape = model_shape(load_config(overrides=PIPELINED))
+    caches what layouts share: on a device sized so that a share of the layouts is skipped, it returns every
+    accepted layout that fits, in the order of all layouts predicted whole."""
+    shape, every = pipelined
     h100 = load_cluster(H100)
-    planner = Planner(shape, h100, devices)
-    floors = sorted(planner.state_floor(layout) for layout in candidate_layouts(shape, h100, devices))
-    cluster = dataclasses.replace(h100, memory_bytes=0.999 * floors[-1] / MEMORY_USABLE)  # the largest skipped
-    expected, _ = _every_plan(shape, cluster, devices)
-    found = search(shape, cluster, devices, top=6)
-    assert len(expected) > 6 and any(floor > MEMORY_USABLE * cluster.memory_bytes for floor in floors)
-    assert any(plan.layout.pp > 1 for plan in expected)
-    accepted_expected = list(itertools.islice(
-        (plan for plan in expected if accepted(plan.layout.apply(shape.config), devices)), 6))
+    planner = Planner(shape, h100, 8)
+    floors = sorted(planner.state_floor(plans[0].layout) for plans in every)
+    cluster = dataclasses.replace(h100, memory_bytes=0.999 * floors[int(quantile * (len(floors) - 1))] / MEMORY_USABLE)
+    usable = MEMORY_USABLE * cluster.memory_bytes
+    fitting = sorted((next(plan for plan in plans if plan.peak_bytes <= usable) for plans in every
+                      if any(plan.peak_bytes <= usable for plan in plans)), key=rank_key)
+    expected = [plan for plan in fitting if accepted(plan.layout.apply(shape.config), 8)]
+    assert len(expected) > 1 and any(floor > usable for floor in floors)
+    found = search(shape, cluster, 8, top=len(expected))
     assert [(plan.layout, plan.peak_bytes, plan.tokens_per_s, plan.step) for plan in found] == [
-        (plan.layout, plan.peak_bytes, plan.tokens_per_s, plan.step) for plan in accepted_expected]
+        (plan.layout, plan.peak_bytes, plan.tokens_per_s, plan.step) for plan in expected]
 
 
-def test_nothing_fits_names_the_least_peak_of_every_layout():
-    shape = model_shape(load_config(overrides=PIPELINED))
-    h100 = load_cluster(H100)
-    _, smallest = _every_plan(shape, h100, 4)
-    cluster = dataclasses.replace(h100, memory_bytes=0.99 * smallest.peak_bytes / MEMORY_USABLE)
+def test_nothing_fits_names_the_least_peak_of_every_layout(pipelined):
+    shape, every = pipelined
+    smallest = min((plan for plans in every for plan in plans), key=lambda plan: plan.peak_bytes)  # the first least
+    cluster = dataclasses.replace(load_cluster(H100), memory_bytes=0.99 * smallest.peak_bytes / MEMORY_USABLE)
     with pytest.raises(PlanError) as error:
-        search(shape, cluster, 4)
+        search(shape, cluster, 8)
     assert f"{smallest.peak_bytes / 2**30:.1f} GiB per rank ({smallest.layout.describe()})" in str(error.value)
