@@ -186,11 +186,17 @@ class Planner:
                                            for state in states) + self.cluster.runtime_memory_bytes)
         return self._state_floors[key]
 
-    def predict(self, layout: Layout) -> Plan:
+    def peak_bytes(self, layout: Layout) -> float:
+        """The predicted peak per rank: the memory model's, the collectives' buffers and the runtime's."""
         config = layout.apply(self.shape.config)
-        where, kinds = self._placement_and_kinds(layout)
-        peak = (peak_bytes(self.shape, config, layout, where, self.in_flight(config, layout, where))
+        where = self.placement(layout)
+        return (peak_bytes(self.shape, config, layout, where, self.in_flight(config, layout, where))
                 + collective_buffer_bytes(self.shape, self.cluster, layout, where) + self.cluster.runtime_memory_bytes)
+
+    def predict(self, layout: Layout, peak: float | None = None) -> Plan:
+        """``layout``'s plan; ``peak``: its :meth:`peak_bytes` when already known."""
+        peak = self.peak_bytes(layout) if peak is None else peak
+        where, kinds = self._placement_and_kinds(layout)
         step = step_time(self.shape, self.cluster, layout, where, self.microbatch_times(layout, where), kinds)
         tokens_per_s = self.shape.global_batch * self.shape.seq_len / step.total
         mfu = self.shape.model_flops_per_token * tokens_per_s / (
@@ -203,24 +209,26 @@ class Planner:
     def first_fitting(self, layout: Layout) -> Plan | None:
         """``layout`` with the first recomputation that fits (recomputation only adds time), None if none does."""
         for checkpointing in _checkpointing_options(self.shape):
-            plan = self.predict(dataclasses.replace(layout, checkpointing=checkpointing))
-            if self.fits(plan):
-                return plan
+            chosen = dataclasses.replace(layout, checkpointing=checkpointing)
+            peak = self.peak_bytes(chosen)  # the step is predicted only for the recomputation that fits
+            if peak <= MEMORY_USABLE * self.cluster.memory_bytes:
+                return self.predict(chosen, peak)
         return None
 
     def smallest(self, layouts: list[Layout]) -> Plan:
         """The plan of least peak over ``layouts`` and every recomputation (the first in enumeration order among
         equals), predicting in the order of :meth:`state_floor` until the floor passes the least peak found."""
         floors = [self.state_floor(layout) for layout in layouts]
-        best: tuple[float, int, int, Plan] | None = None
+        best: tuple[float, int, int, Layout] | None = None
         for index in sorted(range(len(layouts)), key=floors.__getitem__):
             if best is not None and floors[index] > best[0]:
                 break
             for order, checkpointing in enumerate(_checkpointing_options(self.shape)):
-                plan = self.predict(dataclasses.replace(layouts[index], checkpointing=checkpointing))
-                if best is None or (plan.peak_bytes, index, order) < best[:3]:
-                    best = (plan.peak_bytes, index, order, plan)
-        return best[3]
+                chosen = dataclasses.replace(layouts[index], checkpointing=checkpointing)
+                peak = self.peak_bytes(chosen)
+                if best is None or (peak, index, order) < best[:3]:
+                    best = (peak, index, order, chosen)
+        return self.predict(best[3], best[0])
 
 
 def _dtype(config: Config) -> str:
