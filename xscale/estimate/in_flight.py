@@ -40,23 +40,24 @@ def blocks_in_flight(config: Config, pp: int, stage_ranks: list[int], layers: li
             config.parallel, microbatches=config.parallel.microbatches or resolve_microbatches(config)))
         return [float(microbatches_in_flight(resolved, pp, rank) * len(layers[stage]))
                 for stage, rank in enumerate(stage_ranks)]
+    forward, backward_input = ComputationType.FORWARD, ComputationType.BACKWARD_INPUT
+    sizes = [len(held) for held in layers]
     peaks = []
     for rank in range(pp):
         alive, pending, blocks, peak = set(), set(), 0, 0
-        for action in actions[rank]:
-            key, kind = (action.stage_index, action.microbatch_index), action.computation_type
-            if kind == ComputationType.FORWARD and key not in alive:
+        for stage, kind, microbatch in actions[rank]:
+            key = (stage, microbatch)
+            if kind is forward and key not in alive:
                 alive.add(key)
-                blocks += len(layers[action.stage_index])
+                blocks += sizes[stage]
                 peak = max(peak, blocks)
-            elif key in alive and (kind in FREES or (kind == ComputationType.BACKWARD_INPUT
-                                                     and action.stage_index == 0)):
+            elif key in alive and (kind in FREES or (kind is backward_input and stage == 0)):
                 alive.discard(key)
-                blocks -= len(layers[action.stage_index]) * (2 if key in pending else 1)
+                blocks -= sizes[stage] * (2 if key in pending else 1)
                 pending.discard(key)
-            elif key in alive and kind == ComputationType.BACKWARD_INPUT:
+            elif key in alive and kind is backward_input:
                 pending.add(key)
-                blocks += len(layers[action.stage_index])
+                blocks += sizes[stage]
                 peak = max(peak, blocks)
         peaks.append(float(peak))
     return peaks

@@ -16,6 +16,7 @@ all-to-all buffers (:func:`~xscale.estimate.memory.expert_exchange_bytes`).
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 from xscale.config.schema import Config
 from xscale.estimate.activations import block_activation_bytes
@@ -34,18 +35,43 @@ from xscale.estimate.memory import (
 )
 from xscale.estimate.model_shape import ModelShape
 from xscale.estimate.placement import Placement, rank_parameters
+from xscale.parallel.dims import ParallelDims
 from xscale.parallel.pipeline import SCHEDULES, stage_to_rank
+
+
+@dataclass(frozen=True)
+class _LayoutTerms:
+    """What every pp rank's peak of one layout shares: its dims, those of one stage's state, the activation share,
+    each stage's rank and the tokens of a microbatch."""
+
+    dims: ParallelDims
+    stage_dims: ParallelDims
+    share: float
+    stage_ranks: list[int]
+    tokens: int
+
+
+def _layout_terms(shape: ModelShape, config: Config, layout: Layout) -> _LayoutTerms:
+    dims = layout.dims()
+    num_stages = layout.pp * layout.stages_per_rank
+    return _LayoutTerms(dims, dataclasses.replace(dims, pp=1), activation_share(config, dims),
+                        stage_to_rank(num_stages, layout.pp, SCHEDULES[layout.schedule].placement),
+                        layout.micro_batch * shape.seq_len // layout.cp)
 
 
 def rank_peak(shape: ModelShape, config: Config, layout: Layout, where: Placement, rank: int,
               held_microbatch_blocks: float) -> PeakTerms:
     """The :class:`PeakTerms` of pp rank ``rank``; ``config`` is the layout applied (:meth:`Layout.apply`),
     ``held_microbatch_blocks`` the (block, microbatch) activations it holds at once."""
-    dims = layout.dims()
+    return _rank_peak(shape, config, layout, where, rank, held_microbatch_blocks, _layout_terms(shape, config, layout))
+
+
+def _rank_peak(shape: ModelShape, config: Config, layout: Layout, where: Placement, rank: int,
+               held_microbatch_blocks: float, terms: _LayoutTerms) -> PeakTerms:
+    dims, share, tokens = terms.dims, terms.share, terms.tokens
     total, expert, replicated = rank_parameters(shape, where, rank, layout.tp)
-    state = predicted_state_bytes(total, dataclasses.replace(dims, pp=1), expert, replicated)
+    state = predicted_state_bytes(total, terms.stage_dims, expert, replicated)
     blocks = where.rank_blocks[rank]
-    share = activation_share(config, dims)
     distinct = shape.distinct_blocks(blocks)
     mean_block = (sum(count * block_activation_bytes(shape, block, layout.micro_batch, layout.checkpointing)
                       for block, count in distinct) / len(blocks)) if blocks else 0.0
@@ -54,7 +80,6 @@ def rank_peak(shape: ModelShape, config: Config, layout: Layout, where: Placemen
     if layout.checkpointing == "full" and blocks:  # one block rebuilt whole during its backward
         rebuilt = share * max(block_activation_bytes(shape, block, layout.micro_batch, "none")
                               for block, _ in distinct)
-    tokens = layout.micro_batch * shape.seq_len // layout.cp
     loss = 0.0
     if rank == where.head_rank:
         loss = (vocab_parallel_loss_bytes(config, dims, tokens) if layout.tp > 1
@@ -69,9 +94,7 @@ def rank_peak(shape: ModelShape, config: Config, layout: Layout, where: Placemen
     sizes = UnitSizes(total - sum(shape.blocks[index].held for index in blocks),
                       [shape.blocks[index].held for index in blocks], shape.largest_parameter,
                       replicated - sum(replicated_blocks), replicated_blocks)
-    num_stages = layout.pp * layout.stages_per_rank
-    ranks = stage_to_rank(num_stages, layout.pp, SCHEDULES[layout.schedule].placement)
-    stages = [stage for stage in range(num_stages) if ranks[stage] == rank]
+    stages = [stage for stage, holder in enumerate(terms.stage_ranks) if holder == rank]
     return PeakTerms(parameters=state["parameters"], gradients=state["gradients"], optimizer=state["optimizer"],
                      activations=activations, all_gather=all_gather_bytes(config, dims, sizes),
                      vocab_parallel_loss=loss,
@@ -84,5 +107,6 @@ def rank_peak(shape: ModelShape, config: Config, layout: Layout, where: Placemen
 def peak_bytes(shape: ModelShape, config: Config, layout: Layout, where: Placement,
                held_microbatch_blocks: list[float]) -> float:
     """The largest predicted peak over the pp ranks (every rank of one pp stage holds the same)."""
-    return max(rank_peak(shape, config, layout, where, rank, held_microbatch_blocks[rank]).peak
+    terms = _layout_terms(shape, config, layout)
+    return max(_rank_peak(shape, config, layout, where, rank, held_microbatch_blocks[rank], terms).peak
                for rank in range(layout.pp))

@@ -6,6 +6,7 @@ keeps them (:class:`~xscale.estimate.model_shape.OutsideBlocks`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from xscale.config.schema import Config
 from xscale.estimate.model_shape import ModelShape, OutsideBlocks
@@ -23,11 +24,16 @@ class Placement:
     head_rank: int = 0
     stages: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
-    def rank_stages(self, rank: int) -> list[tuple[int, ...]]:
+    def rank_stages(self, rank: int) -> tuple[tuple[int, ...], ...]:
         """The blocks of each stage that pp rank ``rank`` runs."""
+        return self._stages_of_ranks[rank]
+
+    @cached_property
+    def _stages_of_ranks(self) -> tuple[tuple[tuple[int, ...], ...], ...]:
         if not self.stages:
-            return [self.rank_blocks[rank]]
-        return [blocks for holder, blocks in self.stages if holder == rank]
+            return tuple((blocks,) for blocks in self.rank_blocks)
+        return tuple(tuple(blocks for holder, blocks in self.stages if holder == rank)
+                     for rank in range(len(self.rank_blocks)))
 
 
 def placement(config: Config, layers: list[list[int]] | None = None) -> Placement:
@@ -104,3 +110,15 @@ def dense_parameters_per_tp_rank(counts: tuple[int, int, int], tp: int) -> float
     splits, all of those it keeps whole."""
     total, expert, replicated = counts
     return (total - expert - replicated) / tp + replicated
+
+
+def rank_kinds(shape: ModelShape, where: Placement) -> tuple[int, ...]:
+    """The first pp rank of each kind, in rank order: ranks whose blocks have the same shapes in the same order,
+    that hold the same parameters and the same ends (rank 0's embedding, the head) have the same step-time terms
+    (:func:`xscale.estimate.step_time.step_time` compares these only)."""
+    first: dict[tuple, int] = {}
+    for rank, blocks in enumerate(where.rank_blocks):
+        kind = (shape.distinct_blocks(blocks), len(blocks), rank == 0, rank == where.head_rank,
+                rank_parameters(shape, where, rank))
+        first.setdefault(kind, rank)
+    return tuple(first.values())

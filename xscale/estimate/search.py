@@ -5,14 +5,16 @@ with tp; pp dividing what tp x cp leave, at most one block per stage; dp the res
 dividing the experts and dp; ZeRO 0-3; the micro-batch size (powers of two) or the pipeline's microbatch count (each
 count the schedule runs); schedules 1f1b, gpipe, interleaved 1F1B (2 or 4 stages per rank) and ZB-V; recomputation
 none, selective (cores that store their scores) or full, the first that fits (recomputation only adds time).
-A layout is kept when its predicted peak fits ``MEMORY_USABLE`` of the device; the best ones are then checked by
-the validator (:func:`xscale.parallel.checks.resolve_layout` and the config's own checks) until ``top`` pass.
+A layout is kept when its predicted peak fits ``MEMORY_USABLE`` of the device (a layout whose model state alone,
+:meth:`Planner.state_floor`, is above that is skipped unpredicted: activations and buffers only add to it); the best
+ones are then checked by the validator (:func:`xscale.parallel.checks.resolve_layout` and the config's own checks) until ``top`` pass.
 Ties (equal tokens/s to 3 digits, :func:`rank_key`) go to the simpler layout (:meth:`~xscale.estimate.layout.Layout.complexity`),
 then to the smaller peak.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from xscale.config.check import validate
@@ -23,9 +25,10 @@ from xscale.estimate.collective_memory import collective_buffer_bytes
 from xscale.estimate.in_flight import blocks_in_flight
 from xscale.estimate.layout import Layout
 from xscale.estimate.layout_memory import peak_bytes
+from xscale.estimate.memory import predicted_state_bytes
 from xscale.estimate.model_shape import ModelShape
-from xscale.estimate.placement import Placement, placement
-from xscale.estimate.step_time import StepTime, step_time
+from xscale.estimate.placement import Placement, placement, rank_kinds, rank_parameters
+from xscale.estimate.step_time import MicrobatchTimes, StepTime, microbatch_times, step_time
 from xscale.parallel.checks import resolve_layout
 from xscale.parallel.pipeline import SCHEDULES, stage_to_rank
 from xscale.parallel.pipeline.cost import balanced_split, pipeline_costs
@@ -115,13 +118,16 @@ def candidate_layouts(shape: ModelShape, cluster: Cluster, devices: int) -> list
 
 
 class Planner:
-    """Predicts layouts of one model on one cluster, caching what layouts share (placements, in-flight counts)."""
+    """Predicts layouts of one model on one cluster, caching what layouts share (placements, in-flight counts, each
+    rank's microbatch times and model state)."""
 
     def __init__(self, shape: ModelShape, cluster: Cluster, devices: int) -> None:
         self.shape, self.cluster, self.devices = shape, cluster, devices
-        self._placements: dict[tuple, Placement] = {}
+        self._placements: dict[tuple, tuple[Placement, tuple[int, ...]]] = {}
         self._in_flight: dict[tuple, list[float]] = {}
         self._stage_layers: dict[int, list[list[int]]] = {}
+        self._microbatch_times: dict[tuple, list[MicrobatchTimes]] = {}
+        self._state_floors: dict[tuple, float] = {}
         self._costs = pipeline_costs(shape.config)  # the pipeline's own balance, computed once
 
     def stage_layers(self, num_stages: int) -> list[list[int]]:
@@ -134,10 +140,15 @@ class Planner:
     def _pipeline_key(self, layout: Layout) -> tuple:
         return (layout.pp, layout.stages_per_rank, layout.schedule if layout.pp > 1 else "")
 
-    def placement(self, config: Config, layout: Layout) -> Placement:
+    def placement(self, layout: Layout) -> Placement:
+        return self._placement_and_kinds(layout)[0]
+
+    def _placement_and_kinds(self, layout: Layout) -> tuple[Placement, tuple[int, ...]]:
+        """The layout's :class:`Placement` and its :func:`~xscale.estimate.placement.rank_kinds`."""
         key = self._pipeline_key(layout)
         if key not in self._placements:
-            self._placements[key] = placement(config, self.stage_layers(layout.pp * layout.stages_per_rank))
+            where = placement(layout.apply(self.shape.config), self.stage_layers(layout.pp * layout.stages_per_rank))
+            self._placements[key] = where, rank_kinds(self.shape, where)
         return self._placements[key]
 
     def in_flight(self, config: Config, layout: Layout, where: Placement) -> list[float]:
@@ -151,12 +162,43 @@ class Planner:
             self._in_flight[key] = blocks_in_flight(config, layout.pp, ranks, self.stage_layers(num_stages))
         return self._in_flight[key]
 
-    def predict(self, layout: Layout) -> Plan:
+    def microbatch_times(self, layout: Layout, where: Placement) -> list[MicrobatchTimes]:
+        """Each pp rank's :func:`~xscale.estimate.step_time.microbatch_times`: the same for every ZeRO stage,
+        microbatch count and recomputation, so computed once for them all."""
+        key = (*self._pipeline_key(layout), layout.world_size, layout.micro_batch, layout.tp, layout.cp, layout.ep,
+               layout.sequence_parallel)
+        if key not in self._microbatch_times:
+            self._microbatch_times[key] = [
+                microbatch_times(self.shape, self.cluster, layout, blocks, rank == where.head_rank)
+                for rank, blocks in enumerate(where.rank_blocks)]
+        return self._microbatch_times[key]
+
+    def state_floor(self, layout: Layout) -> float:
+        """A lower bound on :meth:`predict`'s peak whatever the recomputation and batch split: the largest pp rank's
+        model state (parameters, gradients and optimizer state: :attr:`PeakTerms.peak
+        <xscale.estimate.memory.PeakTerms.peak>` adds the rest to them) with the runtime's memory."""
+        key = (*self._pipeline_key(layout), layout.tp, layout.dp, layout.ep, layout.cp, layout.zero_stage)
+        if key not in self._state_floors:
+            where, dims = self.placement(layout), dataclasses.replace(layout.dims(), pp=1)
+            states = [predicted_state_bytes(total, dims, expert, replicated)
+                      for total, expert, replicated in (rank_parameters(self.shape, where, rank, layout.tp)
+                                                        for rank in range(layout.pp))]
+            self._state_floors[key] = (max(state["parameters"] + state["optimizer"] + state["gradients"]
+                                           for state in states) + self.cluster.runtime_memory_bytes)
+        return self._state_floors[key]
+
+    def peak_bytes(self, layout: Layout) -> float:
+        """The predicted peak per rank: the memory model's, the collectives' buffers and the runtime's."""
         config = layout.apply(self.shape.config)
-        where = self.placement(config, layout)
-        peak = (peak_bytes(self.shape, config, layout, where, self.in_flight(config, layout, where))
+        where = self.placement(layout)
+        return (peak_bytes(self.shape, config, layout, where, self.in_flight(config, layout, where))
                 + collective_buffer_bytes(self.shape, self.cluster, layout, where) + self.cluster.runtime_memory_bytes)
-        step = step_time(self.shape, self.cluster, layout, where)
+
+    def predict(self, layout: Layout, peak: float | None = None) -> Plan:
+        """``layout``'s plan; ``peak``: its :meth:`peak_bytes` when already known."""
+        peak = self.peak_bytes(layout) if peak is None else peak
+        where, kinds = self._placement_and_kinds(layout)
+        step = step_time(self.shape, self.cluster, layout, where, self.microbatch_times(layout, where), kinds)
         tokens_per_s = self.shape.global_batch * self.shape.seq_len / step.total
         mfu = self.shape.model_flops_per_token * tokens_per_s / (
             self.devices * self.cluster.peak_flops[_dtype(self.shape.config)])
@@ -164,6 +206,30 @@ class Planner:
 
     def fits(self, plan: Plan) -> bool:
         return plan.peak_bytes <= MEMORY_USABLE * self.cluster.memory_bytes
+
+    def first_fitting(self, layout: Layout) -> Plan | None:
+        """``layout`` with the first recomputation that fits (recomputation only adds time), None if none does."""
+        for checkpointing in _checkpointing_options(self.shape):
+            chosen = dataclasses.replace(layout, checkpointing=checkpointing)
+            peak = self.peak_bytes(chosen)  # the step is predicted only for the recomputation that fits
+            if peak <= MEMORY_USABLE * self.cluster.memory_bytes:
+                return self.predict(chosen, peak)
+        return None
+
+    def smallest(self, layouts: list[Layout]) -> Plan:
+        """The plan of least peak over ``layouts`` and every recomputation (the first in enumeration order among
+        equals), predicting in the order of :meth:`state_floor` until the floor passes the least peak found."""
+        floors = [self.state_floor(layout) for layout in layouts]
+        best: tuple[float, int, int, Layout] | None = None
+        for index in sorted(range(len(layouts)), key=floors.__getitem__):
+            if best is not None and floors[index] > best[0]:
+                break
+            for order, checkpointing in enumerate(_checkpointing_options(self.shape)):
+                chosen = dataclasses.replace(layouts[index], checkpointing=checkpointing)
+                peak = self.peak_bytes(chosen)
+                if best is None or (peak, index, order) < best[:3]:
+                    best = (peak, index, order, chosen)
+        return self.predict(best[3], best[0])
 
 
 def _dtype(config: Config) -> str:
@@ -197,16 +263,11 @@ def search(shape: ModelShape, cluster: Cluster, devices: int, top: int = 5) -> l
                         f"does not split over the data-parallel degrees left after tp x cp x pp "
                         f"(<= {cluster.devices_per_node * max(CONTEXT_PARALLEL)} x {shape.model.total_layers}); "
                         f"use fewer devices or a larger train.global_batch_size")
-    fitting, smallest = [], None
-    for layout in candidates:
-        for checkpointing in _checkpointing_options(shape):
-            plan = planner.predict(Layout(**{**layout.__dict__, "checkpointing": checkpointing}))
-            if smallest is None or plan.peak_bytes < smallest.peak_bytes:
-                smallest = plan
-            if planner.fits(plan):
-                fitting.append(plan)
-                break
+    usable = MEMORY_USABLE * cluster.memory_bytes
+    fitting = [plan for plan in (planner.first_fitting(layout) for layout in candidates
+                                 if planner.state_floor(layout) <= usable) if plan is not None]
     if not fitting:
+        smallest = planner.smallest(candidates)
         raise PlanError(f"nothing fits on {devices} devices of {cluster.memory_bytes / 2**30:.0f} GiB: the smallest "
                         f"predicted peak is {smallest.peak_bytes / 2**30:.1f} GiB per rank ({smallest.layout.describe()}), "
                         f"above the {MEMORY_USABLE:.0%} usable; use more devices")

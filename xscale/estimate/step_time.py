@@ -52,6 +52,7 @@ max(C, s (C + B)): the node's whole work over its cores, or one rank's path at f
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from xscale.estimate.activations import block_activation_bytes
@@ -255,25 +256,29 @@ def _dp_seconds(shape: ModelShape, cluster: Cluster, layout: Layout, where: Plac
     return exposed
 
 
-def step_time(shape: ModelShape, cluster: Cluster, layout: Layout, where: Placement) -> StepTime:
+def step_time(shape: ModelShape, cluster: Cluster, layout: Layout, where: Placement,
+              per_rank: list[MicrobatchTimes] | None = None, ranks: Sequence[int] | None = None) -> StepTime:
     """The predicted :class:`StepTime` of ``layout`` (module docstring): every term taken on the pp rank whose
-    microbatch is slowest."""
-    per_rank = [microbatch_times(shape, cluster, layout, blocks, rank == where.head_rank)
-                for rank, blocks in enumerate(where.rank_blocks)]
-    slowest = max(range(layout.pp), key=lambda rank: 3 * per_rank[rank].forward()
-                  + per_rank[rank].recompute(layout.checkpointing))
+    microbatch is slowest; ``per_rank``: each pp rank's :func:`microbatch_times` when already known; ``ranks``: the
+    pp ranks, in order, whose terms are compared (default all of them; :func:`~xscale.estimate.placement.rank_kinds`
+    gives one of each kind, the same result)."""
+    if per_rank is None:
+        per_rank = [microbatch_times(shape, cluster, layout, blocks, rank == where.head_rank)
+                    for rank, blocks in enumerate(where.rank_blocks)]
+    ranks = range(layout.pp) if ranks is None else ranks
+    slowest = max(ranks, key=lambda rank: 3 * per_rank[rank].forward() + per_rank[rank].recompute(layout.checkpointing))
     times, blocks = per_rank[slowest], where.rank_blocks[slowest]
     compute = layout.microbatches * (3 * times.forward() + times.recompute(layout.checkpointing))
     communication = {
         "tp": max(_tp_seconds(shape, cluster, layout, where.rank_blocks[rank], (rank == 0, rank == where.head_rank))
-                  for rank in range(layout.pp)),
+                  for rank in ranks),
         "cp": _cp_seconds(shape, cluster, layout, blocks),
         "ep": _ep_seconds(shape, cluster, layout, blocks),
         "pp": _pp_seconds(shape, cluster, layout),
-        "dp": max(_dp_seconds(shape, cluster, layout, where, rank, per_rank[rank]) for rank in range(layout.pp)),
+        "dp": max(_dp_seconds(shape, cluster, layout, where, rank, per_rank[rank]) for rank in ranks),
     }
     optimizer = 0.0
-    for rank in range(layout.pp):
+    for rank in ranks:
         counts = rank_parameters(shape, where, rank, layout.tp)
         shards = layout.dp * layout.cp if layout.zero_stage >= 1 else 1
         expert_shards = max(1, layout.dp // layout.ep * layout.cp) if layout.zero_stage >= 1 else 1

@@ -58,9 +58,20 @@ def rank_actions(schedule: str, pp: int, stages_per_rank: int, microbatches: int
     order.number_of_rounds = max(1, microbatches // pp)
     order.microbatches_per_round = microbatches // order.number_of_rounds
     try:
-        return {rank: [Action(action.stage_index, COMPUTATIONS[action.computation_type.value], action.microbatch_index)
-                       for action in order._calculate_single_rank_operations(rank)
-                       if action is not None and action.computation_type.value in COMPUTATIONS]
-                for rank in range(pp)}
+        computations: dict[object, ComputationType] = {}  # torch's computation -> ours, read once per kind
+        found = {}
+        for rank in range(pp):
+            actions = []
+            for action in order._calculate_single_rank_operations(rank):
+                if action is None:
+                    continue
+                kind = action.computation_type
+                if kind not in computations:
+                    computations[kind] = COMPUTATIONS.get(kind.value)
+                if computations[kind] is not None:  # tuple.__new__: Action's own __new__ is Python, millions of calls
+                    actions.append(tuple.__new__(Action, (action.stage_index, computations[kind],
+                                                          action.microbatch_index)))
+            found[rank] = actions
+        return found
     except (AttributeError, TypeError):
         return None
