@@ -171,7 +171,7 @@ def measure_device(device: torch.device, devices_per_node: int, quick: bool) -> 
     threads = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(1)
-    elif device.type == "cuda":
+    elif device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # the events record on the current device's stream
     try:
         gemms = {name: tuple(gemm_timings(size, dtype, device, timings) for size in sizes)
