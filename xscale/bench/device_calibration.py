@@ -30,7 +30,6 @@ import yaml
 
 from xscale.bench.calibrate import GEMM_ROWS, GEMM_SIZES, QUICK_GEMM_SIZES, cpu_name
 from xscale.bench.contention import dedicated_seconds
-from xscale.bench.device import synchronize
 from xscale.estimate.calibration import gemm_curve
 from xscale.estimate.cluster import DTYPES, load_cluster
 from xscale.estimate.measure import device_memory_bytes
@@ -113,12 +112,20 @@ def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
         return lambda action: dedicated_seconds(action)[1]
 
     def synchronized_seconds(action: Callable[[], object]) -> float:
-        synchronize(device)
+        _synchronize(device)
         start = time.perf_counter()
         action()
-        synchronize(device)
+        _synchronize(device)
         return time.perf_counter() - start
     return synchronized_seconds
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work when it is this machine's accelerator (xpu, mps, ...); else nothing to
+    wait for (the meta device)."""
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accelerator is not None and accelerator.type == device.type:
+        torch.accelerator.synchronize(device)
 
 
 def time_calls(call: Callable[[], object], device: torch.device, timings: int) -> tuple[float, ...]:
