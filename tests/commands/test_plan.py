@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from xscale.cli import main
 from xscale.commands.plan import _yaml_value, plan_table
@@ -25,6 +26,7 @@ from xscale.parallel.pipeline import SCHEDULES, stage_to_rank
 from xscale.parallel.pipeline.cost import stage_layers
 
 H100 = "configs/clusters/h100-ib.yaml"
+H200 = "configs/clusters/h200-ib.yaml"
 LAYOUT_ROW = re.compile(r"^\s+\d+\s+(?P<layout>.+?)\s{2,}\d+\.\d GiB")
 
 
@@ -157,6 +159,35 @@ def test_calibrate_writes_a_cluster_that_plans(capsys, tmp_path):
             "train.global_batch_size=4"]
     assert main(["plan", "configs/tiny-gpt.yaml", *tiny, "--cluster", str(out), "--devices", "2"]) == 0
     assert "run it: " in capsys.readouterr().out
+
+
+def test_calibrate_one_device_keeps_the_base_links(capsys, tmp_path):
+    out, base = tmp_path / "device.yaml", load_cluster(H200)
+    assert main(["plan", "--calibrate", str(out), "--device", "cpu", "--base", H200, "--quick"]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    written, text = load_cluster(out), out.read_text()
+    for dtype in ("fp32", "bf16"):  # the header's "s=N best / median" rates, TFLOP/s
+        best = max(float(rate) for rate in re.findall(r"s=\d+ ([0-9.e+-]+) / ", text.split(f"#   {dtype}: ")[1]
+                                                                               .splitlines()[0]))
+        assert written.peak_flops[dtype] != base.peak_flops[dtype]
+        assert written.peak_flops[dtype] == pytest.approx(best * 1e12, rel=1e-3)
+    assert written.links == base.links and written.devices_per_node == base.devices_per_node
+    assert written.memory_bandwidth != base.memory_bandwidth and written.device == "cpu"
+    assert f"From the base {H200}" in text and "Measured here: peak_tflops" in text
+
+
+@pytest.mark.parametrize("arguments, problem", [
+    (["--device", "cuda", "--base", H100], "torch sees no cuda device"),
+    (["--device", "cpu"], "--base missing"),
+    (["--device", "cpu", "--base", "missing.yaml"], "missing.yaml: cannot be read"),
+    (["--device", "cpu", "--base", "configs/tiny-gpt.yaml"], "configs/tiny-gpt.yaml: devices_per_node is missing"),
+])
+def test_calibrate_one_device_refuses_bad_input(capsys, monkeypatch, tmp_path, arguments, problem):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["plan", "--calibrate", str(tmp_path / "device.yaml"), *arguments]) == 2
+    error = capsys.readouterr().err.strip()
+    assert problem in error and "\n" not in error and "Traceback" not in error
+    assert not (tmp_path / "device.yaml").exists()
 
 
 def test_calibrate_needs_two_processes(capsys, tmp_path):

@@ -53,6 +53,8 @@ def test_alpha_beta_fit_tolerates_noise_and_clamps():
 def test_gemm_curve_is_rate_over_best():
     peak, points = gemm_curve({256: 100e9, 64: 40e9, 1024: 80e9})
     assert peak == 100e9 and points == [[64.0, 0.4], [256.0, 1.0], [1024.0, 0.8]]
+    _, points = gemm_curve({16: 0.2e12, 4096: 700e12})  # a launch-bound GPU GEMM: small, never rounded to 0
+    assert points[0][1] == pytest.approx(0.2 / 700, rel=1e-3)
 
 
 def test_calibrated_mapping_loads_and_plans():

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU bring-up: the GPU test tier and the GPU figures, on a machine with one CUDA device and xscale's
-# dependencies installed. Writes logs to ${OUT:-gpu_bring_up}/. Phases: tests | train | ops | all.
+# dependencies installed. Writes logs to ${OUT:-gpu_bring_up}/. Phases: tests | train | ops | plan | all.
 #   bash tests/gpu/bring_up.sh all
 set -u
 OUT=${OUT:-gpu_bring_up}
@@ -46,4 +46,21 @@ if [[ $phase == ops || $phase == all ]]; then
   run bench_attention timeout "$limit" python3 -m xscale bench attention --device cuda \
     --gpu-lengths "${ATTENTION_LENGTHS:-4096,8192,16384,32768,65536}" --out "$OUT/attention"
   run bench_moe timeout "$limit" python3 -m xscale bench moe --device cuda --ep 1 --dtype bf16
+fi
+if [[ $phase == plan || $phase == all ]]; then
+  # The planner's GPU preset calibrated on this device (GEMM rates, memory bandwidth and memory measured; links and
+  # the rest from the base; well under a minute), then its prediction of the ~1.3B bench model (bench_train_1b_*
+  # above: GPT-2-shaped, 24 x 2048, 16 heads, vocab 32000, 4 x 2048 tokens, bf16) on one device, with the
+  # calibrated file and with the datasheet preset: compare the step time and memory with bench_train_1b_eager's
+  # xscale row (its resident memory holds both models; the planner's figure is xscale's alone).
+  base=${PLAN_BASE:-configs/clusters/h200-ib.yaml}
+  calibrated="$OUT/$(basename "$base" .yaml)-calibrated.yaml"
+  run plan_calibrate timeout "$limit" python3 -m xscale plan --calibrate "$calibrated" \
+    --device "${PLAN_DEVICE:-cuda}" --base "$base"
+  bench_1b=(model.vocab_size=32000 model.d_model=2048 model.n_layers=24 model.n_heads=16 model.max_seq_len=2048
+    model.dropout=0.0 train.seq_len=2048 train.global_batch_size=4 train.micro_batch_size=4 data.dataset=copy)
+  for cluster in "$calibrated" "$base"; do
+    run "plan_1b_$(basename "$cluster" .yaml)" timeout "$limit" python3 -m xscale plan configs/gpt2-small.yaml \
+      "${bench_1b[@]}" --cluster "$cluster" --devices 1 --top 3
+  done
 fi

@@ -8,7 +8,9 @@ writes the first one as a config that ``xscale train OUT`` and ``xscale submit O
 
 ``xscale plan --calibrate OUT.yaml [--processes N] [--quick]`` measures this machine instead (GEMM rates, memory
 bandwidth, gloo collectives over 2..N processes, the runtime's memory per process: :mod:`xscale.bench.calibrate`)
-and writes it as a cluster file for ``--cluster``.
+and writes it as a cluster file for ``--cluster``. With ``--device DEVICE --base CLUSTER.yaml`` it measures one
+device instead (a GPU; the CPU for tests): GEMM rates, memory bandwidth and memory on the device
+(:mod:`xscale.bench.device_calibration`), every other figure (links, devices per node, ...) taken from the base.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import xscale.commands.registrations  # noqa: F401  (every layer's config checks and adapters)
 from xscale.bench.calibrate import write_calibration
+from xscale.bench.device_calibration import write_device_calibration
 from xscale.commands.parser import CommandParser
 from xscale.config.load import config_to_yaml, load_config_from_cli
 from xscale.config.schema import Config, ConfigError
@@ -114,7 +117,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="measure this machine and write it as a cluster file (no config needed)")
     parser.add_argument("--processes", type=int, default=2, help="--calibrate: collectives over 2..N processes")
     parser.add_argument("--quick", action="store_true", help="--calibrate: fewer shapes, sizes and repeats")
+    parser.add_argument("--device", default=None,
+                        help="--calibrate: measure this torch device (cuda, cuda:1, cpu, ...) instead of the CPU "
+                             "machine's processes; needs --base")
+    parser.add_argument("--base", default=None, metavar="CLUSTER",
+                        help="--calibrate --device: the cluster file whose other figures (links, ...) are kept")
     args = parser.parse_args(argv)
+    if args.calibrate and (args.device is not None or args.base is not None):
+        return _calibrate_device(args.calibrate, args.device, args.base, args.quick)
     if args.calibrate:
         return _calibrate(args.calibrate, args.processes, args.quick)
     missing = [name for name, value in (("CONFIG", args.config), ("--cluster", args.cluster),
@@ -163,4 +173,23 @@ def _calibrate(path: str, processes: int, quick: bool) -> int:
         print(f"  framework: elementwise {data['elementwise_bandwidth_gbs']:.2f} GB/s, loss "
               f"{data['loss_ns_per_logit']:.2f} ns per logit, dispatch {data['block_overhead_us']:.0f} us per block "
               f"and {data['step_overhead_ms']:.2f} ms per step")
+    return 0
+
+
+def _calibrate_device(path: str, device: str | None, base: str | None, quick: bool) -> int:
+    if device is None or base is None:
+        print(f"xscale plan --calibrate: {'--device' if device is None else '--base'} missing: "
+              "xscale plan --calibrate OUT.yaml --device DEVICE --base CLUSTER.yaml "
+              "(e.g. --device cuda --base configs/clusters/h200-ib.yaml)", file=sys.stderr)
+        return 2
+    try:
+        data, header = write_device_calibration(path, device, base, quick)
+        load_cluster(path)  # what was written reads back
+    except (ConfigError, ValueError, OSError) as error:
+        print(f"xscale plan --calibrate: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}: {data['measured_on']}; peak {data['peak_tflops']['bf16']:.4g} TFLOP/s bf16, "
+          f"{data['peak_tflops']['fp32']:.4g} fp32; memory {data['memory_gib']:.1f} GiB at "
+          f"{data['memory_bandwidth_gbs']:.1f} GB/s; links and the rest from {base}")
+    print("\n".join("  " + line.removeprefix("# ") for line in header.splitlines()))
     return 0

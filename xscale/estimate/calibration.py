@@ -103,7 +103,8 @@ def gemm_curve(rates: dict[int, float]) -> tuple[float, list[list[float]]]:
     if not rates:
         raise ValueError("no GEMM rates to fit")
     peak = max(rates.values())
-    return peak, [[float(size), round(rates[size] / peak, 4)] for size in sorted(rates)]
+    # 4 significant figures, not decimals: a launch-bound GPU GEMM at s = 16 reaches ~1e-4 of the peak, never 0
+    return peak, [[float(size), float(f"{rates[size] / peak:.4g}")] for size in sorted(rates)]
 
 
 @dataclass(frozen=True)
