@@ -181,6 +181,7 @@ def test_calibrate_one_device_keeps_the_base_links(capsys, tmp_path):
     (["--device", "cpu"], "--base missing"),
     (["--device", "cpu", "--base", "missing.yaml"], "missing.yaml: cannot be read"),
     (["--device", "cpu", "--base", "configs/tiny-gpt.yaml"], "configs/tiny-gpt.yaml: devices_per_node is missing"),
+    (["--device", "cpu", "--base", H100, "--processes", "4"], "drop --processes"),
 ])
 def test_calibrate_one_device_refuses_bad_input(capsys, monkeypatch, tmp_path, arguments, problem):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

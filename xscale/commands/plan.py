@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="write the first layout as a config for xscale train / xscale submit")
     parser.add_argument("--calibrate", default=None, metavar="OUT",
                         help="measure this machine and write it as a cluster file (no config needed)")
-    parser.add_argument("--processes", type=int, default=2, help="--calibrate: collectives over 2..N processes")
+    parser.add_argument("--processes", type=int, default=None,
+                        help="--calibrate: collectives over 2..N processes (default 2)")
     parser.add_argument("--quick", action="store_true", help="--calibrate: fewer shapes, sizes and repeats")
     parser.add_argument("--device", default=None,
                         help="--calibrate: measure this torch device (cuda, cuda:1, cpu, ...) instead of the CPU "
@@ -124,9 +125,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="--calibrate --device: the cluster file whose other figures (links, ...) are kept")
     args = parser.parse_args(argv)
     if args.calibrate and (args.device is not None or args.base is not None):
+        if args.processes is not None:
+            print("xscale plan: --processes counts the CPU machine's processes; --calibrate --device measures one "
+                  "device (its links come from --base): drop --processes", file=sys.stderr)
+            return 2
         return _calibrate_device(args.calibrate, args.device, args.base, args.quick)
     if args.calibrate:
-        return _calibrate(args.calibrate, args.processes, args.quick)
+        return _calibrate(args.calibrate, 2 if args.processes is None else args.processes, args.quick)
     missing = [name for name, value in (("CONFIG", args.config), ("--cluster", args.cluster),
                                         ("--devices", args.devices)) if value is None]
     if missing:
