@@ -120,7 +120,8 @@ def majority_accuracy(dataset, count: int) -> float:
 def first_token_rule_accuracy(dataset, count: int) -> float:
     """The accuracy of answering, for each first token, the most frequent label among the first ``count`` eval
     examples that start with it: on ListOps the outer operator's most likely value (MAX: 9, MIN: 0, ...), which a
-    model gets without evaluating anything below the outer operator (26.6% against a majority of 12.8%)."""
+    model gets without evaluating anything below the outer operator (at T=256: 26.6% of 3,000 examples, the
+    majority class 12.8%)."""
     labels: dict[int, Counter] = {}
     for i in range(min(count, len(dataset))):
         sample = dataset[i]
