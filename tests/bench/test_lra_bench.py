@@ -32,6 +32,7 @@ def test_default_kinds_are_one_name_per_encoder_core():
 
 
 def test_a_tiny_sweep_writes_the_table(tmp_path, capsys):
+    threads = torch.get_num_threads()
     assert main(["--tasks", "pathfinder", "listops", "--kinds", "dense", *TINY, "--out", str(tmp_path)]) == 0
     rows = list(csv.DictReader((tmp_path / "lra.csv").open()))
     assert [(row["task"], row["kind"]) for row in rows] == [("pathfinder", "dense"), ("listops", "dense")]
@@ -44,6 +45,7 @@ def test_a_tiny_sweep_writes_the_table(tmp_path, capsys):
     assert f"- listops: {machine_kind()}" in table and "| *best answer per first token* |" in table
     assert "| dense |" in table and (tmp_path / "lra.png").stat().st_size > 0
     assert "wrote" in capsys.readouterr().out
+    assert torch.get_num_threads() == threads  # the cells ran on one thread; the caller's count is back
 
 
 def test_a_maskless_kind_runs_and_resume_reuses_finished_cells(tmp_path, capsys):

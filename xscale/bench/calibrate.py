@@ -30,7 +30,6 @@ cores (wall time less the run-queue wait, :mod:`xscale.bench.contention`: a shar
 from __future__ import annotations
 
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -62,6 +61,7 @@ from xscale.launcher.cpu_allocator import return_freed_memory
 from xscale.models.parameters import count_parameters
 from xscale.ops.functional import linear_cross_entropy_sum
 from xscale.parallel.collectives import all_gather_flat, reduce_scatter_flat
+from xscale.train.peak_flops import cpu_model
 from xscale.train.trainer import Trainer
 
 GEMM_ROWS = 2048
@@ -292,12 +292,8 @@ def measure_machine(processes: int, quick: bool) -> dict:
 
 
 def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), else the machine type."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.machine()
+    """The CPU's model name (/proc/cpuinfo), else the machine type (:func:`xscale.train.peak_flops.cpu_model`)."""
+    return cpu_model()
 
 
 def write_calibration(path: str | Path, processes: int, quick: bool) -> dict:

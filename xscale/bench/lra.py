@@ -162,9 +162,13 @@ def run_cells(cells: list[tuple[str, str, int]], args, out_dir: Path) -> Iterato
     """Each cell's row as it finishes: in this process, or ``args.jobs`` at a time in fresh worker processes of
     ``args.threads`` threads each (one worker per cell, so no cell inherits another's memory or state)."""
     if args.jobs == 1:
+        threads = torch.get_num_threads()
         torch.set_num_threads(args.threads)
-        for cell in cells:
-            yield run_cell(*cell, args, out_dir)
+        try:
+            for cell in cells:
+                yield run_cell(*cell, args, out_dir)
+        finally:  # the caller's process keeps its own thread count
+            torch.set_num_threads(threads)
         return
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(args.jobs, mp_context=context, max_tasks_per_child=1) as pool:

@@ -11,11 +11,12 @@ from __future__ import annotations
 import csv
 import json
 import os
-import platform
 import statistics
 from pathlib import Path
 
 import torch
+
+from xscale.train.peak_flops import cpu_model
 
 CELLS_FILE = "cells.jsonl"  # one finished (task, kind, seed) cell per line, with its size and machine
 
@@ -23,13 +24,8 @@ CELLS_FILE = "cells.jsonl"  # one finished (task, kind, seed) cell per line, wit
 def machine_kind() -> str:
     """The CPU's model name, the vector ISA torch dispatches to and the cores this process may use, e.g.
     ``AMD EPYC, AVX512, 2 cores``: timings and bf16 numerics differ between kinds, so a column keeps to one."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            name = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
-    except (OSError, StopIteration):
-        name = platform.machine()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{name}, {torch.backends.cpu.get_cpu_capability()}, {cores} cores"
+    return f"{cpu_model()}, {torch.backends.cpu.get_cpu_capability()}, {cores} cores"
 
 
 def cell_key(record: dict) -> tuple[str, str, int]:
