@@ -42,10 +42,17 @@ def test_warm_takes_its_modules_before_the_script_only():
 def test_warm_runs_the_file_python_dash_m_would():
     assert Path(main_file("xscale")) == Path(xscale.__file__).parent / "__main__.py"
     assert main_file("xscale.launcher.smoke").endswith("xscale/launcher/smoke.py")
-    with pytest.raises(WarmStartError, match="cannot find the file of module 'no_such_module'"):
-        main_file("no_such_module")
+    for missing in ("no_such_module", "no_such_package.module"):
+        with pytest.raises(WarmStartError, match=f"cannot find the file of module '{missing}'"):
+            main_file(missing)
 
 
 def test_warm_with_no_python_is_one_line_and_exit_2(capsys):
     assert main(["--warm", "torch", "--no-python", "--standalone", "echo"]) == 2
     assert capsys.readouterr().err.strip() == "xscale torchrun: --warm runs Python workers; drop --no-python"
+
+
+def test_warm_with_a_module_that_does_not_exist_is_one_line_and_exit_2(capsys):
+    assert main(["--warm", "torch,xscale.comands.train", "--standalone", "-m", "xscale", "train"]) == 2
+    assert capsys.readouterr().err.strip() == ("xscale torchrun: --warm: no module named xscale.comands.train; "
+                                               "check the names")

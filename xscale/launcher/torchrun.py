@@ -67,11 +67,19 @@ def split_warm_option(argv: list[str]) -> tuple[list[str] | None, list[str]]:
     return None, argv
 
 
+def _find_spec(module: str):
+    """``importlib.util.find_spec``, None where the module or a package above it does not exist."""
+    try:
+        return importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+
+
 def main_file(module: str) -> str:
     """The file ``python -m module`` runs: a package's ``__main__.py`` or the module's own file."""
-    spec = importlib.util.find_spec(module)
+    spec = _find_spec(module)
     if spec is not None and spec.submodule_search_locations is not None:
-        spec = importlib.util.find_spec(f"{module}.__main__")
+        spec = _find_spec(f"{module}.__main__")
     if spec is None or not spec.origin or not spec.has_location:
         raise WarmStartError(f"{WARM_OPTION}: cannot find the file of module {module!r} to run; check the name")
     return spec.origin
@@ -81,6 +89,9 @@ def warm_start(args, modules: list[str]) -> None:
     """Run the workers forked from a server that imported ``modules`` (the module docstring)."""
     if args.no_python:
         raise WarmStartError(f"{WARM_OPTION} runs Python workers; drop --no-python")
+    missing = [module for module in modules if _find_spec(module) is None]
+    if missing:  # the server would skip them silently and every restart would pay their imports
+        raise WarmStartError(f"{WARM_OPTION}: no module named {', '.join(missing)}; check the names")
     if args.module:
         args.training_script, args.module = main_file(args.training_script), False
     args.run_path, args.start_method = True, "forkserver"

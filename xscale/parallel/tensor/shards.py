@@ -13,7 +13,7 @@ layers (their experts too), ``per_token`` modules (GTrXL's gates, the Evolved Tr
 MQA's single kv head, the cores' shared parameters and BERT's head transform.
 
 The memory estimator counts each rank's parameters from :func:`parameter_shards`
-(:mod:`xscale.estimate.memory`); tests/parallel/test_tensor_shards.py checks it against the plan applied.
+(:mod:`xscale.estimate.memory`); tests/estimate/test_tensor_parallel_state.py checks it against the plan applied.
 """
 
 from __future__ import annotations
