@@ -38,6 +38,9 @@ def test_bench_prints_predicted_and_measured_per_rank():
                                           ["dp_shard=2,zero_stage=3", "1"]]
     for row in rows:  # predicted, measured and their ratio: a tiny model's peak is mostly the process's own
         predicted, measured, ratio = (float(value.replace(",", "")) for value in row[2:5])
-        assert predicted > 0 and measured > 0 and ratio == pytest.approx(predicted / measured, abs=2e-3)
+        # Both MiB figures are printed to 0.1 and the ratio to 0.001: the ratio of the printed figures may differ
+        # from the printed ratio by what those roundings allow (1.4 / 17.5 printed as 0.082 is right for 1.44).
+        rounding = 0.05 / measured + 0.05 * predicted / measured**2 + 5e-4
+        assert predicted > 0 and measured > 0 and ratio == pytest.approx(predicted / measured, abs=rounding + 1e-6)
         state_ratio = float(row[7])  # the model state alone is exact: the formulas against the live tensors
         assert state_ratio == pytest.approx(1.0, abs=0.03)
