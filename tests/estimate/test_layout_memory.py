@@ -38,3 +38,9 @@ def test_the_rebuilt_block_and_the_fused_loss_chunk_are_never_alive_together(sha
     tp = _peak(shape, Layout(tp=2, micro_batch=micro_batch, microbatches=8 // micro_batch, checkpointing="full",
                              sequence_parallel=True))
     assert tp.activations == pytest.approx((stored + rebuilt) / 2)
+
+
+def test_a_gtrxl_block_stores_its_two_gates_beside_the_standard_blocks_activations(shape):
+    gated = model_shape(load_config(overrides=[*TINY, "model.block=gtrxl", "model.norm_placement=pre"]))
+    standard, with_gates = (block_activation_bytes(one, one.blocks[0], 2, "none") for one in (shape, gated))
+    assert with_gates - standard == pytest.approx(2 * 12 * 16 * 2 * 32 * 2)  # 2 gates x 12 s b h, fp32 doubles

@@ -104,6 +104,14 @@ def test_activation_share_and_microbatches_in_flight():
     assert microbatches_in_flight(_config("parallel.microbatches=4", "parallel.pp_schedule=gpipe"), 2, 1) == 4
 
 
+def test_gtrxl_gates_stay_whole_under_tensor_parallelism_without_sequence_parallelism():
+    gated = _config("model.block=gtrxl", "model.norm_placement=pre")
+    replicated = (10 + 24) / (34 + 24 + 5 * 4 * 16 / 32)  # two gates of 12 s b h bytes each, kept whole like norms
+    assert activation_share(gated, ParallelDims(tp=2)) == pytest.approx(replicated + (1 - replicated) / 2)
+    sequence_parallel = _config("model.block=gtrxl", "model.norm_placement=pre", "parallel.sequence_parallel=true")
+    assert activation_share(sequence_parallel, ParallelDims(tp=2)) == 0.5  # each rank gates its own tokens
+
+
 def test_unit_sizes_split_the_model_into_its_root_and_equal_blocks():
     config = _config("model.tie_embeddings=false")
     sizes = unit_sizes(config)

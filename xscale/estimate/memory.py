@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from xscale.config.schema import Config
+from xscale.estimate.activations import extra_block_activations
 from xscale.estimate.model_shape import capacity_share
 from xscale.models import build_model
 from xscale.models.parameters import experts_per_token
@@ -277,9 +278,11 @@ def step_temporary_bytes(config: Config, dims: ParallelDims, sizes: UnitSizes, l
 
 def replicated_activation_fraction(config: Config) -> float:
     """Share of a layer's activations that tensor parallelism without sequence parallelism leaves whole on every
-    rank: 10 of s b h (34 + 5 a s / h) (Korthikanti et al. 2022, eq. 2)."""
+    rank: 10 of s b h (34 + 5 a s / h) (Korthikanti et al. 2022, eq. 2), with what a block kind's parts kept whole
+    store beyond the standard block's (:func:`~xscale.estimate.activations.extra_block_activations`: GTrXL's gates)."""
     model = config.model
-    return 10 / (34 + 5 * model.n_heads * config.train.seq_len / model.d_model)
+    whole = extra_block_activations(model)
+    return (10 + whole) / (34 + whole + 5 * model.n_heads * config.train.seq_len / model.d_model)
 
 
 def activation_share(config: Config, dims: ParallelDims) -> float:

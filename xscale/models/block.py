@@ -141,6 +141,10 @@ class TransformerBlock(nn.Module):
     only the residual sets :attr:`residual_class` (GTrXL's gate, :mod:`xscale.models.blocks.gtrxl`)."""
 
     residual_class: type[Residual] = Residual
+    # What each residual stores for the backward beyond the standard block's, in bytes per token and model feature at
+    # 16 bits (GTrXL's gate: 12); tensor parallelism keeps it whole on every rank unless sequence parallelism splits
+    # the tokens (xscale.estimate.activations).
+    extra_activations_per_residual: int = 0
 
     @classmethod
     def residual_names(cls, cross: bool) -> tuple[str, ...]:

@@ -36,3 +36,25 @@ def test_gate_bias_starts_at_two_so_blocks_start_near_the_identity() -> None:
     gate, x = model.stack.layers["0"].attention.gate, torch.randn(2, 8, 16)
     update = torch.sigmoid(gate.w_z(torch.zeros_like(x)) + gate.u_z(x) - gate.gate_bias)
     assert float(update.detach().mean()) < 0.2  # sigmoid(-2) = 0.12: most of x passes through
+
+
+def test_each_gate_saves_the_activations_the_estimator_counts() -> None:
+    """The gate's declared extra activations (bytes per token and feature at 16 bits) are what autograd keeps: every
+    saved tensor that is neither a parameter nor one of the residual's inputs (the stream x, the sub-layer's output)."""
+    model = tiny_model("gtrxl")
+    block = model.stack.layers["0"]
+    gate = block.attention.gate
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    branch = torch.randn(2, 8, 16, requires_grad=True)
+    parameters = {parameter.data_ptr() for parameter in gate.parameters()}
+    saved: dict[int, int] = {}
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.data_ptr() not in parameters | {x.data_ptr(), branch.data_ptr()}:
+            saved[tensor.data_ptr()] = tensor.numel()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        gate(x, torch.relu(branch))
+    tensors = sum(saved.values()) / x.numel()
+    assert tensors == 6 and 2 * tensors == type(block).extra_activations_per_residual

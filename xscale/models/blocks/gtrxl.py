@@ -70,6 +70,9 @@ class GatedBlock(TransformerBlock):
     ``model.norm_placement=pre`` (the identity-map reordering)."""
 
     residual_class = GatedResidual
+    # A gate keeps six s x d tensors for its backward: y (the ReLU's output), r, z, r * x, h and 1 - z, at 2 bytes
+    # each (tests/models/blocks/test_gtrxl.py counts what autograd saves).
+    extra_activations_per_residual = 12
 
     @classmethod
     def check(cls, model: ModelConfig, options: object) -> None:
