@@ -5,7 +5,8 @@ c = 4 (pre-activation and activation) or 8 for a GLU FFN (gate, up, activation, 
 factor for a MoE layer's routed tokens (1 else), plus 5 a s keys b for the attention scores, their softmax and
 dropout mask unless the core is dense (SDPA's fused kernels keep O(s) per head, Dao et al. 2022) or recomputed
 (selective); a cross-attention adds 13 s b h; a block kind adds what its residuals store beyond the standard
-block's (:func:`extra_block_activations`: GTrXL's gates, 12 s b h each). fp32 doubles it. Full recomputation keeps each block's input, 2 s b h.
+block's (:func:`extra_block_activations`: GTrXL's gates, 12 s b h each). fp32 doubles it. Full recomputation keeps
+each block's input, 2 s b h.
 The same bytes are what a block's memory-bound ops (norms, activations, residual adds, dropout) move, the step
 model's elementwise term (:mod:`~xscale.estimate.step_time`).
 """
