@@ -27,7 +27,8 @@ def _measurement() -> DeviceMeasurement:
                                                    (100e12 * size / 1024, 80e12 * size / 1024, 90e12 * size / 1024)))
                           for size in (256, 512, 1024))
              for dtype, scale in (("bf16", 1.0), ("fp32", 4.0))}
-    return DeviceMeasurement(gemms, 3.5e12, 2**30, 140e9, "a test device")
+    attention = ((64.0, 512.5, 40e12), (64.0, 2048.5, 60e12), (128.0, 512.5, 50e12), (128.0, 2048.5, 70e12))
+    return DeviceMeasurement(gemms, 3.5e12, 2**30, 140e9, "a test device", attention)
 
 
 def test_measured_figures_replace_the_base_and_the_rest_is_kept():
@@ -40,6 +41,10 @@ def test_measured_figures_replace_the_base_and_the_rest_is_kept():
     assert cluster.memory_bytes == pytest.approx(140e9, rel=1e-3)
     assert data["links"] == base["links"] and data["devices_per_node"] == base["devices_per_node"]
     assert cluster.device == "gpu" and data["name"] == "h200-ib-calibrated"
+    # the attention core's rates over bf16's peak (100 TFLOP/s)
+    assert data["attention_efficiency"] == [[64.0, 512.5, 0.4], [64.0, 2048.5, 0.6], [128.0, 512.5, 0.5],
+                                            [128.0, 2048.5, 0.7]]
+    assert cluster.attention_fraction(96, 1280.5) == pytest.approx(0.55)
 
 
 def test_header_lists_measured_and_base_figures_with_medians():

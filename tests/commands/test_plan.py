@@ -154,7 +154,10 @@ def test_plan_without_cluster_or_devices(capsys):
 def test_calibrate_writes_a_cluster_that_plans(capsys, tmp_path):
     out = tmp_path / "here.yaml"
     assert main(["plan", "--calibrate", str(out), "--processes", "2", "--quick"]) == 0
-    assert f"wrote {out}" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"wrote {out}" in printed and "attention core (SDPA, causal)" in printed
+    grid = load_cluster(out).attention_efficiency  # measured at 2 head dims x 2 lengths, each a share of the peak
+    assert len(grid) == 4 and all(0 < fraction <= 1 for _, _, fraction in grid)
     tiny = ["model.vocab_size=64", "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "train.seq_len=16",
             "train.global_batch_size=4"]
     assert main(["plan", "configs/tiny-gpt.yaml", *tiny, "--cluster", str(out), "--devices", "2"]) == 0
@@ -174,6 +177,7 @@ def test_calibrate_one_device_keeps_the_base_links(capsys, tmp_path):
     assert written.links == base.links and written.devices_per_node == base.devices_per_node
     assert written.memory_bandwidth != base.memory_bandwidth and written.device == "cpu"
     assert f"From the base {H200}" in text and "Measured here: peak_tflops" in text
+    assert not base.attention_efficiency and len(written.attention_efficiency) == 4  # the quick grid, measured
 
 
 @pytest.mark.parametrize("arguments, problem", [

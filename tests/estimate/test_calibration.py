@@ -105,3 +105,13 @@ def test_framework_costs_go_into_the_cluster_file():
     assert reduce_scatter.latency_s == pytest.approx(7e-4, rel=1e-4) and reduce_scatter.bandwidth == pytest.approx(
         0.5e9, rel=1e-4)
     assert cluster.link(False, "reduce_scatter").latency_s == pytest.approx(1e-4, rel=1e-4)
+
+
+def test_attention_rates_become_a_grid_over_the_fp32_peak():
+    samples = _timings("all_reduce", 1e-4, 1e9)
+    rates = {"fp32": {64: 30e9, 256: 90e9}, "bf16": {64: 60e9, 256: 200e9}}
+    attention = [(64, 64.5, 18e9), (32, 64.5, 9e9), (32, 512.5, 27e9), (64, 512.5, 99e9)]
+    data = calibrated_cluster("here", 4, 2, 8 * 2**30, 20e9, rates, samples, 0, attention_rates=attention)
+    assert data["attention_efficiency"] == [[32, 64.5, 0.1], [32, 512.5, 0.3], [64, 64.5, 0.2], [64, 512.5, 1.0]]
+    assert cluster_from_dict(data).attention_fraction(32, 64.5) == pytest.approx(0.1)
+    assert "attention_efficiency" not in calibrated_cluster("here", 4, 2, 8 * 2**30, 20e9, rates, samples, 0)

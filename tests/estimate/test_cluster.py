@@ -117,3 +117,22 @@ def test_collective_buffers_optional_and_checked():
     assert dict(cluster.collective_buffers) == ratios and cluster_from_dict(cluster_to_dict(cluster)) == cluster
     with pytest.raises(ClusterError, match="collective_buffers.all_gather must be non-negative"):
         cluster_from_dict({**_figures(), "collective_buffers": {**ratios, "all_gather": -1}}, "bad.yaml")
+
+
+def test_attention_grid_optional_interpolated_and_checked():
+    cluster = cluster_from_dict(_figures())
+    assert cluster.attention_fraction(64, 512) == cluster.efficiency(64)  # no grid: the GEMM curve at min(d, keys)
+    grid = [[32, 64, 0.2], [32, 512, 0.4], [64, 64, 0.3], [64, 512, 0.6]]
+    cluster = cluster_from_dict({**_figures(), "attention_efficiency": grid})
+    assert cluster.attention_fraction(32, 64) == pytest.approx(0.2)
+    # keys halfway at both head dims (0.3 and 0.45), then halfway between the head dims
+    assert cluster.attention_fraction(48, 288) == pytest.approx(0.375)
+    assert cluster.attention_fraction(8, 10) == pytest.approx(0.2) and cluster.attention_fraction(256, 1e5) == 0.6
+    assert cluster_from_dict(cluster_to_dict(cluster)) == cluster
+    for value, problem in (([[32, 64, 1.5]], r"attention_efficiency\[0\].fraction must be at most 1"),
+                           ([[32, 64, -0.1]], r"attention_efficiency\[0\].fraction must be positive"),
+                           ([[32, 64]], "must be a .head dim, keys, fraction. triple"),
+                           ([], "must be a non-empty list"),
+                           (grid[:3], "one point for every head dim")):
+        with pytest.raises(ClusterError, match=problem):
+            cluster_from_dict({**_figures(), "attention_efficiency": value}, "bad.yaml")

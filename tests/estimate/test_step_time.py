@@ -64,6 +64,14 @@ def test_block_flops_and_compute_time(shape):
     assert times.blocks == pytest.approx(4 * (gemm + attention + elementwise))
     assert times.head == pytest.approx(2 * tokens * (64 * 32 + shape.outside) / 1e12)
     assert model.n_layers == 4
+    # a calibrated attention grid (head dim 8, keys 8 here) prices the attention core alone: at 25% of the peak
+    # it takes 4x as long, the GEMMs and the head unchanged
+    grid = ((4.0, 4.0, 0.25), (4.0, 16.0, 0.25), (16.0, 4.0, 0.25), (16.0, 16.0, 0.25))
+    slow = microbatch_times(shape, dataclasses.replace(_cluster(), attention_efficiency=grid), layout,
+                            tuple(range(4)), True)
+    assert slow.attention == pytest.approx(4 * times.attention)
+    assert slow.blocks - slow.attention == pytest.approx(times.blocks - times.attention)
+    assert slow.head == pytest.approx(times.head)
 
 
 def test_activation_bytes_by_hand(shape):

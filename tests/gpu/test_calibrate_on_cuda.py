@@ -22,6 +22,7 @@ def test_calibrate_the_device_against_the_h200_preset(tmp_path, capsys):
     written, base = load_cluster(out), load_cluster(BASE)
     assert written.links == base.links and written.devices_per_node == base.devices_per_node
     assert all(written.peak_flops[dtype] != base.peak_flops[dtype] for dtype in ("bf16", "fp32"))
+    assert written.attention_efficiency and all(0 < point[2] <= 1 for point in written.attention_efficiency)
     if DEVICE == "cuda":
         assert written.device == "gpu"
         assert written.memory_bytes == pytest.approx(torch.cuda.get_device_properties(0).total_memory, rel=1e-3)

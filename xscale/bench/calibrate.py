@@ -6,6 +6,9 @@ cores (wall time less the run-queue wait, :mod:`xscale.bench.contention`: a shar
 
 * GEMM rates: ``torch.matmul`` of (rows x s) by (s x s), s the smallest dimension, in fp32 and bf16, best of
   several repeats per shape: the peak and the efficiency curve;
+* the attention core: ``scaled_dot_product_attention`` (causal, forward + backward) in fp32 over a grid of head
+  dimensions and sequence lengths T (4096 tokens, 8 heads), best of several repeats, at the FLOPs the cost model
+  counts (3 x 4 t keys d, keys = (T + 1) / 2): its share of the fp32 peak (``attention_efficiency``);
 * memory bandwidth: ``Tensor.copy_`` of 64 MiB (bytes read + written), best of several;
 * collectives over gloo, for 2..N local processes and several message sizes, the median of several rounds (a
   barrier before each call): ``all_reduce``, xscale's flat all-gather and reduce-scatter
@@ -67,6 +70,9 @@ from xscale.train.trainer import Trainer
 GEMM_ROWS = 2048
 GEMM_SIZES = (16, 32, 64, 128, 256, 512, 1024)
 QUICK_GEMM_SIZES = (32, 128, 512)
+ATTENTION_HEAD_DIMS, ATTENTION_LENGTHS = (16, 32, 64, 128), (128, 256, 512, 1024)
+QUICK_ATTENTION_HEAD_DIMS, QUICK_ATTENTION_LENGTHS = (32, 128), (128, 1024)
+ATTENTION_TOKENS, ATTENTION_HEADS = 4096, 8
 MESSAGE_BYTES = (4096, 65536, 2**20, 8 * 2**20)
 QUICK_MESSAGE_BYTES = (4096, 2**20)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -96,6 +102,33 @@ def gemm_rate(size: int, dtype: torch.dtype, repeats: int) -> float:
         _, seconds = dedicated_seconds(lambda: [torch.matmul(left, right) for _ in range(calls)])
         best = min(best, seconds / calls)
     return 2 * GEMM_ROWS * size * size / best
+
+
+def attention_flops(tokens: int, length: int, width: int) -> float:
+    """The cost model's FLOPs of a causal attention core's forward + backward over ``tokens`` in sequences of
+    ``length`` and ``width`` = heads x head dim (:mod:`~xscale.estimate.step_time`): 3 x 4 t keys d."""
+    return 3 * 4 * tokens * (length + 1) / 2 * width
+
+
+def attention_step(head_dim: int, length: int, tokens: int = ATTENTION_TOKENS, heads: int = ATTENTION_HEADS,
+                   device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[object, float]:
+    """(a call running causal SDPA forward + backward on (tokens / T, heads, T, head_dim), its
+    :func:`attention_flops`)."""
+    shape = (max(1, tokens // length), heads, length, head_dim)
+    query, key, value = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    upstream = torch.randn(shape, device=device, dtype=dtype)
+
+    def step() -> None:
+        F.scaled_dot_product_attention(query, key, value, is_causal=True).backward(upstream)
+
+    return step, attention_flops(shape[0] * length, length, heads * head_dim)
+
+
+def attention_rate(head_dim: int, length: int, repeats: int) -> float:
+    """Best FLOP/s (:func:`attention_flops`) of causal SDPA forward + backward, fp32, (4096 / T, 8, T, head_dim)."""
+    step, flops = attention_step(head_dim, length)
+    step()
+    return flops / min(dedicated_seconds(step)[1] for _ in range(repeats))
 
 
 def memory_bandwidth(repeats: int) -> float:
@@ -259,6 +292,9 @@ def measure_machine(processes: int, quick: bool) -> dict:
     try:
         rates = {name: {size: gemm_rate(size, dtype, repeats) for size in (QUICK_GEMM_SIZES if quick else GEMM_SIZES)}
                  for name, dtype in DTYPES.items()}
+        attention = [(head_dim, (length + 1) / 2, attention_rate(head_dim, length, repeats))
+                     for head_dim in (QUICK_ATTENTION_HEAD_DIMS if quick else ATTENTION_HEAD_DIMS)
+                     for length in (QUICK_ATTENTION_LENGTHS if quick else ATTENTION_LENGTHS)]
         bandwidth = memory_bandwidth(repeats)
         elementwise = [elementwise_sample(rows, repeats)
                        for rows in (QUICK_ELEMENTWISE_ROWS if quick else ELEMENTWISE_ROWS)]
@@ -288,7 +324,7 @@ def measure_machine(processes: int, quick: bool) -> dict:
     collective_buffers = {name: round(max(0.0, statistics.median(rank[name] for rank in buffers)), 4)
                           for name in TENSOR_PARALLEL_COLLECTIVES}
     return calibrated_cluster(f"calibrated-{processes}proc", processes, concurrent, memory, bandwidth, rates, samples,
-                              statistics.median(runtime), source, framework, collective_buffers)
+                              statistics.median(runtime), source, framework, collective_buffers, attention)
 
 
 def cpu_name() -> str:

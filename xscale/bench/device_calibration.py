@@ -9,6 +9,10 @@ Measured on the device, in one process (:func:`measure_device`):
   batch of calls sized to take about :data:`TIMING_SECONDS`, each timed with CUDA events on a CUDA device, else
   between the device's synchronizations (on the CPU, on dedicated cores: :mod:`xscale.bench.contention`). The best
   timing gives the peak and the curve, as the CPU path does; the median is written in the file's header;
+* the attention core: causal ``scaled_dot_product_attention`` forward + backward in the curve's dtype (bf16 off the
+  CPU: torch's flash kernels), timed the same way over a grid of head dimensions and sequence lengths
+  (:data:`DEVICE_ATTENTION`; the CPU path's grid on the CPU), each point's best rate at the FLOPs the cost model
+  counts over that dtype's peak: ``attention_efficiency``;
 * memory bandwidth: ``Tensor.copy_`` of 64 MiB on the CPU, 1 GiB elsewhere (bytes read + written), the best timing;
 * the device's memory: ``get_device_properties(...).total_memory`` of the device's torch module (CUDA and the like),
   the host RAM over the base's devices per node on the CPU.
@@ -28,9 +32,20 @@ from pathlib import Path
 import torch
 import yaml
 
-from xscale.bench.calibrate import GEMM_ROWS, GEMM_SIZES, QUICK_GEMM_SIZES, cpu_name
+from xscale.bench.calibrate import (
+    ATTENTION_HEAD_DIMS,
+    ATTENTION_LENGTHS,
+    ATTENTION_TOKENS,
+    GEMM_ROWS,
+    GEMM_SIZES,
+    QUICK_ATTENTION_HEAD_DIMS,
+    QUICK_ATTENTION_LENGTHS,
+    QUICK_GEMM_SIZES,
+    attention_step,
+    cpu_name,
+)
 from xscale.bench.contention import dedicated_seconds
-from xscale.estimate.calibration import gemm_curve
+from xscale.estimate.calibration import attention_grid, gemm_curve
 from xscale.estimate.cluster import DTYPES, load_cluster
 from xscale.estimate.measure import device_memory_bytes
 
@@ -40,7 +55,10 @@ TIMING_SECONDS = 0.02  # one timing's batch of calls: long enough for the clock 
 MAX_CALLS = 1000
 COPY_BYTES = {"cpu": 64 * 2**20}  # every other device: DEVICE_COPY_BYTES
 DEVICE_COPY_BYTES = 2**30
-MEASURED_KEYS = ("peak_tflops", "gemm_efficiency", "memory_bandwidth_gbs", "memory_gib", "device")
+MEASURED_KEYS = ("peak_tflops", "gemm_efficiency", "attention_efficiency", "memory_bandwidth_gbs", "memory_gib",
+                 "device")
+# off the CPU: (head dims, sequence lengths, tokens per call, heads) of the attention grid
+DEVICE_ATTENTION = ((64, 128), (1024, 4096, 16384), 65536, 16)
 
 
 class DeviceUnavailable(ValueError):
@@ -77,6 +95,7 @@ class DeviceMeasurement:
     copy_bytes: int
     memory_bytes: float
     description: str
+    attention: tuple[tuple[float, float, float], ...] = ()  # (head dim, keys, best FLOP/s) in the curve's dtype
 
 
 def resolve_device(name: str) -> torch.device:
@@ -183,11 +202,30 @@ def measure_device(device: torch.device, devices_per_node: int, quick: bool) -> 
     try:
         gemms = {name: tuple(gemm_timings(size, dtype, device, timings) for size in sizes)
                  for name, dtype in TORCH_DTYPES.items()}
+        attention = attention_rates(device, quick, timings)
         bandwidth, copied = copy_bandwidth(device, timings)
     finally:
         torch.set_num_threads(threads)
     memory, description = device_memory(device, devices_per_node)
-    return DeviceMeasurement(gemms, bandwidth, copied, memory, description)
+    return DeviceMeasurement(gemms, bandwidth, copied, memory, description, attention)
+
+
+def attention_rates(device: torch.device, quick: bool, timings: int) -> tuple[tuple[float, float, float], ...]:
+    """(head dim, keys, best FLOP/s) of causal SDPA forward + backward over the grid, in the curve's dtype."""
+    if device.type == "cpu":
+        head_dims, lengths = ((QUICK_ATTENTION_HEAD_DIMS, QUICK_ATTENTION_LENGTHS) if quick
+                              else (ATTENTION_HEAD_DIMS, ATTENTION_LENGTHS))
+        tokens, heads = ATTENTION_TOKENS, 8
+    else:
+        head_dims, lengths, tokens, heads = DEVICE_ATTENTION
+        head_dims, lengths = (head_dims[:1], lengths[:2]) if quick else (head_dims, lengths)
+    dtype = TORCH_DTYPES[curve_dtype(device.type)]
+    rates = []
+    for head_dim in head_dims:
+        for length in lengths:
+            step, flops = attention_step(head_dim, length, tokens, heads, device, dtype)
+            rates.append((float(head_dim), (length + 1) / 2, flops / min(time_calls(step, device, timings))))
+    return tuple(rates)
 
 
 def curve_dtype(device_type: str) -> str:
@@ -208,6 +246,8 @@ def device_cluster(base: dict, measurement: DeviceMeasurement, device_type: str)
         peaks[dtype] = round(peak / 1e12, 6)
         if dtype == curve_dtype(device_type):
             data["gemm_efficiency"] = curve
+            if measurement.attention:
+                data["attention_efficiency"] = attention_grid(list(measurement.attention), peak)
     data["peak_tflops"] = peaks
     data["measured_on"] = measurement.description
     return data
@@ -221,7 +261,8 @@ def calibration_header(command: str, base_path: str, base: dict, measurement: De
     lines = [f"Written by {command} ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}) on "
              f"{measurement.description}; how: xscale/bench/device_calibration.py.",
              f"Measured here: peak_tflops (the best GEMM rate per dtype), gemm_efficiency ({curve_dtype(device_type)}'s "
-             f"best rate per s over the peak), memory_bandwidth_gbs (a {measurement.copy_bytes // 2**20} MiB copy, "
+             f"best rate per s over the peak), attention_efficiency (causal SDPA forward + backward in "
+             f"{curve_dtype(device_type)}, best rate over that peak), memory_bandwidth_gbs (a {measurement.copy_bytes // 2**20} MiB copy, "
              f"best), memory_gib (the device's total memory), device (its kind).",
              f"From the base {base_path} (not measurable on one device, or not measured by this path): "
              f"{', '.join(copied)}.",

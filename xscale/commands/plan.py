@@ -178,6 +178,10 @@ def _calibrate(path: str, processes: int, quick: bool) -> int:
         print(f"  framework: elementwise {data['elementwise_bandwidth_gbs']:.2f} GB/s, loss "
               f"{data['loss_ns_per_logit']:.2f} ns per logit, dispatch {data['block_overhead_us']:.0f} us per block "
               f"and {data['step_overhead_ms']:.2f} ms per step")
+    if "attention_efficiency" in data:
+        fractions = [fraction for _, _, fraction in data["attention_efficiency"]]
+        print(f"  attention core (SDPA, causal): {min(fractions):.0%}-{max(fractions):.0%} of the fp32 peak over "
+              f"head dims {sorted({dim for dim, _, _ in data['attention_efficiency']})}")
     return 0
 
 

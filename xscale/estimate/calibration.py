@@ -2,6 +2,7 @@
 ``xscale plan --calibrate`` (the measuring is :mod:`xscale.bench.calibrate`).
 
 * GEMM curve: the peak is the best measured rate; each measured smallest dimension's point is its rate / peak.
+* Attention (:func:`attention_grid`): each measured (head dim, keys) point's SDPA rate / the fp32 peak.
 * Collectives: each collective's samples (ranks n, bytes, seconds) are fitted to the alpha-beta model of
   :mod:`~xscale.estimate.communication`, time = latency x steps(n) + factor(n) x bytes / busbw, by least squares on
   the relative error (weights 1 / time^2, so a 4 KiB call counts as much as a 16 MiB one), two unknowns:
@@ -134,13 +135,21 @@ class FrameworkCosts:
         return data
 
 
+def attention_grid(rates: list[tuple[float, float, float]], peak: float) -> list[list[float]]:
+    """The ``attention_efficiency`` grid: each (head dim, keys, FLOP/s) point's rate over ``peak`` (the GEMM peak of
+    the dtype it was measured in), at most 1."""
+    return [[head_dim, keys, round(min(1.0, rate / peak), 4)] for head_dim, keys, rate in sorted(rates)]
+
+
 def calibrated_cluster(name: str, processes: int, concurrent: int, memory_bytes: float, memory_bandwidth: float,
                        gemm_rates: dict[str, dict[int, float]], samples: list[CollectiveSample],
                        runtime_memory_bytes: float, comment_source: str = "",
                        framework: FrameworkCosts | None = None,
-                       collective_buffers: dict[str, float] | None = None) -> dict:
+                       collective_buffers: dict[str, float] | None = None,
+                       attention_rates: list[tuple[float, float, float]] | None = None) -> dict:
     """The cluster file's mapping (:func:`xscale.estimate.cluster.cluster_from_dict`'s units) of a one-node CPU
-    machine of ``processes`` devices measured as described in the module docstring; ``gemm_rates`` per dtype.
+    machine of ``processes`` devices measured as described in the module docstring; ``gemm_rates`` per dtype,
+    ``attention_rates`` (head dim, keys, fp32 FLOP/s) points.
     gloo has no reduce-scatter of its own on CPU tensors: a collective without samples takes the all-reduce's fit."""
     peaks, curve = {}, None
     for dtype in DTYPES:
@@ -171,6 +180,7 @@ def calibrated_cluster(name: str, processes: int, concurrent: int, memory_bytes:
         "links": {name_: {collective: dict(figures) for collective, figures in link.items()} for name_ in LINKS},
         **(framework.figures() if framework else {}),
         **({"collective_buffers": dict(collective_buffers)} if collective_buffers else {}),
+        **({"attention_efficiency": attention_grid(attention_rates, peaks["fp32"] * 1e12)} if attention_rates else {}),
     }
     if comment_source:
         data["measured_on"] = comment_source

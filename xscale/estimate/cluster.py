@@ -22,6 +22,9 @@ norms, activations, residual adds and softmax move their saved activations (defa
 and autograd bookkeeping (default 0); ``step_overhead_ms``, the same for one step outside the blocks (default 0);
 and ``tensor_parallel``, the all_reduce / all_gather / reduce_scatter figures of tensor parallelism's
 redistributions as the implementation issues them (DTensor on top of the process group; default the link's).
+One optional compute figure: ``attention_efficiency``, the share of the peak the attention core (SDPA, causal,
+forward + backward) reaches, as a grid of [head dimension, keys per query, fraction] points measured by ``xscale
+plan --calibrate`` (:meth:`Cluster.attention_fraction`; default: the GEMM curve at min(head dimension, keys)).
 One optional memory figure: ``collective_buffers``, per collective (all_reduce, all_gather, reduce_scatter) the
 bytes a process holds for the collective's working buffers per byte of its message (gloo's CPU algorithms;
 :mod:`xscale.estimate.collective_memory`; default 0).
@@ -77,6 +80,7 @@ class Cluster:
     step_overhead_s: float = 0.0
     tensor_parallel: tuple[tuple[str, LinkCost], ...] = ()  # (collective, cost) of tp's redistributions
     collective_buffers: tuple[tuple[str, float], ...] = ()  # (collective, bytes held per message byte)
+    attention_efficiency: tuple[tuple[float, float, float], ...] = ()  # (head dim, keys, fraction) grid; (): GEMMs'
 
     @property
     def elementwise_bandwidth(self) -> float:
@@ -99,18 +103,32 @@ class Cluster:
     def efficiency(self, smallest_dimension: float) -> float:
         """The fraction of peak a GEMM whose smallest dimension is ``smallest_dimension`` reaches: linear between
         the curve's points, flat beyond its ends."""
-        points = self.gemm_efficiency
-        sizes = [size for size, _ in points]
-        index = bisect.bisect_left(sizes, smallest_dimension)
-        if index == 0:
-            return points[0][1]
-        if index == len(points):
-            return points[-1][1]
-        (x0, y0), (x1, y1) = points[index - 1], points[index]
-        return y0 + (y1 - y0) * (smallest_dimension - x0) / (x1 - x0)
+        return piecewise_linear(self.gemm_efficiency, smallest_dimension)
+
+    def attention_fraction(self, head_dim: float, keys: float) -> float:
+        """The fraction of peak the attention core reaches with ``head_dim`` and ``keys`` per query: bilinear in
+        the calibrated grid (flat beyond its ends), else the GEMM curve at min(head_dim, keys)."""
+        if not self.attention_efficiency:
+            return self.efficiency(min(head_dim, keys))
+        rows: dict[float, list[tuple[float, float]]] = {}
+        for dim, key_count, fraction in self.attention_efficiency:
+            rows.setdefault(dim, []).append((key_count, fraction))
+        return piecewise_linear(tuple((dim, piecewise_linear(tuple(sorted(row)), keys))
+                                      for dim, row in sorted(rows.items())), head_dim)
 
     def link(self, spans_nodes: bool, collective: str) -> LinkCost:
         return self.links["inter_node" if spans_nodes else "intra_node"][collective]
+
+
+def piecewise_linear(points: tuple[tuple[float, float], ...], x: float) -> float:
+    """The value at ``x`` of the curve through ``points`` (ascending x): linear between them, flat beyond its ends."""
+    index = bisect.bisect_left([point for point, _ in points], x)
+    if index == 0:
+        return points[0][1]
+    if index == len(points):
+        return points[-1][1]
+    (x0, y0), (x1, y1) = points[index - 1], points[index]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
 class _Reader:
@@ -187,7 +205,31 @@ def cluster_from_dict(data: Any, source: str = "<dict>") -> Cluster:
         step_overhead_s=_optional(reader, data, "step_overhead_ms", 1e-3),
         tensor_parallel=tuple(tensor_parallel.items()),
         collective_buffers=_collective_buffers(reader, data),
+        attention_efficiency=_attention_grid(reader, data),
     )
+
+
+def _attention_grid(reader: _Reader, data: dict) -> tuple[tuple[float, float, float], ...]:
+    """``attention_efficiency``: [head dim, keys, fraction] points covering every head dim x keys pair once."""
+    if "attention_efficiency" not in data:
+        return ()
+    grid = data["attention_efficiency"]
+    if not isinstance(grid, list) or not grid:
+        raise reader.fail("attention_efficiency", "must be a non-empty list of [head dim, keys, fraction] points")
+    points = []
+    for index, point in enumerate(grid):
+        if not isinstance(point, list | tuple) or len(point) != 3:
+            raise reader.fail(f"attention_efficiency[{index}]", f"must be a [head dim, keys, fraction] triple, "
+                                                                 f"got {point!r}")
+        triple = dict(zip(("head_dim", "keys", "fraction"), point))
+        figures = tuple(reader.number(triple, key, f"attention_efficiency[{index}].") for key in triple)
+        if figures[2] > 1:
+            raise reader.fail(f"attention_efficiency[{index}].fraction", f"must be at most 1, got {figures[2]}")
+        points.append(figures)
+    dims, keys = sorted({dim for dim, _, _ in points}), sorted({key for _, key, _ in points})
+    if sorted((dim, key) for dim, key, _ in points) != [(dim, key) for dim in dims for key in keys]:
+        raise reader.fail("attention_efficiency", f"must have one point for every head dim {dims} and keys {keys}")
+    return tuple(sorted(points))
 
 
 def _collective_buffers(reader: _Reader, data: dict) -> tuple[tuple[str, float], ...]:
@@ -259,6 +301,8 @@ def cluster_to_dict(cluster: Cluster) -> dict:
             extra[key] = value / unit
     if cluster.collective_buffers:
         extra["collective_buffers"] = dict(cluster.collective_buffers)
+    if cluster.attention_efficiency:
+        extra["attention_efficiency"] = [list(point) for point in cluster.attention_efficiency]
     if cluster.tensor_parallel:
         extra["tensor_parallel"] = {collective: {"latency_us": cost.latency_s * 1e6,
                                                  "bandwidth_gbs": cost.bandwidth / 1e9}

@@ -4,7 +4,8 @@ optimizer step (docs/planning.md derives and bounds each term).
 Compute, per microbatch of ``b`` sequences on one rank (tokens t = b T / cp), from :mod:`~xscale.estimate.model_shape`'s
 FLOPs, each GEMM at ``peak x efficiency(smallest dimension)`` (:class:`~xscale.estimate.cluster.Cluster`):
 dense weights 2 t used / tp (smallest dimension min(t, d / tp)), experts 2 t used_E (replicated over tp; rows per
-expert t ep share), attention 4 t keys d / tp (smallest min(head_dim, keys)), the head 2 t d V / tp. Backward is twice
+expert t ep share), attention 4 t keys d / tp (at the cluster's attention efficiency for head_dim and keys,
+:meth:`~xscale.estimate.cluster.Cluster.attention_fraction`), the head 2 t d V / tp. Backward is twice
 the forward (Kaplan et al. 2020); full recomputation adds the blocks' forward, selective their attention cores'.
 Beside the GEMMs (:mod:`~xscale.estimate.overheads`): the memory-bound ops move each block's stored activations
 (:func:`~xscale.estimate.activations.block_activation_bytes`, the rank's share) once in the forward and twice in the
@@ -132,7 +133,7 @@ def microbatch_times(shape: ModelShape, cluster: Cluster, layout: Layout, blocks
         keys = block.keys + block.cross_keys
         gemms += count * gemm
         attention += count * 4 * tokens * keys * model.d_model / layout.tp / (
-            peak * cluster.efficiency(min(model.head_dim, keys)))
+            peak * cluster.attention_fraction(model.head_dim, keys))
     head = 0.0
     if holds_head:
         head = (2 * tokens * (shape.head + shape.outside) / layout.tp / dense_rate
