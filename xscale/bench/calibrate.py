@@ -118,8 +118,9 @@ def attention_step(head_dim: int, length: int, tokens: int = ATTENTION_TOKENS, h
     query, key, value = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     upstream = torch.randn(shape, device=device, dtype=dtype)
 
-    def step() -> None:
-        F.scaled_dot_product_attention(query, key, value, is_causal=True).backward(upstream)
+    def step() -> None:  # gradients returned, not accumulated into .grad (an add a training step does not pay)
+        torch.autograd.grad(F.scaled_dot_product_attention(query, key, value, is_causal=True), (query, key, value),
+                            upstream)
 
     return step, attention_flops(shape[0] * length, length, heads * head_dim)
 
