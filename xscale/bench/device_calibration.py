@@ -34,6 +34,7 @@ import yaml
 
 from xscale.bench.calibrate import (
     ATTENTION_HEAD_DIMS,
+    ATTENTION_HEADS,
     ATTENTION_LENGTHS,
     ATTENTION_TOKENS,
     GEMM_ROWS,
@@ -215,7 +216,7 @@ def attention_rates(device: torch.device, quick: bool, timings: int) -> tuple[tu
     if device.type == "cpu":
         head_dims, lengths = ((QUICK_ATTENTION_HEAD_DIMS, QUICK_ATTENTION_LENGTHS) if quick
                               else (ATTENTION_HEAD_DIMS, ATTENTION_LENGTHS))
-        tokens, heads = ATTENTION_TOKENS, 8
+        tokens, heads = ATTENTION_TOKENS, ATTENTION_HEADS
     else:
         head_dims, lengths, tokens, heads = DEVICE_ATTENTION
         head_dims, lengths = (head_dims[:1], lengths[:2]) if quick else (head_dims, lengths)
