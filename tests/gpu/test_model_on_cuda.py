@@ -113,3 +113,24 @@ def test_bf16_moe_experts_take_grouped_mm(monkeypatch):
     _compare_bf16(_config(moe=MOE["dropless"]))
     assert True in taken, "a bf16 MoE layer on CUDA should run its experts through torch._grouped_mm"
     assert False in taken, "and the fp32 one the per-expert path"
+
+
+@pytest.mark.parametrize("name", ["switch", "top2-all"])
+def test_a_bf16_moe_layer_makes_no_host_sync(name):
+    """Static-rows routing (issue 47): forward and backward of a bf16 layer with local experts under
+    ``torch.cuda.set_sync_debug_mode("error")``, which raises on any device-to-host synchronisation."""
+    if DRY_RUN:
+        pytest.skip("the static-rows path is chosen where torch._grouped_mm runs: bf16 on CUDA")
+    from xscale.models.moe import build_moe
+    from xscale.runtime import StepContext
+
+    layer = build_moe(_config(moe=MOE[name]), 0).to(DEVICE, torch.bfloat16)
+    x = torch.randn(2, 64, 32, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    layer(x, StepContext(seed=0)).float().sum().backward()  # lazy initialisation may synchronise once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        layer(x, StepContext(seed=0)).float().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()

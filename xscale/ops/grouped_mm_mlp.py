@@ -59,6 +59,20 @@ def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return y if bias is None else y + bias[expert_of_row]
 
 
+def _grouped_ffn(x: torch.Tensor, offsets: torch.Tensor, expert_of_row: torch.Tensor | None,
+                 weights: ExpertWeights) -> torch.Tensor:
+    """The FFN of each row group (cumulative ends ``offsets``, int32) through the grouped GEMM, autocast off."""
+    with torch.autocast(x.device.type, enabled=False):
+        hidden = _activation(_grouped_linear(x, weights.w1, weights.b1, offsets, expert_of_row), weights.activation)
+        if weights.gated:
+            hidden = hidden * _grouped_linear(x, weights.w_up, weights.b_up, offsets, expert_of_row)
+        return _grouped_linear(hidden, weights.w2, weights.b2, offsets, expert_of_row)
+
+
+def _has_bias(weights: ExpertWeights) -> bool:
+    return any(b is not None for b in (weights.b1, weights.b_up, weights.b2))
+
+
 def grouped_mm_mlp(x: torch.Tensor, counts: list[int], weights: ExpertWeights) -> torch.Tensor:
     """x [sum(counts), d] sorted by expert -> [sum(counts), d]; under autocast in the autocast dtype."""
     check_experts(counts, weights)
@@ -67,13 +81,9 @@ def grouped_mm_mlp(x: torch.Tensor, counts: list[int], weights: ExpertWeights) -
     x, weights = autocast_operands(x, weights)
     sizes = torch.tensor(counts, device=x.device)
     offsets = sizes.cumsum(0).to(torch.int32)
-    has_bias = any(b is not None for b in (weights.b1, weights.b_up, weights.b2))
-    expert_of_row = torch.repeat_interleave(torch.arange(len(counts), device=x.device), sizes) if has_bias else None
-    with torch.autocast(x.device.type, enabled=False):
-        hidden = _activation(_grouped_linear(x, weights.w1, weights.b1, offsets, expert_of_row), weights.activation)
-        if weights.gated:
-            hidden = hidden * _grouped_linear(x, weights.w_up, weights.b_up, offsets, expert_of_row)
-        return _grouped_linear(hidden, weights.w2, weights.b2, offsets, expert_of_row)
+    expert_of_row = (torch.repeat_interleave(torch.arange(len(counts), device=x.device), sizes)
+                     if _has_bias(weights) else None)
+    return _grouped_ffn(x, offsets, expert_of_row, weights)
 
 
 def grouped_mm_token_experts(tokens: torch.Tensor, token_index: torch.Tensor, gate: torch.Tensor, counts: list[int],
@@ -84,3 +94,18 @@ def grouped_mm_token_experts(tokens: torch.Tensor, token_index: torch.Tensor, ga
     weighted = expert_out * gate.unsqueeze(-1).to(expert_out.dtype)
     out = tokens.new_zeros((tokens.shape[0], weighted.shape[-1]), dtype=weighted.dtype)
     return out.index_add(0, token_index, weighted).to(out_dtype or tokens.dtype)
+
+
+def grouped_mm_static_rows(tokens: torch.Tensor, token_index: torch.Tensor, gate: torch.Tensor,
+                           row_ends: torch.Tensor, expert_of_row: torch.Tensor,
+                           weights: ExpertWeights) -> torch.Tensor:
+    """tokens [N, d] -> [N, d]: y_t = sum over t's rows a of gate[a] FFN_e(a)(tokens[t]), with the row groups'
+    ends on the device (``row_ends`` [E], the last = number of rows; ``expert_of_row`` [A]): no host sync, every
+    shape fixed by A (:func:`xscale.models.moe.routing.static_rows_routing`; rows with gate 0 add exactly 0)."""
+    if weights.w1.shape[0] != row_ends.shape[0]:
+        raise ValueError(f"got row ends for {row_ends.shape[0]} experts, the weights hold {weights.w1.shape[0]}")
+    x, weights = autocast_operands(tokens.index_select(0, token_index), weights)
+    expert_out = _grouped_ffn(x, row_ends.to(torch.int32), expert_of_row if _has_bias(weights) else None, weights)
+    weighted = expert_out * gate.unsqueeze(-1).to(expert_out.dtype)
+    out = weighted.new_zeros((tokens.shape[0], weighted.shape[-1]))
+    return out.index_add(0, token_index, weighted).to(tokens.dtype)

@@ -15,7 +15,12 @@ from torch import nn
 from xscale.models.ffn import GatedMLP
 from xscale.models.registry import FFN
 from xscale.ops.grouped_mlp import ExpertWeights, grouped_mlp
-from xscale.ops.grouped_mm_mlp import grouped_mm_applies, grouped_mm_mlp, grouped_mm_token_experts
+from xscale.ops.grouped_mm_mlp import (
+    grouped_mm_applies,
+    grouped_mm_mlp,
+    grouped_mm_static_rows,
+    grouped_mm_token_experts,
+)
 from xscale.ops.shared_input_gradient import SharedInputGradient
 from xscale.ops.token_experts import token_experts
 
@@ -89,3 +94,14 @@ class StackedExperts(nn.Module):
             return token_experts(tokens_by_expert, token_index, gate, counts, weights, input_gradient=input_gradient)
         return grouped_mlp(tokens_by_expert, counts, weights.activation, weights.w1, weights.b1, weights.w2,
                            weights.b2, weights.w_up, weights.b_up)
+
+    def static_rows_apply(self, tokens: torch.Tensor) -> bool:
+        """Whether :meth:`static_rows` runs here: where the grouped GEMM does (CUDA, bf16)."""
+        return grouped_mm_applies(tokens, self.weights())
+
+    def static_rows(self, tokens: torch.Tensor, token_index: torch.Tensor, gate: torch.Tensor,
+                    row_ends: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
+        """tokens [N, d] -> the gated sum of each token's experts [N, d], from a static-rows routing
+        (:func:`xscale.models.moe.routing.static_rows_routing`: every assignment a row, the group ends on the
+        device), through one grouped GEMM per projection with no host sync."""
+        return grouped_mm_static_rows(tokens, token_index, gate, row_ends, expert_of_row, self.weights())

@@ -56,7 +56,16 @@ class LocalExperts(LocalTokens):
         return experts(tokens_by_expert, tokens_per_expert.tolist())
 
 
+class StaticLocalExperts(LocalExperts):
+    """Every expert on this device and the routing's shapes fixed by the token count (``static_rows``): the routers
+    keep every assignment as a row (:func:`xscale.models.moe.routing.static_rows_routing`), so the layer makes no
+    host sync. Chosen where the experts run as grouped GEMMs (:meth:`StackedExperts.static_rows_apply`)."""
+
+    static_rows = True
+
+
 LOCAL_EXPERTS = LocalExperts()
+STATIC_LOCAL_EXPERTS = StaticLocalExperts()
 
 
 class MoELayer(nn.Module):
@@ -107,8 +116,13 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor, context: StepContext | None = None) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
         exchange = self._exchange(context)
+        if exchange is LOCAL_EXPERTS and self.experts.static_rows_apply(tokens):
+            exchange = STATIC_LOCAL_EXPERTS
         routing = self.router(x, exchange, context)
-        if routing.one_per_token and exchange.experts_local:  # dispatch and combine in the experts' pass
+        if routing.row_ends is not None:  # every assignment a row, group ends on the device: no host sync
+            output = self.experts.static_rows(tokens, routing.token_index, routing.gate, routing.row_ends,
+                                              routing.expert_index)
+        elif routing.one_per_token and exchange.experts_local:  # dispatch and combine in the experts' pass
             output = self.experts(tokens, routing.local_tokens_per_expert.tolist(), routing.token_index, routing.gate,
                                   routing.input_gradient)
         else:

@@ -47,6 +47,15 @@ class Routing:
     z_loss: torch.Tensor  # this device's share of the group's router z-loss
     one_per_token: bool = False  # no token has two kept assignments (top-1): dispatch and combine can gather
     input_gradient: SharedInputGradient | None = None  # the router's, for an experts' pass reading the same rows
+    # Static rows (:func:`static_rows_routing`): every assignment is a row, the ones not kept with gate 0, and
+    # row_ends[e] is where expert e's rows end (the last expert's also hold the undispatched tail). None: kept only.
+    row_ends: torch.Tensor | None = None
+
+
+def count_by_index(index: torch.Tensor, bins: int) -> torch.Tensor:
+    """How often each of 0..bins-1 occurs in ``index`` (long [bins]): ``torch.bincount`` with ``minlength=bins``
+    for indices below ``bins``, without its host sync (on CUDA bincount reads the maximum to size its output)."""
+    return torch.zeros(bins, dtype=torch.long, device=index.device).scatter_add_(0, index, torch.ones_like(index))
 
 
 def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float,
@@ -63,7 +72,7 @@ def load_balancing_loss(prob_sum: torch.Tensor, first_choice: torch.Tensor, num_
     P_e = (sum of this device's probs) / group tokens, so the devices' shares add up to the group's loss and
     the gradient of each share is the single-device gradient w.r.t. that device's tokens.
     """
-    fraction = torch.bincount(first_choice, minlength=num_experts).to(prob_sum.dtype) / group_tokens
+    fraction = count_by_index(first_choice, num_experts).to(prob_sum.dtype) / group_tokens
     return num_experts * (fraction * prob_sum).sum() / group_tokens
 
 
@@ -104,7 +113,7 @@ def rank_within_expert(expert: torch.Tensor, priority: torch.Tensor | None,
     else:
         by_priority = torch.argsort(priority, stable=True)
         order = by_priority[torch.argsort(expert[by_priority], stable=True)]
-    counts = torch.bincount(expert, minlength=num_experts + 1)
+    counts = count_by_index(expert, num_experts + 1)
     starts = torch.cumsum(counts, 0) - counts
     sorted_expert = expert[order]
     rank = torch.arange(expert.numel(), device=expert.device) - starts[sorted_expert]
@@ -152,6 +161,15 @@ def token_choice_routing(*, expert_index: torch.Tensor, gate: torch.Tensor, disp
 
     token_global = order % group_tokens
     choice = order // group_tokens
+    # dropped assignments counted in a last bin and cut off: no boolean index, so no copy to the host
+    tokens_per_expert = count_by_index(torch.where(kept, sorted_expert, num_experts), num_experts + 1)[:num_experts]
+    dropped = 1.0 - kept.sum() / routed.sum().clamp_min(1)
+    zero = gate.new_zeros(())
+    aux = zero if prob_sum is None else load_balancing_loss(prob_sum, all_expert[:, 0], num_experts, group_tokens)
+    z_loss = zero if log_normaliser is None else router_z_loss(log_normaliser, group_tokens)
+    if member_rows is None and getattr(group, "static_rows", False):
+        return static_rows_routing(token_global, choice, sorted_expert, kept, gate, num_experts, tokens_per_expert,
+                                   dropped.float(), aux, z_loss)
     local_token = local_rows(token_global, member_rows, group_tokens)
     mine = (kept if member_rows is None else kept & (local_token >= 0)).nonzero().squeeze(1)
     token_index = local_token.index_select(0, mine)
@@ -159,14 +177,29 @@ def token_choice_routing(*, expert_index: torch.Tensor, gate: torch.Tensor, disp
     # index_select, not gate[rows, cols]: the backward of advanced indexing is a slow accumulating index_put
     local_gate = gate.reshape(-1).index_select(0, token_index * top_k + choice.index_select(0, mine))
 
-    # dropped assignments counted in a last bin and cut off: no boolean index, so no copy to the host
-    tokens_per_expert = torch.bincount(torch.where(kept, sorted_expert, num_experts),
-                                       minlength=num_experts + 1)[:num_experts]
-    dropped = 1.0 - kept.sum() / routed.sum().clamp_min(1)
-    zero = gate.new_zeros(())
-    aux = zero if prob_sum is None else load_balancing_loss(prob_sum, all_expert[:, 0], num_experts, group_tokens)
-    z_loss = zero if log_normaliser is None else router_z_loss(log_normaliser, group_tokens)
     return Routing(token_index=token_index, expert_index=local_expert, gate=local_gate,
-                   local_tokens_per_expert=torch.bincount(local_expert, minlength=num_experts),
+                   local_tokens_per_expert=count_by_index(local_expert, num_experts),
                    tokens_per_expert=tokens_per_expert, dropped_fraction=dropped.float(),
                    aux_loss=aux, z_loss=z_loss, one_per_token=top_k == 1)
+
+
+def static_rows_routing(token_index: torch.Tensor, choice: torch.Tensor, sorted_expert: torch.Tensor,
+                        kept: torch.Tensor, gate: torch.Tensor, num_experts: int, tokens_per_expert: torch.Tensor,
+                        dropped_fraction: torch.Tensor, aux_loss: torch.Tensor, z_loss: torch.Tensor) -> Routing:
+    """The routing of one device's tokens with shapes that do not depend on the routing (no host sync: every
+    tensor is sized by the token count, so the layer runs under CUDA graphs and ``torch.compile(fullgraph=True)``).
+
+    All n*k assignments stay, in expert order; an assignment over capacity or not dispatched keeps its row with
+    gate 0, so it adds exactly 0 to its token and to the weights' gradients. Rows are grouped by expert for
+    grouped GEMMs (``row_ends``: cumulative ends); the undispatched tail (expert id E, sorted last) joins the last
+    expert's group, so every row belongs to a group. Costs the dropped rows' FLOPs (the dropped fraction, a few
+    percent at capacity factor 1.25) in exchange for no device-to-host copy per layer.
+    """
+    group_expert = sorted_expert.clamp_max(num_experts - 1)
+    top_k = gate.shape[-1]
+    rows_gate = gate.reshape(-1).index_select(0, token_index * top_k + choice)
+    local_gate = torch.where(kept, rows_gate, rows_gate.new_zeros(()))
+    return Routing(token_index=token_index, expert_index=group_expert, gate=local_gate,
+                   local_tokens_per_expert=tokens_per_expert, tokens_per_expert=tokens_per_expert,
+                   dropped_fraction=dropped_fraction, aux_loss=aux_loss, z_loss=z_loss, one_per_token=top_k == 1,
+                   row_ends=count_by_index(group_expert, num_experts).cumsum(0))
