@@ -21,7 +21,7 @@ COMMANDS = {
     "export": ("xscale.commands.export", "main", "write a checkpoint's weights: one safetensors file, or --format hf"),
     "convert": ("xscale.commands.convert", "main", "Hugging Face weights (or an export) into an xscale checkpoint"),
     "bench": ("xscale.commands.bench", "main", "benchmarks: train | attention | kernels | moe | parallel | collectives | "
-              "optimizer | dropout | memory | plan | published | lra"),
+              "optimizer | dropout | memory | plan | published | fp8 | lra"),
     "data": ("xscale.commands.data", "main", "data tools: tokenizer | preprocess"),
     "submit": ("xscale.commands.submit", "main", "render and submit a Slurm job"),
     "parity": ("xscale.commands.parity", "main", "compare loss curves across parallel layouts"),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU bring-up: the GPU test tier and the GPU figures, on a machine with one CUDA device and xscale's
-# dependencies installed. Writes logs to ${OUT:-gpu_bring_up}/. Phases: tests | train | ops | plan | all.
+# dependencies installed. Writes logs to ${OUT:-gpu_bring_up}/. Phases: tests | train | ops | plan | fp8 | all.
 #   bash tests/gpu/bring_up.sh all
 set -u
 OUT=${OUT:-gpu_bring_up}
@@ -46,6 +46,14 @@ if [[ $phase == ops || $phase == all ]]; then
   run bench_attention timeout "$limit" python3 -m xscale bench attention --device cuda \
     --gpu-lengths "${ATTENTION_LENGTHS:-4096,8192,16384,32768,65536}" --out "$OUT/attention"
   run bench_moe timeout "$limit" python3 -m xscale bench moe --device cuda --ep 1 --dtype bf16
+fi
+if [[ $phase == fp8 || $phase == all ]]; then
+  # fp8 (torchao float8 linears) against bf16 on the ~1.3B bench model (GPT-2-shaped, 24 x 2048, 16 heads, vocab
+  # 32000, 4 x 2048 tokens), both with compiled blocks, the same copy-task data and steps: tokens/s and loss
+  run bench_fp8 timeout "$limit" python3 -m xscale bench fp8 configs/gpt2-small.yaml model.vocab_size=32000 \
+    model.d_model=2048 model.n_layers=24 model.n_heads=16 model.max_seq_len=2048 model.dropout=0.0 \
+    train.seq_len=2048 train.global_batch_size=4 train.micro_batch_size=4 train.lr=3e-4 train.warmup_steps=20 \
+    data.dataset=copy --steps "${FP8_STEPS:-200}" --warmup 10 --tail 20 --compile --out "$OUT/fp8"
 fi
 if [[ $phase == plan || $phase == all ]]; then
   # The planner's GPU preset calibrated on this device (GEMM rates, memory bandwidth and memory measured; links and

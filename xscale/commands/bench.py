@@ -23,6 +23,7 @@ BENCHMARKS = {
     "memory": "each rank's predicted peak memory against the measured one, per layout",
     "plan": "the planner's predicted step time and memory per layout against measured ones, after a calibration",
     "published": "the planner's predictions for published large-scale runs against their reported throughput",
+    "fp8": "the same training run in bf16 and in fp8 (torchao float8 linears): tokens/s ratio and loss",
     "lra": "LRA-style accuracy table (ListOps, byte matching, Pathfinder) of every encoder attention kind",
 }
 

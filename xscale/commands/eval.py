@@ -154,7 +154,7 @@ def evaluate(trained: TrainedModel, batches: int) -> list[SourceResult]:
         config.data.tokenizer = str(tokenizer_path(trained))  # the run's, never a new one trained here
     train = config.train
     model = ParallelModel([trained.model], micro_batch_size=train.micro_batch_size or train.global_batch_size,
-                          autocast_dtype=torch.bfloat16 if train.precision == "bf16" else None)
+                          autocast_dtype=torch.bfloat16 if train.low_precision else None)
     classify = train.task == "classify"
     label_names = trained.meta.get(LABELS_META_KEY) if classify else None
     results = []

@@ -48,7 +48,7 @@ def activation_bytes(config: Config, micro_batch: int) -> float:
     if model.stack.kind == "reversible":
         layers = 1  # one block's, rebuilt in backward; the stack keeps only its two output halves
     per_layer = seq * micro_batch * model.d_model * (34 + 5 * model.n_heads * seq / model.d_model)
-    scale = 1.0 if config.train.precision == "bf16" else 2.0
+    scale = 1.0 if config.train.low_precision else 2.0
     if config.parallel.activation_checkpointing == "full":
         per_layer = seq * micro_batch * model.d_model * 2  # only each block's input is kept
     logits = seq * micro_batch * model.vocab_size * 4
@@ -243,7 +243,7 @@ def context_parallel_activation_bytes(config: Config, dims) -> float:
     local = activation_bytes(config, micro) / dims.cp
     if config.parallel.activation_checkpointing == "full":
         return local
-    value_bytes = 2 if config.train.precision == "bf16" else 4
+    value_bytes = 2 if config.train.low_precision else 4
     gathered = 2 * config.train.seq_len * micro * model.kv_heads * model.head_dim * value_bytes * (1 - 1 / dims.cp)
     return local + model.n_layers * gathered
 

@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"preempted at step {summary['step']}: checkpoint written to {summary['checkpoint']}; the job resumes "
               f"from it when started again")
     elif summary["losses"]:
-        print(f"done: step {summary['step']}, last loss {summary['losses'][-1]:.4f}, "
-              f"checkpoints in {summary['checkpoint']}" + (f", plot {summary['plot']}" if summary["plot"] else ""))
+        saved = (f"checkpoints in {summary['checkpoint']}" if config.checkpoint.every >= 0
+                 else "no checkpoint (checkpoint.every=-1)")
+        print(f"done: step {summary['step']}, last loss {summary['losses'][-1]:.4f}, {saved}"
+              + (f", plot {summary['plot']}" if summary["plot"] else ""))
     return 0

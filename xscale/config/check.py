@@ -276,7 +276,7 @@ RANGES: dict[str, tuple[str, typing.Callable[[float], bool]]] = {
     "parallel.timeout_s": (f"positive and at most a year ({YEAR_S})", lambda value: 0 < value <= YEAR_S),
     "train.peak_flops": ("positive", _positive),
     "data.eval_fraction": ("in [0, 1)", _fraction),
-    "checkpoint.every": (">= 0 (0: only at the end)", _non_negative),
+    "checkpoint.every": (">= -1 (0: only at the end; -1: none, for throwaway runs)", lambda value: value >= -1),
     "checkpoint.memory_every": (">= 0 (0: no memory snapshots)", _non_negative),
     "model.n_decoder_layers": ("positive", _positive),
     "model.moe.num_experts": (">= 0 (0: a dense FFN)", _non_negative),

@@ -245,7 +245,9 @@ class TrainConfig(NamesComponents):
     # The limit of the first steps under auto (before a median exists), and of each checkpoint save and evaluation
     # (or the step's limit, if longer); 0: those are unwatched
     first_step_timeout_s: float = 600.0
-    precision: str = "fp32"  # fp32 | bf16
+    # fp32 | bf16 (autocast) | fp8 (bf16 autocast, the blocks' linear layers in FP8 through torchao: xscale.models.float8)
+    precision: str = "fp32"
+    fp8_recipe: str = "tensorwise"  # precision=fp8's scaling: tensorwise | rowwise (torchao's recipes)
     seed: int = 1234
     # steps between evaluations; None: about 10 over the run when the data has an eval split (every
     # max(10, log_every, steps // 10) steps; xscale.train.trainer.evaluation_interval); 0: none
@@ -267,6 +269,11 @@ class TrainConfig(NamesComponents):
     progress: bool = True
     profile_steps: int = 0  # torch.profiler Chrome traces of this many steps (0: off) in <output_dir>/profile/
     profile_start: int = 1  # the first profiled step (1-based)
+
+    @property
+    def low_precision(self) -> bool:
+        """Whether the forward runs under bf16 autocast (precision bf16, or fp8, whose other ops are bf16)."""
+        return self.precision in ("bf16", "fp8")
 
     def logger_names(self) -> list[str]:
         """``loggers`` with the old ``tensorboard`` switch applied."""
@@ -313,7 +320,7 @@ class DataConfig(NamesComponents):
 @dataclass
 class CheckpointConfig:
     dir: str | None = None  # None: <output_dir>/checkpoints
-    every: int = 0  # 0: only at the end
+    every: int = 0  # 0: only at the end; -1: none at all (benchmarks, throwaway runs; a preemption still saves)
     keep: int = 3
     async_save: bool = False
     resume: str = "auto"  # auto (latest if any) | none | a checkpoint directory
@@ -368,7 +375,8 @@ CHOICES = {
     "train.schedule": ("cosine", "linear", "constant", "wsd"),
     "train.decay_shape": ("linear", "cosine", "sqrt"),
     "train.loggers": ("tensorboard", "jsonl", "csv", "wandb"),  # a list: each item one of these
-    "train.precision": ("fp32", "bf16"),
+    "train.precision": ("fp32", "bf16", "fp8"),
+    "train.fp8_recipe": ("tensorwise", "rowwise"),
     "train.kernels": ("auto", "triton", "apex", "torch"),
     "train.sdpa_backend": ("auto", "flash", "efficient", "cudnn", "math"),
     "train.sparse_attention": ("gather", "flex"),

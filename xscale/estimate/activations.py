@@ -33,7 +33,7 @@ def block_activation_bytes(shape: ModelShape, block: BlockShape, micro_batch: in
     """One block's stored activations for one microbatch on one device (module docstring)."""
     model = shape.model
     s, b, h = shape.seq_len, micro_batch, model.d_model
-    scale = 1.0 if shape.config.train.precision == "bf16" else 2.0
+    scale = 1.0 if shape.config.train.low_precision else 2.0
     if checkpointing == "full":
         return 2.0 * s * b * h * scale
     routed = shape.expert_share * model.moe.num_experts if block.moe else 1.0

@@ -25,7 +25,7 @@ GRADIENT_BYTES = 4
 
 def largest_messages(shape: ModelShape, layout: Layout, where: Placement, rank: int) -> dict[str, float]:
     """The largest message of each collective pp rank ``rank`` issues (module docstring)."""
-    value = 2 if shape.config.train.precision == "bf16" else 4
+    value = 2 if shape.config.train.low_precision else 4
     messages: dict[str, float] = {}
 
     def issue(collective: str, size: float) -> None:

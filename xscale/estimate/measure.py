@@ -190,7 +190,7 @@ def measured_step(config: Config, micro_batch: int, step: StepRunner) -> tuple[f
 
 
 def _measure_step(config: Config, micro_batch: int, step: StepRunner) -> tuple[float, float, float]:
-    autocast = torch.bfloat16 if config.train.precision == "bf16" else None
+    autocast = torch.bfloat16 if config.train.low_precision else None
     tracker_class = activation_peak_tracker_class()  # imported before fake tensors are on
     with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()):
         model = _fake_model(config)

@@ -217,7 +217,7 @@ def all_gather_bytes(config: Config, dims: ParallelDims, sizes: UnitSizes) -> fl
     (:meth:`UnitSizes.per_tp_rank`)."""
     if not dims.fsdp:
         return 0.0
-    value_bytes = 2 if config.train.precision == "bf16" else BYTES_PER_VALUE
+    value_bytes = 2 if config.train.low_precision else BYTES_PER_VALUE
     n = dims.dp_cp
     root, per_block = sizes.per_tp_rank(dims.tp)
     blocks = per_block if dims.pp > 1 else sorted(per_block)[-GATHERED_BLOCKS:]
@@ -321,7 +321,7 @@ def vocab_parallel_loss_bytes(config: Config, dims: ParallelDims, tokens: int, m
     if dims.tp == 1 or config.model.num_classes > 0:
         return 0.0
     shard = tokens * config.model.vocab_size / dims.tp
-    low_precision = 2 if config.train.precision == "bf16" else 0
+    low_precision = 2 if config.train.low_precision else 0
     return shard * (BYTES_PER_VALUE * (LOSS_LOGIT_COPIES + microbatches - 1) + low_precision)
 
 

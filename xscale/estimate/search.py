@@ -233,7 +233,7 @@ class Planner:
 
 
 def _dtype(config: Config) -> str:
-    return "bf16" if config.train.precision == "bf16" else "fp32"
+    return "bf16" if config.train.low_precision else "fp32"
 
 
 def accepted(config: Config, devices: int) -> bool:

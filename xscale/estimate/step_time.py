@@ -110,7 +110,7 @@ class MicrobatchTimes:
 
 
 def value_bytes(shape: ModelShape) -> int:
-    return 2 if shape.config.train.precision == "bf16" else 4
+    return 2 if shape.config.train.low_precision else 4
 
 
 def microbatch_times(shape: ModelShape, cluster: Cluster, layout: Layout, blocks: tuple[int, ...],
@@ -118,7 +118,7 @@ def microbatch_times(shape: ModelShape, cluster: Cluster, layout: Layout, blocks
     """Forward seconds of one microbatch through ``blocks`` (and the head) on one rank (module docstring)."""
     model = shape.model
     share = cluster.compute_share(layout.world_size)  # processes that share a CPU node's cores
-    peak = share * cluster.peak_flops["bf16" if shape.config.train.precision == "bf16" else "fp32"]
+    peak = share * cluster.peak_flops["bf16" if shape.config.train.low_precision else "fp32"]
     tokens = layout.micro_batch * shape.seq_len / layout.cp
     dense_rate = peak * cluster.efficiency(min(tokens, model.d_model / layout.tp))
     expert_rows = tokens * layout.ep * shape.expert_share

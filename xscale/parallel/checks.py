@@ -74,6 +74,10 @@ def check_layout(config: Config, dims: ParallelDims) -> None:
                 f"parallel.ep={dims.ep} must divide the sharded data-parallel degree dp_shard={dims.dp_shard} "
                 f"(experts are spread over data-parallel ranks); pick ep from "
                 f"{[d for d in range(1, dims.dp_shard + 1) if dims.dp_shard % d == 0]}")
+    if config.train.precision == "fp8" and dims.tp > 1:
+        raise ConfigError(f"train.precision=fp8 with parallel.tp={dims.tp}: the tensor-parallel plan does not yet "
+                          "shard torchao's Float8Linear (its float8 tensor-parallel styles); use tp=1 with fp8 "
+                          "(data, ZeRO, pipeline, expert and context parallelism compose) or precision=bf16")
     if parallel.sequence_parallel and dims.tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1 (it shards norms and dropout "
                           "over the tensor-parallel ranks)")

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from xscale.config.schema import Config, ParallelConfig
 from xscale.models import build_model
+from xscale.models.float8 import use_float8
 from xscale.models.init import init_weights
 from xscale.models.moe import moe_layers
 from xscale.parallel.activation import apply_activation_checkpointing
@@ -87,6 +88,15 @@ def _compile_blocks(model: nn.Module, config: Config) -> None:
         compile_blocks(model)
 
 
+def _numerics(model: nn.Module, config: Config, device: torch.device) -> nn.Module:
+    """The model's kernels (``train.kernels``, ``train.sparse_attention``) and, under ``train.precision=fp8``, its
+    block linears in FP8 (:mod:`xscale.models.float8`), before any layout touches it."""
+    model = model.use_kernels(config.train.kernels, config.train.sparse_attention)
+    if config.train.precision == "fp8":
+        use_float8(model, config.train.fp8_recipe, device)
+    return model
+
+
 def micro_batch_size(config: Config, dims: ParallelDims) -> int:
     local = config.train.global_batch_size // dims.dp
     return config.train.micro_batch_size or local
@@ -94,11 +104,10 @@ def micro_batch_size(config: Config, dims: ParallelDims) -> int:
 
 def parallelize(config: Config, dims: ParallelDims, mesh: DeviceMesh | None, device: torch.device) -> ParallelModel:
     """The model of this rank, parallelised, materialised and initialised, with what its layout does around it."""
-    autocast = torch.bfloat16 if config.train.precision == "bf16" else None
+    autocast = torch.bfloat16 if config.train.low_precision else None
     check_sdpa_backend(config.train.sdpa_backend, device.type)
     if mesh is None or dims.world_size == 1:
-        model = build_model(config.model, device, seed=config.train.seed).use_kernels(
-            config.train.kernels, config.train.sparse_attention)
+        model = _numerics(build_model(config.model, device, seed=config.train.seed), config, device)
         apply_activation_checkpointing(_stacks(model), config.parallel.activation_checkpointing)
         _compile_blocks(model, config)
         return ParallelModel([model], micro_batch_size=micro_batch_size(config, dims), autocast_dtype=autocast,
@@ -106,8 +115,7 @@ def parallelize(config: Config, dims: ParallelDims, mesh: DeviceMesh | None, dev
     if dims.pp > 1:
         return _parallelize_pipeline(config, dims, mesh, device, autocast)
 
-    model = build_model(config.model, materialize=False).use_kernels(
-        config.train.kernels, config.train.sparse_attention)
+    model = _numerics(build_model(config.model, materialize=False), config, device)
     place, shard_batch = _tensor_parallel_place(config, dims, mesh), whole_batch
     if dims.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=config.parallel.sequence_parallel)
@@ -180,8 +188,7 @@ def _parallelize_pipeline(config: Config, dims: ParallelDims, mesh: DeviceMesh, 
         apply_activation_checkpointing(_stacks(stage), config.parallel.activation_checkpointing)
         _compile_blocks(stage, config)
 
-    model = build_model(config.model, materialize=False).use_kernels(
-        config.train.kernels, config.train.sparse_attention)
+    model = _numerics(build_model(config.model, materialize=False), config, device)
     # Each stage's cores sum their running statistics over the stage's dp replicas.
     place = _then(_tensor_parallel_place(config, dims, mesh), replica_statistics(mesh, dims))
     shard_batch = whole_batch

@@ -48,6 +48,7 @@ from xscale.launcher.parent_death import exit_with_launcher
 from xscale.launcher.preemption import PreemptionHandler
 from xscale.models.attention.core import unused_attention_dropout
 from xscale.models.batch_statistics import statistics_over_the_microbatch
+from xscale.models.float8 import float8_linears
 from xscale.models.init import canonical_name
 from xscale.models.parameters import count_parameters
 from xscale.models.segment_memory import SegmentMemory
@@ -506,18 +507,20 @@ class Trainer:
         train = self.config.train
         self.resume()
         if self.rank == 0:  # train.peak_flops, or the best GEMM rate, cached per device, dtype and torch
-            dtype = torch.bfloat16 if train.precision == "bf16" else torch.float32
+            dtype = torch.bfloat16 if train.low_precision else torch.float32
             self.peak_flops = MfuDenominator(dtype, str(self.device), pinned=train.peak_flops)
-        if self.rank == 0 and (warning := bf16_warning(train.precision, self.device.type)):
+        if self.rank == 0 and (warning := bf16_warning("bf16" if train.low_precision else train.precision, self.device.type)):
             print(warning, flush=True)
         if self.rank == 0 and (warning := unused_attention_dropout(self.config.model)):
             print(warning, flush=True)
         if self.config.model.stack.kind == "early_exit" and (reason := exit_path_refusal(self.model)):
             self._announce(f"xscale: early-exit evaluation computes every layer: {reason}")
         if self.rank == 0:
+            fp8 = (f", fp8 ({train.fp8_recipe}) on {float8_linears(self.model.parts)} linear layers"
+                   if train.precision == "fp8" else "")
             print(f"xscale: {self.num_params / 1e6:.2f}M parameters, {self.dims.describe()}, "
-                  f"device {self.device.type}, {train.steps} steps of {train.global_batch_size}x{train.seq_len} tokens",
-                  flush=True)
+                  f"device {self.device.type}{fp8}, {train.steps} steps of {train.global_batch_size}x{train.seq_len} "
+                  "tokens", flush=True)
         losses = self._loop()
         if self.snapshots is not None:
             self.snapshots.remove()  # the last checkpoint, just saved, holds everything they did
@@ -568,13 +571,14 @@ class Trainer:
                 if self.snapshots is not None and self.step % self.config.checkpoint.memory_every == 0:
                     with watched("memory snapshot"):  # after the step is logged, as a disk save: no resumed step
                         self.take_snapshot()           # goes unlogged (a kill in between recomputes it)
-                if every and self.step % every == 0 and self.step < train.steps:
+                if every > 0 and self.step % every == 0 and self.step < train.steps:
                     with watched("checkpoint save"):
                         self.save()
             self.profiler.stop()
-            with watched("checkpoint save"):
-                self.save()
-                self.checkpointer.wait()
+            if every >= 0:  # -1: a throwaway run (benchmarks) writes no checkpoint at all
+                with watched("checkpoint save"):
+                    self.save()
+                    self.checkpointer.wait()
         return losses
 
 

@@ -98,3 +98,23 @@ def test_counting_by_index_is_bincount_without_its_sync():
     assert count_by_index(index, 5).tolist() == torch.bincount(index, minlength=5).tolist() == [1, 1, 0, 3, 0]
     with FakeTensorMode():
         assert count_by_index(torch.zeros(7, dtype=torch.long), 4).shape == (4,)
+
+
+def test_the_static_layer_compiles_as_one_graph(static_rows):
+    """``torch.compile(fullgraph=True)`` traces the routed path without a graph break (no data-dependent shape, no
+    host read) and gives the eager output; the kept-rows path cannot (its threaded expert pass stays eager). Under
+    autograd the auxiliary loss's attachment runs eagerly by design (:func:`attach_auxiliary_loss`), so the check
+    is of inference."""
+    layer = moe_layer("swiglu", **CASES["gshard-sampling"]).to(torch.bfloat16).eval()
+    x = torch.randn(2, 24, 16, dtype=torch.bfloat16)
+    for static in (True, False):
+        static_rows(static)
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+        with torch.no_grad():
+            if static:
+                torch.testing.assert_close(compiled(x), layer(x), rtol=0, atol=0)
+            else:
+                with pytest.raises(Exception, match="Unsupported|graph break|skipped"):
+                    compiled(x)
+    torch._dynamo.reset()
