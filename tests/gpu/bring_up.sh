@@ -49,7 +49,10 @@ if [[ $phase == ops || $phase == all ]]; then
 fi
 if [[ $phase == fp8 || $phase == all ]]; then
   # fp8 (torchao float8 linears) against bf16 on the ~1.3B bench model (GPT-2-shaped, 24 x 2048, 16 heads, vocab
-  # 32000, 4 x 2048 tokens), both with compiled blocks, the same copy-task data and steps: tokens/s and loss
+  # 32000, 4 x 2048 tokens), both with compiled blocks, the same copy-task data and steps: tokens/s and loss.
+  # Needs torchao, which the lent H200's image lacks (torch 2.11 there): carry a wheel of the matching release, e.g.
+  # pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl
+  # torchao==0.17.0, then install it there with --no-index --target /tmp/site (.library/device/README.md)
   run bench_fp8 timeout "$limit" python3 -m xscale bench fp8 configs/gpt2-small.yaml model.vocab_size=32000 \
     model.d_model=2048 model.n_layers=24 model.n_heads=16 model.max_seq_len=2048 model.dropout=0.0 \
     train.seq_len=2048 train.global_batch_size=4 train.micro_batch_size=4 train.lr=3e-4 train.warmup_steps=20 \
