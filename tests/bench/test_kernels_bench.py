@@ -135,3 +135,18 @@ def test_chunked_cross_entropy_holds_a_chunk_not_the_logits():
     assert unfused >= 2 * logits_bytes  # logits and their log-softmax at least
     # one (64, vocab) chunk buffer, float32 dW and dh, small per-token vectors
     assert chunked <= 64 * 8000 * 4 + weight.numel() * 4 + hidden.numel() * 4 + 64 * 1024
+
+
+def test_the_cross_entropy_chunk_is_a_flag_and_a_smaller_chunk_holds_less(tmp_path, capsys):
+    """--ce-chunk-tokens: the row names the chunk, the check still passes, and the fused side's peak follows it."""
+    peaks = {}
+    for chunk in (8, 48):
+        path = tmp_path / f"ce{chunk}.csv"
+        assert bench.main([*TINY, "--ops", "linear_cross_entropy", "--ce-chunk-tokens", str(chunk),
+                           "--csv", str(path)]) == 0
+        with open(path) as handle:
+            (row,) = list(csv.DictReader(handle))
+        assert row["check"] == "ok" and f"chunks of {chunk}" in row["shape"], row
+        peaks[chunk] = float(row["fused_peak_mib"])
+    assert "chunks of 48" in capsys.readouterr().out
+    assert peaks[8] < peaks[48], peaks

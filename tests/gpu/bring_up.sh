@@ -40,6 +40,12 @@ if [[ $phase == ops || $phase == all ]]; then
   # cross-entropy row is cuBLAS on unaligned rows (the eager reference) and what the padded logits buffer leaves
   run bench_kernels_ce_aligned timeout "$limit" python3 -m xscale bench kernels --device cuda --dtype bf16 \
     --ops linear_cross_entropy --vocab 50304
+  # issue 47: the default chunk (667 tokens at vocab 50304) leaves dh = dlogits W a 667 x 768 output over K = 50304,
+  # a few dozen output tiles on 132 SMs; larger chunks trade the memory advantage (target >= 3x) for full GEMMs
+  for chunk in 2048 4096; do
+    run "bench_kernels_ce_chunk$chunk" timeout "$limit" python3 -m xscale bench kernels --device cuda --dtype bf16 \
+      --ops linear_cross_entropy --vocab 50304 --ce-chunk-tokens "$chunk"
+  done
   # the memory-bound ops at 8x the tokens (100-800 MB a pass): past the launch overhead that bounds them at 8192
   run bench_kernels_large timeout "$limit" python3 -m xscale bench kernels --device cuda --dtype bf16 --tokens 65536 \
     --ops rms_norm,rms_norm_residual,layer_norm_residual,swiglu,geglu,rope,moe_permute --csv "$OUT/kernels_large.csv"

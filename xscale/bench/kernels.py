@@ -139,10 +139,12 @@ def build_cases(args: argparse.Namespace, device: torch.device, dtype: torch.dty
              lambda g, u: reference.gated_activation(g, u, "gelu"), lambda g, u: ops.gated_activation(g, u, "gelu", backend=backend)),
         Case("rope", f"{batch}x{args.heads}x{args.seq}x{head_dim}", [randn(batch, args.heads, args.seq, head_dim)],
              lambda x: reference.apply_rope(x, cos, sin), lambda x: ops.apply_rope(x, cos, sin, backend=backend), extra=[cos, sin]),
-        Case("linear_cross_entropy", f"{tokens}x{hidden} vocab {vocab}",
+        Case("linear_cross_entropy", f"{tokens}x{hidden} vocab {vocab}"
+             + (f" chunks of {args.ce_chunk_tokens}" if args.ce_chunk_tokens else ""),
              [randn(tokens, hidden), randn(vocab, hidden, scale=0.05)],
              lambda h, w: reference.linear_cross_entropy_sum(h, w, labels),
-             lambda h, w: ops.linear_cross_entropy_sum(h, w, labels, backend=backend)),
+             lambda h, w: ops.linear_cross_entropy_sum(h, w, labels, chunk_tokens=args.ce_chunk_tokens or None,
+                                                       backend=backend)),
         Case("moe_permute", f"{tokens}x{hidden} top{args.top_k}/{args.experts}",
              [randn(tokens, hidden), torch.rand(tokens, args.top_k, generator=generator).to(device).requires_grad_()],
              moe_reference, moe_fused),
@@ -369,6 +371,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=1024, help="sequence length of the RoPE case")
     parser.add_argument("--attention-seq", type=int, default=2048)
     parser.add_argument("--block", type=int, default=64, help="block-sparse attention block size")
+    parser.add_argument("--ce-chunk-tokens", type=int, default=0,
+                        help="tokens per chunk of the linear cross-entropy (0: its default, ~128 MiB of fp32 logits)")
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per implementation")
