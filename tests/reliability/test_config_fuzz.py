@@ -54,6 +54,7 @@ VALID = {
     ("launch.gpus_per_node", "zero"): "CPU processes",
     ("launch.requeue_signal_seconds", "zero"): "no advance warning before the time limit (Slurm accepts @0)",
     ("parallel.dp_shard", "negative"): "-1: what the world size leaves (the default)",
+    ("checkpoint.every", "negative"): "-1: no checkpoint at all (benchmarks, throwaway runs)",
     # Finite, well defined, and no allocation, loop or timer depends on them; a value that makes training diverge
     # is stopped at the first non-finite loss by train.on_nonfinite.
     **_valid("finite and well defined", ("model.init_std", "huge"), ("model.moe.aux_loss_coef", "huge"), ("model.moe.z_loss_coef", "huge"),

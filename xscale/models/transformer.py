@@ -22,6 +22,7 @@ from torch import nn
 
 from xscale.config.schema import CHOICES, ModelConfig
 from xscale.models.dropout import Dropout, name_dropout_sites
+from xscale.models.float8 import use_float8
 from xscale.models.heads.classifier import ClassificationHead
 from xscale.models.heads.early_exit import LayerExits, run_until_exit
 from xscale.models.heads.lm import LMHeadTransform
@@ -115,6 +116,11 @@ class Transformer(nn.Module):
             if isinstance(module, RunsSparseAttention):
                 module.sparse_attention = sparse_attention
         return self
+
+    def use_float8(self, recipe: str, device: torch.device) -> list[str]:
+        """``train.precision=fp8``: the blocks' linear layers through torchao's float8 training with ``recipe``
+        scaling (:func:`xscale.models.float8.use_float8`), in place, before any layout; their names."""
+        return use_float8(self, recipe, device)
 
     def keep_layers(self, layers: list[int]) -> None:
         """Cut this model down to a pipeline stage holding the consecutive ``layers`` (indices into the encoder's

@@ -23,7 +23,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from xscale.config.schema import Config, ParallelConfig
 from xscale.models import build_model
-from xscale.models.float8 import use_float8
 from xscale.models.init import init_weights
 from xscale.models.moe import moe_layers
 from xscale.parallel.activation import apply_activation_checkpointing
@@ -93,7 +92,7 @@ def _numerics(model: nn.Module, config: Config, device: torch.device) -> nn.Modu
     block linears in FP8 (:mod:`xscale.models.float8`), before any layout touches it."""
     model = model.use_kernels(config.train.kernels, config.train.sparse_attention)
     if config.train.precision == "fp8":
-        use_float8(model, config.train.fp8_recipe, device)
+        model.use_float8(config.train.fp8_recipe, device)
     return model
 
 
