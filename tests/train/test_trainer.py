@@ -245,3 +245,15 @@ def test_nonfinite_steps_are_skipped_until_too_many_in_a_row(tmp_path):
         trainer.fit()
     assert trainer.skipped_steps == 3
     assert all(torch.isfinite(p).all() for p in trainer.model.model.parameters())
+
+
+def test_checkpoint_every_minus_one_writes_none_but_a_stop_still_saves(tmp_path, monkeypatch):
+    """checkpoint.every=-1 (benchmarks, throwaway runs): no checkpoint on schedule or at the end; a preemption or
+    Ctrl-C (the stop vote) still saves the step it stopped at."""
+    Trainer(_config(tmp_path / "never", "train.steps=4", "checkpoint.every=-1")).fit()
+    assert not list((tmp_path / "never" / "checkpoints").glob("step_*"))
+    stopped = Trainer(_config(tmp_path / "stopped", "train.steps=8", "checkpoint.every=-1"))
+    votes = iter([False, False, True])
+    monkeypatch.setattr(stopped.preemption, "should_stop", lambda: next(votes, True))
+    assert stopped.fit()["step"] == 3
+    assert (tmp_path / "stopped" / "checkpoints" / "latest").read_text().strip() == "step_00000003"

@@ -575,7 +575,7 @@ class Trainer:
                     with watched("checkpoint save"):
                         self.save()
             self.profiler.stop()
-            if every >= 0:  # -1: a throwaway run (benchmarks) writes no checkpoint at all
+            if every >= 0 or self.stop_requested:  # -1: no checkpoint at the end; a preemption or Ctrl-C still saves
                 with watched("checkpoint save"):
                     self.save()
                     self.checkpointer.wait()
