@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
+
+from torch.multiprocessing.spawn import ProcessExitedException
 
 from xscale.commands.parity import compare_layouts
 
@@ -35,10 +38,25 @@ def grad_norms(run_dir: Path) -> list[float]:
     return [record["train/grad_norm"] for record in records if "train/grad_norm" in record]
 
 
+def compare_with_one_rerun_after_an_abort(overrides: list[str], layouts: list[str], tmp_path: Path):
+    """:func:`compare_layouts`, run again once (with a warning in the test report) when a spawned rank died of
+    SIGABRT: glibc's heap-corruption abort inside torch/gloo, seen twice in the slow tier in the same case (Longformer
+    with dropout under tp=2 + sequence parallelism) and in none of 180 reruns under a checking allocator
+    (docs/reliability.md, "Not reproduced: a heap abort"). The rerun must pass the same checks; a second abort fails."""
+    try:
+        return compare_layouts(None, overrides, layouts, STEPS, tmp_path)
+    except ProcessExitedException as error:
+        if "SIGABRT" not in str(error):
+            raise
+        warnings.warn(f"parity runs of {layouts}: {error}; compared again once (docs/reliability.md, the heap abort)",
+                      RuntimeWarning, stacklevel=2)
+        return compare_layouts(None, overrides, layouts, STEPS, tmp_path / "after-abort")
+
+
 def assert_parity(overrides: list[str], layouts: list[str], tmp_path, *, same_grad_norms: bool = False) -> None:
     """Every layout's 10 per-step losses within RTOL of the single-process run's (which must train);
     ``same_grad_norms``: the per-step global gradient norms too (AdamW is nearly blind to a wrong norm)."""
-    reference, results = compare_layouts(None, overrides, layouts, STEPS, tmp_path)
+    reference, results = compare_with_one_rerun_after_an_abort(overrides, layouts, tmp_path)
     assert len(reference) == STEPS and reference[-1] < reference[0], "the reference run must train"
     for result in results:
         assert len(result.losses) == STEPS, result.layout
