@@ -253,12 +253,20 @@ def fresh_venv(folder: Path, blocked: set[str]) -> dict[str, str]:
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(folder / "venv")], check=True)
     site = folder / "site"
     site.mkdir()
+    # An import of a blocked module fails as a missing one does; a probe (importlib.util.find_spec, which
+    # transformers runs on optional packages such as torchao when it imports its model classes) gets None, as it
+    # does for a package that is not there, instead of the finder's exception.
     (site / "sitecustomize.py").write_text(
-        "import sys\n\n\nclass NotInstalled:\n"
+        "import importlib.util\nimport sys\n\n"
+        f"BLOCKED = {sorted(blocked)!r}\n\n\nclass NotInstalled:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
-        f"        if name.split('.')[0] in {sorted(blocked)!r}:\n"
+        "        if name.split('.')[0] in BLOCKED:\n"
         "            raise ModuleNotFoundError(f'No module named {name!r} (not installed by the README)', name=name)\n"
-        "        return None\n\n\nsys.meta_path.insert(0, NotInstalled())\n")
+        "        return None\n\n\nsys.meta_path.insert(0, NotInstalled())\n"
+        "_find_spec = importlib.util.find_spec\n\n\n"
+        "def find_spec(name, package=None):\n"
+        "    return None if name.split('.')[0] in BLOCKED else _find_spec(name, package)\n\n\n"
+        "importlib.util.find_spec = find_spec\n")
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     return {**env, "PATH": f"{folder / 'venv' / 'bin'}{os.pathsep}{env['PATH']}", "PYTHONPATH": str(site),
             "VIRTUAL_ENV": str(folder / "venv"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
