@@ -91,9 +91,14 @@ def grouped_mm_token_experts(tokens: torch.Tensor, token_index: torch.Tensor, ga
     """tokens [N, d] -> [N, d]: y_t = gate[a] FFN_e(tokens[t]) for the kept assignment a = (t, e), else 0 (top-1,
     as :func:`xscale.ops.token_experts.token_experts`), with the experts through the grouped GEMM."""
     expert_out = grouped_mm_mlp(tokens[token_index], counts, weights)
+    return _combine_by_gate(expert_out, gate, token_index, tokens.shape[0]).to(out_dtype or tokens.dtype)
+
+
+def _combine_by_gate(expert_out: torch.Tensor, gate: torch.Tensor, token_index: torch.Tensor,
+                     num_tokens: int) -> torch.Tensor:
+    """[num_tokens, d]: row a of ``expert_out`` times gate[a], summed into token ``token_index[a]`` (0 elsewhere)."""
     weighted = expert_out * gate.unsqueeze(-1).to(expert_out.dtype)
-    out = tokens.new_zeros((tokens.shape[0], weighted.shape[-1]), dtype=weighted.dtype)
-    return out.index_add(0, token_index, weighted).to(out_dtype or tokens.dtype)
+    return weighted.new_zeros((num_tokens, weighted.shape[-1])).index_add(0, token_index, weighted)
 
 
 def grouped_mm_static_rows(tokens: torch.Tensor, token_index: torch.Tensor, gate: torch.Tensor,
@@ -106,6 +111,4 @@ def grouped_mm_static_rows(tokens: torch.Tensor, token_index: torch.Tensor, gate
         raise ValueError(f"got row ends for {row_ends.shape[0]} experts, the weights hold {weights.w1.shape[0]}")
     x, weights = autocast_operands(tokens.index_select(0, token_index), weights)
     expert_out = _grouped_ffn(x, row_ends.to(torch.int32), expert_of_row if _has_bias(weights) else None, weights)
-    weighted = expert_out * gate.unsqueeze(-1).to(expert_out.dtype)
-    out = weighted.new_zeros((tokens.shape[0], weighted.shape[-1]))
-    return out.index_add(0, token_index, weighted).to(tokens.dtype)
+    return _combine_by_gate(expert_out, gate, token_index, tokens.shape[0]).to(tokens.dtype)
