@@ -13,13 +13,21 @@ import torch.nn.functional as F
 from xscale.config.load import load_config
 from xscale.config.schema import ConfigError
 from xscale.models import build_model
-from xscale.models.float8 import float8_linears, float8_refusal, use_float8
+from xscale.models.float8 import float8_linears, float8_refusal, needs_reference_cpu_gemm, use_float8
 from xscale.parallel.checks import resolve_dims
 
 pytest.importorskip("torchao.float8", reason="train.precision=fp8 needs torchao (in the dev extras)")
 CPU = torch.device("cpu")
 TINY = ["model.vocab_size=48", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
         "model.ffn=swiglu"]
+
+
+@pytest.fixture(autouse=True)
+def onednn_restored():
+    """A rowwise conversion on an AMX CPU turns oneDNN off for its process; the suite's process gets it back."""
+    enabled = torch.backends.mkldnn.enabled
+    yield
+    torch.backends.mkldnn.enabled = enabled
 
 
 def tiny_model(*overrides: str):
@@ -90,3 +98,20 @@ def test_a_bad_recipe_a_model_with_no_aligned_linear_and_tensor_parallelism_are_
     config = load_config(None, [*TINY, "train.precision=fp8", "parallel.tp=2"])
     with pytest.raises(ConfigError, match="train.precision=fp8 with parallel.tp=2"):
         resolve_dims(config, 2)
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_rowwise_on_an_amx_cpu_bypasses_onednn_which_takes_one_scale_per_tensor(monkeypatch, amx):
+    """On a CPU with AMX, torch sends float8 x float8 GEMMs to oneDNN, which asserts per-tensor scales; rowwise
+    turns oneDNN off there (only there, and not for tensorwise), and the rowwise step then runs."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    torch.backends.mkldnn.enabled = True
+    use_float8(tiny_model(), "tensorwise", CPU)
+    assert torch.backends.mkldnn.enabled
+    assert needs_reference_cpu_gemm("rowwise", CPU) is amx
+    assert not needs_reference_cpu_gemm("rowwise", torch.device("cuda"))
+    model = tiny_model()
+    use_float8(model, "rowwise", CPU)
+    assert torch.backends.mkldnn.enabled is not amx
+    _, loss, grads = loss_and_grads(model, torch.randint(0, 48, (2, 16), generator=torch.Generator().manual_seed(0)))
+    assert torch.isfinite(loss) and all(torch.isfinite(grad).all() for grad in grads.values())

@@ -23,6 +23,7 @@ from xscale.config.schema import ConfigError
 
 FP8_RECIPES = ("tensorwise", "rowwise")
 FP8_ALIGNMENT = 16  # FP8 GEMMs want both dimensions of the weight a multiple of 16
+logger = logging.getLogger(__name__)
 
 
 def float8_refusal(device: torch.device) -> str | None:
@@ -65,7 +66,20 @@ def use_float8(model: nn.Module, recipe: str, device: torch.device) -> list[str]
                           f"need both dimensions multiples of {FP8_ALIGNMENT} (model.d_model, model.d_ff, heads)")
     float8.convert_to_float8_training(model, config=float8.Float8LinearConfig.from_recipe_name(recipe),
                                       module_filter_fn=lambda module, name: name in chosen)
+    if needs_reference_cpu_gemm(recipe, device):
+        torch.backends.mkldnn.enabled = False
+        logger.warning("fp8_recipe=rowwise on a CPU with AMX: torch's oneDNN FP8 GEMM takes one scale per tensor, "
+                       "so oneDNN is off in this process and the per-row scales go through torch's reference GEMM")
     return chosen
+
+
+def needs_reference_cpu_gemm(recipe: str, device: torch.device) -> bool:
+    """Whether the rowwise recipe must bypass oneDNN on this CPU. torch's CPU FP8 GEMM (``torch._scaled_mm``)
+    hands a float8 x float8 product to oneDNN on CPUs with AMX while oneDNN is enabled, and that path asserts one
+    scale per tensor; with oneDNN off, the same call takes torch's reference GEMM, which applies per-row scales.
+    Tensorwise scales run on both paths."""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    return device.type == "cpu" and recipe == "rowwise" and torch.backends.mkldnn.enabled and amx()
 
 
 def float8_linears(modules) -> int:
