@@ -2,8 +2,11 @@
 is in the tree or the schema (a placeholder such as ``<name>`` is skipped; a key of an earlier release counts when
 the loader still reads it)."""
 
+import contextlib
 import dataclasses
+import functools
 import importlib
+import io
 import re
 import types
 import typing
@@ -11,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from xscale import cli
 from xscale.config import schema
 from xscale.config.load import DEPRECATED_KEYS, DEPRECATED_MOVES, DEPRECATED_SWITCHES
 
@@ -20,6 +24,8 @@ CITED_PATH = re.compile(r"`((?:xscale|tests|configs|docs|launch|kernels|docker)/
 CITED_MODULE = re.compile(r"`(xscale(?:\.[A-Za-z_0-9]+)+)`")
 # `train.precision`, `parallel.tp=2`, `train.precision: fp32 | bf16`; not a file name such as `model.py`
 CITED_KEY = re.compile(r"`((?:model|parallel|train|data|checkpoint|launch)(?:\.[a-z_][a-z_0-9]*)+)(?:[=:][^`]*)?`")
+CITED_COMMAND = re.compile(r"`xscale ([a-z][^`]*)`")  # `xscale bench kernels --ce-chunk-tokens N`
+COMMANDS_WITH_SUBCOMMANDS = ("bench", "data")
 FILE_SUFFIXES = (".py", ".md", ".yaml", ".json", ".txt")
 LEGACY_KEYS = {*DEPRECATED_KEYS, *DEPRECATED_SWITCHES, *DEPRECATED_MOVES}
 
@@ -65,6 +71,30 @@ def key_exists(key: str) -> bool:
     return True
 
 
+@functools.cache
+def command_help(command: tuple[str, ...]) -> str:
+    """What ``xscale COMMAND --help`` prints (in this process: no start-up per command)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()), contextlib.suppress(SystemExit):
+        cli.main([*command, "--help"])
+    return out.getvalue()
+
+
+def unknown_command_words(text: str) -> list[str]:
+    """The cited ``xscale ...`` commands that do not exist, and the ``--flags`` their command does not take."""
+    unknown = []
+    for words in (span.split() for span in CITED_COMMAND.findall(text)):
+        if words[0] not in cli.COMMANDS:
+            if not words[0].endswith(":"):  # a message quoted from a run ("xscale train: ..."), not a command
+                unknown.append("xscale " + " ".join(words))
+            continue
+        command = tuple(words[:2]) if words[0] in COMMANDS_WITH_SUBCOMMANDS and len(words) > 1 else (words[0],)
+        flags = [word.split("=")[0] for word in words if word.startswith("--")]
+        unknown += [f"xscale {' '.join(command)} {flag}" for flag in flags
+                    if not re.search(re.escape(flag) + r"(?![\w-])", command_help(command))]
+    return unknown
+
+
 @pytest.mark.parametrize("page", PAGES)
 def test_every_cited_path_exists(page):
     assert [path for path in cited(page, CITED_PATH) if not (ROOT / path).exists()] == []
@@ -81,6 +111,11 @@ def test_every_cited_config_key_exists(page):
     assert [key for key in keys if not key_exists(key)] == []
 
 
+@pytest.mark.parametrize("page", PAGES)
+def test_every_cited_command_and_flag_exists(page):
+    assert unknown_command_words((ROOT / page).read_text()) == []
+
+
 def test_the_checks_find_what_they_look_for():
     """Each pattern finds its citations, and each check refuses a name that is not there."""
     assert cited("README.md", CITED_PATH) and cited("README.md", CITED_KEY)
@@ -89,4 +124,9 @@ def test_the_checks_find_what_they_look_for():
     assert key_exists("model.rope_theta")  # an earlier release's key, still read
     assert not key_exists("train.fp8_recipes") and not key_exists("model.position.theta")
     assert module_exists("xscale.parallel.loss.model_inputs") and not module_exists("xscale.parallel.losses")
+    assert unknown_command_words("`xscale bench kernels --ce-chunk-tokens 2048`, `xscale train: lost a peer`") == []
+    assert unknown_command_words("`xscale trian x`, `xscale bench kernels --ce-chunk 2`, `xscale plan --gpu=h100`") == [
+        "xscale trian x", "xscale bench kernels --ce-chunk", "xscale plan --gpu"]
+    assert "--ce-chunk-tokens" in command_help(("bench", "kernels")) and "--compile" in command_help(("bench", "fp8"))
+    assert "--ce-chunk" not in re.findall(r"--[\w-]+", command_help(("bench", "kernels")))
     assert module_exists("xscale.runtime.StepContext") and not module_exists("xscale.runtime.StepContexts")
