@@ -7,10 +7,12 @@ import dataclasses
 import functools
 import importlib
 import io
+import os
 import re
 import types
 import typing
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -73,9 +75,11 @@ def key_exists(key: str) -> bool:
 
 @functools.cache
 def command_help(command: tuple[str, ...]) -> str:
-    """What ``xscale COMMAND --help`` prints (in this process: no start-up per command)."""
+    """What ``xscale COMMAND --help`` prints (in this process: no start-up per command; the environment the command
+    sets up, its OpenMP spin count, is put back)."""
     out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()), contextlib.suppress(SystemExit):
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()), contextlib.suppress(SystemExit), \
+            mock.patch.dict(os.environ):
         cli.main([*command, "--help"])
     return out.getvalue()
 
