@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from xscale.config.load import load_config
 from xscale.config.schema import ConfigError
-from xscale.models import build_model
+from xscale.models import build_model, float8
 from xscale.models.float8 import float8_linears, float8_refusal, needs_reference_cpu_gemm, use_float8
 from xscale.parallel.checks import resolve_dims
 
@@ -104,7 +104,7 @@ def test_a_bad_recipe_a_model_with_no_aligned_linear_and_tensor_parallelism_are_
 def test_rowwise_on_an_amx_cpu_bypasses_onednn_which_takes_one_scale_per_tensor(monkeypatch, amx):
     """On a CPU with AMX, torch sends float8 x float8 GEMMs to oneDNN, which asserts per-tensor scales; rowwise
     turns oneDNN off there (only there, and not for tensorwise), and the rowwise step then runs."""
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(float8, "cpu_flags", lambda: {"avx512f", *(["amx_int8"] if amx else [])})
     torch.backends.mkldnn.enabled = True
     use_float8(tiny_model(), "tensorwise", CPU)
     assert torch.backends.mkldnn.enabled

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from xscale.config.schema import ConfigError
+from xscale.runtime.cpu_flags import cpu_flags
 
 FP8_RECIPES = ("tensorwise", "rowwise")
 FP8_ALIGNMENT = 16  # FP8 GEMMs want both dimensions of the weight a multiple of 16
@@ -75,11 +76,11 @@ def use_float8(model: nn.Module, recipe: str, device: torch.device) -> list[str]
 
 def needs_reference_cpu_gemm(recipe: str, device: torch.device) -> bool:
     """Whether the rowwise recipe must bypass oneDNN on this CPU. torch's CPU FP8 GEMM (``torch._scaled_mm``)
-    hands a float8 x float8 product to oneDNN on CPUs with AMX while oneDNN is enabled, and that path asserts one
-    scale per tensor; with oneDNN off, the same call takes torch's reference GEMM, which applies per-row scales.
-    Tensorwise scales run on both paths."""
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    return device.type == "cpu" and recipe == "rowwise" and torch.backends.mkldnn.enabled and amx()
+    hands a float8 x float8 product to oneDNN on CPUs with AMX-INT8 (its test: ``cpuinfo_has_x86_amx_int8``) while
+    oneDNN is enabled, and that path asserts one scale per tensor; with oneDNN off, the same call takes torch's
+    reference GEMM, which applies per-row scales. Tensorwise scales run on both paths."""
+    return (device.type == "cpu" and recipe == "rowwise" and torch.backends.mkldnn.enabled
+            and "amx_int8" in cpu_flags())
 
 
 def float8_linears(modules) -> int:

@@ -5,22 +5,11 @@ Xeon of this kind (best GEMM rates, docs/benchmarks.md, 2026-11-28); only AMX ma
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
+from xscale.runtime.cpu_flags import cpu_flags
+
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-def cpu_flags() -> set[str]:
-    """The instruction-set flags of /proc/cpuinfo (empty where there is none)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def cpu_has_native_bf16() -> bool:
